@@ -1,0 +1,27 @@
+# The two commands a new user needs: `make run` and `make test`. Each creates .venv on first use.
+PYTHON ?= $(shell command -v python3.12 || echo python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 12), f"paged-jax needs Python 3.12, got {sys.version}"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/paged-jax generate --model tiny --input examples/prompts.jsonl --output out/generations.jsonl
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -x --timeout=600 tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .ruff_cache
