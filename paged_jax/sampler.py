@@ -1,0 +1,126 @@
+"""On-device sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+One row per sequence that samples this step. Everything runs inside one jitted function so only the
+sampled ids (and requested logprobs) come back to the host. Randomness is Gumbel-max with a key
+derived from the request's own seed and its output position, so a seeded request draws the same
+tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.sampling_params import MAX_LOGPROBS
+
+MASK = -1e30  # finite, so that max - max stays finite
+
+
+class SamplingMeta(NamedTuple):
+    """Per-row sampling inputs, padded to the row bucket `S` (padding rows are greedy and ignored)."""
+
+    temperature: jax.Array  # [S] f32; 0 = greedy
+    top_k: jax.Array  # [S] i32; 0 = off
+    top_p: jax.Array  # [S] f32; 1 = off
+    min_p: jax.Array  # [S] f32; 0 = off
+    repetition_penalty: jax.Array  # [S] f32; 1 = off
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    seed: jax.Array  # [S, 2] u32 (low, high words of the request seed)
+    step: jax.Array  # [S] i32: index of the token being drawn within the request's output
+    suppress: jax.Array  # [S, K] i32 token ids to forbid this step (EOS under min_tokens); -1 = none
+    history: jax.Array  # [S, L] i32 prompt then output ids for penalties; -1 = padding ([S, 1] when unused)
+    num_prompt: jax.Array  # [S] i32: how many leading history entries are prompt tokens
+
+
+class SamplerOutput(NamedTuple):
+    tokens: jax.Array  # [S] i32
+    logprob: jax.Array  # [S] f32: log-probability of the chosen token under the raw model distribution
+    top_ids: jax.Array  # [S, K] i32 (K = MAX_LOGPROBS when logprobs are wanted, else 0)
+    top_logprobs: jax.Array  # [S, K] f32
+
+
+def _apply_penalties(logits: jax.Array, meta: SamplingMeta) -> jax.Array:
+    """vLLM semantics: repetition over prompt and output; presence and frequency over output only."""
+    num_rows, vocab = logits.shape
+    hist = meta.history
+    valid = hist >= 0
+    ids = jnp.where(valid, hist, vocab)  # out of range -> dropped by the scatter
+    is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= meta.num_prompt[:, None])
+    rows = jnp.arange(num_rows)[:, None]
+    out_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(
+        is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, ids].set(valid, mode="drop")
+    rp = meta.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - meta.frequency_penalty[:, None] * out_counts
+    return logits - meta.presence_penalty[:, None] * (out_counts > 0)
+
+
+def _row_keys(meta: SamplingMeta) -> jax.Array:
+    def one(seed: jax.Array, step: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+        return jax.random.fold_in(key, step)
+
+    return jax.vmap(one)(meta.seed, meta.step)
+
+
+@partial(jax.jit, static_argnames=("do_sample", "do_filter", "do_penalty", "want_logprobs"))
+def sample(logits: jax.Array, meta: SamplingMeta, *, do_sample: bool, do_filter: bool, do_penalty: bool,
+           want_logprobs: bool) -> SamplerOutput:
+    """Pick one token per row. `logits` [S, V] float32. The static flags select the cheapest variant."""
+    logits = logits.astype(jnp.float32)
+    num_rows, vocab = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    x = _apply_penalties(logits, meta) if do_penalty else logits
+    suppress = jnp.where(meta.suppress >= 0, meta.suppress, vocab)
+    x = x.at[jnp.arange(num_rows)[:, None], suppress].set(MASK, mode="drop")
+    tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if do_sample:
+        temp = jnp.where(meta.temperature > 0, meta.temperature, 1.0)
+        y = x / temp[:, None]
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(_row_keys(meta))
+        if do_filter:
+            order = jnp.argsort(-y, axis=-1)  # [S, V] descending
+            vals = jnp.take_along_axis(y, order, axis=-1)
+            probs = jax.nn.softmax(vals, axis=-1)
+            rank = jnp.arange(vocab)[None, :]
+            drop = (meta.top_k[:, None] > 0) & (rank >= meta.top_k[:, None])
+            drop |= (jnp.cumsum(probs, axis=-1) - probs) >= meta.top_p[:, None]
+            drop |= probs < meta.min_p[:, None] * probs[:, :1]
+            drop &= rank > 0  # the most likely token always survives
+            noisy = jnp.where(drop, MASK, vals + jnp.take_along_axis(gumbel, order, axis=-1))
+            choice = jnp.argmax(noisy, axis=-1)
+            sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        else:
+            sampled = jnp.argmax(y + gumbel, axis=-1)
+        tokens = jnp.where(meta.temperature > 0, sampled.astype(jnp.int32), tokens)
+    logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    if want_logprobs:
+        top_lp, top_ids = jax.lax.top_k(raw_logprobs, min(MAX_LOGPROBS, vocab))
+    else:
+        top_lp = jnp.zeros((num_rows, 0), jnp.float32)
+        top_ids = jnp.zeros((num_rows, 0), jnp.int32)
+    return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_lp)
+
+
+def empty_meta(num_rows: int, suppress_width: int = 8, history_len: int = 1) -> dict[str, np.ndarray]:
+    """Host-side numpy buffers for a `SamplingMeta`, filled with neutral values."""
+    return {
+        "temperature": np.zeros(num_rows, np.float32),
+        "top_k": np.zeros(num_rows, np.int32),
+        "top_p": np.ones(num_rows, np.float32),
+        "min_p": np.zeros(num_rows, np.float32),
+        "repetition_penalty": np.ones(num_rows, np.float32),
+        "presence_penalty": np.zeros(num_rows, np.float32),
+        "frequency_penalty": np.zeros(num_rows, np.float32),
+        "seed": np.zeros((num_rows, 2), np.uint32),
+        "step": np.zeros(num_rows, np.int32),
+        "suppress": np.full((num_rows, suppress_width), -1, np.int32),
+        "history": np.full((num_rows, history_len), -1, np.int32),
+        "num_prompt": np.zeros(num_rows, np.int32),
+    }

@@ -1,0 +1,111 @@
+"""Per-request sampling parameters, validated at the edge.
+
+Names and defaults follow vLLM's `SamplingParams` so that users can move over unchanged.
+`validate` raises `ValueError` whose message starts with the offending field name; the gRPC
+server turns that into `INVALID_ARGUMENT`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. `top_k` 0 (or -1) and `top_p` 1 disable those filters.
+    `seed` makes a request's samples reproducible whatever else shares the batch.
+    `logprobs` asks for that many top alternatives per generated token (plus the chosen one).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def uses_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def validate(self, vocab_size: int | None = None, max_n: int = 64) -> SamplingParams:
+        """Check every field; return self so calls can chain. Raises ValueError naming the field."""
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}: must be a finite number, got {value!r}")
+            return float(value)
+
+        def integer(name: str) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: must be an integer, got {value!r}")
+            return value
+
+        if not 1 <= integer("n") <= max_n:
+            raise ValueError(f"n: must be in [1, {max_n}], got {self.n}")
+        if number("temperature") < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if integer("top_k") < 0:
+            raise ValueError(f"top_k: must be >= 0 (0 or -1 disables it), got {self.top_k}")
+        if not 0.0 < number("top_p") <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= number("min_p") <= 1.0:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if number("repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= number("presence_penalty") <= 2.0:
+            raise ValueError(f"presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= number("frequency_penalty") <= 2.0:
+            raise ValueError(f"frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed: must be an integer in [0, 2^63), got {self.seed!r}")
+        if integer("max_tokens") < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if not 0 <= integer("min_tokens") <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
+                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        return self

@@ -1,0 +1,151 @@
+"""Who gets to run this step? Continuous batching with one token budget per step.
+
+Running sequences go first (decodes and unfinished prompt chunks), in admission order; when one
+cannot get a page, the most recently admitted running sequence is preempted (its pages freed, its
+full blocks left in the prefix cache) and later recomputed. Waiting sequences are then admitted in
+arrival order while the token budget, the sequence limit and the pages last; their cached prefix
+blocks are skipped. A prompt longer than the budget (or the chunk size) is prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from paged_jax.kv_cache import KVCacheManager
+from paged_jax.sequence import FinishReason, Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """`num_new` tokens of `seq` at positions [start, start + num_new) are computed this step."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+    sample: bool  # this step computes the sequence's last known token, so it samples the next one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # (sequence, index into `scheduled` whose last token's logits it samples from); forked children
+    # sample from their leader's logits on the step the shared prompt completes.
+    sample_rows: list[tuple[Sequence, int]] = field(default_factory=list)
+    copy_ops: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src page, dst page)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunk_size: int | None = None, enable_prefix_caching: bool = True) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_size = chunk_size or max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- membership -----------------------------------------------------------------------------
+    def add(self, leader: Sequence, children: list[Sequence]) -> None:
+        """Queue a request: its leader waits; its other samples are forked when the prompt completes."""
+        leader.forked_children = children
+        self.waiting.append(leader)
+
+    def remove(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish or abort `seq`: leave every queue and return every page it holds."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq.seq_id)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        for child in seq.forked_children:  # samples that never forked end with their leader
+            child.status, child.finish_reason = Status.FINISHED, reason
+        seq.forked_children = []
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed, budget, self.chunk_size)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new)
+            while copies is None:  # out of pages: preempt the most recently admitted
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new)
+            if copies is None:
+                break  # `seq` itself was preempted; everything after it already was
+            out.copy_ops.extend(copies)
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        out.num_tokens = sum(s.num_new for s in out.scheduled)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + len(seq.forked_children) > self.max_num_seqs:
+                break
+            tokens = seq.all_token_ids
+            cached = self.kv.lookup_prefix(tokens, seq.cache_salt) if self.enable_prefix_caching else 0
+            num_new = min(len(tokens) - cached, budget, self.chunk_size)
+            got = self.kv.admit(seq.seq_id, tokens, num_new, seq.cache_salt)
+            if got is None:
+                break
+            assert got == cached, (got, cached)
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt = min(got, len(seq.prompt_token_ids))
+            seq.num_computed = got
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        start = seq.num_computed
+        seq.num_computed += num_new
+        sample = seq.num_computed == seq.num_tokens
+        out.scheduled.append(ScheduledSeq(seq, start, num_new, sample))
+        if not sample:
+            return
+        index = len(out.scheduled) - 1
+        out.sample_rows.append((seq, index))
+        for child in seq.forked_children:  # the prompt completes now: children share its pages
+            self.kv.fork(seq.seq_id, child.seq_id)
+            child.num_computed = seq.num_computed
+            child.num_cached_prompt = seq.num_cached_prompt
+            child.status = Status.RUNNING
+            self.running.append(child)
+            out.sample_rows.append((child, index))
+        seq.forked_children = []
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim.seq_id)
+        victim.status = Status.WAITING
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)

@@ -1,0 +1,73 @@
+"""What is a sequence? One stream of tokens the scheduler runs: a request's prompt plus one sample.
+
+A request with `n > 1` becomes n sequences; sample 0 (the leader) computes the prompt and the others
+are forked from it (sharing its pages copy-on-write) on the step its prompt completes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from paged_jax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not holding pages: new, or preempted and to be recomputed
+    RUNNING = "running"  # holding pages
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"  # the model's end-of-sequence token
+    STOP = "stop"  # a stop token id from the request
+    STOP_STRING = "stop_string"
+    LENGTH = "length"  # max_tokens or the model's length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Token state of one sample. `num_computed` counts leading tokens whose KV is in the cache."""
+
+    seq_id: str  # unique inside the engine: f"{request_id}#{index}"
+    request_id: str
+    index: int  # sample index within the request
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's seed (random when the user gave none); sample i uses seed + i
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at (first) admission
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    forked_children: list[Sequence] = field(default_factory=list)  # children waiting for this leader's prompt
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_at(self, position: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
