@@ -1,0 +1,107 @@
+"""Full consistency check of a ``KVCacheManager`` (O(pages + table entries); tests and debugging).
+
+Raises ``RuntimeError`` (not ``assert``, which ``python -O`` strips) naming the first broken invariant.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from paged_jax.kv_cache.block_pool import NULL_PAGE
+
+if TYPE_CHECKING:
+    from paged_jax.kv_cache.manager import KVCacheManager
+
+
+def _fail(msg: str) -> None:
+    raise RuntimeError(f"KV cache invariant broken: {msg}")
+
+
+def check_manager_invariants(m: KVCacheManager) -> None:
+    """Every page in exactly one state, refcounts == table holders, sound free list, cache map and tables."""
+    pool = m.pool
+    ps = m.page_size
+    blocks = pool.blocks
+    if len(blocks) != m.num_pages or any(b.page_id != i for i, b in enumerate(blocks)):
+        _fail("pool blocks are not exactly pages 0..num_pages-1 in order")
+
+    # Tables: no null page, no page twice in one table, length matches computed tokens, hashes agree.
+    holders = [0] * m.num_pages
+    partial_fill: dict[int, int] = {}  # page -> fill, for pages that are some request's partial last page
+    full_pages: set[int] = set()
+    for rid, st in m.requests.items():
+        ids = [b.page_id for b in st.blocks]
+        if any(b is not blocks[b.page_id] for b in st.blocks):
+            _fail(f"request {rid!r} holds a block object that is not the pool's")
+        if NULL_PAGE in ids:
+            _fail(f"request {rid!r} holds the null page: {ids}")
+        if len(set(ids)) != len(ids):
+            _fail(f"request {rid!r} holds a page twice: {ids}")
+        if len(ids) != -(-st.num_computed // ps):
+            _fail(f"request {rid!r} has {len(ids)} pages for {st.num_computed} computed tokens")
+        num_full = st.num_computed // ps
+        if st.num_cached_blocks != num_full:
+            _fail(f"request {rid!r}: {st.num_cached_blocks} blocks offered to the cache, {num_full} full")
+        if m.enable_prefix_caching and len(st.block_hashes) < num_full:
+            _fail(f"request {rid!r}: {len(st.block_hashes)} hashes for {num_full} full blocks")
+        for i, b in enumerate(st.blocks):
+            holders[b.page_id] += 1
+            if b.block_hash is not None and (i >= num_full or b.block_hash != st.block_hashes[i]):
+                _fail(f"request {rid!r} block {i} (page {b.page_id}) is cached under a hash not its own")
+        full_pages.update(ids[:num_full])
+        fill = st.num_computed % ps
+        if fill:
+            if partial_fill.setdefault(ids[-1], fill) != fill:
+                _fail(f"page {ids[-1]} is shared by requests that disagree on how full it is")
+    if not full_pages.isdisjoint(partial_fill):
+        _fail(f"pages both full and partial: {sorted(full_pages & set(partial_fill))}")
+
+    # Refcounts and free-list membership.
+    null = blocks[NULL_PAGE]
+    if null.ref_cnt or null.block_hash is not None or null.prev_free or null.next_free:
+        _fail("the null page has a refcount, a hash or free-list links")
+    for b in blocks[1:]:
+        if b.ref_cnt != holders[b.page_id]:
+            _fail(f"page {b.page_id} refcount {b.ref_cnt} != {holders[b.page_id]} tables holding it")
+        in_list = b.prev_free is not None
+        if in_list != (b.ref_cnt == 0) or (b.next_free is not None) != in_list:
+            _fail(f"page {b.page_id} (refcount {b.ref_cnt}) has free-list links {in_list}")
+
+    # The free list: a proper doubly linked list from head to tail holding exactly the refcount-0 pages.
+    fq = pool.free_queue
+    if fq.head.prev_free is not None or fq.tail.next_free is not None:
+        _fail("free-list sentinels have outer links")
+    seen = 0
+    prev, node = fq.head, fq.head.next_free
+    while node is not fq.tail:
+        if node is None or seen > m.num_pages:
+            _fail("free list is broken or cyclic")
+        if node.prev_free is not prev:
+            _fail(f"free list back link of page {node.page_id} is wrong")
+        if node.ref_cnt != 0 or node.page_id == NULL_PAGE:
+            _fail(f"page {node.page_id} with refcount {node.ref_cnt} is in the free list")
+        seen += 1
+        prev, node = node, node.next_free
+    if fq.tail.prev_free is not prev:
+        _fail("free list tail back link is wrong")
+    num_zero = sum(1 for b in blocks[1:] if b.ref_cnt == 0)
+    if seen != fq.num_free or seen != num_zero:
+        _fail(f"free list walks {seen} pages, counts {fq.num_free}, {num_zero} pages have refcount 0")
+
+    # The cache map points at pages carrying that hash, and every hashed page is the map's entry.
+    for h, b in pool.cached.items():
+        if b.block_hash != h:
+            _fail(f"cache entry {h.hex()} points at page {b.page_id} carrying another hash")
+    cached_free = 0
+    for b in blocks[1:]:
+        if b.block_hash is not None:
+            if pool.cached.get(b.block_hash) is not b:
+                _fail(f"page {b.page_id} carries a hash the cache map does not point back from")
+            if b.ref_cnt == 0:
+                cached_free += 1
+            elif b.page_id not in full_pages:
+                _fail(f"in-use page {b.page_id} is cached but not a full block of any holder")
+    if cached_free != pool.num_cached_free:
+        _fail(f"{cached_free} cached free pages, counter says {pool.num_cached_free}")
+    if not m.enable_prefix_caching and pool.cached:
+        _fail("prefix caching is off but the cache map is not empty")

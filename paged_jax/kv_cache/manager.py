@@ -1,0 +1,307 @@
+"""The facade the scheduler talks to: per-request block tables on top of the block pool.
+
+The scheduler never touches a ``Block``; it speaks in request ids, token counts and page ids. Every
+mutating call is all or nothing: it validates, then decides whether enough free pages exist, and only
+then moves anything. A call that returns ``None`` (not enough pages) or raises leaves the manager exactly
+as it was.
+
+Per request the manager keeps an append-only block table with ``len(table) == ceil(num_computed /
+page_size)``. So only the last page can be partially filled, and it is the only page a request can
+write into; a prefix-cache hit always covers whole pages. That is why copy-on-write only ever concerns
+the last page, and only after a ``fork``.
+
+Full blocks enter the prefix cache as soon as they are scheduled (``admit``/``allocate_slots``), not
+after the step ran. This is sound because the step writes every new K/V of a layer into its page before
+that layer's attention reads any page, so a request admitted later in the same step that hits such a page
+reads KV written in the same pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from paged_jax.kv_cache.block_pool import NULL_PAGE, Block, BlockPool
+from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
+from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.kv_cache.stats import KVCacheStats
+
+MIN_PAGE_SIZE = 8
+MAX_PAGE_SIZE = 256
+
+
+@dataclass(slots=True)
+class RequestBlocks:
+    """What the manager knows about one running request."""
+
+    blocks: list[Block]
+    """The block table, logical block i -> physical page ``blocks[i].page_id``; append-only except CoW."""
+    num_computed: int
+    """Tokens whose KV is (or is being, this step) written into ``blocks``."""
+    block_hashes: list[BlockHash]
+    """Chained hashes of the request's leading full blocks (may run ahead of ``num_cached_blocks``)."""
+    num_cached_blocks: int
+    """Blocks ``[0, num_cached_blocks)`` have been offered to the prefix cache (== num_computed // size)."""
+    cache_salt: str | None
+
+
+class KVCacheManager:
+    """Host-side owner of the paged KV cache: which page holds which block of which request."""
+
+    def __init__(self, num_pages: int, page_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if (
+            not isinstance(page_size, int)
+            or page_size & (page_size - 1)
+            or not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE)
+        ):
+            raise ValueError(f"page_size must be a power of two in [8, 256], got {page_size!r}")
+        if not isinstance(num_pages, int) or num_pages < 2:
+            raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), got {num_pages!r}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_pages, enable_caching=enable_prefix_caching)
+        self.hasher = BlockHasher(page_size)
+        self.requests: dict[str, RequestBlocks] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ----------------------------------------------------------------------------------------- queries
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens: ``ceil(num_tokens / page_size)``."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.page_size)
+
+    def num_free_pages(self) -> int:
+        """Pages with refcount 0, cached-but-free ones included (they are reclaimed on demand)."""
+        return self.pool.free_queue.num_free
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` tokens fits in an otherwise empty pool."""
+        return self.pages_needed(num_tokens) <= self.num_pages - 1
+
+    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading tokens whose full blocks are cached (a multiple of page_size). Pure: changes nothing.
+
+        Capped so that at least the last token is left to compute (its logits are needed). Not counted in
+        the stats: the scheduler may look up a waiting request every step until it fits; ``admit`` counts.
+        """
+        return len(self._find_hits(token_ids, cache_salt, [])) * self.page_size
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as physical page ids (a fresh list)."""
+        return [b.page_id for b in self._get(request_id).blocks]
+
+    def block_table_row(self, request_id: str, width: int) -> np.ndarray:
+        """The block table as an int32 row of ``width`` entries, padded with the null page."""
+        blocks = self._get(request_id).blocks
+        if len(blocks) > width:
+            raise ValueError(f"request {request_id!r} has {len(blocks)} pages, row width is {width}")
+        row = np.full(width, NULL_PAGE, dtype=np.int32)
+        row[: len(blocks)] = [b.page_id for b in blocks]
+        return row
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_computed
+
+    def page_ref_count(self, page_id: int) -> int:
+        """Refcount of one physical page (for tests and debugging)."""
+        return self.pool.blocks[page_id].ref_cnt
+
+    def free_page_ids(self) -> list[int]:
+        """Free pages in eviction order, next-evicted first (O(n); for tests and debugging)."""
+        return self.pool.free_queue.page_ids()
+
+    # ---------------------------------------------------------------------------------------- mutation
+
+    def admit(
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, cache_salt: str | None = None
+    ) -> int | None:
+        """Admit a waiting (new or preempted) request: take its prefix hits, allocate for new tokens.
+
+        ``num_new_tokens`` is the number of tokens to compute this step *beyond the cache hit*; it is
+        clipped to ``len(token_ids) - cached``. The hit is re-derived here, so it may differ from an earlier
+        ``lookup_prefix`` (pages cached or evicted meanwhile); either way the result is correct: the request
+        then has ``num_computed = cached + clipped`` (read it back with ``num_computed_tokens``) and its KV
+        for positions ``[0, cached)`` is already in its pages.
+
+        Returns ``cached``, or ``None`` with nothing changed when the free pages do not suffice. Raises
+        ``ValueError`` for a duplicate id, empty tokens, ``num_new_tokens < 1``, or a request that could
+        never fit in the pool.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        if not token_ids:
+            raise ValueError("admit needs at least one token")
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        hashes: list[BlockHash] = []
+        hits = self._find_hits(token_ids, cache_salt, hashes)
+        num_hits = len(hits)
+        cached = num_hits * self.page_size
+        total = cached + min(num_new_tokens, len(token_ids) - cached)
+        need = self.pages_needed(total)
+        if need > self.num_pages - 1:
+            raise ValueError(f"request {request_id!r} needs {need} pages, the pool has {self.num_pages - 1}")
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if need - num_hits + num_revived > self.pool.free_queue.num_free:
+            return None
+        # Revive the hits first: they leave the free list, so the allocation below cannot evict them.
+        for block in hits:
+            self.pool.touch(block)
+        blocks = hits  # the table starts with the hit pages
+        blocks.extend(self.pool.allocate(need - num_hits))
+        state = RequestBlocks(blocks, total, hashes, num_hits, cache_salt)
+        self.requests[request_id] = state
+        self._cache_full_blocks(state, token_ids)
+        self._prefix_queries += len(token_ids)
+        self._prefix_hits += cached
+        return cached
+
+    def allocate_slots(
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """A running request computes positions ``[num_computed, num_computed + num_new_tokens)`` now.
+
+        Allocates the pages this needs, all or nothing (``None``: not enough free pages, nothing changed).
+        If the page written first is shared (refcount > 1, after a ``fork``) the request gets a private
+        copy and the call returns ``[(src_page, dst_page)]``: the device must copy src to dst before the
+        step writes. Otherwise returns ``[]``. Newly completed full blocks enter the prefix cache, and the
+        request's ``num_computed`` advances by ``num_new_tokens``.
+        """
+        state = self._get(request_id)
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        ps = self.page_size
+        start = state.num_computed
+        total = start + num_new_tokens
+        if len(token_ids) < total:
+            raise ValueError(f"request {request_id!r}: {total} tokens to compute, {len(token_ids)} given")
+        blocks = state.blocks
+        need = -(-total // ps)
+        if need > self.num_pages - 1:
+            raise ValueError(f"request {request_id!r} needs {need} pages, the pool has {self.num_pages - 1}")
+        num_new_pages = need - len(blocks)
+        cow = num_new_tokens > 0 and start % ps != 0 and blocks[start // ps].ref_cnt > 1
+        if num_new_pages + cow > self.pool.free_queue.num_free:
+            return None
+        copies: list[tuple[int, int]] = []
+        if cow:
+            index = start // ps
+            src = blocks[index]
+            dst = self.pool.allocate(1)[0]
+            blocks[index] = dst
+            self.pool.release(src)  # refcount was > 1: src stays in use by its other holders
+            copies.append((src.page_id, dst.page_id))
+        if num_new_pages > 0:
+            blocks.extend(self.pool.allocate(num_new_pages))
+        state.num_computed = total
+        if total // ps > state.num_cached_blocks:
+            self._cache_full_blocks(state, token_ids)
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every page of the parent (refcount +1 each); writes later copy on write."""
+        parent = self._get(parent_id)
+        if child_id in self.requests:
+            raise ValueError(f"fork target {child_id!r} already exists")
+        for block in parent.blocks:
+            self.pool.touch(block)
+        self.requests[child_id] = RequestBlocks(
+            list(parent.blocks),
+            parent.num_computed,
+            list(parent.block_hashes),
+            parent.num_cached_blocks,
+            parent.cache_salt,
+        )
+
+    def free(self, request_id: str) -> None:
+        """Release a finished, aborted or preempted request's pages; raises ``KeyError`` if unknown.
+
+        Pages go back tail first, so among one request's cached pages the one ending the longest prefix
+        is evicted first and the shared leading blocks last. Full blocks stay cached, so a preempted
+        request recomputed later mostly hits the prefix cache.
+        """
+        state = self._get(request_id)
+        del self.requests[request_id]
+        for block in reversed(state.blocks):
+            self.pool.release(block)
+
+    # ----------------------------------------------------------------------------------- introspection
+
+    def stats(self) -> KVCacheStats:
+        """A snapshot; O(number of requests)."""
+        ps = self.page_size
+        pool = self.pool
+        total = self.num_pages - 1
+        free = pool.free_queue.num_free
+        in_use = total - free
+        # Only a request's last page can be partial, and holders of a shared page agree on its fill.
+        empty_slots = 0
+        seen: set[int] = set()
+        for state in self.requests.values():
+            fill = state.num_computed % ps
+            if fill and state.blocks[-1].page_id not in seen:
+                seen.add(state.blocks[-1].page_id)
+                empty_slots += ps - fill
+        queries, hits = self._prefix_queries, self._prefix_hits
+        return KVCacheStats(
+            pages_total=total,
+            pages_free=free,
+            pages_cached_free=pool.num_cached_free,
+            pages_in_use=in_use,
+            kv_utilization=(in_use * ps - empty_slots) / (in_use * ps) if in_use else 1.0,
+            prefix_queries=queries,
+            prefix_hits=hits,
+            prefix_hit_rate=hits / queries if queries else 0.0,
+            evictions=pool.num_evictions,
+        )
+
+    def check_invariants(self) -> None:
+        """Verify every invariant of pool, free list, cache map and tables; raises ``RuntimeError``."""
+        check_manager_invariants(self)
+
+    # ---------------------------------------------------------------------------------------- internal
+
+    def _get(self, request_id: str) -> RequestBlocks:
+        state = self.requests.get(request_id)
+        if state is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return state
+
+    def _find_hits(
+        self, token_ids: Sequence[int], cache_salt: str | None, hashes: list[BlockHash]
+    ) -> list[Block]:
+        """Cached pages of the leading full blocks, stopping at the first miss; fills ``hashes`` on the way.
+
+        At most ``(len - 1) // page_size`` blocks, so the last token is always left to compute.
+        """
+        hits: list[Block] = []
+        if not self.enable_prefix_caching:
+            return hits
+        lookup = self.pool.cached.get
+        for i in range((len(token_ids) - 1) // self.page_size):
+            self.hasher.extend(hashes, token_ids, i + 1, cache_salt)
+            block = lookup(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _cache_full_blocks(self, state: RequestBlocks, token_ids: Sequence[int]) -> None:
+        """Offer the request's newly completed full blocks to the prefix cache."""
+        num_full = state.num_computed // self.page_size
+        if num_full <= state.num_cached_blocks:
+            return
+        if self.enable_prefix_caching:
+            self.hasher.extend(state.block_hashes, token_ids, num_full, state.cache_salt)
+            for i in range(state.num_cached_blocks, num_full):
+                self.pool.cache(state.blocks[i], state.block_hashes[i])
+        state.num_cached_blocks = num_full

@@ -1,0 +1,31 @@
+"""A snapshot of the KV-cache manager's state, for metrics and logs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheStats:
+    """Counts are in pages unless the name says tokens; prefix counters are cumulative since start-up.
+
+    Pages partition as ``pages_total = pages_in_use + pages_free`` (the null page is not counted), and
+    ``pages_cached_free`` is the part of ``pages_free`` that still holds a findable prefix block.
+    """
+
+    pages_total: int
+    """Usable pages: ``num_pages - 1`` (page 0 is the null page)."""
+    pages_free: int
+    """Pages with refcount 0, cached-but-free included (they are reclaimed on demand)."""
+    pages_cached_free: int
+    pages_in_use: int
+    kv_utilization: float
+    """Token slots holding live tokens over token slots in pages in use (1.0 when none in use)."""
+    prefix_queries: int
+    """Prompt tokens looked up at admission (``admit`` calls that succeeded)."""
+    prefix_hits: int
+    """Of those, tokens served from the prefix cache."""
+    prefix_hit_rate: float
+    """``prefix_hits / prefix_queries`` (0.0 before the first query)."""
+    evictions: int
+    """Cached pages whose hash was dropped because the page was reused."""
