@@ -79,29 +79,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        scheduled: set[str] = set()
+        for seq in list(self.running):  # a snapshot: children forked during this step join the list
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed, budget, self.chunk_size)
             copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new)
-            while copies is None:  # out of pages: preempt the most recently admitted
-                victim = self.running[-1]
+            while copies is None:  # out of pages: preempt the most recently admitted unscheduled one
+                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
                 copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new)
             if copies is None:
-                break  # `seq` itself was preempted; everything after it already was
+                continue
             out.copy_ops.extend(copies)
-            self._schedule(seq, num_new, out)
+            self._schedule(seq, num_new, out, scheduled)
             budget -= num_new
-            i += 1
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, scheduled)
         out.num_tokens = sum(s.num_new for s in out.scheduled)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.forked_children) > self.max_num_seqs:
@@ -119,10 +121,11 @@ class Scheduler:
             seq.num_computed = got
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._schedule(seq, num_new, out)
+            self._schedule(seq, num_new, out, scheduled)
             budget -= num_new
 
-    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput, scheduled: set[str]) -> None:
+        scheduled.add(seq.seq_id)
         start = seq.num_computed
         seq.num_computed += num_new
         sample = seq.num_computed == seq.num_tokens
@@ -136,6 +139,7 @@ class Scheduler:
             child.num_computed = seq.num_computed
             child.num_cached_prompt = seq.num_cached_prompt
             child.status = Status.RUNNING
+            scheduled.add(child.seq_id)
             self.running.append(child)
             out.sample_rows.append((child, index))
         seq.forked_children = []

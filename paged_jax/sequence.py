@@ -19,7 +19,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     EOS = "eos"  # the model's end-of-sequence token
     STOP = "stop"  # a stop token id from the request
     STOP_STRING = "stop_string"
@@ -50,6 +50,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_sent_tokens: int = 0  # output tokens already reported in a RequestOutput delta
     forked_children: list[Sequence] = field(default_factory=list)  # children waiting for this leader's prompt
 
     @property

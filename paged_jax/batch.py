@@ -1,0 +1,233 @@
+"""Resumable batch generation: JSONL in, JSONL out, nothing lost.
+
+Input lines: `{"id": ..., "prompt": "..."}` or `{"id": ..., "prompt_token_ids": [...]}`, plus any
+`SamplingParams` field (`max_tokens`, `temperature`, ...) and an optional `cache_salt`.
+Each finished request is appended to the output as one line with a single `write` on an O_APPEND
+descriptor, so `kill -9` loses at most the requests in flight and never leaves half a line (a torn
+tail from a crash in the middle of a write is cut off on the next start). A re-run with the same
+output skips ids already written. A malformed line goes to the errors file with its line number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from paged_jax.engine import LLMEngine
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+
+PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+@dataclass(slots=True)
+class BatchItem:
+    id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+@dataclass(slots=True)
+class BatchSummary:
+    requests: int = 0
+    skipped: int = 0  # already in the output from an earlier run
+    errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    seconds: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    prefix_hit_rate: float = 0.0
+
+    def lines(self) -> list[str]:
+        tps = self.generated_tokens / self.seconds if self.seconds else 0.0
+        p50, p99 = (np.percentile(self.ttfts, [50, 99]) * 1e3) if self.ttfts else (0.0, 0.0)
+        return [
+            f"requests           {self.requests} done, {self.skipped} skipped (already written), {self.errors} errors",
+            f"tokens             {self.prompt_tokens} prompt ({self.cached_prompt_tokens} from prefix cache), "
+            f"{self.generated_tokens} generated",
+            f"throughput         {tps:.1f} generated tokens/s, {self.requests / max(self.seconds, 1e-9):.2f} req/s "
+            f"over {self.seconds:.2f}s",
+            f"time to first tok  p50 {p50:.1f} ms, p99 {p99:.1f} ms",
+            f"prefix cache       hit rate {self.prefix_hit_rate:.1%}; preemptions {self.preemptions}",
+        ]
+
+
+def parse_line(line: str, lineno: int) -> BatchItem:
+    """One input line -> a validated item. Raises ValueError naming the field."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from e
+    if not isinstance(obj, dict):
+        raise ValueError("each line must be a JSON object")
+    rid = obj.pop("id", f"line-{lineno}")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
+        raise ValueError(f"id: must be a non-empty string or integer, got {rid!r}")
+    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+        raise ValueError("prompt: give exactly one of 'prompt' and 'prompt_token_ids'")
+    prompt = obj.pop("prompt", None)
+    if prompt is None:
+        prompt = obj.pop("prompt_token_ids")
+        if not isinstance(prompt, list):
+            raise ValueError("prompt_token_ids: must be a list of integers")
+    elif not isinstance(prompt, str):
+        raise ValueError("prompt: must be a string")
+    salt = obj.pop("cache_salt", None)
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError("cache_salt: must be a string")
+    unknown = sorted(set(obj) - PARAM_FIELDS)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown field")
+    try:
+        params = SamplingParams(**obj)
+    except TypeError as e:
+        raise ValueError(str(e)) from e
+    return BatchItem(str(rid), prompt, params, salt)
+
+
+def completed_ids(path: Path) -> set[str]:
+    """Ids already in the output; a torn last line (no newline) is cut off first."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        data = data[:keep]
+    done = set()
+    for raw in data.splitlines():
+        if raw.strip():
+            done.add(str(json.loads(raw)["id"]))
+    return done
+
+
+class LineWriter:
+    """Appends whole lines with one `os.write` each on an O_APPEND descriptor."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, obj: dict) -> None:
+        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+        written = os.write(self.fd, data)
+        if written != len(data):  # a regular file takes the whole line, but never leave a torn one
+            os.ftruncate(self.fd, os.lseek(self.fd, 0, os.SEEK_END) - written)
+            raise OSError(f"short write ({written} of {len(data)} bytes)")
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def result_line(out: RequestOutput) -> dict:
+    first = out.outputs[0]
+    line = {
+        "id": out.request_id,
+        "text": first.text,
+        "token_ids": first.token_ids,
+        "finish_reason": first.finish_reason,
+        "usage": {"prompt_tokens": out.metrics.num_prompt_tokens,
+                  "completion_tokens": out.metrics.num_generated_tokens,
+                  "cached_prompt_tokens": out.metrics.num_cached_prompt_tokens},
+        "time_to_first_token_s": out.metrics.time_to_first_token,
+    }
+    if len(out.outputs) > 1:
+        line["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                            "finish_reason": c.finish_reason} for c in out.outputs]
+    if first.logprobs is not None:
+        line["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+                            for lp in first.logprobs]
+    return line
+
+
+def read_items(path: Path, errors: LineWriter, summary: BatchSummary, skip: set[str],
+               shard: tuple[int, int] = (0, 1)) -> Iterator[BatchItem]:
+    """Valid items of this shard (`index, count`: every count-th line) not already done."""
+    index, count = shard
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if (lineno - 1) % count != index or not line.strip():
+                continue
+            try:
+                item = parse_line(line, lineno)
+                if item.id in seen:
+                    raise ValueError(f"id: {item.id!r} appears twice in the input")
+                seen.add(item.id)
+            except ValueError as e:
+                errors.write({"line": lineno, "error": str(e)})
+                summary.errors += 1
+                continue
+            if item.id in skip:
+                summary.skipped += 1
+                continue
+            yield item
+
+
+def run_batch(engine: LLMEngine, input_path: Path, output_path: Path, errors_path: Path | None = None,
+              progress: bool = True, shard: tuple[int, int] = (0, 1)) -> BatchSummary:
+    """Generate for every line of `input_path` not yet in `output_path`."""
+    errors_path = errors_path or output_path.with_name(output_path.stem + ".errors.jsonl")
+    summary = BatchSummary()
+    done = completed_ids(output_path)
+    out, errors = LineWriter(output_path), LineWriter(errors_path)
+    window = 4 * engine.engine_config.max_num_seqs  # requests queued ahead of the engine
+    items = read_items(input_path, errors, summary, done, shard)
+    in_flight: set[str] = set()
+    bar = tqdm(disable=not progress, desc="generate", unit="req")
+    t0 = time.monotonic()
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and len(in_flight) < window:
+                item = next(items, None)
+                if item is None:
+                    exhausted = True
+                    break
+                try:
+                    engine.add_request(item.id, item.prompt, item.params, item.cache_salt)
+                except ValueError as e:
+                    errors.write({"id": item.id, "error": str(e)})
+                    summary.errors += 1
+                    continue
+                in_flight.add(item.id)
+            if not in_flight:
+                break
+            for res in engine.step():
+                if not res.finished:
+                    continue
+                in_flight.discard(res.request_id)
+                out.write(result_line(res))
+                summary.requests += 1
+                summary.prompt_tokens += res.metrics.num_prompt_tokens
+                summary.generated_tokens += res.metrics.num_generated_tokens
+                summary.cached_prompt_tokens += res.metrics.num_cached_prompt_tokens
+                if res.metrics.time_to_first_token is not None:
+                    summary.ttfts.append(res.metrics.time_to_first_token)
+                bar.update(1)
+                elapsed = time.monotonic() - t0
+                bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}",
+                                kv=f"{engine.kv.stats().kv_utilization:.0%}", refresh=False)
+    finally:
+        for rid in list(in_flight):
+            engine.abort(rid)
+        bar.close()
+        out.close()
+        errors.close()
+    summary.seconds = time.monotonic() - t0
+    stats = engine.stats()
+    summary.preemptions = stats["num_preemptions"]
+    summary.prefix_hit_rate = stats["prefix_hit_rate"]
+    return summary

@@ -1,0 +1,269 @@
+"""The synchronous engine core: `add_request`, `step`, `abort`, `has_unfinished`.
+
+Serving and the batch script both drive this loop. Each `step` schedules one batch, runs it on the
+device, appends the sampled tokens, applies stop conditions, detokenizes incrementally and frees the
+pages of every sequence that finished. Every page a request holds goes back when it finishes, is
+aborted, or fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.config import ModelConfig
+from paged_jax.detokenizer import Detokenizer
+from paged_jax.kv_cache import KVCacheManager
+from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from paged_jax.runner import ModelRunner, StepResult
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.scheduler import Scheduler
+from paged_jax.sequence import FinishReason, Sequence
+from paged_jax.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine options; names and defaults follow vLLM where one exists."""
+
+    page_size: int = 16  # token slots per KV page
+    num_pages: int | None = None  # explicit KV pages (page 0 is the null page); overrides the budgets below
+    kv_cache_memory_fraction: float = 0.9  # of free accelerator memory, for KV pages
+    cpu_kv_cache_bytes: int = 256 * 2**20  # KV budget on CPU, where free memory is not reported
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 512  # token budget per step
+    max_model_len: int | None = None  # prompt + output tokens; default min(model max, 8192)
+    chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | xla | pallas | pallas-interpret
+    kv_dtype: str | None = None  # default: the model dtype
+    seed: int = 0  # seeds requests that do not set their own
+    max_n: int = 64  # samples per request
+    warmup: bool = True  # compile every step shape at start-up
+
+    def validate(self) -> None:
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {self.attention_backend!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
+
+
+def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_bytes: int) -> int:
+    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token."""
+    if ec.num_pages is not None:
+        return ec.num_pages
+    per_page = config.kv_bytes_per_token(kv_bytes) * ec.page_size
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
+    else:
+        budget = ec.cpu_kv_cache_bytes
+    return max(2, budget // per_page)
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[Detokenizer]
+    arrival_time: float
+
+
+class LLMEngine:
+    def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer, engine_config: EngineConfig | None = None):
+        ec = engine_config or EngineConfig()
+        ec.validate()
+        self.config, self.tokenizer, self.engine_config = config, tokenizer, ec
+        self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 8192)
+        kv_bytes = jnp.dtype(ec.kv_dtype or config.dtype).itemsize
+        self.num_pages = kv_capacity_pages(config, ec, kv_bytes)
+        self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
+                                   max_num_batched_tokens=ec.max_num_batched_tokens, chunk_size=ec.chunk_size,
+                                   enable_prefix_caching=ec.enable_prefix_caching)
+        self.runner = ModelRunner(config, params, num_pages=self.num_pages, page_size=ec.page_size,
+                                  max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
+                                  max_num_batched_tokens=ec.max_num_batched_tokens,
+                                  attention_backend=ec.attention_backend, kv_dtype=ec.kv_dtype)
+        tokens = (self.num_pages - 1) * ec.page_size
+        self.kv_cache_bytes = config.kv_bytes_per_token(kv_bytes) * self.num_pages * ec.page_size
+        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d)",
+                 self.num_pages - 1, ec.page_size, tokens, self.kv_cache_bytes / 2**20, config.num_layers,
+                 config.num_kv_heads, config.head_dim)
+        self._requests: dict[str, _Request] = {}
+        self._rng = np.random.default_rng(ec.seed)
+        self.num_steps = 0
+        self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
+        if ec.warmup:
+            self.runner.warmup()
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError naming the field when the request is invalid or can never fit."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        params.validate(self.config.vocab_size, self.engine_config.max_n)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            if not ids:
+                raise ValueError("prompt_token_ids: must not be empty")
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                        or not 0 <= t < self.config.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {self.config.vocab_size})")
+            ids = [int(t) for t in ids]
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        if not self.kv.can_ever_fit(total):
+            raise ValueError(f"prompt: {total} tokens need {self.kv.pages_needed(total)} KV pages but the cache "
+                             f"has {self.num_pages - 1}")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [Sequence(f"{request_id}#{i}", request_id, i, list(ids), params, seed, cache_salt, arrival_time=now)
+                for i in range(params.n)]
+        detoks = [Detokenizer(self.tokenizer, params.stop) for _ in seqs]
+        self._requests[request_id] = _Request(request_id, text, list(ids), params, seqs, detoks, now)
+        self.scheduler.add(seqs[0], seqs[1:])
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and return every page it holds; None if it is unknown or already done."""
+        return self._end(request_id, FinishReason.ABORT)
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        out = self._end(request_id, FinishReason.ERROR)
+        if out is not None:
+            out.error = message
+        return out
+
+    def _end(self, request_id: str, reason: FinishReason) -> RequestOutput | None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.remove(seq, reason)
+                seq.finish_time = time.monotonic()
+        return self._output(req, final=True)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def stats(self) -> dict:
+        out = asdict(self.kv.stats())
+        out["num_preemptions"] = self.scheduler.num_preemptions
+        out["num_waiting"] = self.num_waiting
+        out["num_running"] = self.num_running
+        return out
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that produced tokens or finished."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        device0 = self.runner.device_seconds
+        result = self.runner.execute(sched, self.kv)
+        touched: dict[str, _Request] = {}
+        for r, (seq, _) in enumerate(sched.sample_rows):
+            req = self._requests[seq.request_id]
+            self._append(req, seq, result, r)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            done = all(s.finished for s in req.seqs)
+            outputs.append(self._output(req, final=done))
+            if done:
+                del self._requests[req.request_id]
+        self.num_steps += 1
+        self.host_seconds += time.perf_counter() - t0 - (self.runner.device_seconds - device0)
+        return outputs
+
+    def _append(self, req: _Request, seq: Sequence, result: StepResult, row: int) -> None:
+        token = int(result.tokens[row])
+        p = seq.params
+        seq.output_token_ids.append(token)
+        if p.logprobs is not None:
+            top = [(int(i), float(v)) for i, v in zip(result.top_ids[row, : p.logprobs],
+                                                      result.top_logprobs[row, : p.logprobs], strict=True)]
+            seq.output_logprobs.append((float(result.logprob[row]), top))
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        detok = req.detoks[seq.index]
+        n_out = len(seq.output_token_ids)
+        reason, stop_reason = None, None
+        if not p.ignore_eos and token in self.config.eos_token_ids and n_out >= p.min_tokens:
+            reason = FinishReason.EOS
+        elif token in p.stop_token_ids and n_out >= p.min_tokens:
+            reason, stop_reason = FinishReason.STOP, token
+        else:
+            detok.add([token])
+            if detok.stopped_on is not None and n_out >= p.min_tokens:
+                reason, stop_reason = FinishReason.STOP_STRING, detok.stopped_on
+            elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            seq.finish_time = now
+            self.scheduler.remove(seq, reason)
+
+    def _output(self, req: _Request, final: bool) -> RequestOutput:
+        completions = []
+        for seq, detok in zip(req.seqs, req.detoks, strict=True):
+            new_ids = seq.output_token_ids[seq.num_sent_tokens:]
+            seq.num_sent_tokens = len(seq.output_token_ids)
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = [TokenLogprob(t, lp, top)
+                            for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)]
+            completions.append(CompletionOutput(
+                index=seq.index, token_ids=list(seq.output_token_ids), text=detok.text,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason, logprobs=logprobs, new_token_ids=new_ids,
+                new_text=detok.take_delta(final=seq.finished)))
+        lead = req.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_token_time=min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
+            finish_time=max((s.finish_time for s in req.seqs if s.finish_time), default=None) if final else None,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
+            num_cached_prompt_tokens=lead.num_cached_prompt,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, final, metrics)

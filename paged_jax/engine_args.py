@@ -1,0 +1,44 @@
+"""Command-line flags for the engine options and default sampling, shared by `generate`, `serve` and `bench`."""
+
+from __future__ import annotations
+
+import argparse
+
+from paged_jax.engine import BACKENDS, EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default="tiny",
+                   help="HF directory, orbax checkpoint from `paged-jax convert`, or config name (random weights)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the model dtype")
+    g.add_argument("--seed", type=int, default=0, help="random weights and unseeded requests")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--chunk-size", type=int, default=None, help="max prompt tokens of one sequence per step")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--attention-backend", choices=BACKENDS, default="auto")
+    g.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily instead of at start-up")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        page_size=args.page_size, num_pages=args.num_pages,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        chunk_size=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend, seed=args.seed, warmup=not args.no_warmup)
+
+
+def build_engine(args: argparse.Namespace):
+    """Load the model named by `--model` and start an engine with the flags' options."""
+    from paged_jax.engine import LLMEngine
+    from paged_jax.model.weights import load_model
+
+    config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    return LLMEngine(config, params, tokenizer, engine_config_from_args(args))
+

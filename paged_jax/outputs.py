@@ -1,0 +1,64 @@
+"""What the engine hands back: per-request outputs, one completion per sample, and timing metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the requested number of most likely (id, logprob) alternatives
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample. `token_ids` and `text` are cumulative; `new_*` hold what this step added."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # eos, stop, stop_string, length, abort, error (None while running)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprob] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Seconds on the monotonic clock; derived figures are None until they exist."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.first_token_time is None or self.finish_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # set when the request failed inside the engine

@@ -1,0 +1,226 @@
+"""Where does a step run? Host-side step metadata padded to buckets, and the jitted device step.
+
+The KV cache is one page array per layer, `[num_pages, page_size, 2 * num_kv_heads, head_dim]`
+(K of KV head h at index 2h, V at 2h + 1), donated to every step so it is updated in place.
+Each step's inputs are numpy arrays padded to a token bucket `T` and a sequence bucket `S`
+(powers of two); every (T, S) pair is compiled once at warm-up, so a steady workload never
+recompiles. The forward pass returns logits only for the rows that sample; sampling is a second
+jitted call on device; the host receives only the sampled ids (and requested logprobs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from paged_jax.config import ModelConfig
+from paged_jax.kv_cache import KVCacheManager
+from paged_jax.model.llama import LlamaForCausalLM
+from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
+from paged_jax.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@flax.struct.dataclass
+class PagedMeta:
+    """Per-step attention metadata shared by all layers (see `pallas_kernels.ragged_paged_attention`)."""
+
+    slot_mapping: jax.Array  # [T] i32 physical slot of each new token; -1 for padding tokens
+    kv_lens: jax.Array  # [S] i32 keys per sequence after this step (0 for padding sequences)
+    block_tables: jax.Array  # [S, max_blocks] i32 physical page of each logical block (0 = null page)
+    cu_q_lens: jax.Array  # [S + 1] i32 cumulative query counts
+    num_seqs: jax.Array  # [1] i32
+
+
+def paged_attention(q, k, v, kv_pages, meta: PagedMeta, *, sm_scale: float, backend: str,
+                    sliding_window: int | None):
+    """The model's `AttentionFn` over paged KV: write this step's K/V into pages, then attend."""
+    kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping)
+    out = pallas_kernels.ragged_paged_attention(
+        q, kv_pages, meta.kv_lens, meta.block_tables, meta.cu_q_lens, meta.num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, backend=backend)
+    return out, kv_pages
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from `lo` up to the first one >= `hi`."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return out
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Host copies of one step's samples; row r belongs to `SchedulerOutput.sample_rows[r]`."""
+
+    tokens: np.ndarray  # [R] i32
+    logprob: np.ndarray  # [R] f32
+    top_ids: np.ndarray  # [R, K] i32
+    top_logprobs: np.ndarray  # [R, K] f32
+
+
+class ModelRunner:
+    """Owns the parameters, the KV page arrays and the compiled step functions."""
+
+    def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "auto",
+                 kv_dtype: str | None = None) -> None:
+        self.config = config
+        self.params = params
+        self.page_size = page_size
+        self.max_blocks = -(-max_model_len // page_size)
+        self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
+        self.seq_buckets = pow2_buckets(8, max_num_seqs)
+        self.kv_dtype = jnp.dtype(kv_dtype or config.dtype)
+        shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+        self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype) for _ in range(config.num_layers))
+        attn = partial(paged_attention, backend=attention_backend, sliding_window=config.sliding_window)
+        self.model = LlamaForCausalLM(config, attention_fn=attn)
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
+        self._copy = jax.jit(self._copy_impl, donate_argnums=(0,))
+        self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
+
+    # -- device functions -------------------------------------------------------------------------
+    def _forward_impl(self, params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
+        hidden, kv_caches = self.model.apply(params, token_ids, positions, kv_caches, meta)
+        logits = self.model.apply(params, hidden[logits_indices], method=LlamaForCausalLM.compute_logits)
+        return logits, tuple(kv_caches)
+
+    @staticmethod
+    def _copy_impl(kv_caches, src, dst):
+        return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
+
+    # -- host side ----------------------------------------------------------------------------------
+    def copy_pages(self, ops: list[tuple[int, int]]) -> None:
+        """Run the KV manager's copy-on-write instructions on every layer, in place."""
+        n = bucket_for(len(ops), pow2_buckets(8, max(8, len(ops))))
+        src = np.zeros(n, np.int32)
+        dst = np.zeros(n, np.int32)
+        src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
+        self.kv_caches = self._copy(self.kv_caches, src, dst)
+
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[tuple, dict]:
+        """Build padded numpy step inputs from the scheduler's decision."""
+        num_rows = len(sched.sample_rows)
+        t = bucket_for(sched.num_tokens, self.token_buckets)
+        s = bucket_for(max(len(sched.scheduled), num_rows), self.seq_buckets)
+        ps = self.page_size
+        token_ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, -1, np.int32)
+        kv_lens = np.zeros(s, np.int32)
+        tables = np.zeros((s, self.max_blocks), np.int32)
+        cu = np.zeros(s + 1, np.int32)
+        off = 0
+        for i, item in enumerate(sched.scheduled):
+            seq, start, n = item.seq, item.start, item.num_new
+            blocks = kv.block_ids(seq.seq_id)
+            tables[i, : len(blocks)] = blocks
+            if n == 1:
+                token_ids[off] = seq.token_at(start)
+            else:
+                token_ids[off: off + n] = seq.all_token_ids[start: start + n]
+            pos = np.arange(start, start + n, dtype=np.int32)
+            positions[off: off + n] = pos
+            slots[off: off + n] = tables[i, pos // ps] * ps + pos % ps
+            off += n
+            kv_lens[i] = start + n
+            cu[i + 1] = off
+        cu[len(sched.scheduled) + 1:] = off
+        logits_indices = np.zeros(s, np.int32)
+        for r, (_, index) in enumerate(sched.sample_rows):
+            logits_indices[r] = cu[index + 1] - 1
+        meta = PagedMeta(slots, kv_lens, tables, cu, np.array([len(sched.scheduled)], np.int32))
+        return (token_ids, positions, meta, logits_indices), self._sampling_inputs(sched, s)
+
+    def _sampling_inputs(self, sched: SchedulerOutput, s: int) -> dict:
+        rows = sched.sample_rows
+        penalized = [seq for seq, _ in rows if seq.params.uses_penalties]
+        hist_len = pow2_buckets(64, max(seq.num_tokens for seq in penalized))[-1] if penalized else 1
+        suppress_width = 8
+        for seq, _ in rows:
+            if len(seq.output_token_ids) < seq.params.min_tokens:
+                suppress_width = max(suppress_width, len(self.config.eos_token_ids) + len(seq.params.stop_token_ids))
+        suppress_width = pow2_buckets(8, suppress_width)[-1]
+        m = empty_meta(s, suppress_width, hist_len)
+        flags = {"do_sample": False, "do_filter": False, "do_penalty": bool(penalized), "want_logprobs": False}
+        for r, (seq, _) in enumerate(rows):
+            p = seq.params
+            m["temperature"][r] = p.temperature
+            if p.temperature > 0:
+                flags["do_sample"] = True
+                if p.uses_filters:
+                    flags["do_filter"] = True
+                    m["top_k"][r], m["top_p"][r], m["min_p"][r] = p.top_k, p.top_p, p.min_p
+            if p.logprobs is not None:
+                flags["want_logprobs"] = True
+            seed = (seq.seed + seq.index) % 2**64
+            m["seed"][r] = (seed & 0xFFFFFFFF, seed >> 32)
+            m["step"][r] = len(seq.output_token_ids)
+            if len(seq.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.config.eos_token_ids))
+                m["suppress"][r, : len(banned)] = banned
+            if p.uses_penalties:
+                m["repetition_penalty"][r] = p.repetition_penalty
+                m["presence_penalty"][r] = p.presence_penalty
+                m["frequency_penalty"][r] = p.frequency_penalty
+                toks = seq.all_token_ids
+                m["history"][r, : len(toks)] = toks
+                m["num_prompt"][r] = len(seq.prompt_token_ids)
+        return {"meta": m, "flags": flags}
+
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+        """Run one step: copy-on-write copies, forward, sampling; return host copies of the samples."""
+        if sched.copy_ops:
+            self.copy_pages(sched.copy_ops)
+        (token_ids, positions, meta, logits_indices), sampling = self.prepare(sched, kv)
+        logits, self.kv_caches = self._forward(self.params, self.kv_caches, token_ids, positions, meta,
+                                               logits_indices)
+        out: SamplerOutput = sample(logits, SamplingMeta(**sampling["meta"]), **sampling["flags"])
+        t0 = time.perf_counter()
+        host = jax.device_get(out)
+        self.device_seconds += time.perf_counter() - t0
+        r = len(sched.sample_rows)
+        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r])
+
+    # -- warm-up ------------------------------------------------------------------------------------
+    def warmup(self, progress: bool = True) -> int:
+        """Compile every (token bucket, sequence bucket) pair and the common sampler variants."""
+        pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets]
+        t0 = time.perf_counter()
+        for k, (t, s) in enumerate(pairs):
+            meta = PagedMeta(np.full(t, -1, np.int32), np.zeros(s, np.int32),
+                             np.zeros((s, self.max_blocks), np.int32), np.zeros(s + 1, np.int32),
+                             np.zeros(1, np.int32))
+            logits, self.kv_caches = self._forward(self.params, self.kv_caches, np.zeros(t, np.int32),
+                                                   np.zeros(t, np.int32), meta, np.zeros(s, np.int32))
+            if progress:
+                log.info("warm-up: compiled step %d/%d (tokens=%d, seqs=%d)", k + 1, len(pairs), t, s)
+        for s in self.seq_buckets:
+            logits = jnp.zeros((s, self.config.vocab_size), jnp.float32)
+            m = SamplingMeta(**empty_meta(s))
+            for flags in ((False, False), (True, False), (True, True)):
+                for lp in (False, True):
+                    sample(logits, m, do_sample=flags[0], do_filter=flags[1], do_penalty=False, want_logprobs=lp)
+        self.copy_pages([(0, 0)])
+        jax.block_until_ready(self.kv_caches)
+        if progress:
+            log.info("warm-up done: %d step shapes in %.1fs", len(pairs), time.perf_counter() - t0)
+        return len(pairs)
