@@ -1,0 +1,77 @@
+"""The one entry point, :func:`ragged_paged_attention`, and its choice of backend."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels import common
+from pallas_kernels.xla_paged import xla_ragged_paged_attention
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """Maps a backend request to ``xla``, ``pallas-tpu[-interpret]`` or ``pallas-gpu[-interpret]``.
+
+    ``auto`` picks by platform (tpu: the Mosaic kernel, gpu: the Triton kernel, cpu: XLA). ``pallas`` is the
+    platform's Pallas kernel; ``pallas-interpret`` is that kernel in interpret mode, and on CPU it means the
+    TPU kernel (the one whose DMAs and semaphores the interpreter simulates).
+    """
+    platform = platform or jax.default_backend()
+    if backend == "auto":
+        return {"tpu": "pallas-tpu", "gpu": "pallas-gpu"}.get(platform, "xla")
+    if backend == "pallas":
+        if platform not in ("tpu", "gpu"):
+            raise ValueError(f"backend='pallas' needs a TPU or GPU, not {platform}; use 'pallas-interpret'")
+        return f"pallas-{platform}"
+    if backend == "pallas-interpret":
+        return "pallas-gpu-interpret" if platform == "gpu" else "pallas-tpu-interpret"
+    return backend
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "backend"))
+def ragged_paged_attention(
+    q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # [max_seqs] int32
+    block_tables: jax.Array,  # [max_seqs, max_blocks_per_seq] int32
+    cu_q_lens: jax.Array,  # [max_seqs + 1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """Causal attention of a ragged batch of sequences over paged KV; ``[num_tokens, num_q_heads, head_dim]``.
+
+    Layout, masking (causal, sliding window ``x - w < p <= x``) and soft cap: see
+    :mod:`pallas_kernels.common`. ``backend``: ``auto`` (by platform), ``xla``, ``pallas`` (the platform's
+    kernel), ``pallas-interpret`` (that kernel in interpret mode; the TPU kernel on CPU), or
+    explicitly ``pallas-tpu``, ``pallas-gpu``, ``pallas-tpu-interpret``, ``pallas-gpu-interpret``.
+    Rows of padding tokens are zeros.
+    """
+    common.validate_static(
+        q,
+        kv_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        backend=backend,
+    )
+    args = (q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    opts = dict(sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window)
+    concrete = resolve_backend(backend)
+    if concrete == "xla":
+        return xla_ragged_paged_attention(*args, **opts)
+    if concrete.startswith("pallas-tpu"):
+        from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu(*args, **opts, interpret=concrete.endswith("interpret"))
+    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+
+    return ragged_paged_attention_gpu(*args, **opts, interpret=concrete.endswith("interpret"))

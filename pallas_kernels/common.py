@@ -1,0 +1,135 @@
+"""Shared pieces of the paged-attention backends: layout, masking convention, validation.
+
+Layout of one layer's KV pages (every backend reads exactly this)::
+
+        kv_pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]
+
+K of KV head ``h`` sits at index ``2h`` of the third axis and V at ``2h + 1``. Interleaving keeps the K and V
+of a head together when the third axis is sharded over tensor parallelism, and one page of one layer is one
+contiguous slab of ``page_size * 2 * num_kv_heads * head_dim`` elements. Page 0 is the null page that padding
+entries of the block tables point at; its contents are never used.
+
+Ragged batch: the queries of all sequences are flattened to ``[num_tokens, num_q_heads, head_dim]``; sequence
+``s`` owns tokens ``cu_q_lens[s]:cu_q_lens[s + 1]`` and has ``kv_lens[s]`` keys (the new tokens included:
+their K/V were written into the pages before attention). Only the first ``num_seqs[0]`` sequences are real;
+tokens past ``cu_q_lens[num_seqs[0]]`` are padding and their output rows are zeros.
+
+Masking convention (causal inside each sequence, optional sliding window ``w``): query ``i`` of a sequence
+with ``q_len`` queries and ``kv_len`` keys sits at position ``x = kv_len - q_len + i``; key position ``p`` is
+visible iff ``x - w < p <= x``, i.e. a query sees itself and the ``w - 1`` keys before it (Hugging Face
+Mistral's convention: ``w`` keys in the window). Without a window every ``p <= x`` is visible.
+
+Logits are ``sm_scale * q.k``, then ``soft_cap * tanh(logits / soft_cap)`` when a soft cap is given, then the
+mask. Masked logits get the finite :data:`MASK_VALUE` (never ``-inf``), so ``max - max`` stays finite, and
+their probabilities are set to exactly zero, so a fully masked row yields zeros."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+BACKENDS = (
+    "auto",
+    "xla",
+    "pallas",
+    "pallas-interpret",
+    "pallas-tpu",
+    "pallas-gpu",
+    "pallas-tpu-interpret",
+    "pallas-gpu-interpret",
+)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+MIN_PAGE_SIZE, MAX_PAGE_SIZE = 8, 256
+
+
+def apply_soft_cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
+    """``soft_cap * tanh(logits / soft_cap)``, or ``logits`` unchanged when ``soft_cap`` is None."""
+    if soft_cap is None:
+        return logits
+    return soft_cap * jnp.tanh(logits / soft_cap)
+
+
+def visible(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """Causal (and sliding-window) visibility of key ``k_pos`` to query ``q_pos`` (broadcasts)."""
+    ok = k_pos <= q_pos
+    if sliding_window is not None:
+        ok = ok & (k_pos > q_pos - sliding_window)
+    return ok
+
+
+def validate_static(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    backend: str,
+) -> None:
+    """Checks shapes, dtypes and static options at trace time; raises ``ValueError``."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if kv_pages.ndim != 4:
+        raise ValueError(
+            f"kv_pages must be [num_pages, page_size, 2 * num_kv_heads, head_dim], got {kv_pages.shape}"
+        )
+    _, num_q_heads, head_dim = q.shape
+    _, page_size, kv_heads_x2, kv_head_dim = kv_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_pages has {kv_head_dim}")
+    if kv_heads_x2 % 2:
+        raise ValueError(f"kv_pages axis 2 must be 2 * num_kv_heads (K, V interleaved), got {kv_heads_x2}")
+    num_kv_heads = kv_heads_x2 // 2
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_pages.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q and kv_pages must be float32 or bfloat16, got {q.dtype} and {kv_pages.dtype}")
+    if kv_lens.ndim != 1 or block_tables.ndim != 2 or kv_lens.shape[0] != block_tables.shape[0]:
+        raise ValueError(
+            f"kv_lens [max_seqs] and block_tables [max_seqs, max_blocks] disagree: "
+            f"{kv_lens.shape}, {block_tables.shape}"
+        )
+    if cu_q_lens.shape != (kv_lens.shape[0] + 1,):
+        raise ValueError(
+            f"cu_q_lens must be [max_seqs + 1] = [{kv_lens.shape[0] + 1}], got {cu_q_lens.shape}"
+        )
+    if num_seqs.shape != (1,):
+        raise ValueError(f"num_seqs must have shape [1], got {num_seqs.shape}")
+    for name, arr in (
+        ("kv_lens", kv_lens),
+        ("block_tables", block_tables),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
+        if arr.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {arr.dtype}")
+    if not isinstance(sm_scale, (int, float)):
+        raise ValueError(f"sm_scale must be a static Python float, got {type(sm_scale)}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be None or > 0, got {soft_cap}")
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window > 0):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    del page_size
+
+
+def validate_kernel_shape(head_dim: int, page_size: int) -> None:
+    """The Pallas kernels' extra constraints (the XLA path takes any shape)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"Pallas kernels support head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE) or page_size & (page_size - 1):
+        raise ValueError(
+            f"Pallas kernels support power-of-two page sizes {MIN_PAGE_SIZE}..{MAX_PAGE_SIZE}, "
+            f"got {page_size}"
+        )
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

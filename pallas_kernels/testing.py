@@ -1,0 +1,140 @@
+"""Random ragged paged batches for tests and benchmarks, with the memory the kernels must not read poisoned.
+
+:func:`make_case` builds a batch from ``(q_len, kv_len)`` pairs: pages in random order, every value
+random (never zeros), and NaN in every place a correct kernel never reads: the null page 0, unused pages,
+the slots of a sequence's last page past its ``kv_len``, and the queries of padding tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.common import cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCase:
+    q: jax.Array  # [num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array  # [max_seqs] int32
+    block_tables: jax.Array  # [max_seqs, max_blocks] int32
+    cu_q_lens: jax.Array  # [max_seqs + 1] int32
+    num_seqs: jax.Array  # [1] int32
+    k_dense: jax.Array  # [max_seqs, max_kv_len, num_kv_heads, head_dim], NaN past kv_len
+    v_dense: jax.Array
+
+    @property
+    def paged_args(self) -> tuple[jax.Array, ...]:
+        return self.q, self.kv_pages, self.kv_lens, self.block_tables, self.cu_q_lens, self.num_seqs
+
+    @property
+    def dense_args(self) -> tuple[jax.Array, ...]:
+        return self.q, self.k_dense, self.v_dense, self.kv_lens, self.cu_q_lens, self.num_seqs
+
+
+def make_case(
+    seed: int,
+    seqs: Sequence[tuple[int, int]],  # (q_len, kv_len) of each real sequence, q_len <= kv_len
+    *,
+    num_tokens: int,
+    max_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype=jnp.float32,
+    max_blocks: int | None = None,
+    extra_pages: int = 3,
+    poison: bool = True,
+) -> PagedCase:
+    """A random ragged batch; padding sequences have ``q_len == kv_len == 0`` and tables full of page 0."""
+    rng = np.random.default_rng(seed)
+    if len(seqs) > max_seqs or sum(q for q, _ in seqs) > num_tokens:
+        raise ValueError("batch does not fit the bucket")
+    if any(not 0 <= q <= kv for q, kv in seqs):
+        raise ValueError(f"need 0 <= q_len <= kv_len, got {seqs}")
+    needed = [cdiv(kv, page_size) for _, kv in seqs]
+    max_blocks = max_blocks or max([1, *needed])
+    num_pages = 1 + sum(needed) + extra_pages
+    nan = np.nan if poison else 0.0
+    pages = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), nan, np.float32)
+    order = rng.permutation(np.arange(1, num_pages))  # random physical page order
+    tables = np.zeros((max_seqs, max_blocks), np.int32)
+    max_kv = max([1, *(kv for _, kv in seqs)])
+    k_dense = np.full((max_seqs, max_kv, num_kv_heads, head_dim), nan, np.float32)
+    v_dense = np.full_like(k_dense, nan)
+    kv_lens = np.zeros((max_seqs,), np.int32)
+    cu = np.zeros((max_seqs + 1,), np.int32)
+    used = 0
+    for s, (q_len, kv_len) in enumerate(seqs):
+        kv_lens[s] = kv_len
+        cu[s + 1] = cu[s] + q_len
+        k = rng.standard_normal((kv_len, num_kv_heads, head_dim), np.float32)
+        v = rng.standard_normal((kv_len, num_kv_heads, head_dim), np.float32)
+        k_dense[s, :kv_len], v_dense[s, :kv_len] = k, v
+        for b in range(needed[s]):
+            page = order[used]
+            used += 1
+            tables[s, b] = page
+            n = min(page_size, kv_len - b * page_size)
+            pages[page, :n, 0::2] = k[b * page_size : b * page_size + n]
+            pages[page, :n, 1::2] = v[b * page_size : b * page_size + n]
+    cu[len(seqs) + 1 :] = cu[len(seqs)]
+    q = rng.standard_normal((num_tokens, num_q_heads, head_dim), np.float32)
+    q[cu[len(seqs)] :] = nan
+    as_dtype = lambda x: jnp.asarray(x, dtype)
+    return PagedCase(
+        q=as_dtype(q),
+        kv_pages=as_dtype(pages),
+        kv_lens=jnp.asarray(kv_lens),
+        block_tables=jnp.asarray(tables),
+        cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.asarray([len(seqs)], jnp.int32),
+        k_dense=as_dtype(k_dense),
+        v_dense=as_dtype(v_dense),
+    )
+
+
+def random_seqs(
+    rng: np.random.Generator, num_tokens: int, max_seqs: int, max_kv: int
+) -> list[tuple[int, int]]:
+    """A random mix of decode, chunked-prefill, full-prefill and empty sequences that fits the bucket."""
+    seqs, budget = [], num_tokens
+    for _ in range(int(rng.integers(1, max_seqs + 1))):
+        kind = rng.choice(["decode", "chunk", "prefill", "empty"], p=[0.4, 0.25, 0.25, 0.1])
+        kv = int(rng.integers(1, max_kv + 1))
+        q = {"decode": 1, "chunk": int(rng.integers(1, kv + 1)), "prefill": kv, "empty": 0}[kind]
+        if kind == "empty" and rng.random() < 0.5:
+            kv = 0
+        if q > budget:
+            q = kv = min(budget, 1)
+        budget -= q
+        seqs.append((q, kv))
+    return seqs
+
+
+def assert_close(out: jax.Array, ref: jax.Array, dtype) -> None:
+    """float32 to about 1e-5, bfloat16 to about 1e-2, relative to the reference's scale; NaN fails."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out)), "kernel output has non-finite values"
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    scale = max(1.0, float(np.max(np.abs(ref))))
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
+
+
+def check_case(case: PagedCase, backend: str, dtype=jnp.float32, **opts) -> None:
+    """Runs ``backend`` on ``case`` and compares it with the dense reference (padding rows must be zeros)."""
+    from pallas_kernels import dense_reference_attention, ragged_paged_attention
+
+    sm_scale = opts.pop("sm_scale", case.q.shape[-1] ** -0.5)
+    out = ragged_paged_attention(*case.paged_args, sm_scale=sm_scale, backend=backend, **opts)
+    ref = dense_reference_attention(*case.dense_args, sm_scale=sm_scale, **opts)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert_close(out, ref, dtype)
+    pad_from = int(case.cu_q_lens[int(case.num_seqs[0])])
+    assert not np.any(np.asarray(out[pad_from:], np.float32)), "padding rows must be zeros"
