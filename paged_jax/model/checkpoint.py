@@ -1,0 +1,50 @@
+"""Orbax checkpoints: the parameter tree under `params/`, the model config as JSON beside it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+
+from paged_jax.config import ModelConfig, _from_dict
+from paged_jax.model.init import Params, param_shapes
+
+CONFIG_FILE = "model_config.json"
+PARAMS_DIR = "params"
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """True for a directory written by `save_checkpoint`."""
+    path = Path(path)
+    return (path / CONFIG_FILE).exists() and (path / PARAMS_DIR).is_dir()
+
+
+def save_checkpoint(path: str | Path, config: ModelConfig, params: Params) -> None:
+    """Write `params` ({"params": ...}) with orbax and `config` as JSON into directory `path` (created)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path / PARAMS_DIR, params, force=True)
+    checkpointer.wait_until_finished()
+    (path / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+    """Restore (config, params) written by `save_checkpoint`; `dtype` overrides the stored dtype."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"{path}: not a paged-jax checkpoint (needs {CONFIG_FILE} and {PARAMS_DIR}/)")
+    config = _from_dict(json.loads((path / CONFIG_FILE).read_text()), str(path / CONFIG_FILE))
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    target = param_shapes(config)
+    restored = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    return config, jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), restored, target)
+
+
+__all__ = ["CONFIG_FILE", "is_checkpoint", "load_checkpoint", "save_checkpoint"]

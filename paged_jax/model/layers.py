@@ -1,0 +1,84 @@
+"""Building blocks of the Llama decoder: RMSNorm, rotary embeddings, SwiGLU MLP.
+
+Numerics follow Hugging Face transformers: RMSNorm in float32 then cast back before the weight;
+RoPE frequencies and rotation in float32 with the non-interleaved `rotate_half` convention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.config import ModelConfig, RopeScaling
+
+Initializer = nn.initializers.Initializer
+INIT_STD = 0.02  # HF `initializer_range`
+kernel_init: Initializer = nn.initializers.normal(INIT_STD)
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x * rsqrt(mean(x^2) + eps)); statistics in float32. x: [..., H] -> [..., H]."""
+
+    hidden_size: int
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (self.hidden_size,), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] float32, with Llama-3 scaling when given (HF's formula)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float32(theta) ** exponent)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: [T, D] float32 for positions [T] (the D/2 frequencies repeated twice, HF layout)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [T, H, D] by cos/sin [T, D] in float32 (x * cos + rotate_half(x) * sin); keeps x.dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, H] -> [T, H]. Kernels stored [in, out]."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        h, i = c.hidden_size, c.intermediate_size
+        gate = self.param("gate_proj", kernel_init, (h, i), dtype)
+        up = self.param("up_proj", kernel_init, (h, i), dtype)
+        down = self.param("down_proj", kernel_init, (i, h), dtype)
+        act = jax.nn.silu(x @ gate) * (x @ up)  # [T, I]
+        return act @ down

@@ -1,0 +1,47 @@
+"""Tensor-parallel layout of the parameters (used by `paged_jax/sharding.py`).
+
+Attention is split by heads (q/k/v on their head axis, o on its input head axis), the MLP by the
+intermediate dimension (gate/up by columns, down by rows), the embedding and LM head by vocab,
+norms replicated. Callers must pick a TP degree that divides num_kv_heads, intermediate and vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from paged_jax.config import ModelConfig
+
+_SPECS: dict[str, Any] = {
+    "q_proj": lambda tp: P(None, tp, None),   # [H, Hq, D]
+    "k_proj": lambda tp: P(None, tp, None),   # [H, Hkv, D]
+    "v_proj": lambda tp: P(None, tp, None),
+    "q_bias": lambda tp: P(tp, None),         # [Hq, D]
+    "k_bias": lambda tp: P(tp, None),
+    "v_bias": lambda tp: P(tp, None),
+    "o_proj": lambda tp: P(tp, None, None),   # [Hq, D, H]
+    "gate_proj": lambda tp: P(None, tp),      # [H, I]
+    "up_proj": lambda tp: P(None, tp),
+    "down_proj": lambda tp: P(tp, None),      # [I, H]
+    "embedding": lambda tp: P(tp, None),      # [V, H]
+    "lm_head": lambda tp: P(None, tp),        # [H, V]
+    "weight": lambda tp: P(),                 # RMSNorm [H]
+}
+
+
+def param_partition_specs(config: ModelConfig, params: Any, tp_axis: str = "tp") -> Any:
+    """A pytree like `params` ({"params": ...}) with a `PartitionSpec` per leaf."""
+    del config  # the layout depends only on the leaf names; kept for the contract and later variants
+
+    def spec(path: tuple[Any, ...], leaf: Any) -> P:
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name not in _SPECS:
+            raise KeyError(f"{jax.tree_util.keystr(path)}: no partition rule")
+        return _SPECS[name](tp_axis)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+__all__ = ["param_partition_specs"]
