@@ -28,7 +28,10 @@ def run(num_pages: int, args: argparse.Namespace) -> dict[str, float]:
 
     running: dict[str, list[int]] = {}
     for i in range(args.running):
-        tokens = [rng.randrange(32000) for _ in range(args.decode_prompt)]
+        # Staggered lengths spread page crossings over the steps as in a real batch; --aligned puts all
+        # 256 crossings (new page, block hashed and cached) into the same step: the worst case.
+        length = args.decode_prompt + (0 if args.aligned else i % args.page_size)
+        tokens = [rng.randrange(32000) for _ in range(length)]
         assert m.admit(f"d{i}", tokens, len(tokens)) is not None
         running[f"d{i}"] = tokens
     prefix = [rng.randrange(32000) for _ in range(args.prefix)]
@@ -99,6 +102,7 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--running", type=int, default=256, help="decoding requests, +1 token each per step")
     p.add_argument("--decode-prompt", type=int, default=128, help="tokens of each decoding request at start")
+    p.add_argument("--aligned", action="store_true", help="all decoding requests cross a page in the same step")
     p.add_argument("--admit", type=int, default=1, help="new requests admitted per step")
     p.add_argument("--prompt", type=int, default=2048, help="tokens per admitted prompt")
     p.add_argument("--prefix", type=int, default=1024, help="tokens of the prefix all admitted prompts share")
@@ -111,6 +115,7 @@ def main() -> None:
     print(
         f"{args.running} decoding requests +1 token/step, {args.admit} admission(s)/step of {args.prompt}-token "
         f"prompts sharing {args.prefix} tokens, page_size {args.page_size}, {args.steps} steps"
+        + (", page crossings aligned" if args.aligned else "")
     )
     print("  ".join(f"{c:>10}" for c in cols) + f"  {'hit_rate':>8}")
     rows = []
