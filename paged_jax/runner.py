@@ -10,6 +10,7 @@ jitted call on device; the host receives only the sampled ids (and requested log
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -66,6 +67,30 @@ def bucket_for(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@functools.cache
+def step_functions(config: ModelConfig, backend: str):
+    """The model and its jitted forward step, shared by every runner with the same config and backend
+    (so engines in one process share compilations).
+
+    forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S])
+        -> (logits [S, V] f32, kv_caches), with kv_caches donated.
+    """
+    attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
+    model = LlamaForCausalLM(config, attention_fn=attn)
+
+    def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
+        hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta)
+        logits = model.apply(params, hidden[logits_indices], method=LlamaForCausalLM.compute_logits)
+        return logits, tuple(kv_caches)
+
+    return model, jax.jit(forward, donate_argnums=(1,))
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _copy_pages(kv_caches, src, dst):
+    return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
+
+
 @dataclass(slots=True)
 class StepResult:
     """Host copies of one step's samples; row r belongs to `SchedulerOutput.sample_rows[r]`."""
@@ -91,21 +116,8 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(kv_dtype or config.dtype)
         shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
         self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype) for _ in range(config.num_layers))
-        attn = partial(paged_attention, backend=attention_backend, sliding_window=config.sliding_window)
-        self.model = LlamaForCausalLM(config, attention_fn=attn)
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
-        self._copy = jax.jit(self._copy_impl, donate_argnums=(0,))
+        self.model, self._forward = step_functions(config, attention_backend)
         self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
-
-    # -- device functions -------------------------------------------------------------------------
-    def _forward_impl(self, params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
-        hidden, kv_caches = self.model.apply(params, token_ids, positions, kv_caches, meta)
-        logits = self.model.apply(params, hidden[logits_indices], method=LlamaForCausalLM.compute_logits)
-        return logits, tuple(kv_caches)
-
-    @staticmethod
-    def _copy_impl(kv_caches, src, dst):
-        return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
 
     # -- host side ----------------------------------------------------------------------------------
     def copy_pages(self, ops: list[tuple[int, int]]) -> None:
@@ -114,7 +126,7 @@ class ModelRunner:
         src = np.zeros(n, np.int32)
         dst = np.zeros(n, np.int32)
         src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
-        self.kv_caches = self._copy(self.kv_caches, src, dst)
+        self.kv_caches = _copy_pages(self.kv_caches, src, dst)
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[tuple, dict]:
         """Build padded numpy step inputs from the scheduler's decision."""

@@ -1,0 +1,251 @@
+"""The engine against the dense model: paging, chunking, prefix caching and preemption change where KV lives,
+never the tokens. Every test ends with every page free and the KV manager's invariants intact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.model.llama import LlamaForCausalLM
+from paged_jax.model.reference import greedy_generate
+from paged_jax.runner import step_functions
+from paged_jax.sampler import sample
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.tokenizer import ByteTokenizer
+
+MAX_TOKENS = 12
+
+
+def make_prompts(n: int, seed: int, max_len: int = 150, shared_prefix: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, 259, shared_prefix).tolist()
+    return [prefix + rng.integers(3, 259, int(rng.integers(1, max_len))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_config, tiny_params):
+    model = LlamaForCausalLM(tiny_config)
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = greedy_generate(model, tiny_params, prompt, MAX_TOKENS, eos=tiny_config.eos_token_ids)
+        return cache[key]
+
+    return greedy
+
+
+def make_engine(tiny_config, tiny_params, **options) -> LLMEngine:
+    options = {"num_pages": 96, "max_num_seqs": 8, "max_num_batched_tokens": 64, "attention_backend": "xla",
+               "warmup": False} | options
+    return LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(**options))
+
+
+def run_workload(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | None = None,
+                 arrive_every: int = 2) -> dict[str, list[int]]:
+    """Requests arrive one every `arrive_every` steps; returns each request's tokens."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    pending = list(enumerate(prompts))
+    results: dict[str, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % arrive_every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        engine.kv.check_invariants()
+        step += 1
+    assert_all_free(engine)
+    return results
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    engine.kv.check_invariants()
+    stats = engine.kv.stats()
+    assert stats.pages_in_use == 0, stats
+    assert stats.pages_free == stats.pages_total
+
+
+def check_against_reference(results, prompts, reference) -> None:
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"] == reference(prompt), f"request r{i} (prompt length {len(prompt)})"
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"page_size": 8, "num_pages": 192},
+    {"page_size": 64, "num_pages": 24},
+    {"chunk_size": 16},
+    {"chunk_size": 64, "max_num_batched_tokens": 128},
+    {"enable_prefix_caching": False},
+], ids=["default", "page8", "page64", "chunk16", "chunk64", "no-prefix-cache"])
+def test_greedy_matches_dense_model(tiny_config, tiny_params, reference, options):
+    engine = make_engine(tiny_config, tiny_params, **options)
+    prompts = make_prompts(10, seed=1)
+    check_against_reference(run_workload(engine, prompts), prompts, reference)
+
+
+def test_preemption_under_a_tiny_kv_budget(tiny_config, tiny_params, reference):
+    engine = make_engine(tiny_config, tiny_params, num_pages=14)  # 13 usable pages = 208 token slots
+    prompts = make_prompts(8, seed=2, max_len=90)
+    results = run_workload(engine, prompts, arrive_every=1)
+    assert engine.stats()["num_preemptions"] > 0
+    check_against_reference(results, prompts, reference)
+
+
+def test_prefix_cache_hits_are_counted_and_exact(tiny_config, tiny_params, reference):
+    engine = make_engine(tiny_config, tiny_params)
+    prompts = make_prompts(6, seed=3, max_len=20, shared_prefix=64)
+    results = run_workload(engine, prompts, arrive_every=4)
+    check_against_reference(results, prompts, reference)
+    stats = engine.kv.stats()
+    assert stats.prefix_hits > 0 and stats.prefix_hit_rate > 0
+    # A fully cached prompt still computes its last token.
+    engine.add_request("again", prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].outputs[0].token_ids == reference(prompts[0])
+    assert outs[0].metrics.num_cached_prompt_tokens == (len(prompts[0]) - 1) // 16 * 16
+    assert_all_free(engine)
+
+
+def test_pallas_interpret_backend_matches(tiny_config, tiny_params, reference):
+    engine = make_engine(tiny_config, tiny_params, attention_backend="pallas-interpret")
+    prompts = make_prompts(3, seed=4, max_len=40)
+    check_against_reference(run_workload(engine, prompts), prompts, reference)
+
+
+def test_parallel_samples_share_the_prompt(tiny_config, tiny_params, reference):
+    engine = make_engine(tiny_config, tiny_params)
+    prompt = make_prompts(1, seed=5, max_len=40)[0]
+    engine.add_request("greedy", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS))
+    engine.add_request("sampled", prompt, SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8,
+                                                         ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished():
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+        engine.kv.check_invariants()
+    assert [c.token_ids for c in finished["greedy"].outputs] == [reference(prompt)] * 3
+    sampled = [tuple(c.token_ids) for c in finished["sampled"].outputs]
+    assert len(set(sampled)) > 1 and all(len(s) == 8 for s in sampled)
+    assert_all_free(engine)
+
+
+def test_seeded_request_is_independent_of_the_batch(tiny_config, tiny_params):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    prompt = make_prompts(1, seed=6)[0]
+    alone = make_engine(tiny_config, tiny_params)
+    alone.add_request("x", prompt, params)
+    crowd = make_engine(tiny_config, tiny_params)
+    for i, other in enumerate(make_prompts(5, seed=7)):
+        crowd.add_request(f"o{i}", other, SamplingParams(temperature=1.0, max_tokens=10))
+    crowd.add_request("x", prompt, params)
+
+    def tokens(engine):
+        got = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == "x" and o.finished:
+                    got = o.outputs[0].token_ids
+        return got
+
+    assert tokens(alone) == tokens(crowd)
+
+
+def test_stop_conditions(tiny_config, tiny_params, reference):
+    engine = make_engine(tiny_config, tiny_params)
+    prompt = make_prompts(1, seed=8, max_len=30)[0]
+    ref = reference(prompt)
+
+    def run(params):
+        engine.add_request("s", prompt, params)
+        final = None
+        while engine.has_unfinished():
+            final = next((o for o in engine.step() if o.finished), final)
+        assert_all_free(engine)
+        return final.outputs[0]
+
+    out = run(SamplingParams(temperature=0.0, max_tokens=5))
+    assert out.token_ids == ref[:5] and out.finish_reason == "length"
+    out = run(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[ref[3]]))
+    assert out.token_ids == ref[: ref.index(ref[3]) + 1] and out.finish_reason == "stop"
+    out = run(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3))
+    assert len(out.logprobs) == len(out.token_ids) and all(len(lp.top) == 3 for lp in out.logprobs)
+    assert all(lp.token_id == lp.top[0][0] for lp in out.logprobs)  # greedy picks the most likely
+    out = run(SamplingParams(temperature=1.0, max_tokens=6, min_tokens=6, stop_token_ids=list(range(3, 200)),
+                             seed=3))
+    assert len(out.token_ids) == 6 and not set(out.token_ids[:5]) & set(range(3, 200))
+
+
+def test_stop_string_truncates_text(tiny_config, tiny_params):
+    engine = make_engine(tiny_config, tiny_params)
+    engine.add_request("t", "hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    full = None
+    while engine.has_unfinished():
+        full = next((o for o in engine.step() if o.finished), full)
+    text = full.outputs[0].text
+    if len(text) < 4:
+        pytest.skip("the random model produced too little text to pick a stop string")
+    stop = text[2:4]
+    engine.add_request("u", "hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    streamed, final = "", None
+    while engine.has_unfinished():
+        for o in engine.step():
+            streamed += o.outputs[0].new_text
+            final = o if o.finished else final
+    assert final.outputs[0].finish_reason == "stop_string"
+    assert final.outputs[0].text == text[: text.find(stop)] == streamed
+
+
+def test_requests_that_cannot_fit_are_rejected(tiny_config, tiny_params):
+    engine = make_engine(tiny_config, tiny_params, num_pages=8, max_model_len=512)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("a", [5] * 500, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="KV pages"):
+        engine.add_request("b", [5] * 200, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request("c", [5, 9999], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("d", [5], SamplingParams(temperature=-1.0))
+    assert not engine.has_unfinished()
+
+
+def test_abort_frees_every_page(tiny_config, tiny_params):
+    engine = make_engine(tiny_config, tiny_params)
+    for i, prompt in enumerate(make_prompts(4, seed=9)):
+        engine.add_request(f"a{i}", prompt, SamplingParams(n=2, temperature=1.0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.stats().pages_in_use > 0
+    for i in range(4):
+        out = engine.abort(f"a{i}")
+        assert out.finished and all(c.finish_reason == "abort" for c in out.outputs)
+    assert engine.abort("a0") is None
+    assert not engine.has_unfinished()
+    assert_all_free(engine)
+
+
+def test_no_recompilation_after_warmup(tiny_config, tiny_params):
+    engine = make_engine(tiny_config, tiny_params, num_pages=20, warmup=True, max_num_batched_tokens=64)
+    _, forward = step_functions(tiny_config, "xla")
+    compiled = (forward._cache_size(), sample._cache_size())
+    rng = np.random.default_rng(10)
+    prompts = make_prompts(24, seed=10, max_len=120)
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_p=float(rng.choice([1.0, 0.9])),
+                             max_tokens=int(rng.integers(1, 30)), n=int(rng.choice([1, 1, 2])), ignore_eos=True,
+                             logprobs=int(rng.choice([0, 2])) or None) for _ in prompts]
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        for _ in range(int(rng.integers(0, 3))):
+            if pending:
+                i, prompt = pending.pop(0)
+                engine.add_request(f"w{i}", prompt, params[i])
+        engine.step()
+    assert engine.stats()["num_preemptions"] > 0  # the workload exercised preemption too
+    assert (forward._cache_size(), sample._cache_size()) == compiled
+    assert_all_free(engine)
