@@ -173,7 +173,16 @@ def from_hf_config(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     supported = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
     if arch not in supported:
         raise ConfigError(f"architectures: {arch!r} is not a supported Llama-family model ({supported})")
-    rs = hf.get("rope_scaling")
+    if hf.get("mlp_bias"):
+        raise ConfigError("mlp_bias: MLP biases are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: only 'silu' (SwiGLU) is supported, got {hf['hidden_act']!r}")
+    if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
+        raise ConfigError("attention_bias: Llama's o_proj bias is not supported (only Qwen2-style q/k/v biases)")
+    # transformers < 5 writes `rope_theta` and `rope_scaling`; >= 5 nests both in `rope_parameters`
+    rope_params = hf.get("rope_parameters") or {}
+    rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rs = hf.get("rope_scaling") or rope_params
     rope_scaling = None
     if rs:
         kind = rs.get("rope_type", rs.get("type"))
@@ -205,7 +214,7 @@ def from_hf_config(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),

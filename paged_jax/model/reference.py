@@ -43,14 +43,19 @@ def _greedy(model: LlamaForCausalLM, params: Params, buf: jax.Array, length: jax
 
 
 def greedy_generate(model: LlamaForCausalLM, params: Params, prompt_ids: Sequence[int], max_new_tokens: int,
-                    eos: int | Sequence[int] | None = None) -> list[int]:
-    """The greedy continuation of `prompt_ids` (new tokens only), stopping after the first `eos` id."""
+                    eos: int | Sequence[int] | None = None, pad_to: int | None = None) -> list[int]:
+    """The greedy continuation of `prompt_ids` (new tokens only), stopping after the first `eos` id.
+
+    The buffer is padded to `pad_to` tokens if given (>= prompt + new tokens), else to a power of two.
+    """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("prompt_ids: must hold at least one token")
     if max_new_tokens <= 0:
         return []
-    size = _bucket(len(prompt) + max_new_tokens)
+    size = _bucket(len(prompt) + max_new_tokens) if pad_to is None else pad_to
+    if size < len(prompt) + max_new_tokens:
+        raise ValueError(f"pad_to: {size} is shorter than prompt + new tokens ({len(prompt) + max_new_tokens})")
     buf = jnp.zeros((size,), jnp.int32).at[: len(prompt)].set(jnp.asarray(prompt, jnp.int32))
     out = _greedy(model, params, buf, jnp.int32(len(prompt)), max_new_tokens)
     new = [int(t) for t in jax.device_get(out)[len(prompt): len(prompt) + max_new_tokens]]
