@@ -1,0 +1,108 @@
+"""HF import errors name the tensor; orbax round trip; load_model sources; partition specs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from paged_jax.config import load_model_config
+from paged_jax.model.hf_import import WeightsError, load_hf_params
+from paged_jax.model.init import init_params
+from paged_jax.model.weights import load_checkpoint, load_model, param_partition_specs, save_checkpoint
+
+GQA = Path(__file__).parent / "data" / "hf_gqa"
+
+
+def _broken_copy(tmp_path: Path, edit) -> Path:
+    directory = tmp_path / "broken"
+    directory.mkdir()
+    shutil.copy(GQA / "config.json", directory / "config.json")
+    tensors = load_file(str(GQA / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def _load(directory: Path):
+    return load_hf_params(directory, load_model_config(directory))
+
+
+def test_missing_tensor_is_named(tmp_path):
+    d = _broken_copy(tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(WeightsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight: missing"):
+        _load(d)
+
+
+def test_extra_tensor_is_named(tmp_path):
+    d = _broken_copy(tmp_path, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(64, "f4")}))
+    with pytest.raises(WeightsError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias: unexpected"):
+        _load(d)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"  # [16, 64] stored transposed
+    d = _broken_copy(tmp_path, lambda t: t.update({name: np.ascontiguousarray(t[name].T)}))
+    with pytest.raises(WeightsError, match=rf"{name}: shape \(64, 16\) does not fit the config \(expected \(16, 64\)\)"):
+        _load(d)
+
+
+def test_bad_dtype_is_named(tmp_path):
+    name = "model.norm.weight"
+    d = _broken_copy(tmp_path, lambda t: t.update({name: t[name].astype(np.int32)}))
+    with pytest.raises(WeightsError, match=rf"{name}: dtype int32 cannot be loaded"):
+        _load(d)
+
+
+def test_pickle_checkpoints_are_not_read(tmp_path):
+    shutil.copy(GQA / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(WeightsError, match="no \\*.safetensors"):
+        _load(tmp_path)
+
+
+def test_bfloat16_import_and_dtype_override(tmp_path):
+    config, params32, _ = load_model(GQA, dtype="float32")
+    config16, params16, tok = load_model(GQA, dtype="bfloat16")
+    assert config16.dtype == "bfloat16" and tok.vocab_size == 320
+    for a, b in zip(jax.tree_util.tree_leaves(params32), jax.tree_util.tree_leaves(params16), strict=True):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
+
+
+def test_orbax_round_trip(tmp_path, tiny_config):
+    config = tiny_config.replace(tie_word_embeddings=True, attention_bias=True, dtype="bfloat16")
+    params = init_params(config, seed=5)
+    save_checkpoint(tmp_path / "ckpt", config, params)
+    restored_config, restored = load_checkpoint(tmp_path / "ckpt")
+    assert restored_config == config
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(params)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(restored), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    config2, params2, tokenizer = load_model(str(tmp_path / "ckpt"), dtype="float32")
+    assert config2.dtype == "float32" and params2["params"]["norm"]["weight"].dtype == jnp.float32
+    assert tokenizer.encode("a", add_bos=False) == [3 + 97]
+
+
+def test_partition_specs_match_params(tiny_config):
+    config = tiny_config.replace(attention_bias=True)
+    params = init_params(config, 0)
+    specs = param_partition_specs(config, params)
+    assert jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P)) == \
+        jax.tree_util.tree_structure(params)
+    layer = specs["params"]["layers_0"]
+    assert layer["self_attn"]["k_proj"] == P(None, "tp", None)
+    assert layer["self_attn"]["o_proj"] == P("tp", None, None)
+    assert layer["mlp"]["down_proj"] == P("tp", None) and layer["input_layernorm"]["weight"] == P()
+    assert specs["params"]["embed_tokens"]["embedding"] == P("tp", None)
+    assert specs["params"]["lm_head"] == P(None, "tp")
+    for spec, leaf in zip(jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+                          jax.tree_util.tree_leaves(params), strict=True):
+        assert len(spec) <= leaf.ndim
