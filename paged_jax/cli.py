@@ -1,0 +1,97 @@
+"""The `paged-jax` console script: one argparse subcommand per entry of `COMMANDS`.
+
+To add a subcommand, write `add_args(parser)` and `run(args) -> int` (in this file or its own
+module) and register them: `COMMANDS["name"] = Command(help, add_args, run)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from paged_jax.config import DTYPES
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _add_convert_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
+    parser.add_argument("--out", required=True, help="orbax checkpoint directory to write")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Import an HF directory and write it as an orbax checkpoint (plus its config JSON)."""
+    from paged_jax.model.checkpoint import save_checkpoint
+    from paged_jax.model.init import count_params, param_bytes
+    from paged_jax.model.weights import load_model
+
+    start = time.perf_counter()
+    config, params, _ = load_model(args.hf, dtype=args.dtype)
+    save_checkpoint(args.out, config, params)
+    print(f"wrote {args.out}: {count_params(params):,} parameters, {param_bytes(params):,} bytes "
+          f"({config.dtype}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _add_info_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="config name (e.g. tiny, llama-3.2-1b), config JSON, HF directory or orbax checkpoint")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for random weights (config names only)")
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """Load the model (random weights for a config name) and print its shape, size and memory."""
+    import jax
+
+    from paged_jax.model.init import count_params, param_bytes
+    from paged_jax.model.weights import load_model
+
+    start = time.perf_counter()
+    config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    jax.block_until_ready(params)
+    elapsed = time.perf_counter() - start
+    n, nbytes = count_params(params), param_bytes(params)
+    print(f"model: {config.name} ({config.dtype})")
+    print(f"layers={config.num_layers} hidden={config.hidden_size} heads={config.num_heads} "
+          f"kv_heads={config.num_kv_heads} head_dim={config.head_dim} intermediate={config.intermediate_size} "
+          f"vocab={config.vocab_size} tied={config.tie_word_embeddings}")
+    print(f"parameters: {n:,}")
+    print(f"memory: {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB)")
+    kv = config.kv_bytes_per_token(jax.numpy.dtype(config.dtype).itemsize)
+    print(f"kv cache: {kv:,} bytes per token")
+    print(f"tokenizer: {type(tokenizer).__name__} (vocab {tokenizer.vocab_size})")
+    print(f"loaded in {elapsed:.1f} s on {jax.devices()[0].platform}")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "convert": Command("convert a Hugging Face directory to an orbax checkpoint", _add_convert_args, run_convert),
+    "info": Command("load a model and print its parameter count and memory", _add_info_args, run_info),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        command.add_args(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
