@@ -1,0 +1,97 @@
+"""Ahead-of-time compile of the TPU kernels for real TPU targets, on a machine without a TPU.
+
+With ``libtpu`` installed (``pip install -e '.[tpu]'``), ``jax.experimental.topologies.get_topology_desc``
+describes a TPU slice; ``jax.jit(...).lower(...).compile()`` against its devices runs the real Mosaic compiler,
+so layout, tiling, VMEM and DMA errors in the kernels show up here. Exits non-zero on any failure.
+
+    .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+import traceback
+
+# Compiling needs libtpu, not a TPU; do not fight another process's libtpu lock (e.g. a test run nearby).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu  # noqa: E402
+
+# (num_tokens, max_seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, window, soft_cap)
+CASES = [
+    (16, 8, 8, 1, 64, 8, jnp.float32, None, None),  # MQA, smallest page
+    (64, 64, 32, 8, 128, 16, jnp.bfloat16, None, None),  # decode bucket, GQA 4
+    (256, 8, 8, 8, 128, 32, jnp.bfloat16, 128, None),  # prefill, GQA 1, sliding window
+    (128, 16, 16, 2, 256, 64, jnp.bfloat16, None, 30.0),  # GQA 8, soft cap
+    (32, 8, 4, 4, 64, 256, jnp.float32, None, None),  # largest page
+    (64, 16, 8, 2, 128, 128, jnp.float32, 64, 50.0),
+    (32, 8, 2, 1, 64, 16, jnp.bfloat16, None, None),  # bf16 with head_dim 64, MQA
+    (16, 8, 4, 2, 256, 8, jnp.float32, 16, None),
+]
+
+
+def compile_case(device, generation, case) -> None:
+    num_tokens, max_seqs, qh, kvh, d, page, dtype, window, cap = case
+    max_blocks = max(2, 8192 // page)
+    num_pages = max_seqs * max_blocks + 1
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
+    args = (
+        sds((num_tokens, qh, d), dtype),
+        sds((num_pages, page, 2 * kvh, d), dtype),
+        sds((max_seqs,), jnp.int32),
+        sds((max_seqs, max_blocks), jnp.int32),
+        sds((max_seqs + 1,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
+    fn = jax.jit(
+        lambda *a: ragged_paged_attention_tpu(
+            *a, sm_scale=d**-0.5, soft_cap=cap, sliding_window=window, generation=generation
+        )
+    )
+    # Tells Pallas which TPU it lowers for (the default backend here is the CPU).
+    mesh = jax.sharding.Mesh([device], ("x",))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        fn.lower(*args).compile()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--topologies", nargs="+", default=["v5e:1x1", "v6e:1x1"])
+    args = parser.parse_args()
+    failures = 0
+    for topo in args.topologies:
+        try:
+            # One host per chip so that 1x1 slices are valid.
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chips_per_host_bounds=(1, 1, 1))
+        except Exception as e:  # noqa: BLE001 - report and count any failure to get the target
+            print(f"FAIL {topo}: no topology ({type(e).__name__}: {e})")
+            failures += 1
+            continue
+        device = desc.devices[0]
+        generation = topo.split(":")[0]
+        for case in CASES:
+            name = f"{topo} {device.device_kind!r} " + " ".join(
+                str(getattr(x, "__name__", x)) for x in itertools.chain(case)
+            )
+            t0 = time.perf_counter()
+            try:
+                compile_case(device, generation, case)
+                print(f"ok   {name} ({time.perf_counter() - t0:.1f}s)")
+            except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+                failures += 1
+                print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
