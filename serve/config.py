@@ -1,0 +1,68 @@
+"""Serving options: where to listen, who may call, and the per-request limits enforced at the door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ServingLimits:
+    """Per-request limits; a request beyond any of them gets INVALID_ARGUMENT naming the field.
+
+    `max_prompt_tokens` 0 means "the model's length"; the engine also refuses prompt + max_tokens
+    beyond `max_model_len` and requests that could never fit the KV cache.
+    """
+
+    max_prompt_tokens: int = 0
+    max_tokens: int = 4096  # upper bound for SamplingParams.max_tokens
+    default_max_tokens: int = 16  # when the request leaves max_tokens unset
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_request_id_chars: int = 256
+    max_cache_salt_chars: int = 256
+    max_message_bytes: int = 4 * 2**20  # gRPC receive limit; larger messages get RESOURCE_EXHAUSTED
+
+    def validate(self) -> None:
+        for name in ("max_tokens", "default_max_tokens", "max_n", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError("default_max_tokens: must be <= max_tokens")
+
+
+@dataclass(slots=True)
+class ServingConfig:
+    """The gRPC server. Binds to loopback unless told otherwise; TLS and auth are off unless configured."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    metrics_port: int | None = None  # Prometheus endpoint on its own port (None: off, 0: a free port)
+    metrics_host: str = "127.0.0.1"
+    tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file turns TLS on
+    tls_key_file: str | None = None
+    auth_token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
+    auth_exempt_health: bool = True  # health checks need no token (load balancers)
+    max_queued_requests: int = 256  # accepted but not yet started; beyond it RESOURCE_EXHAUSTED
+    grace_period_s: float = 30.0  # on SIGTERM, in-flight requests get this long before they are aborted
+    limits: ServingLimits | None = None
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = ServingLimits()
+
+    def validate(self) -> None:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file: TLS needs both a certificate and a key file")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token: must not be empty")
+        if self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests: must be >= 0")
+        if self.grace_period_s < 0:
+            raise ValueError("grace_period_s: must be >= 0")
+        self.limits.validate()
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None

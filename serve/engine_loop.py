@@ -1,0 +1,275 @@
+"""The engine loop: one thread owns the engine; asyncio handlers talk to it through queues.
+
+Handlers call `submit`, `abort` and `call` from the event loop; those only put a command on a
+thread-safe queue. The loop thread drains every command before each engine step (so an abort frees a
+request's pages before the next step runs), steps, and hands each request's output to its
+`RequestStream` with `loop.call_soon_threadsafe` into a per-request `asyncio.Queue`.
+
+A request that fails inside this bridge fails alone (INTERNAL, its pages freed through
+`engine.fail`). An exception from `engine.step()` cannot be pinned on one request and leaves the
+engine's state unknown: the loop then dies, every open stream ends with UNAVAILABLE at once, death
+callbacks run (health turns NOT_SERVING), and later submissions are refused with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from paged_jax.engine import LLMEngine
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+from serve.convert import RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Event:
+    """One item for a request's stream: an engine output, or a terminal error status."""
+
+    output: RequestOutput | None = None
+    code: grpc.StatusCode | None = None
+    message: str = ""  # why the request was aborted (with an output) or failed (with a code)
+
+
+class RequestStream:
+    """The asyncio side of one request; `get` yields its events in order."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.started = False  # an output has arrived (the request left the waiting queue)
+
+    def push(self, event: Event) -> None:
+        """Thread-safe; a stream whose event loop has closed drops the event."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    async def get(self) -> Event:
+        return await self._queue.get()
+
+
+@dataclass(slots=True)
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+    message: str
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+
+
+class EngineLoop:
+    """Owns `engine` on a daemon thread. `on_step(engine)` runs after every step (metrics)."""
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None,
+                 idle_poll_s: float = 0.5) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}  # open requests; guarded by _lock
+        self._num_queued = 0  # open requests without an output yet; guarded by _lock
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._stop = False
+        self.error: BaseException | None = None  # set when the loop died
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # -- the asyncio side -----------------------------------------------------------------------------
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
+        """`fn(error)` runs on the loop thread if the loop dies (at once if it already has)."""
+        with self._lock:
+            if self.error is None:
+                self._death_callbacks.append(fn)
+                return
+        fn(self.error)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               cache_salt: str | None, max_queued: int | None = None) -> RequestStream:
+        """Register a request and queue it for the engine. Raises RequestError when it cannot be taken."""
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            if self.error is not None or self._stop:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine: not running")
+            if request_id in self._streams:
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in use")
+            if max_queued is not None and self._num_queued >= max_queued:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"queue: {self._num_queued} requests already waiting (limit {max_queued})")
+            self._streams[request_id] = stream
+            self._num_queued += 1
+            self._commands.put(_Add(stream, prompt_token_ids, params, cache_salt))  # under the lock: see _die
+        return stream
+
+    def abort(self, request_id: str, message: str = "aborted") -> None:
+        """Abort before the next step; the stream (if still read) gets a final ABORT output."""
+        self._commands.put(_Abort(request_id, message))
+
+    def abort_all(self, message: str) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.abort(rid, message)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the loop thread between two steps and return its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:  # _die sets `error` under the lock and then drains: no call is left behind
+            if self.error is not None or not self._thread.is_alive():
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine: not running")
+            self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the thread after the current step (open requests are aborted)."""
+        self._stop = True
+        self._commands.put(None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- the loop thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._drain(block=not engine.has_unfinished())
+                if self._stop or not engine.has_unfinished():
+                    continue
+                for out in engine.step():
+                    self._deliver(out)
+                if self._on_step is not None:
+                    self._on_step(engine)
+            for rid in list(self._streams):
+                self._abort(rid, "server stopped")
+        except BaseException as e:  # noqa: BLE001 - the loop must report any death, then stop
+            log.exception("engine loop died")
+            self._die(e)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id, cmd.message)
+            elif isinstance(cmd, _Call):
+                if cmd.future.set_running_or_notify_cancel():
+                    try:
+                        cmd.future.set_result(cmd.fn(self.engine))
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        cmd.future.set_exception(e)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.stream.request_id
+        if self._streams.get(rid) is not cmd.stream:
+            return  # aborted before it reached the engine
+        try:
+            self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt)
+        except ValueError as e:
+            self._close(rid, Event(code=grpc.StatusCode.INVALID_ARGUMENT, message=str(e)))
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            log.exception("add_request failed for %s", rid)
+            self.engine.abort(rid)
+            self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"add_request: {e}"))
+
+    def _abort(self, request_id: str, message: str) -> None:
+        out = self.engine.abort(request_id)
+        if request_id in self._streams:
+            self._close(request_id, Event(output=out, message=message) if out is not None
+                        else Event(code=grpc.StatusCode.CANCELLED, message=message))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        rid = out.request_id
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        try:
+            if not stream.started:
+                stream.started = True
+                with self._lock:
+                    self._num_queued -= 1
+            if out.finished:
+                self._close(rid, Event(output=out))
+            else:
+                stream.push(Event(output=out))
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            log.exception("delivering output of %s failed", rid)
+            self.engine.fail(rid, str(e))
+            self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"output: {e}"))
+
+    def _close(self, request_id: str, event: Event) -> None:
+        """Unregister a request and push its last event."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None and not stream.started:
+                self._num_queued -= 1
+        if stream is not None:
+            stream.started = True
+            stream.push(event)
+
+    def _die(self, error: BaseException) -> None:
+        with self._lock:
+            self.error = error
+            streams, self._streams, self._num_queued = list(self._streams.values()), {}, 0
+            callbacks, self._death_callbacks = self._death_callbacks, []
+        message = f"engine loop died: {type(error).__name__}: {error}"
+        for stream in streams:
+            stream.push(Event(code=grpc.StatusCode.UNAVAILABLE, message=message))
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Call):
+                cmd.future.set_exception(RequestError(grpc.StatusCode.UNAVAILABLE, message))
+        for fn in callbacks:
+            try:
+                fn(error)
+            except Exception:  # noqa: BLE001
+                log.exception("death callback failed")

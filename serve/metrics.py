@@ -1,0 +1,75 @@
+"""Prometheus metrics on their own port, in a registry of their own (several servers can share a process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from paged_jax.engine import LLMEngine
+from paged_jax.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("paged_jax_requests", "Finished RPCs by method and gRPC status", ["method", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("paged_jax_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("paged_jax_generated_tokens", "Generated tokens (all samples)", registry=r)
+        self.ttft = Histogram("paged_jax_time_to_first_token_seconds", "Arrival at the engine to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("paged_jax_time_per_output_token_seconds", "Mean time between output tokens",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("paged_jax_queue_depth", "Requests accepted but not yet started", registry=r)
+        self.waiting = Gauge("paged_jax_scheduler_waiting", "Sequences in the scheduler's waiting queue", registry=r)
+        self.running = Gauge("paged_jax_running", "Sequences running in the engine", registry=r)
+        self.kv_utilization = Gauge("paged_jax_kv_pages_in_use_ratio", "KV pages in use / usable pages", registry=r)
+        self.kv_slot_utilization = Gauge("paged_jax_kv_slot_utilization", "Live token slots / slots of pages in use",
+                                         registry=r)
+        self.prefix_hit_rate = Gauge("paged_jax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.preemptions = Counter("paged_jax_preemptions", "Sequences preempted for lack of KV pages", registry=r)
+        self.engine_alive = Gauge("paged_jax_engine_alive", "1 while the engine loop runs", registry=r)
+        self._preemptions_seen = 0
+        self.queued_fn = lambda: 0
+        self.queue_depth.set_function(lambda: self.queued_fn())
+
+    def on_step(self, engine: LLMEngine) -> None:
+        """Engine gauges; runs on the engine loop thread after every step."""
+        s = engine.stats()
+        self.waiting.set(s["num_waiting"])
+        self.running.set(s["num_running"])
+        self.kv_utilization.set(s["pages_in_use"] / max(1, s["pages_total"]))
+        self.kv_slot_utilization.set(s["kv_utilization"])
+        self.prefix_hit_rate.set(s["prefix_hit_rate"])
+        new = s["num_preemptions"] - self._preemptions_seen
+        if new > 0:
+            self.preemptions.inc(new)
+            self._preemptions_seen = s["num_preemptions"]
+
+    def on_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generated_tokens.inc(m.num_generated_tokens)
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        if m.time_per_output_token is not None:
+            self.tpot.observe(m.time_per_output_token)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint; returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()

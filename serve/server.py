@@ -1,0 +1,175 @@
+"""The grpc.aio server around one engine loop: services, health, reflection, auth, TLS, graceful drain.
+
+`GrpcServer` is one front end (ports, interceptors, servicer); it does not own the engine loop, so
+tests can put several front ends (plain, TLS, with auth) on one engine. `serve_forever` is the
+`paged-jax serve` process: it owns the loop, the metrics endpoint and the SIGTERM/SIGINT handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from paged_jax.engine import LLMEngine
+from serve.auth import BearerTokenInterceptor, server_credentials
+from serve.config import ServingConfig
+from serve.engine_loop import EngineLoop
+from serve.metrics import Metrics
+from serve.servicer import SERVICE_NAME, GenerationServicer, generic_handler
+
+log = logging.getLogger(__name__)
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class GrpcServer:
+    """One gRPC front end over `loop`; create, `await start()`, later `await drain_and_stop()`."""
+
+    def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics | None = None) -> None:
+        config.validate()
+        self.loop, self.config = loop, config
+        self.metrics = metrics or Metrics()
+        self.servicer = GenerationServicer(loop, config, self.metrics)
+        self.health = health_aio.HealthServicer()
+        self.port: int | None = None
+        self._server: aio.Server | None = None
+
+    async def start(self) -> int:
+        cfg = self.config
+        interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
+        options = [("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        server = aio.server(interceptors=interceptors, options=options)
+        server.add_generic_rpc_handlers([generic_handler(self.servicer)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls:
+            self.port = server.add_secure_port(address, server_credentials(cfg.tls_cert_file, cfg.tls_key_file))
+        else:
+            self.port = server.add_insecure_port(address)
+        await server.start()
+        self._server = server
+        aio_loop = asyncio.get_running_loop()
+        self.loop.add_death_callback(lambda e: aio_loop.call_soon_threadsafe(self._on_engine_death, e))
+        if self.loop.alive:
+            for service in ("", SERVICE_NAME):
+                await self.health.set(service, SERVING)
+        self.metrics.queued_fn = lambda: self.loop.num_queued
+        log.info("serving %s on %s:%d (tls %s, auth %s)", SERVICE_NAME, cfg.host, self.port, cfg.tls,
+                 cfg.auth_token is not None)
+        return self.port
+
+    def _on_engine_death(self, error: BaseException) -> None:
+        log.error("engine loop died (%s): health NOT_SERVING", error)
+        self.metrics.engine_alive.set(0)
+        asyncio.ensure_future(self._set_all(NOT_SERVING))
+
+    async def _set_all(self, status) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def drain_and_stop(self, grace_period_s: float | None = None) -> None:
+        """Health NOT_SERVING and refuse new generations, let open ones finish for the grace period, abort
+        the rest (each gets a final ABORT message), then stop the server."""
+        grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = time.monotonic() + grace
+        while self.loop.num_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.loop.num_open:
+            log.warning("grace period over: aborting %d open requests", self.loop.num_open)
+            self.loop.abort_all("aborted: the server is shutting down")
+            flush_deadline = time.monotonic() + 5.0
+            while self.loop.num_open and time.monotonic() < flush_deadline:
+                await asyncio.sleep(0.02)
+        await self._server.stop(grace=1.0)  # lets the final messages reach their clients
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+
+class ServerThread:
+    """A `GrpcServer` on its own event loop thread (tests, embedding); `start()` returns once it listens."""
+
+    def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics | None = None) -> None:
+        self.server = GrpcServer(loop, config, metrics)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="grpc-server", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def target(self) -> str:
+        return f"{self.server.config.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _main(self) -> None:
+        async def run() -> None:
+            self._aio_loop, self._stopped = asyncio.get_running_loop(), asyncio.Event()
+            try:
+                await self.server.start()
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                self._ready.set()
+            await self._stopped.wait()
+
+        try:
+            asyncio.run(run())
+        except BaseException:  # noqa: BLE001 - reported through start()
+            pass
+
+    def stop(self, grace_period_s: float = 0.0) -> None:
+        if self._aio_loop is None or not self._thread.is_alive():
+            return
+
+        async def shutdown() -> None:
+            await self.server.drain_and_stop(grace_period_s)
+            self._stopped.set()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._aio_loop).result(30)
+        self._thread.join(10)
+
+
+async def serve_forever(engine: LLMEngine, config: ServingConfig) -> None:
+    """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return (exit code 0)."""
+    metrics = Metrics()
+    loop = EngineLoop(engine, on_step=metrics.on_step).start()
+    metrics.engine_alive.set(1)
+    if config.metrics_port is not None:
+        port = metrics.serve(config.metrics_host, config.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
+    server = GrpcServer(loop, config, metrics)
+    port = await server.start()
+    print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining for up to %.1f s", config.grace_period_s)
+    await server.drain_and_stop()
+    loop.stop()
+    metrics.close()

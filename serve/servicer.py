@@ -1,0 +1,189 @@
+"""The GenerationService handlers: validate, submit to the engine loop, stream the outputs back.
+
+Cancellation, a missed deadline and a dropped connection all cancel the handler's task; its
+`finally` then asks the engine loop to abort the request, which frees its pages before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from paged_jax.engine import LLMEngine
+from serve import convert
+from serve.config import ServingConfig
+from serve.convert import InvalidRequest, ParsedRequest, RequestError, invalid
+from serve.engine_loop import EngineLoop, Event, RequestStream
+from serve.metrics import Metrics
+from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class GenerationServicer:
+    def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics) -> None:
+        self.loop, self.config, self.metrics = loop, config, metrics
+        engine: LLMEngine = loop.engine
+        self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
+        self.max_model_len, self.max_n = engine.max_model_len, engine.engine_config.max_n
+        self.draining = False  # set on shutdown: new generations get UNAVAILABLE
+
+    # -- generation ---------------------------------------------------------------------------------
+    def _parse(self, request: pb.GenerateRequest | InvalidRequest) -> ParsedRequest:
+        if isinstance(request, InvalidRequest):
+            raise invalid(request.message)
+        return convert.parse_generate(request, self.config.limits, self.tokenizer, self.vocab_size,
+                                      self.max_model_len, self.max_n)
+
+    def _submit(self, parsed: ParsedRequest) -> RequestStream:
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
+        rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
+        return self.loop.submit(rid, parsed.prompt_token_ids, parsed.params, parsed.cache_salt,
+                                self.config.max_queued_requests)
+
+    async def _events(self, stream: RequestStream) -> AsyncIterator[Event]:
+        """The stream's events until its last; aborts the request if the consumer stops early."""
+        done = False
+        try:
+            while True:
+                event = await stream.get()
+                if event.code is not None:
+                    done = True
+                    raise RequestError(event.code, event.message)
+                done = event.output.finished
+                yield event
+                if done:
+                    return
+        finally:
+            if not done:
+                self.loop.abort(stream.request_id, "cancelled by the client")
+
+    async def Generate(self, request, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        status = grpc.StatusCode.OK
+        try:
+            parsed = self._parse(request)
+            stream = self._submit(parsed)
+            mode, rid = parsed.output_mode, stream.request_id
+            ended: set[int] = set()  # samples whose last chunk (with its finish reason) went out
+            async for event in self._events(stream):
+                out = event.output
+                for c in out.outputs:
+                    if c.new_token_ids or c.new_text or (c.finished and c.index not in ended):
+                        if c.finished:
+                            ended.add(c.index)
+                        yield pb.GenerateResponse(request_id=rid, chunk=convert.chunk(c, mode))
+                if out.finished:
+                    self.metrics.on_finished(out)
+                    yield pb.GenerateResponse(request_id=rid, final=convert.final(out, event.message))
+        except RequestError as e:
+            status = e.code
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            if isinstance(e, aio.AbortError):
+                raise
+            status = grpc.StatusCode.INTERNAL
+            log.exception("Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.metrics.requests.labels("Generate", status.name).inc()
+
+    async def GenerateUnary(self, request, context: aio.ServicerContext) -> pb.GenerateUnaryResponse:
+        status = grpc.StatusCode.OK
+        try:
+            parsed = self._parse(request)
+            stream = self._submit(parsed)
+            async for event in self._events(stream):
+                if event.output.finished:
+                    self.metrics.on_finished(event.output)
+                    return convert.unary(event.output, parsed.output_mode, event.message)
+            raise RequestError(grpc.StatusCode.INTERNAL, "engine: the request ended without a final output")
+        except RequestError as e:
+            status = e.code
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            if isinstance(e, aio.AbortError):
+                raise
+            status = grpc.StatusCode.INTERNAL
+            log.exception("GenerateUnary failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.metrics.requests.labels("GenerateUnary", status.name).inc()
+
+    # -- the rest -------------------------------------------------------------------------------------
+    async def GetModelInfo(self, request, context: aio.ServicerContext) -> pb.ModelInfo:
+        engine, lim = self.loop.engine, self.config.limits
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return pb.ModelInfo(
+            name=engine.config.name, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            page_size=engine.engine_config.page_size, num_pages=engine.num_pages - 1,
+            kv_capacity_tokens=(engine.num_pages - 1) * engine.engine_config.page_size,
+            eos_token_ids=list(engine.config.eos_token_ids), bos_token_id=bos,
+            max_prompt_tokens=min(lim.max_prompt_tokens or self.max_model_len, self.max_model_len - 1),
+            max_tokens_limit=lim.max_tokens, max_n=min(lim.max_n, self.max_n), max_stop_strings=lim.max_stop_strings,
+            max_stop_string_chars=lim.max_stop_string_chars)
+
+    async def Tokenize(self, request, context: aio.ServicerContext) -> pb.TokenizeResponse:
+        if isinstance(request, InvalidRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        add_bos = request.add_bos if request.HasField("add_bos") else True
+        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_bos=add_bos))
+
+    async def Detokenize(self, request, context: aio.ServicerContext) -> pb.DetokenizeResponse:
+        try:
+            if isinstance(request, InvalidRequest):
+                raise invalid(request.message)
+            ids = convert.check_token_ids("token_ids", request.token_ids, self.vocab_size)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return pb.DetokenizeResponse(text=self.tokenizer.decode(ids))
+
+    async def GetStats(self, request, context: aio.ServicerContext) -> pb.Stats:
+        check = not isinstance(request, InvalidRequest) and request.check_invariants
+
+        def read(engine: LLMEngine) -> pb.Stats:
+            s = engine.stats()
+            msg = pb.Stats(pages_total=s["pages_total"], pages_free=s["pages_free"], pages_in_use=s["pages_in_use"],
+                           pages_cached_free=s["pages_cached_free"], kv_utilization=s["kv_utilization"],
+                           prefix_hit_rate=s["prefix_hit_rate"], num_preemptions=s["num_preemptions"],
+                           num_waiting=s["num_waiting"], num_running=s["num_running"],
+                           num_open_requests=self.loop.num_open, num_steps=engine.num_steps)
+            if check:
+                try:
+                    engine.kv.check_invariants()
+                    msg.invariants_ok = True
+                except AssertionError as e:
+                    msg.invariants_error = str(e) or "assertion failed"
+            return msg
+
+        try:
+            return await self.loop.call(read)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+
+def generic_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
+    """Method handlers with `lenient_deserializer`, so a bad message reaches the handler as InvalidRequest."""
+    service = pb.DESCRIPTOR.services_by_name["GenerationService"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        factory = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                   else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = factory(getattr(servicer, method.name),
+                                        request_deserializer=convert.lenient_deserializer(request_cls),
+                                        response_serializer=response_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
