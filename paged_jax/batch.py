@@ -34,6 +34,7 @@ class BatchItem:
     prompt: str | list[int]
     params: SamplingParams
     cache_salt: str | None
+    lineno: int
 
 
 @dataclass(slots=True)
@@ -90,10 +91,10 @@ def parse_line(line: str, lineno: int) -> BatchItem:
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown field")
     try:
-        params = SamplingParams(**obj)
+        params = SamplingParams(**obj).validate()
     except TypeError as e:
         raise ValueError(str(e)) from e
-    return BatchItem(str(rid), prompt, params, salt)
+    return BatchItem(str(rid), prompt, params, salt, lineno)
 
 
 def completed_ids(path: Path) -> set[str]:
@@ -199,7 +200,7 @@ def run_batch(engine: LLMEngine, input_path: Path, output_path: Path, errors_pat
                 try:
                     engine.add_request(item.id, item.prompt, item.params, item.cache_salt)
                 except ValueError as e:
-                    errors.write({"id": item.id, "error": str(e)})
+                    errors.write({"line": item.lineno, "id": item.id, "error": str(e)})
                     summary.errors += 1
                     continue
                 in_flight.add(item.id)
@@ -231,3 +232,36 @@ def run_batch(engine: LLMEngine, input_path: Path, output_path: Path, errors_pat
     summary.preemptions = stats["num_preemptions"]
     summary.prefix_hit_rate = stats["prefix_hit_rate"]
     return summary
+
+
+def add_args(parser) -> None:
+    """Flags of `paged-jax generate`."""
+    from paged_jax.engine_args import add_engine_args
+
+    parser.add_argument("--input", required=True, type=Path, help="JSONL prompts")
+    parser.add_argument("--output", required=True, type=Path, help="JSONL results (appended; re-runs resume)")
+    parser.add_argument("--errors", type=Path, default=None, help="JSONL of rejected lines (default: beside output)")
+    parser.add_argument("--no-progress", action="store_true")
+    add_engine_args(parser)
+
+
+def run(args) -> int:
+    import logging
+
+    from paged_jax.engine_args import build_engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.input.exists():
+        raise SystemExit(f"--input: {args.input} does not exist")
+    engine = build_engine(args)
+    summary = run_batch(engine, args.input, args.output, args.errors, progress=not args.no_progress)
+    print("\n".join(["", f"paged-jax generate: {args.input} -> {args.output}", *summary.lines()]))
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m paged_jax.batch", description=__doc__)
+    add_args(ap)
+    raise SystemExit(run(ap.parse_args()))
