@@ -74,7 +74,21 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_generate_args(parser: argparse.ArgumentParser) -> None:
+    from paged_jax import batch
+
+    batch.add_args(parser)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from paged_jax import batch
+
+    return batch.run(args)
+
+
 COMMANDS: dict[str, Command] = {
+    "generate": Command("batch generation: JSONL prompts in, JSONL results out (resumable)", _add_generate_args,
+                        run_generate),
     "convert": Command("convert a Hugging Face directory to an orbax checkpoint", _add_convert_args, run_convert),
     "info": Command("load a model and print its parameter count and memory", _add_info_args, run_info),
 }
