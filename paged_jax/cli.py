@@ -86,11 +86,21 @@ def run_generate(args: argparse.Namespace) -> int:
     return batch.run(args)
 
 
+def _serve_cli():
+    from serve import cli
+
+    return cli
+
+
 COMMANDS: dict[str, Command] = {
     "generate": Command("batch generation: JSONL prompts in, JSONL results out (resumable)", _add_generate_args,
                         run_generate),
     "convert": Command("convert a Hugging Face directory to an orbax checkpoint", _add_convert_args, run_convert),
     "info": Command("load a model and print its parameter count and memory", _add_info_args, run_info),
+    "serve": Command("start the gRPC server", lambda p: _serve_cli().add_serve_args(p),
+                     lambda a: _serve_cli().run_serve(a)),
+    "client": Command("stream a completion from a running server to the terminal",
+                      lambda p: _serve_cli().add_client_args(p), lambda a: _serve_cli().run_client(a)),
 }
 
 

@@ -1,0 +1,124 @@
+"""`paged-jax serve` and `paged-jax client` (also `python -m serve` and `python -m serve client`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from serve.config import ServingConfig, ServingLimits
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from paged_jax.engine_args import add_engine_args
+
+    add_engine_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    g.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (default: off)")
+    g.add_argument("--metrics-host", default="127.0.0.1")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS)")
+    g.add_argument("--tls-key", default=None)
+    g.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
+    g.add_argument("--max-queued-requests", type=int, default=256)
+    g.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    d = ServingLimits()
+    g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0: the model's length")
+    g.add_argument("--max-tokens-limit", type=int, default=d.max_tokens)
+    g.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    g.add_argument("--max-n", type=int, default=d.max_n)
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
+    g.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars)
+    g.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+
+
+def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
+    token = os.environ.get("PAGED_JAX_AUTH_TOKEN") or None
+    if args.auth_token_file:
+        token = Path(args.auth_token_file).read_text().strip()
+    limits = ServingLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
+                           default_max_tokens=args.default_max_tokens, max_n=args.max_n,
+                           max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+                           max_message_bytes=args.max_message_bytes)
+    config = ServingConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                           metrics_host=args.metrics_host, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+                           auth_token=token, max_queued_requests=args.max_queued_requests,
+                           grace_period_s=args.grace_period, limits=limits)
+    config.validate()
+    return config
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from paged_jax.engine_args import build_engine
+    from serve.server import serve_forever
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = serving_config_from_args(args)
+    engine = build_engine(args)
+    asyncio.run(serve_forever(engine, config))
+    return 0
+
+
+def add_client_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--n", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--tls-ca", default=None, help="PEM root certificate(s) to trust (turns TLS on)")
+    parser.add_argument("--tls", action="store_true", help="TLS with the system's roots")
+    parser.add_argument("--token", default=os.environ.get("PAGED_JAX_AUTH_TOKEN"),
+                        help="bearer token (default: $PAGED_JAX_AUTH_TOKEN)")
+
+
+def run_client(args: argparse.Namespace) -> int:
+    """Stream the completion to stdout (sample i > 0 prefixed with [i]); usage and timing to stderr."""
+    import grpc
+
+    from serve.client import Client
+
+    roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    sampling = {k: v for k, v in dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                      top_k=args.top_k, seed=args.seed, n=args.n).items() if v is not None}
+    with Client(args.target, token=args.token, root_certificates=roots, tls=args.tls) as client:
+        try:
+            for resp in client.generate_stream(args.prompt, timeout=args.timeout, stop=args.stop, **sampling):
+                if resp.HasField("chunk"):
+                    c = resp.chunk
+                    sys.stdout.write(c.text if c.index == 0 else f"[{c.index}]{c.text}")
+                    sys.stdout.flush()
+                else:
+                    f = resp.final
+                    reasons = ",".join(
+                        pb_finish_name(s.finish_reason) for s in f.samples)
+                    print(f"\n[{reasons}] prompt {f.usage.prompt_tokens} tokens ({f.usage.cached_tokens} cached), "
+                          f"generated {f.usage.completion_tokens}, ttft {f.timing.time_to_first_token_s * 1e3:.1f} ms"
+                          + (f", {f.message}" if f.message else ""), file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def pb_finish_name(value: int) -> str:
+    from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="start the gRPC server"))
+    add_client_args(sub.add_parser("client", help="stream a completion from a running server"))
+    args = parser.parse_args(argv)
+    return run_serve(args) if args.command == "serve" else run_client(args)

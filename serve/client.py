@@ -1,0 +1,83 @@
+"""A small synchronous client for the GenerationService (and `paged-jax client`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serve.proto.paged_jax.v1 import generate_pb2 as pb
+from serve.proto.paged_jax.v1 import generate_pb2_grpc as pb_grpc
+
+
+def build_request(prompt: str | Sequence[int], *, request_id: str | None = None, cache_salt: str | None = None,
+                  output_mode: int = pb.OUTPUT_MODE_UNSPECIFIED, **sampling: Any) -> pb.GenerateRequest:
+    """A GenerateRequest from text or token ids; `sampling` keywords are SamplingParams fields (unset: default)."""
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), output_mode=output_mode)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    if request_id is not None:
+        req.request_id = request_id
+    if cache_salt is not None:
+        req.cache_salt = cache_salt
+    return req
+
+
+class Client:
+    """`Client("127.0.0.1:50051")`; TLS with `root_certificates` (PEM bytes), auth with `token`."""
+
+    def __init__(self, target: str, *, token: str | None = None, root_certificates: bytes | None = None,
+                 tls: bool = False, server_name: str | None = None) -> None:
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        if tls or root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self.channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate_stream(self, prompt: str | Sequence[int] | pb.GenerateRequest, *, timeout: float | None = None,
+                        **kwargs: Any) -> Iterator[pb.GenerateResponse]:
+        """Stream responses (chunks, then one final). Cancel with `.cancel()` on the returned call."""
+        req = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **kwargs)
+        return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
+
+    def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest, *, timeout: float | None = None,
+                 **kwargs: Any) -> pb.GenerateUnaryResponse:
+        req = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **kwargs)
+        return self.stub.GenerateUnary(req, timeout=timeout, metadata=self.metadata)
+
+    def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def tokenize(self, text: str, add_bos: bool = True, timeout: float | None = 10.0) -> list[int]:
+        req = pb.TokenizeRequest(text=text, add_bos=add_bos)
+        return list(self.stub.Tokenize(req, timeout=timeout, metadata=self.metadata).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], timeout: float | None = 10.0) -> str:
+        req = pb.DetokenizeRequest(token_ids=token_ids)
+        return self.stub.Detokenize(req, timeout=timeout, metadata=self.metadata).text
+
+    def stats(self, check_invariants: bool = False, timeout: float | None = 10.0) -> pb.Stats:
+        req = pb.GetStatsRequest(check_invariants=check_invariants)
+        return self.stub.GetStats(req, timeout=timeout, metadata=self.metadata)
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> int:
+        """The grpc.health.v1 status (health_pb2.HealthCheckResponse.SERVING, NOT_SERVING, ...)."""
+        req = health_pb2.HealthCheckRequest(service=service)
+        return self.health_stub.Check(req, timeout=timeout, metadata=self.metadata).status
