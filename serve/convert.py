@@ -99,7 +99,7 @@ def _first_bad_utf8(msg: Message, prefix: str = "") -> str | None:
 
 
 def _is_repeated(field: FieldDescriptor) -> bool:
-    return field.label == FieldDescriptor.LABEL_REPEATED
+    return field.is_repeated
 
 
 def lenient_deserializer(message_type: type[Message]) -> Callable[[bytes], Message | InvalidRequest]:

@@ -1,0 +1,74 @@
+"""Shared pieces for the serve tests (no tests here): one engine and engine loop per session, offline
+reference outputs computed on that engine before the loop takes it over, and small helpers."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.model.weights import load_model
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+from serve.client import Client
+from serve.config import ServingConfig, ServingLimits
+from serve.engine_loop import EngineLoop
+from serve.metrics import Metrics
+from serve.server import ServerThread
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "a", "Once upon a time, in a land far away, there"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+LIMITS = ServingLimits(max_tokens=1800, max_n=8, max_stop_strings=4, max_stop_string_chars=32)
+ENGINE_CONFIG = EngineConfig(num_pages=1024, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla",
+                             max_model_len=2048)
+
+
+@dataclass
+class Shared:
+    engine: LLMEngine
+    loop: EngineLoop
+    metrics: Metrics
+    greedy: dict[str, RequestOutput]  # offline outputs per prompt
+    sampled: RequestOutput  # offline n=3 seeded output for PROMPTS[0]
+
+
+def run_offline(engine: LLMEngine, prompt, params: SamplingParams, rid: str) -> RequestOutput:
+    engine.add_request(rid, prompt, params)
+    last = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                last = out
+    return last
+
+
+@functools.cache
+def shared() -> Shared:
+    config, params, tokenizer = load_model("tiny")
+    engine = LLMEngine(config, params, tokenizer, ENGINE_CONFIG)
+    greedy = {p: run_offline(engine, p, GREEDY, f"ref-{i}") for i, p in enumerate(PROMPTS)}
+    sampled = run_offline(engine, PROMPTS[0], SAMPLED, "ref-n")
+    metrics = Metrics()
+    loop = EngineLoop(engine, on_step=metrics.on_step).start()
+    return Shared(engine, loop, metrics, greedy, sampled)
+
+
+def start_server(**overrides) -> ServerThread:
+    s = shared()
+    config = ServingConfig(port=0, limits=LIMITS, **overrides)
+    return ServerThread(s.loop, config, s.metrics).start()
+
+
+def wait_idle(client: Client, timeout: float = 10.0):
+    """Stats once no request is open and every page is free (fails the test otherwise)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats(check_invariants=True)
+        if stats.num_open_requests == 0 and stats.pages_in_use == 0 and stats.num_running == 0:
+            assert stats.invariants_ok, stats.invariants_error
+            assert stats.pages_free == stats.pages_total
+            return stats
+        assert time.monotonic() < deadline, f"not idle after {timeout} s: {stats}"
+        time.sleep(0.01)
