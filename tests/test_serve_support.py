@@ -28,6 +28,7 @@ ENGINE_CONFIG = EngineConfig(num_pages=1024, max_num_seqs=8, max_num_batched_tok
 @dataclass
 class Shared:
     engine: LLMEngine
+    params: object  # the model weights (for a second engine)
     loop: EngineLoop
     metrics: Metrics
     greedy: dict[str, RequestOutput]  # offline outputs per prompt
@@ -52,7 +53,7 @@ def shared() -> Shared:
     sampled = run_offline(engine, PROMPTS[0], SAMPLED, "ref-n")
     metrics = Metrics()
     loop = EngineLoop(engine, on_step=metrics.on_step).start()
-    return Shared(engine, loop, metrics, greedy, sampled)
+    return Shared(engine, params, loop, metrics, greedy, sampled)
 
 
 def start_server(**overrides) -> ServerThread:
