@@ -1,0 +1,229 @@
+"""One prepared check of the GPU paged-attention kernel on an NVIDIA GPU (made for an H200; < 5 minutes).
+
+1. Copy bandwidth of the card (device-to-device copy of 4 GiB, read + write counted).
+2. Correctness: the Triton kernel against the dense reference on random mixed batches (decode, chunked
+   prefill, prefill, empty sequences, GQA/MQA, head_dim 64/128/256, several page sizes, float32 and bfloat16,
+   sliding window, soft cap), with unused memory poisoned with NaN.
+3. Timing: decode at batch 64, 32 query heads, 8 KV heads, head_dim 128, context 4096, bfloat16, page 16
+   (1.07 GB of KV), and a chunked-prefill step (8 sequences x 512 new tokens on 4096 context), side by side
+   with ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only) and ``jax.nn.dot_product_attention``
+   on contiguous KV. One table: microseconds, percent of measured bandwidth, ratio to each peer.
+
+    .venv/bin/python scripts/gpu_check.py              # on the GPU machine
+    .venv/bin/python scripts/gpu_check.py --interpret  # correctness half only, Pallas interpreter, on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import dense_reference_attention
+from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+from pallas_kernels.testing import assert_close, make_case, random_seqs
+
+# batch, q heads, kv heads, head_dim, context, page size, dtype: 1.07 GB of KV, ~250 us at 4.3 TB/s.
+DECODE = (64, 32, 8, 128, 4096, 16, jnp.bfloat16)
+CHUNKED = (8, 512)  # sequences, new tokens each (on DECODE's context)
+
+
+def bench(fn, *args, iters: int = 20) -> float:
+    """Median wall time of ``fn(*args)`` in microseconds, after a compile-and-warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy (each byte read once and written once)."""
+    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
+    copy = jax.jit(lambda a: a + 0)  # read + write, no aliasing
+    us = bench(copy, x, iters=10)
+    return 2 * x.nbytes / (us * 1e-6)
+
+
+def correctness(interpret: bool) -> int:
+    """Kernel vs dense reference on random batches; returns the number of failing cases."""
+    cases = [
+        # (seed, dtype, q heads, kv heads, head_dim, page, window, cap, tokens, max_seqs, max_kv)
+        (0, jnp.float32, 8, 2, 128, 16, None, None, 64, 8, 80),
+        (1, jnp.bfloat16, 32, 8, 128, 16, None, None, 64, 16, 200),
+        (2, jnp.bfloat16, 8, 1, 64, 8, None, None, 32, 8, 60),  # MQA
+        (3, jnp.float32, 8, 8, 256, 32, 20, None, 32, 8, 100),
+        (4, jnp.bfloat16, 16, 2, 64, 64, None, 30.0, 64, 8, 150),  # GQA 8
+        (5, jnp.bfloat16, 4, 4, 128, 256, 64, 20.0, 32, 8, 300),
+        (6, jnp.float32, 12, 4, 64, 128, None, None, 16, 8, 140),  # GQA 3 (padded group)
+    ]
+    if interpret:
+        cases = cases[:4]
+    failures = 0
+    for seed, dtype, qh, kvh, d, page, window, cap, tokens, max_seqs, max_kv in cases:
+        rng = np.random.default_rng(seed)
+        seqs = random_seqs(rng, tokens, max_seqs, max_kv)
+        case = make_case(
+            seed,
+            seqs,
+            num_tokens=tokens,
+            max_seqs=max_seqs,
+            num_q_heads=qh,
+            num_kv_heads=kvh,
+            head_dim=d,
+            page_size=page,
+            dtype=dtype,
+        )
+        opts = dict(sm_scale=d**-0.5, soft_cap=cap, sliding_window=window)
+        name = f"{jnp.dtype(dtype).name} q{qh} kv{kvh} d{d} page{page} window={window} cap={cap} seqs={seqs}"
+        try:
+            out = ragged_paged_attention_gpu(*case.paged_args, interpret=interpret, **opts)
+            assert_close(out, dense_reference_attention(*case.dense_args, **opts), dtype)
+            print(f"ok   {name}")
+        except AssertionError as e:
+            failures += 1
+            print(f"FAIL {name}\n{str(e)[:600]}")
+    return failures
+
+
+def _decode_inputs(batch: int, q_heads: int, kv_heads: int, d: int, ctx: int, page: int, dtype):
+    key = jax.random.key(0)
+    kq, kk, kv = jax.random.split(key, 3)
+    pages_per_seq = ctx // page
+    num_pages = batch * pages_per_seq + 1
+    perm = jax.random.permutation(jax.random.key(1), num_pages - 1) + 1  # random physical order
+    tables = perm.reshape(batch, pages_per_seq).astype(jnp.int32)
+    k = jax.random.normal(kk, (batch, ctx, kv_heads, d), dtype)
+    v = jax.random.normal(kv, (batch, ctx, kv_heads, d), dtype)
+    # Scatter contiguous K/V into the interleaved page array through the tables.
+    kv_seq = jnp.stack([k, v], axis=3).reshape(batch, pages_per_seq, page, 2 * kv_heads, d)
+    kv_pages = jnp.zeros((num_pages, page, 2 * kv_heads, d), dtype).at[tables].set(kv_seq)
+    return kq, k, v, kv_pages, tables
+
+
+def timing(bandwidth: float, smoke: bool = False) -> list[tuple[str, float, float | None, dict[str, float]]]:
+    """Rows of (case, our us, our fraction of bandwidth, {peer: peer us}).
+
+    ``smoke``: tiny shapes and every kernel in the Pallas interpreter, to exercise this code path on CPU.
+    """
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged  # deprecated module, still a peer
+
+    rows = []
+    b, qh, kvh, d, ctx, page, dtype = (4, 8, 2, 64, 256, 16, jnp.bfloat16) if smoke else DECODE
+    iters = 1 if smoke else 20
+    kq, k, v, kv_pages, tables = _decode_inputs(b, qh, kvh, d, ctx, page, dtype)
+    q = jax.random.normal(kq, (b, qh, d), dtype)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    cu = jnp.arange(b + 1, dtype=jnp.int32)
+    n = jnp.array([b], jnp.int32)
+    ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke))
+    out = ours(q, kv_pages, lens, tables, cu, n)
+    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, scale=d**-0.5)[:, 0])
+    assert_close(out, dense(q, k, v), dtype)
+    kv_bytes = 2 * b * ctx * kvh * d * jnp.dtype(dtype).itemsize
+    t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
+    peers = {"dense (jax.nn.dot_product_attention)": bench(dense, q, k, v, iters=iters)}
+    k_pages = kv_pages[:, :, 0::2].transpose(2, 0, 1, 3)  # [kv_heads, pages, page, d]
+    v_pages = kv_pages[:, :, 1::2].transpose(2, 0, 1, 3)
+    q_scaled = (q.astype(jnp.float32) * d**-0.5).astype(dtype)
+    for ppcb in (4, 8, 16):
+        theirs = jax.jit(
+            functools.partial(
+                jax_paged.paged_attention,
+                pages_per_compute_block=ppcb,
+                k_splits=min(16, ctx // page // ppcb),
+                interpret=smoke,
+            )
+        )
+        try:
+            # JAX's kernel does not scale the logits: scale the queries instead.
+            assert_close(theirs(q_scaled, k_pages, v_pages, tables, lens), out, dtype)
+            peers[f"jax paged_attention (pages/block {ppcb})"] = bench(
+                theirs, q_scaled, k_pages, v_pages, tables, lens, iters=iters
+            )
+        except Exception as e:  # noqa: BLE001 - a peer that fails to run is reported, not fatal
+            print(f"peer jax paged_attention pages/block {ppcb} failed: {type(e).__name__}: {str(e)[:200]}")
+    rows.append(
+        (
+            f"decode b{b} q{qh} kv{kvh} d{d} ctx{ctx} bf16 page{page}",
+            t_ours,
+            kv_bytes / (t_ours * 1e-6) / bandwidth,
+            peers,
+        )
+    )
+
+    # Chunked prefill: s sequences with `new` new tokens each on ctx keys each.
+    s, new = (2, 32) if smoke else CHUNKED
+    kq, k, v, kv_pages, tables = _decode_inputs(s, qh, kvh, d, ctx, page, dtype)
+    q = jax.random.normal(kq, (s * new, qh, d), dtype)
+    lens = jnp.full((s,), ctx, jnp.int32)
+    cu = jnp.arange(s + 1, dtype=jnp.int32) * new
+    n = jnp.array([s], jnp.int32)
+    out = ours(q, kv_pages, lens, tables, cu, n)
+    q_pos = ctx - new + jnp.arange(new)
+    mask = (jnp.arange(ctx)[None, :] <= q_pos[:, None])[None, None]  # [1, 1, new, ctx]
+    dense = jax.jit(
+        lambda q, k, v: jax.nn.dot_product_attention(q.reshape(s, new, qh, d), k, v, mask=mask, scale=d**-0.5).reshape(
+            s * new, qh, d
+        )
+    )
+    assert_close(out, dense(q, k, v), dtype)
+    t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
+    rows.append(
+        (
+            f"chunked prefill {s}x{new} new on ctx{ctx} bf16 page{page}",
+            t_ours,
+            None,
+            {"dense (jax.nn.dot_product_attention)": bench(dense, q, k, v, iters=iters)},
+        )
+    )
+    return rows
+
+
+def print_table(rows) -> None:
+    print(f"\n{'case':58s} {'us':>9s} {'% bw':>6s}  peer: us (ours / peer)")
+    for name, us, frac, peers in rows:
+        pct = f"{100 * frac:5.1f}%" if frac is not None else "   n/a"
+        print(f"{name:58s} {us:9.1f} {pct}")
+        for peer, peer_us in peers.items():
+            print(f"{'':58s} {'':9s} {'':6s}  {peer}: {peer_us:.1f} ({us / peer_us:.2f}x)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interpret", action="store_true", help="correctness only, in the Pallas interpreter")
+    parser.add_argument(
+        "--smoke-timing",
+        action="store_true",
+        help="with --interpret: also run the timing code on tiny shapes (numbers meaningless)",
+    )
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    print(f"jax {jax.__version__}, devices: {jax.devices()}")
+    if not args.interpret and jax.default_backend() != "gpu":
+        print("no GPU here: run with --interpret for the correctness half")
+        return 2
+    t0 = time.perf_counter()
+    failures = correctness(args.interpret)
+    print(f"correctness: {failures} failure(s) ({time.perf_counter() - t0:.0f}s)")
+    if args.interpret:
+        if args.smoke_timing:
+            print_table(timing(1e9, smoke=True))
+        return 1 if failures else 0
+    bw = copy_bandwidth()
+    print(f"measured copy bandwidth: {bw / 1e12:.2f} TB/s")
+    print_table(timing(bw))
+    print(f"total {time.perf_counter() - t0:.0f}s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
