@@ -50,6 +50,8 @@ class EngineConfig:
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request
     warmup: bool = True  # compile every step shape at start-up
+    # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
+    reserve_full_length: bool = False
 
     def validate(self) -> None:
         if self.attention_backend not in BACKENDS:
@@ -97,7 +99,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
                                    max_num_batched_tokens=ec.max_num_batched_tokens, chunk_size=ec.chunk_size,
-                                   enable_prefix_caching=ec.enable_prefix_caching)
+                                   enable_prefix_caching=ec.enable_prefix_caching,
+                                   reserve_tokens=self.max_model_len if ec.reserve_full_length else None)
         self.runner = ModelRunner(config, params, num_pages=self.num_pages, page_size=ec.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
                                   max_num_batched_tokens=ec.max_num_batched_tokens,

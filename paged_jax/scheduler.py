@@ -43,12 +43,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunk_size: int | None = None, enable_prefix_caching: bool = True) -> None:
+                 chunk_size: int | None = None, enable_prefix_caching: bool = True,
+                 reserve_tokens: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size or max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        # Benchmark baseline only: admit a sequence only if `reserve_tokens` slots per running sequence fit in
+        # the pool, as a contiguous-reservation engine (one max_model_len region per request) would.
+        self.reserve_tokens = reserve_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -106,7 +110,10 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + 1 + len(seq.forked_children) > self.max_num_seqs:
+            wanted = len(self.running) + 1 + len(seq.forked_children)
+            if wanted > self.max_num_seqs:
+                break
+            if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
                 break
             tokens = seq.all_token_ids
             cached = self.kv.lookup_prefix(tokens, seq.cache_salt) if self.enable_prefix_caching else 0

