@@ -14,11 +14,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/paged-jax generate --model tiny --input examples/prompts.jsonl --output out/generations.jsonl
+	rm -f out/generations.jsonl out/generations.errors.jsonl
+	$(VENV)/bin/paged-jax generate --model tiny --input examples/prompts.jsonl --output out/generations.jsonl \
+		--max-num-seqs 32 --max-num-batched-tokens 256
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -x --timeout=600 tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -36,9 +36,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def build_engine(args: argparse.Namespace):
     """Load the model named by `--model` and start an engine with the flags' options."""
+    import os
+
+    import jax
+
     from paged_jax.engine import LLMEngine
     from paged_jax.model.weights import load_model
 
+    # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU).
+    cache_dir = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
+    if cache_dir != "off":
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
     return LLMEngine(config, params, tokenizer, engine_config_from_args(args))
 
