@@ -28,8 +28,11 @@ class Detokenizer:
     stopped_on: str | None = None
     _ids: list[int] = field(default_factory=list)
 
-    def add(self, token_ids: Sequence[int]) -> None:
-        """Append generated ids; extends `text` unless a stop string already ended it."""
+    def add(self, token_ids: Sequence[int], check_stop: bool = True) -> None:
+        """Append generated ids; extends `text` unless a stop string already ended it.
+
+        `check_stop` False (the request is still under `min_tokens`) lets stop strings pass.
+        """
         if self.stopped_on is not None:
             return
         self._ids.extend(token_ids)
@@ -41,7 +44,7 @@ class Detokenizer:
         self.text += new_text[len(prefix_text):]
         self.read_offset = len(self._ids)
         self.prefix_offset = max(0, self.read_offset - _WINDOW)
-        hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) != -1]
+        hits = [(at, s) for s in self.stop if check_stop and (at := self.text.find(s, search_from)) != -1]
         if hits:
             at, s = min(hits)
             self.text = self.text[:at]

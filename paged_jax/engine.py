@@ -236,8 +236,8 @@ class LLMEngine:
         elif token in p.stop_token_ids and n_out >= p.min_tokens:
             reason, stop_reason = FinishReason.STOP, token
         else:
-            detok.add([token])
-            if detok.stopped_on is not None and n_out >= p.min_tokens:
+            detok.add([token], check_stop=n_out >= p.min_tokens)
+            if detok.stopped_on is not None:
                 reason, stop_reason = FinishReason.STOP_STRING, detok.stopped_on
             elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
