@@ -203,11 +203,19 @@ class LLMEngine:
         device0 = self.runner.device_seconds
         result = self.runner.execute(sched, self.kv)
         touched: dict[str, _Request] = {}
-        for r, (seq, _) in enumerate(sched.sample_rows):
-            req = self._requests[seq.request_id]
-            self._append(req, seq, result, r)
-            touched[req.request_id] = req
         outputs = []
+        for r, (seq, _) in enumerate(sched.sample_rows):
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue  # failed earlier in this loop
+            try:
+                self._append(req, seq, result, r)
+            except Exception as e:  # one request's failure (e.g. its tokenizer) ends that request alone
+                log.exception("request %s failed", req.request_id)
+                touched.pop(req.request_id, None)
+                outputs.append(self.fail(req.request_id, f"{type(e).__name__}: {e}"))
+                continue
+            touched[req.request_id] = req
         for req in touched.values():
             done = all(s.finished for s in req.seqs)
             outputs.append(self._output(req, final=done))

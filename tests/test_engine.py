@@ -249,3 +249,23 @@ def test_no_recompilation_after_warmup(tiny_config, tiny_params):
     assert engine.stats()["num_preemptions"] > 0  # the workload exercised preemption too
     assert (forward._cache_size(), sample._cache_size()) == compiled
     assert_all_free(engine)
+
+
+def test_a_failing_request_fails_alone(tiny_config, tiny_params, reference):
+    engine = make_engine(tiny_config, tiny_params)
+    prompts = make_prompts(2, seed=12, max_len=30)
+    engine.add_request("ok", prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    engine.add_request("bad", prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["x"]))
+
+    class BrokenTokenizer(ByteTokenizer):
+        def decode(self, ids):
+            raise RuntimeError("detokenizer exploded")
+
+    engine._requests["bad"].detoks[0].tokenizer = BrokenTokenizer()
+    finals = {}
+    while engine.has_unfinished():
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    assert finals["bad"].error == "RuntimeError: detokenizer exploded"
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    assert finals["ok"].outputs[0].token_ids == reference(prompts[0])
+    assert_all_free(engine)
