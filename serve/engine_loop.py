@@ -234,7 +234,9 @@ class EngineLoop:
                 stream.started = True
                 with self._lock:
                     self._num_queued -= 1
-            if out.finished:
+            if out.error is not None:  # the engine failed this request alone (its pages are already free)
+                self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"engine: {out.error}"))
+            elif out.finished:
                 self._close(rid, Event(output=out))
             else:
                 stream.push(Event(output=out))
