@@ -30,7 +30,7 @@ from pallas_kernels.common import MASK_VALUE, apply_soft_cap, cdiv, visible
 # small enough to stay in L2/L3 on CPU.
 _KV_CHUNK_BYTES = 2 * 1024 * 1024
 # Query rows (tokens) handled by one block of the outer loop.
-_TOKENS_PER_BLOCK = 16
+_TOKENS_PER_BLOCK = 8
 _MAX_ROWS_PER_CHUNK = 64
 
 

@@ -88,7 +88,7 @@ class TestGpuKernel:
         )
         self.run(case, q_block=8, sliding_window=window, soft_cap=cap)
 
-    @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
         seed=st.integers(0, 2**16),
         page_size=st.sampled_from([8, 16]),

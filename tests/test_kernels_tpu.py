@@ -96,7 +96,7 @@ class TestTpuKernel:
         case = make_case(4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
         check_case(case, "pallas-tpu-interpret")
 
-    @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
         seed=st.integers(0, 2**16),
         page_size=st.sampled_from([8, 16]),
