@@ -63,6 +63,38 @@ def compile_case(device, generation, case) -> None:
         fn.lower(*args).compile()
 
 
+def compile_engine_step(device, config_name: str, num_tokens: int, max_seqs: int) -> None:
+    """The engine's whole jitted step (embed -> layers with write_kv + the TPU kernel -> logits), abstractly."""
+    from paged_jax.config import load_model_config
+    from paged_jax.model.init import init_params
+    from paged_jax.runner import PagedMeta, step_functions
+
+    config = load_model_config(config_name)
+    page_size, max_blocks = 16, 2048 // 16
+    sharding = SingleDeviceSharding(device)
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    params = jax.tree.map(abstract, jax.eval_shape(lambda: init_params(config)))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    kv = jax.ShapeDtypeStruct(
+        (max_seqs * max_blocks + 1, page_size, 2 * config.num_kv_heads, config.head_dim),
+        jnp.dtype(config.dtype),
+        sharding=sharding,
+    )
+    meta = PagedMeta(
+        slot_mapping=i32(num_tokens),
+        kv_lens=i32(max_seqs),
+        block_tables=i32(max_seqs, max_blocks),
+        cu_q_lens=i32(max_seqs + 1),
+        num_seqs=i32(1),
+    )
+    _, forward = step_functions(config, "pallas-tpu")
+    mesh = jax.sharding.Mesh([device], ("x",))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        forward.lower(
+            params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta, i32(max_seqs)
+        ).compile()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topologies", nargs="+", default=["v5e:1x1", "v6e:1x1"])
@@ -85,6 +117,15 @@ def main() -> int:
             t0 = time.perf_counter()
             try:
                 compile_case(device, generation, case)
+                print(f"ok   {name} ({time.perf_counter() - t0:.1f}s)")
+            except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+                failures += 1
+                print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
+        for config_name, num_tokens, max_seqs in (("tiny", 16, 8), ("tiny", 256, 8), ("llama-3.2-1b", 64, 64)):
+            name = f"{topo} engine step {config_name} tokens={num_tokens} seqs={max_seqs}"
+            t0 = time.perf_counter()
+            try:
+                compile_engine_step(device, config_name, num_tokens, max_seqs)
                 print(f"ok   {name} ({time.perf_counter() - t0:.1f}s)")
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
