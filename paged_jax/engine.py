@@ -12,18 +12,21 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import sharding
 from paged_jax.config import ModelConfig
 from paged_jax.detokenizer import Detokenizer
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from paged_jax.runner import ModelRunner, StepResult
+from paged_jax.sampler import SamplerOutput
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler
+from paged_jax.scheduler import Scheduler, SchedulerOutput
 from paged_jax.sequence import FinishReason, Sequence
 from paged_jax.tokenizer import Tokenizer
 
@@ -52,29 +55,45 @@ class EngineConfig:
     warmup: bool = True  # compile every step shape at start-up
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
     reserve_full_length: bool = False
+    tensor_parallel_size: int = 1  # chips per engine (weights by heads/columns/vocab, KV pages by KV heads)
+    data_parallel_size: int = 1  # engine replicas on disjoint device groups (`paged_jax.dp.make_engine`)
 
     def validate(self) -> None:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {self.attention_backend!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_n"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size",
+                     "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
 
 
-def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_bytes: int) -> int:
-    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token."""
+def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_bytes: int, device: jax.Device | None = None,
+                      kv_shards: int = 1) -> int:
+    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token.
+
+    With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
+    the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
+    """
     if ec.num_pages is not None:
         return ec.num_pages
-    per_page = config.kv_bytes_per_token(kv_bytes) * ec.page_size
-    device = jax.devices()[0]
+    per_page = config.kv_bytes_per_token(kv_bytes) * ec.page_size // kv_shards
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
     else:
         budget = ec.cpu_kv_cache_bytes
     return max(2, budget // per_page)
+
+
+class _Launched(NamedTuple):
+    """A step dispatched to the device and not yet collected."""
+
+    sched: SchedulerOutput
+    samples: SamplerOutput  # on device
+    host_seconds: float  # host time spent launching
 
 
 @dataclass(slots=True)
@@ -89,22 +108,41 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer, engine_config: EngineConfig | None = None):
+    """One engine: one scheduler and KV manager over one device, or over a tensor-parallel group.
+
+    `devices`: the group this engine runs on (`tensor_parallel_size` of them); default: the default device
+    when TP is 1 (the single-device path), else the first `tensor_parallel_size` local devices. For
+    several replicas use `paged_jax.dp.make_engine`.
+    """
+
+    def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer, engine_config: EngineConfig | None = None,
+                 devices: Seq[jax.Device] | None = None):
         ec = engine_config or EngineConfig()
         ec.validate()
+        if ec.data_parallel_size != 1:
+            raise ValueError("data_parallel_size: one LLMEngine is one replica; use paged_jax.dp.make_engine")
         self.config, self.tokenizer, self.engine_config = config, tokenizer, ec
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 8192)
         kv_bytes = jnp.dtype(ec.kv_dtype or config.dtype).itemsize
-        self.num_pages = kv_capacity_pages(config, ec, kv_bytes)
+        tp = ec.tensor_parallel_size
+        mesh, run_config = None, config
+        if devices is not None or tp > 1:
+            devices = list(devices) if devices is not None else sharding.dp_device_groups(1, tp)[0]
+            if len(devices) != tp:
+                raise ValueError(f"devices: tensor_parallel_size is {tp} but {len(devices)} devices were given")
+            mesh = sharding.make_mesh(devices)
+            run_config, params = sharding.shard_params(config, params, mesh)
+        self.mesh = mesh
+        self.num_pages = kv_capacity_pages(run_config, ec, kv_bytes, None if mesh is None else devices[0], tp)
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
                                    max_num_batched_tokens=ec.max_num_batched_tokens, chunk_size=ec.chunk_size,
                                    enable_prefix_caching=ec.enable_prefix_caching,
                                    reserve_tokens=self.max_model_len if ec.reserve_full_length else None)
-        self.runner = ModelRunner(config, params, num_pages=self.num_pages, page_size=ec.page_size,
+        self.runner = ModelRunner(run_config, params, num_pages=self.num_pages, page_size=ec.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
                                   max_num_batched_tokens=ec.max_num_batched_tokens,
-                                  attention_backend=ec.attention_backend, kv_dtype=ec.kv_dtype)
+                                  attention_backend=ec.attention_backend, kv_dtype=ec.kv_dtype, mesh=mesh)
         tokens = (self.num_pages - 1) * ec.page_size
         self.kv_cache_bytes = config.kv_bytes_per_token(kv_bytes) * self.num_pages * ec.page_size
         log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d)",
@@ -196,12 +234,28 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that produced tokens or finished."""
+        launched = self.launch_step()
+        return [] if launched is None else self.finish_step(launched)
+
+    def launch_step(self) -> _Launched | None:
+        """First half of `step`: schedule and dispatch to the device without waiting (None: nothing to run).
+
+        Every launched step must be passed to `finish_step` before the next `launch_step`. Data parallelism
+        launches every replica's step before finishing any, so the replicas' devices run together.
+        """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
-            return []
+            return None
+        samples = self.runner.launch(sched, self.kv)
+        return _Launched(sched, samples, time.perf_counter() - t0)
+
+    def finish_step(self, launched: _Launched) -> list[RequestOutput]:
+        """Second half of `step`: wait for the samples, append tokens, apply stops, free finished requests."""
+        t0 = time.perf_counter()
+        sched = launched.sched
         device0 = self.runner.device_seconds
-        result = self.runner.execute(sched, self.kv)
+        result = self.runner.collect(launched.samples, len(sched.sample_rows))
         touched: dict[str, _Request] = {}
         outputs = []
         for r, (seq, _) in enumerate(sched.sample_rows):
@@ -222,7 +276,7 @@ class LLMEngine:
             if done:
                 del self._requests[req.request_id]
         self.num_steps += 1
-        self.host_seconds += time.perf_counter() - t0 - (self.runner.device_seconds - device0)
+        self.host_seconds += launched.host_seconds + time.perf_counter() - t0 - (self.runner.device_seconds - device0)
         return outputs
 
     def _append(self, req: _Request, seq: Sequence, result: StepResult, row: int) -> None:

@@ -6,6 +6,9 @@ Each step's inputs are numpy arrays padded to a token bucket `T` and a sequence 
 (powers of two); every (T, S) pair is compiled once at warm-up, so a steady workload never
 recompiles. The forward pass returns logits only for the rows that sample; sampling is a second
 jitted call on device; the host receives only the sampled ids (and requested logprobs).
+
+With a device mesh (tensor parallelism, or a data-parallel replica on devices other than the default) the
+same step runs with its operands pinned to the mesh; see `paged_jax.sharding` for the layout.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from paged_jax import sharding
 from paged_jax.config import ModelConfig
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.model.llama import LlamaForCausalLM
@@ -68,14 +72,18 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 
 @functools.cache
-def step_functions(config: ModelConfig, backend: str):
-    """The model and its jitted forward step, shared by every runner with the same config and backend
-    (so engines in one process share compilations).
+def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | None = None):
+    """The model and its jitted forward step, shared by every runner with the same config, backend and
+    mesh (so engines in one process share compilations).
 
     forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S])
         -> (logits [S, V] f32, kv_caches), with kv_caches donated.
+    With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
+    params by their partition specs, KV pages by KV heads, metadata and logits replicated.
     """
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
+    if mesh is not None:
+        attn = sharding.shard_attention(attn, mesh)
     model = LlamaForCausalLM(config, attention_fn=attn)
 
     def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
@@ -83,12 +91,23 @@ def step_functions(config: ModelConfig, backend: str):
         logits = model.apply(params, hidden[logits_indices], method=LlamaForCausalLM.compute_logits)
         return logits, tuple(kv_caches)
 
-    return model, jax.jit(forward, donate_argnums=(1,))
+    if mesh is None:
+        return model, jax.jit(forward, donate_argnums=(1,))
+    return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh))
 
 
-@partial(jax.jit, donate_argnums=(0,))
-def _copy_pages(kv_caches, src, dst):
+def _copy_all_pages(kv_caches, src, dst):
     return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
+
+
+_copy_pages = jax.jit(_copy_all_pages, donate_argnums=(0,))
+
+
+@functools.cache
+def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int):
+    """`_copy_pages` with the pages kept in their mesh layout (so donation stays in place)."""
+    kv = (sharding.kv_sharding(mesh),) * num_layers
+    return jax.jit(_copy_all_pages, donate_argnums=(0,), out_shardings=kv)
 
 
 @dataclass(slots=True)
@@ -102,21 +121,28 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the parameters, the KV page arrays and the compiled step functions."""
+    """Owns the parameters, the KV page arrays and the compiled step functions.
+
+    `mesh`: None for the default device; otherwise `params` must already be placed on it
+    (`sharding.shard_params`, which also gives the `config` to pass here) and the pages are created on it.
+    """
 
     def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "auto",
-                 kv_dtype: str | None = None) -> None:
+                 kv_dtype: str | None = None, mesh: jax.sharding.Mesh | None = None) -> None:
         self.config = config
         self.params = params
+        self.mesh = mesh
         self.page_size = page_size
         self.max_blocks = -(-max_model_len // page_size)
         self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(8, max_num_seqs)
         self.kv_dtype = jnp.dtype(kv_dtype or config.dtype)
         shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
-        self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype) for _ in range(config.num_layers))
-        self.model, self._forward = step_functions(config, attention_backend)
+        device = None if mesh is None else sharding.kv_sharding(mesh)
+        self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype, device=device) for _ in range(config.num_layers))
+        self.model, self._forward = step_functions(config, attention_backend, mesh)
+        self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers)
         self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
 
     # -- host side ----------------------------------------------------------------------------------
@@ -126,7 +152,7 @@ class ModelRunner:
         src = np.zeros(n, np.int32)
         dst = np.zeros(n, np.int32)
         src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
-        self.kv_caches = _copy_pages(self.kv_caches, src, dst)
+        self.kv_caches = self._copy(self.kv_caches, src, dst)
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[tuple, dict]:
         """Build padded numpy step inputs from the scheduler's decision."""
@@ -200,16 +226,23 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
         """Run one step: copy-on-write copies, forward, sampling; return host copies of the samples."""
+        return self.collect(self.launch(sched, kv), len(sched.sample_rows))
+
+    def launch(self, sched: SchedulerOutput, kv: KVCacheManager) -> SamplerOutput:
+        """Dispatch one step (copies, forward, sampling) without waiting; returns the samples on device."""
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
         (token_ids, positions, meta, logits_indices), sampling = self.prepare(sched, kv)
         logits, self.kv_caches = self._forward(self.params, self.kv_caches, token_ids, positions, meta,
                                                logits_indices)
-        out: SamplerOutput = sample(logits, SamplingMeta(**sampling["meta"]), **sampling["flags"])
+        return sample(logits, SamplingMeta(**sampling["meta"]), **sampling["flags"])
+
+    def collect(self, out: SamplerOutput, num_rows: int) -> StepResult:
+        """Wait for a launched step and copy its first `num_rows` samples to the host."""
         t0 = time.perf_counter()
         host = jax.device_get(out)
         self.device_seconds += time.perf_counter() - t0
-        r = len(sched.sample_rows)
+        r = num_rows
         return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r])
 
     # -- warm-up ------------------------------------------------------------------------------------
@@ -226,7 +259,8 @@ class ModelRunner:
             if progress:
                 log.info("warm-up: compiled step %d/%d (tokens=%d, seqs=%d)", k + 1, len(pairs), t, s)
         for s in self.seq_buckets:
-            logits = jnp.zeros((s, self.config.vocab_size), jnp.float32)
+            logits = jnp.zeros((s, self.config.vocab_size), jnp.float32,
+                               device=None if self.mesh is None else sharding.replicated(self.mesh))
             m = SamplingMeta(**empty_meta(s))
             for flags in ((False, False), (True, False), (True, True)):
                 for lp in (False, True):

@@ -1,0 +1,162 @@
+"""Where do the weights and KV pages live? Tensor parallelism on a `jax.sharding.Mesh` with one "tp" axis.
+
+Layout (specs from `paged_jax.model.partition`): q/k/v projections by heads, o_proj by its input heads,
+the MLP by its intermediate dimension, embedding and LM head by vocabulary, norms replicated. The KV page
+arrays `[num_pages, page_size, 2 * Hkv, D]` are split along axis 2, so each chip holds the pages of its own
+KV heads (K of head h at 2h, V at 2h + 1: a split on an even boundary keeps each head's K and V together).
+The paged-attention call (write new K/V, then the ragged kernel) runs per shard under `shard_map`: q, k, v
+by heads, the pages by KV heads, the step metadata replicated. Everything else is plain `jit` over sharded
+operands: XLA inserts the all-reduce after o_proj and down_proj and the all-gather of the vocab-sharded
+logits (the step returns them replicated, so the sampler runs unchanged on every chip of the group).
+
+KV-head replication: when TP exceeds the KV head count (Llama-3-70B on 16 chips, or 2 KV heads on 4 chips),
+`expand_kv_heads` repeats every KV head `r = tp // Hkv` times, in the k/v projection weights and biases
+(new head j is old head j // r), and the model runs as if it had `Hkv * r` KV heads. Query head h reads
+KV head h // (Hq / (Hkv * r)), which is old head h // (Hq / Hkv): the same function, exactly. Each chip then
+projects and stores its own copy of one KV head, so no KV ever crosses chips; the price is r copies of KV
+memory over the group (per chip it is the same as with one real head per chip).
+
+The host side does not change: one scheduler and one KV manager per engine; block tables, slot mappings
+and every other metadata array are identical on all shards. Data parallelism (`paged_jax.dp`) puts
+independent engines on disjoint device groups from `dp_device_groups`; multi-host runs one such group set
+per host (see `paged_jax.multihost` for that decision).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from paged_jax.config import ModelConfig
+from paged_jax.model.init import param_shapes
+from paged_jax.model.partition import param_partition_specs
+
+TP = "tp"
+KV_SPEC = P(None, None, TP, None)  # [num_pages, page_size, 2 * Hkv, D]: split by KV heads
+HEADS_SPEC = P(None, TP, None)  # q [T, Hq, D], k/v [T, Hkv, D]: split by heads
+
+
+def kv_replication(config: ModelConfig, tp: int) -> int:
+    """How many copies of each KV head a TP degree of `tp` needs (1 when tp <= num_kv_heads).
+
+    Raises ValueError when `tp` cannot split the model: it must divide num_heads, intermediate_size and
+    vocab_size, and either divide num_kv_heads or be a multiple of it.
+    """
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size: must be >= 1, got {tp}")
+    for name in ("num_heads", "intermediate_size", "vocab_size"):
+        if getattr(config, name) % tp:
+            raise ValueError(f"tensor_parallel_size: {tp} does not divide {name} ({getattr(config, name)})")
+    hkv = config.num_kv_heads
+    if hkv % tp == 0:
+        return 1
+    if tp % hkv:
+        raise ValueError(f"tensor_parallel_size: {tp} neither divides nor is a multiple of num_kv_heads ({hkv})")
+    return tp // hkv
+
+
+def expand_kv_heads(config: ModelConfig, params: Any, r: int) -> tuple[ModelConfig, Any]:
+    """Repeat every KV head `r` times: k/v_proj [H, Hkv, D] -> [H, Hkv * r, D] (biases [Hkv, D] likewise).
+
+    Returns the config with `num_kv_heads * r` and the new parameter tree (other leaves are shared, not
+    copied). Works on concrete arrays and inside `jit`. The model's outputs are unchanged (module docstring).
+    """
+    if r == 1:
+        return config, params
+
+    def leaf(path: tuple[Any, ...], x: Any) -> Any:
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name in ("k_proj", "v_proj"):
+            return jnp.repeat(x, r, axis=1)
+        if name in ("k_bias", "v_bias"):
+            return jnp.repeat(x, r, axis=0)
+        return x
+
+    return config.replace(num_kv_heads=config.num_kv_heads * r), jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """A 1-D mesh with axis "tp" over `devices` (one tensor-parallel group)."""
+    return Mesh(np.asarray(list(devices), dtype=object), (TP,))
+
+
+def dp_device_groups(dp: int, tp: int, devices: Sequence[jax.Device] | None = None) -> list[list[jax.Device]]:
+    """`dp` disjoint groups of `tp` devices each, from `devices` (default: this process's local devices).
+
+    Consecutive devices form a group, which on TPU keeps a TP group on neighbouring chips (ICI links).
+    """
+    devices = list(jax.local_devices() if devices is None else devices)
+    if dp < 1 or tp < 1:
+        raise ValueError(f"data_parallel_size and tensor_parallel_size must be >= 1, got {dp} and {tp}")
+    if dp * tp > len(devices):
+        raise ValueError(f"data_parallel_size x tensor_parallel_size = {dp} x {tp} = {dp * tp} devices, "
+                         f"but only {len(devices)} are available")
+    return [devices[i * tp:(i + 1) * tp] for i in range(dp)]
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, params: Any | None = None) -> Any:
+    """A `NamedSharding` per parameter leaf (tree of `params`, default the config's abstract tree)."""
+    specs = param_partition_specs(config, param_shapes(config) if params is None else params, TP)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, KV_SPEC)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_params(config: ModelConfig, params: Any, mesh: Mesh) -> tuple[ModelConfig, Any]:
+    """Replicate KV heads as needed (`expand_kv_heads`) and place every leaf on `mesh` by its spec.
+
+    Returns (the config the runner must use, the placed params). The repeat runs under `jit` with sharded
+    outputs, so each chip only ever receives its own slices.
+    """
+    r = kv_replication(config, mesh.size)
+    run_config = config.replace(num_kv_heads=config.num_kv_heads * r) if r > 1 else config
+    shardings = param_shardings(run_config, mesh)
+    if r == 1:
+        return run_config, jax.device_put(params, shardings)
+    expand = jax.jit(lambda p: expand_kv_heads(config, p, r)[1], out_shardings=shardings)
+    return run_config, expand(params)
+
+
+def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], mesh: Mesh) -> Callable:
+    """Run the paged `attention_fn(q, k, v, kv_pages, meta, *, sm_scale)` per TP shard with `shard_map`.
+
+    Per shard: q [T, Hq / tp, D], k/v [T, Hkv / tp, D], kv_pages [P, page, 2 * Hkv / tp, D], meta whole.
+    GQA groups stay on one chip because tp divides Hkv (after `expand_kv_heads`).
+    """
+    if mesh.size == 1:
+        return attention_fn
+
+    def sharded(q, k, v, kv_pages, meta, *, sm_scale: float):
+        body = functools.partial(attention_fn, sm_scale=sm_scale)
+        return jax.shard_map(body, mesh=mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, KV_SPEC, P()),
+                             out_specs=(HEADS_SPEC, KV_SPEC), check_vma=False)(q, k, v, kv_pages, meta)
+
+    return sharded
+
+
+def step_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """`jit` keyword arguments pinning the forward step's operands to `mesh`.
+
+    forward(params, kv_caches, token_ids, positions, meta, logits_indices): params by their specs, the
+    per-layer pages by KV heads, metadata replicated; out: logits replicated, pages as they came in.
+    """
+    kv = (kv_sharding(mesh),) * config.num_layers
+    rep = replicated(mesh)
+    return {"in_shardings": (param_shardings(config, mesh), kv, rep, rep, rep, rep), "out_shardings": (rep, kv)}
+
+
+__all__ = ["KV_SPEC", "TP", "dp_device_groups", "expand_kv_heads", "kv_replication", "kv_sharding", "make_mesh",
+           "param_shardings", "replicated", "shard_attention", "shard_params", "step_shardings"]
