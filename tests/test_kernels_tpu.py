@@ -159,3 +159,24 @@ def test_block_size_table_and_fallback():
             6, [(1, 3)], num_tokens=16, max_seqs=8, num_q_heads=1, num_kv_heads=1, head_dim=32, page_size=8
         )
         ragged_paged_attention_tpu(*case.paged_args, sm_scale=1.0, interpret=True)
+
+
+def test_positions_past_32k():
+    """Long contexts: int32 positions and page indices past 32k, a window skipping most pages."""
+    case = make_case(
+        7,
+        [(1, 40_000), (2, 33_000)],
+        num_tokens=16,
+        max_seqs=8,
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=256,
+        extra_pages=0,
+    )
+    for window in (None, 1_000):
+        out = ragged_paged_attention_tpu(
+            *case.paged_args, sm_scale=0.125, sliding_window=window, interpret=True, q_block=16, pages_per_block=16
+        )
+        ref = dense_reference_attention(*case.dense_args, sm_scale=0.125, sliding_window=window)
+        assert_close(out, ref, jnp.float32)
