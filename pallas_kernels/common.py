@@ -76,9 +76,11 @@ def validate_static(
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if kv_pages.ndim != 4:
-        raise ValueError(f"kv_pages must be [num_pages, page_size, 2 * num_kv_heads, head_dim], got {kv_pages.shape}")
+        raise ValueError(
+            f"kv_pages must be [num_pages, page_size, 2 * num_kv_heads, head_dim], got {kv_pages.shape}"
+        )
     _, num_q_heads, head_dim = q.shape
-    _, page_size, kv_heads_x2, kv_head_dim = kv_pages.shape
+    _, _, kv_heads_x2, kv_head_dim = kv_pages.shape
     if kv_head_dim != head_dim:
         raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_pages has {kv_head_dim}")
     if kv_heads_x2 % 2:
@@ -94,7 +96,9 @@ def validate_static(
             f"{kv_lens.shape}, {block_tables.shape}"
         )
     if cu_q_lens.shape != (kv_lens.shape[0] + 1,):
-        raise ValueError(f"cu_q_lens must be [max_seqs + 1] = [{kv_lens.shape[0] + 1}], got {cu_q_lens.shape}")
+        raise ValueError(
+            f"cu_q_lens must be [max_seqs + 1] = [{kv_lens.shape[0] + 1}], got {cu_q_lens.shape}"
+        )
     if num_seqs.shape != (1,):
         raise ValueError(f"num_seqs must have shape [1], got {num_seqs.shape}")
     for name, arr in (
@@ -113,7 +117,6 @@ def validate_static(
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    del page_size
 
 
 def validate_kernel_shape(head_dim: int, page_size: int) -> None:
@@ -122,7 +125,8 @@ def validate_kernel_shape(head_dim: int, page_size: int) -> None:
         raise ValueError(f"Pallas kernels support head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE) or page_size & (page_size - 1):
         raise ValueError(
-            f"Pallas kernels support power-of-two page sizes {MIN_PAGE_SIZE}..{MAX_PAGE_SIZE}, got {page_size}"
+            f"Pallas kernels support power-of-two page sizes {MIN_PAGE_SIZE}..{MAX_PAGE_SIZE}, "
+            f"got {page_size}"
         )
 
 

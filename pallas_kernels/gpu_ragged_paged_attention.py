@@ -2,26 +2,25 @@
 
 Layout and masking conventions: :mod:`pallas_kernels.common`.
 
-Why Triton and not Mosaic GPU. In jax 0.11.2 the Triton lowering is the mature path for this kernel's shape
-of work: its programs load through computed pointers, so "gather the pages named by this block-table row" is
-one indexed load (``kv_ref[pages]``) that Triton software-pipelines over ``num_stages``, and it runs on every
-CUDA GPU JAX supports (Ampere and newer). Mosaic GPU is the future (warp specialisation, TMA, wgmma on
+Why Triton and not Mosaic GPU. In jax 0.11.2 the Triton lowering is the mature path for this kernel's shape of
+work: its programs load through computed pointers, so "gather the pages named by this block-table row" is one
+indexed load (``kv_ref[pages]``) that Triton software-pipelines over ``num_stages``, and it runs on every CUDA
+GPU JAX supports (Ampere and newer). Mosaic GPU is the future (warp specialisation, TMA, wgmma on
 Hopper/Blackwell), but its programming model is explicit TMA copies of rectangular tiles into shared memory
-with barriers; a page gather needs one TMA per page, warpgroup-shaped tiles, and a Hopper-or-newer GPU, and its
-API is still moving release to release. The cost of this choice: jax 0.11.2 already warns that the Pallas
+with barriers; a page gather needs one TMA per page, warpgroup-shaped tiles, and a Hopper-or-newer GPU, and
+its API is still moving release to release. The cost of this choice: jax 0.11.2 already warns that the Pallas
 Triton backend is deprecated; we pin jax, and the Mosaic GPU version, when it comes, is a port of the TPU
 kernel's structure (DMA'd pages, double buffering), not of this one.
 
-Grid ``(num_kv_heads, num_q_blocks)``: a program owns the query heads of one KV head (``group`` of them, padded
-to a power of two) for ``q_block`` consecutive flat tokens, a ``[q_block * group, head_dim]`` matrix, so each
-page of that KV head is read from global memory once per program for all its query heads. The program walks
-the sequences that own tokens of its block (``first_seq``/``last_seq`` from the wrapper) and, for each, the KV
-blocks of ``pages_per_block`` pages its rows can see: pages before a sliding window and past the last query
-position are never loaded. Online softmax in float32 registers with a finite mask value; probabilities of
-masked keys are zero and V rows past ``kv_len`` are zeroed, so stale or NaN slots and padding rows cannot leak.
-Decode buckets use small ``q_block`` (one or a few sequences per program, enough programs to fill the SMs);
-prefill buckets use larger ones.
-"""
+Grid ``(num_kv_heads, num_q_blocks)``: a program owns the query heads of one KV head (``group`` of them,
+padded to a power of two) for ``q_block`` consecutive flat tokens, a ``[q_block * group, head_dim]`` matrix,
+so each page of that KV head is read from global memory once per program for all its query heads. The program
+walks the sequences that own tokens of its block (``first_seq``/``last_seq`` from the wrapper) and, for each,
+the KV blocks of ``pages_per_block`` pages its rows can see: pages before a sliding window and past the last
+query position are never loaded. Online softmax in float32 registers with a finite mask value; probabilities
+of masked keys are zero and V rows past ``kv_len`` are zeroed, so stale or NaN slots and padding rows cannot
+leak. Decode buckets use small ``q_block`` (one or a few sequences per program, enough programs to fill the
+SMs); prefill buckets use larger ones."""
 
 from __future__ import annotations
 
@@ -169,10 +168,14 @@ def ragged_paged_attention_gpu(
     total = cu_q_lens[num_seqs[0]]
     starts = jnp.arange(num_q_blocks, dtype=jnp.int32) * q_block
     ends = jnp.minimum(starts + q_block, total) - 1
-    find = lambda t: jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1)
+    find = lambda t: jnp.clip(
+        jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1
+    )
     first_seq = find(starts)
     last_seq = jnp.where(starts < total, find(ends), first_seq - 1)
-    tables = jnp.pad(block_tables, ((0, 0), (0, cdiv(max_blocks, pages_per_block) * pages_per_block - max_blocks)))
+    tables = jnp.pad(
+        block_tables, ((0, 0), (0, cdiv(max_blocks, pages_per_block) * pages_per_block - max_blocks))
+    )
 
     # [T, H, D] -> [KH, T * G_pad, D], token-major inside a KV head.
     q_t = q.astype(kv_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -180,7 +183,9 @@ def ragged_paged_attention_gpu(
     q_t = q_t.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens * group_p, head_dim)
 
     full = lambda x: pl.BlockSpec(x.shape, lambda h, i: (0,) * x.ndim)
-    kv_spec = lambda half: pl.BlockSpec((num_pages, page_size, None, head_dim), lambda h, i: (0, 0, 2 * h + half, 0))
+    kv_spec = lambda half: pl.BlockSpec(
+        (num_pages, page_size, None, head_dim), lambda h, i: (0, 0, 2 * h + half, 0)
+    )
     q_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i: (h, i, 0))
     kernel = functools.partial(
         _kernel,

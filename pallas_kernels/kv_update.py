@@ -24,7 +24,9 @@ def write_kv(
     """
     num_pages, page_size, kv_heads_x2, head_dim = kv_pages.shape
     if k.shape != v.shape or k.shape[1:] != (kv_heads_x2 // 2, head_dim):
-        raise ValueError(f"k and v must be [num_tokens, {kv_heads_x2 // 2}, {head_dim}], got {k.shape}, {v.shape}")
+        raise ValueError(
+            f"k and v must be [num_tokens, {kv_heads_x2 // 2}, {head_dim}], got {k.shape}, {v.shape}"
+        )
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {slot_mapping.shape}")
     num_slots = num_pages * page_size

@@ -100,7 +100,9 @@ def make_case(
     )
 
 
-def random_seqs(rng: np.random.Generator, num_tokens: int, max_seqs: int, max_kv: int) -> list[tuple[int, int]]:
+def random_seqs(
+    rng: np.random.Generator, num_tokens: int, max_seqs: int, max_kv: int
+) -> list[tuple[int, int]]:
     """A random mix of decode, chunked-prefill, full-prefill and empty sequences that fits the bucket."""
     seqs, budget = [], num_tokens
     for _ in range(int(rng.integers(1, max_seqs + 1))):

@@ -3,21 +3,23 @@
 Layout and masking conventions: :mod:`pallas_kernels.common`.
 
 Grid and data movement. The grid walks blocks of ``q_block`` consecutive flat query tokens (the query block is
-an ordinary pipelined ``BlockSpec``; the queries are laid out ``[kv_head, group, token, head_dim]`` so that the
-query heads sharing a KV head form one ``[group * q_block, head_dim]`` matrix). A query block may hold tokens of
-several sequences; the wrapper computes which (``first_seq``/``last_seq`` per block) and passes them, the block
-table, ``kv_lens`` and ``cu_q_lens`` by scalar prefetch (SMEM). Inside a grid step one ``while`` loop walks the
-(sequence, KV block) pairs the block needs; a KV block is ``pages_per_block`` pages, each DMA'd from HBM
-(``memory_space=ANY``) as one contiguous ``page_size * 2 * num_kv_heads * head_dim`` slab into a double buffer in
-VMEM, the next block's DMAs in flight while the current one is computed. Pages past ``kv_len`` are not copied,
-and KV blocks entirely before a sliding window or after the last query position are skipped.
+an ordinary pipelined ``BlockSpec``; the queries are laid out ``[kv_head, group, token, head_dim]`` so that
+the query heads sharing a KV head form one ``[group * q_block, head_dim]`` matrix). A query block may hold
+tokens of several sequences; the wrapper computes which (``first_seq``/``last_seq`` per block) and passes
+them, the block table, ``kv_lens`` and ``cu_q_lens`` by scalar prefetch (SMEM). Inside a grid step one
+``while`` loop walks the (sequence, KV block) pairs the block needs; a KV block is ``pages_per_block`` pages,
+each DMA'd from HBM (``memory_space=ANY``) as one contiguous ``page_size * 2 * num_kv_heads * head_dim`` slab
+(two 128-lane halves for head_dim 256: Mosaic's strided loads want 128-lane rows) into a double buffer in
+VMEM, the next block's DMAs in flight while the current one is computed (the first block of each grid step is
+not overlapped). Pages past ``kv_len`` are not copied, and KV blocks entirely before a sliding window or after
+the last query position are skipped.
 
 Compute. For each KV head the K and V rows are strided loads out of the interleaved buffer (for bfloat16 the
-K/V pair of a head shares one 32-bit word, split with shifts), so the pages of a KV head are read from HBM once
-for all its query heads. An online softmax in float32 scratch (``m``, ``l`` lane-replicated, ``acc``) folds in
-each block; rows of other sequences in the query block see only masked logits and stay unchanged. The mask value
-is finite, probabilities of masked keys are exactly zero, and V rows past ``kv_len`` are zeroed (stale VMEM or
-a poisoned slot may hold NaN), so padding rows come out as zeros.
+K/V pair of a head shares one 32-bit word, split with shifts), so the pages of a KV head are read from HBM
+once for all its query heads. An online softmax in float32 scratch (``m``, ``l`` lane-replicated, ``acc``)
+folds in each block; rows of other sequences in the query block see only masked logits and stay unchanged. The
+mask value is finite, probabilities of masked keys are exactly zero, and V rows past ``kv_len`` are zeroed
+(stale VMEM or a poisoned slot may hold NaN), so padding rows come out as zeros.
 
 Each grid step is self-contained (its DMAs start and finish inside it), so the query-block axis is
 ``parallel`` and splits across TensorCores on megacore chips. Block tables live in SMEM, which bounds
@@ -102,7 +104,7 @@ def _kernel(
         return jax.lax.while_loop(cond, lambda s: s + 1, s)
 
     def dma(s, b, slot, kv_len):
-        """The page copies of KV block ``b`` of sequence ``s`` into buffer ``slot`` (pages past kv_len: none)."""
+        """Page copies of KV block ``b`` of sequence ``s`` into buffer ``slot`` (none past kv_len)."""
         n_pages = cdiv_i32(kv_len, page_size)
         copies = []
         for i in range(pages_per_block):
@@ -267,7 +269,9 @@ def ragged_paged_attention_tpu(
     total = cu_q_lens[num_seqs[0]]
     starts = jnp.arange(num_q_blocks, dtype=jnp.int32) * q_block
     ends = jnp.minimum(starts + q_block, total) - 1
-    find = lambda t: jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1)
+    find = lambda t: jnp.clip(
+        jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1
+    )
     first_seq = find(starts)
     last_seq = jnp.where(starts < total, find(ends), first_seq - 1)
 

@@ -34,7 +34,7 @@ def bench(fn, *args, iters: int) -> float:
 
 
 def paged_from_dense(k, v, page_size: int, max_seqs: int, seed: int = 0):
-    """The pages of contiguous K/V ``[batch, len, kv_heads, dim]`` in random physical order, and the tables."""
+    """Pages of contiguous K/V ``[batch, len, kv_heads, dim]`` in random physical order, and the tables."""
     b, length, kvh, d = k.shape
     per_seq = length // page_size
     num_pages = b * per_seq + 1
@@ -82,17 +82,43 @@ def main() -> None:
         (
             "decode b16 q32/kv8 d128 ctx2048 page16 f32",
             dict(
-                batch=16, q_len=1, length=2048 // s, q_heads=32, kv_heads=8, d=128, page=16, num_tokens=16, max_seqs=16
+                batch=16,
+                q_len=1,
+                length=2048 // s,
+                q_heads=32,
+                kv_heads=8,
+                d=128,
+                page=16,
+                num_tokens=16,
+                max_seqs=16,
             ),
         ),
         (
             "decode b64 q8/kv2 d64 ctx1024 page16 f32 (bucket 64)",
-            dict(batch=64, q_len=1, length=1024 // s, q_heads=8, kv_heads=2, d=64, page=16, num_tokens=64, max_seqs=64),
+            dict(
+                batch=64,
+                q_len=1,
+                length=1024 // s,
+                q_heads=8,
+                kv_heads=2,
+                d=64,
+                page=16,
+                num_tokens=64,
+                max_seqs=64,
+            ),
         ),
         (
             "decode b8 of bucket 32 q32/kv8 d128 ctx2048 page16 f32",
             dict(
-                batch=8, q_len=1, length=2048 // s, q_heads=32, kv_heads=8, d=128, page=16, num_tokens=32, max_seqs=32
+                batch=8,
+                q_len=1,
+                length=2048 // s,
+                q_heads=32,
+                kv_heads=8,
+                d=128,
+                page=16,
+                num_tokens=32,
+                max_seqs=32,
             ),
         ),
         (
@@ -111,7 +137,17 @@ def main() -> None:
         ),
         (
             "prefill 4x256 q32/kv8 d128 page32 f32",
-            dict(batch=4, q_len=256, length=256, q_heads=32, kv_heads=8, d=128, page=32, num_tokens=1024, max_seqs=8),
+            dict(
+                batch=4,
+                q_len=256,
+                length=256,
+                q_heads=32,
+                kv_heads=8,
+                d=128,
+                page=32,
+                num_tokens=1024,
+                max_seqs=8,
+            ),
         ),
     ]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.iters} iters, median ms")

@@ -1,8 +1,8 @@
 """Ahead-of-time compile of the TPU kernels for real TPU targets, on a machine without a TPU.
 
 With ``libtpu`` installed (``pip install -e '.[tpu]'``), ``jax.experimental.topologies.get_topology_desc``
-describes a TPU slice; ``jax.jit(...).lower(...).compile()`` against its devices runs the real Mosaic compiler,
-so layout, tiling, VMEM and DMA errors in the kernels show up here. Exits non-zero on any failure.
+describes a TPU slice; ``jax.jit(...).lower(...).compile()`` against its devices runs the real Mosaic
+compiler, so layout, tiling, VMEM and DMA errors in the kernels show up here. Exits non-zero on any failure.
 
     .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1]
 """
@@ -64,7 +64,7 @@ def compile_case(device, generation, case) -> None:
 
 
 def compile_engine_step(device, config_name: str, num_tokens: int, max_seqs: int) -> None:
-    """The engine's whole jitted step (embed -> layers with write_kv + the TPU kernel -> logits), abstractly."""
+    """The engine's whole jitted step (embed, layers with write_kv + the TPU kernel, logits), abstractly."""
     from paged_jax.config import load_model_config
     from paged_jax.model.init import init_params
     from paged_jax.runner import PagedMeta, step_functions
@@ -103,7 +103,9 @@ def main() -> int:
     for topo in args.topologies:
         try:
             # One host per chip so that 1x1 slices are valid.
-            desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chips_per_host_bounds=(1, 1, 1))
+            desc = topologies.get_topology_desc(
+                platform="tpu", topology_name=topo, chips_per_host_bounds=(1, 1, 1)
+            )
         except Exception as e:  # noqa: BLE001 - report and count any failure to get the target
             print(f"FAIL {topo}: no topology ({type(e).__name__}: {e})")
             failures += 1
@@ -121,7 +123,11 @@ def main() -> int:
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
                 print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
-        for config_name, num_tokens, max_seqs in (("tiny", 16, 8), ("tiny", 256, 8), ("llama-3.2-1b", 64, 64)):
+        for config_name, num_tokens, max_seqs in (
+            ("tiny", 16, 8),
+            ("tiny", 256, 8),
+            ("llama-3.2-1b", 64, 64),
+        ):
             name = f"{topo} engine step {config_name} tokens={num_tokens} seqs={max_seqs}"
             t0 = time.perf_counter()
             try:

@@ -114,7 +114,9 @@ def timing(bandwidth: float, smoke: bool = False) -> list[tuple[str, float, floa
 
     ``smoke``: tiny shapes and every kernel in the Pallas interpreter, to exercise this code path on CPU.
     """
-    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged  # deprecated module, still a peer
+    from jax.experimental.pallas.ops.gpu import (
+        paged_attention as jax_paged,
+    )  # deprecated module, still a peer
 
     rows = []
     b, qh, kvh, d, ctx, page, dtype = (4, 8, 2, 64, 256, 16, jnp.bfloat16) if smoke else DECODE
@@ -171,9 +173,9 @@ def timing(bandwidth: float, smoke: bool = False) -> list[tuple[str, float, floa
     q_pos = ctx - new + jnp.arange(new)
     mask = (jnp.arange(ctx)[None, :] <= q_pos[:, None])[None, None]  # [1, 1, new, ctx]
     dense = jax.jit(
-        lambda q, k, v: jax.nn.dot_product_attention(q.reshape(s, new, qh, d), k, v, mask=mask, scale=d**-0.5).reshape(
-            s * new, qh, d
-        )
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q.reshape(s, new, qh, d), k, v, mask=mask, scale=d**-0.5
+        ).reshape(s * new, qh, d)
     )
     assert_close(out, dense(q, k, v), dtype)
     t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
@@ -199,7 +201,9 @@ def print_table(rows) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--interpret", action="store_true", help="correctness only, in the Pallas interpreter")
+    parser.add_argument(
+        "--interpret", action="store_true", help="correctness only, in the Pallas interpreter"
+    )
     parser.add_argument(
         "--smoke-timing",
         action="store_true",

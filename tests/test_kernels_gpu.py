@@ -42,7 +42,15 @@ class TestGpuKernel:
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     def test_mixed_batch(self, dtype):
         case = make_case(
-            0, MIXED, num_tokens=64, max_seqs=8, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=8, dtype=dtype
+            0,
+            MIXED,
+            num_tokens=64,
+            max_seqs=8,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=128,
+            page_size=8,
+            dtype=dtype,
         )
         self.run(case, dtype)
 
@@ -60,7 +68,9 @@ class TestGpuKernel:
         )
         self.run(case)
 
-    @pytest.mark.parametrize("head_dim,page_size", [(64, 8), (128, 16), (256, 32), (64, 64), (128, 128), (64, 256)])
+    @pytest.mark.parametrize(
+        "head_dim,page_size", [(64, 8), (128, 16), (256, 32), (64, 64), (128, 128), (64, 256)]
+    )
     def test_head_dims_and_page_sizes(self, head_dim, page_size):
         case = make_case(
             2,
@@ -116,7 +126,9 @@ class TestGpuKernelCompiled(TestGpuKernel):
 
 
 def test_default_block_sizes_through_public_entry_point():
-    case = make_case(4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    case = make_case(
+        4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16
+    )
     check_case(case, "pallas-gpu-interpret")
 
 
@@ -132,7 +144,9 @@ def test_lowers_to_triton_for_h200():
         sds((s + 1,), jnp.int32),
         sds((1,), jnp.int32),
     )
-    fn = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5, sliding_window=512, soft_cap=30.0))
+    fn = jax.jit(
+        lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5, sliding_window=512, soft_cap=30.0)
+    )
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
         exported = export.export(
@@ -159,7 +173,12 @@ def test_positions_past_32k():
     )
     for window in (None, 1_000):
         out = ragged_paged_attention_gpu(
-            *case.paged_args, sm_scale=0.125, sliding_window=window, interpret=True, q_block=8, pages_per_block=16
+            *case.paged_args,
+            sm_scale=0.125,
+            sliding_window=window,
+            interpret=True,
+            q_block=8,
+            pages_per_block=16,
         )
         ref = dense_reference_attention(*case.dense_args, sm_scale=0.125, sliding_window=window)
         assert_close(out, ref, jnp.float32)

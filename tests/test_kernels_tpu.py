@@ -45,7 +45,15 @@ class TestTpuKernel:
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     def test_mixed_batch(self, dtype):
         case = make_case(
-            0, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=128, page_size=8, dtype=dtype
+            0,
+            MIXED,
+            num_tokens=64,
+            max_seqs=8,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=128,
+            page_size=8,
+            dtype=dtype,
         )
         self.run(case, dtype)
 
@@ -63,7 +71,9 @@ class TestTpuKernel:
         )
         self.run(case)
 
-    @pytest.mark.parametrize("head_dim,page_size", [(64, 8), (128, 16), (256, 32), (64, 64), (128, 128), (64, 256)])
+    @pytest.mark.parametrize(
+        "head_dim,page_size", [(64, 8), (128, 16), (256, 32), (64, 64), (128, 128), (64, 256)]
+    )
     def test_head_dims_and_page_sizes(self, head_dim, page_size):
         # kv lengths: exactly a multiple of the page size, one past it, and a decode in the first page.
         case = make_case(
@@ -93,7 +103,9 @@ class TestTpuKernel:
         self.run(case, sliding_window=window, soft_cap=cap)
 
     def test_default_block_sizes_through_public_entry_point(self):
-        case = make_case(4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+        case = make_case(
+            4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16
+        )
         check_case(case, "pallas-tpu-interpret")
 
     @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -140,7 +152,9 @@ def test_no_races_two_cores_dmas_on_wait(dtype):
         page_size=8,
         dtype=dtype,
     )
-    out = ragged_paged_attention_tpu(*case.paged_args, sm_scale=0.125, interpret=params, q_block=16, pages_per_block=2)
+    out = ragged_paged_attention_tpu(
+        *case.paged_args, sm_scale=0.125, interpret=params, q_block=16, pages_per_block=2
+    )
     ref = dense_reference_attention(*case.dense_args, sm_scale=0.125)
     assert ipc.races is not None and not ipc.races.races_found
     assert_close(out, ref, dtype)
@@ -176,7 +190,12 @@ def test_positions_past_32k():
     )
     for window in (None, 1_000):
         out = ragged_paged_attention_tpu(
-            *case.paged_args, sm_scale=0.125, sliding_window=window, interpret=True, q_block=16, pages_per_block=16
+            *case.paged_args,
+            sm_scale=0.125,
+            sliding_window=window,
+            interpret=True,
+            q_block=16,
+            pages_per_block=16,
         )
         ref = dense_reference_attention(*case.dense_args, sm_scale=0.125, sliding_window=window)
         assert_close(out, ref, jnp.float32)
