@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from paged_jax.dp import DataParallelEngine
 from paged_jax.engine import LLMEngine
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -177,14 +178,15 @@ def read_items(path: Path, errors: LineWriter, summary: BatchSummary, skip: set[
             yield item
 
 
-def run_batch(engine: LLMEngine, input_path: Path, output_path: Path, errors_path: Path | None = None,
-              progress: bool = True, shard: tuple[int, int] = (0, 1)) -> BatchSummary:
+def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_path: Path,
+              errors_path: Path | None = None, progress: bool = True, shard: tuple[int, int] = (0, 1)) -> BatchSummary:
     """Generate for every line of `input_path` not yet in `output_path`."""
     errors_path = errors_path or output_path.with_name(output_path.stem + ".errors.jsonl")
     summary = BatchSummary()
     done = completed_ids(output_path)
     out, errors = LineWriter(output_path), LineWriter(errors_path)
-    window = 4 * engine.engine_config.max_num_seqs  # requests queued ahead of the engine
+    ec = engine.engine_config
+    window = 4 * ec.max_num_seqs * ec.data_parallel_size  # requests queued ahead of the engine(s)
     items = read_items(input_path, errors, summary, done, shard)
     in_flight: set[str] = set()
     bar = tqdm(disable=not progress, desc="generate", unit="req")
@@ -220,7 +222,7 @@ def run_batch(engine: LLMEngine, input_path: Path, output_path: Path, errors_pat
                 bar.update(1)
                 elapsed = time.monotonic() - t0
                 bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}",
-                                kv=f"{engine.kv.stats().kv_utilization:.0%}", refresh=False)
+                                kv=f"{engine.stats()['kv_utilization']:.0%}", refresh=False)
     finally:
         for rid in list(in_flight):
             engine.abort(rid)
@@ -242,6 +244,12 @@ def add_args(parser) -> None:
     parser.add_argument("--output", required=True, type=Path, help="JSONL results (appended; re-runs resume)")
     parser.add_argument("--errors", type=Path, default=None, help="JSONL of rejected lines (default: beside output)")
     parser.add_argument("--no-progress", action="store_true")
+    g = parser.add_argument_group("multi-host (each process takes every count-th line; process 0 merges)")
+    g.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() (on a TPU slice it finds the other hosts itself)")
+    g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (implies --distributed)")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
     add_engine_args(parser)
 
 
@@ -253,9 +261,29 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.input.exists():
         raise SystemExit(f"--input: {args.input} does not exist")
+    if args.distributed or args.coordinator_address:
+        from paged_jax import multihost
+
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    import jax
+
+    count, index = jax.process_count(), jax.process_index()
     engine = build_engine(args)
-    summary = run_batch(engine, args.input, args.output, args.errors, progress=not args.no_progress)
-    print("\n".join(["", f"paged-jax generate: {args.input} -> {args.output}", *summary.lines()]))
+    if count == 1:
+        summary = run_batch(engine, args.input, args.output, args.errors, progress=not args.no_progress)
+        print("\n".join(["", f"paged-jax generate: {args.input} -> {args.output}", *summary.lines()]))
+        return 0
+    from paged_jax import multihost
+
+    errors = args.errors or args.output.with_name(args.output.stem + ".errors.jsonl")
+    out_part, err_part = (multihost.part_path(p, index, count) for p in (args.output, errors))
+    summary = run_batch(engine, args.input, out_part, err_part, progress=not args.no_progress and index == 0,
+                        shard=(index, count))
+    print("\n".join(["", f"paged-jax generate [process {index}/{count}]: {args.input} -> {out_part}",
+                     *summary.lines()]))
+    added = multihost.merge_parts(args.output, errors, count)
+    if added is not None:
+        print(f"merged {count} parts into {args.output} ({added} new lines)")
     return 0
 
 

@@ -23,6 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     g.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily instead of at start-up")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="chips per engine replica")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas on disjoint groups of this host's chips")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -31,16 +34,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         chunk_size=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend, seed=args.seed, warmup=not args.no_warmup)
+        attention_backend=args.attention_backend, seed=args.seed, warmup=not args.no_warmup,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
 
 
 def build_engine(args: argparse.Namespace):
     """Load the model named by `--model` and start an engine with the flags' options."""
+    import contextlib
     import os
 
     import jax
 
-    from paged_jax.engine import LLMEngine
+    from paged_jax.dp import make_engine
     from paged_jax.model.weights import load_model
 
     # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU).
@@ -48,6 +53,11 @@ def build_engine(args: argparse.Namespace):
     if cache_dir != "off":
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
-    return LLMEngine(config, params, tokenizer, engine_config_from_args(args))
+    ec = engine_config_from_args(args)
+    # With several chips per process, load into host memory and let each engine place its shards
+    # (the whole model need not fit one chip).
+    on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
+    with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else contextlib.nullcontext():
+        config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    return make_engine(config, params, tokenizer, ec)
 
