@@ -4,7 +4,12 @@ With ``libtpu`` installed (``pip install -e '.[tpu]'``), ``jax.experimental.topo
 describes a TPU slice; ``jax.jit(...).lower(...).compile()`` against its devices runs the real Mosaic
 compiler, so layout, tiling, VMEM and DMA errors in the kernels show up here. Exits non-zero on any failure.
 
-    .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1]
+    .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1] [--sharded v5e:2x2:4 v5e:2x4:8]
+
+``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.sharding``) for
+Llama-3.1-8B in bfloat16 on the first TP chips of that slice, with abstract parameters (nothing is
+materialised), and prints a per-chip memory table from ``compiled.memory_analysis()``; the KV pages are
+sized as the engine would size them on that chip (``--hbm-gib`` x 0.9 minus the weights).
 """
 
 from __future__ import annotations
@@ -95,9 +100,103 @@ def compile_engine_step(device, config_name: str, num_tokens: int, max_seqs: int
         ).compile()
 
 
+HBM_GIB = {"v5e": 16.0, "v6e": 32.0, "v5p": 95.0, "v4": 32.0}  # per chip
+SHARDED_STEPS = ((64, 64), (512, 16))  # (tokens, seqs): a decode bucket and a chunked-prefill bucket
+
+
+def _nbytes(shape, dtype, sharding) -> int:
+    """Bytes of one chip's shard of an array of `shape` under `sharding`."""
+    size = jnp.dtype(dtype).itemsize
+    for d in sharding.shard_shape(shape):
+        size *= d
+    return size
+
+
+def compile_sharded_step(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int,
+                         hbm_gib: float, page_size: int = 16, max_model_len: int = 8192) -> dict[str, float]:
+    """Compile the TP engine step for `config_name` on the first `tp` chips of `topo`; per-chip GiB."""
+    from paged_jax import sharding as shd
+    from paged_jax.config import load_model_config
+    from paged_jax.model.init import param_shapes
+    from paged_jax.runner import PagedMeta, step_functions
+
+    dims = tuple(int(x) for x in topo.split(":")[1].split("x"))
+    # One host holds the whole slice (a v5e-4 or v5e-8 host), as for one engine of `paged-jax generate`.
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topo,
+                                        chips_per_host_bounds=(*dims, 1)[:3])
+    mesh = shd.make_mesh(desc.devices[:tp])
+    config = load_model_config(config_name)
+    r = shd.kv_replication(config, tp)
+    config = config.replace(num_kv_heads=config.num_kv_heads * r)
+    shapes = param_shapes(config)
+    shardings = shd.param_shardings(config, mesh, shapes)
+    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
+    weights = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(params))
+    dtype = jnp.dtype(config.dtype)
+    page_bytes = config.kv_bytes_per_token(dtype.itemsize) * page_size // tp  # one chip, all layers
+    num_pages = int((hbm_gib * 2**30 - weights) * 0.9) // page_bytes
+    kv_shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+    kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=shd.kv_sharding(mesh))
+    rep_ = shd.replicated(mesh)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep_)
+    max_blocks = max_model_len // page_size
+    meta = PagedMeta(i32(num_tokens), i32(max_seqs), i32(max_seqs, max_blocks), i32(max_seqs + 1), i32(1))
+    _, forward = step_functions(config, "pallas-tpu", mesh)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        compiled = forward.lower(params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta,
+                                 i32(max_seqs)).compile()
+    m = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    gib = 2**-30
+    return {
+        "weights": weights * gib,
+        "kv": config.num_layers * _nbytes(kv_shape, dtype, kv.sharding) * gib,
+        "kv_tokens": (num_pages - 1) * page_size,
+        "args": m.argument_size_in_bytes * gib,
+        "out": m.output_size_in_bytes * gib,
+        "alias": m.alias_size_in_bytes * gib,
+        "temp": m.temp_size_in_bytes * gib,
+        "peak": (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                 + m.temp_size_in_bytes) * gib,
+        "all-reduce": hlo.count(" all-reduce("), "all-gather": hlo.count(" all-gather("),
+    }
+
+
+def check_sharded(specs: list[str], config_name: str, hbm_gib: float | None) -> int:
+    """Compile and print the per-chip memory table for each `TOPOLOGY:TP`; returns the failure count."""
+    failures = 0
+    print(f"\nper-chip memory of the TP step, {config_name} bfloat16, GiB (args = weights + KV + metadata; "
+          "out aliases the donated KV; peak = args + out - alias + temp)")
+    print(f"{'target':<14}{'TP':>3}{'tokens':>7}{'seqs':>5}{'weights':>9}{'KV':>8}{'KV tokens':>11}{'args':>8}"
+          f"{'temp':>8}{'peak':>8}{'HBM':>6}  collectives")
+    for spec in specs:
+        topo, tp = spec.rsplit(":", 1)
+        hbm = hbm_gib or HBM_GIB[topo.split(":")[0]]
+        for num_tokens, max_seqs in SHARDED_STEPS:
+            t0 = time.perf_counter()
+            try:
+                r = compile_sharded_step(topo, int(tp), config_name, num_tokens, max_seqs, hbm)
+            except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+                failures += 1
+                print(f"FAIL {spec} tokens={num_tokens} seqs={max_seqs}\n{traceback.format_exc(limit=4)}")
+                continue
+            print(f"{topo:<14}{tp:>3}{num_tokens:>7}{max_seqs:>5}{r['weights']:>9.2f}{r['kv']:>8.2f}"
+                  f"{r['kv_tokens']:>11,}{r['args']:>8.2f}{r['temp']:>8.2f}{r['peak']:>8.2f}{hbm:>6.0f}  "
+                  f"{r['all-reduce']} all-reduce, {r['all-gather']} all-gather  "
+                  f"({time.perf_counter() - t0:.0f}s)")
+            if r["peak"] > hbm:
+                failures += 1
+                print(f"FAIL {spec}: peak {r['peak']:.2f} GiB exceeds {hbm} GiB")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--topologies", nargs="+", default=["v5e:1x1", "v6e:1x1"])
+    parser.add_argument("--topologies", nargs="*", default=["v5e:1x1", "v6e:1x1"])
+    parser.add_argument("--sharded", nargs="*", default=["v5e:2x2:4", "v5e:2x4:8"], metavar="TOPOLOGY:TP",
+                        help="tensor-parallel engine steps to compile (none: skip)")
+    parser.add_argument("--sharded-model", default="llama-3.1-8b")
+    parser.add_argument("--hbm-gib", type=float, default=None, help="per-chip HBM (default: by TPU generation)")
     args = parser.parse_args()
     failures = 0
     for topo in args.topologies:
@@ -136,6 +235,8 @@ def main() -> int:
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
                 print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
+    if args.sharded:
+        failures += check_sharded(args.sharded, args.sharded_model, args.hbm_gib)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 
