@@ -2,7 +2,9 @@
 
 Attention is split by heads (q/k/v on their head axis, o on its input head axis), the MLP by the
 intermediate dimension (gate/up by columns, down by rows), the embedding and LM head by vocab,
-norms replicated. Callers must pick a TP degree that divides num_kv_heads, intermediate and vocab.
+norms replicated. The TP degree must divide num_heads, intermediate and vocab, and the number of KV heads
+in `params`: when it exceeds the model's KV heads, `paged_jax.sharding.expand_kv_heads` first repeats them
+(`sharding.kv_replication` checks all of this).
 """
 
 from __future__ import annotations
