@@ -213,6 +213,10 @@ class LLMEngine:
                 seq.finish_time = time.monotonic()
         return self._output(req, final=True)
 
+    def check_invariants(self) -> None:
+        """The KV manager's invariants (raises RuntimeError naming the broken one)."""
+        self.kv.check_invariants()
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

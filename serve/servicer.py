@@ -129,7 +129,8 @@ class GenerationServicer:
         return pb.ModelInfo(
             name=engine.config.name, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             page_size=engine.engine_config.page_size, num_pages=engine.num_pages - 1,
-            kv_capacity_tokens=(engine.num_pages - 1) * engine.engine_config.page_size,
+            kv_capacity_tokens=(engine.num_pages - 1) * engine.engine_config.page_size
+            * engine.engine_config.data_parallel_size,
             eos_token_ids=list(engine.config.eos_token_ids), bos_token_id=bos,
             max_prompt_tokens=min(lim.max_prompt_tokens or self.max_model_len, self.max_model_len - 1),
             max_tokens_limit=lim.max_tokens, max_n=min(lim.max_n, self.max_n), max_stop_strings=lim.max_stop_strings,
@@ -162,9 +163,9 @@ class GenerationServicer:
                            num_open_requests=self.loop.num_open, num_steps=engine.num_steps)
             if check:
                 try:
-                    engine.kv.check_invariants()
+                    engine.check_invariants()
                     msg.invariants_ok = True
-                except AssertionError as e:
+                except (AssertionError, RuntimeError) as e:
                     msg.invariants_error = str(e) or "assertion failed"
             return msg
 
