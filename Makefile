@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test tpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 12), f"paged-jax needs Python 3.12, got {sys.version}"'
@@ -12,6 +12,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# The TPU ahead-of-time compile check needs libtpu; it lives in its own venv so that the CPU venv above
+# never tries to start a TPU.
+TPU_VENV := .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+
+$(TPU_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install -q -e '.[tpu]'
+	touch $(TPU_STAMP)
 
 run: $(STAMP)
 	rm -f out/generations.jsonl out/generations.errors.jsonl
@@ -21,9 +32,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests
+	$(MAKE) tpu-check
+
+tpu-check: $(TPU_STAMP)
+	$(TPU_VENV)/bin/python scripts/check_tpu_compile.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) out .pytest_cache .ruff_cache
