@@ -27,7 +27,7 @@ from paged_jax.runner import ModelRunner, StepResult
 from paged_jax.sampler import SamplerOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler, SchedulerOutput
-from paged_jax.sequence import FinishReason, Sequence
+from paged_jax.sequence import FinishReason, Sequence, Status
 from paged_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request
     warmup: bool = True  # compile every step shape at start-up
+    async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
     reserve_full_length: bool = False
     tensor_parallel_size: int = 1  # chips per engine (weights by heads/columns/vocab, KV pages by KV heads)
@@ -149,6 +150,7 @@ class LLMEngine:
                  self.num_pages - 1, ec.page_size, tokens, self.kv_cache_bytes / 2**20, config.num_layers,
                  config.num_kv_heads, config.head_dim)
         self._requests: dict[str, _Request] = {}
+        self._inflight: _Launched | None = None  # the lookahead's dispatched, uncollected step
         self._rng = np.random.default_rng(ec.seed)
         self.num_steps = 0
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
@@ -237,11 +239,37 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that produced tokens or finished."""
-        launched = self.launch_step()
-        return [] if launched is None else self.finish_step(launched)
+        """Run one batch; return an output for every request that produced tokens or finished.
 
-    def launch_step(self) -> _Launched | None:
+        With `async_scheduling` (the default) the engine looks one step ahead: it schedules and dispatches
+        step n+1 before it waits for step n's samples, feeding each sequence's not-yet-known token to step
+        n+1 on the device, so the host's scheduling and bookkeeping overlap the device's work. The outputs
+        returned are then step n's; a sequence that step n finishes (EOS, a stop) costs one wasted token
+        of step n+1, which is discarded. Requests with penalties fall back to one step at a time, since
+        their sampling needs every earlier token on the host.
+        """
+        if not self.engine_config.async_scheduling:
+            launched = self.launch_step()
+            return [] if launched is None else self.finish_step(launched)
+        prev, self._inflight = self._inflight, None
+        if prev is not None and any(seq.params.uses_penalties for seq, _ in prev.sched.sample_rows):
+            return self.finish_step(prev)
+        if prev is not None:
+            self._mark_pending(prev)
+        self._inflight = self.launch_step(prev)
+        return [] if prev is None else self.finish_step(prev)
+
+    def _mark_pending(self, prev: _Launched) -> None:
+        """Give every sequence sampled by the in-flight step a placeholder for the token still on device."""
+        for row, (seq, _) in enumerate(prev.sched.sample_rows):
+            if seq.finished or seq.request_id not in self._requests:
+                continue
+            seq.output_token_ids.append(-1)
+            seq.pending_row = row
+            seq.ends_after_pending = (len(seq.output_token_ids) >= seq.params.max_tokens
+                                      or seq.num_tokens >= self.max_model_len)
+
+    def launch_step(self, prev: _Launched | None = None) -> _Launched | None:
         """First half of `step`: schedule and dispatch to the device without waiting (None: nothing to run).
 
         Every launched step must be passed to `finish_step` before the next `launch_step`. Data parallelism
@@ -251,7 +279,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return None
-        samples = self.runner.launch(sched, self.kv)
+        samples = self.runner.launch(sched, self.kv, None if prev is None else prev.samples)
         return _Launched(sched, samples, time.perf_counter() - t0)
 
     def finish_step(self, launched: _Launched) -> list[RequestOutput]:
@@ -264,8 +292,8 @@ class LLMEngine:
         outputs = []
         for r, (seq, _) in enumerate(sched.sample_rows):
             req = self._requests.get(seq.request_id)
-            if req is None:
-                continue  # failed earlier in this loop
+            if req is None or seq.finished:
+                continue  # finished, aborted or failed while this step was in flight (or earlier in this loop)
             try:
                 self._append(req, seq, result, r)
             except Exception as e:  # one request's failure (e.g. its tokenizer) ends that request alone
@@ -286,7 +314,13 @@ class LLMEngine:
     def _append(self, req: _Request, seq: Sequence, result: StepResult, row: int) -> None:
         token = int(result.tokens[row])
         p = seq.params
-        seq.output_token_ids.append(token)
+        if seq.has_pending:  # the lookahead already scheduled this token as a placeholder
+            seq.output_token_ids[-1] = token
+            seq.pending_row, seq.ends_after_pending = -1, False
+            if seq.status is Status.RUNNING:
+                self.kv.cache_blocks(seq.seq_id, seq.all_token_ids)
+        else:
+            seq.output_token_ids.append(token)
         if p.logprobs is not None:
             top = [(int(i), float(v)) for i, v in zip(result.top_ids[row, : p.logprobs],
                                                       result.top_logprobs[row, : p.logprobs], strict=True)]

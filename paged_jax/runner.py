@@ -110,6 +110,13 @@ def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int):
     return jax.jit(_copy_all_pages, donate_argnums=(0,), out_shardings=kv)
 
 
+@jax.jit
+def _merge_pending(token_ids: jax.Array, prev_rows: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """token_ids [T] with the entries where prev_rows [T] >= 0 taken from prev_tokens [S_prev] on device."""
+    taken = prev_tokens[jnp.clip(prev_rows, 0, prev_tokens.shape[0] - 1)]
+    return jnp.where(prev_rows >= 0, taken, token_ids).astype(jnp.int32)
+
+
 @dataclass(slots=True)
 class StepResult:
     """Host copies of one step's samples; row r belongs to `SchedulerOutput.sample_rows[r]`."""
@@ -154,8 +161,12 @@ class ModelRunner:
         src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
         self.kv_caches = self._copy(self.kv_caches, src, dst)
 
-    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[tuple, dict]:
-        """Build padded numpy step inputs from the scheduler's decision."""
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[tuple, dict, np.ndarray]:
+        """Build padded numpy step inputs from the scheduler's decision.
+
+        Also returns `prev_rows [T]`: for a token whose id is still on the device (the engine's one-step
+        lookahead), the row of the previous step's samples that holds it; -1 elsewhere.
+        """
         num_rows = len(sched.sample_rows)
         t = bucket_for(sched.num_tokens, self.token_buckets)
         s = bucket_for(max(len(sched.scheduled), num_rows), self.seq_buckets)
@@ -166,13 +177,17 @@ class ModelRunner:
         kv_lens = np.zeros(s, np.int32)
         tables = np.zeros((s, self.max_blocks), np.int32)
         cu = np.zeros(s + 1, np.int32)
+        prev_rows = np.full(t, -1, np.int32)
         off = 0
         for i, item in enumerate(sched.scheduled):
             seq, start, n = item.seq, item.start, item.num_new
             blocks = kv.block_ids(seq.seq_id)
             tables[i, : len(blocks)] = blocks
             if n == 1:
-                token_ids[off] = seq.token_at(start)
+                if seq.has_pending and start == seq.num_tokens - 1:
+                    prev_rows[off] = seq.pending_row
+                else:
+                    token_ids[off] = seq.token_at(start)
             else:
                 token_ids[off: off + n] = seq.all_token_ids[start: start + n]
             pos = np.arange(start, start + n, dtype=np.int32)
@@ -186,7 +201,7 @@ class ModelRunner:
         for r, (_, index) in enumerate(sched.sample_rows):
             logits_indices[r] = cu[index + 1] - 1
         meta = PagedMeta(slots, kv_lens, tables, cu, np.array([len(sched.scheduled)], np.int32))
-        return (token_ids, positions, meta, logits_indices), self._sampling_inputs(sched, s)
+        return (token_ids, positions, meta, logits_indices), self._sampling_inputs(sched, s), prev_rows
 
     def _sampling_inputs(self, sched: SchedulerOutput, s: int) -> dict:
         rows = sched.sample_rows
@@ -228,11 +243,18 @@ class ModelRunner:
         """Run one step: copy-on-write copies, forward, sampling; return host copies of the samples."""
         return self.collect(self.launch(sched, kv), len(sched.sample_rows))
 
-    def launch(self, sched: SchedulerOutput, kv: KVCacheManager) -> SamplerOutput:
-        """Dispatch one step (copies, forward, sampling) without waiting; returns the samples on device."""
+    def launch(self, sched: SchedulerOutput, kv: KVCacheManager,
+               prev_samples: SamplerOutput | None = None) -> SamplerOutput:
+        """Dispatch one step (copies, forward, sampling) without waiting; returns the samples on device.
+
+        `prev_samples`: the previous step's samples, still on the device, for tokens scheduled before their
+        ids reached the host (the engine's one-step lookahead); they are merged in on the device.
+        """
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
-        (token_ids, positions, meta, logits_indices), sampling = self.prepare(sched, kv)
+        (token_ids, positions, meta, logits_indices), sampling, prev_rows = self.prepare(sched, kv)
+        if (prev_rows >= 0).any():
+            token_ids = _merge_pending(token_ids, prev_rows, prev_samples.tokens)
         logits, self.kv_caches = self._forward(self.params, self.kv_caches, token_ids, positions, meta,
                                                logits_indices)
         return sample(logits, SamplingMeta(**sampling["meta"]), **sampling["flags"])
@@ -246,25 +268,32 @@ class ModelRunner:
         return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r])
 
     # -- warm-up ------------------------------------------------------------------------------------
+    def _warm_forward(self, t: int, s: int, token_ids) -> None:
+        meta = PagedMeta(np.full(t, -1, np.int32), np.zeros(s, np.int32), np.zeros((s, self.max_blocks), np.int32),
+                         np.zeros(s + 1, np.int32), np.zeros(1, np.int32))
+        _, self.kv_caches = self._forward(self.params, self.kv_caches, token_ids, np.zeros(t, np.int32), meta,
+                                          np.zeros(s, np.int32))
+
     def warmup(self, progress: bool = True) -> int:
         """Compile every (token bucket, sequence bucket) pair and the common sampler variants."""
         pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets]
         t0 = time.perf_counter()
         for k, (t, s) in enumerate(pairs):
-            meta = PagedMeta(np.full(t, -1, np.int32), np.zeros(s, np.int32),
-                             np.zeros((s, self.max_blocks), np.int32), np.zeros(s + 1, np.int32),
-                             np.zeros(1, np.int32))
-            logits, self.kv_caches = self._forward(self.params, self.kv_caches, np.zeros(t, np.int32),
-                                                   np.zeros(t, np.int32), meta, np.zeros(s, np.int32))
+            self._warm_forward(t, s, np.zeros(t, np.int32))
             if progress:
                 log.info("warm-up: compiled step %d/%d (tokens=%d, seqs=%d)", k + 1, len(pairs), t, s)
+        on = None if self.mesh is None else sharding.replicated(self.mesh)
         for s in self.seq_buckets:
-            logits = jnp.zeros((s, self.config.vocab_size), jnp.float32,
-                               device=None if self.mesh is None else sharding.replicated(self.mesh))
+            logits = jnp.zeros((s, self.config.vocab_size), jnp.float32, device=on)
             m = SamplingMeta(**empty_meta(s))
             for flags in ((False, False), (True, False), (True, True)):
                 for lp in (False, True):
-                    sample(logits, m, do_sample=flags[0], do_filter=flags[1], do_penalty=False, want_logprobs=lp)
+                    out = sample(logits, m, do_sample=flags[0], do_filter=flags[1], do_penalty=False,
+                                 want_logprobs=lp)
+            for t in self.token_buckets:  # the lookahead's on-device merge, and the step fed by it
+                merged = _merge_pending(np.zeros(t, np.int32), np.full(t, -1, np.int32), out.tokens)
+                if s == self.seq_buckets[0]:
+                    self._warm_forward(t, self.seq_buckets[0], merged)
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.kv_caches)
         if progress:

@@ -87,16 +87,17 @@ class Scheduler:
         for seq in list(self.running):  # a snapshot: children forked during this step join the list
             if budget <= 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not Status.RUNNING or seq.ends_after_pending:
+                continue  # preempted earlier in this loop, or its pending token is its last
             num_new = min(seq.num_uncomputed, budget, self.chunk_size)
-            copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new)
+            cache = not seq.has_pending  # a placeholder token must not be hashed; cached once its id is known
+            copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache)
             while copies is None:  # out of pages: preempt the most recently admitted unscheduled one
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new)
+                copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache)
             if copies is None:
                 continue
             out.copy_ops.extend(copies)

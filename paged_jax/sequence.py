@@ -51,6 +51,11 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_sent_tokens: int = 0  # output tokens already reported in a RequestOutput delta
+    # One-step lookahead: the last output token is a placeholder (-1) whose id is still on the device, in row
+    # `pending_row` of the in-flight step's samples; `ends_after_pending` means that token is its last
+    # (max_tokens or max_model_len), so the scheduler does not run it again.
+    pending_row: int = -1
+    ends_after_pending: bool = False
     forked_children: list[Sequence] = field(default_factory=list)  # children waiting for this leader's prompt
 
     @property
@@ -68,6 +73,10 @@ class Sequence:
     def token_at(self, position: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
+
+    @property
+    def has_pending(self) -> bool:
+        return self.pending_row >= 0
 
     @property
     def finished(self) -> bool:

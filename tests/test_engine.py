@@ -269,3 +269,47 @@ def test_a_failing_request_fails_alone(tiny_config, tiny_params, reference):
     assert finals["bad"].outputs[0].finish_reason == "error"
     assert finals["ok"].outputs[0].token_ids == reference(prompts[0])
     assert_all_free(engine)
+
+
+def test_lookahead_matches_one_step_at_a_time(tiny_config, tiny_params):
+    """Async scheduling (step n+1 dispatched before step n's tokens reach the host) changes no output."""
+    prompts = make_prompts(8, seed=13, max_len=60)
+    rng = np.random.default_rng(13)
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.9])), top_k=int(rng.choice([0, 20])),
+                             seed=i, max_tokens=int(rng.integers(1, 20)), n=int(rng.choice([1, 2])),
+                             stop_token_ids=[int(rng.integers(3, 259))], logprobs=1,
+                             repetition_penalty=float(rng.choice([1.0, 1.0, 1.3]))) for i in range(8)]
+
+    def run(async_scheduling: bool):
+        engine = make_engine(tiny_config, tiny_params, num_pages=10, async_scheduling=async_scheduling)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"q{i}", prompt, p)
+        done = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = [(c.token_ids, c.finish_reason, [lp.logprob for lp in c.logprobs])
+                                          for c in o.outputs]
+            engine.kv.check_invariants()
+        assert_all_free(engine)
+        return done, engine.stats()["num_preemptions"]
+
+    (sync, _), (ahead, preemptions) = run(False), run(True)
+    assert sync.keys() == ahead.keys()
+    for rid in sync:
+        for (t1, f1, l1), (t2, f2, l2) in zip(sync[rid], ahead[rid], strict=True):
+            assert t1 == t2 and f1 == f2, rid
+            np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-6)
+    assert preemptions > 0
+
+
+def test_lookahead_caches_generated_blocks(tiny_config, tiny_params):
+    engine = make_engine(tiny_config, tiny_params)
+    prompt = make_prompts(1, seed=14, max_len=20)[0]
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    out = None
+    while engine.has_unfinished():
+        out = next((o for o in engine.step() if o.finished), out)
+    follow_up = prompt + out.outputs[0].token_ids + [7, 8, 9]
+    assert engine.kv.lookup_prefix(follow_up) == (len(prompt) + 40 - 1) // 16 * 16
+    assert_all_free(engine)

@@ -43,7 +43,8 @@ class RequestBlocks:
     block_hashes: list[BlockHash]
     """Chained hashes of the request's leading full blocks (may run ahead of ``num_cached_blocks``)."""
     num_cached_blocks: int
-    """Blocks ``[0, num_cached_blocks)`` have been offered to the prefix cache (== num_computed // size)."""
+    """Blocks ``[0, num_cached_blocks)`` have been offered to the prefix cache (== num_computed // size, but
+    while an ``allocate_slots(cache=False)`` awaits its ``cache_blocks``)."""
     cache_salt: str | None
 
 
@@ -166,7 +167,7 @@ class KVCacheManager:
         return cached
 
     def allocate_slots(
-        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, cache: bool = True
     ) -> list[tuple[int, int]] | None:
         """A running request computes positions ``[num_computed, num_computed + num_new_tokens)`` now.
 
@@ -175,6 +176,10 @@ class KVCacheManager:
         copy and the call returns ``[(src_page, dst_page)]``: the device must copy src to dst before the
         step writes. Otherwise returns ``[]``. Newly completed full blocks enter the prefix cache, and the
         request's ``num_computed`` advances by ``num_new_tokens``.
+
+        ``cache=False`` defers the prefix caching: the engine's one-step lookahead schedules a token whose id
+        the device has not returned yet (``token_ids`` holds a placeholder there), and calls
+        ``cache_blocks`` once the id is known.
         """
         state = self._get(request_id)
         if num_new_tokens < 0:
@@ -203,9 +208,16 @@ class KVCacheManager:
         if num_new_pages > 0:
             blocks.extend(self.pool.allocate(num_new_pages))
         state.num_computed = total
-        if total // ps > state.num_cached_blocks:
+        if cache and total // ps > state.num_cached_blocks:
             self._cache_full_blocks(state, token_ids)
         return copies
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Offer the request's full blocks not yet cached to the prefix cache (see ``allocate_slots``)."""
+        state = self._get(request_id)
+        if len(token_ids) < state.num_computed:
+            raise ValueError(f"request {request_id!r}: {state.num_computed} tokens computed, {len(token_ids)} given")
+        self._cache_full_blocks(state, token_ids)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every page of the parent (refcount +1 each); writes later copy on write."""
