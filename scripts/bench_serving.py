@@ -5,11 +5,12 @@
    concurrent requests, generated tokens/s.
 2. prefix: a 1,024-token shared system prompt and short distinct user turns, one request at a time: time to
    first token with the prefix cache warm against the cache off, and the hit rate.
-3. peers (--peers): the same HF directory and workload (32 prompts x 128 tokens, 128 new, greedy) through
+3. peers: the same HF directory and workload (32 prompts x 128 tokens, 128 new, greedy) through
    paged-jax, Hugging Face transformers and vLLM's CPU build (../shared/peers), run alternately in
    subprocesses; tokens/s medians, ratios, and whether our float32 greedy tokens equal transformers'.
+4. lookahead: the engine's one-step lookahead (async scheduling) on and off: tokens/s and host time per step.
 
-    .venv/bin/python scripts/bench_serving.py [--sections paged,prefix,peers] [--rounds 2]
+    .venv/bin/python scripts/bench_serving.py [--sections paged,prefix,lookahead,peers] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -133,6 +134,35 @@ def bench_prefix(args) -> None:
            ["ratio (off / warm)", f"{off / warm:.1f}x", ""]])
 
 
+# -- 4. one-step lookahead -------------------------------------------------------------------------------------
+def bench_lookahead(args) -> None:
+    """Async scheduling on and off on a decode-heavy workload: throughput and host time per step."""
+    config, params, tok = load_model("tiny", dtype="float32")
+    workload = [(p, 96) for p, _ in lognormal_workload(32, 512, seed=2)]
+    engines = {}
+    for name, on in (("lookahead", True), ("one step at a time", False)):
+        ec = EngineConfig(num_pages=1100, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=512,
+                          attention_backend="xla", async_scheduling=on, enable_prefix_caching=False)
+        engines[name] = LLMEngine(config, params, tok, ec)
+    res: dict[str, list[dict]] = {n: [] for n in engines}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            steps0, host0, wait0 = engine.num_steps, engine.host_seconds, engine.runner.device_seconds
+            r = run_offline(engine, workload, baseline=False)
+            steps = engine.num_steps - steps0
+            r["host_ms"] = (engine.host_seconds - host0) / steps * 1e3
+            r["wait_ms"] = (engine.runner.device_seconds - wait0) / steps * 1e3
+            r["step_ms"] = r["seconds"] / steps * 1e3
+            res[name].append(r)
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in res.items()}
+    on, off = med["lookahead"], med["one step at a time"]
+    table(f"4. one-step lookahead (tiny model f32, 32 requests x 96 new tokens, median of {args.rounds}; host ms = "
+          "scheduling + bookkeeping per step, wait ms = host blocked on the device per step)",
+          ["engine", "gen tok/s", "step ms", "host ms", "wait ms"],
+          [[n, f"{m['tok_s']:.0f}", f"{m['step_ms']:.2f}", f"{m['host_ms']:.2f}", f"{m['wait_ms']:.2f}"]
+           for n, m in med.items()] + [["ratio", f"{on['tok_s'] / off['tok_s']:.2f}x", "", "", ""]])
+
+
 # -- 3. peers -------------------------------------------------------------------------------------------------
 PEERS = ROOT.parent / "shared" / "peers"
 RATE = re.compile(r"([\d.]+) generated tok/s")
@@ -221,7 +251,7 @@ def main() -> None:
         ours_run(*sys.argv[2:5])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="paged,prefix,peers")
+    ap.add_argument("--sections", default="paged,prefix,lookahead,peers")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--turns", type=int, default=12)
@@ -234,6 +264,8 @@ def main() -> None:
         bench_paged(args)
     if "prefix" in sections:
         bench_prefix(args)
+    if "lookahead" in sections:
+        bench_lookahead(args)
     if "peers" in sections:
         bench_peers(args)
 
