@@ -53,6 +53,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request
     warmup: bool = True  # compile every step shape at start-up
+    watermark: float = 0.01  # fraction of pages admission keeps free while requests run
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
     reserve_full_length: bool = False
@@ -139,7 +140,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
                                    max_num_batched_tokens=ec.max_num_batched_tokens, chunk_size=ec.chunk_size,
                                    enable_prefix_caching=ec.enable_prefix_caching,
-                                   reserve_tokens=self.max_model_len if ec.reserve_full_length else None)
+                                   reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
+                                   watermark=ec.watermark)
         self.runner = ModelRunner(run_config, params, num_pages=self.num_pages, page_size=ec.page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
                                   max_num_batched_tokens=ec.max_num_batched_tokens,

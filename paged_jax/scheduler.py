@@ -44,7 +44,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  chunk_size: int | None = None, enable_prefix_caching: bool = True,
-                 reserve_tokens: int | None = None) -> None:
+                 reserve_tokens: int | None = None, watermark: float = 0.01) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -53,6 +53,8 @@ class Scheduler:
         # Benchmark baseline only: admit a sequence only if `reserve_tokens` slots per running sequence fit in
         # the pool, as a contiguous-reservation engine (one max_model_len region per request) would.
         self.reserve_tokens = reserve_tokens
+        # Admission leaves this many pages free while others run (vLLM's watermark, 1% by default).
+        self.watermark_pages = int(watermark * (kv.num_pages - 1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -119,6 +121,9 @@ class Scheduler:
             tokens = seq.all_token_ids
             cached = self.kv.lookup_prefix(tokens, seq.cache_salt) if self.enable_prefix_caching else 0
             num_new = min(len(tokens) - cached, budget, self.chunk_size)
+            new_pages = self.kv.pages_needed(cached + num_new) - cached // self.kv.page_size
+            if self.running and self.kv.num_free_pages() - new_pages < self.watermark_pages:
+                break  # keep a few pages for the running sequences to grow into (fewer preemptions)
             got = self.kv.admit(seq.seq_id, tokens, num_new, seq.cache_salt)
             if got is None:
                 break

@@ -8,7 +8,8 @@ the slots of a sequence's last page past its ``kv_len``, and the queries of padd
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -127,12 +128,15 @@ def assert_close(out: jax.Array, ref: jax.Array, dtype) -> None:
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
 
 
-def check_case(case: PagedCase, backend: str, dtype=jnp.float32, **opts) -> None:
-    """Runs ``backend`` on ``case`` and compares it with the dense reference (padding rows must be zeros)."""
+def check_case(case: PagedCase, backend: str | Callable[..., jax.Array], dtype=jnp.float32, **opts) -> None:
+    """Runs ``backend`` (a backend name of ``ragged_paged_attention``, or a kernel taking the paged arguments
+    and ``sm_scale`` plus ``opts``) on ``case`` and compares it with the dense reference (padding rows must be
+    zeros)."""
     from pallas_kernels import dense_reference_attention, ragged_paged_attention
 
     sm_scale = opts.pop("sm_scale", case.q.shape[-1] ** -0.5)
-    out = ragged_paged_attention(*case.paged_args, sm_scale=sm_scale, backend=backend, **opts)
+    kernel = functools.partial(ragged_paged_attention, backend=backend) if isinstance(backend, str) else backend
+    out = kernel(*case.paged_args, sm_scale=sm_scale, **opts)
     ref = dense_reference_attention(*case.dense_args, sm_scale=sm_scale, **opts)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert_close(out, ref, dtype)

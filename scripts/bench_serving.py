@@ -75,7 +75,7 @@ def run_offline(engine: LLMEngine, workload, baseline: bool) -> dict:
 
 
 def bench_paged(args) -> None:
-    config, params, tok = load_model("tiny", dtype="float32")
+    config, params, tok = load_model(args.paged_model, dtype="float32")
     max_model_len, num_pages = 1024, 513  # 8,192 token slots: 8 contiguous reservations
     workload = lognormal_workload(args.requests, max_model_len, seed=0)
     engines = {}
@@ -91,7 +91,7 @@ def bench_paged(args) -> None:
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
     p, c = med["paged"], med["contiguous"]
     gen_tokens = sum(o for _, o in workload)
-    table(f"1. paged vs contiguous reservation (tiny model f32, {len(workload)} requests, {gen_tokens} generated "
+    table(f"1. paged vs contiguous reservation ({config.name} f32, {len(workload)} requests, {gen_tokens} generated "
           f"tokens, KV budget {num_pages - 1} pages x 16 = 8192 slots, max_model_len {max_model_len}, "
           f"median of {args.rounds})",
           ["engine", "KV utilization", "max concurrent", "gen tok/s", "preemptions"],
@@ -254,6 +254,7 @@ def main() -> None:
     ap.add_argument("--sections", default="paged,prefix,lookahead,peers")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--paged-model", default="tiny", help="model of section 1 (config name or HF directory)")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peer-work", default="/tmp/paged_jax_peers")

@@ -23,21 +23,9 @@ class TestGpuKernel:
     interpret = True
 
     def run(self, case, dtype=jnp.float32, q_block=4, pages_per_block=2, **opts):
-        sm_scale = opts.pop("sm_scale", case.q.shape[-1] ** -0.5)
-        fn = functools.partial(
-            ragged_paged_attention_gpu,
-            sm_scale=sm_scale,
-            interpret=self.interpret,
-            q_block=q_block,
-            pages_per_block=pages_per_block,
-            **opts,
-        )
-        out = fn(*case.paged_args)
-        ref = dense_reference_attention(*case.dense_args, sm_scale=sm_scale, **opts)
-        assert out.dtype == case.q.dtype
-        assert_close(out, ref, dtype)
-        pad_from = int(case.cu_q_lens[int(case.num_seqs[0])])
-        assert not np.any(np.asarray(out[pad_from:], np.float32))
+        kernel = functools.partial(ragged_paged_attention_gpu, interpret=self.interpret, q_block=q_block,
+                                   pages_per_block=pages_per_block)
+        check_case(case, kernel, dtype, **opts)
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     def test_mixed_batch(self, dtype):
