@@ -23,6 +23,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     g.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily instead of at start-up")
+    g.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default=None, help="KV page dtype (default: model)")
+    g.add_argument("--watermark", type=float, default=0.01, help="fraction of pages admission keeps free")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before scheduling the next (no one-step lookahead)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="chips per engine replica")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas on disjoint groups of this host's chips")
@@ -35,7 +39,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         chunk_size=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, seed=args.seed, warmup=not args.no_warmup,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        kv_dtype=args.kv_dtype, watermark=args.watermark, async_scheduling=not args.no_async_scheduling)
 
 
 def build_engine(args: argparse.Namespace):
