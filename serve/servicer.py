@@ -7,6 +7,7 @@ Cancellation, a missed deadline and a dropped connection all cancel the handler'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -65,9 +66,30 @@ class GenerationServicer:
             if not done:
                 self.loop.abort(stream.request_id, "cancelled by the client")
 
-    async def Generate(self, request, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    @contextlib.asynccontextmanager
+    async def _outcome(self, method: str, context: aio.ServicerContext) -> AsyncIterator[None]:
+        """One generation's ending: a RequestError becomes its status; any other failure is INTERNAL for this
+        request alone; the status is counted in the metrics either way."""
         status = grpc.StatusCode.OK
         try:
+            yield
+        except RequestError as e:
+            status = e.code
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            if isinstance(e, aio.AbortError):
+                raise
+            status = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.metrics.requests.labels(method, status.name).inc()
+
+    async def Generate(self, request, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        async with self._outcome("Generate", context):
             parsed = self._parse(request)
             stream = self._submit(parsed)
             mode, rid = parsed.output_mode, stream.request_id
@@ -82,24 +104,9 @@ class GenerationServicer:
                 if out.finished:
                     self.metrics.on_finished(out)
                     yield pb.GenerateResponse(request_id=rid, final=convert.final(out, event.message))
-        except RequestError as e:
-            status = e.code
-            await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as e:  # noqa: BLE001 - this request fails alone
-            if isinstance(e, aio.AbortError):
-                raise
-            status = grpc.StatusCode.INTERNAL
-            log.exception("Generate failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
-        finally:
-            self.metrics.requests.labels("Generate", status.name).inc()
 
     async def GenerateUnary(self, request, context: aio.ServicerContext) -> pb.GenerateUnaryResponse:
-        status = grpc.StatusCode.OK
-        try:
+        async with self._outcome("GenerateUnary", context):
             parsed = self._parse(request)
             stream = self._submit(parsed)
             async for event in self._events(stream):
@@ -107,20 +114,6 @@ class GenerationServicer:
                     self.metrics.on_finished(event.output)
                     return convert.unary(event.output, parsed.output_mode, event.message)
             raise RequestError(grpc.StatusCode.INTERNAL, "engine: the request ended without a final output")
-        except RequestError as e:
-            status = e.code
-            await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as e:  # noqa: BLE001 - this request fails alone
-            if isinstance(e, aio.AbortError):
-                raise
-            status = grpc.StatusCode.INTERNAL
-            log.exception("GenerateUnary failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
-        finally:
-            self.metrics.requests.labels("GenerateUnary", status.name).inc()
 
     # -- the rest -------------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context: aio.ServicerContext) -> pb.ModelInfo:
