@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -58,7 +59,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = serving_config_from_args(args)
-    engine = build_engine(args)
+
+    def stop_during_startup(signum, frame) -> None:
+        raise SystemExit(0)  # nothing is serving yet, so there is nothing to drain
+
+    previous = signal.signal(signal.SIGTERM, stop_during_startup)
+    try:
+        engine = build_engine(args)  # loading and warm-up can take minutes
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     asyncio.run(serve_forever(engine, config))
     return 0
 

@@ -114,3 +114,21 @@ def test_sigterm_drains_then_aborts_and_exits_zero():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_during_warmup_exits_zero():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PAGED_JAX_COMPILE_CACHE="off")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
+         "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--attention-backend", "xla"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # the engine logs its KV capacity just before warm-up starts
+            if "KV cache:" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
