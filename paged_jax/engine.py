@@ -266,7 +266,7 @@ class LLMEngine:
         for row, (seq, _) in enumerate(prev.sched.sample_rows):
             if seq.finished or seq.request_id not in self._requests:
                 continue
-            seq.output_token_ids.append(-1)
+            seq.append_token(-1)
             seq.pending_row = row
             seq.ends_after_pending = (len(seq.output_token_ids) >= seq.params.max_tokens
                                       or seq.num_tokens >= self.max_model_len)
@@ -317,12 +317,12 @@ class LLMEngine:
         token = int(result.tokens[row])
         p = seq.params
         if seq.has_pending:  # the lookahead already scheduled this token as a placeholder
-            seq.output_token_ids[-1] = token
+            seq.set_last_token(token)
             seq.pending_row, seq.ends_after_pending = -1, False
             if seq.status is Status.RUNNING:
                 self.kv.cache_blocks(seq.seq_id, seq.all_token_ids)
         else:
-            seq.output_token_ids.append(token)
+            seq.append_token(token)
         if p.logprobs is not None:
             top = [(int(i), float(v)) for i, v in zip(result.top_ids[row, : p.logprobs],
                                                       result.top_logprobs[row, : p.logprobs], strict=True)]

@@ -187,7 +187,7 @@ class ModelRunner:
                 if seq.has_pending and start == seq.num_tokens - 1:
                     prev_rows[off] = seq.pending_row
                 else:
-                    token_ids[off] = seq.token_at(start)
+                    token_ids[off] = seq.all_token_ids[start]
             else:
                 token_ids[off: off + n] = seq.all_token_ids[start: start + n]
             pos = np.arange(start, start + n, dtype=np.int32)

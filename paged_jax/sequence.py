@@ -58,21 +58,28 @@ class Sequence:
     ends_after_pending: bool = False
     forked_children: list[Sequence] = field(default_factory=list)  # children waiting for this leader's prompt
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    # prompt then output ids, kept in step with `output_token_ids` so the scheduler's per-step calls copy nothing
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+
+    def set_last_token(self, token: int) -> None:
+        """Replace the last output token (the lookahead's placeholder) with the sampled one."""
+        self.output_token_ids[-1] = token
+        self.all_token_ids[-1] = token
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
 
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
-
-    def token_at(self, position: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
 
     @property
     def has_pending(self) -> bool:
