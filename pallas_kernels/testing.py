@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -142,3 +143,14 @@ def check_case(case: PagedCase, backend: str | Callable[..., jax.Array], dtype=j
     assert_close(out, ref, dtype)
     pad_from = int(case.cu_q_lens[int(case.num_seqs[0])])
     assert not np.any(np.asarray(out[pad_from:], np.float32)), "padding rows must be zeros"
+
+
+def median_seconds(fn: Callable[..., object], *args, iters: int) -> float:
+    """Median wall time of ``fn(*args)`` in seconds over ``iters`` calls, after one compile-and-warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))

@@ -13,25 +13,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_paged_attention
-from pallas_kernels.testing import assert_close
+from pallas_kernels.testing import assert_close, median_seconds
 
 
 def bench(fn, *args, iters: int) -> float:
     """Median milliseconds after one compile-and-warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
+    return median_seconds(fn, *args, iters=iters) * 1e3
 
 
 def paged_from_dense(k, v, page_size: int, max_seqs: int, seed: int = 0):

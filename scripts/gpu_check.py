@@ -27,7 +27,7 @@ import numpy as np
 
 from pallas_kernels import dense_reference_attention
 from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
-from pallas_kernels.testing import assert_close, make_case, random_seqs
+from pallas_kernels.testing import assert_close, make_case, median_seconds, random_seqs
 
 # batch, q heads, kv heads, head_dim, context, page size, dtype: 1.07 GB of KV, ~250 us at 4.3 TB/s.
 DECODE = (64, 32, 8, 128, 4096, 16, jnp.bfloat16)
@@ -36,13 +36,7 @@ CHUNKED = (8, 512)  # sequences, new tokens each (on DECODE's context)
 
 def bench(fn, *args, iters: int = 20) -> float:
     """Median wall time of ``fn(*args)`` in microseconds, after a compile-and-warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e6
+    return median_seconds(fn, *args, iters=iters) * 1e6
 
 
 def copy_bandwidth() -> float:
