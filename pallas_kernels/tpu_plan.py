@@ -162,31 +162,47 @@ def item_blocks(kv_len, q_len, q_start, t0, n, kv_block: int, sliding_window: in
     return first_pos, b_lo, b_hi
 
 
+def item_counts(plan: TpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None = None,
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Per range (decode, prefill): ``[num_items, 2]`` pages DMA'd and KV blocks computed by each item, as the
+    kernel's own ``stats`` output reports them."""
+    kv_lens, cu = np.asarray(kv_lens, np.int64), np.asarray(cu_q_lens, np.int64)
+    out = []
+    for rng, decode in ((plan.decode, True), (plan.prefill, False)):
+        kv_block = rng.pages_per_block * plan.page_size
+        counts = np.zeros((rng.num_items, 2), np.int64)
+        for j, (s, t0, n) in enumerate(zip(*plan_items(np, cu, num_seqs, rng, decode), strict=True)):
+            if n == 0:
+                continue
+            kv_len, q_len = int(kv_lens[s]), int(cu[s + 1] - cu[s])
+            _, b_lo, b_hi = item_blocks(kv_len, q_len, int(cu[s]), int(t0), int(n), kv_block, sliding_window)
+            n_pages = cdiv(kv_len, plan.page_size)
+            ppb = rng.pages_per_block
+            counts[j, 0] = sum(max(0, min(ppb, n_pages - b * ppb)) for b in range(b_lo, b_hi))
+            counts[j, 1] = b_hi - b_lo
+        out.append(counts)
+    return out[0], out[1]
+
+
 def tpu_work(plan: TpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None = None) -> KernelWork:
     """What one call moves and issues under ``plan`` for concrete lengths, from the kernel's own item lists.
 
     KV bytes count every page the kernel DMAs (whole pages, none past ``kv_len``); issued FLOPs count the
     ``2 * rows * keys * head_dim`` of QK^T and of PV for every (item, KV head, block), rows padded to 8;
     useful FLOPs count the visible (query, key) pairs only."""
-    kv_lens, cu = np.asarray(kv_lens, np.int64), np.asarray(cu_q_lens, np.int64)
-    d, ps, hkv, g = plan.head_dim, plan.page_size, plan.num_kv_heads, plan.group
-    page_bytes = hkv * ps * 2 * d * plan.itemsize
+    d, hkv = plan.head_dim, plan.num_kv_heads
+    page_bytes = hkv * plan.page_size * 2 * d * plan.itemsize
     pages = issued = exps = programs = 0
-    for rng, decode in ((plan.decode, True), (plan.prefill, False)):
-        kv_block = rng.pages_per_block * ps
-        rows = cdiv(g * rng.tokens_per_item, _SUBLANES) * _SUBLANES
-        items = plan_items(np, cu, num_seqs, rng, decode)
-        for s, t0, n in zip(*items, strict=True):
-            if n == 0:
-                continue
-            programs += 1
-            kv_len, q_len = int(kv_lens[s]), int(cu[s + 1] - cu[s])
-            _, b_lo, b_hi = item_blocks(kv_len, q_len, int(cu[s]), int(t0), int(n), kv_block, sliding_window)
-            n_pages = cdiv(kv_len, ps)
-            for b in range(b_lo, b_hi):
-                pages += max(0, min(rng.pages_per_block, n_pages - b * rng.pages_per_block))
-            issued += (b_hi - b_lo) * hkv * 2 * (2 * rows * kv_block * d)
-            exps += (b_hi - b_lo) * hkv * rows * kv_block
+    for rng, counts in zip((plan.decode, plan.prefill), item_counts(plan, kv_lens, cu_q_lens, num_seqs,
+                                                                   sliding_window), strict=True):
+        kv_block = rng.pages_per_block * plan.page_size
+        rows = cdiv(plan.group * rng.tokens_per_item, _SUBLANES) * _SUBLANES
+        blocks = int(counts[:, 1].sum())
+        pages += int(counts[:, 0].sum())
+        programs += int((counts[:, 1] > 0).sum())
+        issued += blocks * hkv * 2 * (2 * rows * kv_block * d)
+        exps += blocks * hkv * rows * kv_block
+    cu = np.asarray(cu_q_lens, np.int64)
     useful = useful_flops(plan.num_q_heads, d, kv_lens, cu, num_seqs, sliding_window)
     q_bytes = int(cu[num_seqs]) * plan.num_q_heads * d * plan.itemsize
     return KernelWork(pages * page_bytes, q_bytes, q_bytes, issued, useful, exps, programs)

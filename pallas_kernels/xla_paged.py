@@ -128,20 +128,21 @@ def xla_ragged_paged_attention(
             m, den, acc = carry
             pages = jax.lax.dynamic_slice_in_dim(tables_b, c * ppc, ppc, axis=1)  # [rpb, ppc]
             kv = kv_pages[pages]  # [rpb, ppc, num_kv_heads, page_size, 2 * head_dim]
-            kv = kv.transpose(0, 1, 3, 2, 4).reshape(rpb, chunk_len, num_kv_heads, 2 * head_dim)
-            k, v = kv[..., :head_dim], kv[..., head_dim:]  # [rpb, chunk_len, num_kv_heads, head_dim]
+            k, v = kv[..., :head_dim], kv[..., head_dim:]
             k_pos = c * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
             in_seq = k_pos[None, :] < lens_b[:, None]  # [rpb, chunk_len]
-            v = jnp.where(in_seq[:, :, None, None], v, 0)  # slots past kv_len may hold anything (NaN too)
-            s = jnp.einsum("brkgd,bckd->bkgrc", qb, k, preferred_element_type=jnp.float32) * sm_scale
-            s = apply_soft_cap(s, soft_cap)
+            # Slots past kv_len may hold anything (NaN too).
+            v = jnp.where(in_seq.reshape(rpb, ppc, 1, page_size, 1), v, 0)
+            s = jnp.einsum("brkgd,bpksd->bkgrps", qb, k, preferred_element_type=jnp.float32)
+            s = apply_soft_cap(s.reshape(*s.shape[:4], chunk_len) * sm_scale, soft_cap)
             mask = visible(qpos, k_pos, sliding_window) & in_seq[:, None, None, None, :] & qmask
             s = jnp.where(mask, s, MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             den = alpha * den + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bkgrc,bckd->bkgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            p = p.reshape(*p.shape[:4], ppc, page_size).astype(v.dtype)
+            pv = jnp.einsum("bkgrps,bpksd->bkgrd", p, v, preferred_element_type=jnp.float32)
             return m_new, den, alpha[..., None] * acc + pv
 
         shape = (rpb, num_kv_heads, group, rpc)
