@@ -68,13 +68,14 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def generate_stream(self, prompt: str | Sequence[int] | pb.GenerateRequest, *, timeout: float | None = None,
-                        **kwargs: Any) -> Iterator[pb.GenerateResponse]:
+    def generate_stream(self, prompt: str | Sequence[int] | pb.ChatInput | pb.GenerateRequest, *,
+                        timeout: float | None = None, **kwargs: Any) -> Iterator[pb.GenerateResponse]:
         """Stream responses (chunks, then one final). Cancel with `.cancel()` on the returned call."""
         req = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **kwargs)
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
-    def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest, *, timeout: float | None = None,
+    def generate(self, prompt: str | Sequence[int] | pb.ChatInput | pb.GenerateRequest, *,
+                 timeout: float | None = None,
                  **kwargs: Any) -> pb.GenerateUnaryResponse:
         req = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **kwargs)
         return self.stub.GenerateUnary(req, timeout=timeout, metadata=self.metadata)

@@ -125,7 +125,8 @@ class GenerationServicer:
             page_size=engine.engine_config.page_size, num_pages=engine.num_pages - 1,
             kv_capacity_tokens=(engine.num_pages - 1) * engine.engine_config.page_size
             * engine.engine_config.data_parallel_size,
-            eos_token_ids=list(engine.config.eos_token_ids), bos_token_id=bos,
+            eos_token_ids=list(dict.fromkeys((*engine.config.eos_token_ids,
+                                              *getattr(self.tokenizer, "eos_token_ids", ())))), bos_token_id=bos,
             max_prompt_tokens=min(lim.max_prompt_tokens or self.max_model_len, self.max_model_len - 1),
             max_tokens_limit=lim.max_tokens, max_n=min(lim.max_n, self.max_n), max_stop_strings=lim.max_stop_strings,
             max_stop_string_chars=lim.max_stop_string_chars,

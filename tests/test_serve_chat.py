@@ -44,13 +44,13 @@ def setup():
     loop = EngineLoop(engine, on_step=metrics.on_step).start()
     server = ServerThread(loop, ServingConfig(port=0, limits=LIMITS), metrics).start()
     with Client(server.target) as client:
-        yield client, tokenizer, ids, reference
+        yield client, tokenizer, ids, reference, server.target
     server.stop()
     loop.stop()
 
 
 def test_chat_request_is_rendered_with_the_template(setup):
-    client, tokenizer, ids, reference = setup
+    client, tokenizer, ids, reference, _ = setup
     assert tokenizer.decode(ids) == "<system>Be brief.</system><user>Hello there</user><assistant>"
     reply = client.chat(CHAT, ignore_eos=True)  # temperature and max_tokens: the model's defaults
     assert reply.usage.prompt_tokens == len(ids) == len(reference.prompt_token_ids)
@@ -121,3 +121,12 @@ def test_parse_generate_with_a_real_vocabulary(real_tokenizer_dir):
     assert (p.skip_special_tokens, p.spaces_between_special_tokens, p.top_p) == (False, False, 0.5)
     text = convert.parse_generate(build_request("Hello world"), LIMITS, tokenizer, tokenizer.vocab_size, 4096, 8)
     assert text.prompt_token_ids == [1, 15043, 3186] and text.params.skip_special_tokens
+
+
+def test_client_cli_chat(setup, capsys):
+    from serve.cli import main
+
+    _, _, ids, _, target = setup
+    assert main(["client", "--target", target, "--chat", "--system", "Be brief.", "Hello there",
+                 "--max-tokens", "3"]) == 0
+    assert f"prompt {len(ids)} tokens" in capsys.readouterr().err
