@@ -359,14 +359,15 @@ def _kernel(
 
 
 def _static_cost(plan: GpuPlan, sliding_window: int | None) -> pl.CostEstimate:
-    """Cost estimate at the bucket's worst case: every sequence slot holds ``T / S`` tokens at full table."""
+    """Cost estimate at the bucket's worst case (the only case known at trace time): ``min(S, T)`` sequences
+    sharing the tokens evenly, each with a full block table of keys."""
     n_seqs = min(plan.max_seqs, plan.num_tokens)
-    q_lens = [plan.num_tokens // n_seqs] * n_seqs
-    q_lens[0] += plan.num_tokens - sum(q_lens)
-    kv = plan.max_blocks * plan.page_size
-    work = gpu_work_detail([max(kv, q) for q in q_lens], q_lens, plan=plan, sliding_window=sliding_window)
-    kw = work["work"]
-    return pl.CostEstimate(flops=kw.issued_flops, transcendentals=kw.exps, bytes_accessed=kw.hbm_bytes)
+    q_lens = np.full(n_seqs, plan.num_tokens // n_seqs)
+    q_lens[0] += plan.num_tokens - q_lens.sum()
+    kv_lens = np.maximum(plan.max_blocks * plan.page_size, q_lens)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    work = gpu_work(plan, kv_lens, cu, n_seqs, sliding_window)
+    return pl.CostEstimate(flops=work.issued_flops, transcendentals=work.exps, bytes_accessed=work.hbm_bytes)
 
 
 @functools.partial(
@@ -500,126 +501,120 @@ def _combine_splits(acc, m, den_k, cu_q_lens, num_seqs, starts, plan: GpuPlan) -
 # Work model
 
 
-def gpu_work_detail(
-    kv_lens,
-    q_lens,
-    *,
-    plan: GpuPlan | None = None,
-    num_q_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    page_size: int | None = None,
-    dtype: Any = jnp.bfloat16,
-    num_tokens: int | None = None,
-    max_seqs: int | None = None,
-    max_blocks: int | None = None,
-    sliding_window: int | None = None,
-    **plan_overrides,
-) -> dict[str, Any]:
-    """The work of one call for host-known lengths, from the kernel's own plan and work list.
+def gpu_plan_for(q_shape, kv_pages_shape, max_seqs: int, max_blocks: int, dtype, q_dtype=None,
+                 **overrides) -> GpuPlan:
+    """The kernel's static plan for one call's shapes (what :func:`ragged_paged_attention_gpu` uses);
+    ``overrides``: ``q_block, pages_per_block, num_splits, num_warps, num_stages`` as the kernel takes them."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    _, num_kv_heads, page_size, _ = kv_pages_shape
+    return plan_gpu(num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
+                    q_dtype, **overrides)
 
-    Either pass ``plan`` or the model shape (``num_q_heads, num_kv_heads, head_dim, page_size, dtype``); the
-    bucket defaults to the batch itself (``num_tokens = sum(q_lens)``, ``max_seqs = len(q_lens)``,
-    ``max_blocks`` = the longest sequence's pages). Returns a dict: ``work`` (:class:`KernelWork`), ``plan``,
-    ``kv_steps`` and ``pages_gathered`` (totals over programs, what ``count=True`` reports),
-    ``distinct_pages`` (per program, summed), ``kv_bytes_gathered`` (L2 -> SM), ``kv_bytes_min_hbm`` (every
-    page of every stream once), ``programs_in_flight`` (min(programs, resident slots))."""
-    kv_lens = np.asarray(kv_lens, np.int64)
-    q_lens = np.asarray(q_lens, np.int64)
-    if plan is None:
-        num_tokens = num_tokens or max(1, int(q_lens.sum()))
-        max_seqs = max_seqs or len(q_lens)
-        max_blocks = max_blocks or max(1, int(max(cdiv(int(k), page_size) for k in kv_lens)))
-        plan = plan_gpu(num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
-                        **plan_overrides)
-    nseq = len(q_lens)
-    kv_full = np.zeros(plan.max_seqs, np.int64)
-    kv_full[:nseq] = kv_lens
+
+def program_counts(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None = None):
+    """Per program ``[num_splits, num_items, num_kv_heads, 2]``: KV steps walked and distinct pages gathered,
+    exactly what the kernel's ``count=True`` output reports; plus the work list's ``seq`` and each program's
+    page interval ``[first, last]`` (``last < first`` when it reads none)."""
+    kv = np.zeros(plan.max_seqs, np.int64)
     cu = np.zeros(plan.max_seqs + 1, np.int64)
-    cu[1 : nseq + 1] = np.cumsum(q_lens)
-    cu[nseq + 1 :] = cu[nseq]
-    seq, _, n, pos0, _, _ = work_list(np, cu, kv_full, nseq, q_block=plan.q_block, num_items=plan.num_items)
-    seq, n, pos0 = (x.astype(np.int64) for x in (seq, n, pos0))
-    ppb, page, kvb = plan.pages_per_block, plan.page_size, plan.kv_block
-    page_bytes = page * plan.head_dim * 2 * plan.itemsize  # K and V of one KV head
-    kv_steps = gathered = distinct = 0
-    # Programs in launch order (split fastest, then item, then KV head), with their stream and page interval.
-    progs = []
+    kv_in, cu_in = np.asarray(kv_lens, np.int64), np.asarray(cu_q_lens, np.int64)
+    kv[:num_seqs] = kv_in[:num_seqs]
+    cu[: num_seqs + 1] = cu_in[: num_seqs + 1]
+    cu[num_seqs + 1 :] = cu[num_seqs]
+    seq, _, n, pos0, _, _ = (x.astype(np.int64) for x in work_list(
+        np, cu, kv, num_seqs, q_block=plan.q_block, num_items=plan.num_items))
     k_eff = plan.num_splits
     if plan.adaptive_splits:
         k_eff = int(effective_splits(np, int(np.sum(n > 0)), num_splits=plan.num_splits,
                                      num_kv_heads=plan.num_kv_heads))
-    for h in range(plan.num_kv_heads):
-        for i in range(plan.num_items):
-            if n[i] == 0:
-                continue
-            for k in range(plan.num_splits):
-                b_lo, b_hi, p_lo, p_hi = item_kv_range(
-                    np, pos0[i], n[i], split=k, num_splits=k_eff, kv_block=kvb, page_size=page,
-                    max_blocks=plan.max_blocks, sliding_window=sliding_window,
-                )
-                steps = int(b_hi - b_lo)
-                if steps <= 0:
-                    continue
-                first, last = max(int(b_lo) * ppb, int(p_lo)), min(int(b_hi) * ppb - 1, int(p_hi))
-                kv_steps += steps
-                gathered += steps * ppb
-                distinct += max(0, last - first + 1)
-                progs.append((int(seq[i]), h, first, last))
-    resident = plan.resident_programs
+    split = np.arange(plan.num_splits)[:, None]
+    b_lo, b_hi, p_lo, p_hi = item_kv_range(
+        np, pos0[None, :], n[None, :], split=split, num_splits=k_eff, kv_block=plan.kv_block,
+        page_size=plan.page_size, max_blocks=plan.max_blocks, sliding_window=sliding_window,
+    )  # [num_splits, num_items]
+    ppb = plan.pages_per_block
+    steps = np.maximum(b_hi - b_lo, 0)
+    first = np.maximum(b_lo * ppb, p_lo)
+    last = np.where(steps > 0, np.minimum(b_hi * ppb - 1, p_hi), first - 1)
+    counts = np.stack([steps, np.maximum(last - first + 1, 0)], axis=-1)  # [K, I, 2]
+    counts = np.broadcast_to(counts[:, :, None, :], (plan.num_splits, plan.num_items, plan.num_kv_heads, 2))
+    return counts, seq, first, last
+
+
+def gpu_work_detail(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None = None,
+                    ) -> dict[str, Any]:
+    """The work of one call for host-known lengths, from the kernel's own plan, work list and KV ranges.
+
+    Returns a dict: ``work`` (:class:`KernelWork`, ``kv_bytes_read`` under the L2 wave model of the module
+    docstring), ``counts`` (:func:`program_counts`), ``kv_steps``, ``pages_gathered`` (``kv_steps *
+    pages_per_block``: every slot of every gather, clamped ones included), ``distinct_pages`` (per program,
+    summed), ``kv_bytes_gathered`` (distinct pages per program: L2 -> SM traffic with no reuse across programs),
+    ``kv_bytes_min`` (every page of every sequence with queries, once per KV head: the least any kernel reads),
+    ``grid_programs``, ``programs_in_flight`` (min(programs with work, resident slots))."""
+    counts, seq, first, last = program_counts(plan, kv_lens, cu_q_lens, num_seqs, sliding_window)
+    kv_in, cu_in = np.asarray(kv_lens, np.int64)[:num_seqs], np.asarray(cu_q_lens, np.int64)[: num_seqs + 1]
+    q_lens = cu_in[1:] - cu_in[:-1]
+    h_n, page, d, rows = plan.num_kv_heads, plan.page_size, plan.head_dim, plan.rows
+    page_bytes = page * d * 2 * plan.itemsize  # K and V of one KV head
+    steps = counts[:, :, 0, 0]  # [K, I], the same for every KV head
+    kv_steps = int(steps.sum()) * h_n
+    distinct = int(counts[:, :, 0, 1].sum()) * h_n
+    # HBM: programs with work in launch order (split fastest, then item, then KV head); within one wave of
+    # resident programs, the programs of one stream (sequence, KV head) share each page's HBM read.
+    has = steps.T > 0  # [I, K] in launch order within a head
+    f_ik, l_ik = first.T[has], last.T[has]
+    s_ik = np.broadcast_to(seq[:, None], has.shape)[has]
+    per_head = len(f_ik)
+    pos = np.arange(per_head * h_n)
+    wave = pos // plan.resident_programs
+    head = pos // max(per_head, 1)
+    f, l_, sq = np.tile(f_ik, h_n), np.tile(l_ik, h_n), np.tile(s_ik, h_n)
     hbm_pages = 0
-    groups: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    for pos, (s, h, first, last) in enumerate(progs):
-        if last >= first:
-            groups.setdefault((s, h, pos // resident), []).append((first, last))
-    for spans in groups.values():  # union of the page intervals one stream reads in one wave
-        spans.sort()
-        end = -1
-        for a, b in spans:
-            if b > end:
-                hbm_pages += b - max(a, end + 1) + 1
-                end = b
-    min_pages = sum(cdiv(int(k), page) for k, q in zip(kv_lens, q_lens, strict=True) if q > 0)
-    rows, d = plan.rows, plan.head_dim
-    # Per KV step of one program: QK^T [rows, d] x [d, kv_block] and PV [rows, kv_block] x [kv_block, d].
-    issued = kv_steps * 2 * 2 * max(rows, MMA_MIN_ROWS) * kvb * d
-    visible = 0
-    for kv, q in zip(kv_lens, q_lens, strict=True):
-        x = np.arange(kv - q, kv)  # positions of the queries
-        seen = x + 1 if sliding_window is None else np.minimum(x + 1, sliding_window)
-        visible += int(seen.sum())
-    useful = visible * plan.num_q_heads * 2 * 2 * d
-    exps = kv_steps * rows * (kvb + 1)
+    if len(pos):
+        order = np.lexsort((f, sq, head, wave))
+        f, l_, key = f[order], l_[order], ((wave * h_n + head) * plan.max_seqs + sq)[order]
+        big = plan.max_blocks + 2
+        run = np.maximum.accumulate(key * big + l_ + 1)  # running end of the union within a group
+        prev = np.concatenate([[-1], run[:-1]])
+        prev_end = np.where(np.concatenate([[False], key[1:] == key[:-1]]), prev - key * big - 1, -1)
+        hbm_pages = int(np.maximum(l_ - np.maximum(f, prev_end + 1) + 1, 0).sum())
+    issued = kv_steps * 2 * 2 * max(rows, MMA_MIN_ROWS) * plan.kv_block * d
+    pos_q = [np.arange(k - q, k) for k, q in zip(kv_in, q_lens, strict=True)]
+    seen = [x + 1 if sliding_window is None else np.minimum(x + 1, sliding_window) for x in pos_q]
+    useful = int(sum(int(x.sum()) for x in seen)) * plan.num_q_heads * 2 * 2 * d
+    exps = kv_steps * rows * (plan.kv_block + 1)
     q_tok_bytes = plan.num_q_heads * d * plan.q_itemsize
     real_tokens = int(q_lens.sum())
-    q_bytes = real_tokens * q_tok_bytes * plan.num_splits
-    out_bytes = plan.num_tokens * q_tok_bytes  # zero fill of the output, then real rows written
-    if plan.num_splits == 1:
-        out_bytes += real_tokens * q_tok_bytes
-    else:  # partials written, then read back by the combine; the combine writes every row
-        partial = plan.num_splits * plan.num_items * plan.num_kv_heads * rows * (d + 2) * 4
+    q_bytes = real_tokens * q_tok_bytes * plan.num_splits  # every split's program loads its item's rows
+    if plan.num_splits == 1:  # zero fill of the output, then the real rows
+        out_bytes = (plan.num_tokens + real_tokens) * q_tok_bytes
+    else:  # partials written, read back by the combine, which writes every row
+        partial = plan.num_splits * plan.num_items * h_n * rows * (d + 2) * 4
         out_bytes = 2 * partial + plan.num_tokens * q_tok_bytes
-    work = KernelWork(
-        kv_bytes_read=hbm_pages * page_bytes,
-        q_bytes=q_bytes,
-        out_bytes=out_bytes,
-        issued_flops=issued,
-        useful_flops=useful,
-        exps=exps,
-        programs=len(progs),
-    )
+    min_pages = sum(cdiv(int(k), page) for k, q in zip(kv_in, q_lens, strict=True) if q > 0)
+    programs = per_head * h_n
     return dict(
-        work=work,
-        plan=plan,
+        work=KernelWork(
+            kv_bytes_read=hbm_pages * page_bytes,
+            q_bytes=q_bytes,
+            out_bytes=out_bytes,
+            issued_flops=issued,
+            useful_flops=useful,
+            exps=exps,
+            programs=programs,
+        ),
+        counts=counts,
         kv_steps=kv_steps,
-        pages_gathered=gathered,
+        pages_gathered=kv_steps * plan.pages_per_block,
         distinct_pages=distinct,
-        kv_bytes_gathered=gathered * page_bytes,
-        kv_bytes_min_hbm=min_pages * page_bytes * plan.num_kv_heads,
-        programs_in_flight=min(len(progs), resident),
+        kv_bytes_gathered=distinct * page_bytes,
+        kv_bytes_min=min_pages * page_bytes * h_n,
+        grid_programs=plan.num_splits * plan.num_items * h_n,
+        programs_in_flight=min(programs, plan.resident_programs),
     )
 
 
-def gpu_work(kv_lens, q_lens, **kwargs) -> KernelWork:
-    """:class:`KernelWork` of one call of the GPU kernel (see :func:`gpu_work_detail` for the arguments)."""
-    return gpu_work_detail(kv_lens, q_lens, **kwargs)["work"]
+def gpu_work(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None = None) -> KernelWork:
+    """:class:`KernelWork` of one call of the GPU kernel under ``plan`` for concrete lengths (the same arguments
+    as ``tpu_plan.tpu_work``); details in :func:`gpu_work_detail`."""
+    return gpu_work_detail(plan, kv_lens, cu_q_lens, num_seqs, sliding_window)["work"]
