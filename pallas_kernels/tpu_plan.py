@@ -31,7 +31,7 @@ from pallas_kernels.work_model import KernelWork
 _SUBLANES = 8  # MXU row granularity: rows are padded to the 8-sublane tile
 _LANES = 128
 # VMEM the kernel may plan for (the scoped limit is raised to fit; v5e/v6e have 128 MiB, v7x 64 MiB).
-_VMEM_BUDGET = 40 * 2**20
+_VMEM_BUDGET = 36 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +69,19 @@ class Items(NamedTuple):
 
 
 def vmem_bytes(plan: TpuPlan, rng: RangePlan) -> int:
-    """VMEM one grid step of ``rng`` holds: q/out double buffers, KV double buffer, softmax state, logits."""
+    """VMEM one grid step of ``rng`` holds, with Mosaic's tile padding (128 lanes; 8 sublanes for 32-bit,
+    16 for bfloat16): q/out double buffers, the KV double buffer, softmax state, and the f32 temporaries of
+    one head's block (logits, probabilities, mask and their copies)."""
+    lanes = lambda x: cdiv(x, _LANES) * _LANES
+    sub = lambda x, it: cdiv(x, 32 // it) * (32 // it)
     w, it = rng.tokens_per_item, plan.itemsize
-    rows = plan.group * w
+    rows = sub(plan.group * w, 4)
     kv_block = rng.pages_per_block * plan.page_size
     return (
-        4 * plan.num_q_heads * w * plan.head_dim * it  # q and out, two slots each
-        + 2 * plan.num_kv_heads * kv_block * 2 * plan.head_dim * it  # KV, two slots
-        + plan.num_kv_heads * rows * (2 * _LANES + plan.head_dim) * 4  # m, l (lane-replicated), acc
-        + 3 * rows * kv_block * 4  # logits, probabilities, mask of one head
+        4 * w * sub(plan.num_q_heads, it) * lanes(plan.head_dim) * it  # q and out, two slots each
+        + 2 * plan.num_kv_heads * kv_block * lanes(2 * plan.head_dim) * it  # KV, two slots
+        + plan.num_kv_heads * rows * (2 * _LANES + lanes(plan.head_dim)) * 4  # m, l (lane-replicated), acc
+        + 6 * rows * lanes(kv_block) * 4  # one head's logits, probabilities, mask and temporaries
     )
 
 

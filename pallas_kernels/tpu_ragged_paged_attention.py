@@ -283,7 +283,7 @@ def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, out, *, 
         input_output_aliases={8: 0},  # out_in (after 6 scalar-prefetch operands, q, kv) -> out
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=int(min(max(vmem + vmem // 2, 32 * 2**20), 100 * 2**20)),
+            vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
         ),
         interpret=interpret,
         name="ragged_paged_attention_tpu_" + ("decode" if w == 1 else "prefill"),
