@@ -31,7 +31,8 @@ import numpy as np
 
 from pallas_kernels import dense_reference_attention
 from pallas_kernels.common import kv_pages_shape
-from pallas_kernels.gpu_ragged_paged_attention import gpu_plan_for, gpu_work_detail, ragged_paged_attention_gpu
+from pallas_kernels.gpu_plan import gpu_plan_for, gpu_work_detail
+from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
 from pallas_kernels.testing import assert_close, make_case, median_seconds, random_seqs
 from pallas_kernels.work_model import HARDWARE
 

@@ -14,7 +14,8 @@ from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import dense_reference_attention
-from pallas_kernels.gpu_ragged_paged_attention import plan_gpu, ragged_paged_attention_gpu
+from pallas_kernels.gpu_plan import plan_gpu
+from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
 from pallas_kernels.testing import assert_close, check_case, make_case, random_seqs
 
 MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)]  # decode, chunked, prefill, empty

@@ -9,17 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gpu_ragged_paged_attention import (
+from pallas_kernels.gpu_plan import (
     MMA_MIN_ROWS,
+    case_work,
     gpu_plan_for,
     gpu_work,
     gpu_work_detail,
+    occupancy_seconds,
     plan_gpu,
     program_counts,
-    ragged_paged_attention_gpu,
 )
+from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
 from pallas_kernels.testing import check_case, make_case
-from pallas_kernels.work_model import minimum_kv_bytes
+from pallas_kernels.work_model import HARDWARE, minimum_kv_bytes
 
 # The issue's model shape: 32 query heads, 8 KV heads, head_dim 128, bfloat16.
 QH, KVH, D = 32, 8, 128
@@ -177,3 +179,25 @@ def test_model_matches_interpreted_kernel(case_idx):
     assert detail["work"].issued_flops == detail["kv_steps"] * per_step
     cost = call.params["cost_estimate"]
     assert cost is not None and cost.flops > 0 and cost.bytes_accessed > 0
+
+
+def test_previous_design_figures():
+    """The before/after the issue describes: the previous design ran a batch-4 32k decode on 8 programs (one
+    per KV head: the 4 tokens shared one q-block), the new one on >= 132; both read the KV once."""
+    kv, q = [32768] * 4, [1] * 4
+    cu = np.concatenate([[0], np.cumsum(q)])
+    before = case_work(8, 8, QH, KVH, D, 16, jnp.bfloat16, kv, cu, 4, previous=True)
+    after = case_work(8, 8, QH, KVH, D, 16, jnp.bfloat16, kv, cu, 4)
+    assert before.programs == 8 and after.programs >= 132
+    assert before.kv_bytes_read == after.kv_bytes_read == _minimum(kv, q, 16)
+    assert occupancy_seconds(before) > 10 * occupancy_seconds(after)
+    assert occupancy_seconds(after) <= 1.1 * after.seconds(HARDWARE["h200"])
+    # Decode batch 64: the previous design walked 4 sequences one after another per program (16 rows each:
+    # the same 4x MMA padding) on 128 programs, fewer than the SMs; the new one has one program per sequence
+    # and KV head.
+    kv, q = [4096] * 64, [1] * 64
+    cu = np.concatenate([[0], np.cumsum(q)])
+    before = case_work(64, 64, QH, KVH, D, 16, jnp.bfloat16, kv, cu, 64, previous=True)
+    after = case_work(64, 64, QH, KVH, D, 16, jnp.bfloat16, kv, cu, 64)
+    assert before.issued_flops == after.issued_flops == 4 * after.useful_flops
+    assert before.programs == 128 and after.programs == 512
