@@ -212,6 +212,22 @@ def tpu_work(plan: TpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: i
     return KernelWork(pages * page_bytes, q_bytes, q_bytes, issued, useful, exps, programs)
 
 
+def static_work(plan: TpuPlan, rng: RangePlan, max_blocks: int, num_pages: int) -> KernelWork:
+    """The most one range's call can do, from shapes alone (lengths are traced): every item sees
+    ``max_blocks`` pages, but no more pages than the cache holds are read. This is the ``cost_estimate``
+    handed to XLA, which only schedules around it."""
+    page_bytes = plan.num_kv_heads * plan.page_size * 2 * plan.head_dim * plan.itemsize
+    pages = min(rng.num_items * max_blocks, num_pages)
+    blocks = rng.num_items * cdiv(max_blocks, rng.pages_per_block)
+    kv_block = rng.pages_per_block * plan.page_size
+    rows = cdiv(plan.group * rng.tokens_per_item, _SUBLANES) * _SUBLANES
+    issued = blocks * plan.num_kv_heads * 4 * rows * kv_block * plan.head_dim
+    q_bytes = min(plan.num_tokens, rng.num_items * rng.tokens_per_item) * plan.num_q_heads * plan.head_dim
+    q_bytes *= plan.itemsize
+    exps = blocks * plan.num_kv_heads * rows * kv_block
+    return KernelWork(pages * page_bytes, q_bytes, q_bytes, issued, 0, exps, rng.num_items)
+
+
 def useful_flops(num_q_heads: int, head_dim: int, kv_lens, cu_q_lens, num_seqs: int,
                  sliding_window: int | None) -> int:
     """``4 * head_dim * num_q_heads`` per visible (query, key) pair: QK^T and PV, nothing padded."""

@@ -42,7 +42,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import MASK_VALUE, apply_soft_cap, kv_dims, validate_kernel_shape
-from pallas_kernels.tpu_plan import RangePlan, TpuPlan, item_blocks, plan_items, plan_tpu, vmem_bytes
+from pallas_kernels.tpu_plan import (
+    RangePlan,
+    TpuPlan,
+    item_blocks,
+    plan_items,
+    plan_tpu,
+    static_work,
+    vmem_bytes,
+)
 from pallas_kernels.tpu_tuned_block_sizes import get_block_sizes
 
 _LANES = 128
@@ -267,6 +275,7 @@ def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, out, *, 
     )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_bytes(plan, rng)
+    bound = static_work(plan, rng, max_blocks, kv_pages.shape[0])
     out, stats = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -286,6 +295,8 @@ def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, out, *, 
             vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
         ),
         interpret=interpret,
+        cost_estimate=pl.CostEstimate(flops=bound.issued_flops, transcendentals=bound.exps,
+                                      bytes_accessed=bound.hbm_bytes),
         name="ragged_paged_attention_tpu_" + ("decode" if w == 1 else "prefill"),
     )(kv_lens, tables.reshape(-1), cu_q_lens, *items, q, kv_pages, out)
     return out, stats
