@@ -50,6 +50,7 @@ which is independent of the lowering."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -64,6 +65,7 @@ from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's 
     TUNED_BLOCK_CONFIGS,
     BlockConfig,
     GpuPlan,
+    GpuRange,
     block_configs,
     effective_splits,
     gpu_plan_for,
@@ -72,6 +74,7 @@ from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's 
     item_kv_range,
     plan_gpu,
     program_counts,
+    range_work_list,
     work_list,
 )
 
@@ -87,16 +90,17 @@ def _kernel(
     q_ref,  # [num_tokens, num_q_heads, head_dim], whole
     k_ref,  # [num_pages, page_size, head_dim]: K of this program's KV head
     v_ref,  # [num_pages, page_size, head_dim]: V of this program's KV head
-    *refs,  # (zeros, o) when num_splits == 1, else (acc, m, l); then stats when counting
+    *refs,  # (out_in, o) when the range has one split, else (acc, m, l); then stats when counting
     plan: GpuPlan,
+    rng: GpuRange,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     count: bool,
 ):
-    qb, gp, group, d, ppb, page = (plan.q_block, plan.group_p, plan.group, plan.head_dim, plan.pages_per_block,
+    qb, gp, group, d, ppb, page = (rng.q_block, plan.group_p, plan.group, plan.head_dim, rng.pages_per_block,
                                    plan.page_size)
-    rows, kv_block = plan.rows, plan.kv_block
+    rows, kv_block = rng.rows, rng.kv_block
     split, item, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     s, tok0, n, pos0 = seq_ref[item], tok0_ref[item], n_ref[item], pos0_ref[item]
 
@@ -151,7 +155,7 @@ def _kernel(
     if count:
         refs, stats_ref = refs[:-1], refs[-1]
         stats_ref[...] = stats
-    if plan.num_splits == 1:
+    if rng.num_splits == 1:
         _, o_ref = refs
         out = jnp.where(den[:, None] > 0, acc / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
         out = out.reshape(qb, gp, d).astype(o_ref.dtype)
@@ -163,15 +167,21 @@ def _kernel(
         l_ref[...] = den
 
 
-def _static_cost(plan: GpuPlan, sliding_window: int | None) -> pl.CostEstimate:
-    """Cost estimate at the bucket's worst case (the only case known at trace time): ``min(S, T)`` sequences
-    sharing the tokens evenly, each with a full block table of keys."""
-    n_seqs = min(plan.max_seqs, plan.num_tokens)
-    q_lens = np.full(n_seqs, plan.num_tokens // n_seqs)
-    q_lens[0] += plan.num_tokens - q_lens.sum()
+def _static_cost(plan: GpuPlan, rng: GpuRange, sliding_window: int | None) -> pl.CostEstimate:
+    """Cost estimate of one launch at the bucket's worst case (the only case known at trace time): as many of the
+    range's sequences as the bucket holds sharing the tokens evenly (a decode range: ``min(S, T)`` one-token
+    sequences), each with a full block table of keys."""
+    if rng.name == "decode":
+        n_seqs = min(plan.max_seqs, plan.num_tokens)
+        q_lens = np.ones(n_seqs, np.int64)
+    else:
+        n_seqs = max(1, min(plan.max_seqs, plan.num_tokens // (rng.min_q_len + 1)))
+        q_lens = np.full(n_seqs, plan.num_tokens // n_seqs)
+        q_lens[0] += plan.num_tokens - q_lens.sum()
     kv_lens = np.maximum(plan.max_blocks * plan.page_size, q_lens)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
-    work = gpu_work(plan, kv_lens, cu, n_seqs, sliding_window)
+    one = dataclasses.replace(plan, ranges=(rng,))
+    work = gpu_work(one, kv_lens, cu, n_seqs, sliding_window)
     return pl.CostEstimate(flops=work.issued_flops, transcendentals=work.exps, bytes_accessed=work.hbm_bytes)
 
 
@@ -187,6 +197,9 @@ def _static_cost(plan: GpuPlan, sliding_window: int | None) -> pl.CostEstimate:
         "num_splits",
         "num_warps",
         "num_stages",
+        "decode_q_block",
+        "decode_num_splits",
+        "one_range",
         "count",
     ),
 )
@@ -207,13 +220,17 @@ def ragged_paged_attention_gpu(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    decode_q_block: int | None = None,
+    decode_num_splits: int | None = None,
+    one_range: bool = False,
     count: bool = False,
 ):
     """Ragged paged attention on GPU; returns ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``.
 
-    Tiling comes from :func:`plan_gpu`; the keyword overrides are for tests and tuning. ``interpret=True`` runs
-    the kernel in the Pallas interpreter (CPU is fine). ``count=True`` (tests) also returns per-program
-    ``[num_splits, num_items, num_kv_heads, 2]`` int32 counters: KV steps walked, distinct pages gathered.
+    Tiling comes from :func:`plan_gpu`; the keyword overrides (see there) are for tests and tuning.
+    ``interpret=True`` runs the kernel in the Pallas interpreter (CPU is fine). ``count=True`` (tests) also
+    returns, per range, per-program ``[num_splits, num_items, num_kv_heads, 2]`` int32 counters: KV steps walked,
+    distinct pages gathered.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = kv_pages.shape
@@ -222,31 +239,43 @@ def ragged_paged_attention_gpu(
     plan = plan_gpu(
         num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, kv_pages.dtype,
         q.dtype, q_block=q_block, pages_per_block=pages_per_block, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, decode_q_block=decode_q_block,
+        decode_num_splits=decode_num_splits, one_range=one_range,
     )
-    seq, tok0, n, pos0, _, starts = work_list(
-        jnp, cu_q_lens, kv_lens, num_seqs[0], q_block=plan.q_block, num_items=plan.num_items
-    )
-    splits = jnp.full((1,), plan.num_splits, jnp.int32)
-    if plan.adaptive_splits:
+    out = jnp.zeros(q.shape, q.dtype)  # padding tokens' rows stay zero; every real row is written once
+    stats = []
+    for rng in plan.ranges:
+        out, st = _launch(plan, rng, out, q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+                          sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
+                          count=count)
+        stats.append(st)
+    return (out, tuple(stats)) if count else out
+
+
+def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+            sm_scale, soft_cap, sliding_window, interpret, count):
+    """One range: its work list, its pallas_call, and (split ranges) the combine into ``out``."""
+    seq, tok0, n, pos0, _ = range_work_list(jnp, rng, cu_q_lens, kv_lens, num_seqs[0])
+    splits = jnp.full((1,), rng.num_splits, jnp.int32)
+    if rng.adaptive_splits:
         real_items = jnp.sum(n > 0).astype(jnp.int32)
-        splits = effective_splits(jnp, real_items, num_splits=plan.num_splits, num_kv_heads=num_kv_heads)[None]
-    nsp, ni, nh, rows, d = plan.num_splits, plan.num_items, num_kv_heads, plan.rows, head_dim
+        splits = effective_splits(jnp, real_items, num_splits=rng.num_splits, num_kv_heads=plan.num_kv_heads)
+        splits = splits[None]
+    nsp, ni, nh, rows, d = rng.num_splits, rng.num_items, plan.num_kv_heads, rng.rows, plan.head_dim
     full = lambda x: pl.BlockSpec(x.shape, lambda k, i, h: (0,) * x.ndim)
     kv_spec = lambda half: pl.BlockSpec(
-        (kv_pages.shape[0], None, page_size, head_dim), lambda k, i, h: (0, h, 0, half)
+        (kv_pages.shape[0], None, plan.page_size, d), lambda k, i, h: (0, h, 0, half)
     )
     meta = (seq, tok0, n, pos0, splits, block_tables)
     in_specs = [full(x) for x in meta] + [full(q), kv_spec(0), kv_spec(1)]
     args = [*meta, q, kv_pages, kv_pages]
     aliases = {}
-    if nsp == 1:
-        zeros = jnp.zeros(q.shape, q.dtype)  # padding tokens' rows stay zero; real rows are all written
-        in_specs.append(full(zeros))
+    if nsp == 1:  # rows straight into the output (aliased: other ranges' rows are kept)
+        in_specs.append(full(out))
         aliases = {len(args): 0}
-        args.append(zeros)
-        out_specs = [full(zeros)]
-        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        args.append(out)
+        out_specs = [full(out)]
+        out_shape = [jax.ShapeDtypeStruct(out.shape, out.dtype)]
     else:
         out_specs = [
             pl.BlockSpec((None, None, None, rows, d), lambda k, i, h: (k, i, h, 0, 0)),
@@ -261,42 +290,38 @@ def ragged_paged_attention_gpu(
     if count:
         out_specs.append(pl.BlockSpec((None, None, None, 2), lambda k, i, h: (k, i, h, 0)))
         out_shape.append(jax.ShapeDtypeStruct((nsp, ni, nh, 2), jnp.int32))
-    kernel = functools.partial(
-        _kernel, plan=plan, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, count=count
-    )
+    kernel = functools.partial(_kernel, plan=plan, rng=rng, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, count=count)
     outs = pl.pallas_call(
         kernel,
-        grid=plan.grid,
+        grid=rng.grid(nh),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=pltriton.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
-        cost_estimate=_static_cost(plan, sliding_window),
+        compiler_params=pltriton.CompilerParams(num_warps=rng.num_warps, num_stages=rng.num_stages),
+        cost_estimate=_static_cost(plan, rng, sliding_window),
         interpret=interpret,
-        name="ragged_paged_attention_gpu",
+        name=f"ragged_paged_attention_gpu_{rng.name}",
     )(*args)
     if nsp == 1:
         out = outs[0]
     else:
-        out = _combine_splits(outs[0], outs[1], outs[2], cu_q_lens, num_seqs, starts, plan).astype(q.dtype)
-    return (out, outs[-1]) if count else out
+        out = _combine_splits(outs[0], outs[1], outs[2], tok0, n, out, plan, rng)
+    return out, (outs[-1] if count else None)
 
 
-def _combine_splits(acc, m, den_k, cu_q_lens, num_seqs, starts, plan: GpuPlan) -> jax.Array:
-    """Flash-decoding reduction of the splits' partials, then item rows back to token order (zeros for padding
-    tokens). ``acc [K, I, H, rows, D]``, ``m, den_k [K, I, H, rows]``."""
+def _combine_splits(acc, m, den_k, tok0, n, out, plan: GpuPlan, rng: GpuRange) -> jax.Array:
+    """Flash-decoding reduction of one range's split partials, scattered into ``out`` at the items' tokens.
+    ``acc [K, I, H, rows, D]``, ``m, den_k [K, I, H, rows]``."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp(m - m_max)  # empty splits: m = MASK_VALUE, l = 0, acc = 0
     den = jnp.sum(w * den_k, axis=0)
     num = jnp.sum(w[..., None] * acc, axis=0)
-    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    out = out.reshape(plan.num_items, plan.num_kv_heads, plan.q_block, plan.group_p, plan.head_dim)
-    t = jnp.arange(plan.num_tokens, dtype=jnp.int32)
-    s = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, plan.max_seqs - 1)
-    off = t - cu_q_lens[s]
-    item = jnp.clip(starts[s] + off // plan.q_block, 0, plan.num_items - 1)
-    heads = jnp.arange(plan.num_kv_heads)
-    out = out[item[:, None], heads[None, :], (off % plan.q_block)[:, None]][:, :, : plan.group]
-    out = jnp.where((t < cu_q_lens[num_seqs[0]])[:, None, None, None], out, 0.0)
-    return out.reshape(plan.num_tokens, plan.num_q_heads, plan.head_dim)
+    rows_out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    ni, qb, hkv = rng.num_items, rng.q_block, plan.num_kv_heads
+    rows_out = rows_out.reshape(ni, hkv, qb, plan.group_p, plan.head_dim)[:, :, :, : plan.group]
+    rows_out = rows_out.transpose(0, 2, 1, 3, 4).reshape(ni * qb, plan.num_q_heads, plan.head_dim)
+    j = jnp.arange(qb, dtype=jnp.int32)
+    tokens = jnp.where(j[None, :] < n[:, None], tok0[:, None] + j[None, :], plan.num_tokens)  # past the end: dropped
+    return out.at[tokens.reshape(-1)].set(rows_out.astype(out.dtype), mode="drop")

@@ -10,6 +10,7 @@
      KV), side by side with ``jax.experimental.pallas.ops.gpu.paged_attention`` and
      ``jax.nn.dot_product_attention`` on contiguous KV;
    - decode, batch 4 at context 32k (the split-KV case) with the adaptive splits and with one split forced;
+   - a mixed step (48 decodes + a 464-token chunk) in the plan's two launches and in one;
    - chunked prefill, 8 sequences x 512 new tokens on 4096 context.
    One table: microseconds, percent of measured bandwidth, the model's microseconds, ratio to each peer.
 
@@ -124,10 +125,13 @@ def _model(q, kv_pages, lens, tables, cu, n, **overrides) -> tuple[float, str]:
                         **overrides)
     detail = gpu_work_detail(plan, np.asarray(lens), np.asarray(cu), int(n[0]))
     work = detail["work"]
-    desc = (f"q_block {plan.q_block} x group {plan.group_p}, kv step {plan.kv_block}, splits "
-            f"{plan.num_splits}{' (adaptive)' if plan.adaptive_splits else ''}, {work.programs} programs, "
-            f"KV {work.kv_bytes_read / 1e6:.0f} MB (min {detail['kv_bytes_min'] / 1e6:.0f}), issued "
-            f"{work.issued_flops / 1e9:.1f} GFLOP (useful {work.useful_flops / 1e9:.1f})")
+    ranges = "; ".join(
+        f"{r.name}: {r.q_block} tok x {plan.group_p} heads, kv step {r.kv_block}, splits {r.num_splits}"
+        f"{' (adaptive)' if r.adaptive_splits else ''}" for r in plan.ranges
+    )
+    desc = (f"{ranges}; {work.programs} programs, KV {work.kv_bytes_read / 1e6:.0f} MB (min "
+            f"{detail['kv_bytes_min'] / 1e6:.0f}), issued {work.issued_flops / 1e9:.1f} GFLOP (useful "
+            f"{work.useful_flops / 1e9:.1f})")
     return work.seconds(HARDWARE["h200"]) * 1e6, desc
 
 
@@ -185,6 +189,31 @@ def _decode_rows(shape, bandwidth: float, iters: int, smoke: bool, peers: bool) 
     return rows
 
 
+def _mixed_rows(bandwidth: float, iters: int, smoke: bool) -> list[Row]:
+    """A mixed step (48 decode sequences at 2048 keys + one 464-token chunk at 1000 keys, T 512, S 64): the
+    plan's two launches (prefill range + decode range) against one launch with the prefill tiling for all."""
+    if smoke:
+        seqs, tokens, max_seqs, qh, kvh, d, page = [(1, 100)] * 6 + [(26, 60)], 32, 8, 8, 2, 64, 16
+    else:
+        seqs, tokens, max_seqs, qh, kvh, d, page = [(1, 2048)] * 48 + [(464, 1000)], 512, 64, 32, 8, 128, 16
+    case = make_case(11, seqs, num_tokens=tokens, max_seqs=max_seqs, num_q_heads=qh, num_kv_heads=kvh,
+                     head_dim=d, page_size=page, dtype=jnp.bfloat16)
+    args = case.paged_args
+    n = int(case.num_seqs[0])
+    kv_bytes = sum(-(-kv // page) * page for _, kv in seqs) * kvh * 2 * d * 2
+    rows, outs = [], []
+    for label, overrides in (("plan: 2 ranges", {}), ("1 range", {"one_range": True})):
+        fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke, **overrides))
+        outs.append(np.asarray(fn(*args)[: int(case.cu_q_lens[n])], np.float32))
+        t = bench(fn, *args, iters=iters)
+        model_us, desc = _model(case.q, case.kv_pages, case.kv_lens, case.block_tables, case.cu_q_lens,
+                                case.num_seqs, **overrides)
+        rows.append((f"mixed {len(seqs) - 1} decode + {seqs[-1][0]} chunk [{label}]", t,
+                     kv_bytes / (t * 1e-6) / bandwidth, model_us, desc, {}))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2)  # the two tilings agree
+    return rows
+
+
 def timing(bandwidth: float, smoke: bool = False) -> list[Row]:
     """Rows of (case, our us, our fraction of bandwidth, model us, plan, {peer: peer us}).
 
@@ -199,6 +228,8 @@ def timing(bandwidth: float, smoke: bool = False) -> list[Row]:
         rows += _decode_rows(DECODE, bandwidth, iters, smoke, peers=True)
         rows += _decode_rows(DECODE[:5] + (64, DECODE[6]), bandwidth, iters, smoke, peers=False)
         rows += _decode_rows(LONG, bandwidth, iters, smoke, peers=False)
+
+    rows += _mixed_rows(bandwidth, iters, smoke)
 
     # Chunked prefill: s sequences with `new` new tokens each on ctx keys each.
     _, qh, kvh, d, ctx, page, dtype = (4, 8, 2, 64, 256, 16, jnp.bfloat16) if smoke else DECODE

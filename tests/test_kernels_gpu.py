@@ -24,9 +24,12 @@ MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)]  # decode,
 class TestGpuKernel:
     interpret = True
 
-    def run(self, case, dtype=jnp.float32, q_block=4, pages_per_block=2, num_splits=None, **opts):
+    def run(self, case, dtype=jnp.float32, q_block=4, pages_per_block=2, num_splits=None, decode_q_block=None,
+            decode_num_splits=None, one_range=False, **opts):
         kernel = functools.partial(ragged_paged_attention_gpu, interpret=self.interpret, q_block=q_block,
-                                   pages_per_block=pages_per_block, num_splits=num_splits)
+                                   pages_per_block=pages_per_block, num_splits=num_splits,
+                                   decode_q_block=decode_q_block, decode_num_splits=decode_num_splits,
+                                   one_range=one_range)
         check_case(case, kernel, dtype, **opts)
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -119,14 +122,24 @@ class TestGpuKernel:
         self.run(case, q_block=4, pages_per_block=2, num_splits=num_splits, sliding_window=window,
                  soft_cap=cap)
 
+    @pytest.mark.parametrize("overrides", [dict(one_range=True), dict(decode_num_splits=3, decode_q_block=8)])
+    def test_prefill_bucket_ranges(self, overrides):
+        """A prefill bucket: one range with the prefill tiling for every item, or the prefill range plus a decode
+        range (sequences of up to the decode tile's tokens: 1, 3 and 8 here) with its own splits."""
+        case = make_case(
+            9, [(1, 40), (20, 20), (3, 33), (0, 4), (8, 70), (9, 9), (1, 1)], num_tokens=48, max_seqs=8,
+            num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+        )
+        self.run(case, q_block=16, pages_per_block=2, **overrides)
+
     def test_adaptive_splits_small_batch(self):
         """The default plan of a small decode bucket splits KV by itself (the issue's batch-4 case, small)."""
         case = make_case(
             8, [(1, 300), (1, 129), (1, 64), (1, 1)], num_tokens=16, max_seqs=8, num_q_heads=4,
             num_kv_heads=1, head_dim=64, page_size=16, dtype=jnp.bfloat16, max_blocks=64,
         )
-        plan = plan_gpu(16, 8, 64, 4, 1, 64, 16, jnp.bfloat16)
-        assert plan.adaptive_splits and plan.num_splits > 1
+        (rng,) = plan_gpu(16, 8, 64, 4, 1, 64, 16, jnp.bfloat16).ranges
+        assert rng.adaptive_splits and rng.num_splits > 1
         self.run(case, jnp.bfloat16, q_block=None, pages_per_block=None)
 
     @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -59,8 +59,9 @@ def test_chunked_prefill_kv_bytes():
     work = detail["work"]
     assert work.kv_bytes_read <= 2 * _minimum(kv, q, 16)
     # Without L2 reuse every q-block re-reads its sequence's KV: 512 / q_block times at most.
-    plan = plan_gpu(4096, 8, 256, QH, KVH, D, 16, jnp.bfloat16)
-    assert detail["kv_bytes_gathered"] <= 512 // plan.q_block * _minimum(kv, q, 16)
+    prefill = plan_gpu(4096, 8, 256, QH, KVH, D, 16, jnp.bfloat16).ranges[0]
+    assert prefill.name == "prefill"
+    assert detail["kv_bytes_gathered"] <= 512 // prefill.q_block * _minimum(kv, q, 16)
     assert work.issued_flops <= 1.1 * work.useful_flops  # 128-row tiles of one sequence: little waste
 
 
@@ -73,18 +74,21 @@ def test_small_batch_long_context_fills_the_gpu(num_tokens, max_seqs):
 
 
 def _brute_force_hbm_pages(plan, kv_lens, cu, num_seqs, window):
-    """The wave model by sets: pages each (stream, wave) reads, programs in launch order."""
-    counts, seq, first, last = program_counts(plan, kv_lens, cu, num_seqs, window)
-    pages, pos = {}, 0
-    for h in range(plan.num_kv_heads):
-        for i in range(plan.num_items):
-            for k in range(plan.num_splits):
-                if counts[k, i, h, 0] == 0:
-                    continue
-                key = (int(seq[i]), h, pos // plan.resident_programs)
-                pages.setdefault(key, set()).update(range(int(first[k, i]), int(last[k, i]) + 1))
-                pos += 1
-    return sum(len(p) for p in pages.values())
+    """The wave model by sets: pages each (launch, stream, wave) reads, programs in launch order."""
+    total = 0
+    for rng in plan.ranges:
+        counts, seq, _, first, last = program_counts(plan, rng, kv_lens, cu, num_seqs, window)
+        pages, pos = {}, 0
+        for h in range(plan.num_kv_heads):
+            for i in range(rng.num_items):
+                for k in range(rng.num_splits):
+                    if counts[k, i, h, 0] == 0:
+                        continue
+                    key = (int(seq[i]), h, pos // rng.resident_programs)
+                    pages.setdefault(key, set()).update(range(int(first[k, i]), int(last[k, i]) + 1))
+                    pos += 1
+        total += sum(len(p) for p in pages.values())
+    return total
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -96,24 +100,24 @@ def test_hbm_wave_model_matches_brute_force(seed):
     page = int(rng.choice([16, 32]))
     window = [None, 700][seed % 2]
     plan = plan_gpu(int(q_lens.sum()) + 16, 8, 3300 // page + 1, QH, KVH, D, page, jnp.bfloat16,
-                    num_splits=int(rng.choice([1, 3])))
+                    num_splits=int(rng.choice([1, 3])), decode_num_splits=[None, 2][seed % 3 == 0])
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     page_bytes = page * D * 2 * 2
     got = gpu_work(plan, kv_lens, cu, num_seqs, window).kv_bytes_read // page_bytes
     assert got == _brute_force_hbm_pages(plan, kv_lens, cu, num_seqs, window)
 
 
-def _find_pallas_call(jaxpr):
+def _pallas_calls(jaxpr):
+    out = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            return eqn
+            out.append(eqn)
+            continue
         for p in eqn.params.values():
             inner = getattr(p, "jaxpr", p)
             if hasattr(inner, "eqns"):
-                found = _find_pallas_call(inner)
-                if found is not None:
-                    return found
-    return None
+                out += _pallas_calls(inner)
+    return out
 
 
 def _dots(jaxpr):
@@ -131,10 +135,10 @@ def _dots(jaxpr):
 
 CASES = [
     # (seqs, num_tokens, max_seqs, q heads, kv heads, page, overrides, window)
-    ([(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)], 40, 8, 8, 2, 8, {}, None),
+    ([(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)], 40, 8, 8, 2, 8, {}, None),  # two ranges
     ([(1, 70), (1, 3), (1, 9), (3, 40)], 8, 8, 8, 2, 8, dict(num_splits=3), None),
     ([(1, 300), (1, 129), (1, 64)], 16, 8, 4, 1, 16, dict(), 100),  # adaptive splits, window
-    ([(20, 60), (7, 7), (1, 33)], 32, 4, 4, 2, 8, dict(q_block=8), 9),
+    ([(20, 60), (7, 7), (1, 33)], 32, 4, 4, 2, 8, dict(q_block=8, decode_num_splits=2), 9),
 ]
 
 
@@ -148,37 +152,40 @@ def test_model_matches_interpreted_kernel(case_idx):
     kernel = functools.partial(ragged_paged_attention_gpu, interpret=True, count=True, **overrides)
     plan = gpu_plan_for(case.q.shape, case.kv_pages.shape, max_seqs, case.block_tables.shape[1],
                         case.kv_pages.dtype, **overrides)
+    assert len(plan.ranges) == (1 if plan.decode else 2)
     if case_idx == 2:
-        assert plan.adaptive_splits and plan.num_splits > 1
-
+        assert plan.ranges[0].adaptive_splits and plan.ranges[0].num_splits > 1
     seen = []
 
     def run(*args, **opts):
         out, stats = kernel(*args, **opts)
-        seen.append(np.asarray(stats))
+        seen.append([np.asarray(x) for x in stats])
         return out
 
     check_case(case, run, sliding_window=window, sm_scale=0.125)  # still correct with the counters on
     (counts,) = seen
-    want, *_ = program_counts(plan, case.kv_lens, case.cu_q_lens, int(case.num_seqs[0]), window)
-    np.testing.assert_array_equal(counts, want)
     detail = gpu_work_detail(plan, case.kv_lens, case.cu_q_lens, int(case.num_seqs[0]), window)
-    assert detail["kv_steps"] == int(counts[..., 0].sum())
-    assert detail["work"].programs == int((counts[..., 0] > 0).sum())
+    for got, want in zip(counts, detail["counts"], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert detail["kv_steps"] == sum(int(c[..., 0].sum()) for c in counts)
+    assert detail["work"].programs == sum(int((c[..., 0] > 0).sum()) for c in counts)
 
-    # Dot shapes in the kernel's jaxpr: QK^T [rows, d] x [kv_block, d] and PV [rows, kv_block] x [kv_block, d]
-    # per KV step, which is what issued_flops counts.
+    # Dot shapes in each launch's kernel jaxpr: QK^T [rows, d] x [kv_block, d] and PV [rows, kv_block] x
+    # [kv_block, d] per KV step, which is what issued_flops counts.
     closed = jax.make_jaxpr(functools.partial(ragged_paged_attention_gpu, sm_scale=0.125, interpret=True,
                                               sliding_window=window, **overrides))(*case.paged_args)
-    call = _find_pallas_call(closed.jaxpr)
-    assert call is not None
-    dots = _dots(call.params["jaxpr"])
-    rows, kvb = plan.rows, plan.kv_block
-    assert sorted(dots) == sorted([((rows, 64), (kvb, 64)), ((rows, kvb), (kvb, 64))])
-    per_step = sum(2 * a[0] * a[1] * b[1 if a[1] == b[0] else 0] for a, b in dots)
-    assert detail["work"].issued_flops == detail["kv_steps"] * per_step
-    cost = call.params["cost_estimate"]
-    assert cost is not None and cost.flops > 0 and cost.bytes_accessed > 0
+    calls = _pallas_calls(closed.jaxpr)
+    assert len(calls) == len(plan.ranges)
+    issued = 0
+    for call, rng, c in zip(calls, plan.ranges, counts, strict=True):
+        dots = _dots(call.params["jaxpr"])
+        rows, kvb = rng.rows, rng.kv_block
+        assert sorted(dots) == sorted([((rows, 64), (kvb, 64)), ((rows, kvb), (kvb, 64))])
+        per_step = sum(2 * a[0] * a[1] * b[1 if a[1] == b[0] else 0] for a, b in dots)
+        issued += int(c[..., 0].sum()) * per_step
+        cost = call.params["cost_estimate"]
+        assert cost is not None and cost.flops > 0 and cost.bytes_accessed > 0
+    assert detail["work"].issued_flops == issued
 
 
 def test_previous_design_figures():
