@@ -12,6 +12,13 @@ times the KV head's ``group`` query heads (GQA rows packed, the group padded to 
 ``[q_block * group_p, head_dim]`` tile of at least 16 rows (the MMA minimum). A decode item is one token of one
 sequence: the ``group`` query heads sharing a KV head, padded to 16 rows, read every page of that KV head once.
 
+**Ranges.** Decode buckets (``T <= 2 S``) are one launch with the decode tiling. Prefill and mixed buckets are
+two launches: a *prefill* range over the sequences with more than a decode tile's tokens (64-128-row tiles: a
+512-token chunk at group 4 is 16 q-blocks, each streaming the chunk's KV, which the wave model counts once from
+HBM and 16 times from L2) and a *decode* range over the rest (one 16-row item per sequence, split-KV); the
+second aliases the first's output. Q and the output are read and written in place
+(``[T, q_heads, head_dim]``, masked row loads/stores), with no transposes around the kernel.
+
 **Split-KV (flash-decoding).** When items x KV heads is below about twice the SM count (132 on H200), each
 item's KV range is cut into contiguous chunks of KV blocks, one program each. The grid's split axis is sized
 statically for the smallest batch the bucket is likely to hold; the number of splits in use is computed on
