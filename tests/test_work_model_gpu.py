@@ -208,3 +208,29 @@ def test_previous_design_figures():
     after = case_work(64, 64, QH, KVH, D, 16, jnp.bfloat16, kv, cu, 64)
     assert before.issued_flops == after.issued_flops == 4 * after.useful_flops
     assert before.programs == 128 and after.programs == 512
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_item_bounds_hold_for_any_batch_in_the_bucket(seed):
+    """Every sequence's q-blocks fit the range's static item bound (an overflow would drop rows silently), each
+    real token is in exactly one item of one range, and the ranges split sequences by q_len as planned."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        num_tokens, max_seqs = int(rng.choice([16, 64, 512])), int(rng.choice([8, 64]))
+        n = int(rng.integers(1, max_seqs + 1))
+        cuts = np.sort(rng.integers(0, num_tokens + 1, n - 1))
+        q_lens = np.diff(np.concatenate([[0], cuts, [int(rng.integers(cuts.max(initial=0), num_tokens + 1))]]))
+        kv_lens = q_lens + rng.integers(0, 100, n)
+        group = int(rng.choice([1, 4, 7]))
+        plan = plan_gpu(num_tokens, max_seqs, 8, 2 * group, 2, 64, 16, jnp.bfloat16,
+                        q_block=[None, 8][int(rng.integers(2))])
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        covered = np.zeros(num_tokens, np.int64)
+        for r in plan.ranges:
+            member = (q_lens > r.min_q_len) & (q_lens <= r.max_q_len)
+            assert int(np.sum(-(-q_lens[member] // r.q_block))) <= r.num_items
+            counts, seq, n_tok, first, last = program_counts(plan, r, kv_lens, cu, n)
+            for i in np.nonzero(n_tok)[0]:
+                t0 = cu[seq[i]] + (i - np.searchsorted(seq, seq[i])) * r.q_block
+                covered[t0 : t0 + n_tok[i]] += 1
+        assert np.all(covered[: cu[-1]] == 1) and not covered[cu[-1] :].any()
