@@ -388,7 +388,7 @@ def gpu_work_detail(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_wi
     summed), ``kv_bytes_gathered`` (distinct pages per program: L2 -> SM traffic with no reuse across programs),
     ``kv_bytes_min`` (every page of every sequence with queries, once per KV head: the least any kernel reads),
     ``grid_programs``, ``programs_in_flight`` (the largest launch's min(programs with work, resident slots)),
-    ``h200_seconds`` (:func:`occupancy_seconds`, launches summed)."""
+    ``h200_seconds`` (:meth:`KernelWork.seconds` on the H200, launches summed)."""
     kv_in, cu_in = np.asarray(kv_lens, np.int64)[:num_seqs], np.asarray(cu_q_lens, np.int64)[: num_seqs + 1]
     q_lens = cu_in[1:] - cu_in[:-1]
     h_n, page, d = plan.num_kv_heads, plan.page_size, plan.head_dim
@@ -446,7 +446,7 @@ def gpu_work_detail(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_wi
         kv_bytes_min=min_pages * page_bytes * h_n,
         grid_programs=grid_programs,
         programs_in_flight=in_flight,
-        h200_seconds=sum(occupancy_seconds(w) for w in works),
+        h200_seconds=sum(w.seconds(HARDWARE["h200"]) for w in works),
     )
 
 
@@ -469,14 +469,6 @@ def case_work(num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: in
                                kv_lens, cu_q_lens, num_seqs, max_blocks=max_blocks)
     plan = plan_gpu(num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, dtype)
     return gpu_work(plan, kv_lens, cu_q_lens, num_seqs, sliding_window)
-
-
-def occupancy_seconds(work: KernelWork, hw=HARDWARE["h200"]) -> float:
-    """Roofline time when a program only uses its own SM: with ``p < num_cores`` programs, only ``p / num_cores``
-    of the bandwidth and of the matmul peak are reachable (``KernelWork.seconds`` assumes the whole chip). The
-    figure that shows why split-KV matters: the previous design ran the batch-4 32k decode on 8 programs."""
-    share = min(1.0, work.programs / hw.num_cores) if work.programs else 1.0
-    return max(work.hbm_bytes / (hw.hbm_bytes_per_s * share), work.issued_flops / (hw.matmul_flops_per_s * share))
 
 
 def legacy_gpu_work(num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
