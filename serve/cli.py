@@ -68,8 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = build_engine(args)  # loading and warm-up can take minutes
     finally:
         signal.signal(signal.SIGTERM, previous)
-    asyncio.run(serve_forever(engine, config))
-    return 0
+    return asyncio.run(serve_forever(engine, config))
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,8 @@ request's pages before the next step runs), steps, and hands each request's outp
 A request that fails inside this bridge fails alone (INTERNAL, its pages freed through
 `engine.fail`). An exception from `engine.step()` cannot be pinned on one request and leaves the
 engine's state unknown: the loop then dies, every open stream ends with UNAVAILABLE at once, death
-callbacks run (health turns NOT_SERVING), and later submissions are refused with UNAVAILABLE.
+callbacks run (health turns NOT_SERVING, and `paged-jax serve` exits with a non-zero status so a
+supervisor restarts it), and later submissions are refused with UNAVAILABLE.
 """
 
 from __future__ import annotations

@@ -313,3 +313,20 @@ def test_lookahead_caches_generated_blocks(tiny_config, tiny_params):
     follow_up = prompt + out.outputs[0].token_ids + [7, 8, 9]
     assert engine.kv.lookup_prefix(follow_up) == (len(prompt) + 40 - 1) // 16 * 16
     assert_all_free(engine)
+
+
+def test_forked_children_never_exceed_max_num_seqs(tiny_config, tiny_params):
+    """Issue 14.1: short requests admitted while an n=8 leader is still in chunked prefill used to leave no
+    room for its 7 children, and the runner raised `15 exceeds the largest bucket 8`."""
+    engine = make_engine(tiny_config, tiny_params, num_pages=200, chunk_size=16)
+    engine.add_request("big", list(range(3, 193)),
+                       SamplingParams(n=8, temperature=0.8, seed=0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    for i in range(7):
+        engine.add_request(f"small{i}", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    finished = set()
+    while engine.has_unfinished():
+        finished |= {out.request_id for out in engine.step() if out.finished}
+        assert engine.num_running <= 8
+    assert finished == {"big", *(f"small{i}" for i in range(7))}
+    assert_all_free(engine)
