@@ -51,7 +51,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | xla | pallas | pallas-interpret
     kv_dtype: str | None = None  # default: the model dtype
     seed: int = 0  # seeds requests that do not set their own
-    max_n: int = 64  # samples per request
+    max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)
     warmup: bool = True  # compile every step shape at start-up
     watermark: float = 0.01  # fraction of pages admission keeps free while requests run
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
@@ -155,9 +155,16 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # the lookahead's dispatched, uncollected step
         self._rng = np.random.default_rng(ec.seed)
         self.num_steps = 0
+        self.num_launched = 0  # steps dispatched to the device (the engine loop's progress signal)
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
         if ec.warmup:
             self.runner.warmup()
+
+    @property
+    def max_n(self) -> int:
+        """The most samples one request may ask for: every sample of a request must run in the same batch
+        once its prompt completes, so `n` above `max_num_seqs` could never be scheduled."""
+        return min(self.engine_config.max_n, self.engine_config.max_num_seqs)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -168,7 +175,7 @@ class LLMEngine:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        params.validate(self.config.vocab_size, self.engine_config.max_n)
+        params.validate(self.config.vocab_size, self.max_n)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -282,6 +289,7 @@ class LLMEngine:
         if sched.empty:
             return None
         samples = self.runner.launch(sched, self.kv, None if prev is None else prev.samples)
+        self.num_launched += 1
         return _Launched(sched, samples, time.perf_counter() - t0)
 
     def finish_step(self, launched: _Launched) -> list[RequestOutput]:

@@ -170,13 +170,19 @@ class EngineLoop:
     # -- the loop thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        stalled = False  # the last step dispatched nothing and returned nothing
         try:
             while not self._stop:
-                self._drain(block=not engine.has_unfinished())
+                # Idle, or nothing could be scheduled: wait for a command (the only thing that changes the
+                # engine's state then) instead of spinning on empty steps.
+                self._drain(block=stalled or not engine.has_unfinished())
                 if self._stop or not engine.has_unfinished():
                     continue
-                for out in engine.step():
+                launched = engine.num_launched
+                outputs = engine.step()
+                for out in outputs:
                     self._deliver(out)
+                stalled = not outputs and engine.num_launched == launched
                 if self._on_step is not None:
                     self._on_step(engine)
             for rid in list(self._streams):

@@ -32,7 +32,7 @@ class GenerationServicer:
         self.loop, self.config, self.metrics = loop, config, metrics
         engine: LLMEngine = loop.engine
         self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
-        self.max_model_len, self.max_n = engine.max_model_len, engine.engine_config.max_n
+        self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
         self.draining = False  # set on shutdown: new generations get UNAVAILABLE
 
     # -- generation ---------------------------------------------------------------------------------

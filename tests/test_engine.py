@@ -330,3 +330,13 @@ def test_forked_children_never_exceed_max_num_seqs(tiny_config, tiny_params):
         assert engine.num_running <= 8
     assert finished == {"big", *(f"small{i}" for i in range(7))}
     assert_all_free(engine)
+
+
+def test_n_above_max_num_seqs_is_rejected(tiny_config, tiny_params):
+    """Issue 14.2: a request's samples all run in one batch once its prompt completes, so n > max_num_seqs could
+    never be scheduled; it used to wait for ever in front of every later request."""
+    engine = make_engine(tiny_config, tiny_params, max_num_seqs=8)
+    assert engine.max_n == 8
+    with pytest.raises(ValueError, match=r"^n: must be in \[1, 8\]"):
+        engine.add_request("nine", [5, 6, 7], SamplingParams(n=9))
+    assert not engine.has_unfinished()

@@ -8,9 +8,10 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve_support import LIMITS, PROMPTS, start_server, wait_idle
+from test_serve_support import ENGINE_CONFIG, LIMITS, PROMPTS, start_server, wait_idle
 
 from serve.client import Client, build_request
+from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
 FIELD_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z_]+)?(\[\d+\])?: ")
@@ -159,3 +160,23 @@ def test_after_garbage_the_server_is_healthy_and_idle(client):
     assert client.health() == 1
     assert client.generate(PROMPTS[1], temperature=0, max_tokens=3).completions[0].token_ids
     wait_idle(client)
+
+
+def test_n_above_max_num_seqs_is_rejected_and_model_info_says_so():
+    """Issue 14.2: with a serving limit (16) above the engine's max_num_seqs (8), n=9 used to be accepted and
+    wait for ever (all samples must run in one batch), blocking every request behind it."""
+    srv = start_server(limits=ServingLimits())
+    try:
+        with Client(srv.target) as c:
+            assert ServingLimits().max_n > ENGINE_CONFIG.max_num_seqs
+            assert c.model_info().max_n == ENGINE_CONFIG.max_num_seqs
+            for call in (lambda: c.generate("hi", n=9, max_tokens=2, timeout=10),
+                         lambda: list(c.generate_stream("hi", n=9, max_tokens=2, timeout=10))):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details().startswith("sampling.n:"), e.value.details()
+            assert len(c.generate("hi", n=8, max_tokens=2, timeout=60).completions) == 8
+            wait_idle(c)
+    finally:
+        srv.stop()
