@@ -26,6 +26,7 @@ FINISH_REASONS = {
     "eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "stop_string": pb.FINISH_REASON_STOP_STRING,
     "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR,
 }
+MAX_CHARS_PER_TOKEN = 8  # no tokenizer makes fewer tokens than characters / 8
 _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                       "frequency_penalty", "seed", "min_tokens", "ignore_eos", "n", "logprobs")
 
@@ -123,6 +124,17 @@ def lenient_deserializer(message_type: type[Message]) -> Callable[[bytes], Messa
     return deserialize
 
 
+def max_prompt_tokens(limits: ServingLimits, max_model_len: int) -> int:
+    """The longest prompt a request may have: the limit, and room for at least one generated token."""
+    return min(limits.max_prompt_tokens or max_model_len, max_model_len - 1)
+
+
+def check_text_length(field: str, text: str, max_tokens: int) -> None:
+    """Refuse text that must hold more than `max_tokens` tokens before spending time encoding it."""
+    if len(text) > max_tokens * MAX_CHARS_PER_TOKEN:
+        raise invalid(f"{field}: longer than the prompt limit of {max_tokens} tokens")
+
+
 def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int]:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -144,16 +156,18 @@ def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vo
     kind = req.WhichOneof("input")
     if kind is None:
         raise invalid("input: set text or token_ids")
-    max_prompt = min(limits.max_prompt_tokens or max_model_len, max_model_len - 1)
+    max_prompt = max_prompt_tokens(limits, max_model_len)
     if kind == "text":
         if not req.text:
             raise invalid("text: must not be empty")
-        if len(req.text) > max_prompt * 8:  # no tokenizer makes fewer tokens than characters / 8; skip encoding
-            raise invalid(f"text: longer than the prompt limit of {max_prompt} tokens")
+        check_text_length("text", req.text, max_prompt)  # bound the input before encoding it
         ids = tokenizer.encode(req.text)
     else:
         if not req.token_ids.ids:
             raise invalid("token_ids: must not be empty")
+        if len(req.token_ids.ids) > max_prompt:  # bound the input before looking at every id
+            raise invalid(f"token_ids: the prompt has {len(req.token_ids.ids)} tokens, more than the limit of "
+                          f"{max_prompt} (max_model_len {max_model_len})")
         ids = check_token_ids("token_ids", req.token_ids.ids, vocab_size)
     if len(ids) > max_prompt:
         raise invalid(f"{kind}: the prompt has {len(ids)} tokens, more than the limit of {max_prompt} "

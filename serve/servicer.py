@@ -2,6 +2,10 @@
 
 Cancellation, a missed deadline and a dropped connection all cancel the handler's task; its
 `finally` then asks the engine loop to abort the request, which frees its pages before the next step.
+
+Every handler runs on the one asyncio event loop that also serves every stream and health check, so
+anything that costs CPU in proportion to the request (tokenizing, detokenizing, range-checking ids)
+runs on a small thread pool, and only after the input's size has been checked against its limit.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
@@ -25,6 +31,8 @@ from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+CPU_WORKERS = 2  # threads for tokenization and validation, off the event loop
+T = TypeVar("T")
 
 
 class GenerationServicer:
@@ -34,6 +42,11 @@ class GenerationServicer:
         self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
         self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
         self.draining = False  # set on shutdown: new generations get UNAVAILABLE
+        self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="serve-cpu")
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the CPU pool, so the event loop keeps serving streams and health checks."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     # -- generation ---------------------------------------------------------------------------------
     def _parse(self, request: pb.GenerateRequest | InvalidRequest) -> ParsedRequest:
@@ -90,7 +103,7 @@ class GenerationServicer:
 
     async def Generate(self, request, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         async with self._outcome("Generate", context):
-            parsed = self._parse(request)
+            parsed = await self._off_loop(self._parse, request)
             stream = self._submit(parsed)
             mode, rid = parsed.output_mode, stream.request_id
             ended: set[int] = set()  # samples whose last chunk (with its finish reason) went out
@@ -107,7 +120,7 @@ class GenerationServicer:
 
     async def GenerateUnary(self, request, context: aio.ServicerContext) -> pb.GenerateUnaryResponse:
         async with self._outcome("GenerateUnary", context):
-            parsed = self._parse(request)
+            parsed = await self._off_loop(self._parse, request)
             stream = self._submit(parsed)
             async for event in self._events(stream):
                 if event.output.finished:
@@ -125,24 +138,39 @@ class GenerationServicer:
             kv_capacity_tokens=(engine.num_pages - 1) * engine.engine_config.page_size
             * engine.engine_config.data_parallel_size,
             eos_token_ids=list(engine.config.eos_token_ids), bos_token_id=bos,
-            max_prompt_tokens=min(lim.max_prompt_tokens or self.max_model_len, self.max_model_len - 1),
+            max_prompt_tokens=self._max_prompt_tokens(),
             max_tokens_limit=lim.max_tokens, max_n=min(lim.max_n, self.max_n), max_stop_strings=lim.max_stop_strings,
             max_stop_string_chars=lim.max_stop_string_chars)
 
     async def Tokenize(self, request, context: aio.ServicerContext) -> pb.TokenizeResponse:
-        if isinstance(request, InvalidRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        add_bos = request.add_bos if request.HasField("add_bos") else True
-        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_bos=add_bos))
-
-    async def Detokenize(self, request, context: aio.ServicerContext) -> pb.DetokenizeResponse:
         try:
             if isinstance(request, InvalidRequest):
                 raise invalid(request.message)
-            ids = convert.check_token_ids("token_ids", request.token_ids, self.vocab_size)
+            convert.check_text_length("text", request.text, self._max_prompt_tokens())
         except RequestError as e:
             await context.abort(e.code, e.message)
-        return pb.DetokenizeResponse(text=self.tokenizer.decode(ids))
+        add_bos = request.add_bos if request.HasField("add_bos") else True
+        ids = await self._off_loop(lambda: self.tokenizer.encode(request.text, add_bos=add_bos))
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request, context: aio.ServicerContext) -> pb.DetokenizeResponse:
+        def decode() -> str:
+            ids = convert.check_token_ids("token_ids", request.token_ids, self.vocab_size)
+            return self.tokenizer.decode(ids)
+
+        try:
+            if isinstance(request, InvalidRequest):
+                raise invalid(request.message)
+            if len(request.token_ids) > self.max_model_len:  # no sequence of this model is longer
+                raise invalid(f"token_ids: {len(request.token_ids)} ids, more than max_model_len "
+                              f"({self.max_model_len})")
+            text = await self._off_loop(decode)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return pb.DetokenizeResponse(text=text)
+
+    def _max_prompt_tokens(self) -> int:
+        return convert.max_prompt_tokens(self.config.limits, self.max_model_len)
 
     async def GetStats(self, request, context: aio.ServicerContext) -> pb.Stats:
         check = not isinstance(request, InvalidRequest) and request.check_invariants
