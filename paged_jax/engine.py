@@ -357,19 +357,26 @@ class LLMEngine:
             self.scheduler.remove(seq, reason)
 
     def _output(self, req: _Request, final: bool) -> RequestOutput:
+        """This step's output of `req`: what each sample added since the last output (the cost of a step is
+        that of its new tokens, not of the whole output), plus the whole output when `final`."""
         completions = []
         for seq, detok in zip(req.seqs, req.detoks, strict=True):
-            new_ids = seq.output_token_ids[seq.num_sent_tokens:]
-            seq.num_sent_tokens = len(seq.output_token_ids)
-            logprobs = None
+            sent, seq.num_sent_tokens = seq.num_sent_tokens, len(seq.output_token_ids)
+            new_ids = seq.output_token_ids[sent:]
+            new_logprobs = None
             if seq.params.logprobs is not None:
-                logprobs = [TokenLogprob(t, lp, top)
-                            for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)]
-            completions.append(CompletionOutput(
-                index=seq.index, token_ids=list(seq.output_token_ids), text=detok.text,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason, logprobs=logprobs, new_token_ids=new_ids,
-                new_text=detok.take_delta(final=seq.finished)))
+                new_logprobs = [TokenLogprob(t, lp, top)
+                                for t, (lp, top) in zip(new_ids, seq.output_logprobs[sent:], strict=True)]
+            c = CompletionOutput(index=seq.index, token_ids=[], text="",
+                                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                                 stop_reason=seq.stop_reason, new_token_ids=new_ids,
+                                 new_text=detok.take_delta(final=seq.finished), new_logprobs=new_logprobs)
+            if final:
+                c.token_ids, c.text = list(seq.output_token_ids), detok.text
+                if seq.params.logprobs is not None:
+                    c.logprobs = [TokenLogprob(t, lp, top)
+                                  for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)]
+            completions.append(c)
         lead = req.seqs[0]
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,

@@ -17,7 +17,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams
 from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
@@ -203,10 +203,9 @@ def _sampling(sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max
 
 
 # -- outputs ----------------------------------------------------------------------------------------
-def _logprobs(c: CompletionOutput, last: int | None) -> list[pb.TokenLogprob]:
-    if not c.logprobs:
+def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    if not items:
         return []
-    items = c.logprobs if last is None else c.logprobs[len(c.logprobs) - last:] if last else []
     return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in items]
 
@@ -222,7 +221,7 @@ def _set_finish(msg: pb.Completion, c: CompletionOutput) -> None:
 
 def chunk(c: CompletionOutput, mode: int) -> pb.Completion:
     """The delta of one sample for a stream (empty token_ids/text per `mode`)."""
-    msg = pb.Completion(index=c.index, logprobs=_logprobs(c, len(c.new_token_ids)))
+    msg = pb.Completion(index=c.index, logprobs=_logprobs(c.new_logprobs))
     if mode != pb.OUTPUT_MODE_TEXT:
         msg.token_ids.extend(c.new_token_ids)
     if mode != pb.OUTPUT_MODE_TOKENS:
@@ -232,7 +231,7 @@ def chunk(c: CompletionOutput, mode: int) -> pb.Completion:
 
 
 def full_completion(c: CompletionOutput, mode: int) -> pb.Completion:
-    msg = pb.Completion(index=c.index, logprobs=_logprobs(c, None))
+    msg = pb.Completion(index=c.index, logprobs=_logprobs(c.logprobs))
     if mode != pb.OUTPUT_MODE_TEXT:
         msg.token_ids.extend(c.token_ids)
     if mode != pb.OUTPUT_MODE_TOKENS:
