@@ -41,8 +41,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.stop, (list, tuple)):  # anything else (a dict, a set) is refused by validate
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
 
@@ -97,6 +99,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if not 0 <= integer("min_tokens") <= self.max_tokens:
             raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens}")
+        if not isinstance(self.stop, list):
+            raise ValueError(f"stop: must be a string or a list of strings, got {type(self.stop).__name__}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids: must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
