@@ -72,7 +72,7 @@ class _Add:
 
 @dataclass(slots=True)
 class _Abort:
-    request_id: str
+    stream: RequestStream  # not the client's id: a stale abort must not end a new request that reuses it
     message: str
 
 
@@ -141,15 +141,19 @@ class EngineLoop:
             self._commands.put(_Add(stream, prompt_token_ids, params, cache_salt))  # under the lock: see _die
         return stream
 
-    def abort(self, request_id: str, message: str = "aborted") -> None:
-        """Abort before the next step; the stream (if still read) gets a final ABORT output."""
-        self._commands.put(_Abort(request_id, message))
+    def abort(self, stream: RequestStream, message: str = "aborted") -> None:
+        """Abort `stream`'s request before the next step; the stream (if still read) gets a final ABORT output.
+
+        Keyed by the stream, not the client's request id: once this request has ended, its id may be reused
+        by a new request, which this (then stale) abort leaves alone.
+        """
+        self._commands.put(_Abort(stream, message))
 
     def abort_all(self, message: str) -> None:
         with self._lock:
-            ids = list(self._streams)
-        for rid in ids:
-            self.abort(rid, message)
+            streams = list(self._streams.values())
+        for stream in streams:
+            self.abort(stream, message)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the loop thread between two steps and return its result."""
@@ -200,7 +204,8 @@ class EngineLoop:
             if isinstance(cmd, _Add):
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
-                self._abort(cmd.request_id, cmd.message)
+                if self._streams.get(cmd.stream.request_id) is cmd.stream:  # else it has ended already
+                    self._abort(cmd.stream.request_id, cmd.message)
             elif isinstance(cmd, _Call):
                 if cmd.future.set_running_or_notify_cancel():
                     try:

@@ -77,7 +77,7 @@ class GenerationServicer:
                     return
         finally:
             if not done:
-                self.loop.abort(stream.request_id, "cancelled by the client")
+                self.loop.abort(stream, "cancelled by the client")
 
     @contextlib.asynccontextmanager
     async def _outcome(self, method: str, context: aio.ServicerContext) -> AsyncIterator[None]:
