@@ -9,6 +9,8 @@ field and returns an `InvalidRequest` the servicer answers with INVALID_ARGUMENT
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +43,14 @@ class RequestError(Exception):
 
 def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def internal_error(what: str, exc_info: bool = False) -> RequestError:
+    """INTERNAL for a client, with an id and nothing else: the cause (exception text, paths, internals) goes
+    to the server's log under that id, where an operator can find it."""
+    error_id = uuid.uuid4().hex[:12]
+    logging.getLogger("serve").error("%s [error id %s]", what, error_id, exc_info=exc_info)
+    return RequestError(grpc.StatusCode.INTERNAL, f"internal error (id {error_id}); the server log has the details")
 
 
 @dataclass(slots=True, frozen=True)

@@ -28,7 +28,7 @@ import grpc
 from paged_jax.engine import LLMEngine
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
-from serve.convert import RequestError
+from serve.convert import RequestError, internal_error
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +226,9 @@ class EngineLoop:
         except ValueError as e:
             self._close(rid, Event(code=grpc.StatusCode.INVALID_ARGUMENT, message=str(e)))
         except Exception as e:  # noqa: BLE001 - this request fails alone
-            log.exception("add_request failed for %s", rid)
+            error = internal_error(f"add_request failed for {rid}: {type(e).__name__}: {e}", exc_info=True)
             self.engine.abort(rid)
-            self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"add_request: {e}"))
+            self._close(rid, Event(code=error.code, message=error.message))
 
     def _abort(self, request_id: str, message: str) -> None:
         out = self.engine.abort(request_id)
@@ -247,15 +247,16 @@ class EngineLoop:
                 with self._lock:
                     self._num_queued -= 1
             if out.error is not None:  # the engine failed this request alone (its pages are already free)
-                self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"engine: {out.error}"))
+                error = internal_error(f"the engine failed {rid}: {out.error}")
+                self._close(rid, Event(code=error.code, message=error.message))
             elif out.finished:
                 self._close(rid, Event(output=out))
             else:
                 stream.push(Event(output=out))
         except Exception as e:  # noqa: BLE001 - this request fails alone
-            log.exception("delivering output of %s failed", rid)
+            error = internal_error(f"delivering output of {rid} failed: {type(e).__name__}: {e}", exc_info=True)
             self.engine.fail(rid, str(e))
-            self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"output: {e}"))
+            self._close(rid, Event(code=error.code, message=error.message))
 
     def _close(self, request_id: str, event: Event) -> None:
         """Unregister a request and push its last event."""

@@ -44,6 +44,8 @@ class GrpcServer:
     async def start(self) -> int:
         cfg = self.config
         interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
+        for warning in cfg.warnings():
+            log.warning(warning)
         options = [("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
         server = aio.server(interceptors=interceptors, options=options)

@@ -96,8 +96,8 @@ class GenerationServicer:
             if isinstance(e, aio.AbortError):
                 raise
             status = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            error = convert.internal_error(f"{method} failed: {type(e).__name__}: {e}", exc_info=True)
+            await context.abort(error.code, error.message)
         finally:
             self.metrics.requests.labels(method, status.name).inc()
 
@@ -174,6 +174,9 @@ class GenerationServicer:
 
     async def GetStats(self, request, context: aio.ServicerContext) -> pb.Stats:
         check = not isinstance(request, InvalidRequest) and request.check_invariants
+        if check and not self.config.allow_invariant_checks:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "check_invariants: not allowed on this server "
+                                "(it stalls the engine; start the server with --allow-invariant-checks)")
 
         def read(engine: LLMEngine) -> pb.Stats:
             s = engine.stats()

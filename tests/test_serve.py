@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
 import threading
 import time
 import urllib.request
@@ -159,7 +160,7 @@ def test_health_reflection_model_info_tokenize(client, server):
     assert ids == engine.tokenizer.encode("héllo") and client.detokenize(ids) == "héllo"
 
 
-def test_one_failing_request_fails_alone(client, monkeypatch):
+def test_one_failing_request_fails_alone(client, monkeypatch, caplog):
     engine = shared().engine
     original = engine.add_request
 
@@ -171,7 +172,10 @@ def test_one_failing_request_fails_alone(client, monkeypatch):
     monkeypatch.setattr(engine, "add_request", add_request)
     with pytest.raises(grpc.RpcError) as e:
         client.generate(PROMPTS[0], request_id="inject-fault", max_tokens=4)
-    assert e.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in e.value.details()
+    # Issue 14.12: the client gets an error id, never the exception's text; the log has both.
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "injected fault" not in e.value.details()
+    error_id = re.search(r"internal error \(id ([0-9a-f]{12})\)", e.value.details()).group(1)
+    assert any(error_id in r.getMessage() and "injected fault" in r.getMessage() for r in caplog.records)
     assert len(client.generate(PROMPTS[0], request_id="fine", temperature=0, max_tokens=4).completions[0].token_ids)
     assert client.health() == SERVING
 
@@ -227,8 +231,33 @@ def test_auth_on_and_off(server):
                     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with Client(server.target) as plain:  # the server without auth needs no token
             assert plain.generate(PROMPTS[0], max_tokens=2).completions[0].token_ids
+        with Client(secured.target) as c:  # issue 14.12: the scheme is case-insensitive, the token is not
+            for value, ok in (("bearer s3cret", True), ("BEARER s3cret", True), ("bearer S3CRET", False),
+                              ("Basic s3cret", False), ("s3cret", False)):
+                call = c.stub.GetModelInfo.with_call
+                if ok:
+                    assert call(pb.GetModelInfoRequest(), metadata=(("authorization", value),))[0].name == "tiny"
+                    continue
+                with pytest.raises(grpc.RpcError) as e:
+                    call(pb.GetModelInfoRequest(), metadata=(("authorization", value),))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, value
     finally:
         secured.stop()
+
+
+def test_invariant_checks_are_for_operators_only():
+    """Issue 14.12: any client could ask GetStats(check_invariants=true), which walks every KV page on the engine
+    thread (149 ms at 230k pages) and stalls every stream. Refused unless the server allows it."""
+    plain = start_server(allow_invariant_checks=False)
+    try:
+        with Client(plain.target) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.stats(check_invariants=True)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert e.value.details().startswith("check_invariants:")
+            assert c.stats().pages_total > 0
+    finally:
+        plain.stop()
 
 
 def _self_signed(tmp_path):

@@ -58,7 +58,7 @@ def shared() -> Shared:
 
 def start_server(**overrides) -> ServerThread:
     s = shared()
-    config = ServingConfig(**({"port": 0, "limits": LIMITS} | overrides))
+    config = ServingConfig(**({"port": 0, "limits": LIMITS, "allow_invariant_checks": True} | overrides))
     return ServerThread(s.loop, config, s.metrics).start()
 
 
