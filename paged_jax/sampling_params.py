@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger values become inf there
 
 
 @dataclass(slots=True)
@@ -68,6 +69,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name}: must be a finite number, got {value!r}")
+            if abs(value) > FLOAT32_MAX:  # checked in the dtype it is used in
+                raise ValueError(f"{name}: {value!r} is not finite in float32 (the device's dtype)")
             return float(value)
 
         def integer(name: str) -> int:
