@@ -254,15 +254,13 @@ class LLMEngine:
         step n+1 before it waits for step n's samples, feeding each sequence's not-yet-known token to step
         n+1 on the device, so the host's scheduling and bookkeeping overlap the device's work. The outputs
         returned are then step n's; a sequence that step n finishes (EOS, a stop) costs one wasted token
-        of step n+1, which is discarded. Requests with penalties fall back to one step at a time, since
-        their sampling needs every earlier token on the host.
+        of step n+1, which is discarded. A sequence with penalties gets its still-on-device token into its
+        token history on the device too, so penalties do not turn the lookahead off.
         """
         if not self.engine_config.async_scheduling:
             launched = self.launch_step()
             return [] if launched is None else self.finish_step(launched)
         prev, self._inflight = self._inflight, None
-        if prev is not None and any(seq.params.uses_penalties for seq, _ in prev.sched.sample_rows):
-            return self.finish_step(prev)
         if prev is not None:
             self._mark_pending(prev)
         self._inflight = self.launch_step(prev)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64  # the sampler's ban list has a fixed width (compiled once), so this many at most
 FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger values become inf there
 
 
@@ -109,6 +110,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")

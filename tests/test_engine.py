@@ -177,9 +177,9 @@ def test_stop_conditions(tiny_config, tiny_params, reference):
     out = run(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3))
     assert len(out.logprobs) == len(out.token_ids) and all(len(lp.top) == 3 for lp in out.logprobs)
     assert all(lp.token_id == lp.top[0][0] for lp in out.logprobs)  # greedy picks the most likely
-    out = run(SamplingParams(temperature=1.0, max_tokens=6, min_tokens=6, stop_token_ids=list(range(3, 200)),
-                             seed=3))
-    assert len(out.token_ids) == 6 and not set(out.token_ids[:5]) & set(range(3, 200))
+    out = run(SamplingParams(temperature=1.0, max_tokens=6, min_tokens=6, stop_token_ids=list(range(3, 67)),
+                             seed=3))  # 64 stop ids: the most a request may give (MAX_STOP_TOKEN_IDS)
+    assert len(out.token_ids) == 6 and not set(out.token_ids[:5]) & set(range(3, 67))
 
 
 def test_stop_string_truncates_text(tiny_config, tiny_params):
@@ -364,4 +364,28 @@ def test_outputs_carry_deltas_and_the_whole_output_once(tiny_config, tiny_params
         assert len(c.token_ids) == 10
         assert [(lp.token_id, lp.logprob) for lp in c.logprobs] == deltas[c.index]
         assert [t for t, _ in deltas[c.index]] == c.token_ids
+    assert_all_free(engine)
+
+
+def test_request_chosen_sampling_options_compile_nothing_after_warmup(tiny_config, tiny_params):
+    """Issue 14.10: the ban list under min_tokens and the penalties' history had request-chosen widths, compiled
+    on the engine thread when first seen (17 stop ids with min_tokens: 1.1 s). They have fixed widths now,
+    compiled at warm-up, and a request with penalties keeps the lookahead on for the whole batch."""
+    from paged_jax.runner import _merge_pending_history
+
+    engine = make_engine(tiny_config, tiny_params, num_pages=40, warmup=True)
+    compiled = (sample._cache_size(), _merge_pending_history._cache_size())
+    many_stops = SamplingParams(temperature=0.7, seed=1, max_tokens=12, min_tokens=8,
+                                stop_token_ids=list(range(100, 117)), logprobs=2)
+    penalized = SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5,
+                               frequency_penalty=0.2, ignore_eos=True)
+    engine.add_request("stops", make_prompts(1, seed=20)[0], many_stops)
+    engine.add_request("penalties", make_prompts(1, seed=21, max_len=100)[0], penalized)
+    engine.add_request("plain", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    lookahead_steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        lookahead_steps += engine._inflight is not None
+    assert penalized.uses_penalties and lookahead_steps >= 30  # the penalized request did not turn it off
+    assert (sample._cache_size(), _merge_pending_history._cache_size()) == compiled
     assert_all_free(engine)
