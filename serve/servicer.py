@@ -41,6 +41,7 @@ class GenerationServicer:
         engine: LLMEngine = loop.engine
         self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
         self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
+        self.sampling_defaults = dict(engine.engine_config.sampling_defaults)
         self.draining = False  # set on shutdown: new generations get UNAVAILABLE
         self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="serve-cpu")
 
@@ -53,7 +54,7 @@ class GenerationServicer:
         if isinstance(request, InvalidRequest):
             raise invalid(request.message)
         return convert.parse_generate(request, self.config.limits, self.tokenizer, self.vocab_size,
-                                      self.max_model_len, self.max_n)
+                                      self.max_model_len, self.max_n, self.sampling_defaults)
 
     def _submit(self, parsed: ParsedRequest) -> RequestStream:
         if self.draining:
@@ -137,10 +138,14 @@ class GenerationServicer:
             page_size=engine.engine_config.page_size, num_pages=engine.num_pages - 1,
             kv_capacity_tokens=(engine.num_pages - 1) * engine.engine_config.page_size
             * engine.engine_config.data_parallel_size,
-            eos_token_ids=list(engine.config.eos_token_ids), bos_token_id=bos,
+            eos_token_ids=list(dict.fromkeys((*engine.config.eos_token_ids,
+                                              *getattr(self.tokenizer, "eos_token_ids", ())))), bos_token_id=bos,
             max_prompt_tokens=self._max_prompt_tokens(),
             max_tokens_limit=lim.max_tokens, max_n=min(lim.max_n, self.max_n), max_stop_strings=lim.max_stop_strings,
-            max_stop_string_chars=lim.max_stop_string_chars)
+            max_stop_string_chars=lim.max_stop_string_chars,
+            chat_template_source=getattr(getattr(self.tokenizer, "chat_template", None), "source", ""),
+            generation_defaults=[pb.SamplingDefault(field=k, value=float(v))
+                                 for k, v in self.sampling_defaults.items()])
 
     async def Tokenize(self, request, context: aio.ServicerContext) -> pb.TokenizeResponse:
         try:
@@ -149,14 +154,18 @@ class GenerationServicer:
             convert.check_text_length("text", request.text, self._max_prompt_tokens())
         except RequestError as e:
             await context.abort(e.code, e.message)
-        add_bos = request.add_bos if request.HasField("add_bos") else True
-        ids = await self._off_loop(lambda: self.tokenizer.encode(request.text, add_bos=add_bos))
+        add = (request.add_special_tokens if request.HasField("add_special_tokens")
+               else request.add_bos if request.HasField("add_bos") else True)
+        ids = await self._off_loop(lambda: self.tokenizer.encode(request.text, add_special_tokens=add))
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request, context: aio.ServicerContext) -> pb.DetokenizeResponse:
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        spaces = request.spaces_between_special_tokens if request.HasField("spaces_between_special_tokens") else True
+
         def decode() -> str:
             ids = convert.check_token_ids("token_ids", request.token_ids, self.vocab_size)
-            return self.tokenizer.decode(ids)
+            return self.tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
 
         try:
             if isinstance(request, InvalidRequest):
