@@ -207,17 +207,17 @@ def test_tokenizer_work_runs_off_the_event_loop(client, monkeypatch):
     tokenizer_cls = type(shared().engine.tokenizer)
     real_encode, real_decode = tokenizer_cls.encode, tokenizer_cls.decode
 
-    def encode(self, text, add_bos=True):
+    def encode(self, *args, **kwargs):
         threads.append(threading.current_thread().name)
-        return real_encode(self, text, add_bos)
+        return real_encode(self, *args, **kwargs)
 
-    def decode(self, ids):
+    def decode(self, *args, **kwargs):
         threads.append(threading.current_thread().name)
-        return real_decode(self, ids)
+        return real_decode(self, *args, **kwargs)
 
     monkeypatch.setattr(tokenizer_cls, "encode", encode)
     monkeypatch.setattr(tokenizer_cls, "decode", decode)
-    assert client.tokenize("hi", add_bos=False) == [3 + ord("h"), 3 + ord("i")]
+    assert client.tokenize("hi", add_special_tokens=False) == [3 + ord("h"), 3 + ord("i")]
     assert client.detokenize([3 + ord("h"), 3 + ord("i")]) == "hi"
     client.generate("hello", max_tokens=1, temperature=0)
     monkeypatch.undo()
