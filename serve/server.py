@@ -44,6 +44,8 @@ class GrpcServer:
     async def start(self) -> int:
         cfg = self.config
         interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
+        for warning in cfg.warnings():
+            log.warning(warning)
         options = [("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
         server = aio.server(interceptors=interceptors, options=options)
@@ -153,8 +155,16 @@ class ServerThread:
         self._thread.join(10)
 
 
-async def serve_forever(engine: LLMEngine, config: ServingConfig) -> None:
-    """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return (exit code 0)."""
+EXIT_ENGINE_DIED = 1  # the process status when the engine loop dies: a supervisor should restart the server
+
+
+async def serve_forever(engine: LLMEngine, config: ServingConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return 0.
+
+    If the engine loop dies (its state is unknown, so nothing more can be served), every open stream has
+    already ended with UNAVAILABLE; the server then stops and this returns `EXIT_ENGINE_DIED`, so the
+    process ends with a non-zero status and a supervisor (systemd, Kubernetes) restarts it, as vLLM does.
+    """
     metrics = Metrics()
     loop = EngineLoop(engine, on_step=metrics.on_step).start()
     metrics.engine_alive.set(1)
@@ -166,10 +176,24 @@ async def serve_forever(engine: LLMEngine, config: ServingConfig) -> None:
     print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
+    died: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:  # runs on the engine loop thread
+        died.append(error)
+        aio_loop.call_soon_threadsafe(stop.set)
+
+    loop.add_death_callback(on_death)
     for sig in (signal.SIGTERM, signal.SIGINT):
         aio_loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if died:
+        log.error("engine loop died (%s: %s): stopping with exit status %d so that a supervisor restarts the "
+                  "server", type(died[0]).__name__, died[0], EXIT_ENGINE_DIED)
+        await server.drain_and_stop(grace_period_s=0.0)  # open streams already ended UNAVAILABLE
+        metrics.close()
+        return EXIT_ENGINE_DIED
     log.info("shutting down: draining for up to %.1f s", config.grace_period_s)
     await server.drain_and_stop()
     loop.stop()
     metrics.close()
+    return 0
