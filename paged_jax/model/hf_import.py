@@ -8,8 +8,9 @@ every `*.safetensors` file), one tensor at a time, maps HF names onto our tree a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -117,18 +118,27 @@ def _hf_shape(name: str, ours: tuple[int, ...]) -> tuple[int, ...]:
 def load_hf_params(model_dir: str | Path, config: ModelConfig) -> Params:
     """Parameters from an HF directory's safetensors, cast to `config.dtype`. Raises `WeightsError`."""
     model_dir = Path(model_dir)
+    return params_from_hf_tensors(_iter_tensors(safetensors_files(model_dir)), config, str(model_dir))
+
+
+def params_from_hf_tensors(tensors: Iterable[tuple[str, Any]], config: ModelConfig, source: str) -> Params:
+    """Our parameter tree from (HF tensor name, [out, in] array) pairs, consumed one at a time.
+
+    Every tensor the config needs must appear exactly once; each is shape-checked, transformed
+    into our layout and cast to `config.dtype`. `source` names the checkpoint in errors.
+    """
     rules = hf_name_map(config)
     shapes = param_shapes(config)["params"]
     dtype = jnp.dtype(config.dtype)
     params: dict = {}
     seen: set[str] = set()
-    for name, tensor in _iter_tensors(safetensors_files(model_dir)):
+    for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue  # tied checkpoints sometimes store the head too; the embedding is used
         if name not in rules:
-            raise WeightsError(f"{name}: unexpected tensor in {model_dir} (not part of this model's config)")
+            raise WeightsError(f"{name}: unexpected tensor in {source} (not part of this model's config)")
         if name in seen:
-            raise WeightsError(f"{name}: stored twice in {model_dir}")
+            raise WeightsError(f"{name}: stored twice in {source}")
         seen.add(name)
         if not any(tensor.dtype == jnp.dtype(d) for d in FLOAT_DTYPES):
             raise WeightsError(f"{name}: dtype {tensor.dtype} cannot be loaded (need float32/bfloat16/float16)")
@@ -142,8 +152,8 @@ def load_hf_params(model_dir: str | Path, config: ModelConfig) -> Params:
     missing = sorted(set(rules) - seen)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise WeightsError(f"{missing[0]}: missing from {model_dir}{more}")
+        raise WeightsError(f"{missing[0]}: missing from {source}{more}")
     return {"params": params}
 
 
-__all__ = ["WeightsError", "hf_name_map", "load_hf_params", "safetensors_files"]
+__all__ = ["WeightsError", "hf_name_map", "load_hf_params", "params_from_hf_tensors", "safetensors_files"]
