@@ -1,7 +1,10 @@
 """Resumable batch generation: JSONL in, JSONL out, nothing lost.
 
-Input lines: `{"id": ..., "prompt": "..."}` or `{"id": ..., "prompt_token_ids": [...]}`, plus any
-`SamplingParams` field (`max_tokens`, `temperature`, ...) and an optional `cache_salt`.
+Input lines: `{"id": ..., "prompt": "..."}`, `{"id": ..., "prompt_token_ids": [...]}` or
+`{"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}` (rendered with the model's chat
+template; optional `add_generation_prompt`, `tools`, `chat_template_kwargs`), plus any `SamplingParams`
+field (`max_tokens`, `temperature`, ...) and an optional `cache_salt`. Fields a line leaves unset take the
+model's generation defaults (`generation_config.json`), then SamplingParams' own.
 Each finished request is appended to the output as one line with a single `write` on an O_APPEND
 descriptor, so `kill -9` loses at most the requests in flight and never leaves half a line (a torn
 tail from a crash in the middle of a write is cut off on the next start). A re-run with the same
@@ -21,18 +24,35 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from paged_jax.chat_template import apply_chat_template, validate_conversation
 from paged_jax.dp import DataParallelEngine
 from paged_jax.engine import LLMEngine
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
 PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
+
+
+@dataclass(slots=True)
+class Chat:
+    """A line's conversation, rendered with the engine's tokenizer when it is queued."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+    tools: list | None = None
+    kwargs: dict = field(default_factory=dict)
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        _, ids = apply_chat_template(tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,
+                                     tools=self.tools, template_kwargs=self.kwargs)
+        return ids
 
 
 @dataclass(slots=True)
 class BatchItem:
     id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | Chat
     params: SamplingParams
     cache_salt: str | None
     lineno: int
@@ -65,8 +85,24 @@ class BatchSummary:
         ]
 
 
-def parse_line(line: str, lineno: int) -> BatchItem:
-    """One input line -> a validated item. Raises ValueError naming the field."""
+def _parse_chat(obj: dict) -> Chat:
+    messages = validate_conversation(obj.pop("messages"), "messages")
+    add_prompt = obj.pop("add_generation_prompt", True)
+    if not isinstance(add_prompt, bool):
+        raise ValueError("add_generation_prompt: must be a boolean")
+    tools = obj.pop("tools", None)
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("tools: must be a list")
+    kwargs = obj.pop("chat_template_kwargs", None)
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs: must be an object")
+    return Chat(messages, add_prompt, tools, kwargs)
+
+
+def parse_line(line: str, lineno: int, defaults: dict | None = None) -> BatchItem:
+    """One input line -> a validated item; `defaults` fill sampling fields it leaves unset. Raises ValueError
+    naming the field."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -76,10 +112,15 @@ def parse_line(line: str, lineno: int) -> BatchItem:
     rid = obj.pop("id", f"line-{lineno}")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
         raise ValueError(f"id: must be a non-empty string or integer, got {rid!r}")
-    if ("prompt" in obj) == ("prompt_token_ids" in obj):
-        raise ValueError("prompt: give exactly one of 'prompt' and 'prompt_token_ids'")
+    if sum(name in obj for name in PROMPT_FIELDS) != 1:
+        raise ValueError("prompt: give exactly one of 'prompt', 'prompt_token_ids' and 'messages'")
+    chat_only = sorted({"add_generation_prompt", "tools", "chat_template_kwargs"} & set(obj))
+    if chat_only and "messages" not in obj:
+        raise ValueError(f"{chat_only[0]}: only with 'messages'")
     prompt = obj.pop("prompt", None)
-    if prompt is None:
+    if "messages" in obj:
+        prompt = _parse_chat(obj)
+    elif prompt is None:
         prompt = obj.pop("prompt_token_ids")
         if not isinstance(prompt, list):
             raise ValueError("prompt_token_ids: must be a list of integers")
@@ -92,7 +133,7 @@ def parse_line(line: str, lineno: int) -> BatchItem:
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown field")
     try:
-        params = SamplingParams(**obj).validate()
+        params = SamplingParams(**{**(defaults or {}), **obj}).validate()
     except TypeError as e:
         raise ValueError(str(e)) from e
     return BatchItem(str(rid), prompt, params, salt, lineno)
@@ -155,7 +196,7 @@ def result_line(out: RequestOutput) -> dict:
 
 
 def read_items(path: Path, errors: LineWriter, summary: BatchSummary, skip: set[str],
-               shard: tuple[int, int] = (0, 1)) -> Iterator[BatchItem]:
+               shard: tuple[int, int] = (0, 1), defaults: dict | None = None) -> Iterator[BatchItem]:
     """Valid items of this shard (`index, count`: every count-th line) not already done."""
     index, count = shard
     seen: set[str] = set()
@@ -164,7 +205,7 @@ def read_items(path: Path, errors: LineWriter, summary: BatchSummary, skip: set[
             if (lineno - 1) % count != index or not line.strip():
                 continue
             try:
-                item = parse_line(line, lineno)
+                item = parse_line(line, lineno, defaults)
                 if item.id in seen:
                     raise ValueError(f"id: {item.id!r} appears twice in the input")
                 seen.add(item.id)
@@ -187,7 +228,7 @@ def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_p
     out, errors = LineWriter(output_path), LineWriter(errors_path)
     ec = engine.engine_config
     window = 4 * ec.max_num_seqs * ec.data_parallel_size  # requests queued ahead of the engine(s)
-    items = read_items(input_path, errors, summary, done, shard)
+    items = read_items(input_path, errors, summary, done, shard, ec.sampling_defaults)
     in_flight: set[str] = set()
     bar = tqdm(disable=not progress, desc="generate", unit="req")
     t0 = time.monotonic()
@@ -200,8 +241,9 @@ def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_p
                     exhausted = True
                     break
                 try:
-                    engine.add_request(item.id, item.prompt, item.params, item.cache_salt)
-                except ValueError as e:
+                    prompt = item.prompt.prompt_ids(engine.tokenizer) if isinstance(item.prompt, Chat) else item.prompt
+                    engine.add_request(item.id, prompt, item.params, item.cache_salt)
+                except ValueError as e:  # ChatTemplateError too (a template that refuses the conversation)
                     errors.write({"line": item.lineno, "id": item.id, "error": str(e)})
                     summary.errors += 1
                     continue

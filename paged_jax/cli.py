@@ -59,17 +59,42 @@ def _add_info_args(parser: argparse.ArgumentParser) -> None:
                              "model (smollm2-135m-instruct) or orbax checkpoint")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random weights (config names only)")
+    from paged_jax.engine_args import add_model_text_args
+
+    add_model_text_args(parser)
+
+
+def text_info_lines(tokenizer, defaults: dict) -> list[str]:
+    """What `info` prints about text: the tokenizer, its special tokens, the EOS set, chat template, defaults."""
+    describe = getattr(tokenizer, "describe", None)
+    lines = [f"tokenizer: {describe() if describe else type(tokenizer).__name__} (vocab {tokenizer.vocab_size})"]
+    special = tokenizer.special
+    roles = []
+    for role in ("bos", "eos", "pad", "unk"):
+        text, tid = getattr(special, f"{role}_token"), getattr(special, f"{role}_token_id")
+        if text is not None or tid is not None:
+            shown = f"{text!r} " if text is not None else ""
+            roles.append(f"{role}={shown}{tid} ({special.sources.get(role, '?')})")
+    lines.append("special tokens: " + (", ".join(roles) or "none"))
+    lines.append(f"eos set (ends generation): {list(tokenizer.eos_token_ids)}")
+    template = tokenizer.chat_template
+    lines.append(f"chat template: {template.source} ({', '.join(sorted(template.templates))})" if template
+                 else "chat template: none (give one with --chat-template FILE)")
+    lines.append("generation defaults: " + (", ".join(f"{k}={v}" for k, v in defaults.items()) or "none"))
+    return lines
 
 
 def run_info(args: argparse.Namespace) -> int:
     """Load the model (random weights for a config name) and print its shape, size and memory."""
     import jax
 
+    from paged_jax.engine_args import apply_model_text_args
     from paged_jax.model.init import count_params, param_bytes
     from paged_jax.model.weights import load_model
 
     start = time.perf_counter()
     config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    defaults = apply_model_text_args(args, tokenizer)
     jax.block_until_ready(params)
     elapsed = time.perf_counter() - start
     n, nbytes = count_params(params), param_bytes(params)
@@ -81,7 +106,7 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"memory: {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB)")
     kv = config.kv_bytes_per_token(jax.numpy.dtype(config.dtype).itemsize)
     print(f"kv cache: {kv:,} bytes per token")
-    print(f"tokenizer: {type(tokenizer).__name__} (vocab {tokenizer.vocab_size})")
+    print("\n".join(text_info_lines(tokenizer, defaults)))
     print(f"loaded in {elapsed:.1f} s on {jax.devices()[0].platform}")
     return 0
 
@@ -109,7 +134,8 @@ COMMANDS: dict[str, Command] = {
                         run_generate),
     "convert": Command("convert a Hugging Face directory or a GGUF file to an orbax checkpoint", _add_convert_args,
                        run_convert),
-    "info": Command("load a model and print its parameter count and memory", _add_info_args, run_info),
+    "info": Command("load a model and print its size, memory, tokenizer, special tokens, chat template and "
+                    "generation defaults", _add_info_args, run_info),
     "serve": Command("start the gRPC server", lambda p: _serve_cli().add_serve_args(p),
                      lambda a: _serve_cli().run_serve(a)),
     "client": Command("stream a completion from a running server to the terminal",

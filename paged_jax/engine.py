@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import jax
@@ -59,6 +59,9 @@ class EngineConfig:
     reserve_full_length: bool = False
     tensor_parallel_size: int = 1  # chips per engine (weights by heads/columns/vocab, KV pages by KV heads)
     data_parallel_size: int = 1  # engine replicas on disjoint device groups (`paged_jax.dp.make_engine`)
+    # SamplingParams fields a request gets when it leaves them unset (the model's generation_config.json;
+    # see paged_jax.generation_defaults). Applied by LLM, batch and gRPC where "unset" is known.
+    sampling_defaults: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.attention_backend not in BACKENDS:
@@ -123,6 +126,9 @@ class LLMEngine:
         ec.validate()
         if ec.data_parallel_size != 1:
             raise ValueError("data_parallel_size: one LLMEngine is one replica; use paged_jax.dp.make_engine")
+        # Every EOS the model's files name ends generation (e.g. Llama-3-Instruct's <|eot_id|> and <|end_of_text|>).
+        eos = tuple(dict.fromkeys((*config.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
+        config = config.replace(eos_token_ids=eos) if eos != tuple(config.eos_token_ids) else config
         self.config, self.tokenizer, self.engine_config = config, tokenizer, ec
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 8192)
         kv_bytes = jnp.dtype(ec.kv_dtype or config.dtype).itemsize
@@ -163,7 +169,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request. Raises ValueError naming the field when the request is invalid or can never fit."""
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else SamplingParams(**self.engine_config.sampling_defaults)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self._requests:
@@ -193,7 +199,8 @@ class LLMEngine:
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(f"{request_id}#{i}", request_id, i, list(ids), params, seed, cache_salt, arrival_time=now)
                 for i in range(params.n)]
-        detoks = [Detokenizer(self.tokenizer, params.stop) for _ in seqs]
+        detoks = [Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                              params.spaces_between_special_tokens) for _ in seqs]
         self._requests[request_id] = _Request(request_id, text, list(ids), params, seqs, detoks, now)
         self.scheduler.add(seqs[0], seqs[1:])
 
@@ -357,11 +364,11 @@ class LLMEngine:
             if seq.params.logprobs is not None:
                 logprobs = [TokenLogprob(t, lp, top)
                             for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)]
+            new_text = detok.take_delta(final=seq.finished)  # first: a finished sample's pending text is flushed
             completions.append(CompletionOutput(
                 index=seq.index, token_ids=list(seq.output_token_ids), text=detok.text,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason, logprobs=logprobs, new_token_ids=new_ids,
-                new_text=detok.take_delta(final=seq.finished)))
+                stop_reason=seq.stop_reason, logprobs=logprobs, new_token_ids=new_ids, new_text=new_text))
         lead = req.seqs[0]
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,

@@ -31,6 +31,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="chips per engine replica")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas on disjoint groups of this host's chips")
+    add_model_text_args(parser)
+
+
+def add_model_text_args(parser: argparse.ArgumentParser) -> None:
+    """`--chat-template` and `--generation-config`: what the model's files say about text, overridable."""
+    g = parser.add_argument_group("chat template and generation defaults")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="jinja2 chat template to use instead of the model's (chat_template.jinja / tokenizer_config)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
+                   help="sampling defaults for fields a request leaves unset: auto = the model's "
+                        "generation_config.json, none = off, or a directory holding one")
+
+
+def apply_model_text_args(args: argparse.Namespace, tokenizer, ec: EngineConfig | None = None) -> dict:
+    """Install `--chat-template` on the tokenizer; return the generation defaults (also set on `ec`)."""
+    from paged_jax.chat_template import load_chat_template
+    from paged_jax.generation_defaults import load_generation_defaults
+
+    if args.chat_template is not None:
+        tokenizer.chat_template = load_chat_template(None, args.chat_template)
+    defaults = load_generation_defaults(args.model, args.generation_config)
+    if ec is not None:
+        ec.sampling_defaults = dict(defaults)
+    return defaults
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -65,5 +89,6 @@ def build_engine(args: argparse.Namespace):
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
     with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else contextlib.nullcontext():
         config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    apply_model_text_args(args, tokenizer, ec)
     return make_engine(config, params, tokenizer, ec)
 

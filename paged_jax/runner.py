@@ -1,7 +1,8 @@
 """Where does a step run? Host-side step metadata padded to buckets, and the jitted device step.
 
-The KV cache is one page array per layer, `[num_pages, page_size, 2 * num_kv_heads, head_dim]`
-(K of KV head h at index 2h, V at 2h + 1), donated to every step so it is updated in place.
+The KV cache is one page array per layer, `[num_pages, num_kv_heads, page_size, 2 * head_dim]`
+(K then V of a head along the last axis; see `pallas_kernels.common`), donated to every step so it is
+updated in place.
 Each step's inputs are numpy arrays padded to a token bucket `T` and a sequence bucket `S`
 (powers of two); every (T, S) pair is compiled once at warm-up, so a steady workload never
 recompiles. The forward pass returns logits only for the rows that sample; sampling is a second
@@ -31,6 +32,7 @@ from paged_jax.kv_cache import KVCacheManager
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.scheduler import SchedulerOutput
+from pallas_kernels.common import kv_pages_shape
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +147,7 @@ class ModelRunner:
         self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(8, max_num_seqs)
         self.kv_dtype = jnp.dtype(kv_dtype or config.dtype)
-        shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+        shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
         device = None if mesh is None else sharding.kv_sharding(mesh)
         self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype, device=device) for _ in range(config.num_layers))
         self.model, self._forward = step_functions(config, attention_backend, mesh)

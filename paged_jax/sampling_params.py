@@ -37,6 +37,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
+    spaces_between_special_tokens: bool = True  # False: added tokens kept as written, runs decoded alone
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,8 +105,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

@@ -2,8 +2,8 @@
 
 Layout (specs from `paged_jax.model.partition`): q/k/v projections by heads, o_proj by its input heads,
 the MLP by its intermediate dimension, embedding and LM head by vocabulary, norms replicated. The KV page
-arrays `[num_pages, page_size, 2 * Hkv, D]` are split along axis 2, so each chip holds the pages of its own
-KV heads (K of head h at 2h, V at 2h + 1: a split on an even boundary keeps each head's K and V together).
+arrays `[num_pages, Hkv, page_size, 2 * D]` are split along axis 1, so each chip holds the pages of its own
+KV heads (a head's K and V share its rows).
 The paged-attention call (write new K/V, then the ragged kernel) runs per shard under `shard_map`: q, k, v
 by heads, the pages by KV heads, the step metadata replicated. Everything else is plain `jit` over sharded
 operands: XLA inserts the all-reduce after o_proj and down_proj and the all-gather of the vocab-sharded
@@ -39,7 +39,7 @@ from paged_jax.model.init import param_shapes
 from paged_jax.model.partition import param_partition_specs
 
 TP = "tp"
-KV_SPEC = P(None, None, TP, None)  # [num_pages, page_size, 2 * Hkv, D]: split by KV heads
+KV_SPEC = P(None, TP, None, None)  # [num_pages, Hkv, page_size, 2 * D]: split by KV heads
 HEADS_SPEC = P(None, TP, None)  # q [T, Hq, D], k/v [T, Hkv, D]: split by heads
 
 
@@ -133,7 +133,7 @@ def shard_params(config: ModelConfig, params: Any, mesh: Mesh) -> tuple[ModelCon
 def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], mesh: Mesh) -> Callable:
     """Run the paged `attention_fn(q, k, v, kv_pages, meta, *, sm_scale)` per TP shard with `shard_map`.
 
-    Per shard: q [T, Hq / tp, D], k/v [T, Hkv / tp, D], kv_pages [P, page, 2 * Hkv / tp, D], meta whole.
+    Per shard: q [T, Hq / tp, D], k/v [T, Hkv / tp, D], kv_pages [P, Hkv / tp, page, 2 * D], meta whole.
     GQA groups stay on one chip because tp divides Hkv (after `expand_kv_heads`).
     """
     if mesh.size == 1:

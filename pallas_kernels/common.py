@@ -2,12 +2,20 @@
 
 Layout of one layer's KV pages (every backend reads exactly this)::
 
-        kv_pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]
+        kv_pages: [num_pages, num_kv_heads, page_size, 2 * head_dim]
 
-K of KV head ``h`` sits at index ``2h`` of the third axis and V at ``2h + 1``. Interleaving keeps the K and V
-of a head together when the third axis is sharded over tensor parallelism, and one page of one layer is one
-contiguous slab of ``page_size * 2 * num_kv_heads * head_dim`` elements. Page 0 is the null page that padding
-entries of the block tables point at; its contents are never used.
+K of KV head ``h`` in slot ``s`` of page ``p`` is ``kv_pages[p, h, s, :head_dim]`` and its V is
+``kv_pages[p, h, s, head_dim:]``. Why this layout:
+- One page of one layer is one contiguous slab (all heads), so a page is one DMA or one gather row.
+- The two minor axes, ``[page_size, 2 * head_dim]``, are what TPU tiles: ``2 * head_dim`` is a multiple of 128
+  lanes for every supported head_dim (64 included: K and V share the 128 lanes of a row), and ``page_size``
+  (>= 16) fills the 8/16-row sublane tile whatever the number of KV heads. The array is stored in its natural
+  tiled layout, so nothing (neither XLA around the kernel nor Mosaic) has to relayout or copy it. The layout
+  it replaces (``[pages, page_size, 2 * heads, head_dim]``) padded head_dim 64 to 128 lanes and small head
+  counts to a full sublane tile, and the compiled TPU step copied whole caches to relayout them.
+- K and V of a head are lane-aligned halves of the same rows: no strided loads, no bit tricks.
+- Tensor parallelism splits axis 1 (KV heads); each shard is again this layout.
+Page 0 is the null page that padding entries of the block tables point at; its contents are never used.
 
 Ragged batch: the queries of all sequences are flattened to ``[num_tokens, num_q_heads, head_dim]``; sequence
 ``s`` owns tokens ``cu_q_lens[s]:cu_q_lens[s + 1]`` and has ``kv_lens[s]`` keys (the new tokens included:
@@ -77,15 +85,12 @@ def validate_static(
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if kv_pages.ndim != 4:
         raise ValueError(
-            f"kv_pages must be [num_pages, page_size, 2 * num_kv_heads, head_dim], got {kv_pages.shape}"
+            f"kv_pages must be [num_pages, num_kv_heads, page_size, 2 * head_dim], got {kv_pages.shape}"
         )
     _, num_q_heads, head_dim = q.shape
-    _, _, kv_heads_x2, kv_head_dim = kv_pages.shape
-    if kv_head_dim != head_dim:
-        raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_pages has {kv_head_dim}")
-    if kv_heads_x2 % 2:
-        raise ValueError(f"kv_pages axis 2 must be 2 * num_kv_heads (K, V interleaved), got {kv_heads_x2}")
-    num_kv_heads = kv_heads_x2 // 2
+    _, num_kv_heads, _, kv_width = kv_pages.shape
+    if kv_width != 2 * head_dim:
+        raise ValueError(f"kv_pages axis 3 must be 2 * head_dim = {2 * head_dim} (K then V), got {kv_width}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_pages.dtype not in (jnp.float32, jnp.bfloat16):
@@ -128,6 +133,17 @@ def validate_kernel_shape(head_dim: int, page_size: int) -> None:
             f"Pallas kernels support power-of-two page sizes {MIN_PAGE_SIZE}..{MAX_PAGE_SIZE}, "
             f"got {page_size}"
         )
+
+
+def kv_pages_shape(num_pages: int, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, ...]:
+    """The shape of one layer's page array (see the module docstring)."""
+    return (num_pages, num_kv_heads, page_size, 2 * head_dim)
+
+
+def kv_dims(kv_pages: jax.Array) -> tuple[int, int, int, int]:
+    """``(num_pages, num_kv_heads, page_size, head_dim)`` of a page array."""
+    num_pages, num_kv_heads, page_size, width = kv_pages.shape
+    return num_pages, num_kv_heads, page_size, width // 2
 
 
 def cdiv(a: int, b: int) -> int:

@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import cdiv
+from pallas_kernels.common import cdiv, kv_pages_shape
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedCase:
     q: jax.Array  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: jax.Array  # [num_pages, num_kv_heads, page_size, 2 * head_dim]
     kv_lens: jax.Array  # [max_seqs] int32
     block_tables: jax.Array  # [max_seqs, max_blocks] int32
     cu_q_lens: jax.Array  # [max_seqs + 1] int32
@@ -64,7 +64,7 @@ def make_case(
     max_blocks = max_blocks or max([1, *needed])
     num_pages = 1 + sum(needed) + extra_pages
     nan = np.nan if poison else 0.0
-    pages = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), nan, np.float32)
+    pages = np.full(kv_pages_shape(num_pages, num_kv_heads, page_size, head_dim), nan, np.float32)
     order = rng.permutation(np.arange(1, num_pages))  # random physical page order
     tables = np.zeros((max_seqs, max_blocks), np.int32)
     max_kv = max([1, *(kv for _, kv in seqs)])
@@ -84,8 +84,9 @@ def make_case(
             used += 1
             tables[s, b] = page
             n = min(page_size, kv_len - b * page_size)
-            pages[page, :n, 0::2] = k[b * page_size : b * page_size + n]
-            pages[page, :n, 1::2] = v[b * page_size : b * page_size + n]
+            span = slice(b * page_size, b * page_size + n)
+            pages[page, :, :n, :head_dim] = k[span].transpose(1, 0, 2)
+            pages[page, :, :n, head_dim:] = v[span].transpose(1, 0, 2)
     cu[len(seqs) + 1 :] = cu[len(seqs)]
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim), np.float32)
     q[cu[len(seqs)] :] = nan

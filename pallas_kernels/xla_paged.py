@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import MASK_VALUE, apply_soft_cap, cdiv, visible
+from pallas_kernels.common import MASK_VALUE, apply_soft_cap, cdiv, kv_dims, visible
 
 # Bytes of gathered KV per inner step (all rows of a block together): big enough that loop overhead is noise,
 # small enough to stay in L2/L3 on CPU.
@@ -46,7 +46,7 @@ def _plan(
     max_seqs: int,
     page_size: int,
     max_blocks: int,
-    kv_heads_x2: int,
+    num_kv_heads: int,
     head_dim: int,
     itemsize: int,
 ) -> _Plan:
@@ -58,7 +58,7 @@ def _plan(
     # Every row holds at least one real token, and each sequence adds at most one partial row.
     num_rows = min(num_tokens, min(max_seqs, num_tokens) + cdiv(num_tokens, rows_per_chunk))
     rows_per_block = max(1, min(num_rows, _TOKENS_PER_BLOCK // rows_per_chunk))
-    page_bytes = page_size * kv_heads_x2 * head_dim * itemsize
+    page_bytes = page_size * num_kv_heads * 2 * head_dim * itemsize
     pages_per_chunk = max(1, min(max_blocks, _KV_CHUNK_BYTES // (rows_per_block * page_bytes)))
     return _Plan(rows_per_chunk, num_rows, rows_per_block, pages_per_chunk)
 
@@ -66,7 +66,7 @@ def _plan(
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
 def xla_ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, num_kv_heads, page_size, 2 * head_dim]
     kv_lens: jax.Array,  # [max_seqs] int32
     block_tables: jax.Array,  # [max_seqs, max_blocks_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
@@ -78,11 +78,10 @@ def xla_ragged_paged_attention(
 ) -> jax.Array:
     """Ragged paged attention; returns ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, kv_heads_x2, _ = kv_pages.shape
-    num_kv_heads = kv_heads_x2 // 2
+    _, num_kv_heads, page_size, _ = kv_dims(kv_pages)
     group = num_q_heads // num_kv_heads
     max_seqs, max_blocks = block_tables.shape
-    plan = _plan(num_tokens, max_seqs, page_size, max_blocks, kv_heads_x2, head_dim, kv_pages.dtype.itemsize)
+    plan = _plan(num_tokens, max_seqs, page_size, max_blocks, num_kv_heads, head_dim, kv_pages.dtype.itemsize)
     rpc, rpb, ppc = plan.rows_per_chunk, plan.rows_per_block, plan.pages_per_chunk
     num_rows = cdiv(plan.num_rows, rpb) * rpb
     chunk_len = ppc * page_size
@@ -128,20 +127,22 @@ def xla_ragged_paged_attention(
         def kv_body(c, carry):
             m, den, acc = carry
             pages = jax.lax.dynamic_slice_in_dim(tables_b, c * ppc, ppc, axis=1)  # [rpb, ppc]
-            kv = kv_pages[pages].reshape(rpb, chunk_len, kv_heads_x2, head_dim)
-            k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [rpb, chunk_len, num_kv_heads, head_dim]
+            kv = kv_pages[pages]  # [rpb, ppc, num_kv_heads, page_size, 2 * head_dim]
+            k, v = kv[..., :head_dim], kv[..., head_dim:]
             k_pos = c * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
             in_seq = k_pos[None, :] < lens_b[:, None]  # [rpb, chunk_len]
-            v = jnp.where(in_seq[:, :, None, None], v, 0)  # slots past kv_len may hold anything (NaN too)
-            s = jnp.einsum("brkgd,bckd->bkgrc", qb, k, preferred_element_type=jnp.float32) * sm_scale
-            s = apply_soft_cap(s, soft_cap)
+            # Slots past kv_len may hold anything (NaN too).
+            v = jnp.where(in_seq.reshape(rpb, ppc, 1, page_size, 1), v, 0)
+            s = jnp.einsum("brkgd,bpksd->bkgrps", qb, k, preferred_element_type=jnp.float32)
+            s = apply_soft_cap(s.reshape(*s.shape[:4], chunk_len) * sm_scale, soft_cap)
             mask = visible(qpos, k_pos, sliding_window) & in_seq[:, None, None, None, :] & qmask
             s = jnp.where(mask, s, MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             den = alpha * den + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bkgrc,bckd->bkgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            p = p.reshape(*p.shape[:4], ppc, page_size).astype(v.dtype)
+            pv = jnp.einsum("bkgrps,bpksd->bkgrd", p, v, preferred_element_type=jnp.float32)
             return m_new, den, alpha[..., None] * acc + pv
 
         shape = (rpb, num_kv_heads, group, rpc)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.common import kv_pages_shape
 from pallas_kernels.testing import assert_close, median_seconds
 
 
@@ -35,8 +36,8 @@ def paged_from_dense(k, v, page_size: int, max_seqs: int, seed: int = 0):
     perm = np.random.default_rng(seed).permutation(num_pages - 1) + 1
     tables = np.zeros((max_seqs, per_seq), np.int32)
     tables[:b] = perm.reshape(b, per_seq)
-    kv = jnp.stack([k, v], axis=3).reshape(b, per_seq, page_size, 2 * kvh, d)
-    pages = jnp.zeros((num_pages, page_size, 2 * kvh, d), k.dtype).at[tables[:b]].set(kv)
+    kv = jnp.concatenate([k, v], axis=-1).reshape(b, per_seq, page_size, kvh, 2 * d).transpose(0, 1, 3, 2, 4)
+    pages = jnp.zeros(kv_pages_shape(num_pages, kvh, page_size, d), k.dtype).at[tables[:b]].set(kv)
     return pages, jnp.asarray(tables)
 
 

@@ -6,6 +6,13 @@ compiler, so layout, tiling, VMEM and DMA errors in the kernels show up here. Ex
 
     .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1] [--sharded v5e:2x2:4 v5e:2x4:8]
 
+The KV audit (``--audit``, on by default) compiles the engine's whole jitted step for every shipped config
+(tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b) x TP 1, 4, 8 (where the model shards) x a
+decode and a chunked-prefill bucket, with the KV pages sized as the engine would size them on one chip, and
+fails when the compiled HLO copies or transposes a KV page array (any instruction producing a KV-shaped
+array other than the in-place scatter) or when temporaries exceed 5% of one layer's KV pages. A failure names
+the config and the instruction.
+
 ``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.sharding``) for
 Llama-3.1-8B in bfloat16 on the first TP chips of that slice, with abstract parameters (nothing is
 materialised), and prints a per-chip memory table from ``compiled.memory_analysis()``; the KV pages are
@@ -29,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
+from pallas_kernels.common import kv_pages_shape  # noqa: E402
 from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu  # noqa: E402
 
 # (num_tokens, max_seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, window, soft_cap)
@@ -51,7 +59,7 @@ def compile_case(device, generation, case) -> None:
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
     args = (
         sds((num_tokens, qh, d), dtype),
-        sds((num_pages, page, 2 * kvh, d), dtype),
+        sds(kv_pages_shape(num_pages, kvh, page, d), dtype),
         sds((max_seqs,), jnp.int32),
         sds((max_seqs, max_blocks), jnp.int32),
         sds((max_seqs + 1,), jnp.int32),
@@ -68,38 +76,6 @@ def compile_case(device, generation, case) -> None:
         fn.lower(*args).compile()
 
 
-def compile_engine_step(device, config_name: str, num_tokens: int, max_seqs: int) -> None:
-    """The engine's whole jitted step (embed, layers with write_kv + the TPU kernel, logits), abstractly."""
-    from paged_jax.config import load_model_config
-    from paged_jax.model.init import init_params
-    from paged_jax.runner import PagedMeta, step_functions
-
-    config = load_model_config(config_name)
-    page_size, max_blocks = 16, 2048 // 16
-    sharding = SingleDeviceSharding(device)
-    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    params = jax.tree.map(abstract, jax.eval_shape(lambda: init_params(config)))
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-    kv = jax.ShapeDtypeStruct(
-        (max_seqs * max_blocks + 1, page_size, 2 * config.num_kv_heads, config.head_dim),
-        jnp.dtype(config.dtype),
-        sharding=sharding,
-    )
-    meta = PagedMeta(
-        slot_mapping=i32(num_tokens),
-        kv_lens=i32(max_seqs),
-        block_tables=i32(max_seqs, max_blocks),
-        cu_q_lens=i32(max_seqs + 1),
-        num_seqs=i32(1),
-    )
-    _, forward = step_functions(config, "pallas-tpu")
-    mesh = jax.sharding.Mesh([device], ("x",))
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        forward.lower(
-            params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta, i32(max_seqs)
-        ).compile()
-
-
 HBM_GIB = {"v5e": 16.0, "v6e": 32.0, "v5p": 95.0, "v4": 32.0}  # per chip
 SHARDED_STEPS = ((64, 64), (512, 16))  # (tokens, seqs): a decode bucket and a chunked-prefill bucket
 
@@ -112,9 +88,12 @@ def _nbytes(shape, dtype, sharding) -> int:
     return size
 
 
-def compile_sharded_step(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int,
-                         hbm_gib: float, page_size: int = 16, max_model_len: int = 8192) -> dict[str, float]:
-    """Compile the TP engine step for `config_name` on the first `tp` chips of `topo`; per-chip GiB."""
+def compile_step(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int,
+                 hbm_gib: float | None = None, page_size: int = 16, max_model_len: int = 8192):
+    """Compile the engine step for `config_name` on the first `tp` chips of `topo` (one chip: no mesh).
+
+    Parameters are abstract (nothing is materialised); the KV pages are sized as the engine would size them
+    on that chip (HBM x 0.9 minus the weights). Returns ``(compiled, facts)`` with per-chip sizes."""
     from paged_jax import sharding as shd
     from paged_jax.config import load_model_config
     from paged_jax.model.init import param_shapes
@@ -124,34 +103,129 @@ def compile_sharded_step(topo: str, tp: int, config_name: str, num_tokens: int, 
     # One host holds the whole slice (a v5e-4 or v5e-8 host), as for one engine of `paged-jax generate`.
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topo,
                                         chips_per_host_bounds=(*dims, 1)[:3])
-    mesh = shd.make_mesh(desc.devices[:tp])
+    hbm_gib = hbm_gib or HBM_GIB[topo.split(":")[0]]
     config = load_model_config(config_name)
-    r = shd.kv_replication(config, tp)
-    config = config.replace(num_kv_heads=config.num_kv_heads * r)
+    if tp > 1:
+        mesh = shd.make_mesh(desc.devices[:tp])
+        config = config.replace(num_kv_heads=config.num_kv_heads * shd.kv_replication(config, tp))
+        shardings = shd.param_shardings(config, mesh, param_shapes(config))
+        kv_sharding, rep = shd.kv_sharding(mesh), shd.replicated(mesh)
+    else:
+        mesh = jax.sharding.Mesh(desc.devices[:1], ("x",))
+        one = SingleDeviceSharding(desc.devices[0])
+        shardings = jax.tree.map(lambda _: one, param_shapes(config))
+        kv_sharding = rep = one
     shapes = param_shapes(config)
-    shardings = shd.param_shardings(config, mesh, shapes)
     params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
     weights = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(params))
     dtype = jnp.dtype(config.dtype)
     page_bytes = config.kv_bytes_per_token(dtype.itemsize) * page_size // tp  # one chip, all layers
     num_pages = int((hbm_gib * 2**30 - weights) * 0.9) // page_bytes
-    kv_shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
-    kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=shd.kv_sharding(mesh))
-    rep_ = shd.replicated(mesh)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep_)
+    kv_shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
+    kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
     max_blocks = max_model_len // page_size
     meta = PagedMeta(i32(num_tokens), i32(max_seqs), i32(max_seqs, max_blocks), i32(max_seqs + 1), i32(1))
-    _, forward = step_functions(config, "pallas-tpu", mesh)
+    _, forward = step_functions(config, "pallas-tpu", mesh if tp > 1 else None)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = forward.lower(params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta,
                                  i32(max_seqs)).compile()
+    local_kv = kv_sharding.shard_shape(kv_shape)
+    facts = {
+        "weights": weights,
+        "layer_kv": _nbytes(kv_shape, dtype, kv_sharding),
+        "kv_tokens": (num_pages - 1) * page_size,
+        "local_kv_shape": local_kv,
+        "dtype": dtype,
+        "num_layers": config.num_layers,
+    }
+    return compiled, facts
+
+
+def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
+    """HLO instructions that produce a whole KV page array other than in place: copies, transposes, and any
+    other op with a KV-shaped result except the donated parameters, the in-place scatter (and fusions whose
+    root is one), tuples, get-tuple-element and bitcasts."""
+    short = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(dtype).name]
+    shape = f"{short}[{','.join(str(d) for d in local_kv_shape)}]"
+    allowed = ("parameter(", "scatter(", "get-tuple-element(", "tuple(", "bitcast(", "custom-call(",
+               "dynamic-update-slice(", "opt-barrier(")
+    bad = []
+    for line in hlo.splitlines():
+        line = line.strip()
+        if "=" not in line:
+            continue
+        lhs, rhs = line.split("=", 1)
+        rhs = rhs.strip()
+        if not rhs.startswith(shape):
+            continue
+        op = rhs[len(shape):].split(" ", 2)
+        opname = op[1] if len(op) > 1 else rhs
+        if opname.startswith(allowed):
+            continue
+        in_place = ("scatter", "dynamic-update-slice", "dynamic_update")
+        if opname.startswith("fusion(") and any(k in lhs for k in in_place):
+            continue  # an in-place scatter fusion (its output aliases the donated input)
+        bad.append(line[:200])
+    return bad
+
+
+AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b")
+AUDIT_BUCKETS = ((64, 64), (512, 16))  # (tokens, seqs): a decode bucket and a chunked-prefill bucket
+AUDIT_TOPOLOGY = {1: "v5e:1x1", 4: "v5e:2x2", 8: "v5e:2x4"}
+MAX_TEMP_FRACTION = 0.05  # of one layer's KV pages on one chip
+
+
+def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
+    """The compiled-step KV audit (see the module docstring); prints a table, returns the failure count."""
+    from paged_jax import sharding as shd
+    from paged_jax.config import load_model_config
+
+    failures = 0
+    print("\nKV audit of the compiled engine step (v5e, bucket = tokens x seqs; temp vs one layer's KV pages)")
+    print(f"{'config':<14}{'TP':>3}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}{'temp MiB':>10}"
+          f"{'layer KV MiB':>13}{'temp/KV':>9}")
+    for config_name in configs:
+        for tp in tps:
+            try:
+                if tp > 1:
+                    shd.kv_replication(load_model_config(config_name), tp)
+            except ValueError:
+                continue  # the model does not shard this way
+            for num_tokens, max_seqs in AUDIT_BUCKETS:
+                name = f"{config_name} TP{tp} {num_tokens}x{max_seqs}"
+                try:
+                    compiled, facts = compile_step(AUDIT_TOPOLOGY[tp], tp, config_name, num_tokens, max_seqs)
+                except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+                    failures += 1
+                    print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
+                    continue
+                bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
+                temp = compiled.memory_analysis().temp_size_in_bytes
+                frac = temp / facts["layer_kv"]
+                shape = "x".join(str(d) for d in facts["local_kv_shape"])
+                print(f"{config_name:<14}{tp:>3}{f'{num_tokens}x{max_seqs}':>9}{shape:>28}{len(bad):>7}"
+                      f"{temp / 2**20:>10.1f}{facts['layer_kv'] / 2**20:>13.1f}{frac:>9.2%}")
+                for line in bad[:4]:
+                    print(f"FAIL {name}: KV copy: {line}")
+                if frac > MAX_TEMP_FRACTION:
+                    print(f"FAIL {name}: temporaries {temp / 2**20:.1f} MiB exceed "
+                          f"{MAX_TEMP_FRACTION:.0%} of one layer's KV pages")
+                failures += bool(bad) + (frac > MAX_TEMP_FRACTION)
+    return failures
+
+
+def sharded_memory(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int,
+                   hbm_gib: float) -> dict[str, float]:
+    """Per-chip GiB of the compiled TP step (the memory table of ``--sharded``)."""
+    compiled, facts = compile_step(topo, tp, config_name, num_tokens, max_seqs, hbm_gib)
     m = compiled.memory_analysis()
     hlo = compiled.as_text()
     gib = 2**-30
     return {
-        "weights": weights * gib,
-        "kv": config.num_layers * _nbytes(kv_shape, dtype, kv.sharding) * gib,
-        "kv_tokens": (num_pages - 1) * page_size,
+        "weights": facts["weights"] * gib,
+        "kv": facts["layer_kv"] * facts["num_layers"] * gib,
+        "kv_tokens": facts["kv_tokens"],
         "args": m.argument_size_in_bytes * gib,
         "out": m.output_size_in_bytes * gib,
         "alias": m.alias_size_in_bytes * gib,
@@ -175,7 +249,7 @@ def check_sharded(specs: list[str], config_name: str, hbm_gib: float | None) -> 
         for num_tokens, max_seqs in SHARDED_STEPS:
             t0 = time.perf_counter()
             try:
-                r = compile_sharded_step(topo, int(tp), config_name, num_tokens, max_seqs, hbm)
+                r = sharded_memory(topo, int(tp), config_name, num_tokens, max_seqs, hbm)
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
                 print(f"FAIL {spec} tokens={num_tokens} seqs={max_seqs}\n{traceback.format_exc(limit=4)}")
@@ -196,6 +270,7 @@ def main() -> int:
     parser.add_argument("--sharded", nargs="*", default=["v5e:2x2:4", "v5e:2x4:8"], metavar="TOPOLOGY:TP",
                         help="tensor-parallel engine steps to compile (none: skip)")
     parser.add_argument("--sharded-model", default="llama-3.1-8b")
+    parser.add_argument("--no-audit", dest="audit", action="store_false", help="skip the compiled-step KV audit")
     parser.add_argument("--hbm-gib", type=float, default=None, help="per-chip HBM (default: by TPU generation)")
     args = parser.parse_args()
     failures = 0
@@ -222,19 +297,8 @@ def main() -> int:
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
                 print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
-        for config_name, num_tokens, max_seqs in (
-            ("tiny", 16, 8),
-            ("tiny", 256, 8),
-            ("llama-3.2-1b", 64, 64),
-        ):
-            name = f"{topo} engine step {config_name} tokens={num_tokens} seqs={max_seqs}"
-            t0 = time.perf_counter()
-            try:
-                compile_engine_step(device, config_name, num_tokens, max_seqs)
-                print(f"ok   {name} ({time.perf_counter() - t0:.1f}s)")
-            except Exception:  # noqa: BLE001 - every compiler error is a failure to report
-                failures += 1
-                print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
+    if args.audit:
+        failures += audit()
     if args.sharded:
         failures += check_sharded(args.sharded, args.sharded_model, args.hbm_gib)
     print(f"{failures} failure(s)")

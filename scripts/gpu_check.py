@@ -3,11 +3,15 @@
 1. Copy bandwidth of the card (device-to-device copy of 4 GiB, read + write counted).
 2. Correctness: the Triton kernel against the dense reference on random mixed batches (decode, chunked
    prefill, prefill, empty sequences, GQA/MQA, head_dim 64/128/256, several page sizes, float32 and bfloat16,
-   sliding window, soft cap), with unused memory poisoned with NaN.
-3. Timing: decode at batch 64, 32 query heads, 8 KV heads, head_dim 128, context 4096, bfloat16, page 16
-   (1.07 GB of KV), and a chunked-prefill step (8 sequences x 512 new tokens on 4096 context), side by side
-   with ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only) and ``jax.nn.dot_product_attention``
-   on contiguous KV. One table: microseconds, percent of measured bandwidth, ratio to each peer.
+   sliding window, soft cap, explicit and adaptive split-KV), with unused memory poisoned with NaN.
+3. Timing, each case next to the work model's estimate (``gpu_work``: max(bytes / 4.8 TB/s, FLOPs / 989
+   TFLOP/s) on H200) and the plan it ran (q-block tokens, splits, programs):
+   - decode, batch 64, 32 query / 8 KV heads, head_dim 128, context 4096, bfloat16, page 16 and 64 (1.07 GB of
+     KV), side by side with ``jax.experimental.pallas.ops.gpu.paged_attention`` and
+     ``jax.nn.dot_product_attention`` on contiguous KV;
+   - decode, batch 4 at context 32k (the split-KV case) with the adaptive splits and with one split forced;
+   - chunked prefill, 8 sequences x 512 new tokens on 4096 context.
+   One table: microseconds, percent of measured bandwidth, the model's microseconds, ratio to each peer.
 
     .venv/bin/python scripts/gpu_check.py              # on the GPU machine
     .venv/bin/python scripts/gpu_check.py --interpret  # correctness half only, Pallas interpreter, on CPU
@@ -26,11 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import dense_reference_attention
-from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+from pallas_kernels.common import kv_pages_shape
+from pallas_kernels.gpu_ragged_paged_attention import gpu_plan_for, gpu_work_detail, ragged_paged_attention_gpu
 from pallas_kernels.testing import assert_close, make_case, median_seconds, random_seqs
+from pallas_kernels.work_model import HARDWARE
 
 # batch, q heads, kv heads, head_dim, context, page size, dtype: 1.07 GB of KV, ~250 us at 4.3 TB/s.
 DECODE = (64, 32, 8, 128, 4096, 16, jnp.bfloat16)
+LONG = (4, 32, 8, 128, 32768, 16, jnp.bfloat16)  # small batch, long context: split-KV
 CHUNKED = (8, 512)  # sequences, new tokens each (on DECODE's context)
 
 
@@ -58,9 +65,11 @@ def correctness(interpret: bool) -> int:
         (4, jnp.bfloat16, 16, 2, 64, 64, None, 30.0, 64, 8, 150),  # GQA 8
         (5, jnp.bfloat16, 4, 4, 128, 256, 64, 20.0, 32, 8, 300),
         (6, jnp.float32, 12, 4, 64, 128, None, None, 16, 8, 140),  # GQA 3 (padded group)
+        (7, jnp.bfloat16, 14, 2, 64, 16, None, None, 16, 8, 3000),  # GQA 7, small batch, long: adaptive splits
+        (8, jnp.bfloat16, 32, 8, 128, 64, 1000, 30.0, 8, 8, 5000),  # window + cap with splits
     ]
     if interpret:
-        cases = cases[:4]
+        cases = cases[:3]
     failures = 0
     for seed, dtype, qh, kvh, d, page, window, cap, tokens, max_seqs, max_kv in cases:
         rng = np.random.default_rng(seed)
@@ -77,14 +86,17 @@ def correctness(interpret: bool) -> int:
             dtype=dtype,
         )
         opts = dict(sm_scale=d**-0.5, soft_cap=cap, sliding_window=window)
-        name = f"{jnp.dtype(dtype).name} q{qh} kv{kvh} d{d} page{page} window={window} cap={cap} seqs={seqs}"
-        try:
-            out = ragged_paged_attention_gpu(*case.paged_args, interpret=interpret, **opts)
-            assert_close(out, dense_reference_attention(*case.dense_args, **opts), dtype)
-            print(f"ok   {name}")
-        except AssertionError as e:
-            failures += 1
-            print(f"FAIL {name}\n{str(e)[:600]}")
+        ref = dense_reference_attention(*case.dense_args, **opts)
+        for splits in (None, 3):  # the plan's own choice, then three splits forced
+            name = (f"{jnp.dtype(dtype).name} q{qh} kv{kvh} d{d} page{page} window={window} cap={cap} "
+                    f"splits={splits or 'plan'} seqs={seqs}")
+            try:
+                out = ragged_paged_attention_gpu(*case.paged_args, interpret=interpret, num_splits=splits, **opts)
+                assert_close(out, ref, dtype)
+                print(f"ok   {name}")
+            except AssertionError as e:
+                failures += 1
+                print(f"FAIL {name}\n{str(e)[:600]}")
     return failures
 
 
@@ -97,38 +109,59 @@ def _decode_inputs(batch: int, q_heads: int, kv_heads: int, d: int, ctx: int, pa
     tables = perm.reshape(batch, pages_per_seq).astype(jnp.int32)
     k = jax.random.normal(kk, (batch, ctx, kv_heads, d), dtype)
     v = jax.random.normal(kv, (batch, ctx, kv_heads, d), dtype)
-    # Scatter contiguous K/V into the interleaved page array through the tables.
-    kv_seq = jnp.stack([k, v], axis=3).reshape(batch, pages_per_seq, page, 2 * kv_heads, d)
-    kv_pages = jnp.zeros((num_pages, page, 2 * kv_heads, d), dtype).at[tables].set(kv_seq)
+    # Scatter contiguous K/V into [pages, kv_heads, page, 2 * d] through the tables.
+    kv_seq = jnp.concatenate([k, v], axis=-1).reshape(batch, pages_per_seq, page, kv_heads, 2 * d)
+    kv_pages = jnp.zeros(kv_pages_shape(num_pages, kv_heads, page, d), dtype).at[tables].set(
+        kv_seq.transpose(0, 1, 3, 2, 4)
+    )
     return kq, k, v, kv_pages, tables
 
 
-def timing(bandwidth: float, smoke: bool = False) -> list[tuple[str, float, float | None, dict[str, float]]]:
-    """Rows of (case, our us, our fraction of bandwidth, {peer: peer us}).
+def _model(q, kv_pages, lens, tables, cu, n, **overrides) -> tuple[float, str]:
+    """The work model's H200 microseconds for this call, and the plan it describes."""
+    plan = gpu_plan_for(q.shape, kv_pages.shape, tables.shape[0], tables.shape[1], kv_pages.dtype, q.dtype,
+                        **overrides)
+    detail = gpu_work_detail(plan, np.asarray(lens), np.asarray(cu), int(n[0]))
+    work = detail["work"]
+    desc = (f"q_block {plan.q_block} x group {plan.group_p}, kv step {plan.kv_block}, splits "
+            f"{plan.num_splits}{' (adaptive)' if plan.adaptive_splits else ''}, {work.programs} programs, "
+            f"KV {work.kv_bytes_read / 1e6:.0f} MB (min {detail['kv_bytes_min'] / 1e6:.0f}), issued "
+            f"{work.issued_flops / 1e9:.1f} GFLOP (useful {work.useful_flops / 1e9:.1f})")
+    return work.seconds(HARDWARE["h200"]) * 1e6, desc
 
-    ``smoke``: tiny shapes and every kernel in the Pallas interpreter, to exercise this code path on CPU.
-    """
+
+Row = tuple  # (case, us, fraction of bandwidth or None, model us, plan, {peer: us})
+
+
+def _decode_rows(shape, bandwidth: float, iters: int, smoke: bool, peers: bool) -> list[Row]:
     from jax.experimental.pallas.ops.gpu import (
         paged_attention as jax_paged,
     )  # deprecated module, still a peer
 
-    rows = []
-    b, qh, kvh, d, ctx, page, dtype = (4, 8, 2, 64, 256, 16, jnp.bfloat16) if smoke else DECODE
-    iters = 1 if smoke else 20
+    b, qh, kvh, d, ctx, page, dtype = shape
     kq, k, v, kv_pages, tables = _decode_inputs(b, qh, kvh, d, ctx, page, dtype)
     q = jax.random.normal(kq, (b, qh, d), dtype)
     lens = jnp.full((b,), ctx, jnp.int32)
     cu = jnp.arange(b + 1, dtype=jnp.int32)
     n = jnp.array([b], jnp.int32)
-    ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke))
-    out = ours(q, kv_pages, lens, tables, cu, n)
     dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, scale=d**-0.5)[:, 0])
-    assert_close(out, dense(q, k, v), dtype)
+    want = dense(q, k, v)
     kv_bytes = 2 * b * ctx * kvh * d * jnp.dtype(dtype).itemsize
-    t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
-    peers = {"dense (jax.nn.dot_product_attention)": bench(dense, q, k, v, iters=iters)}
-    k_pages = kv_pages[:, :, 0::2].transpose(2, 0, 1, 3)  # [kv_heads, pages, page, d]
-    v_pages = kv_pages[:, :, 1::2].transpose(2, 0, 1, 3)
+    rows = []
+    variants = [("plan", {})] + ([("1 split", {"num_splits": 1})] if b * kvh < 264 else [])
+    for label, overrides in variants:
+        ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke,
+                                         **overrides))
+        assert_close(ours(q, kv_pages, lens, tables, cu, n), want, dtype)
+        t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
+        model_us, desc = _model(q, kv_pages, lens, tables, cu, n, **overrides)
+        rows.append((f"decode b{b} q{qh} kv{kvh} d{d} ctx{ctx} page{page} [{label}]", t_ours,
+                     kv_bytes / (t_ours * 1e-6) / bandwidth, model_us, desc, {}))
+    if not peers:
+        return rows
+    others = {"dense (jax.nn.dot_product_attention)": bench(dense, q, k, v, iters=iters)}
+    k_pages = kv_pages[..., :d].transpose(1, 0, 2, 3)  # [kv_heads, pages, page, d]
+    v_pages = kv_pages[..., d:].transpose(1, 0, 2, 3)
     q_scaled = (q.astype(jnp.float32) * d**-0.5).astype(dtype)
     for ppcb in (4, 8, 16):
         theirs = jax.jit(
@@ -141,28 +174,40 @@ def timing(bandwidth: float, smoke: bool = False) -> list[tuple[str, float, floa
         )
         try:
             # JAX's kernel does not scale the logits: scale the queries instead.
-            assert_close(theirs(q_scaled, k_pages, v_pages, tables, lens), out, dtype)
-            peers[f"jax paged_attention (pages/block {ppcb})"] = bench(
+            assert_close(theirs(q_scaled, k_pages, v_pages, tables, lens), want, dtype)
+            others[f"jax paged_attention (pages/block {ppcb})"] = bench(
                 theirs, q_scaled, k_pages, v_pages, tables, lens, iters=iters
             )
         except Exception as e:  # noqa: BLE001 - a peer that fails to run is reported, not fatal
             print(f"peer jax paged_attention pages/block {ppcb} failed: {type(e).__name__}: {str(e)[:200]}")
-    rows.append(
-        (
-            f"decode b{b} q{qh} kv{kvh} d{d} ctx{ctx} bf16 page{page}",
-            t_ours,
-            kv_bytes / (t_ours * 1e-6) / bandwidth,
-            peers,
-        )
-    )
+    rows[0][5].update(others)
+    return rows
+
+
+def timing(bandwidth: float, smoke: bool = False) -> list[Row]:
+    """Rows of (case, our us, our fraction of bandwidth, model us, plan, {peer: peer us}).
+
+    ``smoke``: tiny shapes and every kernel in the Pallas interpreter, to exercise this code path on CPU.
+    """
+    iters = 1 if smoke else 20
+    rows = []
+    if smoke:
+        rows += _decode_rows((4, 8, 2, 64, 256, 16, jnp.bfloat16), bandwidth, iters, smoke, peers=True)
+        rows += _decode_rows((2, 8, 2, 64, 1024, 16, jnp.bfloat16), bandwidth, iters, smoke, peers=False)
+    else:
+        rows += _decode_rows(DECODE, bandwidth, iters, smoke, peers=True)
+        rows += _decode_rows(DECODE[:5] + (64, DECODE[6]), bandwidth, iters, smoke, peers=False)
+        rows += _decode_rows(LONG, bandwidth, iters, smoke, peers=False)
 
     # Chunked prefill: s sequences with `new` new tokens each on ctx keys each.
+    _, qh, kvh, d, ctx, page, dtype = (4, 8, 2, 64, 256, 16, jnp.bfloat16) if smoke else DECODE
     s, new = (2, 32) if smoke else CHUNKED
     kq, k, v, kv_pages, tables = _decode_inputs(s, qh, kvh, d, ctx, page, dtype)
     q = jax.random.normal(kq, (s * new, qh, d), dtype)
     lens = jnp.full((s,), ctx, jnp.int32)
     cu = jnp.arange(s + 1, dtype=jnp.int32) * new
     n = jnp.array([s], jnp.int32)
+    ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke))
     out = ours(q, kv_pages, lens, tables, cu, n)
     q_pos = ctx - new + jnp.arange(new)
     mask = (jnp.arange(ctx)[None, :] <= q_pos[:, None])[None, None]  # [1, 1, new, ctx]
@@ -173,11 +218,14 @@ def timing(bandwidth: float, smoke: bool = False) -> list[tuple[str, float, floa
     )
     assert_close(out, dense(q, k, v), dtype)
     t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
+    model_us, desc = _model(q, kv_pages, lens, tables, cu, n)
     rows.append(
         (
-            f"chunked prefill {s}x{new} new on ctx{ctx} bf16 page{page}",
+            f"chunked prefill {s}x{new} new on ctx{ctx} page{page}",
             t_ours,
             None,
+            model_us,
+            desc,
             {"dense (jax.nn.dot_product_attention)": bench(dense, q, k, v, iters=iters)},
         )
     )
@@ -185,10 +233,11 @@ def timing(bandwidth: float, smoke: bool = False) -> list[tuple[str, float, floa
 
 
 def print_table(rows) -> None:
-    print(f"\n{'case':58s} {'us':>9s} {'% bw':>6s}  peer: us (ours / peer)")
-    for name, us, frac, peers in rows:
+    print(f"\n{'case':58s} {'us':>9s} {'% bw':>6s} {'model us':>9s} {'/model':>7s}  peer: us (ours / peer)")
+    for name, us, frac, model_us, desc, peers in rows:
         pct = f"{100 * frac:5.1f}%" if frac is not None else "   n/a"
-        print(f"{name:58s} {us:9.1f} {pct}")
+        print(f"{name:58s} {us:9.1f} {pct} {model_us:9.1f} {us / model_us:6.2f}x")
+        print(f"{'':58s} plan: {desc}")
         for peer, peer_us in peers.items():
             print(f"{'':58s} {'':9s} {'':6s}  {peer}: {peer_us:.1f} ({us / peer_us:.2f}x)")
 

@@ -73,7 +73,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message, rendered with the model's chat template")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     parser.add_argument("--target", default="127.0.0.1:50051")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None)
@@ -93,14 +96,18 @@ def run_client(args: argparse.Namespace) -> int:
     """Stream the completion to stdout (sample i > 0 prefixed with [i]); usage and timing to stderr."""
     import grpc
 
-    from serve.client import Client
+    from serve.client import Client, chat_input
 
     roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     sampling = {k: v for k, v in dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                       top_k=args.top_k, seed=args.seed, n=args.n).items() if v is not None}
     with Client(args.target, token=args.token, root_certificates=roots, tls=args.tls) as client:
         try:
-            for resp in client.generate_stream(args.prompt, timeout=args.timeout, stop=args.stop, **sampling):
+            prompt = args.prompt
+            if args.chat:
+                messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+                prompt = chat_input([*messages, {"role": "user", "content": args.prompt}])
+            for resp in client.generate_stream(prompt, timeout=args.timeout, stop=args.stop, **sampling):
                 if resp.HasField("chunk"):
                     c = resp.chunk
                     sys.stdout.write(c.text if c.index == 0 else f"[{c.index}]{c.text}")

@@ -9,14 +9,17 @@ field and returns an `InvalidRequest` the servicer answers with INVALID_ARGUMENT
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from paged_jax.chat_template import ChatTemplateError, apply_chat_template
 from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from serve.config import ServingLimits
@@ -27,7 +30,8 @@ FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR,
 }
 _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "seed", "min_tokens", "ignore_eos", "n", "logprobs")
+                      "frequency_penalty", "seed", "min_tokens", "ignore_eos", "n", "logprobs", "skip_special_tokens",
+                      "spaces_between_special_tokens")
 
 
 class RequestError(Exception):
@@ -131,8 +135,11 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int
 
 
 def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vocab_size: int,
-                   max_model_len: int, max_n: int) -> ParsedRequest:
-    """Validate a GenerateRequest against the limits and the model; tokenize text input."""
+                   max_model_len: int, max_n: int, defaults: Mapping[str, Any] | None = None) -> ParsedRequest:
+    """Validate a GenerateRequest against the limits and the model; tokenize text input, render chat input.
+
+    `defaults` (the model's generation_config.json) fill the sampling fields the request leaves unset.
+    """
     if req.output_mode not in pb.OutputMode.values():
         raise invalid(f"output_mode: unknown value {req.output_mode}")
     request_id = req.request_id if req.HasField("request_id") else None
@@ -143,7 +150,7 @@ def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vo
         raise invalid(f"cache_salt: longer than {limits.max_cache_salt_chars} characters")
     kind = req.WhichOneof("input")
     if kind is None:
-        raise invalid("input: set text or token_ids")
+        raise invalid("input: set text, token_ids or chat")
     max_prompt = min(limits.max_prompt_tokens or max_model_len, max_model_len - 1)
     if kind == "text":
         if not req.text:
@@ -151,6 +158,8 @@ def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vo
         if len(req.text) > max_prompt * 8:  # no tokenizer makes fewer tokens than characters / 8; skip encoding
             raise invalid(f"text: longer than the prompt limit of {max_prompt} tokens")
         ids = tokenizer.encode(req.text)
+    elif kind == "chat":
+        ids = chat_prompt_ids(req.chat, tokenizer, max_prompt)
     else:
         if not req.token_ids.ids:
             raise invalid("token_ids: must not be empty")
@@ -158,7 +167,7 @@ def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vo
     if len(ids) > max_prompt:
         raise invalid(f"{kind}: the prompt has {len(ids)} tokens, more than the limit of {max_prompt} "
                       f"(max_model_len {max_model_len})")
-    params = _sampling(req.sampling, limits, len(ids), max_model_len)
+    params = _sampling(req.sampling, limits, len(ids), max_model_len, defaults or {})
     try:
         params.validate(vocab_size, min(max_n, limits.max_n))
     except ValueError as e:
@@ -166,8 +175,49 @@ def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vo
     return ParsedRequest(request_id, ids, params, cache_salt, req.output_mode)
 
 
-def _sampling(sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max_model_len: int) -> SamplingParams:
+def _json_field(field: str, text: str, kind: type) -> Any:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise invalid(f"{field}: not valid JSON ({e.msg})") from None
+    if not isinstance(value, kind):
+        raise invalid(f"{field}: must be a JSON {'list' if kind is list else 'object'}")
+    return value
+
+
+def chat_prompt_ids(chat: pb.ChatInput, tokenizer, max_prompt: int) -> list[int]:
+    """A conversation rendered with the model's chat template and tokenized (INVALID_ARGUMENT naming the field)."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        if len(m.content) > max_prompt * 8:  # as for text: longer than any prompt the limit allows
+            raise invalid(f"chat.messages[{i}].content: longer than the prompt limit of {max_prompt} tokens")
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.HasField("name"):
+            message["name"] = m.name
+        if m.HasField("tool_call_id"):
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    tools = _json_field("chat.tools_json", chat.tools_json, list)
+    extra = _json_field("chat.chat_template_kwargs_json", chat.chat_template_kwargs_json, dict) or {}
+    reserved = sorted(set(extra) & {"messages", "tools", "add_generation_prompt"})
+    if reserved:
+        raise invalid(f"chat.chat_template_kwargs_json: {reserved[0]} is set by its own field")
+    add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        _, ids = apply_chat_template(tokenizer, messages, add_generation_prompt=add_prompt, tools=tools,
+                                     field="chat.messages", template_kwargs=extra)
+    except ChatTemplateError as e:
+        message = str(e)
+        raise invalid(message if message.startswith("chat") else f"chat.{message}") from None
+    return ids
+
+
+def _sampling(sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max_model_len: int,
+              defaults: Mapping[str, Any]) -> SamplingParams:
     kwargs = {name: getattr(sp, name) for name in _OPTIONAL_SAMPLING if sp.HasField(name)}
+    kwargs = {**{k: v for k, v in defaults.items() if k != "max_tokens"}, **kwargs}
     room = max_model_len - prompt_len
     if sp.HasField("max_tokens"):
         if sp.max_tokens > limits.max_tokens:
@@ -176,8 +226,8 @@ def _sampling(sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max
             raise invalid(f"sampling.max_tokens: prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) "
                           f"exceeds max_model_len ({max_model_len})")
         kwargs["max_tokens"] = sp.max_tokens
-    else:
-        kwargs["max_tokens"] = min(limits.default_max_tokens, room)
+    else:  # the model's max_new_tokens, else the server's default; never past the limit or the model's length
+        kwargs["max_tokens"] = min(defaults.get("max_tokens", limits.default_max_tokens), limits.max_tokens, room)
     if len(sp.stop) > limits.max_stop_strings:
         raise invalid(f"sampling.stop: more than {limits.max_stop_strings} stop strings")
     for s in sp.stop:

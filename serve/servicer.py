@@ -33,6 +33,7 @@ class GenerationServicer:
         engine: LLMEngine = loop.engine
         self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
         self.max_model_len, self.max_n = engine.max_model_len, engine.engine_config.max_n
+        self.sampling_defaults = dict(engine.engine_config.sampling_defaults)
         self.draining = False  # set on shutdown: new generations get UNAVAILABLE
 
     # -- generation ---------------------------------------------------------------------------------
@@ -40,7 +41,7 @@ class GenerationServicer:
         if isinstance(request, InvalidRequest):
             raise invalid(request.message)
         return convert.parse_generate(request, self.config.limits, self.tokenizer, self.vocab_size,
-                                      self.max_model_len, self.max_n)
+                                      self.max_model_len, self.max_n, self.sampling_defaults)
 
     def _submit(self, parsed: ParsedRequest) -> RequestStream:
         if self.draining:
@@ -124,16 +125,21 @@ class GenerationServicer:
             page_size=engine.engine_config.page_size, num_pages=engine.num_pages - 1,
             kv_capacity_tokens=(engine.num_pages - 1) * engine.engine_config.page_size
             * engine.engine_config.data_parallel_size,
-            eos_token_ids=list(engine.config.eos_token_ids), bos_token_id=bos,
+            eos_token_ids=list(dict.fromkeys((*engine.config.eos_token_ids,
+                                              *getattr(self.tokenizer, "eos_token_ids", ())))), bos_token_id=bos,
             max_prompt_tokens=min(lim.max_prompt_tokens or self.max_model_len, self.max_model_len - 1),
             max_tokens_limit=lim.max_tokens, max_n=min(lim.max_n, self.max_n), max_stop_strings=lim.max_stop_strings,
-            max_stop_string_chars=lim.max_stop_string_chars)
+            max_stop_string_chars=lim.max_stop_string_chars,
+            chat_template_source=getattr(getattr(self.tokenizer, "chat_template", None), "source", ""),
+            generation_defaults=[pb.SamplingDefault(field=k, value=float(v))
+                                 for k, v in self.sampling_defaults.items()])
 
     async def Tokenize(self, request, context: aio.ServicerContext) -> pb.TokenizeResponse:
         if isinstance(request, InvalidRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        add_bos = request.add_bos if request.HasField("add_bos") else True
-        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_bos=add_bos))
+        add = (request.add_special_tokens if request.HasField("add_special_tokens")
+               else request.add_bos if request.HasField("add_bos") else True)
+        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_special_tokens=add))
 
     async def Detokenize(self, request, context: aio.ServicerContext) -> pb.DetokenizeResponse:
         try:
@@ -142,7 +148,10 @@ class GenerationServicer:
             ids = convert.check_token_ids("token_ids", request.token_ids, self.vocab_size)
         except RequestError as e:
             await context.abort(e.code, e.message)
-        return pb.DetokenizeResponse(text=self.tokenizer.decode(ids))
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        spaces = request.spaces_between_special_tokens if request.HasField("spaces_between_special_tokens") else True
+        return pb.DetokenizeResponse(text=self.tokenizer.decode(ids, skip_special_tokens=skip,
+                                                                spaces_between_special_tokens=spaces))
 
     async def GetStats(self, request, context: aio.ServicerContext) -> pb.Stats:
         check = not isinstance(request, InvalidRequest) and request.check_invariants

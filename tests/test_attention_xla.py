@@ -171,7 +171,7 @@ def test_xla_hypothesis(seed, tokens_log2, seqs_log2, page_size, heads, window):
 
 def _pages(seed, num_pages=6, page_size=8, kv_heads=2, head_dim=64):
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((num_pages, page_size, 2 * kv_heads, head_dim)).astype(np.float32)
+    return rng.standard_normal((num_pages, kv_heads, page_size, 2 * head_dim)).astype(np.float32)
 
 
 def test_write_kv_slots_and_padding():
@@ -185,8 +185,8 @@ def test_write_kv_slots_and_padding():
     expect = pages.copy()
     for t, slot in enumerate(slots):
         if slot >= 0:
-            expect[slot // 8, slot % 8, 0::2] = k[t]
-            expect[slot // 8, slot % 8, 1::2] = v[t]
+            expect[slot // 8, :, slot % 8, :64] = k[t]
+            expect[slot // 8, :, slot % 8, 64:] = v[t]
     np.testing.assert_array_equal(out, expect)
 
 

@@ -258,7 +258,7 @@ def test_a_failing_request_fails_alone(tiny_config, tiny_params, reference):
     engine.add_request("bad", prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["x"]))
 
     class BrokenTokenizer(ByteTokenizer):
-        def decode(self, ids):
+        def decode(self, ids, **options):
             raise RuntimeError("detokenizer exploded")
 
     engine._requests["bad"].detoks[0].tokenizer = BrokenTokenizer()

@@ -73,7 +73,9 @@ def test_saved_files_load_as_an_hf_tokenizer(vocab_dir, tmp_path, monkeypatch):
     gguf = GGUFFile(vocab_dir / "phi-3.gguf")
     directory = gguf_tokenizer_dir(gguf)
     assert directory.is_relative_to(tmp_path) and gguf_tokenizer_dir(gguf) == directory  # cached
-    tok = HFTokenizer(directory)
+    tok = HFTokenizer.from_dir(directory)
     text, want = _vectors("phi-3")[11]
-    assert text == "Hello world" and tok.encode(text, add_bos=False) == want
+    assert text == "Hello world" and tok.encode(text, add_special_tokens=False) == want
     assert tok.decode(want) == text
+    assert tok.encode(text) == [tok.bos_token_id] + want  # add_bos_token: the post-processor adds <s>
+    assert tok.chat_template is not None and tok.bos_token_id == 1

@@ -1,5 +1,6 @@
 """The Triton GPU kernel against the dense reference, in the Pallas interpreter on CPU (compiled on a GPU),
-and its lowering to Triton IR for an H200 without one."""
+and its lowering to Triton IR for an H200 without one. Pages are ``[pages, kv_heads, page_size, 2 * head_dim]``;
+unused pages, slots past ``kv_len`` and padding queries are NaN."""
 
 import functools
 
@@ -13,7 +14,7 @@ from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import dense_reference_attention
-from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+from pallas_kernels.gpu_ragged_paged_attention import plan_gpu, ragged_paged_attention_gpu
 from pallas_kernels.testing import assert_close, check_case, make_case, random_seqs
 
 MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)]  # decode, chunked, prefill, empty
@@ -22,9 +23,9 @@ MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)]  # decode,
 class TestGpuKernel:
     interpret = True
 
-    def run(self, case, dtype=jnp.float32, q_block=4, pages_per_block=2, **opts):
+    def run(self, case, dtype=jnp.float32, q_block=4, pages_per_block=2, num_splits=None, **opts):
         kernel = functools.partial(ragged_paged_attention_gpu, interpret=self.interpret, q_block=q_block,
-                                   pages_per_block=pages_per_block)
+                                   pages_per_block=pages_per_block, num_splits=num_splits)
         check_case(case, kernel, dtype, **opts)
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -86,6 +87,47 @@ class TestGpuKernel:
         )
         self.run(case, q_block=8, sliding_window=window, soft_cap=cap)
 
+    @pytest.mark.parametrize(
+        "seqs,num_tokens,max_seqs",
+        [
+            ([(1, 9), (1, 16), (1, 17), (1, 1), (1, 32), (1, 8)], 6, 8),  # pure decode bucket (T <= 2S)
+            ([(1, 9), (1, 16), (1, 17), (1, 1), (1, 32), (1, 8), (4, 20), (2, 2)], 16, 8),  # T == 2S: decode
+            ([(1, 9), (1, 16), (1, 17), (1, 1), (1, 32), (1, 8), (4, 20), (3, 3)], 17, 8),  # T == 2S+1: prefill
+            ([(8, 8), (7, 24), (9, 40), (1, 33), (16, 16)], 48, 8),  # chunks exactly q_block, one under, one over
+            ([(4, 4), (4, 12), (4, 20)], 12, 3),  # every q-block ends exactly where a sequence ends
+        ],
+    )
+    def test_decode_prefill_mixed_boundaries(self, seqs, num_tokens, max_seqs):
+        """The default plan (decode or prefill config by bucket) at the edges of items and sequences."""
+        case = make_case(
+            5, seqs, num_tokens=num_tokens, max_seqs=max_seqs, num_q_heads=4, num_kv_heads=2, head_dim=64,
+            page_size=8,
+        )
+        self.run(case, q_block=None, pages_per_block=None)
+        self.run(case, q_block=8, pages_per_block=2)  # q-blocks of 8 tokens: items split chunks mid-page
+
+    @pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+    @pytest.mark.parametrize("window,cap", [(None, None), (5, 10.0)])
+    def test_split_kv(self, num_splits, window, cap):
+        """Flash-decoding splits: one, a few, and more splits than a sequence has KV blocks (kv 3 and 9 with
+        16-key blocks: empty splits must drop out of the combine); decode and a chunk in one batch."""
+        case = make_case(
+            6, [(1, 70), (1, 3), (1, 9), (3, 40), (0, 5)], num_tokens=8, max_seqs=8, num_q_heads=8,
+            num_kv_heads=2, head_dim=64, page_size=8,
+        )
+        self.run(case, q_block=4, pages_per_block=2, num_splits=num_splits, sliding_window=window,
+                 soft_cap=cap)
+
+    def test_adaptive_splits_small_batch(self):
+        """The default plan of a small decode bucket splits KV by itself (the issue's batch-4 case, small)."""
+        case = make_case(
+            8, [(1, 300), (1, 129), (1, 64), (1, 1)], num_tokens=16, max_seqs=8, num_q_heads=4,
+            num_kv_heads=1, head_dim=64, page_size=16, dtype=jnp.bfloat16, max_blocks=64,
+        )
+        plan = plan_gpu(16, 8, 64, 4, 1, 64, 16, jnp.bfloat16)
+        assert plan.adaptive_splits and plan.num_splits > 1
+        self.run(case, jnp.bfloat16, q_block=None, pages_per_block=None)
+
     @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
         seed=st.integers(0, 2**16),
@@ -120,13 +162,20 @@ def test_default_block_sizes_through_public_entry_point():
     check_case(case, "pallas-gpu-interpret")
 
 
-def test_lowers_to_triton_for_h200():
+@pytest.mark.parametrize(
+    "t,s,h,kvh,d,page,blocks",
+    [
+        (64, 64, 32, 8, 128, 16, 64),  # decode bucket, one split
+        (16, 8, 32, 8, 128, 16, 2048),  # small decode batch at 32k: split-KV and the combine
+        (512, 8, 14, 2, 64, 16, 256),  # prefill bucket, group 7 padded to 8
+    ],
+)
+def test_lowers_to_triton_for_h200(t, s, h, kvh, d, page, blocks):
     """Pallas -> Triton IR for an H200 (the Triton compiler itself runs only on a GPU)."""
-    t, s, h, kvh, d, page, blocks = 64, 64, 32, 8, 128, 16, 64
     sds = jax.ShapeDtypeStruct
     args = (
         sds((t, h, d), jnp.bfloat16),
-        sds((s * blocks + 1, page, 2 * kvh, d), jnp.bfloat16),
+        sds((s * blocks + 1, kvh, page, 2 * d), jnp.bfloat16),
         sds((s,), jnp.int32),
         sds((s, blocks), jnp.int32),
         sds((s + 1,), jnp.int32),
@@ -167,6 +216,7 @@ def test_positions_past_32k():
             interpret=True,
             q_block=8,
             pages_per_block=16,
+            num_splits=4,
         )
         ref = dense_reference_attention(*case.dense_args, sm_scale=0.125, sliding_window=window)
         assert_close(out, ref, jnp.float32)

@@ -25,9 +25,9 @@ MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)]  # decode,
 class TestTpuKernel:
     interpret = pltpu.InterpretParams()
 
-    def run(self, case, dtype=jnp.float32, q_block=16, pages_per_block=2, **opts):
-        kernel = functools.partial(ragged_paged_attention_tpu, interpret=self.interpret, q_block=q_block,
-                                   pages_per_block=pages_per_block)
+    def run(self, case, dtype=jnp.float32, tokens_per_item=4, pages_per_block=2, **opts):
+        kernel = functools.partial(ragged_paged_attention_tpu, interpret=self.interpret,
+                                   tokens_per_item=tokens_per_item, pages_per_block=pages_per_block)
         check_case(case, kernel, dtype, **opts)
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -96,6 +96,22 @@ class TestTpuKernel:
         )
         check_case(case, "pallas-tpu-interpret")
 
+    @pytest.mark.parametrize(
+        "seqs",
+        [
+            [(1, 5), (2, 9), (1, 17)],  # q_len 1 (decode range) beside q_len 2 (prefill range)
+            [(4, 4), (5, 21), (8, 8), (3, 11)],  # items of exactly tokens_per_item, one past, two full, short
+            [(1, 1), (1, 8), (1, 9), (1, 16)],  # decode only, kv_len at page/block boundaries
+            [(7, 7), (9, 30)],  # prefill only
+        ],
+        ids=["decode-prefill-boundary", "item-boundaries", "decode-only", "prefill-only"],
+    )
+    def test_range_and_item_boundaries(self, seqs):
+        case = make_case(
+            8, seqs, num_tokens=32, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8
+        )
+        self.run(case)
+
     @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
         seed=st.integers(0, 2**16),
@@ -141,7 +157,7 @@ def test_no_races_two_cores_dmas_on_wait(dtype):
         dtype=dtype,
     )
     out = ragged_paged_attention_tpu(
-        *case.paged_args, sm_scale=0.125, interpret=params, q_block=16, pages_per_block=2
+        *case.paged_args, sm_scale=0.125, interpret=params, tokens_per_item=4, pages_per_block=2
     )
     ref = dense_reference_attention(*case.dense_args, sm_scale=0.125)
     assert ipc.races is not None and not ipc.races.races_found
@@ -152,10 +168,10 @@ def test_block_size_table_and_fallback():
     assert tpu_generation("TPU v5 lite") == "v5e"
     assert tpu_generation("TPU v6 lite") == "v6e"
     assert tpu_generation("TPU v5p") == "v5p"
-    assert get_block_sizes(64, 16, 8, 128, jnp.bfloat16, 256, "v6e") == (32, 32)
-    # Off-device heuristic: a valid q block, pages within the table, KV buffers within budget.
-    q_block, pages = get_block_sizes(16, 64, 32, 256, jnp.float32, 4, None)
-    assert q_block == 16 and 1 <= pages <= 4
+    assert get_block_sizes(8, 128, jnp.bfloat16, "v6e") == (512, 512, 256)
+    # Off-device heuristic: KV buffers within budget for a wide model.
+    dec, tokens, pre = get_block_sizes(32, 256, jnp.float32, None)
+    assert 16 <= dec and 2 * dec * 2 * 32 * 256 * 4 <= 16 * 2**20 and tokens == 256 and 16 <= pre
     with pytest.raises(ValueError, match="head_dim"):
         case = make_case(
             6, [(1, 3)], num_tokens=16, max_seqs=8, num_q_heads=1, num_kv_heads=1, head_dim=32, page_size=8
@@ -182,7 +198,7 @@ def test_positions_past_32k():
             sm_scale=0.125,
             sliding_window=window,
             interpret=True,
-            q_block=16,
+            tokens_per_item=2,
             pages_per_block=16,
         )
         ref = dense_reference_attention(*case.dense_args, sm_scale=0.125, sliding_window=window)

@@ -241,9 +241,9 @@ else:
         engine = make_engine(kv, tensor_parallel_size=tp)
         if tp > 1:
             pages = engine.runner.kv_caches[0]
-            assert pages.sharding.spec[2] == "tp" and len(pages.sharding.device_set) == tp
-            local = pages.addressable_shards[0].data.shape[2]
-            assert local == 2 * max(1, kv // tp)  # each chip holds K and V of its own (or replicated) heads
+            assert pages.sharding.spec[1] == "tp" and len(pages.sharding.device_set) == tp
+            local = pages.addressable_shards[0].data.shape[1]
+            assert local == max(1, kv // tp)  # each chip holds K and V of its own (or replicated) heads
         want_results, want_logits, prompt = single_device[kv]
         np.testing.assert_allclose(prefill_logits(engine, prompt), want_logits, rtol=2e-5, atol=2e-5)
         got = serve(engine, [(p, GREEDY) for p in make_prompts(6, seed=kv)])

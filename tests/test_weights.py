@@ -89,7 +89,7 @@ def test_orbax_round_trip(tmp_path, tiny_config):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     config2, params2, tokenizer = load_model(str(tmp_path / "ckpt"), dtype="float32")
     assert config2.dtype == "float32" and params2["params"]["norm"]["weight"].dtype == jnp.float32
-    assert tokenizer.encode("a", add_bos=False) == [3 + 97]
+    assert tokenizer.encode("a", add_special_tokens=False) == [3 + 97]
 
 
 def test_partition_specs_match_params(tiny_config):

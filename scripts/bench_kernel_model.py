@@ -1,0 +1,151 @@
+"""Estimated device time of the paged-attention kernels, from their work models, before any device run.
+
+For each case (shapes, lengths) it prints, per target (TPU v5e, TPU v6e, H200), the kernel's KV bytes against
+the minimum, its issued FLOPs against the useful ones, and the roofline time ``max(bytes / bandwidth, issued
+FLOPs / peak)`` next to the ideal (minimum bytes, useful FLOPs) and next to the previous design's figures.
+The current figures come from the kernels' own plans (:mod:`pallas_kernels.tpu_plan`,
+:mod:`pallas_kernels.gpu_plan`); the previous TPU design (q-blocks of 32 flat tokens that mixed sequences,
+every (sequence, KV block) pair computed over all ``group x 32`` rows) is re-derived in :func:`legacy_tpu_work`
+from that design's block table. Published chip figures are in :data:`pallas_kernels.work_model.HARDWARE`.
+
+    .venv/bin/python scripts/bench_kernel_model.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.common import cdiv
+from pallas_kernels.tpu_plan import item_blocks, tpu_work, useful_flops
+from pallas_kernels.tpu_ragged_paged_attention import tpu_plan_for
+from pallas_kernels.work_model import HARDWARE, KernelWork, minimum_kv_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    num_tokens: int
+    max_seqs: int
+    q_lens: list[int]
+    kv_lens: list[int]
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+
+    def batch(self) -> tuple[np.ndarray, np.ndarray]:
+        cu = np.zeros(self.max_seqs + 1, np.int64)
+        cu[1 : len(self.q_lens) + 1] = np.cumsum(self.q_lens)
+        cu[len(self.q_lens) + 1 :] = cu[len(self.q_lens)]
+        lens = np.zeros(self.max_seqs, np.int64)
+        lens[: len(self.kv_lens)] = self.kv_lens
+        return lens, cu
+
+
+CASES = [
+    Case("decode b64 ctx4096 page16", 64, 64, [1] * 64, [4096] * 64),
+    Case("decode b64 ctx4096 page64", 64, 64, [1] * 64, [4096] * 64, page_size=64),
+    Case("decode b8 ctx16k", 8, 8, [1] * 8, [16384] * 8),
+    Case("decode b4 ctx32k", 8, 8, [1] * 4, [32768] * 4),
+    Case("chunked prefill 8x512 ctx4096", 4096, 16, [512] * 8, [4096] * 8),
+    Case("mixed 48 decode + 464 chunk", 512, 64, [1] * 48 + [464], [2048] * 48 + [1000]),
+    Case("decode b64 ctx4096 hd64 (1B)", 64, 64, [1] * 64, [4096] * 64, head_dim=64),
+]
+
+# The previous TPU kernel's table: (q tokens per block, KV slots per block) for bf16 by head_dim.
+_LEGACY = {"v5e": {64: (32, 512), 128: (32, 256), 256: (32, 128)},
+           "v6e": {64: (32, 1024), 128: (32, 512), 256: (32, 256)}}
+
+
+def legacy_tpu_work(case: Case, generation: str) -> KernelWork:
+    """The previous TPU design: grid over blocks of ``q_block`` flat tokens; for every sequence with a token in
+    the block, every KV block its rows see, computed over all ``group * q_block`` rows of the block."""
+    q_block, slots = _LEGACY[generation][case.head_dim]
+    kv_block = max(case.page_size, slots)
+    lens, cu = case.batch()
+    n = len(case.q_lens)
+    group = case.num_q_heads // case.num_kv_heads
+    rows = group * q_block
+    page_bytes = case.num_kv_heads * case.page_size * 2 * case.head_dim * 2
+    pages = blocks = 0
+    for start in range(0, case.num_tokens, q_block):
+        for s in range(n):
+            lo, hi = max(int(cu[s]), start), min(int(cu[s + 1]), start + q_block)
+            if lo >= hi:
+                continue
+            q_len = int(cu[s + 1] - cu[s])
+            _, b_lo, b_hi = item_blocks(int(lens[s]), q_len, int(cu[s]), lo, hi - lo, kv_block, None)
+            n_pages = cdiv(int(lens[s]), case.page_size)
+            per = kv_block // case.page_size
+            pages += sum(max(0, min(per, n_pages - b * per)) for b in range(b_lo, b_hi))
+            blocks += b_hi - b_lo
+    issued = blocks * case.num_kv_heads * 2 * 2 * rows * kv_block * case.head_dim
+    useful = useful_flops(case.num_q_heads, case.head_dim, lens, cu, n, None)
+    q_bytes = int(cu[n]) * case.num_q_heads * case.head_dim * 2
+    return KernelWork(pages * page_bytes, q_bytes, q_bytes, issued, useful,
+                      blocks * case.num_kv_heads * rows * kv_block, cdiv(case.num_tokens, q_block))
+
+
+def tpu_case(case: Case, generation: str) -> KernelWork:
+    plan = tpu_plan_for((case.num_tokens, case.num_q_heads, case.head_dim),
+                        (1, case.num_kv_heads, case.page_size, 2 * case.head_dim), case.max_seqs,
+                        32768 // case.page_size, jnp.bfloat16, generation)
+    lens, cu = case.batch()
+    return tpu_work(plan, lens, cu, len(case.q_lens))
+
+
+def gpu_case(case: Case, previous: bool = False) -> KernelWork | None:
+    """The GPU kernel's work for the case (None when its plan module is not available)."""
+    try:
+        from pallas_kernels.gpu_plan import case_work
+    except ImportError:
+        return None
+    lens, cu = case.batch()
+    return case_work(case.num_tokens, case.max_seqs, case.num_q_heads, case.num_kv_heads, case.head_dim,
+                     case.page_size, jnp.bfloat16, lens, cu, len(case.q_lens), previous=previous)
+
+
+def ideal(case: Case) -> tuple[int, int]:
+    lens, cu = case.batch()
+    kv = minimum_kv_bytes(lens, np.diff(cu), num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                          itemsize=2, page_size=case.page_size)
+    q = int(cu[len(case.q_lens)]) * case.num_q_heads * case.head_dim * 2
+    return kv + 2 * q, useful_flops(case.num_q_heads, case.head_dim, lens, cu, len(case.q_lens), None)
+
+
+def _cells(w: KernelWork, hw, min_kv: int) -> str:
+    return (f"{w.seconds(hw) * 1e6:>10.1f}{w.kv_bytes_read / min_kv:>6.2f}"
+            f"{w.issued_flops / w.useful_flops:>7.1f}{w.exps / 1e6:>7.1f}{w.programs:>6}")
+
+
+def main() -> None:
+    print("bf16, one layer; time = max(HBM bytes / bandwidth, issued FLOPs / peak) in microseconds; "
+          "KV = KV bytes read / minimum; FLOP = issued / useful FLOPs; Mexp = softmax exponentials issued "
+          "(vector-unit work, not in the time); progs = work items or programs")
+    header = (f"{'case':<32}{'target':<8}{'ideal us':>9}{'before us':>10}{'KV':>6}{'FLOP':>7}{'Mexp':>7}"
+              f"{'progs':>6}{'after us':>10}{'KV':>6}{'FLOP':>7}{'Mexp':>7}{'progs':>6}{'gain':>7}")
+    print(header)
+    for case in CASES:
+        ideal_bytes, ideal_flops = ideal(case)
+        lens, cu = case.batch()
+        min_kv = minimum_kv_bytes(lens, np.diff(cu), num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                                  itemsize=2, page_size=case.page_size)
+        rows = []
+        for target in ("v5e", "v6e"):
+            rows.append((target, legacy_tpu_work(case, target), tpu_case(case, target)))
+        gpu_after, gpu_before = gpu_case(case), gpu_case(case, previous=True)
+        if gpu_after is not None:
+            rows.append(("h200", gpu_before, gpu_after))
+        for target, before, after in rows:
+            hw = HARDWARE[target]
+            t_ideal = max(ideal_bytes / hw.hbm_bytes_per_s, ideal_flops / hw.matmul_flops_per_s) * 1e6
+            before_s = _cells(before, hw, min_kv) if before is not None else f"{'-':>36}"
+            gain = before.seconds(hw) / after.seconds(hw) if before is not None else float("nan")
+            print(f"{case.name:<32}{target:<8}{t_ideal:>9.1f}{before_s}{_cells(after, hw, min_kv)}{gain:>6.1f}x")
+
+
+if __name__ == "__main__":
+    main()
