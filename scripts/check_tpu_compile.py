@@ -49,6 +49,8 @@ CASES = [
     (64, 16, 8, 2, 128, 128, jnp.float32, 64, 50.0),
     (32, 8, 2, 1, 64, 16, jnp.bfloat16, None, None),  # bf16 with head_dim 64, MQA
     (16, 8, 4, 2, 256, 8, jnp.float32, 16, None),
+    (64, 64, 9, 3, 64, 16, jnp.bfloat16, None, None),  # SmolLM2-135M decode: 3 query heads per KV head, hd 64
+    (256, 8, 9, 3, 64, 16, jnp.float32, None, None),  # SmolLM2-135M prefill in float32 (the parity dtype)
 ]
 
 

@@ -84,6 +84,12 @@ if not CHILD:
                 config.intermediate_size, config.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
         assert config.tie_word_embeddings and config.rope_theta == 100000.0 and config.eos_token_ids == (2,)
         assert config.name == "smollm2-135m-instruct"
+        from paged_jax.config import load_model_config
+
+        shape_only = load_model_config("smollm2-135m")  # configs/smollm2-135m.json, for benchmarks and the TPU check
+        fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "tie_word_embeddings", "rope_theta", "bos_token_id", "eos_token_ids")
+        assert all(getattr(shape_only, f) == getattr(config, f) for f in fields)
 
     def test_dequantized_parameters_equal_transformers_bit_for_bit():
         """Every tensor, after dequantization and Q/K un-permutation, has the SHA-256 of transformers' float32 one."""
