@@ -265,3 +265,11 @@ def test_tensor_names_map_to_hf():
     assert hf_tensor_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("blk.0.ffn_gate_exps.weight") is None
+
+
+def test_named_model_that_is_not_installed_says_how_to_install():
+    from paged_jax.model.named import NamedModel
+
+    missing = NamedModel(name="x", package="no_such_package_xyz", filename="x.gguf", install="pip install x")
+    with pytest.raises(FileNotFoundError, match="needs the no_such_package_xyz package: pip install x"):
+        missing.path()

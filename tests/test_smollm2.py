@@ -182,12 +182,31 @@ if not CHILD:
             assert out[i] == golden[f"greedy_{i % NUM_CHAT}"].tolist(), i
         assert all(cached[NUM_CHAT + i] >= 16 for i in range(NUM_CHAT)), cached
 
+    def test_convert_writes_a_checkpoint_with_the_gguf_tokenizer(model, golden, tmp_path, capsys):
+        import jax
+
+        from paged_jax.chat_template import apply_chat_template
+        from paged_jax.cli import main
+        from paged_jax.model.weights import load_model
+
+        out = tmp_path / "ckpt"
+        assert main(["convert", "--gguf", "smollm2-135m-instruct", "--out", str(out), "--dtype", "bfloat16"]) == 0
+        assert "134,515,008 parameters" in capsys.readouterr().out
+        assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {p.name for p in out.iterdir()}
+        config, params, tokenizer = load_model(out)
+        assert config == model[0].replace(dtype="bfloat16")
+        want = jax.tree_util.tree_leaves(model[1])
+        for a, b in zip(jax.tree_util.tree_leaves(params), want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(a.dtype)))
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        assert apply_chat_template(tokenizer, chat)[1] == golden["prompt_0"].tolist()
+
     def test_tensor_parallel_on_host_devices():
         """TP 3 (9 query / 3 KV heads split three ways) in a child with 8 host devices."""
         env = {**os.environ, "PAGED_JAX_SMOLLM2_TP_CHILD": "1", "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+                               __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-8000:] + proc.stderr[-4000:]
 
 else:

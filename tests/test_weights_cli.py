@@ -40,7 +40,8 @@ def test_subcommands_are_registered():
 
 
 def test_convert_gguf_writes_checkpoint_and_tokenizer(tmp_path, capsys, monkeypatch):
-    """A GGUF file converts to an orbax checkpoint whose tokenizer files come from the GGUF's metadata."""
+    """A GGUF file converts to an orbax checkpoint with the same parameters (this file has no vocabulary, so no
+    tokenizer files; tests/test_smollm2.py converts one that has)."""
     import gguf
     from test_gguf_import import write_gguf
 
