@@ -7,7 +7,7 @@ compiler, so layout, tiling, VMEM and DMA errors in the kernels show up here. Ex
     .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1] [--sharded v5e:2x2:4 v5e:2x4:8]
 
 The KV audit (``--audit``, on by default) compiles the engine's whole jitted step for every shipped config
-(tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b) x TP 1, 4, 8 (where the model shards) x a
+(tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b, smollm2-135m) x TP 1, 4, 8 (where the model shards) x a
 decode and a chunked-prefill bucket, with the KV pages sized as the engine would size them on one chip, and
 fails when the compiled HLO copies or transposes a KV page array (any instruction producing a KV-shaped
 array other than the in-place scatter) or when the temporaries that grow with the KV cache exceed 5% of one
@@ -49,6 +49,8 @@ CASES = [
     (64, 16, 8, 2, 128, 128, jnp.float32, 64, 50.0),
     (32, 8, 2, 1, 64, 16, jnp.bfloat16, None, None),  # bf16 with head_dim 64, MQA
     (16, 8, 4, 2, 256, 8, jnp.float32, 16, None),
+    (64, 64, 9, 3, 64, 16, jnp.bfloat16, None, None),  # SmolLM2-135M decode: 3 query heads per KV head, hd 64
+    (256, 8, 9, 3, 64, 16, jnp.float32, None, None),  # SmolLM2-135M prefill in float32 (the parity dtype)
 ]
 
 
@@ -171,7 +173,7 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
     return bad
 
 
-AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b")
+AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b", "smollm2-135m")
 AUDIT_BUCKETS = ((64, 64), (512, 16))  # (tokens, seqs): a decode bucket and a chunked-prefill bucket
 AUDIT_TOPOLOGY = {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}  # 32 GiB chips: an 8B model fits one
 MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages (see audit())

@@ -10,8 +10,9 @@ then read one at a time. Shard paths must stay inside the model directory.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -175,4 +176,38 @@ def _read(wanted: dict[Path, list[str]], rules: dict[str, tuple[tuple[str, ...],
     return params
 
 
-__all__ = ["WeightsError", "hf_name_map", "load_hf_params", "safetensors_files"]
+def params_from_hf_tensors(tensors: Iterable[tuple[str, Any]], config: ModelConfig, source: str) -> Params:
+    """Our parameter tree from (HF tensor name, [out, in] array) pairs, consumed one at a time (the GGUF
+    importer's path: its tensors are dequantized as they are read, so there is no header to check first).
+
+    Every tensor the config needs must appear exactly once; each is shape-checked, transformed into our
+    layout and cast to `config.dtype`. `source` names the checkpoint in errors.
+    """
+    rules = hf_name_map(config)
+    shapes = param_shapes(config)["params"]
+    dtype = jnp.dtype(config.dtype)
+    params: dict = {}
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue  # tied checkpoints sometimes store the head too; the embedding is used
+        if name not in rules:
+            raise WeightsError(f"{name}: unexpected tensor in {source} (not part of this model's config)")
+        if name in seen:
+            raise WeightsError(f"{name}: stored twice in {source}")
+        seen.add(name)
+        if not any(tensor.dtype == jnp.dtype(d) for d in FLOAT_DTYPES.values()):
+            raise WeightsError(f"{name}: dtype {tensor.dtype} cannot be loaded (need float32/bfloat16/float16)")
+        path, transform = rules[name]
+        hf_shape = _hf_shape(name, tuple(_get(shapes, path).shape))
+        if tuple(tensor.shape) != hf_shape:
+            raise WeightsError(f"{name}: shape {tuple(tensor.shape)} does not fit the config (expected {hf_shape})")
+        _set(params, path, jnp.asarray(transform(tensor), dtype=dtype))
+    missing = sorted(set(rules) - seen)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightsError(f"{missing[0]}: missing from {source}{more}")
+    return {"params": params}
+
+
+__all__ = ["WeightsError", "hf_name_map", "load_hf_params", "params_from_hf_tensors", "safetensors_files"]
