@@ -20,6 +20,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     g.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    g.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
+                        "port of --host (default: off; 0 picks a free port)")
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (default: off)")
     g.add_argument("--metrics-host", default="127.0.0.1")
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS)")
@@ -51,7 +54,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
                            default_max_tokens=args.default_max_tokens, max_n=args.max_n,
                            max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                            max_message_bytes=args.max_message_bytes)
-    config = ServingConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+    config = ServingConfig(host=args.host, port=args.port, http_port=args.http_port, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
                            auth_token=token, max_queued_requests=args.max_queued_requests,
                            allow_invariant_checks=args.allow_invariant_checks,

@@ -39,6 +39,7 @@ class ServingConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
+    http_port: int | None = None  # the OpenAI-compatible HTTP front on `host` (None: off, 0: a free port)
     metrics_port: int | None = None  # Prometheus endpoint on its own port (None: off, 0: a free port)
     metrics_host: str = "127.0.0.1"
     tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file turns TLS on
@@ -63,6 +64,8 @@ class ServingConfig:
             raise ValueError("auth_token: must not be empty")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests: must be >= 1 (0 would refuse every request)")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError("http_port: must be in [0, 65536)")
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s: must be >= 0")
         self.limits.validate()

@@ -23,6 +23,7 @@ from serve.auth import BearerTokenInterceptor, server_credentials
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.metrics import Metrics
+from serve.openai_api.server import start_http_front
 from serve.servicer import SERVICE_NAME, GenerationServicer, generic_handler
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ async def serve_forever(engine: LLMEngine, config: ServingConfig) -> int:
     server = GrpcServer(loop, config, metrics)
     port = await server.start()
     print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)
+    http = await start_http_front(loop, config, metrics)  # None unless --http-port
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     died: list[BaseException] = []
@@ -190,10 +192,16 @@ async def serve_forever(engine: LLMEngine, config: ServingConfig) -> int:
         log.error("engine loop died (%s: %s): stopping with exit status %d so that a supervisor restarts the "
                   "server", type(died[0]).__name__, died[0], EXIT_ENGINE_DIED)
         await server.drain_and_stop(grace_period_s=0.0)  # open streams already ended UNAVAILABLE
+        if http is not None:
+            await http.stop()
         metrics.close()
         return EXIT_ENGINE_DIED
     log.info("shutting down: draining for up to %.1f s", config.grace_period_s)
+    if http is not None:
+        http.front.draining = True  # both fronts refuse new work; the gRPC drain waits for every open request
     await server.drain_and_stop()
+    if http is not None:
+        await http.stop()
     loop.stop()
     metrics.close()
     return 0

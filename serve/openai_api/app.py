@@ -1,0 +1,62 @@
+"""The ASGI app (FastAPI): the OpenAI routes, `/health`, `/metrics`, and errors in OpenAI's shape.
+
+Auth (when a token is configured) covers `/v1/*`; `/health` and `/metrics` follow the gRPC rule for health
+checks (`auth_exempt_health`, on by default) so load balancers and scrapers need no token.
+"""
+
+from __future__ import annotations
+
+import grpc
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from serve.convert import RequestError
+from serve.openai_api.errors import error_response
+from serve.openai_api.front import OpenAIFront
+
+_HTTP_CODES = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED}
+
+
+def create_app(front: OpenAIFront) -> FastAPI:
+    app = FastAPI(title="paged-jax OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, e: RequestError) -> JSONResponse:
+        return error_response(e.code, e.message)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return error_response(_HTTP_CODES.get(e.status_code, grpc.StatusCode.UNKNOWN),
+                              f"{request.method} {request.url.path}: {e.detail}")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await front.generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await front.generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        front.check_auth(request)
+        return JSONResponse(front.models())
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        """200 while serving; 503 while draining or once the engine loop died."""
+        front.check_auth(request, exempt=True)
+        if front.serving:
+            return JSONResponse({"status": "ok"})
+        why = "draining" if front.draining else "engine not running"
+        return error_response(grpc.StatusCode.UNAVAILABLE, f"server: {why}")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        front.check_auth(request, exempt=True)
+        return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,193 @@
+"""The OpenAI handlers: parse, submit to the shared engine loop, answer in one piece or as server-sent events.
+
+One engine, one KV cache, one admission queue: requests go through the same `EngineLoop.submit` (and its
+`max_queued_requests`) as gRPC's, are validated by the same `convert.parse_generate`, and are counted in the
+same Prometheus registry (method `OpenAI.Completions` / `OpenAI.ChatCompletions`, status as gRPC's name).
+
+A response starts only once the engine has taken the request (its first output), so every failure the
+engine reports at admission still gets its HTTP status. Until then, and for a unary request until its end,
+a watcher reads the connection: a client that goes away aborts its request at once (its pages are freed
+before the next step). A streaming response is cancelled by Starlette when its client disconnects, and the
+generator's `finally` aborts the request the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from paged_jax.outputs import RequestOutput
+from serve import convert
+from serve.config import ServingConfig
+from serve.convert import ParsedRequest, RequestError
+from serve.engine_loop import EngineLoop, Event, RequestStream
+from serve.metrics import Metrics
+from serve.openai_api.errors import error_body, error_response
+from serve.openai_api.protocol import Kind, OpenAIRequest, parse_body
+from serve.openai_api.responses import ResponseBuilder
+
+CPU_WORKERS = 2  # threads for JSON parsing, tokenization and chat templates, off the event loop
+METHODS = {"completion": "OpenAI.Completions", "chat": "OpenAI.ChatCompletions"}
+T = TypeVar("T")
+
+
+class OpenAIFront:
+    """The state the routes share: the engine loop, limits, metrics, and the draining flag."""
+
+    def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics) -> None:
+        self.loop, self.config, self.metrics = loop, config, metrics
+        engine = loop.engine
+        self.model_name: str = engine.config.name
+        self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
+        self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
+        self.sampling_defaults = dict(engine.engine_config.sampling_defaults)
+        self.draining = False  # set on shutdown: new generations get 503
+        self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="openai-cpu")
+
+    # -- checks ---------------------------------------------------------------------------------------
+    def check_auth(self, request: Request, exempt: bool = False) -> None:
+        """UNAUTHENTICATED (401) unless the request carries `Authorization: Bearer <token>` (when auth is on)."""
+        expected = self.config.auth_token
+        if expected is None or (exempt and self.config.auth_exempt_health):
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        ok = hmac.compare_digest(token.strip().encode(), expected.encode())  # constant time, whatever the scheme
+        if not (ok and scheme.lower() == "bearer"):
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization: a valid 'Bearer <token>' is required")
+
+    @property
+    def serving(self) -> bool:
+        return self.loop.alive and not self.draining
+
+    # -- generation ---------------------------------------------------------------------------------
+    def _convert(self, req: OpenAIRequest) -> ParsedRequest:
+        """The gRPC front's validation: limits, tokenizing or the chat template, SamplingParams.validate."""
+        if req.model is not None and req.model != self.model_name:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {req.model!r} is not served here "
+                               f"(GET /v1/models lists {self.model_name!r})")
+        return convert.parse_generate(req.generate, self.config.limits, self.tokenizer, self.vocab_size,
+                                      self.max_model_len, self.max_n, self.sampling_defaults)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    async def generate(self, request: Request, kind: Kind) -> Response:
+        """POST /v1/completions and /v1/chat/completions."""
+        method, req = METHODS[kind], None
+        try:
+            self.check_auth(request)
+            raw = await request.body()
+            if len(raw) > self.config.limits.max_message_bytes:
+                raise convert.invalid(f"body: larger than the limit of {self.config.limits.max_message_bytes} bytes")
+            req = await self._off_loop(parse_body, raw, kind)
+            parsed = await self._off_loop(self._convert, req)
+            if self.draining:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
+            prefix = "cmpl" if kind == "completion" else "chatcmpl"
+            stream = self.loop.submit(f"{prefix}-{uuid.uuid4().hex}", parsed.prompt_token_ids, parsed.params,
+                                      parsed.cache_salt, self.config.max_queued_requests)
+            builder = ResponseBuilder(kind, stream.request_id, self.model_name, self.tokenizer, req.logprobs)
+            first = await self._unless_disconnected(request, stream, self._get(stream))
+            if req.stream:
+                body = self._sse(stream, first, builder, req, parsed.params.n)
+                return StreamingResponse(body, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            out = await self._unless_disconnected(request, stream, self._collect(stream, first))
+            self.metrics.on_finished(out)
+            self._count(method, grpc.StatusCode.OK)
+            return JSONResponse(builder.full(out))
+        except RequestError as e:
+            self._count(method, e.code)
+            names = dict(kind=kind, max_tokens_name=req.max_tokens_name) if req is not None else dict(kind=kind)
+            return error_response(e.code, e.message, param="model" if e.code == grpc.StatusCode.NOT_FOUND else None,
+                                  **names)
+
+    async def _get(self, stream: RequestStream) -> Event:
+        event = await stream.get()
+        if event.code is not None:
+            raise RequestError(event.code, event.message)
+        return event
+
+    async def _collect(self, stream: RequestStream, event: Event) -> RequestOutput:
+        while not event.output.finished:
+            event = await self._get(stream)
+        return event.output
+
+    async def _unless_disconnected(self, request: Request, stream: RequestStream, work: Awaitable[T]) -> T:
+        """`await work`, unless the client disconnects first: then abort the request (CANCELLED)."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            gone = not task.done()  # the client went away (or this handler was cancelled)
+            if gone:
+                task.cancel()
+                self.loop.abort(stream, "cancelled: the client disconnected")
+        if gone:
+            raise RequestError(grpc.StatusCode.CANCELLED, "cancelled: the client disconnected")
+        return task.result()
+
+    async def _sse(self, stream: RequestStream, event: Event, builder: ResponseBuilder, req: OpenAIRequest,
+                   n: int) -> AsyncIterator[str]:
+        """The event stream: chunks as outputs arrive, the usage chunk if asked for, then `data: [DONE]`."""
+        method, status, done = METHODS[req.kind], grpc.StatusCode.OK, False
+        usage_field = {"usage": None} if req.include_usage else {}
+        ended: set[int] = set()  # samples whose chunk with the finish reason went out
+        try:
+            if req.kind == "chat":
+                yield _data({**builder.role_chunk(n), **usage_field})
+            while True:
+                out = event.output
+                for c in out.outputs:
+                    if c.new_token_ids or c.new_text or (c.finished and c.index not in ended):
+                        if c.finished:
+                            ended.add(c.index)
+                        yield _data({**builder.delta_chunk(c), **usage_field})
+                if out.finished:
+                    done = True
+                    self.metrics.on_finished(out)
+                    if req.include_usage:
+                        yield _data(builder.usage_chunk(out))
+                    break
+                event = await self._get(stream)
+        except RequestError as e:  # after the response started: the error is the last event (as vLLM does)
+            done, status = True, e.code
+            yield _data(error_body(e.code, e.message, kind=req.kind)[1])
+        except BaseException:  # cancelled (the client went away) or closed early
+            status = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            if not done:
+                self.loop.abort(stream, "cancelled: the client disconnected")
+            self._count(method, status)
+        yield "data: [DONE]\n\n"
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        self.metrics.requests.labels(method, code.name).inc()
+
+    # -- the rest -------------------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        engine = self.loop.engine
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "paged-jax", "max_model_len": engine.max_model_len}]}
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body is already read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -1,0 +1,104 @@
+"""Engine outputs as OpenAI response objects: completions, chat completions, their stream chunks, usage.
+
+Plain dicts in OpenAI's documented shapes (the official client parses them into its own models).
+Finish reasons: `eos`, `stop` (a stop token id) and `stop_string` are all OpenAI's `stop`; `length`
+stays; `abort` (cancelled, or a server shutdown) is passed through as vLLM does. The stop string or
+token id that ended a sample is vLLM's extra `stop_reason`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from serve.openai_api.protocol import Kind
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_string": "stop", "length": "length", "abort": "abort",
+                  "error": "error"}
+
+
+@dataclass(slots=True)
+class ResponseBuilder:
+    """Everything one response needs besides the outputs: ids, model, and how to spell tokens."""
+
+    kind: Kind
+    request_id: str
+    model: str
+    tokenizer: Any
+    logprobs: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_name(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion"
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- unary --------------------------------------------------------------------------------------
+    def full(self, out: RequestOutput) -> dict[str, Any]:
+        choices = [self._choice(c, c.text, c.logprobs, c.finish_reason, c.stop_reason, final=True)
+                   for c in out.outputs]
+        return {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(out)}
+
+    # -- streaming ----------------------------------------------------------------------------------
+    def role_chunk(self, n: int) -> dict[str, Any]:
+        """The first chat chunk: each choice's role (OpenAI sends it before any content)."""
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                   for i in range(n)]
+        return self._chunk(choices)
+
+    def delta_chunk(self, c: CompletionOutput) -> dict[str, Any]:
+        return self._chunk([self._choice(c, c.new_text, c.new_logprobs, c.finish_reason, c.stop_reason, final=False)])
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": usage(out)}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return {"id": self.request_id, "object": name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _choice(self, c: CompletionOutput, text: str, logprobs: Sequence[TokenLogprob] | None,
+                reason: str | None, stop_reason: str | int | None, final: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": c.index}
+        if self.kind == "completion":
+            choice["text"] = text
+            choice["logprobs"] = self._completion_logprobs(logprobs) if self.logprobs is not None else None
+        else:
+            key = "message" if final else "delta"
+            choice[key] = {"role": "assistant", "content": text} if final else {"content": text}
+            choice["logprobs"] = {"content": self._chat_logprobs(logprobs)} if self.logprobs is not None else None
+        choice["finish_reason"] = FINISH_REASONS.get(reason) if reason is not None else None
+        choice["stop_reason"] = stop_reason
+        return choice
+
+    def _completion_logprobs(self, items: Sequence[TokenLogprob] | None) -> dict[str, Any]:
+        """The legacy completions shape: parallel lists, alternatives as {token: logprob}."""
+        tokens, offsets, offset = [], [], 0
+        for lp in items or ():
+            tokens.append(self.token_text(lp.token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items or ()],
+                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in items or ()],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, items: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in items or ()]
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    m = out.metrics
+    return {"prompt_tokens": m.num_prompt_tokens, "completion_tokens": m.num_generated_tokens,
+            "total_tokens": m.num_prompt_tokens + m.num_generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": m.num_cached_prompt_tokens}}

@@ -1,0 +1,141 @@
+"""uvicorn serving the OpenAI app on the running asyncio loop, beside the gRPC server and its engine loop.
+
+`HttpServer` is one front end like `GrpcServer`: it does not own the engine loop. It binds `config.host`
+(loopback unless `--host`) and `config.http_port`, with the gRPC server's TLS certificate when TLS is on.
+uvicorn's own signal handling is off: the process's handler (`serve_forever`) drains both fronts.
+`HttpServerThread` runs one on its own event loop thread (tests, embedding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from serve.config import ServingConfig
+from serve.engine_loop import EngineLoop
+from serve.metrics import Metrics
+from serve.openai_api.app import create_app
+from serve.openai_api.front import OpenAIFront
+
+log = logging.getLogger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the process's own handler drains every front
+        yield
+
+
+class HttpServer:
+    """The OpenAI-compatible HTTP front over `loop`; `await start()`, later `await drain_and_stop()`."""
+
+    def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics | None = None) -> None:
+        config.validate()
+        self.loop, self.config = loop, config
+        self.front = OpenAIFront(loop, config, metrics or Metrics())
+        self.app = create_app(self.front)
+        self.port: int | None = None
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        cfg = self.config
+        port = cfg.http_port if cfg.http_port is not None else 0
+        config = uvicorn.Config(self.app, host=cfg.host, port=port, log_level="warning", access_log=False,
+                                lifespan="off", ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file,
+                                timeout_graceful_shutdown=5)
+        self._server = _Uvicorn(config)
+        self._task = asyncio.ensure_future(self._server.serve())
+        while not self._server.started:  # uvicorn binds in serve(); a failure ends the task
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError(f"http: could not listen on {cfg.host}:{port}")
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        scheme = "https" if cfg.tls else "http"
+        log.info("serving the OpenAI API on %s://%s:%d/v1 (auth %s)", scheme, cfg.host, self.port,
+                 cfg.auth_token is not None)
+        return self.port
+
+    async def drain(self, grace_period_s: float) -> None:
+        """Refuse new generations (503, /health 503), let open requests of the whole engine finish for the
+        grace period, then abort the rest (a stream ends with finish_reason `abort`)."""
+        self.front.draining = True
+        deadline = time.monotonic() + grace_period_s
+        while self.loop.num_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.loop.num_open:
+            self.loop.abort_all("aborted: the server is shutting down")
+
+    async def stop(self) -> None:
+        """Close the listener and the connections (open responses get up to 5 s to send their last bytes)."""
+        self.front.draining = True
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+
+
+class HttpServerThread:
+    """An `HttpServer` on its own event loop thread; `start()` returns once it listens."""
+
+    def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics | None = None) -> None:
+        self.server = HttpServer(loop, config, metrics)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._main, name="http-server", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.server.config.host}:{self.server.port}/v1"
+
+    def start(self) -> HttpServerThread:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _main(self) -> None:
+        async def run() -> None:
+            self._aio_loop = asyncio.get_running_loop()
+            try:
+                await self.server.start()
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                self._ready.set()
+            await self.server._task
+
+        try:
+            asyncio.run(run())
+        except BaseException:  # noqa: BLE001 - reported through start()
+            pass
+
+    def stop(self, grace_period_s: float = 0.0) -> None:
+        if self._aio_loop is None or not self._thread.is_alive():
+            return
+
+        async def shutdown() -> None:
+            await self.server.drain(grace_period_s)
+            await self.server.stop()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._aio_loop).result(30)
+        self._thread.join(10)
+
+
+async def start_http_front(loop: EngineLoop, config: ServingConfig, metrics: Metrics) -> HttpServer | None:
+    """`paged-jax serve`'s HTTP front when `config.http_port` is set (announced on stdout like gRPC's), else None."""
+    if config.http_port is None:
+        return None
+    http = HttpServer(loop, config, metrics)
+    port = await http.start()
+    print(f"paged-jax OpenAI API on {'https' if config.tls else 'http'}://{config.host}:{port}/v1", flush=True)
+    return http

@@ -1,0 +1,305 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` client against real servers on loopback.
+
+The main front shares the session's engine loop with a gRPC front (one engine, one KV cache): greedy output is
+checked against the offline engine's, and pages and invariants through gRPC's GetStats. A second small engine
+(one sequence at a time) shows the admission queue's 429 and a dead engine's 503.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from test_serve_support import GREEDY, LIMITS, PROMPTS, SAMPLED, shared, start_server, wait_idle, wait_until
+
+from paged_jax.chat_template import apply_chat_template, template_from_text
+from paged_jax.engine import EngineConfig, LLMEngine
+from serve.client import Client
+from serve.config import ServingConfig
+from serve.engine_loop import EngineLoop
+from serve.openai_api.server import HttpServerThread
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def fronts():
+    """(HTTP front, gRPC front) on the shared engine loop; the tiny byte tokenizer gets a chat template meanwhile."""
+    s = shared()
+    tokenizer = s.engine.tokenizer
+    old_template, tokenizer.chat_template = tokenizer.chat_template, template_from_text(TEMPLATE, "test template")
+    grpc_front = start_server()
+    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, limits=LIMITS), s.metrics).start()
+    yield http, grpc_front
+    http.stop()
+    grpc_front.stop()
+    tokenizer.chat_template = old_template
+
+
+@pytest.fixture
+def oai(fronts):
+    http, grpc_front = fronts
+    with openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0) as client:
+        yield client
+    wait_idle(Client(grpc_front.target))
+
+
+@pytest.fixture
+def stats(fronts):
+    with Client(fronts[1].target) as client:
+        yield client
+
+
+def test_completions_greedy_match_offline_unary_and_streaming(oai):
+    ref = shared().greedy
+    for prompt in PROMPTS:
+        want = ref[prompt].outputs[0]
+        reason = "stop" if want.finish_reason == "eos" else want.finish_reason
+        out = oai.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=GREEDY.max_tokens)
+        assert out.object == "text_completion" and out.model == "tiny" and out.id.startswith("cmpl-")
+        assert out.choices[0].text == want.text and out.choices[0].finish_reason == reason
+        assert out.usage.prompt_tokens == len(ref[prompt].prompt_token_ids)
+        assert out.usage.completion_tokens == len(want.token_ids)
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+        chunks = list(oai.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True,
+                                             max_tokens=GREEDY.max_tokens, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+        assert all(c.usage is None for c in chunks[:-1])
+        by_ids = oai.completions.create(model="tiny", prompt=ref[prompt].prompt_token_ids, temperature=0,
+                                        max_tokens=GREEDY.max_tokens)
+        assert by_ids.choices[0].text == want.text
+        if len(ref[prompt].prompt_token_ids) > 16:  # a full page: the second request hits the prefix cache
+            assert by_ids.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_chat_matches_grpc_chat_unary_and_streaming(oai, stats):
+    want = stats.chat(CHAT, temperature=0, max_tokens=8, ignore_eos=True)
+    out = oai.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_completion_tokens=8,
+                                      extra_body={"ignore_eos": True})
+    c = out.choices[0]
+    assert out.object == "chat.completion" and c.message.role == "assistant"
+    assert c.message.content == want.completions[0].text and c.finish_reason == "length"
+    assert out.usage.prompt_tokens == want.usage.prompt_tokens == len(apply_chat_template(
+        shared().engine.tokenizer, CHAT)[1])
+    chunks = list(oai.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_tokens=8, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             CHAT[1]]
+    assert oai.chat.completions.create(model="tiny", messages=parts, temperature=0, max_tokens=8,
+                                       extra_body={"ignore_eos": True}).choices[0].message.content == c.message.content
+
+
+def test_n_seeded_sampling_reproducible_and_logprobs(oai):
+    ref = shared().sampled
+    kwargs = dict(model="tiny", prompt=PROMPTS[0], n=SAMPLED.n, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p,
+                  seed=SAMPLED.seed, max_tokens=SAMPLED.max_tokens, extra_body={"ignore_eos": True})
+    first = oai.completions.create(**kwargs, logprobs=2)
+    assert {c.index: c.text for c in first.choices} == {c.index: c.text for c in ref.outputs}
+    assert first.usage.completion_tokens == SAMPLED.n * SAMPLED.max_tokens
+    for c in first.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == SAMPLED.max_tokens
+        assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    streamed: dict[int, str] = {}
+    for chunk in oai.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in ref.outputs}
+    chat = oai.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_tokens=4, logprobs=True,
+                                       top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+
+
+def test_stop_strings_and_vllm_extras(oai):
+    want = shared().greedy[PROMPTS[0]].outputs[0]
+    stop = want.text[3:5]
+    out = oai.completions.create(model="tiny", prompt=PROMPTS[0], temperature=0, max_tokens=24, stop=[stop])
+    c = out.choices[0]
+    assert c.finish_reason == "stop" and want.text.startswith(c.text) and stop not in c.text
+    assert c.model_extra["stop_reason"] == stop
+    out = oai.completions.create(model="tiny", prompt=PROMPTS[0], temperature=0.7, max_tokens=6, user="u-1",
+                                 presence_penalty=0.5, frequency_penalty=0.5, seed=7,
+                                 extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 6,
+                                             "ignore_eos": True, "skip_special_tokens": True, "cache_salt": "t1"})
+    assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
+
+
+def _status(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as e:
+        call()
+    return e.value
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature="hot"), "temperature"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(max_tokens=5000), "max_tokens"),
+    (dict(n=0), "n"),
+    (dict(seed=-3), "seed"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[["a"]]), "prompt"),
+    (dict(extra_body={"top_k": -2}), "top_k"),
+    (dict(echo=True), "echo"),
+])
+def test_invalid_completion_fields_are_400_naming_the_param(oai, kwargs, param):
+    args = dict(model="tiny", prompt="hi", max_tokens=2) | kwargs
+    e = _status(lambda: oai.completions.create(**args))
+    assert e.status_code == 400 and isinstance(e, openai.BadRequestError)
+    assert e.body["param"] == param and e.body["type"] == "invalid_request_error", e.body
+    assert e.body["message"].startswith(f"{param}: "), e.body
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+    (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    (dict(messages=[]), "messages"),
+    (dict(max_completion_tokens=5000), "max_completion_tokens"),
+    (dict(top_logprobs=2), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=25), "top_logprobs"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+])
+def test_invalid_chat_fields_are_400_naming_the_param(oai, kwargs, param):
+    args = dict(model="tiny", messages=CHAT, max_tokens=2) | kwargs
+    e = _status(lambda: oai.chat.completions.create(**args))
+    assert e.status_code == 400 and e.body["param"] == param, e.body
+
+
+def test_unknown_model_is_404_and_models_health_metrics(oai, fronts):
+    e = _status(lambda: oai.completions.create(model="gpt-4", prompt="hi", max_tokens=2))
+    assert e.status_code == 404 and isinstance(e, openai.NotFoundError) and e.body["param"] == "model"
+    assert [m.id for m in oai.models.list()] == ["tiny"]
+    root = fronts[0].base_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/health") as r:
+        assert r.status == 200
+    with urllib.request.urlopen(f"{root}/metrics") as r:
+        text = r.read().decode()
+    assert 'paged_jax_requests_total{method="OpenAI.Completions",status="OK"}' in text
+    assert 'method="OpenAI.Completions",status="NOT_FOUND"' in text
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{root}/v1/nothing")
+    assert e.value.code == 404 and "error" in json.loads(e.value.read())
+
+
+def test_raw_sse_ends_with_done(fronts):
+    body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 3, "temperature": 0, "stream": True,
+                       "ignore_eos": True, "logprobs": 0}).encode()
+    request = urllib.request.Request(f"{fronts[0].base_url}/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.read().decode().split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert sum(len(json.loads(e[6:])["choices"][0]["logprobs"]["tokens"]) for e in events[:-1]) == 3
+
+
+def _cancelled() -> float:
+    return shared().metrics.requests.labels("OpenAI.Completions", "CANCELLED")._value.get()
+
+
+def test_disconnect_mid_stream_frees_every_page(oai, stats):
+    idle = wait_idle(stats)
+    before, steps, cancelled = idle.pages_total, idle.num_steps, _cancelled()
+    stream = oai.completions.create(model="tiny", prompt=PROMPTS[1], temperature=0, max_tokens=1500, stream=True,
+                                    extra_body={"ignore_eos": True})
+    seen = 0
+    for chunk in stream:
+        seen += len(chunk.choices[0].text)
+        if seen >= 5:
+            assert stats.stats().pages_in_use > 0
+            break
+    stream.close()
+    after = wait_idle(stats)
+    assert after.pages_free == before and _cancelled() == cancelled + 1
+    assert after.num_steps - steps < 1500  # aborted, not run to its end
+
+
+def test_unary_disconnect_aborts_and_frees(fronts, stats):
+    steps, cancelled = wait_idle(stats).num_steps, _cancelled()
+    with openai.OpenAI(base_url=fronts[0].base_url, api_key="unused", max_retries=0, timeout=0.5) as client:
+        with pytest.raises(openai.APITimeoutError):
+            client.completions.create(model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=1800,
+                                      extra_body={"ignore_eos": True})
+    after = wait_idle(stats)
+    assert after.pages_free == after.pages_total and _cancelled() == cancelled + 1
+    assert after.num_steps - steps < 1800  # aborted when the client went away, not run to its end
+
+
+def test_auth_and_draining(fronts):
+    s = shared()
+    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, auth_token="sesame", limits=LIMITS),
+                            s.metrics).start()
+    try:
+        with openai.OpenAI(base_url=http.base_url, api_key="wrong", max_retries=0) as bad:
+            e = _status(lambda: bad.completions.create(model="tiny", prompt="hi", max_tokens=2))
+            assert e.status_code == 401 and isinstance(e, openai.AuthenticationError)
+        with openai.OpenAI(base_url=http.base_url, api_key="sesame", max_retries=0) as good:
+            assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+            with urllib.request.urlopen(http.base_url.removesuffix("/v1") + "/health") as r:
+                assert r.status == 200  # health needs no token
+            http.server.front.draining = True
+            e = _status(lambda: good.completions.create(model="tiny", prompt="hi", max_tokens=2))
+            assert e.status_code == 503 and isinstance(e, openai.InternalServerError)
+            with pytest.raises(urllib.error.HTTPError) as he:
+                urllib.request.urlopen(http.base_url.removesuffix("/v1") + "/health")
+            assert he.value.code == 503
+    finally:
+        http.stop()
+
+
+def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
+    """One sequence at a time, one waiting: a third request is refused 429; a dead engine loop answers 503."""
+    s = shared()
+    engine = LLMEngine(s.engine.config, s.params, s.engine.tokenizer,
+                       EngineConfig(num_pages=200, max_num_seqs=1, max_num_batched_tokens=16,
+                                    attention_backend="xla", warmup=False))
+    loop = EngineLoop(engine).start()
+    http = HttpServerThread(loop, ServingConfig(port=0, http_port=0, max_queued_requests=1, limits=LIMITS)).start()
+    try:
+        with openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0) as client:
+            long = dict(model="tiny", prompt="a", temperature=0, max_tokens=1500, extra_body={"ignore_eos": True})
+            running = client.completions.create(**long, stream=True)
+            next(iter(running))  # started: no longer queued
+            waiting: list = []
+            thread = threading.Thread(target=lambda: waiting.append(client.completions.create(
+                model="tiny", prompt="b", max_tokens=2)), daemon=True)
+            thread.start()
+            wait_until(lambda: loop.num_queued == 1, "the second request to wait in the queue")
+            e = _status(lambda: client.completions.create(model="tiny", prompt="c", max_tokens=2))
+            assert e.status_code == 429 and isinstance(e, openai.RateLimitError) and e.body["code"] == \
+                "resource_exhausted"
+            running.close()  # frees the sequence: the waiting request runs
+            thread.join(120)
+            assert waiting and waiting[0].usage.completion_tokens >= 1
+            real_step = engine.step
+
+            def failing_step():
+                real_step()
+                raise RuntimeError("injected device failure")
+
+            monkeypatch.setattr(engine, "step", failing_step)
+            # The loop dies in this request's first step, before its first output: the response has not started,
+            # so the failure is its HTTP status.
+            e = _status(lambda: client.completions.create(model="tiny", prompt="d", max_tokens=50, stream=True))
+            assert e.status_code == 503 and "injected device failure" in e.body["message"]
+            wait_until(lambda: not loop.alive, "the engine loop to die")
+            e = _status(lambda: client.completions.create(model="tiny", prompt="c", max_tokens=2))
+            assert e.status_code == 503
+    finally:
+        http.stop()
+        loop.stop()
