@@ -8,9 +8,15 @@ checked against the offline engine's, and pages and invariants through gRPC's Ge
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -23,6 +29,7 @@ from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.openai_api.server import HttpServerThread
 
+ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -303,3 +310,51 @@ def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
     finally:
         http.stop()
         loop.stop()
+
+
+def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
+    """`python -m serve serve --http-port 0`: the HTTP front in the serving process; SIGTERM turns /health 503,
+    refuses new work 503, ends an open stream with finish_reason `abort` after the grace period, exits 0."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--http-port", "0",
+         "--num-pages", "300", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--attention-backend", "xla",
+         "--grace-period", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"OpenAI API on (http://\S+/v1)", line):
+                base_url = m.group(1)
+                break
+        else:
+            raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+        assert base_url.startswith("http://127.0.0.1:")  # loopback unless --host
+        with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            assert [m.id for m in client.models.list()] == ["tiny"]
+            assert client.completions.create(model="tiny", prompt="hi", max_tokens=3,
+                                             extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+            long = client.completions.create(model="tiny", prompt="a", temperature=0, max_tokens=1800, stream=True,
+                                             extra_body={"ignore_eos": True})
+            chunks = iter(long)
+            next(chunks)
+            proc.send_signal(signal.SIGTERM)
+
+            def health() -> int:
+                try:
+                    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/health") as r:
+                        return r.status
+                except urllib.error.HTTPError as e:
+                    return e.code
+
+            wait_until(lambda: health() == 503, "/health to turn 503 after SIGTERM")
+            e = _status(lambda: client.completions.create(model="tiny", prompt="hi", max_tokens=2))
+            assert e.status_code == 503
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert reasons == ["abort"]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
