@@ -1,6 +1,10 @@
 """Load test: bounded concurrent streams for a bounded time against a loopback `python -m serve` server.
 
     .venv/bin/python scripts/load_test.py --concurrency 256 --duration 60
+    .venv/bin/python scripts/load_test.py --http ...   # the same mix through the OpenAI HTTP front
+
+With `--http` the streams go to `/v1/completions` (stream: true) through the official `openai` client,
+a cancelled one by closing its connection mid-stream; the end-of-run page check still uses gRPC GetStats.
 
 Starts the server as a subprocess (unless --target is given), keeps `--concurrency` streams open for
 `--duration` seconds (each finished stream is replaced by a new one), cancels a tenth of them at a
@@ -34,6 +38,7 @@ from serve.proto.paged_jax.v1 import generate_pb2 as pb  # noqa: E402
 from serve.proto.paged_jax.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 
 EXPECTED = {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"}  # cancelled by us; queue full under overload
+HTTP_CODES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 400: "INVALID_ARGUMENT", 500: "INTERNAL"}
 WORDS = "the a paged attention cache of tokens in jax serving stream model request page block".split()
 
 
@@ -48,14 +53,21 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "serve", "serve", "--model", args.model, "--port", "0",
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-queued-requests", str(args.max_queued), "--grace-period", "5", "--allow-invariant-checks"]
+    if args.http:
+        cmd += ["--http-port", "0"]
     if args.num_pages:
         cmd += ["--num-pages", str(args.num_pages)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    target = None
     for line in proc.stdout:
         if m := re.search(r"serving \S+ on (\S+:\d+)", line):
+            target = m.group(1)
+        if m := re.search(r"OpenAI API on (\S+)", line):
+            args.base_url = m.group(1)
+        if target is not None and (args.base_url or not args.http):
             threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, m.group(1)
+            return proc, target
     raise SystemExit(f"server exited with {proc.wait()}")
 
 
@@ -66,6 +78,8 @@ class Load:
         self.ttft: list[float] = []
         self.tokens = 0
         self.done = 0
+        self.http = None  # an openai.AsyncOpenAI client in --http mode
+        self.model = ""
 
     async def one(self, rng: random.Random) -> None:
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60)))
@@ -91,10 +105,44 @@ class Load:
             self.codes[e.code().name] += 1
         self.done += 1
 
+    async def one_http(self, rng: random.Random) -> None:
+        """The same request mix through /v1/completions; a cancellation closes the connection mid-stream."""
+        import openai
+
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60)))
+        cancel_after = rng.randint(1, 20) if rng.random() < 0.1 else None
+        start, chunks, stream = time.perf_counter(), 0, None
+        try:
+            stream = await self.http.completions.create(
+                model=self.model, prompt=prompt, max_tokens=rng.randint(8, self.args.max_tokens), stream=True,
+                temperature=rng.random(), seed=rng.randrange(2**31), logprobs=0,
+                extra_body={"ignore_eos": rng.random() < 0.5})
+            cancelled = False
+            async for chunk in stream:
+                if chunks == 0:
+                    self.ttft.append(time.perf_counter() - start)
+                chunks += 1
+                self.tokens += sum(len(c.logprobs.tokens) for c in chunk.choices)
+                if cancel_after is not None and chunks >= cancel_after:
+                    cancelled = True
+                    break
+            self.codes["CANCELLED" if cancelled else "OK"] += 1
+        except openai.APIStatusError as e:
+            self.codes[HTTP_CODES.get(e.status_code, f"HTTP_{e.status_code}")] += 1
+        except openai.APITimeoutError:
+            self.codes["DEADLINE_EXCEEDED"] += 1
+        except openai.APIConnectionError:
+            self.codes["UNAVAILABLE"] += 1
+        finally:
+            if stream is not None:
+                await stream.close()
+        self.done += 1
+
     async def worker(self, seed: int, until: float) -> None:
         rng = random.Random(seed)
+        one = self.one_http if self.http is not None else self.one
         while time.monotonic() < until:
-            await self.one(rng)
+            await one(rng)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -107,8 +155,13 @@ def pct(values: list[float], q: float) -> float:
 async def run(args: argparse.Namespace, target: str, pid: int | None) -> dict:
     async with aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
-        await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         load, rss = Load(stub, args), []
+        if args.http:
+            import openai  # its default pool (1000 connections) is above any concurrency used here
+
+            load.http = openai.AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=120)
+            load.model = info.name
         start = time.monotonic()
         until = start + args.duration
 
@@ -122,6 +175,8 @@ async def run(args: argparse.Namespace, target: str, pid: int | None) -> dict:
             tasks.append(asyncio.create_task(sample_rss()))
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - start
+        if load.http is not None:
+            await load.http.close()
         stats = None
         for _ in range(100):  # every page back once the last stream is gone
             stats = await stub.GetStats(pb.GetStatsRequest(check_invariants=True), timeout=30)
@@ -142,6 +197,8 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--max-queued", type=int, default=512)
+    p.add_argument("--http", action="store_true", help="drive the OpenAI HTTP front (--http-port) instead of gRPC")
+    p.add_argument("--base-url", default=None, help="with --http and --target: the server's OpenAI base URL")
     args = p.parse_args()
     proc, target = (None, args.target) if args.target else start_server(args)
     pid = proc.pid if proc else None
@@ -153,7 +210,8 @@ def main() -> int:
             exit_code = proc.wait(timeout=60)
     load, stats, rss = r["load"], r["stats"], r["rss"]
     unexpected = {k: v for k, v in load.codes.items() if k not in EXPECTED}
-    print(f"concurrency {args.concurrency}, {r['elapsed']:.1f} s, {load.done} requests")
+    print(f"{'HTTP (OpenAI)' if args.http else 'gRPC'}, concurrency {args.concurrency}, {r['elapsed']:.1f} s, "
+          f"{load.done} requests")
     print(f"requests/s {load.done / r['elapsed']:.1f}, generated tokens/s {load.tokens / r['elapsed']:.0f}")
     print(f"TTFT p50 {pct(load.ttft, 0.5) * 1e3:.1f} ms, p99 {pct(load.ttft, 0.99) * 1e3:.1f} ms")
     print(f"status codes {dict(load.codes)}; unexpected {unexpected or 'none'}")
