@@ -49,6 +49,12 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used (every thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "serve", "serve", "--model", args.model, "--port", "0",
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -170,11 +176,13 @@ async def run(args: argparse.Namespace, target: str, pid: int | None) -> dict:
                 rss.append(rss_mib(pid))
                 await asyncio.sleep(1.0)
 
+        cpu_start = cpu_s(pid) if pid is not None else None
         tasks = [asyncio.create_task(load.worker(i, until)) for i in range(args.concurrency)]
         if pid is not None:
             tasks.append(asyncio.create_task(sample_rss()))
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - start
+        cpu = cpu_s(pid) - cpu_start if pid is not None else None
         if load.http is not None:
             await load.http.close()
         stats = None
@@ -183,7 +191,7 @@ async def run(args: argparse.Namespace, target: str, pid: int | None) -> dict:
             if stats.num_open_requests == 0 and stats.pages_in_use == 0:
                 break
             await asyncio.sleep(0.05)
-    return dict(load=load, elapsed=elapsed, stats=stats, rss=rss)
+    return dict(load=load, elapsed=elapsed, stats=stats, rss=rss, cpu=cpu)
 
 
 def main() -> int:
@@ -218,6 +226,9 @@ def main() -> int:
     invariants = "ok" if stats.invariants_ok else stats.invariants_error
     print(f"pages at the end: {stats.pages_free}/{stats.pages_total} free, in use {stats.pages_in_use}, "
           f"open requests {stats.num_open_requests}, invariants {invariants}")
+    if r["cpu"] is not None:
+        print(f"server CPU {r['cpu']:.1f} s over the run ({r['cpu'] / max(1, load.tokens) * 1e3:.2f} ms per "
+              "generated token)")
     if rss:
         warm = rss[len(rss) // 4:] or rss
         print(f"server RSS MiB: start {rss[0]:.0f}, after warm-up {warm[0]:.0f}, max {max(rss):.0f}, "
