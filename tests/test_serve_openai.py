@@ -293,20 +293,27 @@ def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
             running.close()  # frees the sequence: the waiting request runs
             thread.join(120)
             assert waiting and waiting[0].usage.completion_tokens >= 1
-            real_step = engine.step
+            real_step, fail = engine.step, threading.Event()
 
-            def failing_step():
-                real_step()
-                raise RuntimeError("injected device failure")
+            def step():
+                if fail.is_set():
+                    raise RuntimeError("injected device failure")
+                return real_step()
 
-            monkeypatch.setattr(engine, "step", failing_step)
-            # The loop dies in this request's first step, before its first output: the response has not started,
-            # so the failure is its HTTP status.
-            e = _status(lambda: client.completions.create(model="tiny", prompt="d", max_tokens=50, stream=True))
-            assert e.status_code == 503 and "injected device failure" in e.body["message"]
+            monkeypatch.setattr(engine, "step", step)
+            started = client.completions.create(**long, stream=True)
+            chunks = iter(started)
+            next(chunks)
+            fail.set()  # the loop dies while this response streams: its last event is the error
+            with pytest.raises(openai.APIError) as err:
+                list(chunks)
+            assert "injected device failure" in str(err.value)
             wait_until(lambda: not loop.alive, "the engine loop to die")
-            e = _status(lambda: client.completions.create(model="tiny", prompt="c", max_tokens=2))
-            assert e.status_code == 503
+            e = _status(lambda: client.completions.create(model="tiny", prompt="c", max_tokens=2, stream=True))
+            assert e.status_code == 503 and e.body["code"] == "unavailable"
+            with pytest.raises(urllib.error.HTTPError) as he:
+                urllib.request.urlopen(http.base_url.removesuffix("/v1") + "/health")
+            assert he.value.code == 503
     finally:
         http.stop()
         loop.stop()
