@@ -365,3 +365,13 @@ def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", json.dumps({"prompt": "x" * (LIMITS.max_message_bytes + 1)})
+                                  .encode()])
+def test_bodies_that_are_not_a_request_are_400(fronts, body):
+    request = urllib.request.Request(f"{fronts[0].base_url}/completions", body, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and error["param"] == "body" and error["type"] == "invalid_request_error", error

@@ -85,9 +85,7 @@ class OpenAIFront:
         method, req = METHODS[kind], None
         try:
             self.check_auth(request)
-            raw = await request.body()
-            if len(raw) > self.config.limits.max_message_bytes:
-                raise convert.invalid(f"body: larger than the limit of {self.config.limits.max_message_bytes} bytes")
+            raw = await _read_body(request, self.config.limits.max_message_bytes)
             req = await self._off_loop(parse_body, raw, kind)
             parsed = await self._off_loop(self._convert, req)
             if self.draining:
@@ -99,8 +97,7 @@ class OpenAIFront:
             first = await self._unless_disconnected(request, stream, self._get(stream))
             if req.stream:
                 body = self._sse(stream, first, builder, req, parsed.params.n)
-                return StreamingResponse(body, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return _EventStream(body, lambda: self.loop.abort(stream, "cancelled: the client disconnected"))
             out = await self._unless_disconnected(request, stream, self._collect(stream, first))
             self.metrics.on_finished(out)
             self._count(method, grpc.StatusCode.OK)
@@ -181,6 +178,34 @@ class OpenAIFront:
         engine = self.loop.engine
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "paged-jax", "max_model_len": engine.max_model_len}]}
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their request however the response ends (a client that left before the
+    first chunk leaves the generator unstarted, so its own `finally` never runs). Once the request has ended
+    the abort is a no-op: the engine loop keys it by the stream, not by a reusable id."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (400) as soon as it passes `limit` bytes rather than after buffering all of it."""
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise convert.invalid(f"body: larger than the limit of {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
 
 
 async def _disconnected(request: Request) -> None:
