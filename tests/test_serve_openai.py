@@ -375,3 +375,27 @@ def test_bodies_that_are_not_a_request_are_400(fronts, body):
         urllib.request.urlopen(request)
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and error["param"] == "body" and error["type"] == "invalid_request_error", error
+
+
+def test_tls_and_auth_shared_with_grpc(tmp_path):
+    """The gRPC TLS certificate and bearer token protect the HTTP front too."""
+    import ssl
+
+    from test_serve import _self_signed
+
+    cert, key, _ = _self_signed(tmp_path)
+    s = shared()
+    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, tls_cert_file=cert, tls_key_file=key,
+                                                  auth_token="tok", limits=LIMITS), s.metrics).start()
+    try:
+        base_url = http.base_url
+        assert base_url.startswith("https://")
+        trusted = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=cert))
+        with openai.OpenAI(base_url=base_url, api_key="tok", max_retries=0, http_client=trusted) as client:
+            assert [m.id for m in client.models.list()] == ["tiny"]
+        plain_url = base_url.replace("https://", "http://")
+        with openai.OpenAI(base_url=plain_url, api_key="tok", max_retries=0) as plaintext:
+            with pytest.raises(openai.APIConnectionError):
+                plaintext.models.list()
+    finally:
+        http.stop()

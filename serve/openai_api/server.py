@@ -93,7 +93,8 @@ class HttpServerThread:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.server.config.host}:{self.server.port}/v1"
+        scheme = "https" if self.server.config.tls else "http"
+        return f"{scheme}://{self.server.config.host}:{self.server.port}/v1"
 
     def start(self) -> HttpServerThread:
         self._thread.start()
