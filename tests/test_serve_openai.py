@@ -191,6 +191,7 @@ def test_unknown_model_is_404_and_models_health_metrics(oai, fronts):
     e = _status(lambda: oai.completions.create(model="gpt-4", prompt="hi", max_tokens=2))
     assert e.status_code == 404 and isinstance(e, openai.NotFoundError) and e.body["param"] == "model"
     assert [m.id for m in oai.models.list()] == ["tiny"]
+    oai.completions.create(model="tiny", prompt="hi", max_tokens=1)
     root = fronts[0].base_url.removesuffix("/v1")
     with urllib.request.urlopen(f"{root}/health") as r:
         assert r.status == 200

@@ -47,11 +47,11 @@ def create_app(front: OpenAIFront) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """200 while serving; 503 while draining or once the engine loop died."""
+        """200 while serving; 503 while warming up, draining, or once the engine loop died."""
         front.check_auth(request, exempt=True)
-        if front.serving:
+        why = front.health()
+        if why is None:
             return JSONResponse({"status": "ok"})
-        why = "draining" if front.draining else "engine not running"
         return error_response(grpc.StatusCode.UNAVAILABLE, f"server: {why}")
 
     @app.get("/metrics")

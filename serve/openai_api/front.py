@@ -51,6 +51,7 @@ class OpenAIFront:
         self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
         self.sampling_defaults = dict(engine.engine_config.sampling_defaults)
         self.draining = False  # set on shutdown: new generations get 503
+        self.ready: Callable[[], bool] = lambda: True  # False while the server warms up (/health 503 meanwhile)
         self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="openai-cpu")
 
     # -- checks ---------------------------------------------------------------------------------------
@@ -64,9 +65,13 @@ class OpenAIFront:
         if not (ok and scheme.lower() == "bearer"):
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization: a valid 'Bearer <token>' is required")
 
-    @property
-    def serving(self) -> bool:
-        return self.loop.alive and not self.draining
+    def health(self) -> str | None:
+        """None while serving, else why not (draining, the engine loop died, warming up)."""
+        if self.draining:
+            return "draining"
+        if not self.loop.alive:
+            return "engine not running"
+        return None if self.ready() else "warming up"
 
     # -- generation ---------------------------------------------------------------------------------
     def _convert(self, req: OpenAIRequest) -> ParsedRequest:
