@@ -400,3 +400,27 @@ def test_tls_and_auth_shared_with_grpc(tmp_path):
                 plaintext.models.list()
     finally:
         http.stop()
+
+
+def test_a_failure_inside_the_front_is_500_for_that_request_alone(oai, stats, monkeypatch):
+    """A bug while answering fails only its request: 500 (or a last error event) in OpenAI's shape with an error id,
+    its pages freed; the next request is served."""
+    from serve.openai_api.responses import ResponseBuilder
+
+    def broken(self, *args):
+        raise RuntimeError("injected formatting bug")
+
+    steps = wait_idle(stats).num_steps
+    monkeypatch.setattr(ResponseBuilder, "full", broken)
+    e = _status(lambda: oai.completions.create(model="tiny", prompt="hi", max_tokens=2))
+    assert e.status_code == 500 and "error id" not in e.body["message"] and "internal error (id" in e.body["message"]
+    monkeypatch.setattr(ResponseBuilder, "delta_chunk", broken)
+    stream = oai.completions.create(model="tiny", prompt="a", max_tokens=1500, stream=True,
+                                    extra_body={"ignore_eos": True})
+    with pytest.raises(openai.APIError) as err:
+        list(stream)
+    assert "internal error (id" in str(err.value)
+    monkeypatch.undo()
+    after = wait_idle(stats)
+    assert after.pages_free == after.pages_total and after.num_steps - steps < 1500  # aborted, not run to its end
+    assert oai.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1

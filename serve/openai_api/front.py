@@ -87,7 +87,7 @@ class OpenAIFront:
 
     async def generate(self, request: Request, kind: Kind) -> Response:
         """POST /v1/completions and /v1/chat/completions."""
-        method, req = METHODS[kind], None
+        method, req, stream = METHODS[kind], None, None
         try:
             self.check_auth(request)
             raw = await _read_body(request, self.config.limits.max_message_bytes)
@@ -112,6 +112,12 @@ class OpenAIFront:
             names = dict(kind=kind, max_tokens_name=req.max_tokens_name) if req is not None else dict(kind=kind)
             return error_response(e.code, e.message, param="model" if e.code == grpc.StatusCode.NOT_FOUND else None,
                                   **names)
+        except Exception as e:  # noqa: BLE001 - this request fails alone, in OpenAI's shape, its pages freed
+            if stream is not None:
+                self.loop.abort(stream, "failed")
+            error = convert.internal_error(f"{method} failed: {type(e).__name__}: {e}", exc_info=True)
+            self._count(method, error.code)
+            return error_response(error.code, error.message)
 
     async def _get(self, stream: RequestStream) -> Event:
         event = await stream.get()
@@ -166,6 +172,10 @@ class OpenAIFront:
         except RequestError as e:  # after the response started: the error is the last event (as vLLM does)
             done, status = True, e.code
             yield _data(error_body(e.code, e.message, kind=req.kind)[1])
+        except Exception as e:  # noqa: BLE001 - this request fails alone; the cause goes to the log
+            error = convert.internal_error(f"{method} stream failed: {type(e).__name__}: {e}", exc_info=True)
+            status = error.code
+            yield _data(error_body(error.code, error.message, kind=req.kind)[1])
         except BaseException:  # cancelled (the client went away) or closed early
             status = grpc.StatusCode.CANCELLED
             raise
