@@ -424,3 +424,23 @@ def test_a_failure_inside_the_front_is_500_for_that_request_alone(oai, stats, mo
     after = wait_idle(stats)
     assert after.pages_free == after.pages_total and after.num_steps - steps < 1500  # aborted, not run to its end
     assert oai.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_several_prompts_in_one_completions_request(oai):
+    """A batch: prompt i is choice i (n=1), unary and streamed, each identical to its offline greedy output."""
+    ref, prompts = shared().greedy, PROMPTS[:3]
+    out = oai.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=GREEDY.max_tokens)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [ref[p].outputs[0].text for p in prompts]
+    assert out.usage.prompt_tokens == sum(len(ref[p].prompt_token_ids) for p in prompts)
+    streamed: dict[int, str] = {}
+    for chunk in oai.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=GREEDY.max_tokens,
+                                        stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {i: ref[p].outputs[0].text for i, p in enumerate(prompts)}
+    two = oai.completions.create(model="tiny", prompt=[ref[prompts[0]].prompt_token_ids, prompts[1]], n=2,
+                                 temperature=0, max_tokens=4)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    e = _status(lambda: oai.completions.create(model="tiny", prompt=["fine", ""], max_tokens=2))
+    assert e.status_code == 400 and e.body["param"] == "prompt"

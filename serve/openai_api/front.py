@@ -74,20 +74,20 @@ class OpenAIFront:
         return None if self.ready() else "warming up"
 
     # -- generation ---------------------------------------------------------------------------------
-    def _convert(self, req: OpenAIRequest) -> ParsedRequest:
-        """The gRPC front's validation: limits, tokenizing or the chat template, SamplingParams.validate."""
+    def _convert(self, req: OpenAIRequest) -> list[ParsedRequest]:
+        """The gRPC front's validation of each prompt: limits, tokenizing or the chat template, SamplingParams."""
         if req.model is not None and req.model != self.model_name:
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {req.model!r} is not served here "
                                f"(GET /v1/models lists {self.model_name!r})")
-        return convert.parse_generate(req.generate, self.config.limits, self.tokenizer, self.vocab_size,
-                                      self.max_model_len, self.max_n, self.sampling_defaults)
+        return [convert.parse_generate(g, self.config.limits, self.tokenizer, self.vocab_size, self.max_model_len,
+                                       self.max_n, self.sampling_defaults) for g in req.generates]
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     async def generate(self, request: Request, kind: Kind) -> Response:
         """POST /v1/completions and /v1/chat/completions."""
-        method, req, stream = METHODS[kind], None, None
+        method, req, streams = METHODS[kind], None, []
         try:
             self.check_auth(request)
             raw = await _read_body(request, self.config.limits.max_message_bytes)
@@ -95,26 +95,31 @@ class OpenAIFront:
             parsed = await self._off_loop(self._convert, req)
             if self.draining:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
-            prefix = "cmpl" if kind == "completion" else "chatcmpl"
-            stream = self.loop.submit(f"{prefix}-{uuid.uuid4().hex}", parsed.prompt_token_ids, parsed.params,
-                                      parsed.cache_salt, self.config.max_queued_requests)
-            builder = ResponseBuilder(kind, stream.request_id, self.model_name, self.tokenizer, req.logprobs)
-            first = await self._unless_disconnected(request, stream, self._get(stream))
+            rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+            for i, p in enumerate(parsed):  # a batch is admitted whole or not at all (the except aborts the rest)
+                streams.append(self.loop.submit(rid if len(parsed) == 1 else f"{rid}-{i}", p.prompt_token_ids,
+                                                p.params, p.cache_salt, self.config.max_queued_requests))
+            builder = ResponseBuilder(kind, rid, self.model_name, self.tokenizer, req.logprobs)
+            n = parsed[0].params.n
+            firsts = await self._unless_disconnected(request, streams,
+                                                     asyncio.gather(*(self._get(s) for s in streams)))
             if req.stream:
-                body = self._sse(stream, first, builder, req, parsed.params.n)
-                return _EventStream(body, lambda: self.loop.abort(stream, "cancelled: the client disconnected"))
-            out = await self._unless_disconnected(request, stream, self._collect(stream, first))
-            self.metrics.on_finished(out)
+                body = self._sse(streams, firsts, builder, req, n)
+                return _EventStream(body, lambda: self._abort(streams))
+            outs = await self._unless_disconnected(
+                request, streams, asyncio.gather(*(self._collect(s, f) for s, f in zip(streams, firsts, strict=True))))
+            for out in outs:
+                self.metrics.on_finished(out)
             self._count(method, grpc.StatusCode.OK)
-            return JSONResponse(builder.full(out))
+            return JSONResponse(builder.full(outs, n))
         except RequestError as e:
+            self._abort(streams)  # a no-op for requests that have ended
             self._count(method, e.code)
             names = dict(kind=kind, max_tokens_name=req.max_tokens_name) if req is not None else dict(kind=kind)
             return error_response(e.code, e.message, param="model" if e.code == grpc.StatusCode.NOT_FOUND else None,
                                   **names)
         except Exception as e:  # noqa: BLE001 - this request fails alone, in OpenAI's shape, its pages freed
-            if stream is not None:
-                self.loop.abort(stream, "failed")
+            self._abort(streams, "failed")
             error = convert.internal_error(f"{method} failed: {type(e).__name__}: {e}", exc_info=True)
             self._count(method, error.code)
             return error_response(error.code, error.message)
@@ -130,8 +135,12 @@ class OpenAIFront:
             event = await self._get(stream)
         return event.output
 
-    async def _unless_disconnected(self, request: Request, stream: RequestStream, work: Awaitable[T]) -> T:
-        """`await work`, unless the client disconnects first: then abort the request (CANCELLED)."""
+    def _abort(self, streams: list[RequestStream], message: str = "cancelled: the client disconnected") -> None:
+        for stream in streams:
+            self.loop.abort(stream, message)
+
+    async def _unless_disconnected(self, request: Request, streams: list[RequestStream], work: Awaitable[T]) -> T:
+        """`await work`, unless the client disconnects first: then abort the requests (CANCELLED)."""
         task = asyncio.ensure_future(work)
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
@@ -141,36 +150,44 @@ class OpenAIFront:
             gone = not task.done()  # the client went away (or this handler was cancelled)
             if gone:
                 task.cancel()
-                self.loop.abort(stream, "cancelled: the client disconnected")
+                self._abort(streams)
         if gone:
             raise RequestError(grpc.StatusCode.CANCELLED, "cancelled: the client disconnected")
         return task.result()
 
-    async def _sse(self, stream: RequestStream, event: Event, builder: ResponseBuilder, req: OpenAIRequest,
-                   n: int) -> AsyncIterator[str]:
-        """The event stream: chunks as outputs arrive, the usage chunk if asked for, then `data: [DONE]`."""
+    async def _sse(self, streams: list[RequestStream], firsts: list[Event], builder: ResponseBuilder,
+                   req: OpenAIRequest, n: int) -> AsyncIterator[str]:
+        """The event stream: chunks as outputs arrive (prompt i's sample j as choice i * n + j), the usage chunk if
+        asked for, then `data: [DONE]`."""
         method, status, done = METHODS[req.kind], grpc.StatusCode.OK, False
         usage_field = {"usage": None} if req.include_usage else {}
-        ended: set[int] = set()  # samples whose chunk with the finish reason went out
+        ended: set[int] = set()  # choices whose chunk with the finish reason went out
+        merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        pumps = [asyncio.ensure_future(_pump(i, s, f, merged)) for i, (s, f) in enumerate(zip(streams, firsts,
+                                                                                                strict=True))]
+        finished: list[RequestOutput] = []
         try:
             if req.kind == "chat":
                 yield _data({**builder.role_chunk(n), **usage_field})
-            while True:
+            while len(finished) < len(streams):
+                i, event = await merged.get()
+                if event.code is not None:
+                    raise RequestError(event.code, event.message)
                 out = event.output
                 for c in out.outputs:
-                    if c.new_token_ids or c.new_text or (c.finished and c.index not in ended):
+                    index = i * n + c.index
+                    if c.new_token_ids or c.new_text or (c.finished and index not in ended):
                         if c.finished:
-                            ended.add(c.index)
-                        yield _data({**builder.delta_chunk(c), **usage_field})
+                            ended.add(index)
+                        yield _data({**builder.delta_chunk(c, offset=i * n), **usage_field})
                 if out.finished:
-                    done = True
+                    finished.append(out)
                     self.metrics.on_finished(out)
-                    if req.include_usage:
-                        yield _data(builder.usage_chunk(out))
-                    break
-                event = await self._get(stream)
+            done = True
+            if req.include_usage:
+                yield _data(builder.usage_chunk(finished))
         except RequestError as e:  # after the response started: the error is the last event (as vLLM does)
-            done, status = True, e.code
+            status = e.code
             yield _data(error_body(e.code, e.message, kind=req.kind)[1])
         except Exception as e:  # noqa: BLE001 - this request fails alone; the cause goes to the log
             error = convert.internal_error(f"{method} stream failed: {type(e).__name__}: {e}", exc_info=True)
@@ -180,8 +197,10 @@ class OpenAIFront:
             status = grpc.StatusCode.CANCELLED
             raise
         finally:
+            for pump in pumps:
+                pump.cancel()
             if not done:
-                self.loop.abort(stream, "cancelled: the client disconnected")
+                self._abort(streams)  # a no-op for those that have ended
             self._count(method, status)
         yield "data: [DONE]\n\n"
 
@@ -221,6 +240,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise convert.invalid(f"body: larger than the limit of {limit} bytes")
         parts.append(part)
     return b"".join(parts)
+
+
+async def _pump(i: int, stream: RequestStream, event: Event, into: asyncio.Queue) -> None:
+    """Forward prompt `i`'s events (from its first) into one queue until its last."""
+    while True:
+        into.put_nowait((i, event))
+        if event.code is not None or event.output.finished:
+            return
+        event = await stream.get()
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,11 +1,12 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) as the gRPC `GenerateRequest`.
 
 Why a GenerateRequest: the gRPC front's validation (`convert.parse_generate`: limits, tokenizing, chat
-templates, `SamplingParams.validate`) is then the one implementation both fronts share. This module
-only checks JSON types (a protobuf field would otherwise refuse a wrong type with a nameless error),
-maps OpenAI's names onto ours, and refuses the OpenAI options we do not implement instead of
-silently ignoring them. `param_of` turns the field named at the start of any rejection
-(`sampling.temperature: ...`, `chat.messages[1].content: ...`) back into the OpenAI parameter name.
+templates, `SamplingParams.validate`) is then the one implementation both fronts share. This module only
+checks JSON types (a protobuf field would otherwise refuse a wrong type with a nameless error), maps OpenAI's
+names onto ours, and refuses the OpenAI options we do not implement instead of silently ignoring them. A
+completions request may carry several prompts: one GenerateRequest each. `param_of` turns the field named at
+the start of any rejection (`sampling.temperature: ...`, `chat.messages[1].content: ...`) back into the OpenAI
+parameter name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
 Kind = Literal["completion", "chat"]
 _UINT32 = 2**32
+MAX_PROMPTS = 64  # prompts in one completions request (each is its own engine request)
 _TYPE_NAMES = {(str,): "a string", (bool,): "a boolean", (int,): "an integer", (int, float): "a number",
                (dict,): "an object", (list,): "an array"}
 # OpenAI / vLLM name -> (our SamplingParams name, JSON type)
@@ -47,7 +49,7 @@ class OpenAIRequest:
     """One parsed body: the engine request plus what only shapes the response."""
 
     kind: Kind
-    generate: pb.GenerateRequest
+    generates: list[pb.GenerateRequest]  # one per prompt (a completions request may carry several)
     model: str | None
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
@@ -91,11 +93,7 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
     if options is not None and not stream:
         raise invalid("stream_options: only allowed with stream: true")
     include_usage = bool(_typed(options or {}, "include_usage", bool, "stream_options.include_usage"))
-    req = pb.GenerateRequest()
-    if kind == "completion":
-        _prompt(body, req)
-    else:
-        _chat(body, req.chat)
+    req = pb.GenerateRequest(output_mode=pb.OUTPUT_MODE_TEXT_AND_TOKENS)
     max_tokens_name = "max_tokens"
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens_name = "max_completion_tokens"
@@ -103,8 +101,20 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
     salt = _typed(body, "cache_salt", str)
     if salt is not None:
         req.cache_salt = salt
-    req.output_mode = pb.OUTPUT_MODE_TEXT_AND_TOKENS
-    return OpenAIRequest(kind, req, model, stream, include_usage, logprobs, max_tokens_name)
+    if kind == "chat":
+        _chat(body, req.chat)
+        generates = [req]
+    else:
+        generates = []
+        for prompt in _prompts(body):
+            one = pb.GenerateRequest()
+            one.CopyFrom(req)
+            if isinstance(prompt, str):
+                one.text = prompt
+            else:
+                one.token_ids.ids.extend(prompt)
+            generates.append(one)
+    return OpenAIRequest(kind, generates, model, stream, include_usage, logprobs, max_tokens_name)
 
 
 def _typed(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:
@@ -127,21 +137,26 @@ def _uint(body: dict, name: str, bound: int = _UINT32, param: str | None = None)
     return value
 
 
-def _prompt(body: dict, req: pb.GenerateRequest) -> None:
-    """`prompt`: a string or a list of token ids (or either wrapped in a one-element list)."""
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a list of several of either (one engine request each)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        req.text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < 2**63 for t in prompt):
-            raise invalid("prompt: token ids must be non-negative")
-        req.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid("prompt: one prompt per request on this server (send a batch as separate requests)")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid(f"prompt: {len(prompt)} prompts, more than {MAX_PROMPTS} in one request")
+        prompts = list(prompt)
     else:
-        raise invalid("prompt: must be a string or a non-empty list of token ids")
+        raise invalid("prompt: must be a string, a non-empty list of token ids, or a list of several of either")
+    for p in prompts:
+        if not isinstance(p, str) and not all(0 <= t < 2**63 for t in p):
+            raise invalid("prompt: token ids must be non-negative")
+    return prompts
 
 
 def _chat(body: dict, chat: pb.ChatInput) -> None:

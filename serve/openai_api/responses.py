@@ -39,11 +39,12 @@ class ResponseBuilder:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- unary --------------------------------------------------------------------------------------
-    def full(self, out: RequestOutput) -> dict[str, Any]:
-        choices = [self._choice(c, c.text, c.logprobs, c.finish_reason, c.stop_reason, final=True)
-                   for c in out.outputs]
+    def full(self, outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
+        """The whole response; prompt i's sample j is choice i * n + j (as OpenAI numbers a batch)."""
+        choices = [self._choice(c, c.text, c.logprobs, c.finish_reason, c.stop_reason, final=True, offset=i * n)
+                   for i, out in enumerate(outs) for c in out.outputs]
         return {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(out)}
+                "choices": choices, "usage": usage(outs)}
 
     # -- streaming ----------------------------------------------------------------------------------
     def role_chunk(self, n: int) -> dict[str, Any]:
@@ -52,11 +53,12 @@ class ResponseBuilder:
                    for i in range(n)]
         return self._chunk(choices)
 
-    def delta_chunk(self, c: CompletionOutput) -> dict[str, Any]:
-        return self._chunk([self._choice(c, c.new_text, c.new_logprobs, c.finish_reason, c.stop_reason, final=False)])
+    def delta_chunk(self, c: CompletionOutput, offset: int = 0) -> dict[str, Any]:
+        return self._chunk([self._choice(c, c.new_text, c.new_logprobs, c.finish_reason, c.stop_reason, final=False,
+                                         offset=offset)])
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self._chunk([]), "usage": usage(out)}
+    def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": usage(outs)}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
@@ -64,8 +66,8 @@ class ResponseBuilder:
                 "choices": choices}
 
     def _choice(self, c: CompletionOutput, text: str, logprobs: Sequence[TokenLogprob] | None,
-                reason: str | None, stop_reason: str | int | None, final: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": c.index}
+                reason: str | None, stop_reason: str | int | None, final: bool, offset: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": offset + c.index}
         if self.kind == "completion":
             choice["text"] = text
             choice["logprobs"] = self._completion_logprobs(logprobs) if self.logprobs is not None else None
@@ -97,8 +99,9 @@ class ResponseBuilder:
                 for lp in items or ()]
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    m = out.metrics
-    return {"prompt_tokens": m.num_prompt_tokens, "completion_tokens": m.num_generated_tokens,
-            "total_tokens": m.num_prompt_tokens + m.num_generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": m.num_cached_prompt_tokens}}
+def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Token counts summed over the request's prompts (and their samples)."""
+    prompt = sum(o.metrics.num_prompt_tokens for o in outs)
+    completion = sum(o.metrics.num_generated_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.metrics.num_cached_prompt_tokens for o in outs)}}
