@@ -29,6 +29,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler, SchedulerOutput
 from paged_jax.sequence import FinishReason, Sequence, Status
 from paged_jax.tokenizer import Tokenizer
+from paged_jax.warmup import WarmupPlan, run_warmup
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class EngineConfig:
     kv_dtype: str | None = None  # default: the model dtype
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request
-    warmup: bool = True  # compile every step shape at start-up
+    warmup: bool = True  # compile every step shape at start-up (or call `warmup(plan)` later with False)
     watermark: float = 0.01  # fraction of pages admission keeps free while requests run
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
@@ -163,7 +164,12 @@ class LLMEngine:
         self.num_steps = 0
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
         if ec.warmup:
-            self.runner.warmup()
+            self.warmup()
+
+    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, mark_warm: bool = True) -> int:
+        """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.warmup`."""
+        lookahead = self.engine_config.async_scheduling
+        return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, mark_warm=mark_warm)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -244,6 +250,9 @@ class LLMEngine:
         out["num_preemptions"] = self.scheduler.num_preemptions
         out["num_waiting"] = self.num_waiting
         out["num_running"] = self.num_running
+        out.update(self.runner.compile_stats.as_dict())
+        out["step_tokens"] = self.runner.real_tokens
+        out["step_padding_tokens"] = self.runner.padded_tokens  # padding waste = padding tokens / step tokens
         return out
 
     # -- the loop -------------------------------------------------------------------------------------
