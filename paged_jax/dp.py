@@ -127,7 +127,7 @@ class DataParallelEngine:
     def stats(self) -> dict:
         """Counters summed over replicas; rates recomputed from the sums; `replicas` holds each one's own."""
         per = [r.stats() for r in self.replicas]
-        out: dict = {k: sum(s[k] for s in per) for k, v in per[0].items() if isinstance(v, int)}
+        out: dict = {k: sum(s[k] for s in per) for k, v in per[0].items() if isinstance(v, (int, float))}
         out["prefix_hit_rate"] = out["prefix_hits"] / out["prefix_queries"] if out["prefix_queries"] else 0.0
         in_use = out["pages_in_use"]
         out["kv_utilization"] = (sum(s["kv_utilization"] * s["pages_in_use"] for s in per) / in_use

@@ -67,22 +67,24 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_dtype=args.kv_dtype, watermark=args.watermark, async_scheduling=not args.no_async_scheduling)
 
 
-def build_engine(args: argparse.Namespace):
-    """Load the model named by `--model` and start an engine with the flags' options."""
+def build_engine(args: argparse.Namespace, warmup: bool | None = None):
+    """Load the model named by `--model` and start an engine with the flags' options.
+
+    `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs."""
     import contextlib
     import os
 
     import jax
 
     from paged_jax.dp import make_engine
+    from paged_jax.executables import enable_persistent_cache
     from paged_jax.model.weights import load_model
 
     # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU).
-    cache_dir = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
-    if cache_dir != "off":
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    enable_persistent_cache(os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla")))
     ec = engine_config_from_args(args)
+    if warmup is not None:
+        ec.warmup = warmup
     # With several chips per process, load into host memory and let each engine place its shards
     # (the whole model need not fit one chip).
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"

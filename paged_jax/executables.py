@@ -88,6 +88,17 @@ def persistent_cache_summary() -> dict[str, int]:
                 "compiled": PROCESS.backend_compiles - PROCESS.hits}
 
 
+def enable_persistent_cache(cache_dir: str) -> None:
+    """Keep every executable in `cache_dir` ("off": none), so a second process with the same shapes compiles
+    nothing: no minimum compile time (the step's small executables cost more to build than to load)."""
+    if cache_dir == "off":
+        return
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log.info("persistent compile cache: %s (PAGED_JAX_COMPILE_CACHE=off to disable)", cache_dir)
+
+
 class Executables:
     """Compiled variants of jitted functions, keyed by a hashable shape key; thread-safe."""
 
