@@ -166,10 +166,11 @@ class LLMEngine:
         if ec.warmup:
             self.warmup()
 
-    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, mark_warm: bool = True) -> int:
-        """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.warmup`."""
+    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up") -> int:
+        """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.warmup`. Safe
+        to call from another thread while steps run (it only compiles)."""
         lookahead = self.engine_config.async_scheduling
-        return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, mark_warm=mark_warm)
+        return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, what=what)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,

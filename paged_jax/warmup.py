@@ -110,9 +110,9 @@ def default_workers() -> int:
 
 
 def run_warmup(runner: ModelRunner, plan: WarmupPlan, progress: bool = True, workers: int | None = None,
-        mark_warm: bool = True, what: str = "warm-up") -> int:
+               what: str = "warm-up") -> int:
     """Compile the plan's executables in parallel; returns how many were compiled (not already in the process).
-    `mark_warm`: afterwards, a compile a step needs is logged as a warning."""
+    Afterwards a compile a step needs (a shape no plan named) is logged as a warning."""
     todo = jobs(runner, plan)
     workers = workers or default_workers()
     before = runner.compile_stats.count, runner.compile_stats.seconds, runner.compile_stats.cache_hits
@@ -122,8 +122,7 @@ def run_warmup(runner: ModelRunner, plan: WarmupPlan, progress: bool = True, wor
         new = runner.compile(todo, workers, progress=lambda _: bar.update(1))
     finally:
         bar.close()
-    if mark_warm:
-        runner.warm = True
+    runner.warm = True
     stats = runner.compile_stats
     cache = persistent_cache_summary()
     cache_dir = jax.config.jax_compilation_cache_dir

@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from paged_jax.engine import LLMEngine
+from paged_jax.warmup import serving_plans
 from serve.auth import BearerTokenInterceptor, server_credentials
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
@@ -41,7 +42,8 @@ class GrpcServer:
         self.port: int | None = None
         self._server: aio.Server | None = None
 
-    async def start(self) -> int:
+    async def start(self, serving: bool = True) -> int:
+        """Listen; health SERVING at once, or with `serving=False` NOT_SERVING until `warm_up` is done."""
         cfg = self.config
         interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
         options = [("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
@@ -60,13 +62,35 @@ class GrpcServer:
         self._server = server
         aio_loop = asyncio.get_running_loop()
         self.loop.add_death_callback(lambda e: aio_loop.call_soon_threadsafe(self._on_engine_death, e))
-        if self.loop.alive:
-            for service in ("", SERVICE_NAME):
-                await self.health.set(service, SERVING)
+        await self._set_all(SERVING if serving and self.loop.alive else NOT_SERVING)
         self.metrics.queued_fn = lambda: self.loop.num_queued
         log.info("serving %s on %s:%d (tls %s, auth %s)", SERVICE_NAME, cfg.host, self.port, cfg.tls,
                  cfg.auth_token is not None)
         return self.port
+
+    def start_warm_up(self, engine) -> threading.Thread:
+        """Compile the decode shapes on a background thread (health stays NOT_SERVING), then report SERVING and
+        compile every other shape on the same thread; a step that needs one of those waits for its compile.
+        Returns the thread (a daemon: shutting down never waits for a compile)."""
+        ec = engine.engine_config
+        first, rest = serving_plans(ec.max_num_seqs, ec.async_scheduling)
+        aio_loop = asyncio.get_running_loop()
+
+        def ready() -> None:
+            if self.loop.alive and not self.servicer.draining:
+                asyncio.ensure_future(self._set_all(SERVING))
+
+        def work() -> None:
+            try:
+                engine.warmup(first, False)
+                aio_loop.call_soon_threadsafe(ready)
+                engine.warmup(rest, False, what="background warm-up")
+            except RuntimeError as e:  # the event loop closed under a shutdown: nothing left to report to
+                log.info("warm-up stopped: %s", e)
+
+        thread = threading.Thread(target=work, name="warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def _on_engine_death(self, error: BaseException) -> None:
         log.error("engine loop died (%s): health NOT_SERVING", error)
@@ -153,8 +177,11 @@ class ServerThread:
         self._thread.join(10)
 
 
-async def serve_forever(engine: LLMEngine, config: ServingConfig) -> None:
-    """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return (exit code 0)."""
+async def serve_forever(engine: LLMEngine, config: ServingConfig, warm_up: bool = False) -> None:
+    """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return (exit code 0).
+
+    `warm_up`: the engine was built without warm-up; health is NOT_SERVING until its decode shapes are
+    compiled, and the rest compile in the background (`GrpcServer.start_warm_up`)."""
     metrics = Metrics()
     loop = EngineLoop(engine, on_step=metrics.on_step).start()
     metrics.engine_alive.set(1)
@@ -162,12 +189,14 @@ async def serve_forever(engine: LLMEngine, config: ServingConfig) -> None:
         port = metrics.serve(config.metrics_host, config.metrics_port)
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
     server = GrpcServer(loop, config, metrics)
-    port = await server.start()
+    port = await server.start(serving=not warm_up)
     print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         aio_loop.add_signal_handler(sig, stop.set)
+    if warm_up:
+        server.start_warm_up(engine)
     await stop.wait()
     log.info("shutting down: draining for up to %.1f s", config.grace_period_s)
     await server.drain_and_stop()

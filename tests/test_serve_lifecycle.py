@@ -82,6 +82,10 @@ def _start_subprocess(grace: float) -> tuple[subprocess.Popen, str]:
         lines.append(line)
         if m := re.search(r"serving \S+ on (\S+:\d+)", line):
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+            with Client(m.group(1)) as client:  # NOT_SERVING until the warm-up's decode shapes are compiled
+                while client.health() != SERVING:
+                    assert time.monotonic() < deadline and proc.poll() is None
+                    time.sleep(0.05)
             return proc, m.group(1)
     proc.kill()
     raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
