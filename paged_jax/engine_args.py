@@ -16,6 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
+    g.add_argument("--cpu-kv-cache-gib", type=float, default=None,
+                   help="KV budget on CPU (default: 4 GiB, capped at half the available memory and at "
+                        "max-num-seqs x max-model-len tokens)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -59,6 +62,7 @@ def apply_model_text_args(args: argparse.Namespace, tokenizer, ec: EngineConfig 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         page_size=args.page_size, num_pages=args.num_pages,
+        cpu_kv_cache_bytes=None if args.cpu_kv_cache_gib is None else int(args.cpu_kv_cache_gib * 2**30),
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         chunk_size=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,

@@ -26,22 +26,22 @@ from paged_jax.runner import PagedMeta, step_functions
 from pallas_kernels.common import kv_pages_shape
 
 
-def smollm_like(layers: int) -> ModelConfig:
+def smollm_like(layers: int, vocab: int = 49152) -> ModelConfig:
     """SmolLM2-135M's shapes (hidden 576, 9 heads, 3 KV heads, head_dim 64, vocab 49152) with `layers` layers."""
-    return ModelConfig(name="smollm-like", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    return ModelConfig(name="smollm-like", vocab_size=vocab, hidden_size=576, intermediate_size=1536,
                        num_layers=layers, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=2048,
                        eos_token_ids=(0,), bos_token_id=1)
 
 
 def case_inputs(kind: str, t: int, s: int, page_size: int, max_blocks: int):
     """Metadata of one step of real work padded to (t, s): 'prefill' (one prompt of t tokens), 'decode' (t
-    sequences of one token at context 512) or 'mixed' (t/2 decodes, then one prompt chunk of t/2 tokens)."""
+    sequences of one token at context 512) or 'mixed' (t/16 decodes, then one prompt chunk of the rest)."""
     if kind == "prefill":
         lens = [(t, t)]  # (q_len, kv_len)
     elif kind == "decode":
         lens = [(1, 512)] * t
     else:
-        lens = [(1, 512)] * (t // 4) + [(t - t // 4, t - t // 4)]
+        lens = [(1, 512)] * (t // 16) + [(t - t // 16, t - t // 16)]
     assert len(lens) <= s
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
     slots = np.full(t, -1, np.int32)
@@ -70,13 +70,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=49152, help="a small vocabulary takes the LM head out")
     args = ap.parse_args()
-    config = smollm_like(args.layers)
+    config = smollm_like(args.layers, args.vocab)
     params = init_params(config)
     page_size, max_blocks = 16, 2048 // 16
     _, forward = step_functions(config, "xla")
-    cases = [("decode", 16, 16), ("decode", 32, 32), ("prefill", 256, 8), ("mixed", 256, 32)]
-    print(f"model: {config.name}, {args.layers} layers; max_num_seqs {args.max_num_seqs}; {jax.devices()[0]}")
+    cases = [("decode", 16, 16), ("decode", 32, 32), ("prefill", 64, 8), ("prefill", 256, 8), ("mixed", 256, 32),
+             ("mixed", 64, 8)]
+    print(f"model: {config.name}, {args.layers} layers, vocab {config.vocab_size}; "
+          f"max_num_seqs {args.max_num_seqs}; {jax.devices()[0]}")
     print(f"{'case':8} {'T':>4} {'S':>4} {'S=max':>6} {'ms (S small)':>13} {'ms (S=max)':>11} {'ratio':>6}")
     for kind, t, s_small in cases:
         results = {}

@@ -149,3 +149,18 @@ def test_plan_token_buckets_are_clamped_to_the_runner(tiny_config, tiny_params, 
     runner = make_engine(tiny_config, tiny_params).runner
     buckets = token_buckets(runner, plan)
     assert buckets[0] == 16 and buckets[-1] in (16, 128)
+
+
+def test_cpu_kv_budget_defaults_to_4_gib_capped_by_memory_and_by_what_the_engine_can_hold():
+    from paged_jax.kv_budget import cpu_kv_budget
+
+    gib = 2**30
+    per_token = 46_080  # SmolLM2-135M in float32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes
+    big = cpu_kv_budget(None, per_token, 64, 8192, 16, available=64 * gib)
+    assert big.bytes == 4 * gib and "default 4 GiB" in big.reason
+    small_machine = cpu_kv_budget(None, per_token, 64, 8192, 16, available=6 * gib)
+    assert small_machine.bytes == 3 * gib and "available" in small_machine.reason
+    tiny_model = cpu_kv_budget(None, 2048, 32, 2048, 16, available=64 * gib)
+    assert tiny_model.bytes == 2048 * 16 * (32 * 128 + 1) and "32 sequences of 2048" in tiny_model.reason
+    asked = cpu_kv_budget(gib, per_token, 64, 8192, 16, available=64 * gib)
+    assert asked.bytes == gib and "as requested" in asked.reason
