@@ -164,3 +164,26 @@ def test_cpu_kv_budget_defaults_to_4_gib_capped_by_memory_and_by_what_the_engine
     assert tiny_model.bytes == 2048 * 16 * (32 * 128 + 1) and "32 sequences of 2048" in tiny_model.reason
     asked = cpu_kv_budget(gib, per_token, 64, 8192, 16, available=64 * gib)
     assert asked.bytes == gib and "as requested" in asked.reason
+
+
+def test_prometheus_mirrors_compile_counts_and_padding(tiny_config, tiny_params):
+    from serve.metrics import Metrics
+
+    engine = make_engine(tiny_config, tiny_params, num_pages=79)
+    engine.warmup(plan_for_requests([(30, SamplingParams(max_tokens=3, temperature=0.0))], 128), progress=False)
+    metrics = Metrics()
+    engine.add_request("p", list(range(3, 33)), SamplingParams(max_tokens=3, temperature=0.0))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        metrics.on_step(engine)
+        steps += 1
+    stats = engine.stats()
+    value = metrics.registry.get_sample_value
+    assert value("paged_jax_compiles_total") == stats["compile_count"] > 0
+    assert value("paged_jax_compile_seconds_total") == pytest.approx(stats["compile_seconds"])
+    assert value("paged_jax_compiles_after_warmup_total") == 0
+    assert value("paged_jax_step_tokens_total") == stats["step_tokens"] == 30 + 2
+    assert value("paged_jax_step_padding_tokens_total") == stats["step_padding_tokens"] == (32 - 30) + 2 * 15
+    # one observation per step that launched work (the last call of a lookahead engine only collects)
+    assert value("paged_jax_step_padding_ratio_count") == steps - 1
