@@ -70,7 +70,7 @@ class BatchSummary:
     ttfts: list[float] = field(default_factory=list)
     preemptions: int = 0
     prefix_hit_rate: float = 0.0
-    startup_seconds: float = 0.0  # engine construction and warm-up, before the first request
+    startup_seconds: float = 0.0  # model load, engine construction and warm-up, before the first request
     compile: dict = field(default_factory=dict)  # the engine's compile and padding counters (see LLMEngine.stats)
 
     def lines(self) -> list[str]:

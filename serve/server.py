@@ -43,7 +43,7 @@ class GrpcServer:
         self._server: aio.Server | None = None
 
     async def start(self, serving: bool = True) -> int:
-        """Listen; health SERVING at once, or with `serving=False` NOT_SERVING until `warm_up` is done."""
+        """Listen; health SERVING at once, or with `serving=False` NOT_SERVING (until `start_warm_up` is ready)."""
         cfg = self.config
         interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
         options = [("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
