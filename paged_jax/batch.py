@@ -8,12 +8,17 @@ model's generation defaults (`generation_config.json`), then SamplingParams' own
 Each finished request is appended to the output as one line with a single `write` on an O_APPEND
 descriptor, so `kill -9` loses at most the requests in flight and never leaves half a line (a torn
 tail from a crash in the middle of a write is cut off on the next start). A re-run with the same
-output skips ids already written. A malformed line goes to the errors file with its line number.
+output skips ids already written; a run holds an exclusive lock on the output for its whole length, so
+a second run on the same output is refused instead of duplicating lines. Ids keep their JSON type
+(`1` and `"1"` are different requests). Any line that cannot be run (not UTF-8, not JSON, a bad field,
+refused or failed by the engine) goes to the errors file with its line number, alone: the rest of
+the job goes on, and a re-run retries it without repeating error lines already recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import time
@@ -27,7 +32,7 @@ from tqdm.auto import tqdm
 from paged_jax.chat_template import apply_chat_template, validate_conversation
 from paged_jax.dp import DataParallelEngine
 from paged_jax.engine import LLMEngine
-from paged_jax.outputs import RequestOutput
+from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
 PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -49,13 +54,26 @@ class Chat:
         return ids
 
 
+class OutputLockedError(RuntimeError):
+    """Another run holds the output file."""
+
+
+def id_key(rid: str | int) -> str:
+    """The engine request id and resume key of an input id: its JSON text, so `1` and `"1"` stay apart."""
+    return json.dumps(rid)
+
+
 @dataclass(slots=True)
 class BatchItem:
-    id: str
+    id: str | int  # as given in the input (or "line-N")
     prompt: str | list[int] | Chat
     params: SamplingParams
     cache_salt: str | None
     lineno: int
+
+    @property
+    def key(self) -> str:
+        return id_key(self.id)
 
 
 @dataclass(slots=True)
@@ -114,15 +132,33 @@ def _parse_chat(obj: dict) -> Chat:
     return Chat(messages, add_prompt, tools, kwargs)
 
 
-def parse_line(line: str, lineno: int, defaults: dict | None = None) -> BatchItem:
+def _check_unicode(obj: dict) -> None:
+    """Refuse strings that cannot be written as UTF-8 (lone surrogates such as "\\ud800"), naming the field."""
+    for key, value in obj.items():
+        try:
+            json.dumps({key: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            name = key if key.isascii() else ascii(key)
+            raise ValueError(f"{name}: not valid Unicode (a lone surrogate)") from None
+
+
+def parse_line(line: str | bytes, lineno: int, defaults: dict | None = None) -> BatchItem:
     """One input line -> a validated item; `defaults` fill sampling fields it leaves unset. Raises ValueError
     naming the field."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not valid UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})") from None
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg})") from e
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise ValueError("each line must be a JSON object")
+    _check_unicode(obj)
     rid = obj.pop("id", f"line-{lineno}")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
         raise ValueError(f"id: must be a non-empty string or integer, got {rid!r}")
@@ -150,7 +186,7 @@ def parse_line(line: str, lineno: int, defaults: dict | None = None) -> BatchIte
         params = SamplingParams(**{**(defaults or {}), **obj}).validate()
     except TypeError as e:
         raise ValueError(str(e)) from e
-    return BatchItem(str(rid), prompt, params, salt, lineno)
+    return BatchItem(rid, prompt, params, salt, lineno)
 
 
 def completed_ids(path: Path) -> set[str]:
@@ -166,19 +202,41 @@ def completed_ids(path: Path) -> set[str]:
     done = set()
     for raw in data.splitlines():
         if raw.strip():
-            done.add(str(json.loads(raw)["id"]))
+            done.add(id_key(json.loads(raw)["id"]))
     return done
 
 
 class LineWriter:
-    """Appends whole lines with one `os.write` each on an O_APPEND descriptor."""
+    """Appends whole lines with one `os.write` each on an O_APPEND descriptor.
 
-    def __init__(self, path: Path) -> None:
+    `skip_written`: lines already in the file are not written again (the errors file across re-runs).
+    """
+
+    def __init__(self, path: Path, skip_written: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._written: set[bytes] | None = None
+        if skip_written:
+            self._written = {line + b"\n" for line in path.read_bytes().splitlines()}
+
+    def lock(self) -> None:
+        """Hold an exclusive lock on the file until `close` (or the process ends, even by `kill -9`)."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputLockedError(f"--output: {self.path} is being written by another run; wait for it to "
+                                    "finish or choose another output") from None
 
     def write(self, obj: dict) -> None:
-        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+        try:
+            data = (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+        except UnicodeEncodeError:  # never fail on a line: escape what UTF-8 cannot hold
+            data = (json.dumps(obj) + "\n").encode()
+        if self._written is not None:
+            if data in self._written:
+                return
+            self._written.add(data)
         written = os.write(self.fd, data)
         if written != len(data):  # a regular file takes the whole line, but never leave a torn one
             os.ftruncate(self.fd, os.lseek(self.fd, 0, os.SEEK_END) - written)
@@ -188,10 +246,14 @@ class LineWriter:
         os.close(self.fd)
 
 
-def result_line(out: RequestOutput) -> dict:
+def _logprobs(c: CompletionOutput) -> list[dict]:
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
+
+
+def result_line(out: RequestOutput, rid: str | int) -> dict:
     first = out.outputs[0]
     line = {
-        "id": out.request_id,
+        "id": rid,
         "text": first.text,
         "token_ids": first.token_ids,
         "finish_reason": first.finish_reason,
@@ -203,9 +265,11 @@ def result_line(out: RequestOutput) -> dict:
     if len(out.outputs) > 1:
         line["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                             "finish_reason": c.finish_reason} for c in out.outputs]
+        if first.logprobs is not None:
+            for choice, c in zip(line["choices"], out.outputs, strict=True):
+                choice["logprobs"] = _logprobs(c)
     if first.logprobs is not None:
-        line["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
-                            for lp in first.logprobs]
+        line["logprobs"] = _logprobs(first)
     return line
 
 
@@ -214,20 +278,20 @@ def read_items(path: Path, errors: LineWriter, summary: BatchSummary, skip: set[
     """Valid items of this shard (`index, count`: every count-th line) not already done."""
     index, count = shard
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 fails alone, in parse_line
         for lineno, line in enumerate(f, 1):
             if (lineno - 1) % count != index or not line.strip():
                 continue
             try:
                 item = parse_line(line, lineno, defaults)
-                if item.id in seen:
+                if item.key in seen:
                     raise ValueError(f"id: {item.id!r} appears twice in the input")
-                seen.add(item.id)
-            except ValueError as e:
+                seen.add(item.key)
+            except (ValueError, RecursionError) as e:
                 errors.write({"line": lineno, "error": str(e)})
                 summary.errors += 1
                 continue
-            if item.id in skip:
+            if item.key in skip:
                 summary.skipped += 1
                 continue
             yield item
@@ -238,12 +302,18 @@ def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_p
     """Generate for every line of `input_path` not yet in `output_path`."""
     errors_path = errors_path or output_path.with_name(output_path.stem + ".errors.jsonl")
     summary = BatchSummary()
+    out = LineWriter(output_path)
+    try:
+        out.lock()  # before reading what is done: a second run must not resume from the same state
+    except OutputLockedError:
+        out.close()
+        raise
     done = completed_ids(output_path)
-    out, errors = LineWriter(output_path), LineWriter(errors_path)
+    errors = LineWriter(errors_path, skip_written=True)
     ec = engine.engine_config
     window = 4 * ec.max_num_seqs * ec.data_parallel_size  # requests queued ahead of the engine(s)
     items = read_items(input_path, errors, summary, done, shard, ec.sampling_defaults)
-    in_flight: set[str] = set()
+    in_flight: dict[str, BatchItem] = {}  # engine request id -> item
     bar = tqdm(disable=not progress, desc="generate", unit="req")
     t0 = time.monotonic()
     exhausted = False
@@ -256,19 +326,23 @@ def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_p
                     break
                 try:
                     prompt = item.prompt.prompt_ids(engine.tokenizer) if isinstance(item.prompt, Chat) else item.prompt
-                    engine.add_request(item.id, prompt, item.params, item.cache_salt)
-                except ValueError as e:  # ChatTemplateError too (a template that refuses the conversation)
+                    engine.add_request(item.key, prompt, item.params, item.cache_salt)
+                except Exception as e:  # noqa: BLE001 - this line fails alone (ValueError names the field)
                     errors.write({"line": item.lineno, "id": item.id, "error": str(e)})
                     summary.errors += 1
                     continue
-                in_flight.add(item.id)
+                in_flight[item.key] = item
             if not in_flight:
                 break
             for res in engine.step():
                 if not res.finished:
                     continue
-                in_flight.discard(res.request_id)
-                out.write(result_line(res))
+                item = in_flight.pop(res.request_id)
+                if res.error is not None:  # failed inside the engine: not done, so a re-run retries it
+                    errors.write({"line": item.lineno, "id": item.id, "error": f"engine: {res.error}"})
+                    summary.errors += 1
+                    continue
+                out.write(result_line(res, item.id))
                 summary.requests += 1
                 summary.prompt_tokens += res.metrics.num_prompt_tokens
                 summary.generated_tokens += res.metrics.num_generated_tokens
@@ -336,7 +410,13 @@ def run(args) -> int:
         written = args.output if count == 1 else multihost_part(args.output, index, count)
         engine.warmup(plan_for_input(engine, args.input, written, (index, count)),
                       progress=not args.no_progress and index == 0)
-    startup = time.monotonic() - t0
+    try:
+        return _run(engine, args, count, index, time.monotonic() - t0)
+    except OutputLockedError as e:
+        raise SystemExit(f"paged-jax generate: {e}") from None
+
+
+def _run(engine, args, count: int, index: int, startup: float) -> int:
     if count == 1:
         summary = run_batch(engine, args.input, args.output, args.errors, progress=not args.no_progress)
         summary.startup_seconds = startup

@@ -113,6 +113,14 @@ class DataParallelEngine:
         return bool(self.router.owner)
 
     @property
+    def max_n(self) -> int:
+        return self.replicas[0].max_n
+
+    @property
+    def num_launched(self) -> int:
+        return sum(r.num_launched for r in self.replicas)
+
+    @property
     def num_waiting(self) -> int:
         return sum(r.num_waiting for r in self.replicas)
 

@@ -53,7 +53,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | xla | pallas | pallas-interpret
     kv_dtype: str | None = None  # default: the model dtype
     seed: int = 0  # seeds requests that do not set their own
-    max_n: int = 64  # samples per request
+    max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)
     warmup: bool = True  # compile every step shape at start-up (or call `warmup(plan)` later with False)
     watermark: float = 0.01  # fraction of pages admission keeps free while requests run
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
@@ -170,6 +170,7 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # the lookahead's dispatched, uncollected step
         self._rng = np.random.default_rng(ec.seed)
         self.num_steps = 0
+        self.num_launched = 0  # steps dispatched to the device (the engine loop's progress signal)
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
         if ec.warmup:
             self.warmup()
@@ -180,6 +181,12 @@ class LLMEngine:
         lookahead = self.engine_config.async_scheduling
         return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, what=what)
 
+    @property
+    def max_n(self) -> int:
+        """The most samples one request may ask for: every sample of a request must run in the same batch
+        once its prompt completes, so `n` above `max_num_seqs` could never be scheduled."""
+        return min(self.engine_config.max_n, self.engine_config.max_num_seqs)
+
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:
@@ -189,7 +196,7 @@ class LLMEngine:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        params.validate(self.config.vocab_size, self.engine_config.max_n)
+        params.validate(self.config.vocab_size, self.max_n)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -272,15 +279,13 @@ class LLMEngine:
         step n+1 before it waits for step n's samples, feeding each sequence's not-yet-known token to step
         n+1 on the device, so the host's scheduling and bookkeeping overlap the device's work. The outputs
         returned are then step n's; a sequence that step n finishes (EOS, a stop) costs one wasted token
-        of step n+1, which is discarded. Requests with penalties fall back to one step at a time, since
-        their sampling needs every earlier token on the host.
+        of step n+1, which is discarded. A sequence with penalties gets its still-on-device token into its
+        token history on the device too, so penalties do not turn the lookahead off.
         """
         if not self.engine_config.async_scheduling:
             launched = self.launch_step()
             return [] if launched is None else self.finish_step(launched)
         prev, self._inflight = self._inflight, None
-        if prev is not None and any(seq.params.uses_penalties for seq, _ in prev.sched.sample_rows):
-            return self.finish_step(prev)
         if prev is not None:
             self._mark_pending(prev)
         self._inflight = self.launch_step(prev)
@@ -307,6 +312,7 @@ class LLMEngine:
         if sched.empty:
             return None
         samples = self.runner.launch(sched, self.kv, None if prev is None else prev.samples)
+        self.num_launched += 1
         return _Launched(sched, samples, time.perf_counter() - t0)
 
     def finish_step(self, launched: _Launched) -> list[RequestOutput]:
@@ -374,19 +380,27 @@ class LLMEngine:
             self.scheduler.remove(seq, reason)
 
     def _output(self, req: _Request, final: bool) -> RequestOutput:
+        """This step's output of `req`: what each sample added since the last output (the cost of a step is
+        that of its new tokens, not of the whole output), plus the whole output when `final`."""
         completions = []
         for seq, detok in zip(req.seqs, req.detoks, strict=True):
-            new_ids = seq.output_token_ids[seq.num_sent_tokens:]
-            seq.num_sent_tokens = len(seq.output_token_ids)
-            logprobs = None
+            sent, seq.num_sent_tokens = seq.num_sent_tokens, len(seq.output_token_ids)
+            new_ids = seq.output_token_ids[sent:]
+            new_logprobs = None
             if seq.params.logprobs is not None:
-                logprobs = [TokenLogprob(t, lp, top)
-                            for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)]
+                new_logprobs = [TokenLogprob(t, lp, top)
+                                for t, (lp, top) in zip(new_ids, seq.output_logprobs[sent:], strict=True)]
             new_text = detok.take_delta(final=seq.finished)  # first: a finished sample's pending text is flushed
-            completions.append(CompletionOutput(
-                index=seq.index, token_ids=list(seq.output_token_ids), text=detok.text,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason, logprobs=logprobs, new_token_ids=new_ids, new_text=new_text))
+            c = CompletionOutput(index=seq.index, token_ids=[], text="",
+                                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                                 stop_reason=seq.stop_reason, new_token_ids=new_ids, new_text=new_text,
+                                 new_logprobs=new_logprobs)
+            if final:
+                c.token_ids, c.text = list(seq.output_token_ids), detok.text
+                if seq.params.logprobs is not None:
+                    c.logprobs = [TokenLogprob(t, lp, top)
+                                  for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)]
+            completions.append(c)
         lead = req.seqs[0]
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,

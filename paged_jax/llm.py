@@ -66,13 +66,13 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError("sampling_params: need one per prompt or a single one")
         order: dict[str, int] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            rid = f"gen-{next(self._ids)}"
-            self.engine.add_request(rid, prompt_input(prompt), params)
-            order[rid] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")
-        try:
+        try:  # all or nothing: an invalid prompt (or an interrupt) withdraws the ones queued before it
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(rid, prompt_input(prompt), params)
+                order[rid] = i
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:

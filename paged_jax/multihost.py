@@ -70,17 +70,30 @@ def allgather_bytes(data: bytes) -> list[bytes]:
     return [b"".join(p) for p in parts]
 
 
+def _whole_lines(data: bytes) -> list[bytes]:
+    """The complete, non-blank lines of `data`: a torn tail (no newline, from a crash mid-write) is left out."""
+    return [line for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
+
+
 def _append_new(path: Path, blobs: list[bytes], key) -> int:
-    """Append the lines of `blobs` whose key is not in `path` yet (nor earlier in `blobs`); count them."""
-    seen = {key(line) for line in path.read_bytes().splitlines() if line.strip()} if path.exists() else set()
-    new = []
-    for blob in blobs:
-        for line in blob.splitlines():
-            if line.strip() and key(line) not in seen:
-                seen.add(key(line))
-                new.append(line + b"\n")
+    """Append the lines of `blobs` whose key is not in `path` yet (nor earlier in `blobs`); count them.
+
+    A torn tail of `path` (process 0 killed during an earlier merge) is cut off first; torn tails of the
+    blobs are skipped (their lines are not done, and the host's next run redoes them).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab") as f:
+    with open(path, "a+b") as f:
+        f.seek(0)
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+        seen = {key(line) for line in _whole_lines(data)}
+        new = []
+        for blob in blobs:
+            for line in _whole_lines(blob):
+                if key(line) not in seen:
+                    seen.add(key(line))
+                    new.append(line + b"\n")
         f.write(b"".join(new))
     return len(new)
 
@@ -96,7 +109,7 @@ def merge_parts(output: Path, errors: Path, count: int) -> int | None:
     blobs = [allgather_bytes(p.read_bytes() if p.exists() else b"") for p in mine]
     if index != 0:
         return None
-    added = _append_new(output, blobs[0], key=lambda line: str(json.loads(line)["id"]))
+    added = _append_new(output, blobs[0], key=lambda line: json.dumps(json.loads(line)["id"]))
     _append_new(errors, blobs[1], key=lambda line: line)
     return added
 

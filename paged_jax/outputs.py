@@ -14,16 +14,19 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One sample. `token_ids` and `text` are cumulative; `new_*` hold what this step added."""
+    """One sample. `new_*` hold what this step added. `token_ids`, `text` and `logprobs` hold the whole output
+    on the request's final output only (empty before): building them every step would cost each step in
+    proportion to the output so far; a streaming caller accumulates the deltas instead."""
 
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # eos, stop, stop_string, length, abort, error (None while running)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for logprobs (final output only)
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
 
     @property
     def finished(self) -> bool:

@@ -54,6 +54,7 @@ from paged_jax.executables import CompileStats, Executables
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
+from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
 from paged_jax.scheduler import SchedulerOutput
 from pallas_kernels.common import kv_pages_shape
 
@@ -142,6 +143,16 @@ def _merge_pending(token_ids: jax.Array, prev_rows: jax.Array, prev_tokens: jax.
     return jnp.where(prev_rows >= 0, taken, token_ids).astype(jnp.int32)
 
 
+@jax.jit
+def _merge_pending_history(history: jax.Array, rows: jax.Array, cols: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """history [S, L] with entry (r, cols[r]) taken from prev_tokens [S_prev] at rows[r] where rows[r] >= 0: the
+    lookahead's still-on-device token of a penalized sequence, for its penalties."""
+    r = jnp.arange(history.shape[0])
+    c = jnp.clip(cols, 0, history.shape[1] - 1)
+    taken = prev_tokens[jnp.clip(rows, 0, prev_tokens.shape[0] - 1)]
+    return history.at[r, c].set(jnp.where(rows >= 0, taken, history[r, c]))
+
+
 @partial(jax.jit, static_argnames=("width", "do_sample", "do_filter", "do_penalty", "want_logprobs"))
 def _sample_rows(logits: jax.Array, meta: SamplingMeta, *, width: int, do_sample: bool, do_filter: bool,
                  do_penalty: bool, want_logprobs: bool) -> SamplerOutput:
@@ -191,6 +202,10 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(8, max_num_seqs)
+        # Sampling arrays whose size a request chooses have one fixed width each, compiled at warm-up: the ban
+        # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
+        self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
+        self.history_len = pow2_buckets(64, max_model_len)[-1]
         self.kv_dtype = jnp.dtype(kv_dtype or config.dtype)
         shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
         device = None if mesh is None else sharding.kv_sharding(mesh)
@@ -200,6 +215,8 @@ class ModelRunner:
                                for kv in self.kv_caches)
         self._rep = None if mesh is None else sharding.replicated(mesh)
         self.model, self._forward = step_functions(config, attention_backend, mesh)
+        on = None if mesh is None else sharding.replicated(mesh)
+        self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
         self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers)
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (self._forward, self._copy, mesh, self.max_blocks, _fingerprint(params),
@@ -268,14 +285,10 @@ class ModelRunner:
 
     def _sampling_inputs(self, sched: SchedulerOutput, s: int) -> dict:
         rows = sched.sample_rows
-        penalized = [seq for seq, _ in rows if seq.params.uses_penalties]
-        hist_len = pow2_buckets(64, max(seq.num_tokens for seq in penalized))[-1] if penalized else 1
-        suppress_width = 8
-        for seq, _ in rows:
-            if len(seq.output_token_ids) < seq.params.min_tokens:
-                suppress_width = max(suppress_width, len(self.config.eos_token_ids) + len(seq.params.stop_token_ids))
-        suppress_width = pow2_buckets(8, suppress_width)[-1]
-        m = empty_meta(s, suppress_width, hist_len)
+        penalized = any(seq.params.uses_penalties for seq, _ in rows)
+        m = empty_meta(s, self.suppress_width, self.history_len if penalized else 1)
+        pending_rows = np.full(s, -1, np.int32)  # penalized rows whose last token is still on the device
+        pending_cols = np.zeros(s, np.int32)
         flags = {"do_sample": False, "do_filter": False, "do_penalty": bool(penalized), "want_logprobs": False}
         for r, (seq, _) in enumerate(rows):
             p = seq.params
@@ -298,9 +311,11 @@ class ModelRunner:
                 m["presence_penalty"][r] = p.presence_penalty
                 m["frequency_penalty"][r] = p.frequency_penalty
                 toks = seq.all_token_ids
-                m["history"][r, : len(toks)] = toks
+                m["history"][r, : len(toks)] = toks  # a placeholder (-1) is padding until merged on device
                 m["num_prompt"][r] = len(seq.prompt_token_ids)
-        return {"meta": m, "flags": flags}
+                if seq.has_pending:
+                    pending_rows[r], pending_cols[r] = seq.pending_row, len(toks) - 1
+        return {"meta": m, "flags": flags, "pending": (pending_rows, pending_cols)}
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
         """Run one step: copy-on-write copies, forward, sampling; return host copies of the samples."""
@@ -323,11 +338,21 @@ class ModelRunner:
             token_ids = self._executable(self.merge_job(t))(token_ids, prev_rows, prev_samples.tokens)
         forward = self._executable(self.forward_job(t, s))
         logits, self.kv_caches = forward(self.params, self.kv_caches, token_ids, positions, meta, logits_indices)
-        m = sampling["meta"]
+        m = self._with_history(sampling, prev_samples)
         f = sampling["flags"]
         flags = (f["do_sample"], f["do_filter"], f["do_penalty"], f["want_logprobs"])
         job = self.sample_job(s, m["suppress"].shape[1], m["history"].shape[1], flags)
         return self._executable(job)(logits, SamplingMeta(**m))
+
+    def _with_history(self, sampling: dict, prev_samples: SamplerOutput | None) -> dict:
+        """The sampling meta, with a penalized step's history always made on the device by one merge (the
+        lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
+        m = sampling["meta"]
+        if not sampling["flags"]["do_penalty"]:
+            return m
+        rows, cols = sampling["pending"]
+        prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
+        return m | {"history": self._executable(self.history_job(len(rows)))(m["history"], rows, cols, prev)}
 
     def collect(self, out: SamplerOutput, num_rows: int) -> StepResult:
         """Wait for a launched step and copy its first `num_rows` samples to the host."""
@@ -371,6 +396,14 @@ class ModelRunner:
         i32 = self._spec
         return (("merge", self._key, t),
                 lambda: _merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])), f"merge tokens={t}")
+
+    def history_job(self, s: int) -> Job:
+        """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
+        i32 = self._spec
+        return (("history", self._key, s),
+                lambda: _merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s),
+                                                     i32(self.seq_buckets[-1])),
+                f"history rows={s} length={self.history_len}")
 
     def copy_job(self, n: int) -> Job:
         """Copy-on-write of `n` pages on every layer."""

@@ -18,6 +18,7 @@ import numpy as np
 from paged_jax.sampling_params import MAX_LOGPROBS
 
 MASK = -1e30  # finite, so that max - max stays finite
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (as in vLLM): x / t would overflow float32
 
 
 class SamplingMeta(NamedTuple):
@@ -78,11 +79,15 @@ def sample(logits: jax.Array, meta: SamplingMeta, *, do_sample: bool, do_filter:
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = _apply_penalties(logits, meta) if do_penalty else logits
     suppress = jnp.where(meta.suppress >= 0, meta.suppress, vocab)
-    x = x.at[jnp.arange(num_rows)[:, None], suppress].set(MASK, mode="drop")
+    rows = jnp.arange(num_rows)[:, None]
+    x = x.at[rows, suppress].set(MASK, mode="drop")
     tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     if do_sample:
-        temp = jnp.where(meta.temperature > 0, meta.temperature, 1.0)
-        y = x / temp[:, None]
+        hot = meta.temperature >= MIN_TEMPERATURE
+        temp = jnp.where(hot, meta.temperature, 1.0)
+        # Masked again after scaling: MASK / a huge temperature is close to 0, which would let a suppressed
+        # token (EOS under min_tokens) back in.
+        y = (x / temp[:, None]).at[rows, suppress].set(MASK, mode="drop")
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(_row_keys(meta))
         if do_filter:
             order = jnp.argsort(-y, axis=-1)  # [S, V] descending
@@ -98,7 +103,7 @@ def sample(logits: jax.Array, meta: SamplingMeta, *, do_sample: bool, do_filter:
             sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
         else:
             sampled = jnp.argmax(y + gumbel, axis=-1)
-        tokens = jnp.where(meta.temperature > 0, sampled.astype(jnp.int32), tokens)
+        tokens = jnp.where(hot, sampled.astype(jnp.int32), tokens)
     logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if want_logprobs:
         top_lp, top_ids = jax.lax.top_k(raw_logprobs, min(MAX_LOGPROBS, vocab))

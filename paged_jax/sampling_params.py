@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64  # the sampler's ban list has a fixed width (compiled once), so this many at most
+FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger values become inf there
 
 
 @dataclass(slots=True)
@@ -43,8 +45,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.stop, (list, tuple)):  # anything else (a dict, a set) is refused by validate
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
 
@@ -68,6 +72,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name}: must be a finite number, got {value!r}")
+            if abs(value) > FLOAT32_MAX:  # checked in the dtype it is used in
+                raise ValueError(f"{name}: {value!r} is not finite in float32 (the device's dtype)")
             return float(value)
 
         def integer(name: str) -> int:
@@ -99,9 +105,15 @@ class SamplingParams:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if not 0 <= integer("min_tokens") <= self.max_tokens:
             raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens}")
+        if not isinstance(self.stop, list):
+            raise ValueError(f"stop: must be a string or a list of strings, got {type(self.stop).__name__}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids: must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")

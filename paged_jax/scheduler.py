@@ -111,9 +111,12 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
+        # Slots already promised: every running sequence, plus the children each running leader will fork
+        # when its prompt completes (they join `running` then, without passing admission again).
+        promised = len(self.running) + sum(len(s.forked_children) for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            wanted = len(self.running) + 1 + len(seq.forked_children)
+            wanted = promised + 1 + len(seq.forked_children)
             if wanted > self.max_num_seqs:
                 break
             if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
@@ -134,6 +137,7 @@ class Scheduler:
             seq.num_computed = got
             seq.status = Status.RUNNING
             self.running.append(seq)
+            promised = wanted
             self._schedule(seq, num_new, out, scheduled)
             budget -= num_new
 

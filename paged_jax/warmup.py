@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 GREEDY: SamplerFlags = (False, False, False, False)
 COMMON_SAMPLERS: tuple[SamplerFlags, ...] = (GREEDY, (True, False, False, False), (True, True, False, False))
-# Without penalties: their history width depends on the sequences' lengths, so they compile when first used.
-ALL_SAMPLERS: tuple[SamplerFlags, ...] = (*COMMON_SAMPLERS, *((s, f, False, True) for s, f, _, _ in COMMON_SAMPLERS))
+ALL_SAMPLERS: tuple[SamplerFlags, ...] = tuple((s, f, p, lp) for s, f, _, _ in COMMON_SAMPLERS
+                                               for p in (False, True) for lp in (False, True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +92,15 @@ def token_buckets(runner: ModelRunner, plan: WarmupPlan) -> list[int]:
 
 
 def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
-    """The plan's executables: forward steps first (the long compiles), then sampling, merges, copies."""
+    """The plan's executables: forward steps first (the long compiles), then sampling (with the penalties'
+    history merge where a variant has penalties), the lookahead's merges, copies."""
     buckets = token_buckets(runner, plan)
     out = [runner.forward_job(t, runner.seq_bucket(t)) for t in buckets]
     for s in sorted({runner.seq_bucket(t) for t in buckets}):
-        out += [runner.sample_job(s, 8, 1, flags) for flags in plan.sampler_flags if not flags[2]]
+        out += [runner.sample_job(s, runner.suppress_width, runner.history_len if flags[2] else 1, flags)
+                for flags in plan.sampler_flags]
+        if any(flags[2] for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
+            out.append(runner.history_job(s))
     if plan.lookahead:
         out += [runner.merge_job(t) for t in buckets]
     if plan.copies:

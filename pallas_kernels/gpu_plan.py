@@ -40,6 +40,8 @@ H200_SMS = HARDWARE["h200"].num_cores
 SMEM_BYTES_PER_SM = 227 * 1024
 MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in partials and launch than it hides
 MAX_SPLITS = 32
+SMALL_BUCKET_SEQS = 8  # the engine's smallest sequence bucket
+GRID_PROGRAMS_PER_SM = 8  # cap on grid programs (most of them empty in a full bucket) per SM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +148,18 @@ def _make_range(name: str, min_q_len: int, max_q_len: int, cfg: BlockConfig, *, 
     num_items = max(1, min(n_max + (num_tokens - n_max) // q_block, n_max * cdiv(max_q_len, q_block)))
     adaptive = num_splits is None
     if num_splits is None:
-        # The grid's split axis is sized for a range about half full (one more than half its item bound); the
-        # kernel then uses only as many splits as the real item count needs (effective_splits), the other
-        # programs exit at once.
-        base = (num_items // 2 + 1) * num_kv_heads
+        # The grid's split axis is sized for the fewest items the range is likely to hold: one more than half
+        # its bound (a smaller batch lands in the previous power-of-two bucket), or a single sequence in a
+        # bucket of at most SMALL_BUCKET_SEQS sequences (the smallest bucket holds a lone long-context request
+        # as often as a full one), with the grid kept under GRID_PROGRAMS_PER_SM x SMs programs. The kernel
+        # then uses only the splits the real item count needs (effective_splits); the other programs stop
+        # after their scalar loads.
+        likely = 1 if n_max <= SMALL_BUCKET_SEQS else num_items // 2 + 1
+        base = likely * num_kv_heads
         num_splits = 1
         if base < 2 * num_sms:
-            most = max(1, min(MAX_SPLITS, max_blocks * page_size // MIN_KEYS_PER_SPLIT))
+            most = max(1, min(MAX_SPLITS, max_blocks * page_size // MIN_KEYS_PER_SPLIT,
+                              cdiv(GRID_PROGRAMS_PER_SM * num_sms, num_items * num_kv_heads)))
             num_splits = max(1, min(cdiv(2 * num_sms, base), most))
     num_stages = num_stages or cfg.num_stages
     smem = num_stages * kv_block * head_dim * 2 * itemsize + rows * head_dim * itemsize
@@ -283,16 +290,30 @@ def effective_splits(xp, real_items, *, num_splits: int, num_kv_heads: int, num_
     return xp.clip(want, 1, num_splits)
 
 
+def _item_blocks(xp, pos0, n, *, num_splits, kv_block: int, sliding_window: int | None):
+    last = pos0 + n - 1
+    first_key = xp.zeros_like(pos0) if sliding_window is None else xp.maximum(pos0 - sliding_window + 1, 0)
+    lo = first_key // kv_block
+    hi = xp.where(n > 0, last // kv_block + 1, lo)
+    per = (hi - lo + num_splits - 1) // num_splits  # KV blocks per split
+    return first_key, last, lo, hi, per
+
+
+def item_splits_with_work(xp, pos0, n, *, num_splits, kv_block: int, sliding_window: int | None):
+    """How many of an item's splits walk at least one KV block: always a prefix ``[0, k)`` of the splits (the
+    combine reads only those)."""
+    _, _, lo, hi, per = _item_blocks(xp, pos0, n, num_splits=num_splits, kv_block=kv_block,
+                                     sliding_window=sliding_window)
+    return (hi - lo + per - 1) // xp.maximum(per, 1)
+
+
 def item_kv_range(xp, pos0, n, *, split, num_splits, kv_block: int, page_size: int, max_blocks: int,
                   sliding_window: int | None):
     """KV blocks ``[b_lo, b_hi)`` one program (item, split) walks, and the item's visible pages
     ``[p_lo, p_hi]`` (clamped to the table; every gather index is clamped into it). Scalars in the kernel,
     arrays in the work model."""
-    last = pos0 + n - 1
-    first_key = xp.zeros_like(pos0) if sliding_window is None else xp.maximum(pos0 - sliding_window + 1, 0)
-    lo = first_key // kv_block
-    hi = xp.where(n > 0, last // kv_block + 1, lo)
-    per = (hi - lo + num_splits - 1) // num_splits
+    first_key, last, lo, hi, per = _item_blocks(xp, pos0, n, num_splits=num_splits, kv_block=kv_block,
+                                                sliding_window=sliding_window)
     b_lo = xp.minimum(lo + split * per, hi)
     b_hi = xp.minimum(b_lo + per, hi)
     p_lo = xp.minimum(first_key // page_size, max_blocks - 1)
@@ -367,7 +388,7 @@ def gpu_work_detail(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_wi
     summed), ``kv_bytes_gathered`` (distinct pages per program: L2 -> SM traffic with no reuse across programs),
     ``kv_bytes_min`` (every page of every sequence with queries, once per KV head: the least any kernel reads),
     ``grid_programs``, ``programs_in_flight`` (the largest launch's min(programs with work, resident slots)),
-    ``h200_seconds`` (:func:`occupancy_seconds`, launches summed)."""
+    ``h200_seconds`` (:meth:`KernelWork.seconds` on the H200, launches summed)."""
     kv_in, cu_in = np.asarray(kv_lens, np.int64)[:num_seqs], np.asarray(cu_q_lens, np.int64)[: num_seqs + 1]
     q_lens = cu_in[1:] - cu_in[:-1]
     h_n, page, d = plan.num_kv_heads, plan.page_size, plan.head_dim
@@ -390,8 +411,9 @@ def gpu_work_detail(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_wi
         q_bytes = tokens * q_tok_bytes * rng.num_splits  # every split's program loads its item's rows
         if rng.num_splits == 1:
             out_bytes = tokens * q_tok_bytes
-        else:  # partials written, read back by the combine, which writes the range's rows
-            out_bytes = 2 * rng.num_splits * rng.num_items * h_n * rng.rows * (d + 2) * 4 + tokens * q_tok_bytes
+        else:  # partials (the real rows of programs with work) written, read back by the combine kernel
+            row_steps = (steps > 0).sum(axis=0) * n  # [I]: tokens x splits with work
+            out_bytes = 2 * int(row_steps.sum()) * plan.group * h_n * (d + 2) * 4 + tokens * q_tok_bytes
         works.append(KernelWork(
             kv_bytes_read=_hbm_pages(plan, rng, steps, seq, first, last) * page_bytes,
             q_bytes=q_bytes,
@@ -424,7 +446,7 @@ def gpu_work_detail(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_wi
         kv_bytes_min=min_pages * page_bytes * h_n,
         grid_programs=grid_programs,
         programs_in_flight=in_flight,
-        h200_seconds=sum(occupancy_seconds(w) for w in works),
+        h200_seconds=sum(w.seconds(HARDWARE["h200"]) for w in works),
     )
 
 
@@ -447,14 +469,6 @@ def case_work(num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: in
                                kv_lens, cu_q_lens, num_seqs, max_blocks=max_blocks)
     plan = plan_gpu(num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, dtype)
     return gpu_work(plan, kv_lens, cu_q_lens, num_seqs, sliding_window)
-
-
-def occupancy_seconds(work: KernelWork, hw=HARDWARE["h200"]) -> float:
-    """Roofline time when a program only uses its own SM: with ``p < num_cores`` programs, only ``p / num_cores``
-    of the bandwidth and of the matmul peak are reachable (``KernelWork.seconds`` assumes the whole chip). The
-    figure that shows why split-KV matters: the previous design ran the batch-4 32k decode on 8 programs."""
-    share = min(1.0, work.programs / hw.num_cores) if work.programs else 1.0
-    return max(work.hbm_bytes / (hw.hbm_bytes_per_s * share), work.issued_flops / (hw.matmul_flops_per_s * share))
 
 
 def legacy_gpu_work(num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,

@@ -21,11 +21,12 @@ second aliases the first's output. Q and the output are read and written in plac
 
 **Split-KV (flash-decoding).** When items x KV heads is below about twice the SM count (132 on H200), each
 item's KV range is cut into contiguous chunks of KV blocks, one program each. The grid's split axis is sized
-statically for the smallest batch the bucket is likely to hold; the number of splits in use is computed on
-device from the real item count (:func:`effective_splits`) and the programs of unused splits exit. Programs write
-unnormalised partials ``(m, l, acc)`` and an XLA pass combines them exactly (``exp(m_k - max m)`` weights), then
-gathers the rows back to token order. Splits past a short sequence's end write ``m = MASK_VALUE, l = 0`` and
-drop out of the combine.
+statically for the fewest items the bucket is likely to hold (see :func:`plan_gpu`); the number of splits in use
+is computed on device from the real item count (:func:`effective_splits`), and programs without work (unused
+splits, splits past a short item's KV, items past the real ones) stop after their scalar loads. Programs with
+work write unnormalised partials ``(m, l, acc)`` for their real rows only; a second small Triton kernel
+(grid ``(items, KV heads)``) reads the splits that walked KV (always a prefix, :func:`item_splits_with_work`),
+combines them exactly with ``exp(m_k - max m)`` weights and stores the rows at the item's tokens.
 
 **KV loop.** A KV step is ``pages_per_block`` pages gathered with one indexed load (``k_ref[pages]``). The
 table entries of the *next* step are loaded one step ahead (carried through the loop), so the gather of step
@@ -79,6 +80,7 @@ from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's 
     gpu_work,
     gpu_work_detail,
     item_kv_range,
+    item_splits_with_work,
     plan_gpu,
     program_counts,
     range_work_list,
@@ -110,68 +112,123 @@ def _kernel(
     rows, kv_block = rng.rows, rng.kv_block
     split, item, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     s, tok0, n, pos0 = seq_ref[item], tok0_ref[item], n_ref[item], pos0_ref[item]
-
-    j3 = jax.lax.broadcasted_iota(jnp.int32, (qb, gp, 1), 0)
-    g3 = jax.lax.broadcasted_iota(jnp.int32, (qb, gp, 1), 1)
-    row_ok3 = jnp.broadcast_to((j3 < n) & (g3 < group), (qb, gp, d))
-    q_view = q_ref.at[pl.ds(tok0, qb), pl.ds(h * group, gp)]
-    q = pltriton.load(q_view, mask=row_ok3, other=0).reshape(rows, d).astype(k_ref.dtype)
-    r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    q_pos = pos0 + r // gp  # [rows, 1]
-    row_real = r // gp < n
-
     b_lo, b_hi, p_lo, p_hi = item_kv_range(
         jnp, pos0, n, split=split, num_splits=splits_ref[0], kv_block=kv_block, page_size=page,
         max_blocks=plan.max_blocks, sliding_window=sliding_window,
     )
-    page_iota = jax.lax.broadcasted_iota(jnp.int32, (ppb,), 0)
-
-    def table_entries(b):  # the pages of KV step b, out-of-range slots clamped onto the item's pages
-        return tables_ref[s, jnp.clip(b * ppb + page_iota, p_lo, p_hi)]
-
-    def kv_body(b, carry):
-        m, den, acc, pages, stats = carry
-        next_pages = table_entries(b + 1)  # one step ahead: the next gather's addresses are ready
-        k = k_ref[pages].reshape(kv_block, d)
-        v = v_ref[pages].reshape(kv_block, d)
-        k_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
-        mask = row_real & (k_pos <= q_pos)
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        logits = pltriton.dot(q, k, trans_b=True, allow_tf32=False) * sm_scale  # float32 accumulate
-        logits = jnp.where(mask, apply_soft_cap(logits, soft_cap), MASK_VALUE)
-        m_next = jnp.maximum(m, jnp.max(logits, axis=1))
-        alpha = jnp.exp(m - m_next)
-        p = jnp.where(mask, jnp.exp(logits - m_next[:, None]), 0.0)
-        v_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)
-        v = jnp.where((v_pos >= p_lo * page) & (v_pos <= pos0 + n - 1), v, jnp.zeros_like(v))
-        acc = alpha[:, None] * acc + pltriton.dot(p.astype(v.dtype), v, allow_tf32=False)
-        if count:  # KV steps, and distinct in-range pages gathered (the clamped slots re-read one of them)
-            first, last = jnp.maximum(b * ppb, p_lo), jnp.minimum(b * ppb + ppb - 1, p_hi)
-            stats = stats + jnp.where(jnp.arange(2) == 0, 1, jnp.maximum(last - first + 1, 0))
-        return m_next, alpha * den + jnp.sum(p, axis=1), acc, next_pages, stats
-
-    init = (
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, d), jnp.float32),
-        table_entries(b_lo),
-        jnp.zeros((2,), jnp.int32) if count else None,
-    )
-    m, den, acc, _, stats = jax.lax.fori_loop(b_lo, b_hi, kv_body, init)
     if count:
         refs, stats_ref = refs[:-1], refs[-1]
-        stats_ref[...] = stats
-    if rng.num_splits == 1:
-        _, o_ref = refs
+        stats_ref[...] = jnp.zeros((2,), jnp.int32)
+
+    # Programs without work (items past the real ones, splits past K_eff or past a short item's KV) stop after
+    # the scalar loads above: no q load, no table load, no store (the combine skips their partials).
+    @pl.when(b_hi > b_lo)
+    def _():
+        j3 = jax.lax.broadcasted_iota(jnp.int32, (qb, gp, 1), 0)
+        g3 = jax.lax.broadcasted_iota(jnp.int32, (qb, gp, 1), 1)
+        row_ok3 = jnp.broadcast_to((j3 < n) & (g3 < group), (qb, gp, d))
+        q_view = q_ref.at[pl.ds(tok0, qb), pl.ds(h * group, gp)]
+        q = pltriton.load(q_view, mask=row_ok3, other=0).reshape(rows, d).astype(k_ref.dtype)
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        q_pos = pos0 + r // gp  # [rows, 1]
+        row_real = r // gp < n
+        page_iota = jax.lax.broadcasted_iota(jnp.int32, (ppb,), 0)
+
+        def table_entries(b):  # the pages of KV step b, out-of-range slots clamped onto the item's pages
+            return tables_ref[s, jnp.clip(b * ppb + page_iota, p_lo, p_hi)]
+
+        def kv_body(b, carry):
+            m, den, acc, pages, stats = carry
+            next_pages = table_entries(b + 1)  # one step ahead: the next gather's addresses are ready
+            k = k_ref[pages].reshape(kv_block, d)
+            v = v_ref[pages].reshape(kv_block, d)
+            k_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
+            mask = row_real & (k_pos <= q_pos)
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            logits = pltriton.dot(q, k, trans_b=True, allow_tf32=False) * sm_scale  # float32 accumulate
+            logits = jnp.where(mask, apply_soft_cap(logits, soft_cap), MASK_VALUE)
+            m_next = jnp.maximum(m, jnp.max(logits, axis=1))
+            alpha = jnp.exp(m - m_next)
+            p = jnp.where(mask, jnp.exp(logits - m_next[:, None]), 0.0)
+            v_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)
+            v = jnp.where((v_pos >= p_lo * page) & (v_pos <= pos0 + n - 1), v, jnp.zeros_like(v))
+            acc = alpha[:, None] * acc + pltriton.dot(p.astype(v.dtype), v, allow_tf32=False)
+            if count:  # KV steps, and distinct in-range pages gathered (the clamped slots re-read one of them)
+                first, last = jnp.maximum(b * ppb, p_lo), jnp.minimum(b * ppb + ppb - 1, p_hi)
+                stats = stats + jnp.where(jnp.arange(2) == 0, 1, jnp.maximum(last - first + 1, 0))
+            return m_next, alpha * den + jnp.sum(p, axis=1), acc, next_pages, stats
+
+        init = (
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, d), jnp.float32),
+            table_entries(b_lo),
+            jnp.zeros((2,), jnp.int32) if count else None,
+        )
+        m, den, acc, _, stats = jax.lax.fori_loop(b_lo, b_hi, kv_body, init)
+        if count:
+            stats_ref[...] = stats
+        if rng.num_splits == 1:
+            _, o_ref = refs
+            out = jnp.where(den[:, None] > 0, acc / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
+            out = out.reshape(qb, gp, d).astype(o_ref.dtype)
+            pltriton.store(o_ref.at[pl.ds(tok0, qb), pl.ds(h * group, gp)], out, mask=row_ok3)
+        else:  # only the real rows (the combine reads only those)
+            acc_ref, m_ref, l_ref = refs
+            real = (r // gp < n) & (r % gp < group)  # [rows, 1]
+            pltriton.store(acc_ref, acc, mask=jnp.broadcast_to(real, (rows, d)))
+            pltriton.store(m_ref, m, mask=real[:, 0])
+            pltriton.store(l_ref, den, mask=real[:, 0])
+
+
+def _combine_kernel(
+    tok0_ref,  # [num_items] int32
+    n_ref,
+    pos0_ref,
+    splits_ref,  # [1] int32
+    acc_ref,  # [K, I, H, rows, D] float32, whole
+    m_ref,  # [K, I, H, rows]
+    l_ref,
+    _out_in,  # aliased to o_ref
+    o_ref,  # [num_tokens, num_q_heads, head_dim]
+    *,
+    plan: GpuPlan,
+    rng: GpuRange,
+    sliding_window: int | None,
+):
+    """Flash-decoding reduction of one (item, KV head): ``exp(m_k - max m)``-weighted sum over the splits that
+    walked KV (a prefix), read and written for the real rows only, stored at the item's tokens."""
+    qb, gp, group, d, rows = rng.q_block, plan.group_p, plan.group, plan.head_dim, rng.rows
+    item, h = pl.program_id(0), pl.program_id(1)
+    tok0, n, pos0 = tok0_ref[item], n_ref[item], pos0_ref[item]
+    k_work = item_splits_with_work(jnp, pos0, n, num_splits=splits_ref[0], kv_block=rng.kv_block,
+                                   sliding_window=sliding_window)
+
+    @pl.when(k_work > 0)
+    def _():
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        real = (r // gp < n) & (r % gp < group)
+        real2 = jnp.broadcast_to(real[:, None], (rows, d))
+
+        def body(k, carry):
+            m_run, l_run, acc_run = carry
+            m_k = pltriton.load(m_ref.at[k, item, h], mask=real, other=MASK_VALUE)
+            l_k = pltriton.load(l_ref.at[k, item, h], mask=real, other=0.0)
+            acc_k = pltriton.load(acc_ref.at[k, item, h], mask=real2, other=0.0)
+            m_new = jnp.maximum(m_run, m_k)
+            a, b = jnp.exp(m_run - m_new), jnp.exp(m_k - m_new)
+            return m_new, a * l_run + b * l_k, a[:, None] * acc_run + b[:, None] * acc_k
+
+        init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                jnp.zeros((rows, d), jnp.float32))
+        _, den, acc = jax.lax.fori_loop(0, k_work, body, init)
         out = jnp.where(den[:, None] > 0, acc / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
         out = out.reshape(qb, gp, d).astype(o_ref.dtype)
-        pltriton.store(o_ref.at[pl.ds(tok0, qb), pl.ds(h * group, gp)], out, mask=row_ok3)
-    else:
-        acc_ref, m_ref, l_ref = refs
-        acc_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = den
+        j3 = jax.lax.broadcasted_iota(jnp.int32, (qb, gp, 1), 0)
+        g3 = jax.lax.broadcasted_iota(jnp.int32, (qb, gp, 1), 1)
+        ok = jnp.broadcast_to((j3 < n) & (g3 < group), (qb, gp, d))
+        pltriton.store(o_ref.at[pl.ds(tok0, qb), pl.ds(h * group, gp)], out, mask=ok)
 
 
 def _static_cost(plan: GpuPlan, rng: GpuRange, sliding_window: int | None) -> pl.CostEstimate:
@@ -190,6 +247,14 @@ def _static_cost(plan: GpuPlan, rng: GpuRange, sliding_window: int | None) -> pl
     one = dataclasses.replace(plan, ranges=(rng,))
     work = gpu_work(one, kv_lens, cu, n_seqs, sliding_window)
     return pl.CostEstimate(flops=work.issued_flops, transcendentals=work.exps, bytes_accessed=work.hbm_bytes)
+
+
+def _combine_cost(plan: GpuPlan, rng: GpuRange) -> pl.CostEstimate:
+    """The combine at its static worst case: every split of every item with work, every row real."""
+    rows = rng.num_splits * rng.num_items * plan.num_kv_heads * rng.rows
+    return pl.CostEstimate(flops=3 * rows * plan.head_dim, transcendentals=2 * rows,
+                           bytes_accessed=rows * (plan.head_dim + 2) * 4 + plan.num_tokens * plan.num_q_heads
+                           * plan.head_dim * plan.q_itemsize)
 
 
 @functools.partial(
@@ -314,21 +379,18 @@ def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_lens, block_table
     if nsp == 1:
         out = outs[0]
     else:
-        out = _combine_splits(outs[0], outs[1], outs[2], tok0, n, out, plan, rng)
+        item_meta = (tok0, n, pos0, splits)
+        full2 = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)
+        out = pl.pallas_call(
+            functools.partial(_combine_kernel, plan=plan, rng=rng, sliding_window=sliding_window),
+            grid=(ni, nh),
+            in_specs=[full2(x) for x in (*item_meta, *outs[:3], out)],
+            out_specs=full2(out),
+            out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+            input_output_aliases={7: 0},
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+            cost_estimate=_combine_cost(plan, rng),
+            interpret=interpret,
+            name=f"ragged_paged_attention_gpu_{rng.name}_combine",
+        )(*item_meta, *outs[:3], out)
     return out, (outs[-1] if count else None)
-
-
-def _combine_splits(acc, m, den_k, tok0, n, out, plan: GpuPlan, rng: GpuRange) -> jax.Array:
-    """Flash-decoding reduction of one range's split partials, scattered into ``out`` at the items' tokens.
-    ``acc [K, I, H, rows, D]``, ``m, den_k [K, I, H, rows]``."""
-    m_max = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_max)  # empty splits: m = MASK_VALUE, l = 0, acc = 0
-    den = jnp.sum(w * den_k, axis=0)
-    num = jnp.sum(w[..., None] * acc, axis=0)
-    rows_out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    ni, qb, hkv = rng.num_items, rng.q_block, plan.num_kv_heads
-    rows_out = rows_out.reshape(ni, hkv, qb, plan.group_p, plan.head_dim)[:, :, :, : plan.group]
-    rows_out = rows_out.transpose(0, 2, 1, 3, 4).reshape(ni * qb, plan.num_q_heads, plan.head_dim)
-    j = jnp.arange(qb, dtype=jnp.int32)
-    tokens = jnp.where(j[None, :] < n[:, None], tok0[:, None] + j[None, :], plan.num_tokens)  # past the end: dropped
-    return out.at[tokens.reshape(-1)].set(rows_out.astype(out.dtype), mode="drop")

@@ -37,8 +37,11 @@ class KernelWork:
         return self.kv_bytes_read + self.q_bytes + self.out_bytes
 
     def seconds(self, hw: Hardware) -> float:
-        """Roofline time: the larger of bytes over bandwidth and issued FLOPs over peak."""
-        return max(self.hbm_bytes / hw.hbm_bytes_per_s, self.issued_flops / hw.matmul_flops_per_s)
+        """Roofline time: the larger of bytes over bandwidth and issued FLOPs over peak, where a call with
+        fewer programs than the chip has cores (SMs) reaches only ``programs / num_cores`` of both (a program
+        runs on one core; the previous GPU design ran a batch-4 32k decode on 8 of 132 SMs)."""
+        share = min(1.0, self.programs / hw.num_cores) if self.programs else 1.0
+        return max(self.hbm_bytes / hw.hbm_bytes_per_s, self.issued_flops / hw.matmul_flops_per_s) / share
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ The KV audit (``--audit``, on by default) compiles the engine's whole jitted ste
 (tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b) x TP 1, 4, 8 (where the model shards) x a
 decode and a chunked-prefill bucket, with the KV pages sized as the engine would size them on one chip, and
 fails when the compiled HLO copies or transposes a KV page array (any instruction producing a KV-shaped
-array other than the in-place scatter) or when temporaries exceed 5% of one layer's KV pages. A failure names
-the config and the instruction.
+array other than the in-place scatter) or when the temporaries that grow with the KV cache exceed 5% of one
+layer's KV pages. A failure names the config and the instruction.
 
 ``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.sharding``) for
 Llama-3.1-8B in bfloat16 on the first TP chips of that slice, with abstract parameters (nothing is
@@ -89,7 +89,8 @@ def _nbytes(shape, dtype, sharding) -> int:
 
 
 def compile_step(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int,
-                 hbm_gib: float | None = None, page_size: int = 16, max_model_len: int = 8192):
+                 hbm_gib: float | None = None, page_size: int = 16, max_model_len: int = 8192,
+                 num_pages: int | None = None):
     """Compile the engine step for `config_name` on the first `tp` chips of `topo` (one chip: no mesh).
 
     Parameters are abstract (nothing is materialised); the KV pages are sized as the engine would size them
@@ -120,7 +121,7 @@ def compile_step(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs
     weights = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(params))
     dtype = jnp.dtype(config.dtype)
     page_bytes = config.kv_bytes_per_token(dtype.itemsize) * page_size // tp  # one chip, all layers
-    num_pages = int((hbm_gib * 2**30 - weights) * 0.9) // page_bytes
+    num_pages = num_pages or int((hbm_gib * 2**30 - weights) * 0.9) // page_bytes
     kv_shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
     kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
@@ -172,19 +173,26 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
 
 AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b")
 AUDIT_BUCKETS = ((64, 64), (512, 16))  # (tokens, seqs): a decode bucket and a chunked-prefill bucket
-AUDIT_TOPOLOGY = {1: "v5e:1x1", 4: "v5e:2x2", 8: "v5e:2x4"}
-MAX_TEMP_FRACTION = 0.05  # of one layer's KV pages on one chip
+AUDIT_TOPOLOGY = {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}  # 32 GiB chips: an 8B model fits one
+MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages (see audit())
 
 
 def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
-    """The compiled-step KV audit (see the module docstring); prints a table, returns the failure count."""
+    """The compiled-step KV audit (see the module docstring); prints a table, returns the failure count.
+
+    Temporaries are measured twice: at the engine's page count and with a 64-page cache. Their difference
+    is the part that grows with the KV cache (a copy or relayout of a page array, whole or in part); it must
+    stay under 5% of one layer's KV pages. What does not grow with the cache (the step's activations, the
+    replicated logits and, with TP, their relayout after the all-gather: 33 MB for a 64-sequence Llama-3
+    bucket, seen in the buffer assignment) is reported, not bounded."""
     from paged_jax import sharding as shd
     from paged_jax.config import load_model_config
 
     failures = 0
-    print("\nKV audit of the compiled engine step (v5e, bucket = tokens x seqs; temp vs one layer's KV pages)")
+    print("\nKV audit of the compiled engine step (v6e; bucket = tokens x seqs; temp at the engine's page count"
+          " and at 64 pages; growth = their difference / one layer's KV pages)")
     print(f"{'config':<14}{'TP':>3}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}{'temp MiB':>10}"
-          f"{'layer KV MiB':>13}{'temp/KV':>9}")
+          f"{'at 64 pages':>12}{'layer KV MiB':>13}{'growth':>8}")
     for config_name in configs:
         for tp in tps:
             try:
@@ -194,24 +202,28 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
                 continue  # the model does not shard this way
             for num_tokens, max_seqs in AUDIT_BUCKETS:
                 name = f"{config_name} TP{tp} {num_tokens}x{max_seqs}"
+                topo = AUDIT_TOPOLOGY[tp]
                 try:
-                    compiled, facts = compile_step(AUDIT_TOPOLOGY[tp], tp, config_name, num_tokens, max_seqs)
+                    compiled, facts = compile_step(topo, tp, config_name, num_tokens, max_seqs)
+                    small, _ = compile_step(topo, tp, config_name, num_tokens, max_seqs, num_pages=64)
                 except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                     failures += 1
                     print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
                     continue
                 bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
                 temp = compiled.memory_analysis().temp_size_in_bytes
-                frac = temp / facts["layer_kv"]
+                temp_small = small.memory_analysis().temp_size_in_bytes
+                growth = max(0, temp - temp_small) / facts["layer_kv"]
                 shape = "x".join(str(d) for d in facts["local_kv_shape"])
                 print(f"{config_name:<14}{tp:>3}{f'{num_tokens}x{max_seqs}':>9}{shape:>28}{len(bad):>7}"
-                      f"{temp / 2**20:>10.1f}{facts['layer_kv'] / 2**20:>13.1f}{frac:>9.2%}")
+                      f"{temp / 2**20:>10.1f}{temp_small / 2**20:>12.1f}{facts['layer_kv'] / 2**20:>13.1f}"
+                      f"{growth:>8.2%}")
                 for line in bad[:4]:
                     print(f"FAIL {name}: KV copy: {line}")
-                if frac > MAX_TEMP_FRACTION:
-                    print(f"FAIL {name}: temporaries {temp / 2**20:.1f} MiB exceed "
-                          f"{MAX_TEMP_FRACTION:.0%} of one layer's KV pages")
-                failures += bool(bad) + (frac > MAX_TEMP_FRACTION)
+                if growth > MAX_TEMP_FRACTION:
+                    print(f"FAIL {name}: temporaries grow by {(temp - temp_small) / 2**20:.1f} MiB with the KV cache,"
+                          f" over {MAX_TEMP_FRACTION:.0%} of one layer's KV pages")
+                failures += bool(bad) + (growth > MAX_TEMP_FRACTION)
     return failures
 
 

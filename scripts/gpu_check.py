@@ -9,7 +9,7 @@
    - decode, batch 64, 32 query / 8 KV heads, head_dim 128, context 4096, bfloat16, page 16 and 64 (1.07 GB of
      KV), side by side with ``jax.experimental.pallas.ops.gpu.paged_attention`` and
      ``jax.nn.dot_product_attention`` on contiguous KV;
-   - decode, batch 4 at context 32k (the split-KV case) with the adaptive splits and with one split forced;
+   - decode, batch 4 and batch 1 at context 32k (split-KV) with the adaptive splits and with one split forced;
    - a mixed step (48 decodes + a 464-token chunk) in the plan's two launches and in one;
    - chunked prefill, 8 sequences x 512 new tokens on 4096 context.
    One table: microseconds, percent of measured bandwidth, the model's microseconds, ratio to each peer.
@@ -228,6 +228,7 @@ def timing(bandwidth: float, smoke: bool = False) -> list[Row]:
         rows += _decode_rows(DECODE, bandwidth, iters, smoke, peers=True)
         rows += _decode_rows(DECODE[:5] + (64, DECODE[6]), bandwidth, iters, smoke, peers=False)
         rows += _decode_rows(LONG, bandwidth, iters, smoke, peers=False)
+        rows += _decode_rows((1,) + LONG[1:], bandwidth, iters, smoke, peers=False)  # one long request
 
     rows += _mixed_rows(bandwidth, iters, smoke)
 

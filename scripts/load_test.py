@@ -47,7 +47,7 @@ def rss_mib(pid: int) -> float:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "serve", "serve", "--model", args.model, "--port", "0",
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-queued-requests", str(args.max_queued), "--grace-period", "5"]
+           "--max-queued-requests", str(args.max_queued), "--grace-period", "5", "--allow-invariant-checks"]
     if args.num_pages:
         cmd += ["--num-pages", str(args.num_pages)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,

@@ -25,7 +25,7 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
     """
 
     def __init__(self, token: str, exempt_health: bool = True) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         self._exempt_health = exempt_health
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
@@ -34,7 +34,9 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 got = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(got, self._expected)
+                scheme, _, token = got.partition(b" ")
+                ok = hmac.compare_digest(token.strip(b" "), self._expected)  # constant time, whatever the scheme
+                return ok and scheme.lower() == b"bearer"  # auth schemes are case-insensitive (RFC 9110)
         return False
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],

@@ -25,7 +25,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS)")
     g.add_argument("--tls-key", default=None)
     g.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
-    g.add_argument("--max-queued-requests", type=int, default=256)
+    g.add_argument("--max-queued-requests", type=int, default=256, help=">= 1")
+    g.add_argument("--allow-invariant-checks", action="store_true",
+                   help="let GetStats(check_invariants=true) run the KV invariant checker (stalls the engine)")
     g.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     d = ServingLimits()
     g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0: the model's length")
@@ -38,9 +40,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
-    token = os.environ.get("PAGED_JAX_AUTH_TOKEN") or None
+    token = os.environ.get("PAGED_JAX_AUTH_TOKEN")
+    if token is not None and not token.strip():  # set but empty: a mistake, never "no auth"
+        raise ValueError("PAGED_JAX_AUTH_TOKEN: is set but empty; unset it to serve without auth")
     if args.auth_token_file:
         token = Path(args.auth_token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"--auth-token-file: {args.auth_token_file} is empty")
     limits = ServingLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
                            default_max_tokens=args.default_max_tokens, max_n=args.max_n,
                            max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
@@ -48,6 +54,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
     config = ServingConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
                            auth_token=token, max_queued_requests=args.max_queued_requests,
+                           allow_invariant_checks=args.allow_invariant_checks,
                            grace_period_s=args.grace_period, limits=limits)
     config.validate()
     return config
@@ -58,7 +65,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from serve.server import serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = serving_config_from_args(args)
+    try:
+        config = serving_config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"paged-jax serve: {e}") from None
 
     def stop_during_startup(signum, frame) -> None:
         raise SystemExit(0)  # nothing is serving yet, so there is nothing to drain
@@ -66,10 +76,9 @@ def run_serve(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, stop_during_startup)  # until serve_forever installs its own
     try:
         engine = build_engine(args, warmup=False)  # loading can take minutes; warm-up runs while listening
-        asyncio.run(serve_forever(engine, config, warm_up=not args.no_warmup))
+        return asyncio.run(serve_forever(engine, config, warm_up=not args.no_warmup))
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:

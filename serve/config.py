@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 
@@ -45,6 +46,9 @@ class ServingConfig:
     auth_token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
     auth_exempt_health: bool = True  # health checks need no token (load balancers)
     max_queued_requests: int = 256  # accepted but not yet started; beyond it RESOURCE_EXHAUSTED
+    # GetStats(check_invariants=true) walks every KV page on the engine thread (149 ms at 230k pages), stalling
+    # every stream: an operator's debugging tool, refused (PERMISSION_DENIED) unless turned on.
+    allow_invariant_checks: bool = False
     grace_period_s: float = 30.0  # on SIGTERM, in-flight requests get this long before they are aborted
     limits: ServingLimits | None = None
 
@@ -57,8 +61,8 @@ class ServingConfig:
             raise ValueError("tls_cert_file: TLS needs both a certificate and a key file")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token: must not be empty")
-        if self.max_queued_requests < 0:
-            raise ValueError("max_queued_requests: must be >= 0")
+        if self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests: must be >= 1 (0 would refuse every request)")
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s: must be >= 0")
         self.limits.validate()
@@ -66,3 +70,20 @@ class ServingConfig:
     @property
     def tls(self) -> bool:
         return self.tls_cert_file is not None
+
+    def warnings(self) -> list[str]:
+        """Risky but valid settings, for the log at start-up."""
+        out = []
+        if self.auth_token is not None and not self.tls and not is_loopback(self.host):
+            out.append(f"auth: the bearer token travels in clear text: {self.host} is not a loopback address and TLS "
+                       "is off (--tls-cert/--tls-key)")
+        return out
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name, or "" / "0.0.0.0"-style wildcards handled above
+        return False

@@ -10,6 +10,8 @@ field and returns an `InvalidRequest` the servicer answers with INVALID_ARGUMENT
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from paged_jax.chat_template import ChatTemplateError, apply_chat_template
-from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams
 from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
@@ -29,6 +31,7 @@ FINISH_REASONS = {
     "eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "stop_string": pb.FINISH_REASON_STOP_STRING,
     "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR,
 }
+MAX_CHARS_PER_TOKEN = 8  # no tokenizer makes fewer tokens than characters / 8
 _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                       "frequency_penalty", "seed", "min_tokens", "ignore_eos", "n", "logprobs", "skip_special_tokens",
                       "spaces_between_special_tokens")
@@ -44,6 +47,14 @@ class RequestError(Exception):
 
 def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def internal_error(what: str, exc_info: bool = False) -> RequestError:
+    """INTERNAL for a client, with an id and nothing else: the cause (exception text, paths, internals) goes
+    to the server's log under that id, where an operator can find it."""
+    error_id = uuid.uuid4().hex[:12]
+    logging.getLogger("serve").error("%s [error id %s]", what, error_id, exc_info=exc_info)
+    return RequestError(grpc.StatusCode.INTERNAL, f"internal error (id {error_id}); the server log has the details")
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,6 +138,17 @@ def lenient_deserializer(message_type: type[Message]) -> Callable[[bytes], Messa
     return deserialize
 
 
+def max_prompt_tokens(limits: ServingLimits, max_model_len: int) -> int:
+    """The longest prompt a request may have: the limit, and room for at least one generated token."""
+    return min(limits.max_prompt_tokens or max_model_len, max_model_len - 1)
+
+
+def check_text_length(field: str, text: str, max_tokens: int) -> None:
+    """Refuse text that must hold more than `max_tokens` tokens before spending time encoding it."""
+    if len(text) > max_tokens * MAX_CHARS_PER_TOKEN:
+        raise invalid(f"{field}: longer than the prompt limit of {max_tokens} tokens")
+
+
 def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int]:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -151,18 +173,20 @@ def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vo
     kind = req.WhichOneof("input")
     if kind is None:
         raise invalid("input: set text, token_ids or chat")
-    max_prompt = min(limits.max_prompt_tokens or max_model_len, max_model_len - 1)
+    max_prompt = max_prompt_tokens(limits, max_model_len)
     if kind == "text":
         if not req.text:
             raise invalid("text: must not be empty")
-        if len(req.text) > max_prompt * 8:  # no tokenizer makes fewer tokens than characters / 8; skip encoding
-            raise invalid(f"text: longer than the prompt limit of {max_prompt} tokens")
+        check_text_length("text", req.text, max_prompt)  # bound the input before encoding it
         ids = tokenizer.encode(req.text)
     elif kind == "chat":
         ids = chat_prompt_ids(req.chat, tokenizer, max_prompt)
     else:
         if not req.token_ids.ids:
             raise invalid("token_ids: must not be empty")
+        if len(req.token_ids.ids) > max_prompt:  # bound the input before looking at every id
+            raise invalid(f"token_ids: the prompt has {len(req.token_ids.ids)} tokens, more than the limit of "
+                          f"{max_prompt} (max_model_len {max_model_len})")
         ids = check_token_ids("token_ids", req.token_ids.ids, vocab_size)
     if len(ids) > max_prompt:
         raise invalid(f"{kind}: the prompt has {len(ids)} tokens, more than the limit of {max_prompt} "
@@ -239,10 +263,9 @@ def _sampling(sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max
 
 
 # -- outputs ----------------------------------------------------------------------------------------
-def _logprobs(c: CompletionOutput, last: int | None) -> list[pb.TokenLogprob]:
-    if not c.logprobs:
+def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    if not items:
         return []
-    items = c.logprobs if last is None else c.logprobs[len(c.logprobs) - last:] if last else []
     return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in items]
 
@@ -258,7 +281,7 @@ def _set_finish(msg: pb.Completion, c: CompletionOutput) -> None:
 
 def chunk(c: CompletionOutput, mode: int) -> pb.Completion:
     """The delta of one sample for a stream (empty token_ids/text per `mode`)."""
-    msg = pb.Completion(index=c.index, logprobs=_logprobs(c, len(c.new_token_ids)))
+    msg = pb.Completion(index=c.index, logprobs=_logprobs(c.new_logprobs))
     if mode != pb.OUTPUT_MODE_TEXT:
         msg.token_ids.extend(c.new_token_ids)
     if mode != pb.OUTPUT_MODE_TOKENS:
@@ -268,7 +291,7 @@ def chunk(c: CompletionOutput, mode: int) -> pb.Completion:
 
 
 def full_completion(c: CompletionOutput, mode: int) -> pb.Completion:
-    msg = pb.Completion(index=c.index, logprobs=_logprobs(c, None))
+    msg = pb.Completion(index=c.index, logprobs=_logprobs(c.logprobs))
     if mode != pb.OUTPUT_MODE_TEXT:
         msg.token_ids.extend(c.token_ids)
     if mode != pb.OUTPUT_MODE_TOKENS:

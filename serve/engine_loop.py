@@ -8,7 +8,8 @@ request's pages before the next step runs), steps, and hands each request's outp
 A request that fails inside this bridge fails alone (INTERNAL, its pages freed through
 `engine.fail`). An exception from `engine.step()` cannot be pinned on one request and leaves the
 engine's state unknown: the loop then dies, every open stream ends with UNAVAILABLE at once, death
-callbacks run (health turns NOT_SERVING), and later submissions are refused with UNAVAILABLE.
+callbacks run (health turns NOT_SERVING, and `paged-jax serve` exits with a non-zero status so a
+supervisor restarts it), and later submissions are refused with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import grpc
 from paged_jax.engine import LLMEngine
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
-from serve.convert import RequestError
+from serve.convert import RequestError, internal_error
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class _Add:
 
 @dataclass(slots=True)
 class _Abort:
-    request_id: str
+    stream: RequestStream  # not the client's id: a stale abort must not end a new request that reuses it
     message: str
 
 
@@ -140,15 +141,19 @@ class EngineLoop:
             self._commands.put(_Add(stream, prompt_token_ids, params, cache_salt))  # under the lock: see _die
         return stream
 
-    def abort(self, request_id: str, message: str = "aborted") -> None:
-        """Abort before the next step; the stream (if still read) gets a final ABORT output."""
-        self._commands.put(_Abort(request_id, message))
+    def abort(self, stream: RequestStream, message: str = "aborted") -> None:
+        """Abort `stream`'s request before the next step; the stream (if still read) gets a final ABORT output.
+
+        Keyed by the stream, not the client's request id: once this request has ended, its id may be reused
+        by a new request, which this (then stale) abort leaves alone.
+        """
+        self._commands.put(_Abort(stream, message))
 
     def abort_all(self, message: str) -> None:
         with self._lock:
-            ids = list(self._streams)
-        for rid in ids:
-            self.abort(rid, message)
+            streams = list(self._streams.values())
+        for stream in streams:
+            self.abort(stream, message)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the loop thread between two steps and return its result."""
@@ -169,13 +174,19 @@ class EngineLoop:
     # -- the loop thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        stalled = False  # the last step dispatched nothing and returned nothing
         try:
             while not self._stop:
-                self._drain(block=not engine.has_unfinished())
+                # Idle, or nothing could be scheduled: wait for a command (the only thing that changes the
+                # engine's state then) instead of spinning on empty steps.
+                self._drain(block=stalled or not engine.has_unfinished())
                 if self._stop or not engine.has_unfinished():
                     continue
-                for out in engine.step():
+                launched = engine.num_launched
+                outputs = engine.step()
+                for out in outputs:
                     self._deliver(out)
+                stalled = not outputs and engine.num_launched == launched
                 if self._on_step is not None:
                     self._on_step(engine)
             for rid in list(self._streams):
@@ -193,7 +204,8 @@ class EngineLoop:
             if isinstance(cmd, _Add):
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
-                self._abort(cmd.request_id, cmd.message)
+                if self._streams.get(cmd.stream.request_id) is cmd.stream:  # else it has ended already
+                    self._abort(cmd.stream.request_id, cmd.message)
             elif isinstance(cmd, _Call):
                 if cmd.future.set_running_or_notify_cancel():
                     try:
@@ -214,9 +226,9 @@ class EngineLoop:
         except ValueError as e:
             self._close(rid, Event(code=grpc.StatusCode.INVALID_ARGUMENT, message=str(e)))
         except Exception as e:  # noqa: BLE001 - this request fails alone
-            log.exception("add_request failed for %s", rid)
+            error = internal_error(f"add_request failed for {rid}: {type(e).__name__}: {e}", exc_info=True)
             self.engine.abort(rid)
-            self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"add_request: {e}"))
+            self._close(rid, Event(code=error.code, message=error.message))
 
     def _abort(self, request_id: str, message: str) -> None:
         out = self.engine.abort(request_id)
@@ -235,15 +247,16 @@ class EngineLoop:
                 with self._lock:
                     self._num_queued -= 1
             if out.error is not None:  # the engine failed this request alone (its pages are already free)
-                self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"engine: {out.error}"))
+                error = internal_error(f"the engine failed {rid}: {out.error}")
+                self._close(rid, Event(code=error.code, message=error.message))
             elif out.finished:
                 self._close(rid, Event(output=out))
             else:
                 stream.push(Event(output=out))
         except Exception as e:  # noqa: BLE001 - this request fails alone
-            log.exception("delivering output of %s failed", rid)
+            error = internal_error(f"delivering output of {rid} failed: {type(e).__name__}: {e}", exc_info=True)
             self.engine.fail(rid, str(e))
-            self._close(rid, Event(code=grpc.StatusCode.INTERNAL, message=f"output: {e}"))
+            self._close(rid, Event(code=error.code, message=error.message))
 
     def _close(self, request_id: str, event: Event) -> None:
         """Unregister a request and push its last event."""

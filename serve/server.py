@@ -46,6 +46,8 @@ class GrpcServer:
         """Listen; health SERVING at once, or with `serving=False` NOT_SERVING (until `start_warm_up` is ready)."""
         cfg = self.config
         interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
+        for warning in cfg.warnings():
+            log.warning(warning)
         options = [("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
         server = aio.server(interceptors=interceptors, options=options)
@@ -177,11 +179,19 @@ class ServerThread:
         self._thread.join(10)
 
 
-async def serve_forever(engine: LLMEngine, config: ServingConfig, warm_up: bool = False) -> None:
-    """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return (exit code 0).
+EXIT_ENGINE_DIED = 1  # the process status when the engine loop dies: a supervisor should restart the server
+
+
+async def serve_forever(engine: LLMEngine, config: ServingConfig, warm_up: bool = False) -> int:
+    """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return 0.
+
+    If the engine loop dies (its state is unknown, so nothing more can be served), every open stream has
+    already ended with UNAVAILABLE; the server then stops and this returns `EXIT_ENGINE_DIED`, so the
+    process ends with a non-zero status and a supervisor (systemd, Kubernetes) restarts it, as vLLM does.
 
     `warm_up`: the engine was built without warm-up; health is NOT_SERVING until its decode shapes are
-    compiled, and the rest compile in the background (`GrpcServer.start_warm_up`)."""
+    compiled, and the rest compile in the background (`GrpcServer.start_warm_up`).
+    """
     metrics = Metrics()
     loop = EngineLoop(engine, on_step=metrics.on_step).start()
     metrics.engine_alive.set(1)
@@ -193,12 +203,26 @@ async def serve_forever(engine: LLMEngine, config: ServingConfig, warm_up: bool 
     print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
+    died: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:  # runs on the engine loop thread
+        died.append(error)
+        aio_loop.call_soon_threadsafe(stop.set)
+
+    loop.add_death_callback(on_death)
     for sig in (signal.SIGTERM, signal.SIGINT):
         aio_loop.add_signal_handler(sig, stop.set)
     if warm_up:
         server.start_warm_up(engine)
     await stop.wait()
+    if died:
+        log.error("engine loop died (%s: %s): stopping with exit status %d so that a supervisor restarts the "
+                  "server", type(died[0]).__name__, died[0], EXIT_ENGINE_DIED)
+        await server.drain_and_stop(grace_period_s=0.0)  # open streams already ended UNAVAILABLE
+        metrics.close()
+        return EXIT_ENGINE_DIED
     log.info("shutting down: draining for up to %.1f s", config.grace_period_s)
     await server.drain_and_stop()
     loop.stop()
     metrics.close()
+    return 0

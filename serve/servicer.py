@@ -2,6 +2,10 @@
 
 Cancellation, a missed deadline and a dropped connection all cancel the handler's task; its
 `finally` then asks the engine loop to abort the request, which frees its pages before the next step.
+
+Every handler runs on the one asyncio event loop that also serves every stream and health check, so
+anything that costs CPU in proportion to the request (tokenizing, detokenizing, range-checking ids)
+runs on a small thread pool, and only after the input's size has been checked against its limit.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
@@ -25,6 +31,8 @@ from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+CPU_WORKERS = 2  # threads for tokenization and validation, off the event loop
+T = TypeVar("T")
 
 
 class GenerationServicer:
@@ -32,9 +40,14 @@ class GenerationServicer:
         self.loop, self.config, self.metrics = loop, config, metrics
         engine: LLMEngine = loop.engine
         self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
-        self.max_model_len, self.max_n = engine.max_model_len, engine.engine_config.max_n
+        self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
         self.sampling_defaults = dict(engine.engine_config.sampling_defaults)
         self.draining = False  # set on shutdown: new generations get UNAVAILABLE
+        self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="serve-cpu")
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the CPU pool, so the event loop keeps serving streams and health checks."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     # -- generation ---------------------------------------------------------------------------------
     def _parse(self, request: pb.GenerateRequest | InvalidRequest) -> ParsedRequest:
@@ -65,7 +78,7 @@ class GenerationServicer:
                     return
         finally:
             if not done:
-                self.loop.abort(stream.request_id, "cancelled by the client")
+                self.loop.abort(stream, "cancelled by the client")
 
     @contextlib.asynccontextmanager
     async def _outcome(self, method: str, context: aio.ServicerContext) -> AsyncIterator[None]:
@@ -84,14 +97,14 @@ class GenerationServicer:
             if isinstance(e, aio.AbortError):
                 raise
             status = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            error = convert.internal_error(f"{method} failed: {type(e).__name__}: {e}", exc_info=True)
+            await context.abort(error.code, error.message)
         finally:
             self.metrics.requests.labels(method, status.name).inc()
 
     async def Generate(self, request, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         async with self._outcome("Generate", context):
-            parsed = self._parse(request)
+            parsed = await self._off_loop(self._parse, request)
             stream = self._submit(parsed)
             mode, rid = parsed.output_mode, stream.request_id
             ended: set[int] = set()  # samples whose last chunk (with its finish reason) went out
@@ -108,7 +121,7 @@ class GenerationServicer:
 
     async def GenerateUnary(self, request, context: aio.ServicerContext) -> pb.GenerateUnaryResponse:
         async with self._outcome("GenerateUnary", context):
-            parsed = self._parse(request)
+            parsed = await self._off_loop(self._parse, request)
             stream = self._submit(parsed)
             async for event in self._events(stream):
                 if event.output.finished:
@@ -127,7 +140,7 @@ class GenerationServicer:
             * engine.engine_config.data_parallel_size,
             eos_token_ids=list(dict.fromkeys((*engine.config.eos_token_ids,
                                               *getattr(self.tokenizer, "eos_token_ids", ())))), bos_token_id=bos,
-            max_prompt_tokens=min(lim.max_prompt_tokens or self.max_model_len, self.max_model_len - 1),
+            max_prompt_tokens=self._max_prompt_tokens(),
             max_tokens_limit=lim.max_tokens, max_n=min(lim.max_n, self.max_n), max_stop_strings=lim.max_stop_strings,
             max_stop_string_chars=lim.max_stop_string_chars,
             chat_template_source=getattr(getattr(self.tokenizer, "chat_template", None), "source", ""),
@@ -135,26 +148,44 @@ class GenerationServicer:
                                  for k, v in self.sampling_defaults.items()])
 
     async def Tokenize(self, request, context: aio.ServicerContext) -> pb.TokenizeResponse:
-        if isinstance(request, InvalidRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        add = (request.add_special_tokens if request.HasField("add_special_tokens")
-               else request.add_bos if request.HasField("add_bos") else True)
-        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_special_tokens=add))
-
-    async def Detokenize(self, request, context: aio.ServicerContext) -> pb.DetokenizeResponse:
         try:
             if isinstance(request, InvalidRequest):
                 raise invalid(request.message)
-            ids = convert.check_token_ids("token_ids", request.token_ids, self.vocab_size)
+            convert.check_text_length("text", request.text, self._max_prompt_tokens())
         except RequestError as e:
             await context.abort(e.code, e.message)
+        add = (request.add_special_tokens if request.HasField("add_special_tokens")
+               else request.add_bos if request.HasField("add_bos") else True)
+        ids = await self._off_loop(lambda: self.tokenizer.encode(request.text, add_special_tokens=add))
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request, context: aio.ServicerContext) -> pb.DetokenizeResponse:
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         spaces = request.spaces_between_special_tokens if request.HasField("spaces_between_special_tokens") else True
-        return pb.DetokenizeResponse(text=self.tokenizer.decode(ids, skip_special_tokens=skip,
-                                                                spaces_between_special_tokens=spaces))
+
+        def decode() -> str:
+            ids = convert.check_token_ids("token_ids", request.token_ids, self.vocab_size)
+            return self.tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+
+        try:
+            if isinstance(request, InvalidRequest):
+                raise invalid(request.message)
+            if len(request.token_ids) > self.max_model_len:  # no sequence of this model is longer
+                raise invalid(f"token_ids: {len(request.token_ids)} ids, more than max_model_len "
+                              f"({self.max_model_len})")
+            text = await self._off_loop(decode)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return pb.DetokenizeResponse(text=text)
+
+    def _max_prompt_tokens(self) -> int:
+        return convert.max_prompt_tokens(self.config.limits, self.max_model_len)
 
     async def GetStats(self, request, context: aio.ServicerContext) -> pb.Stats:
         check = not isinstance(request, InvalidRequest) and request.check_invariants
+        if check and not self.config.allow_invariant_checks:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "check_invariants: not allowed on this server "
+                                "(it stalls the engine; start the server with --allow-invariant-checks)")
 
         def read(engine: LLMEngine) -> pb.Stats:
             s = engine.stats()

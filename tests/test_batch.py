@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from paged_jax.batch import completed_ids, parse_line, run_batch
+from paged_jax.batch import LineWriter, OutputLockedError, completed_ids, parse_line, run_batch
 from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.multihost import _append_new
 from paged_jax.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +79,7 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_tail(engine, tmp_path):
     first = read_jsonl(out_path)
     kept = first[:4]
     out_path.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"id": "q9", "te')  # a torn last line
-    assert completed_ids(out_path) == {r["id"] for r in kept}
+    assert completed_ids(out_path) == {json.dumps(r["id"]) for r in kept}  # keys keep the JSON type
     summary = run_batch(engine, tmp_path / "in.jsonl", out_path, progress=False)
     final = read_jsonl(out_path)
     assert summary.skipped == 4 and summary.requests == 6
@@ -112,3 +113,87 @@ def test_kill_9_loses_nothing(tmp_path):
     final = [r["id"] for r in read_jsonl(out_path)]
     assert sorted(final) == sorted(ids) and len(final) == len(set(final))
     assert f"{len(done)} skipped" in rerun.stdout.decode()
+
+
+def test_lines_that_used_to_crash_the_job_fail_alone(engine, tmp_path):
+    """Issue 14.5 and 14.7: invalid UTF-8, JSON nested past the recursion limit, an id no UTF-8 can hold and a
+    `stop` that is an object each crashed the job (at the same line on every re-run) or passed silently. Each
+    now fails alone into the errors file, once, however often the job is re-run."""
+    good = [json.dumps({"id": f"g{i}", "prompt": "hello", "max_tokens": 3, "temperature": 0.0}).encode()
+            for i in range(3)]
+    lines = [good[0], b'{"id": "bytes", "prompt": "caf\xe9"}', good[1], b"[" * 100_000,
+             b'{"id": "\\ud800", "prompt": "x"}', b'{"id": "stop-obj", "prompt": "x", "stop": {"x": 1}}', good[2]]
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    for _ in range(2):
+        summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    assert summary.errors == 4
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == ["g0", "g1", "g2"]
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert [e["line"] for e in errors] == [2, 4, 5, 6]  # once each, although the job ran twice
+    assert "UTF-8" in errors[0]["error"] and "nested" in errors[1]["error"]
+    assert errors[2]["error"].startswith("id:") and errors[3]["error"].startswith("stop:")
+    assert engine.kv.stats().pages_in_use == 0
+
+
+def test_a_second_run_on_the_same_output_is_refused(engine, tmp_path):
+    """Issue 14.6: two runs on one output both resumed from the same state and wrote every id twice."""
+    write_input(tmp_path / "in.jsonl", 3, bad_lines=False)
+    other = LineWriter(tmp_path / "out.jsonl")
+    other.lock()  # another run holds the output
+    try:
+        with pytest.raises(OutputLockedError, match="another run"):
+            run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+        assert (tmp_path / "out.jsonl").read_bytes() == b""
+    finally:
+        other.close()
+    run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)  # free again: it runs
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 3
+
+
+def test_ids_keep_their_type_and_samples_their_logprobs(engine, tmp_path):
+    """Issue 14.7: integer id 1 came back as "1" (colliding with the string id "1"); n>1 choices had no logprobs."""
+    lines = [{"id": 1, "prompt": "a", "max_tokens": 2, "temperature": 0.0},
+             {"id": "1", "prompt": "b", "max_tokens": 2, "temperature": 0.0},
+             {"id": "n2", "prompt": "c", "max_tokens": 3, "n": 2, "logprobs": 1, "seed": 0}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    out = {json.dumps(r["id"]): r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert set(out) == {"1", '"1"', '"n2"'}
+    assert completed_ids(tmp_path / "out.jsonl") == set(out)
+    choices = out['"n2"']["choices"]
+    assert [len(c["logprobs"]) for c in choices] == [3, 3]
+    assert [lp["token_id"] for lp in choices[0]["logprobs"]] == choices[0]["token_ids"]
+    summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    assert summary.skipped == 3 and summary.requests == 0
+
+
+def test_a_request_failed_by_the_engine_is_reported_and_retried(engine, tmp_path, monkeypatch):
+    """Issue 14.7: a request that failed inside the engine was written as done (never retried, error lost)."""
+    write_input(tmp_path / "in.jsonl", 3, bad_lines=False)
+    real_append = engine._append
+
+    def append(req, seq, result, row):
+        if req.request_id == '"q1"':
+            raise RuntimeError("injected tokenizer failure")
+        return real_append(req, seq, result, row)
+
+    monkeypatch.setattr(engine, "_append", append)
+    summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    assert summary.errors == 1 and summary.requests == 2
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == ["q0", "q2"]
+    [error] = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert error["id"] == "q1" and "injected tokenizer failure" in error["error"]
+    monkeypatch.undo()
+    summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    assert summary.requests == 1 and summary.skipped == 2
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == ["q0", "q1", "q2"]
+    assert engine.kv.stats().pages_in_use == 0
+
+
+def test_merge_survives_torn_tails(tmp_path):
+    """Issue 14.7: a torn last line (a crash mid-write) in the merged output or a part broke the next merge."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "a"}\n{"id": "b", "te')
+    parts = [b'{"id": "a"}\n{"id": 1}\n', b'{"id": "b"}\n{"id": "1"}\n{"id": "c", "tok']
+    assert _append_new(out, parts, key=lambda line: json.dumps(json.loads(line)["id"])) == 3
+    assert [r["id"] for r in read_jsonl(out)] == ["a", 1, "b", "1"]

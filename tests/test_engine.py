@@ -178,9 +178,9 @@ def test_stop_conditions(tiny_config, tiny_params, reference):
     out = run(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3))
     assert len(out.logprobs) == len(out.token_ids) and all(len(lp.top) == 3 for lp in out.logprobs)
     assert all(lp.token_id == lp.top[0][0] for lp in out.logprobs)  # greedy picks the most likely
-    out = run(SamplingParams(temperature=1.0, max_tokens=6, min_tokens=6, stop_token_ids=list(range(3, 200)),
-                             seed=3))
-    assert len(out.token_ids) == 6 and not set(out.token_ids[:5]) & set(range(3, 200))
+    out = run(SamplingParams(temperature=1.0, max_tokens=6, min_tokens=6, stop_token_ids=list(range(3, 67)),
+                             seed=3))  # 64 stop ids: the most a request may give (MAX_STOP_TOKEN_IDS)
+    assert len(out.token_ids) == 6 and not set(out.token_ids[:5]) & set(range(3, 67))
 
 
 def test_stop_string_truncates_text(tiny_config, tiny_params):
@@ -317,4 +317,80 @@ def test_lookahead_caches_generated_blocks(tiny_config, tiny_params):
         out = next((o for o in engine.step() if o.finished), out)
     follow_up = prompt + out.outputs[0].token_ids + [7, 8, 9]
     assert engine.kv.lookup_prefix(follow_up) == (len(prompt) + 40 - 1) // 16 * 16
+    assert_all_free(engine)
+
+
+def test_forked_children_never_exceed_max_num_seqs(tiny_config, tiny_params):
+    """Issue 14.1: short requests admitted while an n=8 leader is still in chunked prefill used to leave no
+    room for its 7 children, and the runner raised `15 exceeds the largest bucket 8`."""
+    engine = make_engine(tiny_config, tiny_params, num_pages=200, chunk_size=16)
+    engine.add_request("big", list(range(3, 193)),
+                       SamplingParams(n=8, temperature=0.8, seed=0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    for i in range(7):
+        engine.add_request(f"small{i}", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    finished = set()
+    while engine.has_unfinished():
+        finished |= {out.request_id for out in engine.step() if out.finished}
+        assert engine.num_running <= 8
+    assert finished == {"big", *(f"small{i}" for i in range(7))}
+    assert_all_free(engine)
+
+
+def test_n_above_max_num_seqs_is_rejected(tiny_config, tiny_params):
+    """Issue 14.2: a request's samples all run in one batch once its prompt completes, so n > max_num_seqs could
+    never be scheduled; it used to wait for ever in front of every later request."""
+    engine = make_engine(tiny_config, tiny_params, max_num_seqs=8)
+    assert engine.max_n == 8
+    with pytest.raises(ValueError, match=r"^n: must be in \[1, 8\]"):
+        engine.add_request("nine", [5, 6, 7], SamplingParams(n=9))
+    assert not engine.has_unfinished()
+
+
+def test_outputs_carry_deltas_and_the_whole_output_once(tiny_config, tiny_params):
+    """Issue 14.4: every step used to rebuild each sample's whole logprobs list and copy its token ids, so the
+    host cost per step grew with the output (n=16, 4,000 tokens, logprobs=20: 45 ms a step). Intermediate
+    outputs now carry only what the step added; the final one carries everything, equal to the deltas."""
+    engine = make_engine(tiny_config, tiny_params)
+    engine.add_request("r", [5, 6, 7, 8], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10, logprobs=2,
+                                                         ignore_eos=True))
+    deltas: dict[int, list] = {0: [], 1: []}
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            for c in out.outputs:
+                assert len(c.new_logprobs) == len(c.new_token_ids)
+                deltas[c.index] += [(lp.token_id, lp.logprob) for lp in c.new_logprobs]
+                if not out.finished:
+                    assert c.token_ids == [] and c.logprobs is None and c.text == ""
+            if out.finished:
+                final = out
+    for c in final.outputs:
+        assert len(c.token_ids) == 10
+        assert [(lp.token_id, lp.logprob) for lp in c.logprobs] == deltas[c.index]
+        assert [t for t, _ in deltas[c.index]] == c.token_ids
+    assert_all_free(engine)
+
+
+def test_request_chosen_sampling_options_compile_nothing_after_warmup(tiny_config, tiny_params):
+    """Issue 14.10: the ban list under min_tokens and the penalties' history had request-chosen widths, compiled
+    on the engine thread when first seen (17 stop ids with min_tokens: 1.1 s). They have fixed widths now,
+    compiled at warm-up, and a request with penalties keeps the lookahead on for the whole batch."""
+    from paged_jax.runner import _merge_pending_history
+
+    engine = make_engine(tiny_config, tiny_params, num_pages=40, warmup=True)
+    compiled = (sample._cache_size(), _merge_pending_history._cache_size())
+    many_stops = SamplingParams(temperature=0.7, seed=1, max_tokens=12, min_tokens=8,
+                                stop_token_ids=list(range(100, 117)), logprobs=2)
+    penalized = SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5,
+                               frequency_penalty=0.2, ignore_eos=True)
+    engine.add_request("stops", make_prompts(1, seed=20)[0], many_stops)
+    engine.add_request("penalties", make_prompts(1, seed=21, max_len=100)[0], penalized)
+    engine.add_request("plain", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    lookahead_steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        lookahead_steps += engine._inflight is not None
+    assert penalized.uses_penalties and lookahead_steps >= 30  # the penalized request did not turn it off
+    assert (sample._cache_size(), _merge_pending_history._cache_size()) == compiled
     assert_all_free(engine)

@@ -112,3 +112,30 @@ def test_logprobs_are_of_the_raw_distribution(logits):
     np.testing.assert_allclose(np.asarray(res.logprob), ref.max(-1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(res.top_logprobs)[:, 0], ref.max(-1), rtol=1e-5, atol=1e-6)
     assert (np.asarray(res.top_ids)[:, 0] == logits.argmax(-1)).all()
+
+
+def test_suppressed_ids_stay_banned_at_any_temperature(logits):
+    """Issue 14.9: the ban (EOS under min_tokens) was a finite mask applied before dividing by the temperature;
+    at temperature 1e30 it became about -1e0 and EOS was drawn inside min_tokens."""
+    m = meta(4, temperature=3e38)  # finite in float32: allowed
+    banned = logits.argmax(-1)
+    m["suppress"][:, 0] = banned
+    got = draw(logits, m, steps=256)
+    assert not (got == banned[None, :]).any()
+    assert len(np.unique(got)) > 10  # and the temperature does flatten the rest
+
+
+def test_tiny_temperatures_are_greedy(logits):
+    """A temperature so small that x / t overflows float32 (every positive logit inf) samples greedily."""
+    m = meta(4, temperature=1e-40)
+    assert (draw(logits, m, steps=4) == logits.argmax(-1)[None, :]).all()
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty"])
+def test_values_are_validated_in_float32(field):
+    """Issue 14.9: 1e300 is finite in float64 but inf in float32, the dtype the device samples in."""
+    from paged_jax.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=f"^{field}: .*float32"):
+        SamplingParams(**{field: 1e300}).validate()
+    SamplingParams(temperature=3e38).validate()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +23,7 @@ from serve.client import Client
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
-from serve.server import ServerThread
+from serve.server import EXIT_ENGINE_DIED, ServerThread, serve_forever
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -67,26 +69,72 @@ def test_engine_loop_death_ends_every_stream_unavailable(monkeypatch):
         server.stop()
 
 
+def test_serve_forever_exits_nonzero_when_the_engine_dies(monkeypatch):
+    """A dead engine loop ends open streams UNAVAILABLE and then the serving process itself, with a non-zero
+    status, so a supervisor restarts it (it used to stay up, NOT_SERVING, for ever)."""
+    s = shared()
+    engine = LLMEngine(s.engine.config, s.params, s.engine.tokenizer,
+                       EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16,
+                                    attention_backend="xla", warmup=False))
+    fail = threading.Event()
+    real_step = engine.step
+
+    def step():
+        if fail.is_set():
+            raise RuntimeError("injected device failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    codes: list[grpc.StatusCode] = []
+
+    def stream() -> None:
+        with Client(f"127.0.0.1:{port}") as client:
+            while True:
+                try:
+                    client.health(timeout=1)
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.05)
+            call = client.generate_stream(PROMPTS[0], timeout=120, temperature=0, max_tokens=1500, ignore_eos=True)
+            assert next(call).HasField("chunk")
+            fail.set()
+            try:
+                list(call)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert asyncio.run(serve_forever(engine, ServingConfig(port=port))) == EXIT_ENGINE_DIED != 0
+    thread.join(30)
+    assert codes == [grpc.StatusCode.UNAVAILABLE]
+
+
 def _start_subprocess(grace: float) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--attention-backend", "xla",
          "--grace-period", str(grace)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    deadline = time.monotonic() + 120
+    lines, target = [], None
+    deadline = time.monotonic() + 300  # a hang guard
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
         if m := re.search(r"serving \S+ on (\S+:\d+)", line):
+            target = m.group(1)
+        # The timing of the tests below (a grace period) assumes no compile competes with the steps: wait until
+        # the background warm-up has compiled every shape.
+        if target is not None and "background warm-up:" in line:
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-            with Client(m.group(1)) as client:  # NOT_SERVING until the warm-up's decode shapes are compiled
-                while client.health() != SERVING:
-                    assert time.monotonic() < deadline and proc.poll() is None
-                    time.sleep(0.05)
-            return proc, m.group(1)
+            with Client(target) as client:
+                assert client.health() == SERVING
+            return proc, target
     proc.kill()
     raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
 

@@ -58,12 +58,22 @@ def shared() -> Shared:
 
 def start_server(**overrides) -> ServerThread:
     s = shared()
-    config = ServingConfig(port=0, limits=LIMITS, **overrides)
+    config = ServingConfig(**({"port": 0, "limits": LIMITS, "allow_invariant_checks": True} | overrides))
     return ServerThread(s.loop, config, s.metrics).start()
 
 
-def wait_idle(client: Client, timeout: float = 10.0):
-    """Stats once no request is open and every page is free (fails the test otherwise)."""
+def wait_until(condition, what: str, hang_after_s: float = 300.0) -> None:
+    """Poll `condition()` until it holds. Tests wait on state, not on a time budget that a loaded machine could
+    use up; `hang_after_s` only turns a real hang into a failure."""
+    deadline = time.monotonic() + hang_after_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what} after {hang_after_s} s"
+        time.sleep(0.01)
+
+
+def wait_idle(client: Client, timeout: float = 120.0):
+    """Stats once no request is open and every page is free (fails the test otherwise; `timeout` is a hang
+    guard: the pages of a cancelled request are freed before the next engine step)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = client.stats(check_invariants=True)

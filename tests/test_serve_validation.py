@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve_support import LIMITS, PROMPTS, start_server, wait_idle
+from test_serve_support import ENGINE_CONFIG, LIMITS, PROMPTS, shared, start_server, wait_idle
 
 from serve.client import Client, build_request
+from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
 FIELD_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z_]+)?(\[\d+\])?: ")
@@ -159,3 +161,65 @@ def test_after_garbage_the_server_is_healthy_and_idle(client):
     assert client.health() == 1
     assert client.generate(PROMPTS[1], temperature=0, max_tokens=3).completions[0].token_ids
     wait_idle(client)
+
+
+def test_n_above_max_num_seqs_is_rejected_and_model_info_says_so():
+    """Issue 14.2: with a serving limit (16) above the engine's max_num_seqs (8), n=9 used to be accepted and
+    wait for ever (all samples must run in one batch), blocking every request behind it."""
+    srv = start_server(limits=ServingLimits())
+    try:
+        with Client(srv.target) as c:
+            assert ServingLimits().max_n > ENGINE_CONFIG.max_num_seqs
+            assert c.model_info().max_n == ENGINE_CONFIG.max_num_seqs
+            for call in (lambda: c.generate("hi", n=9, max_tokens=2, timeout=10),
+                         lambda: list(c.generate_stream("hi", n=9, max_tokens=2, timeout=10))):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details().startswith("sampling.n:"), e.value.details()
+            assert len(c.generate("hi", n=8, max_tokens=2, timeout=60).completions) == 8
+            wait_idle(c)
+    finally:
+        srv.stop()
+
+
+def test_inputs_are_bounded_before_any_work(client):
+    """Issue 14.3: Detokenize and Tokenize had no bound but the message size (4M ids took 2.95 s on the event
+    loop), and Generate range-checked every id before looking at the prompt's length."""
+    n = ENGINE_CONFIG.max_model_len + 1
+    with pytest.raises(grpc.RpcError) as e:
+        client.detokenize([5] * n)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("token_ids:") and "max_model_len" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        client.tokenize("x" * (8 * ENGINE_CONFIG.max_model_len + 1))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("text:")
+    with pytest.raises(grpc.RpcError) as e:  # every id out of range, and too many: the length is named
+        client.generate([10**6] * n, max_tokens=1)
+    assert e.value.details().startswith("token_ids:") and "more than the limit" in e.value.details()
+    assert client.detokenize([3 + ord("h"), 3 + ord("i")]) == "hi"
+
+
+def test_tokenizer_work_runs_off_the_event_loop(client, monkeypatch):
+    """Issue 14.3: tokenizing and detokenizing ran on the asyncio thread, stalling every stream and health check
+    for as long as they took. They must run on a worker thread."""
+    threads: list[str] = []
+    tokenizer_cls = type(shared().engine.tokenizer)
+    real_encode, real_decode = tokenizer_cls.encode, tokenizer_cls.decode
+
+    def encode(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real_encode(self, *args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_cls, "encode", encode)
+    monkeypatch.setattr(tokenizer_cls, "decode", decode)
+    assert client.tokenize("hi", add_special_tokens=False) == [3 + ord("h"), 3 + ord("i")]
+    assert client.detokenize([3 + ord("h"), 3 + ord("i")]) == "hi"
+    client.generate("hello", max_tokens=1, temperature=0)
+    monkeypatch.undo()
+    assert threads and "grpc-server" not in threads, threads
+    assert any(name.startswith("serve-cpu") for name in threads)

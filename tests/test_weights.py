@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -107,3 +108,55 @@ def test_partition_specs_match_params(tiny_config):
     for spec, leaf in zip(jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)),
                           jax.tree_util.tree_leaves(params), strict=True):
         assert len(spec) <= leaf.ndim
+
+
+def test_a_config_too_big_for_the_machine_is_refused_naming_the_field(tmp_path):
+    """Issue 14.11: `num_hidden_layers: 1e9` allocated for minutes. The parameter bytes are known from the config
+    alone, so it is refused at once, naming the field that makes it too big."""
+    import json
+
+    from paged_jax.config import ConfigError
+    from paged_jax.model.budget import check_fits
+
+    d = tmp_path / "huge"
+    shutil.copytree(GQA, d)
+    hf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(hf | {"num_hidden_layers": 1e9}))
+    with pytest.raises(ConfigError, match=r"^num_layers \(num_hidden_layers in config.json\): 1000000000 makes"):
+        load_model(str(d))  # before anything is allocated (it used to run for minutes)
+    tiny = load_model_config("tiny")
+    with pytest.raises(ConfigError, match="^vocab_size:"):
+        check_fits(tiny.replace(vocab_size=10**12))
+    with pytest.raises(ConfigError, match="^hidden_size:"):
+        check_fits(tiny, budget_bytes=1000)  # hidden_size is in every term
+    check_fits(tiny)
+
+
+def test_shard_paths_must_stay_inside_the_model_directory(tmp_path):
+    """Issue 14.11: a shard index entry `../../../../etc/hostname` was opened."""
+    import json
+
+    d = tmp_path / "escape"
+    shutil.copytree(GQA, d)
+    names = list(load_file(str(GQA / "model.safetensors")))
+    weight_map = {n: "model.safetensors" for n in names} | {names[0]: "../../../../../../../../etc/hostname"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(WeightsError, match=rf"^{re.escape(names[0])}: its shard .* is not a file inside"):
+        _load(d)
+
+
+def test_names_and_shapes_are_checked_before_any_tensor_is_read(tmp_path):
+    """Issue 14.11: every tensor was read before its name and shape were checked, so an unexpected 512 MiB tensor
+    cost 2 GB of peak memory before the error. The headers are checked first; nothing is read."""
+    import tracemalloc
+
+    big = np.zeros(8 * 2**20, np.float32)  # 32 MiB, sorted first ("a..."), unexpected
+    d = _broken_copy(tmp_path, lambda t: t.update({"a.unexpected": big}))
+    tracemalloc.start()
+    try:
+        with pytest.raises(WeightsError, match=r"^a\.unexpected: unexpected tensor"):
+            _load(d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MiB read before the error"

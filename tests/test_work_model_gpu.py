@@ -15,7 +15,6 @@ from pallas_kernels.gpu_plan import (
     gpu_plan_for,
     gpu_work,
     gpu_work_detail,
-    occupancy_seconds,
     plan_gpu,
     program_counts,
 )
@@ -174,7 +173,7 @@ def test_model_matches_interpreted_kernel(case_idx):
     # [kv_block, d] per KV step, which is what issued_flops counts.
     closed = jax.make_jaxpr(functools.partial(ragged_paged_attention_gpu, sm_scale=0.125, interpret=True,
                                               sliding_window=window, **overrides))(*case.paged_args)
-    calls = _pallas_calls(closed.jaxpr)
+    calls = [c for c in _pallas_calls(closed.jaxpr) if "combine" not in str(c.params["name"])]
     assert len(calls) == len(plan.ranges)
     issued = 0
     for call, rng, c in zip(calls, plan.ranges, counts, strict=True):
@@ -197,8 +196,12 @@ def test_previous_design_figures():
     after = case_work(8, 8, QH, KVH, D, 16, jnp.bfloat16, kv, cu, 4)
     assert before.programs == 8 and after.programs >= 132
     assert before.kv_bytes_read == after.kv_bytes_read == _minimum(kv, q, 16)
-    assert occupancy_seconds(before) > 10 * occupancy_seconds(after)
-    assert occupancy_seconds(after) <= 1.1 * after.seconds(HARDWARE["h200"])
+    h200 = HARDWARE["h200"]
+    assert before.seconds(h200) > 10 * after.seconds(h200)
+    # With enough programs the occupancy share is 1: the plain roofline.
+    assert after.programs >= h200.num_cores
+    assert after.seconds(h200) == max(after.hbm_bytes / h200.hbm_bytes_per_s,
+                                      after.issued_flops / h200.matmul_flops_per_s)
     # Decode batch 64: the previous design walked 4 sequences one after another per program (16 rows each:
     # the same 4x MMA padding) on 128 programs, fewer than the SMs; the new one has one program per sequence
     # and KV head.

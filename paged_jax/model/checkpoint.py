@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 
 from paged_jax.config import ModelConfig, _from_dict
+from paged_jax.model.budget import check_fits
 from paged_jax.model.init import Params, param_shapes
 
 CONFIG_FILE = "model_config.json"
@@ -42,6 +43,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelCo
     config = _from_dict(json.loads((path / CONFIG_FILE).read_text()), str(path / CONFIG_FILE))
     if dtype is not None:
         config = config.replace(dtype=dtype)
+    check_fits(config)
     target = param_shapes(config)
     restored = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     return config, jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), restored, target)

@@ -1,14 +1,16 @@
 """Import a Hugging Face Llama-family directory (`config.json` + safetensors) without torch or pickle.
 
 Reads `model.safetensors` or the shards listed in `model.safetensors.index.json` (or, failing both,
-every `*.safetensors` file), one tensor at a time, maps HF names onto our tree and transposes HF's
-[out, in] weights into our [in, ...out] kernels. Every problem raises `WeightsError` naming the tensor.
+every `*.safetensors` file), maps HF names onto our tree and transposes HF's [out, in] weights into
+our [in, ...out] kernels. Every problem raises `WeightsError` naming the tensor, and is found from the
+files' headers before any tensor is read (an unexpected 512 MiB tensor costs nothing); tensors are
+then read one at a time. Shard paths must stay inside the model directory.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -18,7 +20,7 @@ from paged_jax.config import ModelConfig
 from paged_jax.model.init import Params, param_shapes
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors header dtype -> ours
 
 
 class WeightsError(ValueError):
@@ -32,6 +34,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict):
             raise WeightsError(f"{index}: no 'weight_map' object")
+        root = model_dir.resolve()
+        for name, f in weight_map.items():
+            if not isinstance(f, str) or not (model_dir / f).resolve().is_relative_to(root):
+                raise WeightsError(f"{name}: its shard {f!r} in {index.name} is not a file inside {model_dir}")
         files = [model_dir / f for f in sorted(set(weight_map.values()))]
     elif (model_dir / "model.safetensors").exists():
         files = [model_dir / "model.safetensors"]
@@ -45,13 +51,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, jax.Array]]:
+def _headers(files: list[Path]) -> dict[Path, list[tuple[str, tuple[int, ...], str]]]:
+    """(name, shape, dtype) of every tensor, per file, from the headers alone (no tensor data is read)."""
     from safetensors import safe_open
 
+    out = {}
     for f in files:
         with safe_open(str(f), framework="flax") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+            out[f] = [(name, tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
+                      for name in handle.keys()]
+    return out
 
 
 def _layer_rules(config: ModelConfig, i: int) -> dict[str, tuple[tuple[str, ...], Callable]]:
@@ -120,30 +129,50 @@ def load_hf_params(model_dir: str | Path, config: ModelConfig) -> Params:
     rules = hf_name_map(config)
     shapes = param_shapes(config)["params"]
     dtype = jnp.dtype(config.dtype)
-    params: dict = {}
+    wanted: dict[Path, list[str]] = {}  # file -> the tensors to read from it
     seen: set[str] = set()
-    for name, tensor in _iter_tensors(safetensors_files(model_dir)):
-        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
-            continue  # tied checkpoints sometimes store the head too; the embedding is used
-        if name not in rules:
-            raise WeightsError(f"{name}: unexpected tensor in {model_dir} (not part of this model's config)")
-        if name in seen:
-            raise WeightsError(f"{name}: stored twice in {model_dir}")
-        seen.add(name)
-        if not any(tensor.dtype == jnp.dtype(d) for d in FLOAT_DTYPES):
-            raise WeightsError(f"{name}: dtype {tensor.dtype} cannot be loaded (need float32/bfloat16/float16)")
-        path, transform = rules[name]
-        want = tuple(_get(shapes, path).shape)
-        hf_shape = _hf_shape(name, want)
-        if tuple(tensor.shape) != hf_shape:
-            raise WeightsError(f"{name}: shape {tuple(tensor.shape)} does not fit the config (expected {hf_shape})")
-        value = transform(tensor)
-        _set(params, path, jnp.asarray(value, dtype=dtype))
+    for f, tensors in _headers(safetensors_files(model_dir)).items():
+        for name, shape, stored in tensors:
+            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                continue  # tied checkpoints sometimes store the head too; the embedding is used
+            if name not in rules:
+                raise WeightsError(f"{name}: unexpected tensor in {model_dir} (not part of this model's config)")
+            if name in seen:
+                raise WeightsError(f"{name}: stored twice in {model_dir}")
+            seen.add(name)
+            if stored not in FLOAT_DTYPES:
+                raise WeightsError(f"{name}: dtype {_dtype_name(stored)} cannot be loaded "
+                                   "(need float32/bfloat16/float16)")
+            hf_shape = _hf_shape(name, tuple(_get(shapes, rules[name][0]).shape))
+            if shape != hf_shape:
+                raise WeightsError(f"{name}: shape {shape} does not fit the config (expected {hf_shape})")
+            wanted.setdefault(f, []).append(name)
     missing = sorted(set(rules) - seen)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise WeightsError(f"{missing[0]}: missing from {model_dir}{more}")
-    return {"params": params}
+    return {"params": _read(wanted, rules, dtype)}
+
+
+def _dtype_name(stored: str) -> str:
+    """A safetensors header dtype ("I32") as numpy spells it ("int32")."""
+    kinds = {"F": "float", "I": "int", "U": "uint", "BF": "bfloat"}
+    kind = stored.rstrip("0123456789")
+    return f"{kinds[kind]}{stored[len(kind):]}" if kind in kinds else stored.lower()
+
+
+def _read(wanted: dict[Path, list[str]], rules: dict[str, tuple[tuple[str, ...], Callable]],
+          dtype: jnp.dtype) -> dict:
+    """Read the checked tensors one at a time into our tree (each freed on the host before the next)."""
+    from safetensors import safe_open
+
+    params: dict = {}
+    for f, names in wanted.items():
+        with safe_open(str(f), framework="flax") as handle:
+            for name in names:
+                path, transform = rules[name]
+                _set(params, path, jnp.asarray(transform(handle.get_tensor(name)), dtype=dtype))
+    return params
 
 
 __all__ = ["WeightsError", "hf_name_map", "load_hf_params", "safetensors_files"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from paged_jax.config import ModelConfig, load_model_config
+from paged_jax.model.budget import check_fits
 from paged_jax.model.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
 from paged_jax.model.hf_import import WeightsError, load_hf_params
 from paged_jax.model.init import Params, count_params, init_params, param_bytes, param_shapes
@@ -21,7 +22,8 @@ def load_model(model: str | Path, dtype: str | None = None,
                seed: int = 0) -> tuple[ModelConfig, Params, Tokenizer]:
     """(config, params, tokenizer) for an HF directory, an orbax checkpoint, or a config name/JSON.
 
-    `dtype` ("float32" | "bfloat16") overrides the config's parameter/activation dtype.
+    `dtype` ("float32" | "bfloat16") overrides the config's parameter/activation dtype. A config whose
+    parameters could not fit this machine is refused (ConfigError naming the field) before any allocation.
     """
     path = Path(model)
     if path.is_dir() and is_checkpoint(path):
@@ -30,6 +32,7 @@ def load_model(model: str | Path, dtype: str | None = None,
     config = load_model_config(model)
     if dtype is not None:
         config = config.replace(dtype=dtype)
+    check_fits(config)
     if path.is_dir():
         return config, load_hf_params(path, config), load_tokenizer(path, config)
     return config, init_params(config, seed), load_tokenizer(None, config)

@@ -1,0 +1,32 @@
+"""The offline `LLM` API: what one call leaves behind when a prompt is invalid."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_jax import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla",
+               warmup=False)
+
+
+def test_an_invalid_prompt_withdraws_the_whole_call(llm):
+    """Issue 14.13: prompts before an invalid one stayed queued, and the next call raised KeyError on their
+    outputs."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=3)
+    with pytest.raises(ValueError, match="^prompt_token_ids:"):
+        llm.generate(["hello", "world", {"prompt_token_ids": [10**6]}], greedy, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    outs = llm.generate(["hello"], greedy, use_tqdm=False)
+    assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 3
+    assert llm.stats()["pages_in_use"] == 0
+
+
+def test_n_above_max_num_seqs_is_refused(llm):
+    """Issue 14.2, through the offline API."""
+    with pytest.raises(ValueError, match=r"^n: must be in \[1, 8\]"):
+        llm.generate("hello", SamplingParams(n=9), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
