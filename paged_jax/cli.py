@@ -23,20 +23,31 @@ class Command:
 
 
 def _add_convert_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", help="Hugging Face model directory (config.json + *.safetensors)")
+    source.add_argument("--gguf", help="GGUF file (llama.cpp format; quantized tensors are dequantized), or the "
+                                       "name of a model shipped as one (e.g. smollm2-135m-instruct)")
     parser.add_argument("--out", required=True, help="orbax checkpoint directory to write")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    """Import an HF directory and write it as an orbax checkpoint (plus its config JSON)."""
+    """Import an HF directory or a GGUF file and write it as an orbax checkpoint (plus its config JSON;
+    for a GGUF also its tokenizer as `tokenizer.json` + `tokenizer_config.json`)."""
     from paged_jax.model.checkpoint import save_checkpoint
     from paged_jax.model.init import count_params, param_bytes
-    from paged_jax.model.weights import load_model
+    from paged_jax.model.weights import load_model, resolve_model_path
 
     start = time.perf_counter()
-    config, params, _ = load_model(args.hf, dtype=args.dtype)
+    config, params, _ = load_model(args.hf or args.gguf, dtype=args.dtype)
     save_checkpoint(args.out, config, params)
+    if args.gguf:
+        from paged_jax.gguf_tokenizer import tokenizer_from_gguf
+        from paged_jax.model.gguf_file import GGUFFile
+
+        gguf = GGUFFile(resolve_model_path(args.gguf))
+        if gguf.get("tokenizer.ggml.model", None) is not None:
+            tokenizer_from_gguf(gguf).save(args.out)
     print(f"wrote {args.out}: {count_params(params):,} parameters, {param_bytes(params):,} bytes "
           f"({config.dtype}) in {time.perf_counter() - start:.1f} s")
     return 0
@@ -44,7 +55,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def _add_info_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="config name (e.g. tiny, llama-3.2-1b), config JSON, HF directory or orbax checkpoint")
+                        help="config name (e.g. tiny, llama-3.2-1b), config JSON, HF directory, GGUF file, named "
+                             "model (smollm2-135m-instruct) or orbax checkpoint")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random weights (config names only)")
     from paged_jax.engine_args import add_model_text_args
@@ -120,7 +132,8 @@ def _serve_cli():
 COMMANDS: dict[str, Command] = {
     "generate": Command("batch generation: JSONL prompts in, JSONL results out (resumable)", _add_generate_args,
                         run_generate),
-    "convert": Command("convert a Hugging Face directory to an orbax checkpoint", _add_convert_args, run_convert),
+    "convert": Command("convert a Hugging Face directory or a GGUF file to an orbax checkpoint", _add_convert_args,
+                       run_convert),
     "info": Command("load a model and print its size, memory, tokenizer, special tokens, chat template and "
                     "generation defaults", _add_info_args, run_info),
     "serve": Command("start the gRPC server", lambda p: _serve_cli().add_serve_args(p),

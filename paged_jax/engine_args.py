@@ -10,7 +10,8 @@ from paged_jax.engine import BACKENDS, EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument("--model", default="tiny",
-                   help="HF directory, orbax checkpoint from `paged-jax convert`, or config name (random weights)")
+                   help="HF directory, GGUF file, named model (smollm2-135m-instruct), orbax checkpoint from "
+                        "`paged-jax convert`, or config name (random weights)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the model dtype")
     g.add_argument("--seed", type=int, default=0, help="random weights and unseeded requests")
     g.add_argument("--page-size", type=int, default=16)

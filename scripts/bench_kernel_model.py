@@ -53,6 +53,11 @@ CASES = [
     Case("chunked prefill 8x512 ctx4096", 4096, 16, [512] * 8, [4096] * 8),
     Case("mixed 48 decode + 464 chunk", 512, 64, [1] * 48 + [464], [2048] * 48 + [1000]),
     Case("decode b64 ctx4096 hd64 (1B)", 64, 64, [1] * 64, [4096] * 64, head_dim=64),
+    # SmolLM2-135M-Instruct (the real model of tests/test_smollm2.py): 9 query heads over 3 KV heads of 64
+    Case("decode b64 ctx2048 SmolLM2", 64, 64, [1] * 64, [2048] * 64, num_q_heads=9,
+         num_kv_heads=3, head_dim=64),
+    Case("prefill 8x256 ctx1024 SmolLM2", 2048, 16, [256] * 8, [1024] * 8, num_q_heads=9, num_kv_heads=3,
+         head_dim=64),
 ]
 
 # The previous TPU kernel's table: (q tokens per block, KV slots per block) for bf16 by head_dim.

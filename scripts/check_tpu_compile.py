@@ -7,7 +7,7 @@ compiler, so layout, tiling, VMEM and DMA errors in the kernels show up here. Ex
     .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1] [--sharded v5e:2x2:4 v5e:2x4:8]
 
 The KV audit (``--audit``, on by default) compiles the engine's whole jitted step for every shipped config
-(tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b) x TP 1, 4, 8 (where the model shards) x a
+(tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b, smollm2-135m) x TP 1, 4, 8 (where the model shards) x a
 decode and a chunked-prefill bucket, with the KV pages sized as the engine would size them on one chip, and
 fails when the compiled HLO copies or transposes a KV page array (any instruction producing a KV-shaped
 array other than the in-place scatter) or when the temporaries that grow with the KV cache exceed 5% of one
@@ -49,6 +49,8 @@ CASES = [
     (64, 16, 8, 2, 128, 128, jnp.float32, 64, 50.0),
     (32, 8, 2, 1, 64, 16, jnp.bfloat16, None, None),  # bf16 with head_dim 64, MQA
     (16, 8, 4, 2, 256, 8, jnp.float32, 16, None),
+    (64, 64, 9, 3, 64, 16, jnp.bfloat16, None, None),  # SmolLM2-135M decode: 3 query heads per KV head, hd 64
+    (256, 8, 9, 3, 64, 16, jnp.float32, None, None),  # SmolLM2-135M prefill in float32 (the parity dtype)
 ]
 
 
@@ -171,7 +173,7 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
     return bad
 
 
-AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b")
+AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b", "smollm2-135m")
 AUDIT_BUCKETS = ((64, 64), (512, 16))  # (tokens, seqs): a decode bucket and a chunked-prefill bucket
 AUDIT_TOPOLOGY = {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}  # 32 GiB chips: an 8B model fits one
 MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages (see audit())
@@ -180,8 +182,8 @@ MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one laye
 def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
     """The compiled-step KV audit (see the module docstring); prints a table, returns the failure count.
 
-    Temporaries are measured twice: at the engine's page count and with a 64-page cache. Their difference
-    is the part that grows with the KV cache (a copy or relayout of a page array, whole or in part); it must
+    When temporaries exceed the bound they are measured again with a 64-page cache. The difference is the
+    part that grows with the KV cache (a copy or relayout of a page array, whole or in part); it must
     stay under 5% of one layer's KV pages. What does not grow with the cache (the step's activations, the
     replicated logits and, with TP, their relayout after the all-gather: 33 MB for a 64-sequence Llama-3
     bucket, seen in the buffer assignment) is reported, not bounded."""
@@ -190,7 +192,7 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
 
     failures = 0
     print("\nKV audit of the compiled engine step (v6e; bucket = tokens x seqs; temp at the engine's page count"
-          " and at 64 pages; growth = their difference / one layer's KV pages)")
+          " and, when over 5% of one layer's KV, at 64 pages; growth = their difference / one layer's KV)")
     print(f"{'config':<14}{'TP':>3}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}{'temp MiB':>10}"
           f"{'at 64 pages':>12}{'layer KV MiB':>13}{'growth':>8}")
     for config_name in configs:
@@ -205,14 +207,16 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
                 topo = AUDIT_TOPOLOGY[tp]
                 try:
                     compiled, facts = compile_step(topo, tp, config_name, num_tokens, max_seqs)
-                    small, _ = compile_step(topo, tp, config_name, num_tokens, max_seqs, num_pages=64)
+                    temp = compiled.memory_analysis().temp_size_in_bytes
+                    temp_small = 0  # all of temp may be growth: fine when under the bound already
+                    if temp > MAX_TEMP_FRACTION * facts["layer_kv"]:
+                        small, _ = compile_step(topo, tp, config_name, num_tokens, max_seqs, num_pages=64)
+                        temp_small = small.memory_analysis().temp_size_in_bytes
                 except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                     failures += 1
                     print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
                     continue
                 bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
-                temp = compiled.memory_analysis().temp_size_in_bytes
-                temp_small = small.memory_analysis().temp_size_in_bytes
                 growth = max(0, temp - temp_small) / facts["layer_kv"]
                 shape = "x".join(str(d) for d in facts["local_kv_shape"])
                 print(f"{config_name:<14}{tp:>3}{f'{num_tokens}x{max_seqs}':>9}{shape:>28}{len(bad):>7}"

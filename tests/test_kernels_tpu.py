@@ -168,7 +168,7 @@ def test_block_size_table_and_fallback():
     assert tpu_generation("TPU v5 lite") == "v5e"
     assert tpu_generation("TPU v6 lite") == "v6e"
     assert tpu_generation("TPU v5p") == "v5p"
-    assert get_block_sizes(8, 128, jnp.bfloat16, "v6e") == (512, 512, 256)
+    assert get_block_sizes(8, 128, jnp.bfloat16, "v6e") == (512, 256, 256)
     # Off-device heuristic: KV buffers within budget for a wide model.
     dec, tokens, pre = get_block_sizes(32, 256, jnp.float32, None)
     assert 16 <= dec and 2 * dec * 2 * 32 * 256 * 4 <= 16 * 2**20 and tokens == 256 and 16 <= pre

@@ -10,8 +10,9 @@ then read one at a time. Shard paths must stay inside the model directory.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -123,35 +124,51 @@ def _hf_shape(name: str, ours: tuple[int, ...]) -> tuple[int, ...]:
     return ours
 
 
+class _TensorCheck:
+    """Which checkpoint tensors the config takes, each checked once: known name, no duplicate, a float dtype,
+    the shape the config implies. `source` names the checkpoint in errors."""
+
+    def __init__(self, config: ModelConfig, source: str):
+        self.rules = hf_name_map(config)
+        self.shapes = param_shapes(config)["params"]
+        self.tied = config.tie_word_embeddings
+        self.source = source
+        self.seen: set[str] = set()
+
+    def accept(self, name: str, shape: tuple[int, ...], dtype_name: str) -> bool:
+        """True when the tensor is loaded, False when it is skipped; raises `WeightsError` otherwise."""
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.tied):
+            return False  # tied checkpoints sometimes store the head too; the embedding is used
+        if name not in self.rules:
+            raise WeightsError(f"{name}: unexpected tensor in {self.source} (not part of this model's config)")
+        if name in self.seen:
+            raise WeightsError(f"{name}: stored twice in {self.source}")
+        self.seen.add(name)
+        if dtype_name not in FLOAT_DTYPES.values():
+            raise WeightsError(f"{name}: dtype {dtype_name} cannot be loaded (need float32/bfloat16/float16)")
+        hf_shape = _hf_shape(name, tuple(_get(self.shapes, self.rules[name][0]).shape))
+        if tuple(shape) != hf_shape:
+            raise WeightsError(f"{name}: shape {tuple(shape)} does not fit the config (expected {hf_shape})")
+        return True
+
+    def finish(self) -> None:
+        missing = sorted(set(self.rules) - self.seen)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise WeightsError(f"{missing[0]}: missing from {self.source}{more}")
+
+
 def load_hf_params(model_dir: str | Path, config: ModelConfig) -> Params:
     """Parameters from an HF directory's safetensors, cast to `config.dtype`. Raises `WeightsError`."""
     model_dir = Path(model_dir)
-    rules = hf_name_map(config)
-    shapes = param_shapes(config)["params"]
-    dtype = jnp.dtype(config.dtype)
+    check = _TensorCheck(config, str(model_dir))
     wanted: dict[Path, list[str]] = {}  # file -> the tensors to read from it
-    seen: set[str] = set()
     for f, tensors in _headers(safetensors_files(model_dir)).items():
         for name, shape, stored in tensors:
-            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
-                continue  # tied checkpoints sometimes store the head too; the embedding is used
-            if name not in rules:
-                raise WeightsError(f"{name}: unexpected tensor in {model_dir} (not part of this model's config)")
-            if name in seen:
-                raise WeightsError(f"{name}: stored twice in {model_dir}")
-            seen.add(name)
-            if stored not in FLOAT_DTYPES:
-                raise WeightsError(f"{name}: dtype {_dtype_name(stored)} cannot be loaded "
-                                   "(need float32/bfloat16/float16)")
-            hf_shape = _hf_shape(name, tuple(_get(shapes, rules[name][0]).shape))
-            if shape != hf_shape:
-                raise WeightsError(f"{name}: shape {shape} does not fit the config (expected {hf_shape})")
-            wanted.setdefault(f, []).append(name)
-    missing = sorted(set(rules) - seen)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise WeightsError(f"{missing[0]}: missing from {model_dir}{more}")
-    return {"params": _read(wanted, rules, dtype)}
+            if check.accept(name, shape, FLOAT_DTYPES.get(stored) or _dtype_name(stored)):
+                wanted.setdefault(f, []).append(name)
+    check.finish()
+    return {"params": _read(wanted, check.rules, jnp.dtype(config.dtype))}
 
 
 def _dtype_name(stored: str) -> str:
@@ -175,4 +192,22 @@ def _read(wanted: dict[Path, list[str]], rules: dict[str, tuple[tuple[str, ...],
     return params
 
 
-__all__ = ["WeightsError", "hf_name_map", "load_hf_params", "safetensors_files"]
+def params_from_hf_tensors(tensors: Iterable[tuple[str, Any]], config: ModelConfig, source: str) -> Params:
+    """Our parameter tree from (HF tensor name, [out, in] array) pairs, consumed one at a time (the GGUF
+    importer's path: its tensors are dequantized as they are read, so there is no header to check first).
+
+    Every tensor the config needs must appear exactly once; each is checked as `load_hf_params` checks
+    headers, transformed into our layout and cast to `config.dtype`. `source` names the checkpoint in errors.
+    """
+    check = _TensorCheck(config, source)
+    dtype = jnp.dtype(config.dtype)
+    params: dict = {}
+    for name, tensor in tensors:
+        if check.accept(name, tuple(tensor.shape), jnp.dtype(tensor.dtype).name):
+            path, transform = check.rules[name]
+            _set(params, path, jnp.asarray(transform(tensor), dtype=dtype))
+    check.finish()
+    return {"params": params}
+
+
+__all__ = ["WeightsError", "hf_name_map", "load_hf_params", "params_from_hf_tensors", "safetensors_files"]
