@@ -89,6 +89,8 @@ class GrpcServer:
                 engine.warmup(rest, False, what="background warm-up")
             except RuntimeError as e:  # the event loop closed under a shutdown: nothing left to report to
                 log.info("warm-up stopped: %s", e)
+            except Exception:  # noqa: BLE001 - a shape that cannot compile: stay NOT_SERVING, say why
+                log.exception("warm-up failed: health stays NOT_SERVING")
 
         thread = threading.Thread(target=work, name="warm-up", daemon=True)
         thread.start()
