@@ -85,12 +85,17 @@ class GrpcServer:
         def work() -> None:
             try:
                 engine.warmup(first, False)
-                aio_loop.call_soon_threadsafe(ready)
-                engine.warmup(rest, False, what="background warm-up")
-            except RuntimeError as e:  # the event loop closed under a shutdown: nothing left to report to
-                log.info("warm-up stopped: %s", e)
             except Exception:  # noqa: BLE001 - a shape that cannot compile: stay NOT_SERVING, say why
                 log.exception("warm-up failed: health stays NOT_SERVING")
+                return
+            try:
+                aio_loop.call_soon_threadsafe(ready)
+            except RuntimeError:  # the event loop has closed (shut down during warm-up): nothing to report to
+                return
+            try:
+                engine.warmup(rest, False, what="background warm-up")
+            except Exception:  # noqa: BLE001 - what it missed compiles when a step first needs it
+                log.exception("background warm-up failed")
 
         thread = threading.Thread(target=work, name="warm-up", daemon=True)
         thread.start()
