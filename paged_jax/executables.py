@@ -5,7 +5,7 @@ set of static shapes. `Executables` holds the compiled form of each (function, s
 (`jit(...).lower(...).compile()`), so that:
 
 - warm-up compiles many shapes at once on a thread pool (XLA compiles release the GIL; tracing and lowering
-  do not, so on 2 cores the gain is the overlap of one shape's compile with the next one's tracing);
+  do not, so they run on the calling thread, each shape's compile overlapping the next one's lowering);
 - a shape needed after warm-up is compiled once, counted and logged as a warning naming the shape;
 - a shape being compiled in the background is waited for, never compiled twice;
 - every compile is timed and, through JAX's monitoring events, attributed to the persistent compilation
@@ -136,9 +136,18 @@ class Executables:
             todo.append((key, lower, future, owner))
         mine = [key for key, _, _, owner in todo if owner]
         with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="compile") as pool:
+            # Tracing and lowering hold the GIL, so they run here, one after another; each XLA compile goes to
+            # the pool as soon as its lowering is done (threads that all trace only fight over the GIL).
             for key, lower, future, owner in todo:
                 if owner:
-                    pool.submit(self._compile, key, lower, stats, future)
+                    t0 = time.perf_counter()
+                    try:
+                        lowered = lower()
+                    except BaseException as e:
+                        self._fail(key, future, e)
+                        continue
+                    pool.submit(self._compile, key, lambda lowered=lowered: lowered, stats, future,
+                                time.perf_counter() - t0)
             for key, _, future, _ in todo:
                 future.result()
                 if progress is not None:
@@ -157,17 +166,20 @@ class Executables:
             future = self._pending[key] = concurrent.futures.Future()
             return future, True
 
+    def _fail(self, key: Hashable, future: concurrent.futures.Future, error: BaseException) -> None:
+        with self._lock:
+            del self._pending[key]
+        future.set_exception(error)
+
     def _compile(self, key: Hashable, lower: Callable[[], jax.stages.Lowered], stats: CompileStats,
-                 future: concurrent.futures.Future) -> None:
+                 future: concurrent.futures.Future, lowering_seconds: float = 0.0) -> None:
         t0, hits0 = time.perf_counter(), PROCESS.thread_hits()
         try:
             compiled = lower().compile()
         except BaseException as e:
-            with self._lock:
-                del self._pending[key]
-            future.set_exception(e)
+            self._fail(key, future, e)
             return
-        seconds, hits = time.perf_counter() - t0, PROCESS.thread_hits() - hits0
+        seconds, hits = time.perf_counter() - t0 + lowering_seconds, PROCESS.thread_hits() - hits0
         with self._lock:
             self._done[key] = compiled
             del self._pending[key]
