@@ -74,9 +74,9 @@ class DataParallelEngine:
         self.router = LeastLoadedRouter(len(self.replicas))
         self.num_steps = 0
 
-    def warmup(self, plan=None, progress: bool = True, what: str = "warm-up") -> int:
+    def warmup(self, plan=None, progress: bool = True, what: str = "warm-up", cancel=None) -> int:
         """Every replica's `LLMEngine.warmup` (each replica has its own devices, so its own executables)."""
-        return sum(r.warmup(plan, progress, what) for r in self.replicas)
+        return sum(r.warmup(plan, progress, what, cancel) for r in self.replicas)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:

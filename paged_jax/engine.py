@@ -175,11 +175,12 @@ class LLMEngine:
         if ec.warmup:
             self.warmup()
 
-    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up") -> int:
+    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up",
+               cancel=None) -> int:
         """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.warmup`. Safe
-        to call from another thread while steps run (it only compiles)."""
+        to call from another thread while steps run (it only compiles); `cancel` (a threading.Event) stops it."""
         lookahead = self.engine_config.async_scheduling
-        return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, what=what)
+        return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, what=what, cancel=cancel)
 
     @property
     def max_n(self) -> int:

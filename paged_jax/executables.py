@@ -114,22 +114,28 @@ class Executables:
             warm: bool = False, describe: str = "") -> jax.stages.Compiled:
         """The executable for `key`, compiled now if needed (`lower()` gives its lowering). `warm`: warm-up is
         over, so a compile here stalls a step and is logged as a warning with `describe` (the shape)."""
-        compiled = self._done.get(key)
-        if compiled is not None:
-            return compiled
-        future, owner = self._claim(key)
-        if owner:
-            if warm:
-                stats.after_warmup += 1
-                log.warning("compiling a new step shape after warm-up: %s (the step waits; warm-up missed it)",
-                            describe or key)
-            self._compile(key, lower, stats, future)
-        return future.result()
+        while True:
+            compiled = self._done.get(key)
+            if compiled is not None:
+                return compiled
+            future, owner = self._claim(key)
+            if owner:
+                if warm:
+                    stats.after_warmup += 1
+                    log.warning("compiling a new step shape after warm-up: %s (the step waits; warm-up missed it)",
+                                describe or key)
+                self._compile(key, lower, stats, future)
+            try:
+                return future.result()
+            except concurrent.futures.CancelledError:  # a cancelled warm-up let go of it: compile it here
+                continue
 
     def compile_all(self, jobs: Iterable[tuple[Hashable, Callable[[], jax.stages.Lowered]]], stats: CompileStats,
-                    workers: int, progress: Callable[[Hashable], None] | None = None) -> list[Hashable]:
+                    workers: int, progress: Callable[[Hashable], None] | None = None,
+                    cancel: threading.Event | None = None) -> list[Hashable]:
         """Compile every job not yet compiled on `workers` threads; `progress(key)` after each. Returns the keys
-        this call compiled."""
+        this call compiled. Once `cancel` is set no new compile starts (the running ones finish): the jobs left
+        are released, and a step that needs one compiles it itself."""
         todo = []
         for key, lower in jobs:
             future, owner = self._claim(key)
@@ -139,6 +145,9 @@ class Executables:
             # Tracing and lowering hold the GIL, so they run here, one after another; each XLA compile goes to
             # the pool as soon as its lowering is done (threads that all trace only fight over the GIL).
             for key, lower, future, owner in todo:
+                if owner and cancel is not None and cancel.is_set():
+                    self._fail(key, future, concurrent.futures.CancelledError())
+                    continue
                 if owner:
                     t0 = time.perf_counter()
                     try:
@@ -149,7 +158,12 @@ class Executables:
                     pool.submit(self._compile, key, lambda lowered=lowered: lowered, stats, future,
                                 time.perf_counter() - t0)
             for key, _, future, _ in todo:
-                future.result()
+                try:
+                    future.result()
+                except concurrent.futures.CancelledError:
+                    if key in mine:
+                        mine.remove(key)
+                    continue
                 if progress is not None:
                     progress(key)
         return mine

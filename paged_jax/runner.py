@@ -410,7 +410,8 @@ class ModelRunner:
         return (("copy", self._key, n), lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
                 f"copy pages={n}")
 
-    def compile(self, jobs: list[Job], workers: int, progress=None) -> int:
-        """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new."""
+    def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:
+        """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
+        `cancel` (a threading.Event): stop starting compiles once set."""
         return len(EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers,
-                                           progress))
+                                           progress, cancel))

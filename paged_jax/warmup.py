@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ def default_workers() -> int:
 
 
 def run_warmup(runner: ModelRunner, plan: WarmupPlan, progress: bool = True, workers: int | None = None,
-               what: str = "warm-up") -> int:
+               what: str = "warm-up", cancel: threading.Event | None = None) -> int:
     """Compile the plan's executables in parallel; returns how many were compiled (not already in the process).
     Afterwards a compile a step needs (a shape no plan named) is logged as a warning."""
     todo = jobs(runner, plan)
@@ -123,7 +124,7 @@ def run_warmup(runner: ModelRunner, plan: WarmupPlan, progress: bool = True, wor
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=what, unit="shape", disable=not progress, leave=False)
     try:
-        new = runner.compile(todo, workers, progress=lambda _: bar.update(1))
+        new = runner.compile(todo, workers, progress=lambda _: bar.update(1), cancel=cancel)
     finally:
         bar.close()
     runner.warm = True

@@ -41,6 +41,8 @@ class GrpcServer:
         self.health = health_aio.HealthServicer()
         self.port: int | None = None
         self._server: aio.Server | None = None
+        self._warm_up_cancel = threading.Event()
+        self._warm_up_thread: threading.Thread | None = None
 
     async def start(self, serving: bool = True) -> int:
         """Listen; health SERVING at once, or with `serving=False` NOT_SERVING (until `start_warm_up` is ready)."""
@@ -73,10 +75,11 @@ class GrpcServer:
     def start_warm_up(self, engine) -> threading.Thread:
         """Compile the decode shapes on a background thread (health stays NOT_SERVING), then report SERVING and
         compile every other shape on the same thread; a step that needs one of those waits for its compile.
-        Returns the thread (a daemon: shutting down never waits for a compile)."""
+        Returns the thread; `stop_warm_up` ends it."""
         ec = engine.engine_config
         first, rest = serving_plans(ec.max_num_seqs, ec.async_scheduling)
         aio_loop = asyncio.get_running_loop()
+        cancel = self._warm_up_cancel
 
         def ready() -> None:
             if self.loop.alive and not self.servicer.draining:
@@ -84,7 +87,7 @@ class GrpcServer:
 
         def work() -> None:
             try:
-                engine.warmup(first, False)
+                engine.warmup(first, False, cancel=cancel)
             except Exception:  # noqa: BLE001 - a shape that cannot compile: stay NOT_SERVING, say why
                 log.exception("warm-up failed: health stays NOT_SERVING")
                 return
@@ -93,13 +96,20 @@ class GrpcServer:
             except RuntimeError:  # the event loop has closed (shut down during warm-up): nothing to report to
                 return
             try:
-                engine.warmup(rest, False, what="background warm-up")
+                engine.warmup(rest, False, what="background warm-up", cancel=cancel)
             except Exception:  # noqa: BLE001 - what it missed compiles when a step first needs it
                 log.exception("background warm-up failed")
 
-        thread = threading.Thread(target=work, name="warm-up", daemon=True)
+        thread = self._warm_up_thread = threading.Thread(target=work, name="warm-up", daemon=True)
         thread.start()
         return thread
+
+    async def stop_warm_up(self) -> None:
+        """Start no more compiles and wait for the running ones (an XLA compile still running while the
+        interpreter exits can crash it)."""
+        self._warm_up_cancel.set()
+        if self._warm_up_thread is not None:
+            await asyncio.to_thread(self._warm_up_thread.join)
 
     def _on_engine_death(self, error: BaseException) -> None:
         log.error("engine loop died (%s): health NOT_SERVING", error)
@@ -113,6 +123,7 @@ class GrpcServer:
     async def drain_and_stop(self, grace_period_s: float | None = None) -> None:
         """Health NOT_SERVING and refuse new generations, let open ones finish for the grace period, abort
         the rest (each gets a final ABORT message), then stop the server."""
+        self._warm_up_cancel.set()  # no new compiles compete with the draining requests
         grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
         self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
@@ -126,6 +137,7 @@ class GrpcServer:
             while self.loop.num_open and time.monotonic() < flush_deadline:
                 await asyncio.sleep(0.02)
         await self._server.stop(grace=1.0)  # lets the final messages reach their clients
+        await self.stop_warm_up()
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()
