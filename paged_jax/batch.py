@@ -88,6 +88,8 @@ class BatchSummary:
     ttfts: list[float] = field(default_factory=list)
     preemptions: int = 0
     prefix_hit_rate: float = 0.0
+    startup_seconds: float = 0.0  # model load, engine construction and warm-up, before the first request
+    compile: dict = field(default_factory=dict)  # the engine's compile and padding counters (see LLMEngine.stats)
 
     def lines(self) -> list[str]:
         tps = self.generated_tokens / self.seconds if self.seconds else 0.0
@@ -100,7 +102,19 @@ class BatchSummary:
             f"over {self.seconds:.2f}s",
             f"time to first tok  p50 {p50:.1f} ms, p99 {p99:.1f} ms",
             f"prefix cache       hit rate {self.prefix_hit_rate:.1%}; preemptions {self.preemptions}",
+            *self.startup_lines(),
         ]
+
+    def startup_lines(self) -> list[str]:
+        c = self.compile
+        if not c:
+            return []
+        waste = c["step_padding_tokens"] / c["step_tokens"] if c["step_tokens"] else 0.0
+        return [f"start-up           {self.startup_seconds:.1f}s: {c['compile_count']} executables compiled in "
+                f"{c['compile_seconds']:.1f} compile-s ({c['compile_cache_hits']} from the persistent cache), "
+                f"{c['compiles_after_warmup']} after warm-up",
+                f"padding            {waste:.1%} of step tokens ({c['step_padding_tokens']} padding / "
+                f"{c['step_tokens']} real)"]
 
 
 def _parse_chat(obj: dict) -> Chat:
@@ -349,6 +363,9 @@ def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_p
     stats = engine.stats()
     summary.preemptions = stats["num_preemptions"]
     summary.prefix_hit_rate = stats["prefix_hit_rate"]
+    summary.compile = {k: stats[k] for k in ("compile_count", "compile_seconds", "compile_cache_hits",
+                                             "compiles_after_warmup", "step_tokens", "step_padding_tokens")
+                       if k in stats}
     return summary
 
 
@@ -383,17 +400,26 @@ def run(args) -> int:
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     import jax
 
+    from paged_jax.batch_plan import plan_for_input
+    from paged_jax.multihost import part_path as multihost_part
+
     count, index = jax.process_count(), jax.process_index()
-    engine = build_engine(args)
+    t0 = time.monotonic()
+    engine = build_engine(args, warmup=False)
+    if not args.no_warmup:  # only the shapes this input can reach
+        written = args.output if count == 1 else multihost_part(args.output, index, count)
+        engine.warmup(plan_for_input(engine, args.input, written, (index, count)),
+                      progress=not args.no_progress and index == 0)
     try:
-        return _run(engine, args, count, index)
+        return _run(engine, args, count, index, time.monotonic() - t0)
     except OutputLockedError as e:
         raise SystemExit(f"paged-jax generate: {e}") from None
 
 
-def _run(engine, args, count: int, index: int) -> int:
+def _run(engine, args, count: int, index: int, startup: float) -> int:
     if count == 1:
         summary = run_batch(engine, args.input, args.output, args.errors, progress=not args.no_progress)
+        summary.startup_seconds = startup
         print("\n".join(["", f"paged-jax generate: {args.input} -> {args.output}", *summary.lines()]))
         return 0
     from paged_jax import multihost
@@ -402,6 +428,7 @@ def _run(engine, args, count: int, index: int) -> int:
     out_part, err_part = (multihost.part_path(p, index, count) for p in (args.output, errors))
     summary = run_batch(engine, args.input, out_part, err_part, progress=not args.no_progress and index == 0,
                         shard=(index, count))
+    summary.startup_seconds = startup
     print("\n".join(["", f"paged-jax generate [process {index}/{count}]: {args.input} -> {out_part}",
                      *summary.lines()]))
     added = multihost.merge_parts(args.output, errors, count)

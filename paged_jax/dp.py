@@ -74,6 +74,10 @@ class DataParallelEngine:
         self.router = LeastLoadedRouter(len(self.replicas))
         self.num_steps = 0
 
+    def warmup(self, plan=None, progress: bool = True, what: str = "warm-up", cancel=None) -> int:
+        """Every replica's `LLMEngine.warmup` (each replica has its own devices, so its own executables)."""
+        return sum(r.warmup(plan, progress, what, cancel) for r in self.replicas)
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request on the least-loaded replica; ValueError as `LLMEngine.add_request`."""
@@ -131,7 +135,7 @@ class DataParallelEngine:
     def stats(self) -> dict:
         """Counters summed over replicas; rates recomputed from the sums; `replicas` holds each one's own."""
         per = [r.stats() for r in self.replicas]
-        out: dict = {k: sum(s[k] for s in per) for k, v in per[0].items() if isinstance(v, int)}
+        out: dict = {k: sum(s[k] for s in per) for k, v in per[0].items() if isinstance(v, (int, float))}
         out["prefix_hit_rate"] = out["prefix_hits"] / out["prefix_queries"] if out["prefix_queries"] else 0.0
         in_use = out["pages_in_use"]
         out["kv_utilization"] = (sum(s["kv_utilization"] * s["pages_in_use"] for s in per) / in_use

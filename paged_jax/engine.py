@@ -21,6 +21,7 @@ import numpy as np
 from paged_jax import sharding
 from paged_jax.config import ModelConfig
 from paged_jax.detokenizer import Detokenizer
+from paged_jax.kv_budget import cpu_kv_budget
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from paged_jax.runner import ModelRunner, StepResult
@@ -29,6 +30,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler, SchedulerOutput
 from paged_jax.sequence import FinishReason, Sequence, Status
 from paged_jax.tokenizer import Tokenizer
+from paged_jax.warmup import WarmupPlan, run_warmup
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class EngineConfig:
     page_size: int = 16  # token slots per KV page
     num_pages: int | None = None  # explicit KV pages (page 0 is the null page); overrides the budgets below
     kv_cache_memory_fraction: float = 0.9  # of free accelerator memory, for KV pages
-    cpu_kv_cache_bytes: int = 256 * 2**20  # KV budget on CPU, where free memory is not reported
+    cpu_kv_cache_bytes: int | None = None  # KV budget on CPU; None: 4 GiB, capped (see paged_jax.kv_budget)
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # token budget per step
     max_model_len: int | None = None  # prompt + output tokens; default min(model max, 8192)
@@ -52,7 +54,7 @@ class EngineConfig:
     kv_dtype: str | None = None  # default: the model dtype
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)
-    warmup: bool = True  # compile every step shape at start-up
+    warmup: bool = True  # compile every step shape at start-up (or call `warmup(plan)` later with False)
     watermark: float = 0.01  # fraction of pages admission keeps free while requests run
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
@@ -72,10 +74,12 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
+        if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes <= 0:
+            raise ValueError("cpu_kv_cache_bytes: must be positive (or None for the default)")
 
 
 def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_bytes: int, device: jax.Device | None = None,
-                      kv_shards: int = 1) -> int:
+                      kv_shards: int = 1, max_model_len: int = 8192) -> int:
     """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token.
 
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
@@ -89,7 +93,11 @@ def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_bytes: int, devi
     if stats and "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
     else:
-        budget = ec.cpu_kv_cache_bytes
+        cpu = cpu_kv_budget(ec.cpu_kv_cache_bytes, per_page // ec.page_size, ec.max_num_seqs, max_model_len,
+                            ec.page_size)
+        log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30,
+                 cpu.reason)
+        budget = cpu.bytes
     return max(2, budget // per_page)
 
 
@@ -141,7 +149,8 @@ class LLMEngine:
             mesh = sharding.make_mesh(devices)
             run_config, params = sharding.shard_params(config, params, mesh)
         self.mesh = mesh
-        self.num_pages = kv_capacity_pages(run_config, ec, kv_bytes, None if mesh is None else devices[0], tp)
+        self.num_pages = kv_capacity_pages(run_config, ec, kv_bytes, None if mesh is None else devices[0], tp,
+                                           self.max_model_len)
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
                                    max_num_batched_tokens=ec.max_num_batched_tokens, chunk_size=ec.chunk_size,
@@ -164,7 +173,14 @@ class LLMEngine:
         self.num_launched = 0  # steps dispatched to the device (the engine loop's progress signal)
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
         if ec.warmup:
-            self.runner.warmup()
+            self.warmup()
+
+    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up",
+               cancel=None) -> int:
+        """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.warmup`. Safe
+        to call from another thread while steps run (it only compiles); `cancel` (a threading.Event) stops it."""
+        lookahead = self.engine_config.async_scheduling
+        return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, what=what, cancel=cancel)
 
     @property
     def max_n(self) -> int:
@@ -251,6 +267,9 @@ class LLMEngine:
         out["num_preemptions"] = self.scheduler.num_preemptions
         out["num_waiting"] = self.num_waiting
         out["num_running"] = self.num_running
+        out.update(self.runner.compile_stats.as_dict())
+        out["step_tokens"] = self.runner.real_tokens
+        out["step_padding_tokens"] = self.runner.padded_tokens  # padding waste = padding tokens / step tokens
         return out
 
     # -- the loop -------------------------------------------------------------------------------------

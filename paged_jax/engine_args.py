@@ -17,6 +17,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
+    g.add_argument("--cpu-kv-cache-gib", type=float, default=None,
+                   help="KV budget on CPU (default: 4 GiB, capped at half the available memory and at "
+                        "max-num-seqs x max-model-len tokens)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -60,6 +63,7 @@ def apply_model_text_args(args: argparse.Namespace, tokenizer, ec: EngineConfig 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         page_size=args.page_size, num_pages=args.num_pages,
+        cpu_kv_cache_bytes=None if args.cpu_kv_cache_gib is None else int(args.cpu_kv_cache_gib * 2**30),
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         chunk_size=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
@@ -68,22 +72,24 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_dtype=args.kv_dtype, watermark=args.watermark, async_scheduling=not args.no_async_scheduling)
 
 
-def build_engine(args: argparse.Namespace):
-    """Load the model named by `--model` and start an engine with the flags' options."""
+def build_engine(args: argparse.Namespace, warmup: bool | None = None):
+    """Load the model named by `--model` and start an engine with the flags' options.
+
+    `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs."""
     import contextlib
     import os
 
     import jax
 
     from paged_jax.dp import make_engine
+    from paged_jax.executables import enable_persistent_cache
     from paged_jax.model.weights import load_model
 
     # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU).
-    cache_dir = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
-    if cache_dir != "off":
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    enable_persistent_cache(os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla")))
     ec = engine_config_from_args(args)
+    if warmup is not None:
+        ec.warmup = warmup
     # With several chips per process, load into host memory and let each engine place its shards
     # (the whole model need not fit one chip).
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"

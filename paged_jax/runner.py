@@ -3,10 +3,30 @@
 The KV cache is one page array per layer, `[num_pages, num_kv_heads, page_size, 2 * head_dim]`
 (K then V of a head along the last axis; see `pallas_kernels.common`), donated to every step so it is
 updated in place.
-Each step's inputs are numpy arrays padded to a token bucket `T` and a sequence bucket `S`
-(powers of two); every (T, S) pair is compiled once at warm-up, so a steady workload never
-recompiles. The forward pass returns logits only for the rows that sample; sampling is a second
-jitted call on device; the host receives only the sampled ids (and requested logprobs).
+Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
+bucket `S`; the forward pass returns logits only for the rows that sample; sampling is a second jitted call
+on device; the host receives only the sampled ids (and requested logprobs).
+
+Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
+KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,
+`cu_q_lens`), the rows of the LM head and sampling. Padding sequences cost the XLA attention nothing (its
+loops have runtime trip counts, `pallas_kernels.xla_paged`). Measured with `scripts/bench_seq_bucket.py`
+(SmolLM2-135M's shapes with 4 layers, 2 shared CPU cores, S = 32 against the smallest S that holds the step):
+with its 49,152-token vocabulary a prefill or mixed step of 64-256 tokens took 1.03-1.11x as long, decode
+1.00-1.11x (noise between identical runs: about 5%); with a 512-token vocabulary (the LM head taken out)
+0.80-1.01x. So only the LM head's rows (and sampling) pay for a larger `S`, and by its share of the step
+(less with 30 layers than with 4). `S` is therefore not a free dimension: it is derived from `T`,
+`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens; decode steps get the S
+they need), raised only when one step samples more rows than that (`n` > 1 samples of a short prompt).
+Every step shape is then one executable per token bucket, not one per (T, S) pair: a third of them for
+`make run` (5 instead of 15). Splitting the LM head's rows from the attention metadata (as tpu-inference does)
+would win back the prefill steps' few percent at the cost of more, if cheaper, executables. The sampler's
+output ids are padded to the largest `S`, so the lookahead's on-device merge of the previous step's ids is
+one executable per `T` as well.
+
+Executables are compiled ahead of time (`paged_jax.executables`): warm-up compiles the shapes a run can
+reach on a thread pool (`paged_jax.warmup` says which); a shape first needed after warm-up is compiled
+then, counted, and logged as a warning with its shape.
 
 With a device mesh (tensor parallelism, or a data-parallel replica on devices other than the default) the
 same step runs with its operands pinned to the mesh; see `paged_jax.sharding` for the layout.
@@ -15,8 +35,10 @@ same step runs with its operands pinned to the mesh; see `paged_jax.sharding` fo
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,6 +50,7 @@ import numpy as np
 import pallas_kernels
 from paged_jax import sharding
 from paged_jax.config import ModelConfig
+from paged_jax.executables import CompileStats, Executables
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
@@ -130,6 +153,27 @@ def _merge_pending_history(history: jax.Array, rows: jax.Array, cols: jax.Array,
     return history.at[r, c].set(jnp.where(rows >= 0, taken, history[r, c]))
 
 
+@partial(jax.jit, static_argnames=("width", "do_sample", "do_filter", "do_penalty", "want_logprobs"))
+def _sample_rows(logits: jax.Array, meta: SamplingMeta, *, width: int, do_sample: bool, do_filter: bool,
+                 do_penalty: bool, want_logprobs: bool) -> SamplerOutput:
+    """`sample`, with the ids padded to `width` rows so that the next step's merge has one shape per `T`."""
+    out = sample(logits, meta, do_sample=do_sample, do_filter=do_filter, do_penalty=do_penalty,
+                 want_logprobs=want_logprobs)
+    return out._replace(tokens=jnp.pad(out.tokens, (0, width - out.tokens.shape[0])))
+
+
+EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
+
+SamplerFlags = tuple[bool, bool, bool, bool]  # do_sample, do_filter, do_penalty, want_logprobs
+Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
+
+
+def _fingerprint(tree) -> str:
+    """Shapes, dtypes and shardings of a pytree's leaves: part of an executable's key."""
+    leaves = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in jax.tree.leaves(tree)]
+    return hashlib.sha1(repr((jax.tree.structure(tree), leaves)).encode()).hexdigest()
+
+
 @dataclass(slots=True)
 class StepResult:
     """Host copies of one step's samples; row r belongs to `SchedulerOutput.sample_rows[r]`."""
@@ -155,6 +199,7 @@ class ModelRunner:
         self.mesh = mesh
         self.page_size = page_size
         self.max_blocks = -(-max_model_len // page_size)
+        self.max_num_seqs = max_num_seqs
         self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(8, max_num_seqs)
         # Sampling arrays whose size a request chooses have one fixed width each, compiled at warm-up: the ban
@@ -165,11 +210,22 @@ class ModelRunner:
         shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
         device = None if mesh is None else sharding.kv_sharding(mesh)
         self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype, device=device) for _ in range(config.num_layers))
+        # Lowering sees only these (a background compile never touches pages a running step donated).
+        self._kv_specs = tuple(jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding)
+                               for kv in self.kv_caches)
+        self._rep = None if mesh is None else sharding.replicated(mesh)
         self.model, self._forward = step_functions(config, attention_backend, mesh)
         on = None if mesh is None else sharding.replicated(mesh)
-        self._no_prev_tokens = jnp.zeros(self.seq_buckets[0], jnp.int32, device=on)  # merge input with no lookahead
+        self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
         self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers)
+        # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
+        self._key = (self._forward, self._copy, mesh, self.max_blocks, _fingerprint(params),
+                     _fingerprint(self._kv_specs))
         self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
+        self.compile_stats = CompileStats()
+        self.warm = False  # warm-up is over: a compile now stalls a step and is logged as a warning
+        self.real_tokens = 0  # tokens of scheduled work, summed over steps
+        self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
 
     # -- host side ----------------------------------------------------------------------------------
     def copy_pages(self, ops: list[tuple[int, int]]) -> None:
@@ -178,7 +234,12 @@ class ModelRunner:
         src = np.zeros(n, np.int32)
         dst = np.zeros(n, np.int32)
         src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
-        self.kv_caches = self._copy(self.kv_caches, src, dst)
+        self.kv_caches = self._executable(self.copy_job(n))(self.kv_caches, src, dst)
+
+    def seq_bucket(self, t: int, rows: int = 0) -> int:
+        """The sequence bucket of a step of token bucket `t` with `rows` sequences or sample rows (see the module
+        docstring): `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
+        return bucket_for(max(min(t, self.max_num_seqs), rows), self.seq_buckets)
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[tuple, dict, np.ndarray]:
         """Build padded numpy step inputs from the scheduler's decision.
@@ -188,7 +249,7 @@ class ModelRunner:
         """
         num_rows = len(sched.sample_rows)
         t = bucket_for(sched.num_tokens, self.token_buckets)
-        s = bucket_for(max(len(sched.scheduled), num_rows), self.seq_buckets)
+        s = self.seq_bucket(t, max(len(sched.scheduled), num_rows))
         ps = self.page_size
         token_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -270,21 +331,28 @@ class ModelRunner:
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
         (token_ids, positions, meta, logits_indices), sampling, prev_rows = self.prepare(sched, kv)
+        t, s = len(token_ids), len(logits_indices)
+        self.real_tokens += sched.num_tokens
+        self.padded_tokens += t - sched.num_tokens
         if (prev_rows >= 0).any():
-            token_ids = _merge_pending(token_ids, prev_rows, prev_samples.tokens)
-        logits, self.kv_caches = self._forward(self.params, self.kv_caches, token_ids, positions, meta,
-                                               logits_indices)
-        return sample(logits, SamplingMeta(**self._with_history(sampling, prev_samples)), **sampling["flags"])
+            token_ids = self._executable(self.merge_job(t))(token_ids, prev_rows, prev_samples.tokens)
+        forward = self._executable(self.forward_job(t, s))
+        logits, self.kv_caches = forward(self.params, self.kv_caches, token_ids, positions, meta, logits_indices)
+        m = self._with_history(sampling, prev_samples)
+        f = sampling["flags"]
+        flags = (f["do_sample"], f["do_filter"], f["do_penalty"], f["want_logprobs"])
+        job = self.sample_job(s, m["suppress"].shape[1], m["history"].shape[1], flags)
+        return self._executable(job)(logits, SamplingMeta(**m))
 
     def _with_history(self, sampling: dict, prev_samples: SamplerOutput | None) -> dict:
-        """The sampling meta, with a penalized step's history always made on the device by one jitted merge
-        (the lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
+        """The sampling meta, with a penalized step's history always made on the device by one merge (the
+        lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
         m = sampling["meta"]
         if not sampling["flags"]["do_penalty"]:
             return m
         rows, cols = sampling["pending"]
         prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
-        return m | {"history": _merge_pending_history(m["history"], rows, cols, prev)}
+        return m | {"history": self._executable(self.history_job(len(rows)))(m["history"], rows, cols, prev)}
 
     def collect(self, out: SamplerOutput, num_rows: int) -> StepResult:
         """Wait for a launched step and copy its first `num_rows` samples to the host."""
@@ -294,42 +362,56 @@ class ModelRunner:
         r = num_rows
         return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r])
 
-    # -- warm-up ------------------------------------------------------------------------------------
-    def _warm_forward(self, t: int, s: int, token_ids) -> None:
-        meta = PagedMeta(np.full(t, -1, np.int32), np.zeros(s, np.int32), np.zeros((s, self.max_blocks), np.int32),
-                         np.zeros(s + 1, np.int32), np.zeros(1, np.int32))
-        _, self.kv_caches = self._forward(self.params, self.kv_caches, token_ids, np.zeros(t, np.int32), meta,
-                                          np.zeros(s, np.int32))
+    # -- executables --------------------------------------------------------------------------------
+    def _executable(self, job: Job) -> jax.stages.Compiled:
+        key, lower, describe = job
+        return EXECUTABLES.get(key, lower, self.compile_stats, warm=self.warm, describe=describe)
 
-    def warmup(self, progress: bool = True) -> int:
-        """Compile every (token bucket, sequence bucket) pair and the common sampler variants."""
-        pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets]
-        t0 = time.perf_counter()
-        for k, (t, s) in enumerate(pairs):
-            self._warm_forward(t, s, np.zeros(t, np.int32))
-            if progress:
-                log.info("warm-up: compiled step %d/%d (tokens=%d, seqs=%d)", k + 1, len(pairs), t, s)
-        on = None if self.mesh is None else sharding.replicated(self.mesh)
-        for s in self.seq_buckets:
-            logits = jnp.zeros((s, self.config.vocab_size), jnp.float32, device=on)
-            pending = (np.full(s, -1, np.int32), np.zeros(s, np.int32))
-            for flags in ((False, False), (True, False), (True, True)):
-                for lp in (False, True):
-                    for penalty in (False, True):
-                        inputs = {"meta": empty_meta(s, self.suppress_width, self.history_len if penalty else 1),
-                                  "flags": {"do_penalty": penalty}, "pending": pending}
-                        out = sample(logits, SamplingMeta(**self._with_history(inputs, None)), do_sample=flags[0],
-                                     do_filter=flags[1], do_penalty=penalty, want_logprobs=lp)
-            for s_next in self.seq_buckets:  # the lookahead's history merge into the next step's sampling
-                inputs = {"meta": empty_meta(s_next, 8, self.history_len), "flags": {"do_penalty": True},
-                          "pending": (np.full(s_next, -1, np.int32), np.zeros(s_next, np.int32))}
-                self._with_history(inputs, SamplerOutput(out.tokens, None, None, None))
-            for t in self.token_buckets:  # the lookahead's on-device merge, and the step fed by it
-                merged = _merge_pending(np.zeros(t, np.int32), np.full(t, -1, np.int32), out.tokens)
-                if s == self.seq_buckets[0]:
-                    self._warm_forward(t, self.seq_buckets[0], merged)
-        self.copy_pages([(0, 0)])
-        jax.block_until_ready(self.kv_caches)
-        if progress:
-            log.info("warm-up done: %d step shapes in %.1fs", len(pairs), time.perf_counter() - t0)
-        return len(pairs)
+    def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
+
+    def forward_job(self, t: int, s: int) -> Job:
+        """The forward step of `t` tokens and `s` sequences."""
+        i32 = self._spec
+        meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
+        return (("forward", self._key, t, s),
+                lambda: self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s)),
+                f"forward tokens={t} seqs={s}")
+
+    def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
+        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs)."""
+        names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
+        shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len).items()}
+        dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
+        meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
+        logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
+        width = self.seq_buckets[-1]
+        return (("sample", self._key, s, suppress_width, history_len, flags),
+                lambda: _sample_rows.lower(logits, meta, width=width, **dict(zip(names, flags, strict=True))),
+                f"sample rows={s} suppress={suppress_width} history={history_len} "
+                + " ".join(n for n, on in zip(names, flags, strict=True) if on))
+
+    def merge_job(self, t: int) -> Job:
+        """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
+        i32 = self._spec
+        return (("merge", self._key, t),
+                lambda: _merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])), f"merge tokens={t}")
+
+    def history_job(self, s: int) -> Job:
+        """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
+        i32 = self._spec
+        return (("history", self._key, s),
+                lambda: _merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s),
+                                                     i32(self.seq_buckets[-1])),
+                f"history rows={s} length={self.history_len}")
+
+    def copy_job(self, n: int) -> Job:
+        """Copy-on-write of `n` pages on every layer."""
+        return (("copy", self._key, n), lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
+                f"copy pages={n}")
+
+    def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:
+        """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
+        `cancel` (a threading.Event): stop starting compiles once set."""
+        return len(EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers,
+                                           progress, cancel))

@@ -76,12 +76,12 @@ def run_serve(args: argparse.Namespace) -> int:
     def stop_during_startup(signum, frame) -> None:
         raise SystemExit(0)  # nothing is serving yet, so there is nothing to drain
 
-    previous = signal.signal(signal.SIGTERM, stop_during_startup)
+    previous = signal.signal(signal.SIGTERM, stop_during_startup)  # until serve_forever installs its own
     try:
-        engine = build_engine(args)  # loading and warm-up can take minutes
+        engine = build_engine(args, warmup=False)  # loading can take minutes; warm-up runs while listening
+        return asyncio.run(serve_forever(engine, config, warm_up=not args.no_warmup))
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return asyncio.run(serve_forever(engine, config))
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from paged_jax.engine import LLMEngine
 from paged_jax.outputs import RequestOutput
 
+_PADDING_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -36,7 +37,21 @@ class Metrics:
                                      registry=r)
         self.preemptions = Counter("paged_jax_preemptions", "Sequences preempted for lack of KV pages", registry=r)
         self.engine_alive = Gauge("paged_jax_engine_alive", "1 while the engine loop runs", registry=r)
+        self.compiles = Counter("paged_jax_compiles", "Step executables compiled (persistent cache loads included)",
+                                registry=r)
+        self.compile_seconds = Counter("paged_jax_compile_seconds", "Seconds spent compiling step executables "
+                                       "(summed over compile threads)", registry=r)
+        self.compile_cache_hits = Counter("paged_jax_compile_cache_hits", "Step executables loaded from the "
+                                          "persistent compilation cache", registry=r)
+        self.compiles_after_warmup = Counter("paged_jax_compiles_after_warmup", "Step shapes a step had to compile "
+                                             "after warm-up (each one stalls that step)", registry=r)
+        self.step_tokens = Counter("paged_jax_step_tokens", "Tokens of scheduled work in steps", registry=r)
+        self.step_padding_tokens = Counter("paged_jax_step_padding_tokens", "Padding tokens added to reach each "
+                                           "step's token bucket", registry=r)
+        self.step_padding_ratio = Histogram("paged_jax_step_padding_ratio", "Padding tokens / real tokens per step",
+                                            buckets=_PADDING_BUCKETS, registry=r)
         self._preemptions_seen = 0
+        self._seen: dict[str, float] = {}  # last value of each engine counter mirrored by a Counter
         self.queued_fn = lambda: 0
         self.queue_depth.set_function(lambda: self.queued_fn())
 
@@ -52,6 +67,21 @@ class Metrics:
         if new > 0:
             self.preemptions.inc(new)
             self._preemptions_seen = s["num_preemptions"]
+        real, padding = self._advance("step_tokens", s), self._advance("step_padding_tokens", s)
+        if real > 0:
+            self.step_padding_ratio.observe(padding / real)
+        for key, counter in (("compile_count", self.compiles), ("compile_seconds", self.compile_seconds),
+                             ("compile_cache_hits", self.compile_cache_hits),
+                             ("compiles_after_warmup", self.compiles_after_warmup),
+                             ("step_tokens", self.step_tokens), ("step_padding_tokens", self.step_padding_tokens)):
+            counter.inc(self._advance(key, s, commit=True))
+
+    def _advance(self, key: str, stats: dict, commit: bool = False) -> float:
+        """How much engine counter `key` grew since it was last committed."""
+        delta = max(0.0, stats.get(key, 0) - self._seen.get(key, 0))
+        if commit:
+            self._seen[key] = stats.get(key, 0)
+        return delta
 
     def on_finished(self, out: RequestOutput) -> None:
         m = out.metrics

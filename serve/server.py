@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from paged_jax.engine import LLMEngine
+from paged_jax.warmup import serving_plans
 from serve.auth import BearerTokenInterceptor, server_credentials
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
@@ -41,8 +42,11 @@ class GrpcServer:
         self.health = health_aio.HealthServicer()
         self.port: int | None = None
         self._server: aio.Server | None = None
+        self._warm_up_cancel = threading.Event()
+        self._warm_up_thread: threading.Thread | None = None
 
-    async def start(self) -> int:
+    async def start(self, serving: bool = True) -> int:
+        """Listen; health SERVING at once, or with `serving=False` NOT_SERVING (until `start_warm_up` is ready)."""
         cfg = self.config
         interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
         for warning in cfg.warnings():
@@ -63,13 +67,50 @@ class GrpcServer:
         self._server = server
         aio_loop = asyncio.get_running_loop()
         self.loop.add_death_callback(lambda e: aio_loop.call_soon_threadsafe(self._on_engine_death, e))
-        if self.loop.alive:
-            for service in ("", SERVICE_NAME):
-                await self.health.set(service, SERVING)
+        await self._set_all(SERVING if serving and self.loop.alive else NOT_SERVING)
         self.metrics.queued_fn = lambda: self.loop.num_queued
         log.info("serving %s on %s:%d (tls %s, auth %s)", SERVICE_NAME, cfg.host, self.port, cfg.tls,
                  cfg.auth_token is not None)
         return self.port
+
+    def start_warm_up(self, engine) -> threading.Thread:
+        """Compile the decode shapes on a background thread (health stays NOT_SERVING), then report SERVING and
+        compile every other shape on the same thread; a step that needs one of those waits for its compile.
+        Returns the thread; `stop_warm_up` ends it."""
+        ec = engine.engine_config
+        first, rest = serving_plans(ec.max_num_seqs, ec.async_scheduling)
+        aio_loop = asyncio.get_running_loop()
+        cancel = self._warm_up_cancel
+
+        def ready() -> None:
+            if self.loop.alive and not self.servicer.draining:
+                asyncio.ensure_future(self._set_all(SERVING))
+
+        def work() -> None:
+            try:
+                engine.warmup(first, False, cancel=cancel)
+            except Exception:  # noqa: BLE001 - a shape that cannot compile: stay NOT_SERVING, say why
+                log.exception("warm-up failed: health stays NOT_SERVING")
+                return
+            try:
+                aio_loop.call_soon_threadsafe(ready)
+            except RuntimeError:  # the event loop has closed (shut down during warm-up): nothing to report to
+                return
+            try:
+                engine.warmup(rest, False, what="background warm-up", cancel=cancel)
+            except Exception:  # noqa: BLE001 - what it missed compiles when a step first needs it
+                log.exception("background warm-up failed")
+
+        thread = self._warm_up_thread = threading.Thread(target=work, name="warm-up", daemon=True)
+        thread.start()
+        return thread
+
+    async def stop_warm_up(self) -> None:
+        """Start no more compiles and wait for the running ones (an XLA compile still running while the
+        interpreter exits can crash it)."""
+        self._warm_up_cancel.set()
+        if self._warm_up_thread is not None:
+            await asyncio.to_thread(self._warm_up_thread.join)
 
     def _on_engine_death(self, error: BaseException) -> None:
         log.error("engine loop died (%s): health NOT_SERVING", error)
@@ -83,6 +124,7 @@ class GrpcServer:
     async def drain_and_stop(self, grace_period_s: float | None = None) -> None:
         """Health NOT_SERVING and refuse new generations, let open ones finish for the grace period, abort
         the rest (each gets a final ABORT message), then stop the server."""
+        self._warm_up_cancel.set()  # no new compiles compete with the draining requests
         grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
         self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
@@ -96,6 +138,7 @@ class GrpcServer:
             while self.loop.num_open and time.monotonic() < flush_deadline:
                 await asyncio.sleep(0.02)
         await self._server.stop(grace=1.0)  # lets the final messages reach their clients
+        await self.stop_warm_up()
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()
@@ -159,12 +202,15 @@ class ServerThread:
 EXIT_ENGINE_DIED = 1  # the process status when the engine loop dies: a supervisor should restart the server
 
 
-async def serve_forever(engine: LLMEngine, config: ServingConfig) -> int:
+async def serve_forever(engine: LLMEngine, config: ServingConfig, warm_up: bool = False) -> int:
     """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return 0.
 
     If the engine loop dies (its state is unknown, so nothing more can be served), every open stream has
     already ended with UNAVAILABLE; the server then stops and this returns `EXIT_ENGINE_DIED`, so the
     process ends with a non-zero status and a supervisor (systemd, Kubernetes) restarts it, as vLLM does.
+
+    `warm_up`: the engine was built without warm-up; health is NOT_SERVING until its decode shapes are
+    compiled, and the rest compile in the background (`GrpcServer.start_warm_up`).
     """
     metrics = Metrics()
     loop = EngineLoop(engine, on_step=metrics.on_step).start()
@@ -173,7 +219,7 @@ async def serve_forever(engine: LLMEngine, config: ServingConfig) -> int:
         port = metrics.serve(config.metrics_host, config.metrics_port)
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
     server = GrpcServer(loop, config, metrics)
-    port = await server.start()
+    port = await server.start(serving=not warm_up)
     print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)
     http = await start_http_front(loop, config, metrics)  # None unless --http-port
     stop = asyncio.Event()
@@ -187,6 +233,8 @@ async def serve_forever(engine: LLMEngine, config: ServingConfig) -> int:
     loop.add_death_callback(on_death)
     for sig in (signal.SIGTERM, signal.SIGINT):
         aio_loop.add_signal_handler(sig, stop.set)
+    if warm_up:
+        server.start_warm_up(engine)
     await stop.wait()
     if died:
         log.error("engine loop died (%s: %s): stopping with exit status %d so that a supervisor restarts the "

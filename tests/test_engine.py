@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.executables import persistent_cache_summary
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.reference import greedy_generate
 from paged_jax.runner import step_functions
@@ -233,7 +234,9 @@ def test_abort_frees_every_page(tiny_config, tiny_params):
 def test_no_recompilation_after_warmup(tiny_config, tiny_params):
     engine = make_engine(tiny_config, tiny_params, num_pages=20, warmup=True, max_num_batched_tokens=64)
     _, forward = step_functions(tiny_config, "xla")
-    compiled = (forward._cache_size(), sample._cache_size())
+    compiled = (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count)
+    xla_compiles = persistent_cache_summary()["requests"]  # every XLA compile of the process, not only ours
+    assert engine.runner.warm
     rng = np.random.default_rng(10)
     prompts = make_prompts(24, seed=10, max_len=120)
     params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_p=float(rng.choice([1.0, 0.9])),
@@ -247,7 +250,9 @@ def test_no_recompilation_after_warmup(tiny_config, tiny_params):
                 engine.add_request(f"w{i}", prompt, params[i])
         engine.step()
     assert engine.stats()["num_preemptions"] > 0  # the workload exercised preemption too
-    assert (forward._cache_size(), sample._cache_size()) == compiled
+    assert (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count) == compiled
+    assert engine.stats()["compiles_after_warmup"] == 0
+    assert persistent_cache_summary()["requests"] == xla_compiles
     assert_all_free(engine)
 
 

@@ -119,16 +119,22 @@ def _start_subprocess(grace: float) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--attention-backend", "xla",
          "--grace-period", str(grace)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    deadline = time.monotonic() + 120
+    lines, target = [], None
+    deadline = time.monotonic() + 300  # a hang guard
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
         if m := re.search(r"serving \S+ on (\S+:\d+)", line):
+            target = m.group(1)
+        # The timing of the tests below (a grace period) assumes no compile competes with the steps: wait until
+        # the background warm-up has compiled every shape.
+        if target is not None and "background warm-up:" in line:
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-            return proc, m.group(1)
+            with Client(target) as client:
+                assert client.health() == SERVING
+            return proc, target
     proc.kill()
     raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
 

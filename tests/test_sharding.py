@@ -273,10 +273,11 @@ else:
     def test_no_recompilation_in_steady_state_with_tp():
         engine = make_engine(2, tensor_parallel_size=4, warmup=True, num_pages=12)
         _, forward = step_functions(engine.runner.config, "xla", engine.mesh)
-        compiled = (forward._cache_size(), sample._cache_size())
+        compiled = (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count)
         work = [(p, SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, logprobs=lp))
                 for p, t, m, lp in zip(make_prompts(12, seed=30, max_len=100), [0.0, 0.7] * 6, [3, 20, 9] * 4,
                                        [None, None, 2] * 4, strict=True)]
         serve(engine, work, arrive_every=1)
         assert engine.stats()["num_preemptions"] > 0  # a tight cache: preemption and recompute too
-        assert (forward._cache_size(), sample._cache_size()) == compiled
+        assert (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count) == compiled
+        assert engine.runner.warm and engine.stats()["compiles_after_warmup"] == 0

@@ -1,0 +1,195 @@
+"""Which step executables exist, who compiles them, and what did compiling cost?
+
+A runner's device work is a few jitted functions (the forward step, the sampler) each compiled for a small
+set of static shapes. `Executables` holds the compiled form of each (function, shape key) pair, ahead of time
+(`jit(...).lower(...).compile()`), so that:
+
+- warm-up compiles many shapes at once on a thread pool, each thread lowering and compiling whole jobs (XLA
+  compiles release the GIL; lowering all jobs on one thread and only compiling on the pool measured 2x
+  slower on this 2-core machine);
+- a shape needed after warm-up is compiled once, counted and logged as a warning naming the shape;
+- a shape being compiled in the background is waited for, never compiled twice;
+- every compile is timed and, through JAX's monitoring events, attributed to the persistent compilation
+  cache (a hit: loaded from disk) or not (a miss: compiled by XLA).
+
+Executables are shared by every runner of a process whose functions and static shapes agree (tests build
+many engines of one config), so the registry is keyed by the caller's full key; counting is per runner
+(`CompileStats`), passed into each call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+
+import jax
+
+log = logging.getLogger(__name__)
+
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_CACHE_MISS = "/jax/compilation_cache/cache_misses"  # recorded when a newly compiled executable is written
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # every XLA compile or cache load
+
+
+@dataclass(slots=True)
+class CompileStats:
+    """Compilations one runner asked for (a shape already compiled in this process costs nothing and is not
+    counted). `seconds` is summed over threads, so with parallel warm-up it can exceed the wall time."""
+
+    count: int = 0  # executables compiled or loaded from the persistent cache
+    seconds: float = 0.0
+    cache_hits: int = 0  # of `count`, loaded from the persistent compilation cache
+    after_warmup: int = 0  # of `count`, needed by a step after warm-up (each one logged as a warning)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"compile_count": self.count, "compile_seconds": self.seconds, "compile_cache_hits": self.cache_hits,
+                "compiles_after_warmup": self.after_warmup}
+
+
+class _ProcessCounters:
+    """JAX's compile events, counted per thread (to attribute them to one compile) and for the process."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.hits = self.misses = self.backend_compiles = 0
+        jax.monitoring.register_event_listener(self._on_event)
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+
+    def _on_event(self, event: str, **_) -> None:
+        if event == _CACHE_HIT:
+            self.local.hits = getattr(self.local, "hits", 0) + 1
+            with self.lock:
+                self.hits += 1
+        elif event == _CACHE_MISS:
+            with self.lock:
+                self.misses += 1
+
+    def _on_duration(self, event: str, duration: float, **_) -> None:
+        if event == _BACKEND_COMPILE:
+            with self.lock:
+                self.backend_compiles += 1
+
+    def thread_hits(self) -> int:
+        return getattr(self.local, "hits", 0)
+
+
+PROCESS = _ProcessCounters()
+
+
+def persistent_cache_summary() -> dict[str, int]:
+    """Process-wide: XLA compiles requested (cache loads included), persistent cache hits and misses written,
+    and `compiled`: executables XLA actually built (requests that were not hits)."""
+    with PROCESS.lock:
+        return {"requests": PROCESS.backend_compiles, "hits": PROCESS.hits, "misses": PROCESS.misses,
+                "compiled": PROCESS.backend_compiles - PROCESS.hits}
+
+
+def enable_persistent_cache(cache_dir: str) -> None:
+    """Keep every executable in `cache_dir` ("off": none), so a second process with the same shapes compiles
+    nothing: no minimum compile time (the step's small executables cost more to build than to load)."""
+    if cache_dir == "off":
+        return
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log.info("persistent compile cache: %s (PAGED_JAX_COMPILE_CACHE=off to disable)", cache_dir)
+
+
+class Executables:
+    """Compiled variants of jitted functions, keyed by a hashable shape key; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[Hashable, jax.stages.Compiled] = {}
+        self._pending: dict[Hashable, concurrent.futures.Future] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._done
+
+    def get(self, key: Hashable, lower: Callable[[], jax.stages.Lowered], stats: CompileStats,
+            warm: bool = False, describe: str = "") -> jax.stages.Compiled:
+        """The executable for `key`, compiled now if needed (`lower()` gives its lowering). `warm`: warm-up is
+        over, so a compile here stalls a step and is logged as a warning with `describe` (the shape)."""
+        while True:
+            compiled = self._done.get(key)
+            if compiled is not None:
+                return compiled
+            future, owner = self._claim(key)
+            if owner:
+                if warm:
+                    stats.after_warmup += 1
+                    log.warning("compiling a new step shape after warm-up: %s (the step waits; warm-up missed it)",
+                                describe or key)
+                self._compile(key, lower, stats, future)
+            try:
+                return future.result()
+            except concurrent.futures.CancelledError:  # a cancelled warm-up let go of it: compile it here
+                continue
+
+    def compile_all(self, jobs: Iterable[tuple[Hashable, Callable[[], jax.stages.Lowered]]], stats: CompileStats,
+                    workers: int, progress: Callable[[Hashable], None] | None = None,
+                    cancel: threading.Event | None = None) -> list[Hashable]:
+        """Compile every job not yet compiled on `workers` threads; `progress(key)` after each. Returns the keys
+        this call compiled. Once `cancel` is set no new compile starts (the running ones finish): the jobs left
+        are released, and a step that needs one compiles it itself."""
+        todo = []
+        for key, lower in jobs:
+            future, owner = self._claim(key)
+            todo.append((key, lower, future, owner))
+        mine = [key for key, _, _, owner in todo if owner]
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="compile") as pool:
+            for key, lower, future, owner in todo:
+                if owner:
+                    pool.submit(self._compile, key, lower, stats, future, cancel)
+            for key, _, future, _ in todo:
+                try:
+                    future.result()
+                except concurrent.futures.CancelledError:
+                    if key in mine:
+                        mine.remove(key)
+                    continue
+                if progress is not None:
+                    progress(key)
+        return mine
+
+    def _claim(self, key: Hashable) -> tuple[concurrent.futures.Future, bool]:
+        """The future of `key`'s compile and whether the caller must run it (no one else is)."""
+        with self._lock:
+            if key in self._done:
+                future = concurrent.futures.Future()
+                future.set_result(self._done[key])
+                return future, False
+            if key in self._pending:
+                return self._pending[key], False
+            future = self._pending[key] = concurrent.futures.Future()
+            return future, True
+
+    def _fail(self, key: Hashable, future: concurrent.futures.Future, error: BaseException) -> None:
+        with self._lock:
+            del self._pending[key]
+        future.set_exception(error)
+
+    def _compile(self, key: Hashable, lower: Callable[[], jax.stages.Lowered], stats: CompileStats,
+                 future: concurrent.futures.Future, cancel: threading.Event | None = None) -> None:
+        if cancel is not None and cancel.is_set():
+            self._fail(key, future, concurrent.futures.CancelledError())
+            return
+        t0, hits0 = time.perf_counter(), PROCESS.thread_hits()
+        try:
+            compiled = lower().compile()
+        except BaseException as e:
+            self._fail(key, future, e)
+            return
+        seconds, hits = time.perf_counter() - t0, PROCESS.thread_hits() - hits0
+        with self._lock:
+            self._done[key] = compiled
+            del self._pending[key]
+            stats.count += 1
+            stats.seconds += seconds
+            stats.cache_hits += min(hits, 1)
+        future.set_result(compiled)
