@@ -40,6 +40,7 @@ class GrpcServer:
         self.metrics = metrics or Metrics()
         self.servicer = GenerationServicer(loop, config, self.metrics)
         self.health = health_aio.HealthServicer()
+        self.status = NOT_SERVING  # the health status last set (the HTTP front's /health follows it)
         self.port: int | None = None
         self._server: aio.Server | None = None
         self._warm_up_cancel = threading.Event()
@@ -118,6 +119,7 @@ class GrpcServer:
         asyncio.ensure_future(self._set_all(NOT_SERVING))
 
     async def _set_all(self, status) -> None:
+        self.status = status
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
 
@@ -222,6 +224,8 @@ async def serve_forever(engine: LLMEngine, config: ServingConfig, warm_up: bool 
     port = await server.start(serving=not warm_up)
     print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)
     http = await start_http_front(loop, config, metrics)  # None unless --http-port
+    if http is not None:
+        http.front.ready = lambda: server.status == SERVING  # /health 503 while warming up, as gRPC's health
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     died: list[BaseException] = []

@@ -339,6 +339,15 @@ def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
             raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
         assert base_url.startswith("http://127.0.0.1:")  # loopback unless --host
+
+        def health() -> int:
+            try:
+                with urllib.request.urlopen(base_url.removesuffix("/v1") + "/health") as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        wait_until(lambda: health() == 200, "/health 200 once the warm-up has compiled the decode shapes")
         with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
             assert [m.id for m in client.models.list()] == ["tiny"]
             assert client.completions.create(model="tiny", prompt="hi", max_tokens=3,
@@ -348,14 +357,6 @@ def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
             chunks = iter(long)
             next(chunks)
             proc.send_signal(signal.SIGTERM)
-
-            def health() -> int:
-                try:
-                    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/health") as r:
-                        return r.status
-                except urllib.error.HTTPError as e:
-                    return e.code
-
             wait_until(lambda: health() == 503, "/health to turn 503 after SIGTERM")
             e = _status(lambda: client.completions.create(model="tiny", prompt="hi", max_tokens=2))
             assert e.status_code == 503
