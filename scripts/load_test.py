@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -162,6 +163,10 @@ async def run(args: argparse.Namespace, target: str, pid: int | None) -> dict:
     async with aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        health = health_pb2_grpc.HealthStub(channel)  # the server warms up in the background: wait for SERVING
+        while (await health.Check(health_pb2.HealthCheckRequest(), timeout=30)).status != \
+                health_pb2.HealthCheckResponse.SERVING:
+            await asyncio.sleep(0.1)
         load, rss = Load(stub, args), []
         if args.http:
             import openai  # its default pool (1000 connections) is above any concurrency used here
