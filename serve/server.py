@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from paged_jax.engine import LLMEngine
 from paged_jax.warmup import serving_plans
 from serve.auth import BearerTokenInterceptor, server_credentials
+from serve.background import BackgroundServer
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.metrics import Metrics
@@ -146,16 +147,12 @@ class GrpcServer:
         await self._server.wait_for_termination()
 
 
-class ServerThread:
+class ServerThread(BackgroundServer):
     """A `GrpcServer` on its own event loop thread (tests, embedding); `start()` returns once it listens."""
 
     def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics | None = None) -> None:
-        self.server = GrpcServer(loop, config, metrics)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        super().__init__(GrpcServer(loop, config, metrics), "grpc-server")
         self._stopped: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._main, name="grpc-server", daemon=True)
 
     @property
     def port(self) -> int:
@@ -165,40 +162,14 @@ class ServerThread:
     def target(self) -> str:
         return f"{self.server.config.host}:{self.port}"
 
-    def start(self) -> ServerThread:
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error is not None:
-            raise self._error
-        return self
+    async def _serve(self) -> None:
+        self._stopped = asyncio.Event()
+        await self._stopped.wait()
 
-    def _main(self) -> None:
-        async def run() -> None:
-            self._aio_loop, self._stopped = asyncio.get_running_loop(), asyncio.Event()
-            try:
-                await self.server.start()
-            except BaseException as e:
-                self._error = e
-                raise
-            finally:
-                self._ready.set()
-            await self._stopped.wait()
-
-        try:
-            asyncio.run(run())
-        except BaseException:  # noqa: BLE001 - reported through start()
-            pass
-
-    def stop(self, grace_period_s: float = 0.0) -> None:
-        if self._aio_loop is None or not self._thread.is_alive():
-            return
-
-        async def shutdown() -> None:
-            await self.server.drain_and_stop(grace_period_s)
+    async def _shutdown(self, grace_period_s: float) -> None:
+        await self.server.drain_and_stop(grace_period_s)
+        if self._stopped is not None:
             self._stopped.set()
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self._aio_loop).result(30)
-        self._thread.join(10)
 
 
 EXIT_ENGINE_DIED = 1  # the process status when the engine loop dies: a supervisor should restart the server

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator
 
 import uvicorn
 
+from serve.background import BackgroundServer
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.metrics import Metrics
@@ -81,55 +81,23 @@ class HttpServer:
             await self._task
 
 
-class HttpServerThread:
+class HttpServerThread(BackgroundServer):
     """An `HttpServer` on its own event loop thread; `start()` returns once it listens."""
 
     def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics | None = None) -> None:
-        self.server = HttpServer(loop, config, metrics)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._aio_loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._main, name="http-server", daemon=True)
+        super().__init__(HttpServer(loop, config, metrics), "http-server")
 
     @property
     def base_url(self) -> str:
         scheme = "https" if self.server.config.tls else "http"
         return f"{scheme}://{self.server.config.host}:{self.server.port}/v1"
 
-    def start(self) -> HttpServerThread:
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error is not None:
-            raise self._error
-        return self
+    async def _serve(self) -> None:
+        await self.server._task
 
-    def _main(self) -> None:
-        async def run() -> None:
-            self._aio_loop = asyncio.get_running_loop()
-            try:
-                await self.server.start()
-            except BaseException as e:
-                self._error = e
-                raise
-            finally:
-                self._ready.set()
-            await self.server._task
-
-        try:
-            asyncio.run(run())
-        except BaseException:  # noqa: BLE001 - reported through start()
-            pass
-
-    def stop(self, grace_period_s: float = 0.0) -> None:
-        if self._aio_loop is None or not self._thread.is_alive():
-            return
-
-        async def shutdown() -> None:
-            await self.server.drain(grace_period_s)
-            await self.server.stop()
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self._aio_loop).result(30)
-        self._thread.join(10)
+    async def _shutdown(self, grace_period_s: float) -> None:
+        await self.server.drain(grace_period_s)
+        await self.server.stop()
 
 
 async def start_http_front(loop: EngineLoop, config: ServingConfig, metrics: Metrics) -> HttpServer | None:
