@@ -352,7 +352,7 @@ def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_p
                 bar.update(1)
                 elapsed = time.monotonic() - t0
                 bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}",
-                                kv=f"{engine.stats()['kv_utilization']:.0%}", refresh=False)
+                                kv=f"{engine.stats()['slot_utilization']:.0%}", refresh=False)
     finally:
         for rid in list(in_flight):
             engine.abort(rid)

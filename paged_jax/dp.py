@@ -138,7 +138,7 @@ class DataParallelEngine:
         out: dict = {k: sum(s[k] for s in per) for k, v in per[0].items() if isinstance(v, (int, float))}
         out["prefix_hit_rate"] = out["prefix_hits"] / out["prefix_queries"] if out["prefix_queries"] else 0.0
         in_use = out["pages_in_use"]
-        out["kv_utilization"] = (sum(s["kv_utilization"] * s["pages_in_use"] for s in per) / in_use
+        out["slot_utilization"] = (sum(s["slot_utilization"] * s["pages_in_use"] for s in per) / in_use
                                  if in_use else 1.0)
         out["replicas"] = per
         return out

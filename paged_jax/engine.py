@@ -31,11 +31,9 @@ from paged_jax.scheduler import Scheduler, SchedulerOutput
 from paged_jax.sequence import FinishReason, Sequence, Status
 from paged_jax.tokenizer import Tokenizer
 from paged_jax.warmup import WarmupPlan, run_warmup
+from pallas_kernels.common import BACKENDS
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
-
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -50,7 +48,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; default min(model max, 8192)
     chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | xla | pallas | pallas-interpret
+    attention_backend: str = "auto"  # one of pallas_kernels.common.BACKENDS (auto | xla | pallas | ...)
     kv_dtype: str | None = None  # default: the model dtype
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)

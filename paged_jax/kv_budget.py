@@ -18,6 +18,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from pallas_kernels.common import cdiv
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
@@ -58,7 +60,7 @@ def cpu_kv_budget(requested: int | None, bytes_per_token: int, max_num_seqs: int
     if available is not None and budget.bytes > available * AVAILABLE_FRACTION:
         budget = KVBudget(int(available * AVAILABLE_FRACTION),
                           f"{budget.reason}, capped at half of the {available / gib:.1f} GiB available")
-    most = bytes_per_token * page_size * (max_num_seqs * -(-max_model_len // page_size) + 1)
+    most = bytes_per_token * page_size * (max_num_seqs * cdiv(max_model_len, page_size) + 1)
     if budget.bytes > most:
         budget = KVBudget(most, f"{budget.reason}, capped at what {max_num_seqs} sequences of {max_model_len} "
                                 "tokens can hold")

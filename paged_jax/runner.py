@@ -56,7 +56,7 @@ from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
 from paged_jax.scheduler import SchedulerOutput
-from pallas_kernels.common import kv_pages_shape
+from pallas_kernels.common import cdiv, kv_pages_shape
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class ModelRunner:
         self.params = params
         self.mesh = mesh
         self.page_size = page_size
-        self.max_blocks = -(-max_model_len // page_size)
+        self.max_blocks = cdiv(max_model_len, page_size)
         self.max_num_seqs = max_num_seqs
         self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(8, max_num_seqs)
@@ -261,7 +261,7 @@ class ModelRunner:
         off = 0
         for i, item in enumerate(sched.scheduled):
             seq, start, n = item.seq, item.start, item.num_new
-            blocks = kv.block_ids(seq.seq_id)
+            blocks = kv.page_ids(seq.seq_id)
             tables[i, : len(blocks)] = blocks
             if n == 1:
                 if seq.has_pending and start == seq.num_tokens - 1:
@@ -316,10 +316,6 @@ class ModelRunner:
                 if seq.has_pending:
                     pending_rows[r], pending_cols[r] = seq.pending_row, len(toks) - 1
         return {"meta": m, "flags": flags, "pending": (pending_rows, pending_cols)}
-
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
-        """Run one step: copy-on-write copies, forward, sampling; return host copies of the samples."""
-        return self.collect(self.launch(sched, kv), len(sched.sample_rows))
 
     def launch(self, sched: SchedulerOutput, kv: KVCacheManager,
                prev_samples: SamplerOutput | None = None) -> SamplerOutput:

@@ -23,7 +23,6 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_new: int
-    sample: bool  # this step computes the sequence's last known token, so it samples the next one
 
 
 @dataclass(slots=True)
@@ -76,10 +75,6 @@ class Scheduler:
             child.status, child.finish_reason = Status.FINISHED, reason
         seq.forked_children = []
         seq.status, seq.finish_reason = Status.FINISHED, reason
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     # -- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -145,9 +140,8 @@ class Scheduler:
         scheduled.add(seq.seq_id)
         start = seq.num_computed
         seq.num_computed += num_new
-        sample = seq.num_computed == seq.num_tokens
-        out.scheduled.append(ScheduledSeq(seq, start, num_new, sample))
-        if not sample:
+        out.scheduled.append(ScheduledSeq(seq, start, num_new))
+        if seq.num_computed < seq.num_tokens:  # a prompt chunk short of the last token samples nothing
             return
         index = len(out.scheduled) - 1
         out.sample_rows.append((seq, index))

@@ -1,4 +1,4 @@
-"""Load test: bounded concurrent streams for a bounded time against a loopback `python -m serve` server.
+"""Load test: bounded concurrent streams for a bounded time against a loopback `paged-jax serve` server.
 
     .venv/bin/python scripts/load_test.py --concurrency 256 --duration 60
     .venv/bin/python scripts/load_test.py --http ...   # the same mix through the OpenAI HTTP front
@@ -57,7 +57,7 @@ def cpu_s(pid: int) -> float:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "serve", "serve", "--model", args.model, "--port", "0",
+    cmd = [sys.executable, "-m", "paged_jax_cli", "serve", "--model", args.model, "--port", "0",
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-queued-requests", str(args.max_queued), "--grace-period", "5", "--allow-invariant-checks"]
     if args.http:

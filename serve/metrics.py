@@ -30,7 +30,7 @@ class Metrics:
         self.queue_depth = Gauge("paged_jax_queue_depth", "Requests accepted but not yet started", registry=r)
         self.waiting = Gauge("paged_jax_scheduler_waiting", "Sequences in the scheduler's waiting queue", registry=r)
         self.running = Gauge("paged_jax_running", "Sequences running in the engine", registry=r)
-        self.kv_utilization = Gauge("paged_jax_kv_pages_in_use_ratio", "KV pages in use / usable pages", registry=r)
+        self.pages_in_use_ratio = Gauge("paged_jax_kv_pages_in_use_ratio", "KV pages in use / usable pages", registry=r)
         self.kv_slot_utilization = Gauge("paged_jax_kv_slot_utilization", "Live token slots / slots of pages in use",
                                          registry=r)
         self.prefix_hit_rate = Gauge("paged_jax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
@@ -60,8 +60,8 @@ class Metrics:
         s = engine.stats()
         self.waiting.set(s["num_waiting"])
         self.running.set(s["num_running"])
-        self.kv_utilization.set(s["pages_in_use"] / max(1, s["pages_total"]))
-        self.kv_slot_utilization.set(s["kv_utilization"])
+        self.pages_in_use_ratio.set(s["pages_in_use"] / max(1, s["pages_total"]))
+        self.kv_slot_utilization.set(s["slot_utilization"])
         self.prefix_hit_rate.set(s["prefix_hit_rate"])
         new = s["num_preemptions"] - self._preemptions_seen
         if new > 0:

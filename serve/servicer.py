@@ -190,7 +190,7 @@ class GenerationServicer:
         def read(engine: LLMEngine) -> pb.Stats:
             s = engine.stats()
             msg = pb.Stats(pages_total=s["pages_total"], pages_free=s["pages_free"], pages_in_use=s["pages_in_use"],
-                           pages_cached_free=s["pages_cached_free"], kv_utilization=s["kv_utilization"],
+                           pages_cached_free=s["pages_cached_free"], kv_utilization=s["slot_utilization"],
                            prefix_hit_rate=s["prefix_hit_rate"], num_preemptions=s["num_preemptions"],
                            num_waiting=s["num_waiting"], num_running=s["num_running"],
                            num_open_requests=self.loop.num_open, num_steps=engine.num_steps)

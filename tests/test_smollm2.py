@@ -186,8 +186,8 @@ if not CHILD:
         import jax
 
         from paged_jax.chat_template import apply_chat_template
-        from paged_jax.cli import main
         from paged_jax.model.weights import load_model
+        from paged_jax_cli import main
 
         out = tmp_path / "ckpt"
         assert main(["convert", "--gguf", "smollm2-135m-instruct", "--out", str(out), "--dtype", "bfloat16"]) == 0

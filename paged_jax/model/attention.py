@@ -16,10 +16,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import MASK_VALUE  # finite, so max - max stays finite
+
 AttentionFn = Callable[..., tuple[jax.Array, Any]]
 """fn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_cache, meta, *, sm_scale) -> (out [T, Hq, D], kv_cache)."""
-
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so max - max stays finite
 
 
 @flax.struct.dataclass

@@ -1,5 +1,9 @@
 """The `paged-jax` console script: one argparse subcommand per entry of `COMMANDS`.
 
+It lives outside the library packages because it imports both: `paged_jax` (generate, convert, info) and
+`serve` (serve, client), which itself depends on `paged_jax`; neither library package imports this one.
+`python -m paged_jax_cli` runs it without installing.
+
 To add a subcommand, write `add_args(parser)` and `run(args) -> int` (in this file or its own
 module) and register them: `COMMANDS["name"] = Command(help, add_args, run)`.
 """
@@ -124,7 +128,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _serve_cli():
-    from serve import cli
+    from serve import cli  # imported on use: `generate` and `info` need neither grpc nor the server
 
     return cli
 
