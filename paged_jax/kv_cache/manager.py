@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,13 @@ from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.kv_cache.page_pool import NULL_PAGE, Page, PagePool
 from paged_jax.kv_cache.stats import KVCacheStats
 from pallas_kernels.common import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
+
+
+class PageCopy(NamedTuple):
+    """A copy-on-write instruction: the device copies page `src` to page `dst` (every layer) before the step."""
+
+    src: int
+    dst: int
 
 
 @dataclass(slots=True)
@@ -110,6 +118,8 @@ class KVCacheManager:
         return row
 
     def num_computed_tokens(self, request_id: str) -> int:
+        """Leading tokens of the request whose KV is in its pages (or is written this step): the one count of
+        computed tokens (sequences do not keep their own)."""
         return self._get(request_id).num_computed
 
     def page_ref_count(self, page_id: int) -> int:
@@ -168,7 +178,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, cache: bool = True
-    ) -> list[tuple[int, int]] | None:
+    ) -> list[PageCopy] | None:
         """A running request computes positions ``[num_computed, num_computed + num_new_tokens)`` now.
 
         Allocates the pages this needs, all or nothing (``None``: not enough free pages, nothing changed).
@@ -197,14 +207,14 @@ class KVCacheManager:
         cow = num_new_tokens > 0 and start % ps != 0 and pages[start // ps].ref_cnt > 1
         if num_new_pages + cow > self.pool.free_queue.num_free:
             return None
-        copies: list[tuple[int, int]] = []
+        copies: list[PageCopy] = []
         if cow:
             index = start // ps
             src = pages[index]
             dst = self.pool.allocate(1)[0]
             pages[index] = dst
             self.pool.release(src)  # refcount was > 1: src stays in use by its other holders
-            copies.append((src.page_id, dst.page_id))
+            copies.append(PageCopy(src.page_id, dst.page_id))
         if num_new_pages > 0:
             pages.extend(self.pool.allocate(num_new_pages))
         state.num_computed = total
