@@ -46,8 +46,14 @@ class LLMEngine:
     several replicas use `paged_jax.dp.make_engine`.
     """
 
-    def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer, engine_config: EngineConfig | None = None,
-                 devices: Seq[jax.Device] | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        tokenizer: Tokenizer,
+        engine_config: EngineConfig | None = None,
+        devices: Seq[jax.Device] | None = None,
+    ):
         ec = engine_config or EngineConfig()
         ec.validate()
         if ec.data_parallel_size != 1:
@@ -67,33 +73,58 @@ class LLMEngine:
             mesh = sharding.make_mesh(devices)
             run_config, params = sharding.shard_params(config, params, mesh)
         self.mesh = mesh
-        self.num_pages = kv_capacity_pages(run_config, ec, kv_bytes, None if mesh is None else devices[0], tp,
-                                           self.max_model_len)
+        self.num_pages = kv_capacity_pages(
+            run_config, ec, kv_bytes, None if mesh is None else devices[0], tp, self.max_model_len
+        )
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
-                                   max_num_batched_tokens=ec.max_num_batched_tokens, chunk_size=ec.chunk_size,
-                                   enable_prefix_caching=ec.enable_prefix_caching,
-                                   reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
-                                   watermark=ec.watermark)
-        self.runner = ModelRunner(run_config, params, num_pages=self.num_pages, page_size=ec.page_size,
-                                  max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
-                                  max_num_batched_tokens=ec.max_num_batched_tokens,
-                                  attention_backend=ec.attention_backend, kv_dtype=ec.kv_dtype, mesh=mesh)
-        self.outputs = OutputProcessor(tokenizer, vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids,
-                                       max_model_len=self.max_model_len, max_n=self.max_n, seed=ec.seed)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=ec.max_num_seqs,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+            chunk_size=ec.chunk_size,
+            enable_prefix_caching=ec.enable_prefix_caching,
+            reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
+            watermark=ec.watermark,
+        )
+        self.runner = ModelRunner(
+            run_config,
+            params,
+            num_pages=self.num_pages,
+            page_size=ec.page_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=ec.max_num_seqs,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+            attention_backend=ec.attention_backend,
+            kv_dtype=ec.kv_dtype,
+            mesh=mesh,
+        )
+        self.outputs = OutputProcessor(
+            tokenizer,
+            vocab_size=config.vocab_size,
+            eos_token_ids=config.eos_token_ids,
+            max_model_len=self.max_model_len,
+            max_n=self.max_n,
+            seed=ec.seed,
+        )
         self.lookahead = Lookahead()
         self.kv_cache_bytes = config.kv_bytes_per_token(kv_bytes) * self.num_pages * ec.page_size
-        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d)",
-                 self.num_pages - 1, ec.page_size, (self.num_pages - 1) * ec.page_size, self.kv_cache_bytes / 2**20,
-                 config.num_layers, config.num_kv_heads, config.head_dim)
+        log.info(
+            "KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d)",
+            self.num_pages - 1,
+            ec.page_size,
+            (self.num_pages - 1) * ec.page_size,
+            self.kv_cache_bytes / 2**20,
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         self.num_steps = 0
         self.num_launched = 0  # steps dispatched to the device (the engine loop's progress signal)
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
         if ec.warmup:
             self.warmup()
 
-    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up",
-               cancel=None) -> int:
+    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up", cancel=None) -> int:
         """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.warmup`. Safe
         to call from another thread while steps run (it only compiles); `cancel` (a threading.Event) stops it."""
         lookahead = self.engine_config.async_scheduling
@@ -106,8 +137,14 @@ class LLMEngine:
         return min(self.engine_config.max_n, self.engine_config.max_num_seqs)
 
     # -- requests -----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request. Raises ValueError naming the field when the request is invalid or can never fit."""
         params = params if params is not None else SamplingParams(**self.engine_config.sampling_defaults)
         req = self.outputs.add_request(request_id, prompt, params, cache_salt, arrival_time, self._check_fits)
@@ -115,8 +152,10 @@ class LLMEngine:
 
     def _check_fits(self, total_tokens: int) -> None:
         if not self.kv.can_ever_fit(total_tokens):
-            raise ValueError(f"prompt: {total_tokens} tokens need {self.kv.pages_needed(total_tokens)} KV pages but "
-                             f"the cache has {self.num_pages - 1}")
+            raise ValueError(
+                f"prompt: {total_tokens} tokens need {self.kv.pages_needed(total_tokens)} KV pages but "
+                f"the cache has {self.num_pages - 1}"
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and return every page it holds; None if it is unknown or already done."""
@@ -154,10 +193,15 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
-        return EngineStats(**asdict(self.kv.stats()), num_preemptions=self.scheduler.num_preemptions,
-                           num_waiting=self.num_waiting, num_running=self.num_running,
-                           **self.runner.compile_stats.as_dict(), step_tokens=self.runner.real_tokens,
-                           step_padding_tokens=self.runner.padded_tokens)
+        return EngineStats(
+            **asdict(self.kv.stats()),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            **self.runner.compile_stats.as_dict(),
+            step_tokens=self.runner.real_tokens,
+            step_padding_tokens=self.runner.padded_tokens,
+        )
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

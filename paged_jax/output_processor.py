@@ -45,8 +45,16 @@ class OutputProcessor:
     `eos_token_ids` end generation (unless `ignore_eos`); `max_model_len` bounds prompt + output; `seed`
     seeds the requests that do not set their own (so a run is reproducible)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, eos_token_ids: Seq[int], max_model_len: int,
-                 max_n: int, seed: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        eos_token_ids: Seq[int],
+        max_model_len: int,
+        max_n: int,
+        seed: int,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -56,9 +64,15 @@ class OutputProcessor:
         self._rng = np.random.default_rng(seed)
 
     # -- new requests ---------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-                    cache_salt: str | None, arrival_time: float | None,
-                    check_fits: Callable[[int], None]) -> RequestState:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        arrival_time: float | None,
+        check_fits: Callable[[int], None],
+    ) -> RequestState:
         """Validate and register a request; returns it with its sequences (not yet scheduled).
 
         Raises ValueError naming the field when the request is invalid; `check_fits(total_tokens)` raises
@@ -71,15 +85,21 @@ class OutputProcessor:
         text, ids = self._prompt_ids(prompt)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
         check_fits(total)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         now = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [Sequence(f"{request_id}#{i}", request_id, i, list(ids), params, seed, cache_salt, arrival_time=now)
-                for i in range(params.n)]
-        detoks = [Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                              params.spaces_between_special_tokens) for _ in seqs]
+        seqs = [
+            Sequence(f"{request_id}#{i}", request_id, i, list(ids), params, seed, cache_salt, arrival_time=now)
+            for i in range(params.n)
+        ]
+        detoks = [
+            Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.spaces_between_special_tokens)
+            for _ in seqs
+        ]
         req = RequestState(request_id, text, list(ids), params, seqs, detoks, now)
         self.requests[request_id] = req
         return req
@@ -93,15 +113,22 @@ class OutputProcessor:
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt_token_ids: must not be empty")
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
-                    or not 0 <= t < self.vocab_size), None)
+        bad = next(
+            (
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size
+            ),
+            None,
+        )
         if bad is not None:
             raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {self.vocab_size})")
         return None, [int(t) for t in ids]
 
     # -- each sampled token ---------------------------------------------------------------------------
-    def check_token(self, req: RequestState, seq: Sequence, token: int,
-                    logprobs: tuple[float, list[tuple[int, float]]] | None) -> FinishReason | None:
+    def check_token(
+        self, req: RequestState, seq: Sequence, token: int, logprobs: tuple[float, list[tuple[int, float]]] | None
+    ) -> FinishReason | None:
         """Record `token`, already appended to `seq`: its `logprobs` (its own and the requested top (id, logprob)
         pairs, when the request asked), the first-token time, its text; return why it ends the sequence (EOS, a
         stop id, a stop string, the length), or None. Sets `stop_reason` and `finish_time` when it ends; freeing
@@ -144,18 +171,27 @@ class OutputProcessor:
             new_ids = seq.output_token_ids[sent:]
             new_logprobs = None
             if seq.params.logprobs is not None:
-                new_logprobs = [TokenLogprob(t, lp, top)
-                                for t, (lp, top) in zip(new_ids, seq.output_logprobs[sent:], strict=True)]
+                new_logprobs = [
+                    TokenLogprob(t, lp, top) for t, (lp, top) in zip(new_ids, seq.output_logprobs[sent:], strict=True)
+                ]
             new_text = detok.take_delta(final=seq.finished)  # first: a finished sample's pending text is flushed
-            c = CompletionOutput(index=seq.index, token_ids=[], text="",
-                                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                                 stop_reason=seq.stop_reason, new_token_ids=new_ids, new_text=new_text,
-                                 new_logprobs=new_logprobs)
+            c = CompletionOutput(
+                index=seq.index,
+                token_ids=[],
+                text="",
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason,
+                new_token_ids=new_ids,
+                new_text=new_text,
+                new_logprobs=new_logprobs,
+            )
             if final:
                 c.token_ids, c.text = list(seq.output_token_ids), detok.text
                 if seq.params.logprobs is not None:
-                    c.logprobs = [TokenLogprob(t, lp, top)
-                                  for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)]
+                    c.logprobs = [
+                        TokenLogprob(t, lp, top)
+                        for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)
+                    ]
             completions.append(c)
         lead = req.seqs[0]
         metrics = RequestMetrics(
@@ -165,5 +201,6 @@ class OutputProcessor:
             num_prompt_tokens=len(req.prompt_token_ids),
             num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
             num_cached_prompt_tokens=lead.num_cached_prompt,
-            num_preemptions=sum(s.num_preemptions for s in req.seqs))
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, final, metrics)

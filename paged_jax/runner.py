@@ -1,10 +1,11 @@
-"""Where does a step run? Host-side step metadata padded to buckets, and the jitted device step.
+"""Where does a step run? The bucket choice, the jitted device step and its executables.
 
 The KV cache is one page array per layer, `[num_pages, num_kv_heads, page_size, 2 * head_dim]`
 (K then V of a head along the last axis; see `pallas_kernels.common`), donated to every step so it is
 updated in place.
 Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
-bucket `S`; the forward pass returns logits only for the rows that sample; sampling is a second jitted call
+bucket `S`, built from the scheduler's output by `paged_jax.step_inputs` (the runner never reads the KV
+manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for the rows that sample; sampling is a second jitted call
 on device; the host receives only the sampled ids (and requested logprobs).
 
 Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
