@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import jax
@@ -29,7 +29,7 @@ from paged_jax.outputs import RequestOutput
 from paged_jax.runner import ModelRunner, StepResult
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler
-from paged_jax.sequence import FinishReason, Sequence
+from paged_jax.sequence import FinishReason, TokenSequence
 from paged_jax.tokenizer import Tokenizer
 from paged_jax.warmup import WarmupPlan, run_warmup
 
@@ -52,7 +52,7 @@ class LLMEngine:
         params,
         tokenizer: Tokenizer,
         engine_config: EngineConfig | None = None,
-        devices: Seq[jax.Device] | None = None,
+        devices: Sequence[jax.Device] | None = None,
     ):
         ec = engine_config or EngineConfig()
         ec.validate()
@@ -140,7 +140,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Seq[int],
+        prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
@@ -219,7 +219,7 @@ class LLMEngine:
         self.lookahead.inflight = self.launch_step(prev)
         return [] if prev is None else self.finish_step(prev)
 
-    def _is_live(self, seq: Sequence) -> bool:
+    def _is_live(self, seq: TokenSequence) -> bool:
         return not seq.finished and seq.request_id in self.outputs.requests
 
     def launch_step(self, prev: Launched | None = None) -> Launched | None:
@@ -265,7 +265,7 @@ class LLMEngine:
         self.host_seconds += launched.host_seconds + time.perf_counter() - t0 - (self.runner.device_seconds - device0)
         return outputs
 
-    def _append(self, req: RequestState, seq: Sequence, result: StepResult, row: int) -> None:
+    def _append(self, req: RequestState, seq: TokenSequence, result: StepResult, row: int) -> None:
         """Sample `row` of `result` is `seq`'s next token (or its pending one): append it, check it, and free
         the sequence's pages if it ended."""
         token = int(result.tokens[row])

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from paged_jax.kv_cache import KVCacheManager
     from paged_jax.sampler import SamplerOutput
     from paged_jax.scheduler import SchedulerOutput
-    from paged_jax.sequence import Sequence
+    from paged_jax.sequence import TokenSequence
 
 PLACEHOLDER = -1  # the host's stand-in for a token id still on the device
 
@@ -68,7 +68,7 @@ class Lookahead:
 
     @staticmethod
     def mark_pending(
-        launched: Launched, is_live: Callable[[Sequence], bool], is_last: Callable[[Sequence], bool]
+        launched: Launched, is_live: Callable[[TokenSequence], bool], is_last: Callable[[TokenSequence], bool]
     ) -> None:
         """Give every live sequence `launched` samples a placeholder token and its `PendingToken`.
 
@@ -82,7 +82,7 @@ class Lookahead:
             seq.pending = PendingToken(row, is_last(seq))
 
     @staticmethod
-    def resolve(seq: Sequence, token: int, kv: KVCacheManager) -> bool:
+    def resolve(seq: TokenSequence, token: int, kv: KVCacheManager) -> bool:
         """Put the sampled `token` in place of `seq`'s placeholder and cache the blocks it completed; False
         (nothing done) when `seq` has no pending token."""
         if seq.pending is None:

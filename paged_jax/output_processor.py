@@ -9,8 +9,7 @@ that finished (the scheduler's `remove`). Nothing here touches the device, the s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +17,7 @@ import numpy as np
 from paged_jax.detokenizer import Detokenizer
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.sequence import FinishReason, Sequence
+from paged_jax.sequence import FinishReason, TokenSequence
 from paged_jax.tokenizer import Tokenizer
 
 
@@ -30,7 +29,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence]
+    seqs: list[TokenSequence]
     detoks: list[Detokenizer]
     arrival_time: float
 
@@ -50,7 +49,7 @@ class OutputProcessor:
         tokenizer: Tokenizer,
         *,
         vocab_size: int,
-        eos_token_ids: Seq[int],
+        eos_token_ids: Sequence[int],
         max_model_len: int,
         max_n: int,
         seed: int,
@@ -67,7 +66,7 @@ class OutputProcessor:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Seq[int],
+        prompt: str | Sequence[int],
         params: SamplingParams,
         cache_salt: str | None,
         arrival_time: float | None,
@@ -93,7 +92,7 @@ class OutputProcessor:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [
-            Sequence(f"{request_id}#{i}", request_id, i, list(ids), params, seed, cache_salt, arrival_time=now)
+            TokenSequence(f"{request_id}#{i}", request_id, i, list(ids), params, seed, cache_salt, arrival_time=now)
             for i in range(params.n)
         ]
         detoks = [
@@ -104,7 +103,7 @@ class OutputProcessor:
         self.requests[request_id] = req
         return req
 
-    def _prompt_ids(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids), validated."""
         if isinstance(prompt, str):
             if not prompt:
@@ -127,7 +126,7 @@ class OutputProcessor:
 
     # -- each sampled token ---------------------------------------------------------------------------
     def check_token(
-        self, req: RequestState, seq: Sequence, token: int, logprobs: tuple[float, list[tuple[int, float]]] | None
+        self, req: RequestState, seq: TokenSequence, token: int, logprobs: tuple[float, list[tuple[int, float]]] | None
     ) -> FinishReason | None:
         """Record `token`, already appended to `seq`: its `logprobs` (its own and the requested top (id, logprob)
         pairs, when the request asked), the first-token time, its text; return why it ends the sequence (EOS, a
@@ -157,7 +156,7 @@ class OutputProcessor:
             seq.finish_time = now
         return reason
 
-    def is_last_token(self, seq: Sequence) -> bool:
+    def is_last_token(self, seq: TokenSequence) -> bool:
         """Whether the token `seq` just got is its last for length alone (max_tokens or max_model_len)."""
         return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 

@@ -5,8 +5,9 @@ The KV cache is one page array per layer, `[num_pages, num_kv_heads, page_size, 
 updated in place.
 Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
 bucket `S`, built from the scheduler's output by `paged_jax.step_inputs` (the runner never reads the KV
-manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for the rows that sample; sampling is a second jitted call
-on device; the host receives only the sampled ids (and requested logprobs).
+manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for
+the rows that sample; sampling is a second jitted call on device; the host receives only the sampled ids (and
+requested logprobs).
 
 Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
 KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,

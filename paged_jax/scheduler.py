@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from paged_jax.kv_cache import KVCacheManager, PageCopy
-from paged_jax.sequence import FinishReason, Sequence, Status
+from paged_jax.sequence import FinishReason, Status, TokenSequence
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     """`num_new` tokens of `seq` at positions [start, start + num_new) are computed this step."""
 
-    seq: Sequence
+    seq: TokenSequence
     start: int
     num_new: int
     page_ids: list[int]  # the sequence's block table after this step's allocation: logical block i -> page
@@ -36,7 +36,7 @@ class SampleRow(NamedTuple):
     """One row of the step's samples: `seq` draws its next token from the logits of the last token of
     `scheduled[index]` (its own entry, or its leader's on the step a shared prompt completes)."""
 
-    seq: Sequence
+    seq: TokenSequence
     index: int
 
 
@@ -45,7 +45,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     sample_rows: list[SampleRow] = field(default_factory=list)  # row r of the step's samples
     copy_ops: list[PageCopy] = field(default_factory=list)  # copy-on-write, before the step writes
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[TokenSequence] = field(default_factory=list)
     num_tokens: int = 0
 
     @property
@@ -67,17 +67,17 @@ class Scheduler:
         self.reserve_tokens = reserve_tokens
         # Admission leaves this many pages free while others run (vLLM's watermark, 1% by default).
         self.watermark_pages = int(watermark * (kv.num_pages - 1))
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[TokenSequence] = deque()
+        self.running: list[TokenSequence] = []
         self.num_preemptions = 0
 
     # -- membership -----------------------------------------------------------------------------
-    def add(self, leader: Sequence, children: list[Sequence]) -> None:
+    def add(self, leader: TokenSequence, children: list[TokenSequence]) -> None:
         """Queue a request: its leader waits; its other samples are forked when the prompt completes."""
         leader.forked_children = children
         self.waiting.append(leader)
 
-    def remove(self, seq: Sequence, reason: FinishReason) -> None:
+    def remove(self, seq: TokenSequence, reason: FinishReason) -> None:
         """Finish or abort `seq`: leave every queue and return every page it holds."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
@@ -148,7 +148,7 @@ class Scheduler:
             self._schedule(seq, num_new, out, scheduled)
             budget -= num_new
 
-    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput, scheduled: set[str]) -> None:
+    def _schedule(self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str]) -> None:
         """Record `num_new` tokens of `seq`, already allocated (so its computed count already includes them)."""
         scheduled.add(seq.seq_id)
         end = self.kv.num_computed_tokens(seq.seq_id)
@@ -166,7 +166,7 @@ class Scheduler:
             out.sample_rows.append(SampleRow(child, index))
         seq.forked_children = []
 
-    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: TokenSequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv.free(victim.seq_id)
         victim.status = Status.WAITING

@@ -33,8 +33,8 @@ class FinishReason(enum.StrEnum):
 
 
 @dataclass(slots=True)
-class Sequence:
-    """Token state of one sample. How many of its tokens have KV in the cache is the KV manager's count
+class TokenSequence:
+    """Token state of one sample (named so as not to shadow `collections.abc.Sequence`). How many of its tokens have KV in the cache is the KV manager's count
     (`KVCacheManager.num_computed_tokens`), not a field here."""
 
     seq_id: str  # unique inside the engine: f"{request_id}#{index}"
@@ -58,7 +58,7 @@ class Sequence:
     # One-step lookahead (`paged_jax.lookahead`): set while the last output token is a placeholder whose id is
     # still on the device.
     pending: PendingToken | None = None
-    forked_children: list[Sequence] = field(default_factory=list)  # children waiting for this leader's prompt
+    forked_children: list[TokenSequence] = field(default_factory=list)  # children waiting for this leader's prompt
 
     # prompt then output ids, kept in step with `output_token_ids` so the scheduler's per-step calls copy nothing
     all_token_ids: list[int] = field(init=False)

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.common import cdiv
+
 
 def step_arrays(t: int, s: int, max_blocks: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Random int32 metadata of one step: [T] x 3, [S], [S, max_blocks], [S + 1], [1], [S]."""
@@ -71,7 +73,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=300)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    max_blocks = -(-args.max_model_len // args.page_size)
+    max_blocks = cdiv(args.max_model_len, args.page_size)
     print(f"load average {os.getloadavg()[0]:.2f}; max_blocks {max_blocks}; median of {args.reps} calls, interleaved")
     print(
         f"{'T':>5} {'S':>4} {'sep dispatch us':>16} {'packed us':>10} {'ratio':>6} {'sep round us':>13} "

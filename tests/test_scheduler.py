@@ -5,12 +5,12 @@ from __future__ import annotations
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler
-from paged_jax.sequence import FinishReason, Sequence
+from paged_jax.sequence import FinishReason, TokenSequence
 
 
-def request(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 40) -> tuple[Sequence, list[Sequence]]:
+def request(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 40) -> tuple[TokenSequence, list[TokenSequence]]:
     params = SamplingParams(n=n, max_tokens=max_tokens)
-    seqs = [Sequence(f"{rid}#{i}", rid, i, list(range(3, 3 + prompt_len)), params, seed=0) for i in range(n)]
+    seqs = [TokenSequence(f"{rid}#{i}", rid, i, list(range(3, 3 + prompt_len)), params, seed=0) for i in range(n)]
     return seqs[0], seqs[1:]
 
 
@@ -40,9 +40,9 @@ def test_children_of_a_running_leader_keep_their_slots():
     assert kv.num_free_pages() == 399
 
 
-def seqs(rid: str, prompt: list[int], n: int = 1) -> tuple[Sequence, list[Sequence]]:
+def seqs(rid: str, prompt: list[int], n: int = 1) -> tuple[TokenSequence, list[TokenSequence]]:
     params = SamplingParams(n=n, max_tokens=100, temperature=0.0)
-    out = [Sequence(f"{rid}#{i}", rid, i, list(prompt), params, seed=0) for i in range(n)]
+    out = [TokenSequence(f"{rid}#{i}", rid, i, list(prompt), params, seed=0) for i in range(n)]
     return out[0], out[1:]
 
 

@@ -9,15 +9,17 @@ import pytest
 from paged_jax.lookahead import PLACEHOLDER, PendingToken
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import SampleRow, ScheduledSeq, SchedulerOutput
-from paged_jax.sequence import Sequence
+from paged_jax.sequence import TokenSequence
 from paged_jax.step_inputs import build_sampling_inputs, build_step_inputs
 
 PS = 8  # page size
 
 
-def seq(rid: str, prompt: list[int], output: list[int] = (), index: int = 0, **params) -> Sequence:
+def seq(rid: str, prompt: list[int], output: list[int] = (), index: int = 0, **params) -> TokenSequence:
     """A sequence with `output` already generated; greedy unless `params` say otherwise."""
-    s = Sequence(f"{rid}#{index}", rid, index, list(prompt), SamplingParams(**({"temperature": 0.0} | params)), seed=7)
+    s = TokenSequence(
+        f"{rid}#{index}", rid, index, list(prompt), SamplingParams(**({"temperature": 0.0} | params)), seed=7
+    )
     for t in output:
         s.append_token(t)
     return s
