@@ -55,7 +55,7 @@ from paged_jax.config import ModelConfig
 from paged_jax.executables import CompileStats, Executables
 from paged_jax.kv_cache import PageCopy
 from paged_jax.lookahead import merge_pending, merge_pending_history
-from paged_jax.model.llama import LlamaForCausalLM
+from paged_jax.model.families import causal_lm
 from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
 from paged_jax.scheduler import SchedulerOutput
@@ -77,12 +77,14 @@ class PagedMeta:
 
 
 def paged_attention(q, k, v, kv_pages, meta: PagedMeta, *, sm_scale: float, backend: str,
-                    sliding_window: int | None):
-    """The model's `AttentionFn` over paged KV: write this step's K/V into pages, then attend."""
+                    sliding_window: int | None, soft_cap: float | None = None):
+    """The model's `AttentionFn` over paged KV: write this step's K/V into pages, then attend.
+
+    The model passes each layer's `sliding_window` and `soft_cap` (the config's window is only the default)."""
     kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping)
     out = pallas_kernels.ragged_paged_attention(
         q, kv_pages, meta.kv_lens, meta.block_tables, meta.cu_q_lens, meta.num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, backend=backend)
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, backend=backend)
     return out, kv_pages
 
 
@@ -114,11 +116,11 @@ def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | 
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh)
-    model = LlamaForCausalLM(config, attention_fn=attn)
+    model = causal_lm(config, attn)
 
     def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta)
-        logits = model.apply(params, hidden[logits_indices], method=LlamaForCausalLM.compute_logits)
+        logits = model.apply(params, hidden[logits_indices], method="compute_logits")
         return logits, tuple(kv_caches)
 
     if mesh is None:

@@ -34,8 +34,9 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(slots=True)
 class TokenSequence:
-    """Token state of one sample (named so as not to shadow `collections.abc.Sequence`). How many of its tokens have KV in the cache is the KV manager's count
-    (`KVCacheManager.num_computed_tokens`), not a field here."""
+    """Token state of one sample (named so as not to shadow `collections.abc.Sequence`). How many of its
+    tokens have KV in the cache is the KV manager's count (`KVCacheManager.num_computed_tokens`), not a field
+    here."""
 
     seq_id: str  # unique inside the engine: f"{request_id}#{index}"
     request_id: str

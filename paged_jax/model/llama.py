@@ -54,7 +54,8 @@ class Attention(nn.Module):
             v = v + self.param("v_bias", nn.initializers.zeros, (hkv, d), dtype)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d ** -0.5)
+        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d ** -0.5,
+                                          sliding_window=c.sliding_window)
         return jnp.einsum("tnd,ndh->th", out, wo), kv_cache
 
 
