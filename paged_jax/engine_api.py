@@ -72,12 +72,10 @@ class Engine(Protocol):
     max_model_len: int
     num_pages: int  # KV pages of one replica, the null page included (a request must fit one replica)
     num_steps: int
+    num_launched: int  # steps dispatched to the device (the engine loop's progress signal)
 
     @property
     def max_n(self) -> int: ...  # the most samples one request may ask for
-
-    @property
-    def num_launched(self) -> int: ...  # steps dispatched to the device (the engine loop's progress signal)
 
     @property
     def num_waiting(self) -> int: ...
