@@ -127,6 +127,7 @@ class CausalLM(nn.Module):
 
     config: ModelConfig
     attention_fn: AttentionFn = dense_attention
+    mesh: Any = None  # a jax.sharding.Mesh: MoE layers run their experts per TP shard on it (paged_jax.model.moe)
 
     scale_embeddings = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
     final_norm = RMSNorm  # the final norm's module class
