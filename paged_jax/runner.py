@@ -116,7 +116,7 @@ def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | 
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh)
-    model = causal_lm(config, attn)
+    model = causal_lm(config, attn, mesh)
 
     def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta)

@@ -57,7 +57,7 @@ def cpu_s(pid: int) -> float:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "paged_jax_cli", "serve", "--model", args.model, "--port", "0",
+    cmd = [sys.executable, "-m", "serve", "serve", "--model", args.model, "--port", "0",
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-queued-requests", str(args.max_queued), "--grace-period", "5", "--allow-invariant-checks"]
     if args.http:

@@ -1,4 +1,4 @@
-"""The arguments and bodies of `paged-jax serve` and `paged-jax client` (registered in `paged_jax_cli`)."""
+"""The arguments and bodies of `paged-jax serve` and `paged-jax client` (registered in `serve.main`)."""
 
 from __future__ import annotations
 

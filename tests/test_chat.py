@@ -18,7 +18,7 @@ from paged_jax.generation_defaults import load_generation_defaults
 from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenizer import ByteTokenizer
-from paged_jax_cli import main
+from serve.main import main
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = json.loads((DATA / "tokenizers" / "golden.json").read_text("utf-8"))["tokenizers"]["phi-3"]

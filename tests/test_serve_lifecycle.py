@@ -116,7 +116,7 @@ def test_serve_forever_exits_nonzero_when_the_engine_dies(monkeypatch):
 def _start_subprocess(grace: float) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paged_jax_cli", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
+        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--attention-backend", "xla",
          "--grace-period", str(grace)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, target = [], None
@@ -171,7 +171,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero():
 def test_sigterm_during_warmup_exits_zero():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PAGED_JAX_COMPILE_CACHE="off")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paged_jax_cli", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
+        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
          "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--attention-backend", "xla"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

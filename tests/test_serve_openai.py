@@ -321,11 +321,11 @@ def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
 
 
 def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
-    """`python -m paged_jax_cli serve --http-port 0`: the HTTP front in the serving process; SIGTERM turns /health 503,
+    """`python -m serve serve --http-port 0`: the HTTP front in the serving process; SIGTERM turns /health 503,
     refuses new work 503, ends an open stream with finish_reason `abort` after the grace period, exits 0."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paged_jax_cli", "serve", "--model", "tiny", "--port", "0", "--http-port", "0",
+        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--http-port", "0",
          "--num-pages", "300", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--attention-backend", "xla",
          "--grace-period", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -59,7 +59,7 @@ def test_expanded_kv_heads_compute_the_same_function():
     assert kv_replication(config, 8) == 4 and kv_replication(config, 2) == 1
     big_config, big = expand_kv_heads(config, params, 4)
     assert big_config.num_kv_heads == 8
-    assert big["params"]["layers_0"]["self_attn"]["k_proj"].shape == (256, 8, 32)
+    assert big["params"]["layers_0"]["self_attn"]["qkv_proj"].shape == (256, 8, 1 + 2, 32)  # G = 8 / 8 = 1
     tokens = jnp.asarray(make_prompts(1, seed=5, max_len=40)[0], jnp.int32)
     meta = DenseMeta.single(len(tokens))
 

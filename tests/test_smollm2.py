@@ -187,7 +187,7 @@ if not CHILD:
 
         from paged_jax.chat_template import apply_chat_template
         from paged_jax.model.weights import load_model
-        from paged_jax_cli import main
+        from serve.main import main
 
         out = tmp_path / "ckpt"
         assert main(["convert", "--gguf", "smollm2-135m-instruct", "--out", str(out), "--dtype", "bfloat16"]) == 0

@@ -82,7 +82,7 @@ def _generate(tmp_path: Path, cache: Path, name: str) -> tuple[str, list[dict]]:
                                           "temperature": 0.0}) + "\n" for i in range(3)))
     out = tmp_path / f"{name}.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE=str(cache))
-    proc = subprocess.run([sys.executable, "-m", "paged_jax_cli", "generate", "--model", "tiny", "--input",
+    proc = subprocess.run([sys.executable, "-m", "serve", "generate", "--model", "tiny", "--input",
                            str(inputs), "--output", str(out), "--num-pages", "64", "--max-num-seqs", "4",
                            "--max-num-batched-tokens", "32", "--no-progress"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -114,7 +114,7 @@ def test_server_is_not_serving_until_its_decode_shapes_are_compiled():
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PAGED_JAX_COMPILE_CACHE="off")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paged_jax_cli", "serve", "--model", "tiny", "--port", "0", "--num-pages", "100",
+        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "100",
          "--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--attention-backend", "xla"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []

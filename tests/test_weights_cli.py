@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from paged_jax.model.weights import load_model
-from paged_jax_cli import COMMANDS, main
+from serve.main import COMMANDS, main
 
 GQA = Path(__file__).parent / "data" / "hf_gqa"
 

@@ -8,6 +8,7 @@ Every class takes `(config, attention_fn)` and has the contract of `llama.LlamaF
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 
 from paged_jax.config import ModelConfig
 from paged_jax.model.attention import AttentionFn, dense_attention
@@ -27,8 +28,12 @@ FAMILIES: dict[str, type[nn.Module]] = {
 }
 
 
-def causal_lm(config: ModelConfig, attention_fn: AttentionFn = dense_attention) -> nn.Module:
-    """The decoder of `config`'s family, attending through `attention_fn` (dense by default)."""
+def causal_lm(config: ModelConfig, attention_fn: AttentionFn = dense_attention,
+              mesh: jax.sharding.Mesh | None = None) -> nn.Module:
+    """The decoder of `config`'s family, attending through `attention_fn` (dense by default). `mesh`: the TP mesh
+    the step runs on, for the families that place work on it themselves (MoE experts); None on one device."""
+    if mesh is not None and config.is_moe:
+        return FAMILIES[config.model_type](config, attention_fn=attention_fn, mesh=mesh)
     return FAMILIES[config.model_type](config, attention_fn=attention_fn)
 
 

@@ -6,6 +6,8 @@ Parameter tree: `paged_jax.model.qwen3`'s, with `layers_{i}/mlp` holding the exp
 
 from __future__ import annotations
 
+from functools import partial
+
 import flax.linen as nn
 
 from paged_jax.model.decoder import CausalLM, PreNormLayer
@@ -17,7 +19,7 @@ class Qwen3MoeForCausalLM(CausalLM):
     """Qwen3-30B-A3B style decoder."""
 
     def make_layer(self, layer: int) -> nn.Module:
-        return PreNormLayer(self.config, self.attention_fn, layer, SparseMoE, qk_norm=RMSNorm)
+        return PreNormLayer(self.config, self.attention_fn, layer, partial(SparseMoE, mesh=self.mesh), qk_norm=RMSNorm)
 
 
 __all__ = ["Qwen3MoeForCausalLM"]

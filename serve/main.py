@@ -1,8 +1,8 @@
 """The `paged-jax` console script: one argparse subcommand per entry of `COMMANDS`.
 
-It lives outside the library packages because it imports both: `paged_jax` (generate, convert, info) and
-`serve` (serve, client), which itself depends on `paged_jax`; neither library package imports this one.
-`python -m paged_jax_cli` runs it without installing.
+It lives in `serve`, the application layer, because it imports both: `paged_jax` (generate, convert, info)
+and `serve` (serve, client). `serve` depends on `paged_jax`, never the reverse, so there is no cycle (the
+design card fixes the top-level packages, so no third package). `python -m serve` runs it without installing.
 
 To add a subcommand, write `add_args(parser)` and `run(args) -> int` (in this file or its own
 module) and register them: `COMMANDS["name"] = Command(help, add_args, run)`.

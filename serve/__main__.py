@@ -1,0 +1,7 @@
+"""`python -m serve ...`: the `paged-jax` console script without installing it."""
+
+import sys
+
+from serve.main import main
+
+sys.exit(main())
