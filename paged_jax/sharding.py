@@ -10,8 +10,9 @@ operands: XLA inserts the all-reduce after o_proj and down_proj and the all-gath
 logits (the step returns them replicated, so the sampler runs unchanged on every chip of the group).
 
 KV-head replication: when TP exceeds the KV head count (Llama-3-70B on 16 chips, or 2 KV heads on 4 chips),
-`expand_kv_heads` repeats every KV head `r = tp // Hkv` times, in the k/v projection weights and biases
-(new head j is old head j // r), and the model runs as if it had `Hkv * r` KV heads. Query head h reads
+`expand_kv_heads` repeats every KV head `r = tp // Hkv` times, in the fused q/k/v projection weights and
+biases (new KV head j is old head j // r, and it takes the G / r of old head j's query heads that read it),
+and the model runs as if it had `Hkv * r` KV heads. Query head h reads
 KV head h // (Hq / (Hkv * r)), which is old head h // (Hq / Hkv): the same function, exactly. Each chip then
 projects and stores its own copy of one KV head, so no KV ever crosses chips; the price is r copies of KV
 memory over the group (per chip it is the same as with one real head per chip).
@@ -29,12 +30,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from paged_jax.config import ModelConfig
+from paged_jax.model.fuse import expand_fused_kv_heads
 from paged_jax.model.init import param_shapes
 from paged_jax.model.partition import param_partition_specs
 
@@ -63,23 +64,15 @@ def kv_replication(config: ModelConfig, tp: int) -> int:
 
 
 def expand_kv_heads(config: ModelConfig, params: Any, r: int) -> tuple[ModelConfig, Any]:
-    """Repeat every KV head `r` times: k/v_proj [H, Hkv, D] -> [H, Hkv * r, D] (biases [Hkv, D] likewise).
+    """Repeat every KV head `r` times: the fused qkv_proj [H, Hkv, G + 2, D] -> [H, Hkv * r, G / r + 2, D]
+    (`paged_jax.model.fuse.expand_fused_kv_heads`; biases likewise).
 
     Returns the config with `num_kv_heads * r` and the new parameter tree (other leaves are shared, not
     copied). Works on concrete arrays and inside `jit`. The model's outputs are unchanged (module docstring).
     """
     if r == 1:
         return config, params
-
-    def leaf(path: tuple[Any, ...], x: Any) -> Any:
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name in ("k_proj", "v_proj"):
-            return jnp.repeat(x, r, axis=1)
-        if name in ("k_bias", "v_bias"):
-            return jnp.repeat(x, r, axis=0)
-        return x
-
-    return config.replace(num_kv_heads=config.num_kv_heads * r), jax.tree_util.tree_map_with_path(leaf, params)
+    return config.replace(num_kv_heads=config.num_kv_heads * r), expand_fused_kv_heads(params, r)
 
 
 def make_mesh(devices: Sequence[jax.Device]) -> Mesh:

@@ -154,7 +154,7 @@ def test_shipped_configs_have_the_published_parameter_counts(name):
 
 
 def test_info_prints_each_family_without_allocating(capsys):
-    from paged_jax.cli import main
+    from serve.main import main
 
     outs = {}
     for name, (total, _) in SHIPPED.items():

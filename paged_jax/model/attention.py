@@ -16,13 +16,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import MASK_VALUE  # finite, so max - max stays finite
+
 AttentionFn = Callable[..., tuple[jax.Array, Any]]
 """fn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_cache, meta, *, sm_scale, sliding_window=None, soft_cap=None)
 -> (out [T, Hq, D], kv_cache). `sliding_window` (tokens, per layer) and `soft_cap` (Gemma 2's logit cap) follow
 `pallas_kernels.common`: key p is visible to the query at x when x - window < p <= x; scores become
 cap * tanh(scores / cap) before the softmax."""
-
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so max - max stays finite
 
 
 @flax.struct.dataclass

@@ -1,4 +1,8 @@
-"""Orbax checkpoints: the parameter tree under `params/`, the model config as JSON beside it."""
+"""Orbax checkpoints: the parameter tree under `params/`, the model config as JSON beside it.
+
+The tree is the model's own (fused q/k/v and gate/up, `paged_jax.model.fuse`), saved and restored exactly;
+a checkpoint written before the fusion (one kernel per projection) is restored in that layout and fused.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import jax
 
 from paged_jax.config import ModelConfig, _from_dict
 from paged_jax.model.budget import check_fits
+from paged_jax.model.fuse import fuse_params, import_shapes
 from paged_jax.model.init import Params, param_shapes
 
 CONFIG_FILE = "model_config.json"
@@ -45,8 +50,20 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelCo
         config = config.replace(dtype=dtype)
     check_fits(config)
     target = param_shapes(config)
-    restored = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    checkpointer = ocp.StandardCheckpointer()
+    if _stores_unfused(checkpointer, path / PARAMS_DIR):  # written before q/k/v and gate/up were fused
+        restored = fuse_params(config, checkpointer.restore(path / PARAMS_DIR, import_shapes(config)))
+    else:
+        restored = checkpointer.restore(path / PARAMS_DIR, target)
     return config, jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), restored, target)
+
+
+def _stores_unfused(checkpointer, params_dir: Path) -> bool:
+    """True when the stored tree has one kernel per projection (`q_proj`, ...), not the fused ones."""
+    tree = checkpointer.metadata(params_dir)
+    tree = getattr(tree, "item_metadata", tree)
+    layer = tree["params"].get("layers_0", {}) if hasattr(tree["params"], "get") else {}
+    return "q_proj" in layer.get("self_attn", {})
 
 
 __all__ = ["CONFIG_FILE", "is_checkpoint", "load_checkpoint", "save_checkpoint"]

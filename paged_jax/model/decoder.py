@@ -3,8 +3,9 @@
 A family module (`qwen3`, `gemma`, `mixtral`, `qwen3_moe`) subclasses `CausalLM` and says how one layer is
 built (`make_layer`), which RMSNorm the final norm is, and whether embeddings are scaled; everything else
 (embedding, RoPE tables, the layer loop over KV caches, the final norm, tied or separate LM head, the final
-logit soft cap) is here. Parameter names follow `paged_jax.model.llama` (q/k/v/o_proj, gate/up/down_proj,
-input_layernorm, ...) so the HF import, the init and the tensor-parallel specs treat every family alike.
+logit soft cap) is here. Parameter names follow `paged_jax.model.llama` (fused qkv_proj and gate_up_proj,
+o_proj, down_proj, input_layernorm, ...) so the HF import (one kernel per projection, fused at load by
+`paged_jax.model.fuse`), the init and the tensor-parallel specs treat every family alike.
 
 Per layer, `Attention` passes its sliding window (`ModelConfig.layer_sliding_window`) and the attention
 logit soft cap to the `AttentionFn`, so both reach the paged kernels and the dense reference alike.
@@ -22,7 +23,15 @@ import numpy as np
 
 from paged_jax.config import ModelConfig, RopeScaling
 from paged_jax.model.attention import AttentionFn, dense_attention
-from paged_jax.model.layers import RMSNorm, apply_rope, kernel_init, rope_cos_sin, rope_inv_freq
+from paged_jax.model.layers import (
+    RMSNorm,
+    apply_rope,
+    kernel_init,
+    out_projection,
+    qkv_projection,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 Rope = tuple[jax.Array, jax.Array]  # cos, sin: [T, D] float32
 
@@ -49,13 +58,12 @@ class Attention(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
-        q = jnp.einsum("th,hnd->tnd", x, self.param("q_proj", kernel_init, (h, hq, d), dtype))  # [T, Hq, D]
-        k = jnp.einsum("th,hnd->tnd", x, self.param("k_proj", kernel_init, (h, hkv, d), dtype))  # [T, Hkv, D]
-        v = jnp.einsum("th,hnd->tnd", x, self.param("v_proj", kernel_init, (h, hkv, d), dtype))
+        g = hq // hkv
+        attn = {"qkv_proj": self.param("qkv_proj", kernel_init, (h, hkv, g + 2, d), dtype),
+                "o_proj": self.param("o_proj", kernel_init, (hq, d, h), dtype)}
         if c.attention_bias:
-            q = q + self.param("q_bias", nn.initializers.zeros, (hq, d), dtype)
-            k = k + self.param("k_bias", nn.initializers.zeros, (hkv, d), dtype)
-            v = v + self.param("v_bias", nn.initializers.zeros, (hkv, d), dtype)
+            attn["qkv_bias"] = self.param("qkv_bias", nn.initializers.zeros, (hkv, g + 2, d), dtype)
+        q, k, v = qkv_projection(x, attn, c)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         if self.qk_norm is not None:
             q = self.qk_norm(d, c.rms_norm_eps, dtype, name="q_norm")(q)
             k = self.qk_norm(d, c.rms_norm_eps, dtype, name="k_norm")(k)
@@ -64,15 +72,15 @@ class Attention(nn.Module):
         out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=c.attn_scale,
                                           sliding_window=c.layer_sliding_window(self.layer),
                                           soft_cap=c.attn_logit_softcap)
-        wo = self.param("o_proj", kernel_init, (hq, d, h), dtype)
-        return jnp.einsum("tnd,ndh->th", out, wo), kv_cache
+        return out_projection(out, attn), kv_cache
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (`silu`) or GeGLU (`gelu_tanh`). x: [T, H] -> [T, H]; kernels [in, out]."""
+    """down(act(gate(x)) * up(x)): SwiGLU (`silu`) or GeGLU (`gelu_tanh`). x: [T, H] -> [T, H]; gate and up
+    fused as `gate_up_proj` [H, 2, I] (one matmul, `paged_jax.model.fuse`), down_proj [I, H]."""
 
     config: ModelConfig
     activation: str = "silu"
@@ -82,10 +90,9 @@ class GatedMLP(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, i = c.hidden_size, c.intermediate_size
-        gate = self.param("gate_proj", kernel_init, (h, i), dtype)
-        up = self.param("up_proj", kernel_init, (h, i), dtype)
+        gate_up = jnp.einsum("th,hgi->tgi", x, self.param("gate_up_proj", kernel_init, (h, 2, i), dtype))  # [T, 2, I]
         down = self.param("down_proj", kernel_init, (i, h), dtype)
-        return (ACTIVATIONS[self.activation](x @ gate) * (x @ up)) @ down
+        return (ACTIVATIONS[self.activation](gate_up[:, 0]) * gate_up[:, 1]) @ down
 
 
 class PreNormLayer(nn.Module):

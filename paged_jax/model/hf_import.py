@@ -2,9 +2,10 @@
 
 Reads `model.safetensors` or the shards listed in `model.safetensors.index.json` (or, failing both,
 every `*.safetensors` file), maps HF names onto our tree and transposes HF's [out, in] weights into
-our [in, ...out] kernels. Every problem raises `WeightsError` naming the tensor, and is found from the
-files' headers before any tensor is read (an unexpected 512 MiB tensor costs nothing); tensors are
-then read one at a time. Shard paths must stay inside the model directory.
+our [in, ...out] kernels, then fuses q/k/v and gate/up (`paged_jax.model.fuse`). Every problem raises
+`WeightsError` naming the tensor, and is found from the files' headers before any tensor is read (an
+unexpected 512 MiB tensor costs nothing); tensors are then read one at a time.
+Shard paths must stay inside the model directory.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.config import GEMMA_TYPES, QK_NORM_TYPES, ModelConfig
-from paged_jax.model.init import Params, param_shapes
+from paged_jax.model.fuse import fuse_params, import_shapes
+from paged_jax.model.init import Params
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors header dtype -> ours
@@ -183,7 +185,7 @@ class _TensorCheck:
 
     def __init__(self, config: ModelConfig, source: str):
         self.rules = hf_name_map(config)
-        self.shapes = param_shapes(config)["params"]
+        self.shapes = import_shapes(config)["params"]  # one kernel per projection, as stored
         self.tied = config.tie_word_embeddings
         self.source = source
         self.seen: set[str] = set()
@@ -221,7 +223,7 @@ def load_hf_params(model_dir: str | Path, config: ModelConfig) -> Params:
             if check.accept(name, shape, FLOAT_DTYPES.get(stored) or _dtype_name(stored)):
                 wanted.setdefault(f, []).append(name)
     check.finish()
-    return {"params": _stack_experts(_read(wanted, check.rules, jnp.dtype(config.dtype)))}
+    return fuse_params(config, {"params": _stack_experts(_read(wanted, check.rules, jnp.dtype(config.dtype)))})
 
 
 def _dtype_name(stored: str) -> str:
@@ -259,7 +261,7 @@ def params_from_hf_tensors(tensors: Iterable[tuple[str, Any]], config: ModelConf
             path, transform = check.rules[name]
             _set(params, path, jnp.asarray(transform(tensor), dtype=dtype))
     check.finish()
-    return {"params": _stack_experts(params)}
+    return fuse_params(config, {"params": _stack_experts(params)})
 
 
 __all__ = ["WeightsError", "hf_name_map", "load_hf_params", "params_from_hf_tensors", "safetensors_files"]

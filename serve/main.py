@@ -1,5 +1,9 @@
 """The `paged-jax` console script: one argparse subcommand per entry of `COMMANDS`.
 
+It lives in `serve`, the application layer, because it imports both: `paged_jax` (generate, convert, info)
+and `serve` (serve, client). `serve` depends on `paged_jax`, never the reverse, so there is no cycle (the
+design card fixes the top-level packages, so no third package). `python -m serve` runs it without installing.
+
 To add a subcommand, write `add_args(parser)` and `run(args) -> int` (in this file or its own
 module) and register them: `COMMANDS["name"] = Command(help, add_args, run)`.
 """
@@ -145,7 +149,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _serve_cli():
-    from serve import cli
+    from serve import cli  # imported on use: `generate` and `info` need neither grpc nor the server
 
     return cli
 
