@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import sharding
+from paged_jax import quant, sharding
 from paged_jax.config import ModelConfig
 from paged_jax.detokenizer import Detokenizer
 from paged_jax.kv_budget import cpu_kv_budget
@@ -51,7 +51,7 @@ class EngineConfig:
     chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | xla | pallas | pallas-interpret
-    kv_dtype: str | None = None  # default: the model dtype
+    kv_dtype: str | None = None  # default: the model dtype; int8 / fp8_e4m3: quantized pages (paged_jax.quant)
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)
     warmup: bool = True  # compile every step shape at start-up (or call `warmup(plan)` later with False)
@@ -76,18 +76,20 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes <= 0:
             raise ValueError("cpu_kv_cache_bytes: must be positive (or None for the default)")
+        quant.kv_cache_dtype(self.kv_dtype, jnp.float32)  # raises on an unknown name
 
 
-def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_bytes: int, device: jax.Device | None = None,
+def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_dtype, device: jax.Device | None = None,
                       kv_shards: int = 1, max_model_len: int = 8192) -> int:
-    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token.
+    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
+    scales of quantized pages).
 
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
     """
     if ec.num_pages is not None:
         return ec.num_pages
-    per_page = config.kv_bytes_per_token(kv_bytes) * ec.page_size // kv_shards
+    per_page = quant.kv_bytes_per_token(config, kv_dtype) * ec.page_size // kv_shards
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
@@ -139,7 +141,7 @@ class LLMEngine:
         config = config.replace(eos_token_ids=eos) if eos != tuple(config.eos_token_ids) else config
         self.config, self.tokenizer, self.engine_config = config, tokenizer, ec
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 8192)
-        kv_bytes = jnp.dtype(ec.kv_dtype or config.dtype).itemsize
+        kv_dtype = quant.kv_cache_dtype(ec.kv_dtype, config.dtype)
         tp = ec.tensor_parallel_size
         mesh, run_config = None, config
         if devices is not None or tp > 1:
@@ -149,7 +151,7 @@ class LLMEngine:
             mesh = sharding.make_mesh(devices)
             run_config, params = sharding.shard_params(config, params, mesh)
         self.mesh = mesh
-        self.num_pages = kv_capacity_pages(run_config, ec, kv_bytes, None if mesh is None else devices[0], tp,
+        self.num_pages = kv_capacity_pages(run_config, ec, kv_dtype, None if mesh is None else devices[0], tp,
                                            self.max_model_len)
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
@@ -162,10 +164,12 @@ class LLMEngine:
                                   max_num_batched_tokens=ec.max_num_batched_tokens,
                                   attention_backend=ec.attention_backend, kv_dtype=ec.kv_dtype, mesh=mesh)
         tokens = (self.num_pages - 1) * ec.page_size
-        self.kv_cache_bytes = config.kv_bytes_per_token(kv_bytes) * self.num_pages * ec.page_size
-        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d)",
-                 self.num_pages - 1, ec.page_size, tokens, self.kv_cache_bytes / 2**20, config.num_layers,
-                 config.num_kv_heads, config.head_dim)
+        self.kv_cache_bytes = quant.kv_bytes_per_token(config, kv_dtype) * self.num_pages * ec.page_size
+        self.kv_token_gain = quant.kv_token_gain(config, kv_dtype)  # tokens per byte vs bfloat16 pages
+        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d; "
+                 "%s pages: %.2fx the tokens of bfloat16 in the same bytes)", self.num_pages - 1, ec.page_size,
+                 tokens, self.kv_cache_bytes / 2**20, config.num_layers, config.num_kv_heads, config.head_dim,
+                 kv_dtype.name, self.kv_token_gain)
         self._requests: dict[str, _Request] = {}
         self._inflight: _Launched | None = None  # the lookahead's dispatched, uncollected step
         self._rng = np.random.default_rng(ec.seed)
@@ -270,6 +274,9 @@ class LLMEngine:
         out.update(self.runner.compile_stats.as_dict())
         out["step_tokens"] = self.runner.real_tokens
         out["step_padding_tokens"] = self.runner.padded_tokens  # padding waste = padding tokens / step tokens
+        out["kv_cache_dtype"] = self.runner.kv_dtype.name
+        out["kv_cache_tokens"] = (self.num_pages - 1) * self.engine_config.page_size
+        out["kv_cache_token_gain"] = round(self.kv_token_gain, 3)  # tokens per byte vs bfloat16 pages
         return out
 
     # -- the loop -------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from paged_jax.engine import BACKENDS, EngineConfig
+from paged_jax.quant import KV_DTYPE_CHOICES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     g.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily instead of at start-up")
-    g.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default=None, help="KV page dtype (default: model)")
+    g.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
+                   help="KV page dtype (default: model); int8 / fp8_e4m3 store quantized pages with per-token scales")
     g.add_argument("--watermark", type=float, default=0.01, help="fraction of pages admission keeps free")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next (no one-step lookahead)")
