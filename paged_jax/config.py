@@ -16,6 +16,7 @@ from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DTYPES = ("float32", "bfloat16")
+WEIGHT_QUANTIZATIONS = ("int8", "fp8")  # --quantization: weights quantized at load (paged_jax.quant)
 
 
 class ConfigError(ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from paged_jax.engine import BACKENDS, EngineConfig
-from paged_jax.quant import KV_DTYPE_CHOICES
+from paged_jax.quant import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +14,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="HF directory, GGUF file, named model (smollm2-135m-instruct), orbax checkpoint from "
                         "`paged-jax convert`, or config name (random weights)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the model dtype")
+    g.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, default=None,
+                   help="quantize the weights at load: int8 / fp8, per-output-channel scales (paged_jax.quant)")
     g.add_argument("--seed", type=int, default=0, help="random weights and unseeded requests")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
@@ -96,7 +98,8 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     # (the whole model need not fit one chip).
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
     with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else contextlib.nullcontext():
-        config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+        config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed,
+                                               quantization=args.quantization)
     apply_model_text_args(args, tokenizer, ec)
     return make_engine(config, params, tokenizer, ec)
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import quant
 from paged_jax.config import ModelConfig, RopeScaling
 
 Initializer = nn.initializers.Initializer
@@ -80,5 +81,5 @@ class MLP(nn.Module):
         gate = self.param("gate_proj", kernel_init, (h, i), dtype)
         up = self.param("up_proj", kernel_init, (h, i), dtype)
         down = self.param("down_proj", kernel_init, (i, h), dtype)
-        act = jax.nn.silu(x @ gate) * (x @ up)  # [T, I]
-        return act @ down
+        act = jax.nn.silu(quant.dot(x, gate)) * quant.dot(x, up)  # [T, I]
+        return quant.dot(act, down)

@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from paged_jax import quant
 from paged_jax.config import ModelConfig
 from paged_jax.model.attention import AttentionFn, dense_attention
 from paged_jax.model.layers import MLP, RMSNorm, apply_rope, kernel_init, rope_cos_sin, rope_inv_freq
@@ -45,9 +46,9 @@ class Attention(nn.Module):
         wk = self.param("k_proj", kernel_init, (h, hkv, d), dtype)
         wv = self.param("v_proj", kernel_init, (h, hkv, d), dtype)
         wo = self.param("o_proj", kernel_init, (hq, d, h), dtype)
-        q = jnp.einsum("th,hnd->tnd", x, wq)  # [T, Hq, D]
-        k = jnp.einsum("th,hnd->tnd", x, wk)  # [T, Hkv, D]
-        v = jnp.einsum("th,hnd->tnd", x, wv)
+        q = quant.dot(x, wq)  # [T, Hq, D]
+        k = quant.dot(x, wk)  # [T, Hkv, D]
+        v = quant.dot(x, wv)
         if c.attention_bias:
             q = q + self.param("q_bias", nn.initializers.zeros, (hq, d), dtype)
             k = k + self.param("k_bias", nn.initializers.zeros, (hkv, d), dtype)
@@ -55,7 +56,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d ** -0.5)
-        return jnp.einsum("tnd,ndh->th", out, wo), kv_cache
+        return quant.dot(out, wo, 2), kv_cache
 
 
 class DecoderLayer(nn.Module):
@@ -121,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
             w = self.embed_tokens.embedding.T  # [H, V]; XLA folds the transpose into the dot
         else:
             w = self.lm_head
-        return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        return quant.dot(hidden, w, preferred_element_type=jnp.float32)
 
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM"]
