@@ -178,3 +178,21 @@ def scheme_of(params) -> dict | None:
     name = "int8" if found[0].values.dtype == jnp.int8 else "fp8"
     lm_head = isinstance(params.get("params", {}).get("lm_head"), QuantizedWeight)
     return {"quantization": name, "lm_head": lm_head}
+
+
+def weights_key(params) -> tuple[str, bool, bool] | None:
+    """Hashable description of quantized params' tree: (scheme, LM head quantized, native dot); None if float."""
+    scheme = scheme_of(params)
+    if scheme is None:
+        return None
+    native = any(w.native_dot for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+                 if isinstance(w, QuantizedWeight))
+    return scheme["quantization"], scheme["lm_head"], native
+
+
+def abstract_params(param_shapes, key: tuple[str, bool, bool] | None):
+    """The abstract parameter tree of :func:`weights_key` ``key`` built from the float shapes."""
+    if key is None:
+        return param_shapes
+    quantization, lm_head, native = key
+    return from_storable(storable_shapes(param_shapes, quantization, lm_head=lm_head), native)

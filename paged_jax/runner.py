@@ -100,7 +100,7 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 @functools.cache
 def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | None = None,
-                   quantized_kv: bool = False):
+                   quantized_kv: bool = False, weights: tuple[str, bool, bool] | None = None):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
 
@@ -121,7 +121,7 @@ def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | 
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
-    return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh, quantized_kv))
+    return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh, quantized_kv, weights))
 
 
 def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
@@ -227,7 +227,8 @@ class ModelRunner:
                                       self.kv_caches)
         self._rep = None if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
-        self.model, self._forward = step_functions(config, attention_backend, mesh, quantized_kv)
+        self.model, self._forward = step_functions(config, attention_backend, mesh, quantized_kv,
+                                                   quant.weights_key(params))
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
         self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers, quantized_kv)

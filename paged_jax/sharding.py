@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from paged_jax.config import ModelConfig
 from paged_jax.model.init import param_shapes
 from paged_jax.model.partition import param_partition_specs
+from paged_jax.quant import QuantizedWeight, abstract_params
 from pallas_kernels.kv_quant import QuantizedPages
 
 TP = "tp"
@@ -75,13 +76,16 @@ def expand_kv_heads(config: ModelConfig, params: Any, r: int) -> tuple[ModelConf
 
     def leaf(path: tuple[Any, ...], x: Any) -> Any:
         name = str(getattr(path[-1], "key", path[-1]))
+        if name in ("k_proj", "v_proj") and isinstance(x, QuantizedWeight):  # scales [Hkv, D]
+            return x.replace(values=jnp.repeat(x.values, r, axis=1), scale=jnp.repeat(x.scale, r, axis=0))
         if name in ("k_proj", "v_proj"):
             return jnp.repeat(x, r, axis=1)
         if name in ("k_bias", "v_bias"):
             return jnp.repeat(x, r, axis=0)
         return x
 
-    return config.replace(num_kv_heads=config.num_kv_heads * r), jax.tree_util.tree_map_with_path(leaf, params)
+    return config.replace(num_kv_heads=config.num_kv_heads * r), jax.tree_util.tree_map_with_path(
+        leaf, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
@@ -139,7 +143,7 @@ def shard_params(config: ModelConfig, params: Any, mesh: Mesh) -> tuple[ModelCon
     """
     r = kv_replication(config, mesh.size)
     run_config = config.replace(num_kv_heads=config.num_kv_heads * r) if r > 1 else config
-    shardings = param_shardings(run_config, mesh)
+    shardings = param_shardings(run_config, mesh, params)  # the tree of `params` (quantized weights too)
     if r == 1:
         return run_config, jax.device_put(params, shardings)
     expand = jax.jit(lambda p: expand_kv_heads(config, p, r)[1], out_shardings=shardings)
@@ -165,15 +169,19 @@ def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], me
     return sharded
 
 
-def step_shardings(config: ModelConfig, mesh: Mesh, quantized: bool = False) -> dict[str, Any]:
+def step_shardings(config: ModelConfig, mesh: Mesh, quantized: bool = False,
+                   weights: tuple[str, bool, bool] | None = None) -> dict[str, Any]:
     """`jit` keyword arguments pinning the forward step's operands to `mesh`.
 
     forward(params, kv_caches, token_ids, positions, meta, logits_indices): params by their specs, the
     per-layer pages by KV heads, metadata replicated; out: logits replicated, pages as they came in.
+    `quantized`: KV pages with scales; `weights`: `paged_jax.quant.weights_key` of quantized params.
     """
     kv = (kv_cache_sharding(mesh, quantized),) * config.num_layers
     rep = replicated(mesh)
-    return {"in_shardings": (param_shardings(config, mesh), kv, rep, rep, rep, rep), "out_shardings": (rep, kv)}
+    params = abstract_params(param_shapes(config), weights)
+    return {"in_shardings": (param_shardings(config, mesh, params), kv, rep, rep, rep, rep),
+            "out_shardings": (rep, kv)}
 
 
 __all__ = [

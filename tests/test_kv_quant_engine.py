@@ -78,3 +78,44 @@ def test_quantized_kv_close_to_float_kv(tiny_config, tiny_params):
     same = sum(a == b for k in ref for a, b in zip(ref[k][0], q8[k][0], strict=True))
     total = sum(len(v[0]) for v in ref.values())
     assert same / total >= 0.8, same / total
+
+
+_TP_CHILD = """
+import json
+from paged_jax import quant
+from paged_jax.config import load_model_config
+from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.model.init import init_params
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.tokenizer import ByteTokenizer
+config = load_model_config("tiny")
+params = quant.quantize_params(init_params(config, seed=0), "int8")
+out = {}
+for tp in (1, 2):
+    engine = LLMEngine(config, params, ByteTokenizer(), EngineConfig(
+        num_pages=64, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="xla", warmup=False,
+        kv_dtype="int8", tensor_parallel_size=tp))
+    engine.add_request("a", list(range(3, 60)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[tp] = o.outputs[0].token_ids
+print(json.dumps(out))
+"""
+
+
+def test_tensor_parallel_quantized_weights_and_kv():
+    """TP 2 on two host devices (a child process: the device count is fixed at JAX start-up): int8 weights are
+    sharded with their scales, int8 pages with theirs, and the greedy tokens equal TP 1's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    res = subprocess.run([sys.executable, "-c", _TP_CHILD], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["1"] == out["2"] and len(out["1"]) == 8
