@@ -144,3 +144,21 @@ def test_attention_quantization_error_bound(kv_dtype, bound):
     out = np.asarray(ragged_paged_attention(*quant_case.paged_args, sm_scale=0.125, backend="xla"))
     err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
     assert err < bound, err
+
+
+def test_work_model_bytes_of_quantized_pages():
+    """The TPU plan over int8 pages reads each page's values (1 byte per element) and its scale row (8 bytes per
+    slot and head), with the same page count as bfloat16 pages: 264 / 512 of the bytes at head_dim 128."""
+    from pallas_kernels.tpu_plan import item_counts, tpu_work
+    from pallas_kernels.tpu_ragged_paged_attention import tpu_plan_for
+    from pallas_kernels.work_model import with_kv_dtype
+
+    heads, page, d = 8, 16, 128
+    plan = tpu_plan_for((8, 32, d), (1, heads, page, 2 * d), 8, 64, jnp.bfloat16, "v5e")
+    lens, cu = np.array([100, 513, 7, 0, 0, 0, 0, 0]), np.array([0, 1, 2, 3, 3, 3, 3, 3, 3])
+    work = tpu_work(plan, lens, cu, 3)
+    pages = sum(int(c[:, 0].sum()) for c in item_counts(plan, lens, cu, 3))
+    q8 = with_kv_dtype(work, head_dim=d, itemsize=2, kv_dtype=jnp.int8)
+    assert q8.kv_bytes_read == pages * (heads * page * 2 * d + kv_quant.scales_shape(1, heads, page)[1] * 4)
+    assert q8.kv_bytes_read / work.kv_bytes_read == pytest.approx(264 / 512)
+    assert q8.q_bytes == work.q_bytes and q8.issued_flops == work.issued_flops
