@@ -30,11 +30,12 @@ folds in each block. The mask value is finite, probabilities of masked keys are 
 Quantized pages (int8, fp8_e4m3; :mod:`pallas_kernels.kv_quant`): each page's scale row
 (``[2 * num_kv_heads * page_size]`` float32, one scale per token, head and K/V) is DMA'd with the page into a
 ``[pages_per_block, 2 * num_kv_heads * page_size]`` buffer on the same semaphore. Once per block the rows are
-broadcast to the block's key rows (``[kv_block, 2 * num_kv_heads * page_size]``) and the diagonal
-``lane % page_size == key % page_size`` kept, so a masked lane sum gives each (head, K/V) scale as a
-``[kv_block, 1]`` column, the orientation of the keys in the KV buffer. K and V are then dequantized in VMEM
-(values cast exactly to the query dtype, times their column) and the matmuls run as for float pages: HBM
-carries only the quantized values and the scales.
+broadcast to the block's key rows (``[kv_block, 2 * num_kv_heads * page_size]``), the diagonal ``lane %
+page_size == key % page_size`` kept, and one small MXU product with a 0/1 head selector (``sel . diag^T``, the
+q.k^T form, exact at HIGHEST precision) turns them into one ``[1, kv_block]`` lane row per (head, K/V): the
+orientation of the logits' key axis. The values are cast exactly to the query dtype; the K scales multiply
+the logits and the V scales the probabilities (``rows x keys`` multiplications per head, 8 rows in decode,
+instead of ``keys x head_dim`` to dequantize K and V). HBM carries only the quantized values and the scales.
 
 ``stats`` (an SMEM output, ``[2 * num_items]``): pages DMA'd and blocks computed per item, counted where the
 kernel issues them; the work model's tests compare it with :func:`pallas_kernels.tpu_plan.tpu_work`.
@@ -210,26 +211,32 @@ def _kernel(
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         v_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0) < kv_len
-        if quantized:  # [kv_block, 2 * num_kv_heads * page_size]: row r keeps the scales of its own slot
+        if quantized:  # per-key scales as rows: scales_t[2 h + kv] is [1, kv_block], kv_block along lanes
             width = sc_buf.shape[2]
             rows_sc = jnp.broadcast_to(sc_buf[slot][:, None, :], (pages_per_block, page_size, width))
-            rows_sc = rows_sc.reshape(kv_block, width)
+            rows_sc = rows_sc.reshape(kv_block, width)  # key r: its page's scale row
             lane = jax.lax.broadcasted_iota(jnp.int32, (kv_block, width), 1)
             key = jax.lax.broadcasted_iota(jnp.int32, (kv_block, width), 0)
-            diag = jnp.where(lane % page_size == key % page_size, rows_sc, 0.0)
-
-            def dequant(x, hk):  # x [kv_block, head_dim] as stored -> q's dtype, times its scale column
-                col = jnp.sum(jnp.where(lane // page_size == hk, diag, 0.0), axis=1, keepdims=True)
-                return (x.astype(jnp.float32) * col).astype(q_buf.dtype)
+            diag = jnp.where(lane % page_size == key % page_size, rows_sc, 0.0)  # key r: its own slot's scales
+            hk_rows = max(8, 2 * num_kv_heads)
+            sel = (jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 1) // page_size
+                   == jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 0)).astype(jnp.float32)
+            # [hk_rows, kv_block] = sel . diag^T on the MXU (the q.k^T form), exact at HIGHEST for a 0/1 matrix
+            scales_t = jax.lax.dot_general(sel, diag, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                           preferred_element_type=jnp.float32)
+            key_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1) < kv_len
+            scales_t = jnp.where(key_ok, scales_t, 0.0)  # stale slots may hold NaN scales
 
         for h in range(num_kv_heads):
             k = kv_buf[slot, h, :, pl.ds(0, head_dim)]
             v = kv_buf[slot, h, :, pl.ds(head_dim, head_dim)]
-            if quantized:
-                k, v = dequant(k, 2 * h), dequant(v, 2 * h + 1)
+            if quantized:  # int8 / e4m3 values are exact in q's dtype
+                k, v = k.astype(q_buf.dtype), v.astype(q_buf.dtype)
             logits = jax.lax.dot_general(
                 load_q(h), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
+            if quantized:
+                logits = logits * scales_t[2 * h : 2 * h + 1, :]
             logits = jnp.where(mask, apply_soft_cap(logits * sm_scale, soft_cap), MASK_VALUE)
             m_prev, l_prev = m_ref[h], l_ref[h]  # [rows, 128]
             m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
@@ -238,6 +245,8 @@ def _kernel(
             l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = m_next
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
+            if quantized:
+                p = p * scales_t[2 * h + 1 : 2 * h + 2, :]
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv
 
