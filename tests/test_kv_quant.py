@@ -162,3 +162,32 @@ def test_work_model_bytes_of_quantized_pages():
     assert q8.kv_bytes_read == pages * (heads * page * 2 * d + kv_quant.scales_shape(1, heads, page)[1] * 4)
     assert q8.kv_bytes_read / work.kv_bytes_read == pytest.approx(264 / 512)
     assert q8.q_bytes == work.q_bytes and q8.issued_flops == work.issued_flops
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("t,s,blocks", [(64, 64, 64), (16, 8, 2048)])  # one split; split-KV and the combine
+def test_gpu_kernel_lowers_to_triton_with_quantized_pages(kv_dtype, t, s, blocks):
+    """Pallas -> Triton IR for an H200 with int8 / e4m3 pages and their scales (no GPU needed to lower)."""
+    from jax import export
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+
+    h, kvh, d, page = 32, 8, 128, 16
+    sds = jax.ShapeDtypeStruct
+    num_pages = s * blocks + 1
+    args = (
+        sds((t, h, d), jnp.bfloat16),
+        kv_quant.QuantizedPages(sds((num_pages, kvh, page, 2 * d), kv_dtype),
+                                sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32)),
+        sds((s,), jnp.int32),
+        sds((s, blocks), jnp.int32),
+        sds((s + 1,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
+    fn = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5, sliding_window=512))
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+        exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
