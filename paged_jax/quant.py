@@ -11,10 +11,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from paged_jax.config import WEIGHT_QUANTIZATIONS, ModelConfig
+from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS, ModelConfig
 from pallas_kernels import kv_quant
-
-KV_DTYPE_CHOICES = ("float32", "bfloat16", *kv_quant.KV_QUANT_DTYPES)
 
 
 def kv_cache_dtype(name: str | None, model_dtype) -> jnp.dtype:
@@ -37,16 +35,25 @@ def kv_token_gain(config: ModelConfig, kv_dtype) -> float:
 # -- weights ------------------------------------------------------------------------------------------------
 
 _WEIGHT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
-# Weights contracted over their first two axes (o_proj [Hq, D, H]); every other matrix over its first axis.
-_CONTRACT_AXES = {"o_proj": 2}
-_SKIP = ("embedding", "weight")  # embeddings (a gather of T rows: memory, not bandwidth) and RMSNorm weights
+# The matmul weights quantized (the model's fused layout and the import layout), and how many leading axes each
+# contracts: o_proj [Hq, D, H] two, every other one its first. Embeddings (a gather of T rows: memory, not
+# bandwidth), norms, biases, MoE routers and experts (grouped matmuls, not through `dot`) keep their dtype.
+_CONTRACT_AXES = {
+    "qkv_proj": 1,
+    "o_proj": 2,
+    "gate_up_proj": 1,
+    "down_proj": 1,
+    "lm_head": 1,
+    "q_proj": 1,
+    "k_proj": 1,
+    "v_proj": 1,
+    "gate_proj": 1,
+    "up_proj": 1,
+}
 
 
 def _is_matmul_weight(name: str, ndim: int, lm_head: bool) -> bool:
-    """Projection matrices (q/k/v/o, MLP, fused variants, the LM head); not embeddings, norms or biases."""
-    if name in _SKIP or name.endswith("bias") or ndim < 2:
-        return False
-    return lm_head or name != "lm_head"
+    return name in _CONTRACT_AXES and ndim >= 2 and (lm_head or name != "lm_head")
 
 
 @flax.struct.dataclass
@@ -106,7 +113,7 @@ def quantize_params(params, quantization: str | None, *, lm_head: bool = True, n
         name = str(getattr(path[-1], "key", path[-1]))
         if not _is_matmul_weight(name, leaf.ndim, lm_head):
             return leaf
-        return quantize_weight(leaf, _CONTRACT_AXES.get(name, 1), quantization, native)
+        return quantize_weight(leaf, _CONTRACT_AXES[name], quantization, native)
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -136,8 +143,11 @@ def dot(x: jax.Array, w, contract: int = 1, preferred_element_type=None) -> jax.
 
 def to_storable(params):
     """Quantized weights as plain dicts ``{"qvalues", "qscale"}`` (what orbax checkpoints hold)."""
-    return jax.tree.map(lambda w: {"qvalues": w.values, "qscale": w.scale} if isinstance(w, QuantizedWeight) else w,
-                        params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return jax.tree.map(
+        lambda w: {"qvalues": w.values, "qscale": w.scale} if isinstance(w, QuantizedWeight) else w,
+        params,
+        is_leaf=lambda x: isinstance(x, QuantizedWeight),
+    )
 
 
 def from_storable(params, native_dot: bool | None = None):
@@ -162,17 +172,22 @@ def storable_shapes(param_shapes, quantization: str, *, lm_head: bool = True):
         name = str(getattr(path[-1], "key", path[-1]))
         if not _is_matmul_weight(name, len(leaf.shape), lm_head):
             return leaf
-        contract = _CONTRACT_AXES.get(name, 1)
-        return {"qvalues": jax.ShapeDtypeStruct(leaf.shape, dtype),
-                "qscale": jax.ShapeDtypeStruct(leaf.shape[contract:], jnp.float32)}
+        contract = _CONTRACT_AXES[name]
+        return {
+            "qvalues": jax.ShapeDtypeStruct(leaf.shape, dtype),
+            "qscale": jax.ShapeDtypeStruct(leaf.shape[contract:], jnp.float32),
+        }
 
     return jax.tree_util.tree_map_with_path(one, param_shapes)
 
 
 def scheme_of(params) -> dict | None:
     """``{"quantization": "int8" | "fp8", "lm_head": bool}`` of quantized params, None for float params."""
-    found = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-             if isinstance(w, QuantizedWeight)]
+    found = [
+        w
+        for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(w, QuantizedWeight)
+    ]
     if not found:
         return None
     name = "int8" if found[0].values.dtype == jnp.int8 else "fp8"
@@ -185,8 +200,11 @@ def weights_key(params) -> tuple[str, bool, bool] | None:
     scheme = scheme_of(params)
     if scheme is None:
         return None
-    native = any(w.native_dot for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-                 if isinstance(w, QuantizedWeight))
+    native = any(
+        w.native_dot
+        for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(w, QuantizedWeight)
+    )
     return scheme["quantization"], scheme["lm_head"], native
 
 

@@ -1,9 +1,10 @@
 """On-device sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
 
-One row per sequence that samples this step. Everything runs inside one jitted function so only the
-sampled ids (and requested logprobs) come back to the host. Randomness is Gumbel-max with a key
-derived from the request's own seed and its output position, so a seeded request draws the same
-tokens whatever else is in the batch.
+One row per sequence that samples this step. Top-k / top-p / min-p never sort the vocabulary (`filter_mask`
+finds each row's threshold by bisection over float32 values), on every platform. Everything runs inside one
+jitted function so only the sampled ids (and requested logprobs) come back to the host. Randomness is
+Gumbel-max with a key derived from the request's own seed and its output position, so a seeded request draws
+the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.sampling_params import MAX_LOGPROBS
+from pallas_kernels.common import MASK_VALUE as MASK
 
-MASK = -1e30  # finite, so that max - max stays finite
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (as in vLLM): x / t would overflow float32
 
 
@@ -62,6 +63,53 @@ def _apply_penalties(logits: jax.Array, meta: SamplingMeta) -> jax.Array:
     return logits - meta.presence_penalty[:, None] * (out_counts > 0)
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (negative floats have their bits flipped, positives the sign)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def filter_mask(y: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Which tokens top-k, top-p and min-p keep, without sorting: bool [S, V] for scaled logits y [S, V] f32.
+
+    Semantics (vLLM's, over the distribution p = softmax(y)): a token is dropped when `top_k` > 0 and at least
+    `top_k` tokens score higher, when the probability mass of the tokens scoring higher is >= `top_p`
+    (`top_p` >= 1: off), or when p < `min_p` x max(p); the most likely token always survives. The first two
+    are "at least so much above me", so each keeps every token scoring at least some threshold: the smallest
+    value t with fewer than k tokens (and less than top_p mass) above it. t is found by bisection over the
+    2^32 float32 values in order (32 masked reductions over the vocabulary, no sort), so it is exactly the
+    score of the last kept token. Ties at the threshold are all kept (a sort would keep some of them).
+    Rows are bisected one at a time (`lax.map`): a row's scores and probabilities (2 x 4 bytes x V) stay in
+    the core's cache for its 32 passes, where all rows at once would stream [S, V] from memory 32 times
+    (measured on 2 cores, V = 32,000, S = 32: 18 ms CPU against 46 ms; the sort alone took 140 ms).
+    """
+    keys = _order_keys(y)  # [S, V]
+    probs = jax.nn.softmax(y, axis=-1)
+    top = jnp.max(keys, axis=-1)
+    threshold = jax.lax.map(lambda row: _threshold(*row), (keys, probs, top_k, top_p))  # [S]
+    keep = keys >= threshold[:, None]
+    keep &= probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return keep | (keys == top[:, None])  # the most likely token always survives
+
+
+def _threshold(keys: jax.Array, probs: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """One row: the smallest order key t in [min, max] of `keys` [V] with fewer than `top_k` tokens (if > 0)
+    and less than `top_p` probability mass (if < 1) strictly above it."""
+
+    def allowed(t: jax.Array) -> jax.Array:
+        above = keys > t
+        ok_k = (top_k <= 0) | (jnp.sum(above) < top_k)
+        return ok_k & ((top_p >= 1.0) | (jnp.sum(jnp.where(above, probs, 0.0)) < top_p))
+
+    def bisect(_, lo_hi):
+        lo, hi = lo_hi
+        mid = lo + (hi - lo) // 2
+        ok = allowed(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, bisect, (jnp.min(keys), jnp.max(keys)))[1]
+
+
 def _row_keys(meta: SamplingMeta) -> jax.Array:
     def one(seed: jax.Array, step: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
@@ -90,17 +138,8 @@ def sample(logits: jax.Array, meta: SamplingMeta, *, do_sample: bool, do_filter:
         y = (x / temp[:, None]).at[rows, suppress].set(MASK, mode="drop")
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(_row_keys(meta))
         if do_filter:
-            order = jnp.argsort(-y, axis=-1)  # [S, V] descending
-            vals = jnp.take_along_axis(y, order, axis=-1)
-            probs = jax.nn.softmax(vals, axis=-1)
-            rank = jnp.arange(vocab)[None, :]
-            drop = (meta.top_k[:, None] > 0) & (rank >= meta.top_k[:, None])
-            drop |= (jnp.cumsum(probs, axis=-1) - probs) >= meta.top_p[:, None]
-            drop |= probs < meta.min_p[:, None] * probs[:, :1]
-            drop &= rank > 0  # the most likely token always survives
-            noisy = jnp.where(drop, MASK, vals + jnp.take_along_axis(gumbel, order, axis=-1))
-            choice = jnp.argmax(noisy, axis=-1)
-            sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+            keep = filter_mask(y, meta.top_k, meta.top_p, meta.min_p)
+            sampled = jnp.argmax(jnp.where(keep, y + gumbel, MASK), axis=-1)
         else:
             sampled = jnp.argmax(y + gumbel, axis=-1)
         tokens = jnp.where(hot, sampled.astype(jnp.int32), tokens)

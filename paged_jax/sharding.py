@@ -10,8 +10,9 @@ operands: XLA inserts the all-reduce after o_proj and down_proj and the all-gath
 logits (the step returns them replicated, so the sampler runs unchanged on every chip of the group).
 
 KV-head replication: when TP exceeds the KV head count (Llama-3-70B on 16 chips, or 2 KV heads on 4 chips),
-`expand_kv_heads` repeats every KV head `r = tp // Hkv` times, in the k/v projection weights and biases
-(new head j is old head j // r), and the model runs as if it had `Hkv * r` KV heads. Query head h reads
+`expand_kv_heads` repeats every KV head `r = tp // Hkv` times, in the fused q/k/v projection weights and
+biases (new KV head j is old head j // r, and it takes the G / r of old head j's query heads that read it),
+and the model runs as if it had `Hkv * r` KV heads. Query head h reads
 KV head h // (Hq / (Hkv * r)), which is old head h // (Hq / Hkv): the same function, exactly. Each chip then
 projects and stores its own copy of one KV head, so no KV ever crosses chips; the price is r copies of KV
 memory over the group (per chip it is the same as with one real head per chip).
@@ -29,15 +30,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from paged_jax.config import ModelConfig
+from paged_jax.model.fuse import expand_fused_kv_heads
 from paged_jax.model.init import param_shapes
 from paged_jax.model.partition import param_partition_specs
-from paged_jax.quant import QuantizedWeight, abstract_params
+from paged_jax.quant import abstract_params
 from pallas_kernels.kv_quant import QuantizedPages
 
 TP = "tp"
@@ -66,26 +67,15 @@ def kv_replication(config: ModelConfig, tp: int) -> int:
 
 
 def expand_kv_heads(config: ModelConfig, params: Any, r: int) -> tuple[ModelConfig, Any]:
-    """Repeat every KV head `r` times: k/v_proj [H, Hkv, D] -> [H, Hkv * r, D] (biases [Hkv, D] likewise).
+    """Repeat every KV head `r` times: the fused qkv_proj [H, Hkv, G + 2, D] -> [H, Hkv * r, G / r + 2, D]
+    (`paged_jax.model.fuse.expand_fused_kv_heads`; biases likewise).
 
     Returns the config with `num_kv_heads * r` and the new parameter tree (other leaves are shared, not
     copied). Works on concrete arrays and inside `jit`. The model's outputs are unchanged (module docstring).
     """
     if r == 1:
         return config, params
-
-    def leaf(path: tuple[Any, ...], x: Any) -> Any:
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name in ("k_proj", "v_proj") and isinstance(x, QuantizedWeight):  # scales [Hkv, D]
-            return x.replace(values=jnp.repeat(x.values, r, axis=1), scale=jnp.repeat(x.scale, r, axis=0))
-        if name in ("k_proj", "v_proj"):
-            return jnp.repeat(x, r, axis=1)
-        if name in ("k_bias", "v_bias"):
-            return jnp.repeat(x, r, axis=0)
-        return x
-
-    return config.replace(num_kv_heads=config.num_kv_heads * r), jax.tree_util.tree_map_with_path(
-        leaf, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return config.replace(num_kv_heads=config.num_kv_heads * r), expand_fused_kv_heads(params, r)
 
 
 def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
@@ -160,8 +150,8 @@ def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], me
     if mesh.size == 1:
         return attention_fn
 
-    def sharded(q, k, v, kv_pages, meta, *, sm_scale: float):
-        body = functools.partial(attention_fn, sm_scale=sm_scale)
+    def sharded(q, k, v, kv_pages, meta, *, sm_scale: float, **layer_options):
+        body = functools.partial(attention_fn, sm_scale=sm_scale, **layer_options)  # per-layer window and cap
         kv = kv_cache_spec(quantized)
         return jax.shard_map(body, mesh=mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, kv, P()),
                              out_specs=(HEADS_SPEC, kv), check_vma=False)(q, k, v, kv_pages, meta)

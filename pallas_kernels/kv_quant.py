@@ -89,8 +89,9 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return y.astype(dtype), scale.astype(SCALE_DTYPE)
 
 
-def allocate(num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype, device=None,
-             scales_device=None) -> QuantizedPages:
+def allocate(
+    num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype, device=None, scales_device=None
+) -> QuantizedPages:
     """Zero pages and unit scales for one layer."""
     from pallas_kernels.common import kv_pages_shape
 

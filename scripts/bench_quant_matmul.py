@@ -33,8 +33,9 @@ def main() -> int:
     native = quant.quantize_weight(w, 1, "int8", native_dot=True)
     dot = jax.jit(quant.dot)
     print(f"[T, {args.k}] x [{args.k}, {args.n}], median of {args.rounds}, load {os.getloadavg()[0]:.1f}")
-    print(f"{'dtype':<10}{'T':>6}{'float ms':>10}{'cast ms':>10}{'int8 dot ms':>12}{'cast/float':>11}"
-          f"{'int8/float':>11}")
+    print(
+        f"{'dtype':<10}{'T':>6}{'float ms':>10}{'cast ms':>10}{'int8 dot ms':>12}{'cast/float':>11}{'int8/float':>11}"
+    )
     for dtype in args.dtypes:
         for t in args.tokens:
             x = jax.random.normal(jax.random.key(1), (t, args.k)).astype(dtype)
@@ -48,8 +49,11 @@ def main() -> int:
                     jax.block_until_ready(dot(*a))
                     times[name].append(time.perf_counter() - t0)
             med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
-            print(f"{dtype:<10}{t:>6}{med['float']:>10.2f}{med['cast']:>10.2f}{med['native']:>12.2f}"
-                  f"{med['cast'] / med['float']:>10.2f}x{med['native'] / med['float']:>10.2f}x", flush=True)
+            print(
+                f"{dtype:<10}{t:>6}{med['float']:>10.2f}{med['cast']:>10.2f}{med['native']:>12.2f}"
+                f"{med['cast'] / med['float']:>10.2f}x{med['native'] / med['float']:>10.2f}x",
+                flush=True,
+            )
     return 0
 
 

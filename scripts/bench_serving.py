@@ -70,7 +70,7 @@ def run_offline(engine: LLMEngine, workload, baseline: bool) -> dict:
             gen += len(out.outputs[0].new_token_ids)
         running = engine.scheduler.running
         if running:
-            live = sum(s.num_computed for s in running)
+            live = sum(engine.kv.num_computed_tokens(s.seq_id) for s in running)
             slots = len(running) * engine.max_model_len if baseline else engine.kv.stats().pages_in_use * \
                 engine.engine_config.page_size
             util.append(live / max(slots, 1))
@@ -171,6 +171,7 @@ def bench_lookahead(args) -> None:
 
 # -- 3. peers -------------------------------------------------------------------------------------------------
 PEERS = ROOT.parent / "shared" / "peers"
+PEER_KV_GIB = 4  # every engine's KV budget in this section
 RATE = re.compile(r"([\d.]+) generated tok/s")
 
 
@@ -179,8 +180,10 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
     from paged_jax import LLM
 
     prompts = json.load(open(prompts_path))
-    llm = LLM(model_dir, dtype=dtype, max_model_len=512, max_num_seqs=len(prompts),
-              max_num_batched_tokens=1024, num_pages=len(prompts) * 17 + 1)
+    # The KV budget vLLM-CPU gets (VLLM_CPU_KVCACHE_SPACE=4) and its max_model_len (bench_vllm.py); paged-jax
+    # caps the budget at what max_num_seqs x max_model_len can hold (paged_jax.kv_budget).
+    llm = LLM(model_dir, dtype=dtype, max_model_len=2048, max_num_seqs=len(prompts), max_num_batched_tokens=1024,
+              cpu_kv_cache_bytes=PEER_KV_GIB * 2**30)
     sp = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(reqs[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -244,7 +247,7 @@ def bench_peers_on(args, peer_model: str) -> None:
         subprocess.run([hf_py, PEERS / "make_model.py", model], check=True, env=env311, capture_output=True)
     if not prompts.exists():
         subprocess.run([hf_py, PEERS / "make_prompts.py", prompts], check=True, env=env311, capture_output=True)
-    vllm_env = env311 | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    vllm_env = env311 | {"VLLM_CPU_KVCACHE_SPACE": str(PEER_KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                            str(peer_dir / "vllm" / "lib" / "libiomp5.so")) if Path(p).exists()]

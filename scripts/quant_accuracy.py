@@ -77,7 +77,7 @@ def measure(model_dir: str, window: int, chunks: int, modes: list[str]) -> list[
     need = window * chunks + 1
     if len(ids) < need:
         raise SystemExit(f"{TEXT_FILE}: {len(ids)} tokens, need {need}")
-    windows = [np.asarray(ids[i * window: (i + 1) * window + 1], np.int32) for i in range(chunks)]
+    windows = [np.asarray(ids[i * window : (i + 1) * window + 1], np.int32) for i in range(chunks)]
     ref_fn = log_probs_fn(config, None)
     refs = [ref_fn(params, jnp.asarray(w[:-1])) for w in windows]
     rows = [_row("float", refs, refs, windows)]
@@ -101,8 +101,15 @@ def _row(mode, refs, outs, windows) -> dict:
         agree += int(np.sum(np.argmax(logits, -1) == np.argmax(ref_logits, -1)))
         nll_sum += -float(np.sum(lp[np.arange(len(w) - 1), w[1:]]))
         n += len(w) - 1
-    return {"mode": mode, "positions": n, "max_logit_err": max_err, "max_logit_err_rel": rel_err,
-            "mean_kl": kl_sum / n, "top1": agree / n, "ppl": float(np.exp(nll_sum / n))}
+    return {
+        "mode": mode,
+        "positions": n,
+        "max_logit_err": max_err,
+        "max_logit_err_rel": rel_err,
+        "mean_kl": kl_sum / n,
+        "top1": agree / n,
+        "ppl": float(np.exp(nll_sum / n)),
+    }
 
 
 def main() -> int:
@@ -117,9 +124,12 @@ def main() -> int:
     for model in args.models:
         start = time.perf_counter()
         for r in measure(model, args.window, args.chunks, args.modes):
-            print(f"| {os.path.basename(model.rstrip('/'))} | {r['mode']} | {r['positions']} | "
-                  f"{r['max_logit_err']:.4f} ({100 * r['max_logit_err_rel']:.2f}%) | {r['mean_kl']:.2e} | "
-                  f"{100 * r['top1']:.2f}% | {r['ppl']:.3f} |", flush=True)
+            print(
+                f"| {os.path.basename(model.rstrip('/'))} | {r['mode']} | {r['positions']} | "
+                f"{r['max_logit_err']:.4f} ({100 * r['max_logit_err_rel']:.2f}%) | {r['mean_kl']:.2e} | "
+                f"{100 * r['top1']:.2f}% | {r['ppl']:.3f} |",
+                flush=True,
+            )
         print(f"<!-- {model}: {time.perf_counter() - start:.0f} s -->", flush=True)
     return 0
 

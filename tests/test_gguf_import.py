@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from paged_jax.model.fuse import split_qkv
 from paged_jax.model.gguf_file import GGUFError, GGUFFile, is_gguf
 from paged_jax.model.gguf_import import config_from_gguf, hf_tensor_name, load_gguf, unpermute_qk
 from paged_jax.model.weights import load_model
@@ -228,7 +229,8 @@ def test_quantized_model_loads_with_its_dequantized_values(tmp_path):
     raw = {t.name: t for t in g.tensors()}
     q = ref_q4_1(np.asarray(raw["blk.0.attn_q.weight"].raw).reshape(-1, 20)).reshape(64, 64)
     want = unpermute_qk(q, config.num_heads).T.reshape(64, 8, 8)
-    np.testing.assert_array_equal(np.asarray(params["params"]["layers_0"]["self_attn"]["q_proj"]), want)
+    q_proj, _, _ = split_qkv(params["params"]["layers_0"]["self_attn"]["qkv_proj"])  # fused at load
+    np.testing.assert_array_equal(np.asarray(q_proj), want)
 
 
 # -- errors --------------------------------------------------------------------------------------------

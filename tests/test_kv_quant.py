@@ -75,8 +75,9 @@ def test_copy_pages_copies_scales(dtype):
     cache = kv_quant.quantize_pages(pages, dtype)
     out = copy_pages(cache, jnp.array([1, 3, 0], jnp.int32), jnp.array([4, 2, 0], jnp.int32))
     for src, dst in ((1, 4), (3, 2)):
-        np.testing.assert_array_equal(np.asarray(out.pages[dst].astype(jnp.float32)),
-                                      np.asarray(cache.pages[src].astype(jnp.float32)))
+        np.testing.assert_array_equal(
+            np.asarray(out.pages[dst].astype(jnp.float32)), np.asarray(cache.pages[src].astype(jnp.float32))
+        )
         np.testing.assert_array_equal(np.asarray(out.scales[dst]), np.asarray(cache.scales[src]))
     np.testing.assert_array_equal(np.asarray(out.scales[1]), np.asarray(cache.scales[1]))
 
@@ -125,10 +126,23 @@ def test_xla_backend_quantized(kv_dtype, dtype, window, cap):
 def test_pallas_backends_quantized(backend, kv_dtype, dtype, window, cap):
     """Both Pallas kernels in interpret mode, small blocks so items and KV blocks straddle pages and sequences
     (the GPU one with split-KV), head_dim 128, GQA 2."""
-    case = make_case(2, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=128,
-                     page_size=8, dtype=dtype, kv_dtype=kv_dtype)
-    kernel = (_tpu(tokens_per_item=4, pages_per_block=2) if backend == "tpu"
-              else _gpu(q_block=4, pages_per_block=2, num_splits=2))
+    case = make_case(
+        2,
+        MIXED,
+        num_tokens=64,
+        max_seqs=8,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=8,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    kernel = (
+        _tpu(tokens_per_item=4, pages_per_block=2)
+        if backend == "tpu"
+        else _gpu(q_block=4, pages_per_block=2, num_splits=2)
+    )
     check_case(case, kernel, dtype, sliding_window=window, soft_cap=cap)
 
 
@@ -178,8 +192,9 @@ def test_gpu_kernel_lowers_to_triton_with_quantized_pages(kv_dtype, t, s, blocks
     num_pages = s * blocks + 1
     args = (
         sds((t, h, d), jnp.bfloat16),
-        kv_quant.QuantizedPages(sds((num_pages, kvh, page, 2 * d), kv_dtype),
-                                sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32)),
+        kv_quant.QuantizedPages(
+            sds((num_pages, kvh, page, 2 * d), kv_dtype), sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32)
+        ),
         sds((s,), jnp.int32),
         sds((s, blocks), jnp.int32),
         sds((s + 1,), jnp.int32),
@@ -188,6 +203,7 @@ def test_gpu_kernel_lowers_to_triton_with_quantized_pages(kv_dtype, t, s, blocks
     fn = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5, sliding_window=512))
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
-        exported = export.export(fn, platforms=["cuda"], disabled_checks=[
-            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+        exported = export.export(
+            fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        )(*args)
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()

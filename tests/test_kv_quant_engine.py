@@ -14,8 +14,13 @@ from pallas_kernels.kv_quant import QuantizedPages
 
 
 def make_engine(config, params, **options) -> LLMEngine:
-    options = {"num_pages": 96, "max_num_seqs": 8, "max_num_batched_tokens": 64, "attention_backend": "xla",
-               "warmup": False} | options
+    options = {
+        "num_pages": 96,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "attention_backend": "xla",
+        "warmup": False,
+    } | options
     return LLMEngine(config, params, ByteTokenizer(), EngineConfig(**options))
 
 
@@ -45,9 +50,9 @@ def test_quantized_cache_allocation_and_stats(tiny_config, tiny_params, kv_dtype
     assert isinstance(cache, QuantizedPages) and cache.pages.dtype.itemsize == 1
     stats = engine.stats()
     d = tiny_config.head_dim
-    assert stats["kv_cache_dtype"] in ("int8", "float8_e4m3fn")
-    assert stats["kv_cache_token_gain"] == pytest.approx(4 * d / (2 * d + 8), abs=1e-3)  # bf16 vs int8 + scales
-    assert stats["kv_cache_tokens"] == 95 * engine.engine_config.page_size
+    assert engine.runner.kv_dtype.name in ("int8", "float8_e4m3fn")
+    assert stats.kv_cache_token_gain == pytest.approx(4 * d / (2 * d + 8), abs=1e-3)  # bf16 vs int8 + scales
+    assert stats.kv_cache_tokens == 95 * engine.engine_config.page_size
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
@@ -62,8 +67,11 @@ def test_prefix_caching_and_forks_keep_scales(tiny_config, tiny_params, kv_dtype
     cached = run(engine, ps, greedy)
     assert engine.kv.stats().prefix_hits > 0
     assert cached == fresh
-    forks = run(make_engine(tiny_config, tiny_params, kv_dtype=kv_dtype), ps[:2],
-                SamplingParams(n=3, temperature=0.0, max_tokens=10, ignore_eos=True))
+    forks = run(
+        make_engine(tiny_config, tiny_params, kv_dtype=kv_dtype),
+        ps[:2],
+        SamplingParams(n=3, temperature=0.0, max_tokens=10, ignore_eos=True),
+    )
     for i in range(2):
         assert forks[f"r{i}"] == [fresh[f"r{i}"][0]] * 3
 
@@ -112,10 +120,14 @@ def test_tensor_parallel_quantized_weights_and_kv():
     import subprocess
     import sys
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
-    res = subprocess.run([sys.executable, "-c", _TP_CHILD], env=env, capture_output=True, text=True, timeout=600,
-                         check=False)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", _TP_CHILD], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["1"] == out["2"] and len(out["1"]) == 8

@@ -28,7 +28,7 @@ def test_init_is_deterministic_in_seed(tiny_config):
     assert not np.array_equal(a["params"]["lm_head"], c["params"]["lm_head"])
     assert count_params(a) == tiny_config.num_params()
     assert param_bytes(a) == 4 * tiny_config.num_params()
-    w = np.asarray(a["params"]["layers_0"]["mlp"]["up_proj"])
+    w = np.asarray(a["params"]["layers_0"]["mlp"]["gate_up_proj"])
     assert abs(w.std() - 0.02) < 1e-3 and abs(w.mean()) < 1e-3
     np.testing.assert_array_equal(a["params"]["norm"]["weight"], 1.0)
 
@@ -42,9 +42,9 @@ def test_forward_shapes_and_cache_passthrough(tiny_config, tiny_params):
 def test_attention_fn_gets_each_layer_cache(tiny_config, tiny_params):
     seen = []
 
-    def counting_attention(q, k, v, kv_cache, meta, *, sm_scale):
+    def counting_attention(q, k, v, kv_cache, meta, *, sm_scale, **layer_options):
         seen.append(kv_cache)
-        out, _ = dense_attention(q, k, v, None, meta, sm_scale=sm_scale)
+        out, _ = dense_attention(q, k, v, None, meta, sm_scale=sm_scale, **layer_options)
         return out, kv_cache + 100
 
     model = LlamaForCausalLM(tiny_config, attention_fn=counting_attention)

@@ -20,8 +20,15 @@ from serve.server import ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello, my name is", "Once upon a time, in a land far away, there"]
-OPTIONS = dict(num_pages=256, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="xla",
-               max_model_len=512, kv_dtype="int8", warmup=False)
+OPTIONS = dict(
+    num_pages=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    attention_backend="xla",
+    max_model_len=512,
+    kv_dtype="int8",
+    warmup=False,
+)
 
 
 def offline(prompt: str, max_tokens: int) -> list[int]:
@@ -36,15 +43,39 @@ def offline(prompt: str, max_tokens: int) -> list[int]:
 
 
 def test_batch_cli_with_quantization(tmp_path):
-    lines = [json.dumps({"id": f"q{i}", "prompt": p, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
-             for i, p in enumerate(PROMPTS)]
+    lines = [
+        json.dumps({"id": f"q{i}", "prompt": p, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+        for i, p in enumerate(PROMPTS)
+    ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    cmd = [sys.executable, "-m", "paged_jax.batch", "--input", str(tmp_path / "in.jsonl"), "--output",
-           str(tmp_path / "out.jsonl"), "--no-progress", "--no-warmup", "--num-pages", "256", "--max-num-seqs", "4",
-           "--max-num-batched-tokens", "64", "--attention-backend", "xla", "--max-model-len", "512",
-           "--quantization", "int8", "--kv-dtype", "int8"]
-    res = subprocess.run(cmd, cwd=ROOT, env=os.environ | {"JAX_PLATFORMS": "cpu"}, capture_output=True, timeout=600,
-                         check=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "paged_jax.batch",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--no-progress",
+        "--no-warmup",
+        "--num-pages",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "64",
+        "--attention-backend",
+        "xla",
+        "--max-model-len",
+        "512",
+        "--quantization",
+        "int8",
+        "--kv-dtype",
+        "int8",
+    ]
+    res = subprocess.run(
+        cmd, cwd=ROOT, env=os.environ | {"JAX_PLATFORMS": "cpu"}, capture_output=True, timeout=600, check=False
+    )
     assert res.returncode == 0, res.stderr.decode()[-2000:]
     out = {r["id"]: r["token_ids"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert out == {f"q{i}": offline(p, 8) for i, p in enumerate(PROMPTS)}

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from paged_jax import quant
-from paged_jax.cli import main
 from paged_jax.llm import LLM
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.weights import load_model
 from paged_jax.sampling_params import SamplingParams
+from serve.main import main
 
 GQA = Path(__file__).parent / "data" / "hf_gqa"
 
@@ -25,8 +25,9 @@ def dequant(w: quant.QuantizedWeight) -> np.ndarray:
     return np.asarray(w.values.astype(jnp.float32) * w.scale)
 
 
-@pytest.mark.parametrize("name,shape,contract", [("q_proj", (64, 4, 16), 1), ("o_proj", (4, 16, 64), 2),
-                                                 ("gate_proj", (64, 96), 1)])
+@pytest.mark.parametrize(
+    "name,shape,contract", [("q_proj", (64, 4, 16), 1), ("o_proj", (4, 16, 64), 2), ("gate_proj", (64, 96), 1)]
+)
 def test_per_channel_scales_and_rounding(name, shape, contract):
     w = jax.random.normal(jax.random.key(0), shape) * jnp.exp(jax.random.normal(jax.random.key(1), shape[contract:]))
     q = quant.quantize_params({"params": {name: w}}, "int8", native_dot=False)["params"][name]
@@ -39,8 +40,14 @@ def test_per_channel_scales_and_rounding(name, shape, contract):
 
 
 def test_skips_embeddings_norms_biases_and_optionally_lm_head():
-    params = {"params": {"embed_tokens": {"embedding": jnp.ones((10, 4))}, "norm": {"weight": jnp.ones(4)},
-                         "q_bias": jnp.ones((2, 2)), "lm_head": jnp.ones((4, 10))}}
+    params = {
+        "params": {
+            "embed_tokens": {"embedding": jnp.ones((10, 4))},
+            "norm": {"weight": jnp.ones(4)},
+            "q_bias": jnp.ones((2, 2)),
+            "lm_head": jnp.ones((4, 10)),
+        }
+    }
     q = quant.quantize_params(params, "int8")["params"]
     assert q["embed_tokens"]["embedding"].dtype == jnp.float32 and q["norm"]["weight"].dtype == jnp.float32
     assert isinstance(q["lm_head"], quant.QuantizedWeight)
@@ -54,8 +61,9 @@ def test_skips_embeddings_norms_biases_and_optionally_lm_head():
 def test_dot_plain_converted_and_native():
     x = jax.random.normal(jax.random.key(2), (16, 4, 32))
     w = jax.random.normal(jax.random.key(3), (4, 32, 48))
-    np.testing.assert_allclose(np.asarray(quant.dot(x, w, 2)), np.asarray(jnp.einsum("tnd,ndh->th", x, w)),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(quant.dot(x, w, 2)), np.asarray(jnp.einsum("tnd,ndh->th", x, w)), rtol=1e-5, atol=1e-4
+    )
     cast = quant.quantize_weight(w, 2, "int8", native_dot=False)
     exact = np.einsum("tnd,ndh->th", np.asarray(x, np.float64), dequant(cast).astype(np.float64))
     np.testing.assert_allclose(np.asarray(quant.dot(x, cast, 2)), exact, rtol=1e-4, atol=1e-4)
@@ -68,8 +76,9 @@ def test_dot_plain_converted_and_native():
         quant.dot(x, native, 1)
 
 
-@pytest.mark.parametrize("quantization,native,bound", [("int8", False, 0.03), ("int8", True, 0.05),
-                                                        ("fp8", False, 0.15)])
+@pytest.mark.parametrize(
+    "quantization,native,bound", [("int8", False, 0.03), ("int8", True, 0.05), ("fp8", False, 0.15)]
+)
 def test_model_logits_close(tiny_config, tiny_params, quantization, native, bound):
     """Logits of the random tiny model over 64 positions, quantized vs float, relative to the largest logit.
     Measured: int8 weight-only 0.94%, int8 with int8 activations 1.6%, fp8 6.3%; bounds about 2-3x that."""
@@ -103,9 +112,18 @@ def test_convert_quantized_checkpoint_roundtrip(tmp_path, capsys):
 
 
 def test_llm_generates_with_quantized_weights_and_kv():
-    llm = LLM("tiny", quantization="int8", kv_dtype="int8", num_pages=64, max_num_seqs=4,
-              max_num_batched_tokens=64, attention_backend="xla", warmup=False)
+    llm = LLM(
+        "tiny",
+        quantization="int8",
+        kv_dtype="int8",
+        num_pages=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        attention_backend="xla",
+        warmup=False,
+    )
     assert isinstance(llm.engine.runner.params["params"]["layers_0"]["mlp"]["down_proj"], quant.QuantizedWeight)
-    outs = llm.generate(["hello", "paged"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        ["hello", "paged"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]

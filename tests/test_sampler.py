@@ -139,3 +139,59 @@ def test_values_are_validated_in_float32(field):
     with pytest.raises(ValueError, match=f"^{field}: .*float32"):
         SamplingParams(**{field: 1e300}).validate()
     SamplingParams(temperature=3e38).validate()
+
+
+def sort_reference_drop(y: jax.Array, top_k, top_p, min_p) -> np.ndarray:
+    """The sort-based filter the sampler used before (vLLM's definition): bool [S, V], True = dropped."""
+    vocab = y.shape[1]
+    order = jnp.argsort(-y, axis=-1)
+    vals = jnp.take_along_axis(y, order, axis=-1)
+    probs = jax.nn.softmax(vals, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    drop |= ((jnp.cumsum(probs, axis=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop &= rank > 0
+    out = np.zeros(y.shape, bool)
+    np.put_along_axis(out, np.asarray(order), np.asarray(drop), axis=-1)
+    return out
+
+
+@pytest.mark.parametrize("vocab,scale", [(1000, 3.0), (49152, 8.0), (300, 0.01)])
+def test_sort_free_filter_equals_the_sort_based_reference(vocab, scale):
+    """`filter_mask` (bisection over float32 thresholds) keeps exactly the tokens the sort-based filter keeps,
+    on random logits with every combination of top-k, top-p and min-p, off values included."""
+    from paged_jax.sampler import filter_mask
+
+    rows = 48
+    rng = np.random.default_rng(vocab)
+    y = jnp.asarray(rng.standard_normal((rows, vocab)) * scale, jnp.float32)
+    top_k = jnp.asarray(rng.choice([0, 1, 2, 7, 50, vocab - 1, vocab], rows), jnp.int32)
+    top_p = jnp.asarray(rng.choice([1.0, 0.99, 0.9, 0.5, 0.1, 1e-6], rows), jnp.float32)
+    min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.01, 0.3], rows), jnp.float32)
+    keep = np.asarray(jax.jit(filter_mask)(y, top_k, top_p, min_p))
+    want = ~sort_reference_drop(y, top_k, top_p, min_p)
+    np.testing.assert_array_equal(keep, want)
+    kept = keep.sum(-1)
+    assert kept.min() >= 1 and kept.max() > 50 and (kept == 1).any()  # the cases are not all trivial
+
+
+def test_filtered_draws_equal_the_sort_based_sampler(logits):
+    """Whole draws: the sampler's tokens equal Gumbel-max over the reference's kept set, row by row."""
+    big = np.asarray(jax.random.normal(jax.random.key(3), (16, 512)) * 2, np.float32)
+    m = meta(16, temperature=0.7)
+    m["top_k"][:] = [0, 5, 40, 0] * 4
+    m["top_p"][:] = [0.8, 1.0, 0.95, 0.3] * 4
+    m["min_p"][:] = [0.0, 0.0, 0.02, 0.0] * 4
+    m["seed"][:, 0] = np.arange(16)
+    got = draw(big, m, steps=8, do_filter=True)
+    from paged_jax.sampler import _row_keys
+
+    y = jnp.asarray(big) / 0.7
+    drop = sort_reference_drop(y, jnp.asarray(m["top_k"]), jnp.asarray(m["top_p"]), jnp.asarray(m["min_p"]))
+    for step in range(8):
+        m["step"][:] = step
+        keys = _row_keys(SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()}))
+        gumbel = np.asarray(jax.vmap(lambda k: jax.random.gumbel(k, (512,), jnp.float32))(keys))
+        want = np.argmax(np.where(drop, -1e30, np.asarray(y) + gumbel), axis=-1)
+        np.testing.assert_array_equal(got[step], want)

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from paged_jax.config import load_model_config
+from paged_jax.model.fuse import fuse_params, unfuse_params
 from paged_jax.model.hf_import import WeightsError, load_hf_params
 from paged_jax.model.init import init_params
 from paged_jax.model.weights import load_checkpoint, load_model, param_partition_specs, save_checkpoint
@@ -93,6 +94,36 @@ def test_orbax_round_trip(tmp_path, tiny_config):
     assert tokenizer.encode("a", add_special_tokens=False) == [3 + 97]
 
 
+def test_checkpoint_written_before_the_fusion_loads_fused_and_exact(tmp_path, tiny_config):
+    config = tiny_config.replace(attention_bias=True)
+    params = init_params(config, seed=6)
+    save_checkpoint(tmp_path / "old", config, unfuse_params(params))  # one kernel per projection
+    _, restored = load_checkpoint(tmp_path / "old")
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(params)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fused_layout_groups_queries_with_their_kv_head(tiny_config):
+    """qkv_proj[:, j] holds the query heads that read KV head j, then K and V of head j (HF's repeat_kv
+    pairing), so a TP split of axis 1 keeps whole groups; fuse/unfuse are exact inverses."""
+    config = tiny_config.replace(attention_bias=True)
+    fused = init_params(config, seed=7)
+    flat = unfuse_params(fused)
+    attn, g = flat["params"]["layers_1"]["self_attn"], config.num_heads // config.num_kv_heads
+    qkv = np.asarray(fused["params"]["layers_1"]["self_attn"]["qkv_proj"])
+    for j in range(config.num_kv_heads):
+        np.testing.assert_array_equal(qkv[:, j, :g], np.asarray(attn["q_proj"])[:, j * g:(j + 1) * g])
+        np.testing.assert_array_equal(qkv[:, j, g], np.asarray(attn["k_proj"])[:, j])
+        np.testing.assert_array_equal(qkv[:, j, g + 1], np.asarray(attn["v_proj"])[:, j])
+    gate_up = np.asarray(fused["params"]["layers_1"]["mlp"]["gate_up_proj"])
+    np.testing.assert_array_equal(gate_up[:, 0], np.asarray(flat["params"]["layers_1"]["mlp"]["gate_proj"]))
+    np.testing.assert_array_equal(gate_up[:, 1], np.asarray(flat["params"]["layers_1"]["mlp"]["up_proj"]))
+    again = fuse_params(config, flat)
+    for a, b in zip(jax.tree_util.tree_leaves(fused), jax.tree_util.tree_leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_partition_specs_match_params(tiny_config):
     config = tiny_config.replace(attention_bias=True)
     params = init_params(config, 0)
@@ -100,7 +131,9 @@ def test_partition_specs_match_params(tiny_config):
     assert jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P)) == \
         jax.tree_util.tree_structure(params)
     layer = specs["params"]["layers_0"]
-    assert layer["self_attn"]["k_proj"] == P(None, "tp", None)
+    assert layer["self_attn"]["qkv_proj"] == P(None, "tp", None, None)  # whole KV-head groups per shard
+    assert layer["self_attn"]["qkv_bias"] == P("tp", None, None)
+    assert layer["mlp"]["gate_up_proj"] == P(None, None, "tp")
     assert layer["self_attn"]["o_proj"] == P("tp", None, None)
     assert layer["mlp"]["down_proj"] == P("tp", None) and layer["input_layernorm"]["weight"] == P()
     assert specs["params"]["embed_tokens"]["embedding"] == P("tp", None)

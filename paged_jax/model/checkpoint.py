@@ -1,7 +1,10 @@
 """Orbax checkpoints: the parameter tree under `params/`, the model config as JSON beside it.
 
+The tree is the model's own (fused q/k/v and gate/up, `paged_jax.model.fuse`), saved and restored exactly;
+a checkpoint written before the fusion (one kernel per projection) is restored in that layout and fused.
 Quantized weights (`paged_jax.quant`) are stored as `{"qvalues", "qscale"}` pairs, with `quantization.json`
-naming the scheme, so a checkpoint written by `paged-jax convert --quantization int8` loads quantized."""
+naming the scheme, so a checkpoint written by `paged-jax convert --quantization int8` loads quantized.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import jax
 
 from paged_jax.config import ModelConfig, _from_dict
 from paged_jax.model.budget import check_fits
+from paged_jax.model.fuse import fuse_params, import_shapes
 from paged_jax.model.init import Params, param_shapes
 
 CONFIG_FILE = "model_config.json"
@@ -56,12 +60,25 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelCo
     from paged_jax import quant
 
     target = param_shapes(config)
+    checkpointer = ocp.StandardCheckpointer()
     scheme = json.loads((path / QUANT_FILE).read_text()) if (path / QUANT_FILE).exists() else None
-    if scheme is not None:
+    if scheme is not None:  # quantized checkpoints are written in the fused layout
         target = quant.storable_shapes(target, scheme["quantization"], lm_head=scheme["lm_head"])
-    restored = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+        restored = checkpointer.restore(path / PARAMS_DIR, target)
+    elif _stores_unfused(checkpointer, path / PARAMS_DIR):  # written before q/k/v and gate/up were fused
+        restored = fuse_params(config, checkpointer.restore(path / PARAMS_DIR, import_shapes(config)))
+    else:
+        restored = checkpointer.restore(path / PARAMS_DIR, target)
     params = jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), restored, target)
     return config, params if scheme is None else quant.from_storable(params)
+
+
+def _stores_unfused(checkpointer, params_dir: Path) -> bool:
+    """True when the stored tree has one kernel per projection (`q_proj`, ...), not the fused ones."""
+    tree = checkpointer.metadata(params_dir)
+    tree = getattr(tree, "item_metadata", tree)
+    layer = tree["params"].get("layers_0", {}) if hasattr(tree["params"], "get") else {}
+    return "q_proj" in layer.get("self_attn", {})
 
 
 __all__ = ["CONFIG_FILE", "QUANT_FILE", "is_checkpoint", "load_checkpoint", "save_checkpoint"]

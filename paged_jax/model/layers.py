@@ -1,4 +1,7 @@
-"""Building blocks of the Llama decoder: RMSNorm, rotary embeddings, SwiGLU MLP.
+"""Building blocks of the Llama decoder: RMSNorm, rotary embeddings, the projections, SwiGLU MLP.
+
+The projections are plain functions over a layer's parameter dict (`qkv_projection`, `out_projection`,
+`swiglu_mlp`): one call site each, used by the modules and by `scripts/profile_decode.py`.
 
 Numerics follow Hugging Face transformers: RMSNorm in float32 then cast back before the weight;
 RoPE frequencies and rotation in float32 with the non-interleaved `rotate_half` convention.
@@ -15,6 +18,7 @@ import numpy as np
 
 from paged_jax import quant
 from paged_jax.config import ModelConfig, RopeScaling
+from paged_jax.model.fuse import split_qkv
 
 Initializer = nn.initializers.Initializer
 INIT_STD = 0.02  # HF `initializer_range`
@@ -68,8 +72,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
+def qkv_projection(x: jax.Array, attn: dict, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [T, Hq, D], k and v [T, Hkv, D] from x [T, H]: one matmul with the fused `qkv_proj` [H, Hkv, G + 2, D]
+    (layout: `paged_jax.model.fuse`), its bias added when the model has one."""
+    qkv = quant.dot(x, attn["qkv_proj"])  # [T, Hkv, G + 2, D]
+    if config.attention_bias:
+        qkv = qkv + attn["qkv_bias"]
+    return split_qkv(qkv)
+
+
+def out_projection(out: jax.Array, attn: dict) -> jax.Array:
+    """The attention output [T, Hq, D] projected back to [T, H] by `o_proj` [Hq, D, H]."""
+    return quant.dot(out, attn["o_proj"], 2)
+
+
+def swiglu_mlp(x: jax.Array, mlp: dict) -> jax.Array:
+    """down(silu(gate(x)) * up(x)): x [T, H] -> [T, H], gate and up as one matmul with `gate_up_proj` [H, 2, I]."""
+    gate_up = quant.dot(x, mlp["gate_up_proj"])  # [T, 2, I]
+    act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, I]
+    return quant.dot(act, mlp["down_proj"])
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, H] -> [T, H]. Kernels stored [in, out]."""
+    """SwiGLU (`swiglu_mlp`). x: [T, H] -> [T, H]. Kernels stored [in, ...out]."""
 
     config: ModelConfig
 
@@ -78,8 +103,5 @@ class MLP(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, i = c.hidden_size, c.intermediate_size
-        gate = self.param("gate_proj", kernel_init, (h, i), dtype)
-        up = self.param("up_proj", kernel_init, (h, i), dtype)
-        down = self.param("down_proj", kernel_init, (i, h), dtype)
-        act = jax.nn.silu(quant.dot(x, gate)) * quant.dot(x, up)  # [T, I]
-        return quant.dot(act, down)
+        return swiglu_mlp(x, {"gate_up_proj": self.param("gate_up_proj", kernel_init, (h, 2, i), dtype),
+                              "down_proj": self.param("down_proj", kernel_init, (i, h), dtype)})

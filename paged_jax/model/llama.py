@@ -4,14 +4,16 @@ Parameter tree (`{"params": ...}`), kernels stored [in, ...out] so no transpose 
 
     embed_tokens/embedding            [V, H]
     layers_{i}/input_layernorm/weight [H]
-    layers_{i}/self_attn/q_proj       [H, Hq, D]     q_bias [Hq, D]   (attention_bias only)
-    layers_{i}/self_attn/k_proj       [H, Hkv, D]    k_bias [Hkv, D]
-    layers_{i}/self_attn/v_proj       [H, Hkv, D]    v_bias [Hkv, D]
+    layers_{i}/self_attn/qkv_proj     [H, Hkv, G + 2, D]   qkv_bias [Hkv, G + 2, D] (attention_bias only)
     layers_{i}/self_attn/o_proj       [Hq, D, H]
     layers_{i}/post_attention_layernorm/weight [H]
-    layers_{i}/mlp/gate_proj, up_proj [H, I];  down_proj [I, H]
+    layers_{i}/mlp/gate_up_proj       [H, 2, I];  down_proj [I, H]
     norm/weight                       [H]
     lm_head                           [H, V]         (absent when embeddings are tied)
+
+q/k/v and gate/up are fused, one matmul each (G = Hq / Hkv query heads per KV head, grouped per KV head so
+tensor parallelism keeps whole groups): `paged_jax.model.fuse` explains the layout and converts from the
+one-kernel-per-projection layout that importers produce.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ import jax.numpy as jnp
 from paged_jax import quant
 from paged_jax.config import ModelConfig
 from paged_jax.model.attention import AttentionFn, dense_attention
-from paged_jax.model.layers import MLP, RMSNorm, apply_rope, kernel_init, rope_cos_sin, rope_inv_freq
+from paged_jax.model.layers import (
+    MLP,
+    RMSNorm,
+    apply_rope,
+    kernel_init,
+    out_projection,
+    qkv_projection,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 class Attention(nn.Module):
@@ -42,21 +53,17 @@ class Attention(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
-        wq = self.param("q_proj", kernel_init, (h, hq, d), dtype)
-        wk = self.param("k_proj", kernel_init, (h, hkv, d), dtype)
-        wv = self.param("v_proj", kernel_init, (h, hkv, d), dtype)
-        wo = self.param("o_proj", kernel_init, (hq, d, h), dtype)
-        q = quant.dot(x, wq)  # [T, Hq, D]
-        k = quant.dot(x, wk)  # [T, Hkv, D]
-        v = quant.dot(x, wv)
+        g = hq // hkv
+        attn = {"qkv_proj": self.param("qkv_proj", kernel_init, (h, hkv, g + 2, d), dtype),
+                "o_proj": self.param("o_proj", kernel_init, (hq, d, h), dtype)}
         if c.attention_bias:
-            q = q + self.param("q_bias", nn.initializers.zeros, (hq, d), dtype)
-            k = k + self.param("k_bias", nn.initializers.zeros, (hkv, d), dtype)
-            v = v + self.param("v_bias", nn.initializers.zeros, (hkv, d), dtype)
+            attn["qkv_bias"] = self.param("qkv_bias", nn.initializers.zeros, (hkv, g + 2, d), dtype)
+        q, k, v = qkv_projection(x, attn, c)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d ** -0.5)
-        return quant.dot(out, wo, 2), kv_cache
+        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d ** -0.5,
+                                          sliding_window=c.sliding_window)
+        return out_projection(out, attn), kv_cache
 
 
 class DecoderLayer(nn.Module):

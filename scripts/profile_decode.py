@@ -1,0 +1,199 @@
+"""Where does a decode step's time go? Per-op times of one batch-32 decode step, as a table.
+
+The whole step is the runner's own jitted forward (`runner.step_functions`) plus the sampler; each part is the
+same code (the model's own projection functions, `apply_rope`, `write_kv`, the XLA paged attention, `sample`)
+jitted on its own over all layers at once (one dispatch per part, like the step), on the shapes of the peers'
+workload: 32 sequences, each at `--context` tokens of KV (default 192: prompt 128 + half of 128 new tokens),
+pages scattered over the cache as the KV manager leaves them. Every time is the fastest of `--reps` calls.
+A trivial jitted op gives the dispatch floor included in each part's time; "host" is what the engine adds
+per step around the executables (scheduling, metadata, transfers), measured on a real engine run.
+
+    python scripts/profile_decode.py [--model DIR|name] [--dtype float32|bfloat16] [--batch 32] [--engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pallas_kernels  # noqa: E402
+from paged_jax import xla_flags  # noqa: E402
+from paged_jax.model import layers  # noqa: E402
+from paged_jax.model.weights import load_model  # noqa: E402
+from paged_jax.runner import PagedMeta, step_functions  # noqa: E402
+from paged_jax.sampler import SamplingMeta, empty_meta, sample  # noqa: E402
+from pallas_kernels.common import kv_pages_shape  # noqa: E402
+
+
+def timeit(fn: Callable, *args, reps: int) -> float:
+    """Fastest of `reps` calls of `fn(*args)` in milliseconds (blocking on the result), after two warm-up
+    calls. The minimum, not the median: on CPUs shared with other work it is the least disturbed estimate."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def decode_inputs(config, batch: int, context: int, page_size: int, seed: int = 0):
+    """KV pages (random, per layer) and decode metadata: `batch` sequences with `context` keys each."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-(context + 1) // page_size)
+    num_pages = batch * blocks + 1
+    order = rng.permutation(np.arange(1, num_pages, dtype=np.int32))  # pages scattered, as after churn
+    tables = order.reshape(batch, blocks)
+    pos = np.full(batch, context, np.int32)
+    slots = tables[np.arange(batch), pos // page_size] * page_size + pos % page_size
+    meta = PagedMeta(jnp.asarray(slots), jnp.asarray(pos + 1), jnp.asarray(tables),
+                     jnp.arange(batch + 1, dtype=jnp.int32), jnp.asarray([batch], jnp.int32))
+    shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
+    dtype = jnp.dtype(config.dtype)
+    kv = tuple(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.5, dtype) for _ in range(config.num_layers))
+    tokens = jnp.asarray(rng.integers(3, config.vocab_size, batch), jnp.int32)
+    return kv, meta, tokens, jnp.asarray(pos)
+
+
+def sampling_meta(batch: int, mode: str) -> SamplingMeta:
+    m = empty_meta(batch)
+    if mode != "greedy":
+        m["temperature"][:] = 0.8
+        m["seed"][:, 0] = np.arange(batch)
+    if mode == "filter":
+        m["top_k"][:], m["top_p"][:] = 50, 0.9
+    return SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()})
+
+
+def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list[tuple[str, float]]:
+    config, params, _ = load_model(model, dtype=dtype)
+    c = config
+    p = params["params"]
+    lp = [p[f"layers_{i}"] for i in range(c.num_layers)]
+    kv, meta, tokens, positions = decode_inputs(c, batch, context, page_size=16)
+    act = jnp.dtype(c.dtype)
+    x = jax.random.normal(jax.random.key(1), (batch, c.hidden_size), jnp.float32).astype(act)
+    cos, sin = layers.rope_cos_sin(positions, layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    rows = []
+
+    # The whole step: the runner's forward (all layers + LM head on 32 rows) and each sampler variant.
+    _, forward = step_functions(c, "xla")
+    state = {"kv": kv}
+
+    def step():
+        logits, state["kv"] = forward(params, state["kv"], tokens, positions, meta, jnp.arange(batch, dtype=jnp.int32))
+        return logits
+
+    rows.append(("forward step (all layers + logits)", timeit(step, reps=reps)))
+    logits = step()
+    for mode in ("greedy", "sample", "filter"):
+        flags = dict(do_sample=mode != "greedy", do_filter=mode == "filter", do_penalty=False, want_logprobs=False)
+        fn = jax.jit(lambda lg, m, f=flags: sample(lg, m, **f))
+        rows.append((f"sampler {mode}", timeit(fn, logits, sampling_meta(batch, mode), reps=reps)))
+    kv = state["kv"]
+
+    # The parts, each over all layers in one jitted call.
+    def over_layers(f: Callable) -> Callable:
+        return jax.jit(lambda *a: [f(i, *a) for i in range(c.num_layers)])
+
+    def norm(w, h):
+        return layers.RMSNorm(c.hidden_size, c.rms_norm_eps, act).apply({"params": w}, h)
+
+    parts = {
+        "embed": (jax.jit(lambda t: p["embed_tokens"]["embedding"][t]), (tokens,)),
+        "RMSNorm x2": (over_layers(lambda i, h: (norm(lp[i]["input_layernorm"], h),
+                                                 norm(lp[i]["post_attention_layernorm"], h))), (x,)),
+        "QKV projection": (over_layers(lambda i, h: layers.qkv_projection(h, lp[i]["self_attn"], c)), (x,)),
+    }
+    q, k, v = layers.qkv_projection(x, lp[0]["self_attn"], c)
+    parts |= {
+        "RoPE (q, k)": (over_layers(lambda i, a, b: (layers.apply_rope(a, cos, sin), layers.apply_rope(b, cos, sin))),
+                        (q, k)),
+        "attention (XLA paged)": (over_layers(lambda i, a, kvs: pallas_kernels.ragged_paged_attention(
+            a, kvs[i], meta.kv_lens, meta.block_tables, meta.cu_q_lens, meta.num_seqs, sm_scale=c.head_dim ** -0.5,
+            backend="xla")), (q, kv)),
+        "o projection": (over_layers(lambda i, a: layers.out_projection(a, lp[i]["self_attn"])), (q,)),
+        "MLP (gate/up, SiLU, down)": (over_layers(lambda i, h: layers.swiglu_mlp(h, lp[i]["mlp"])), (x,)),
+        "final norm + LM head (32 rows)": (jax.jit(lambda h: jnp.dot(
+            norm(p["norm"], h), p["lm_head"] if "lm_head" in p else p["embed_tokens"]["embedding"].T,
+            preferred_element_type=jnp.float32)), (x,)),
+    }
+    for name, (fn, args) in parts.items():
+        rows.append((name, timeit(fn, *args, reps=reps)))
+    write = jax.jit(lambda kvs, a, b: [pallas_kernels.write_kv(t, a, b, meta.slot_mapping) for t in kvs],
+                    donate_argnums=(0,))
+    holder = {"kv": kv}
+
+    def write_all() -> list[jax.Array]:
+        holder["kv"] = write(holder["kv"], k, v)
+        return holder["kv"]
+
+    rows.append(("KV write (in place)", timeit(write_all, reps=reps)))
+    rows.append(("dispatch floor (x + 1)", timeit(jax.jit(lambda h: h + 1), x, reps=reps)))
+    return rows
+
+
+def engine_step_ms(model: str, dtype: str, batch: int, new: int = 96) -> dict[str, float]:
+    """A real engine run (`batch` prompts of 128 tokens, `new` greedy tokens, lookahead on): the fastest and the
+    median wall time of its last 48 steps (all decode steps of the whole batch), and host ms per step."""
+    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.sampling_params import SamplingParams
+
+    config, params, tok = load_model(model, dtype=dtype)
+    ec = EngineConfig(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=1024,
+                      num_pages=batch * 20 + 1, attention_backend="xla", enable_prefix_caching=False)
+    engine = LLMEngine(config, params, tok, ec)
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", rng.integers(3, config.vocab_size, 128).tolist(), sp)
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        if engine.num_steps == new - 48:
+            host0, steps0 = engine.host_seconds, engine.num_steps
+    last = times[-48:]
+    return {"min": min(last) * 1e3, "median": sorted(last)[24] * 1e3,
+            "host": (engine.host_seconds - host0) / (engine.num_steps - steps0) * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="/tmp/paged_jax_peers/model")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--engine", action="store_true", help="also time decode steps of a real engine run")
+    args = ap.parse_args()
+    xla_flags.log_settings()
+    engine = engine_step_ms(args.model, args.dtype, args.batch) if args.engine else None
+    rows = profile(args.model, args.dtype, args.batch, args.context, args.reps)
+    step = rows[0][1]
+    print(f"\ndecode step profile: {args.model} {args.dtype}, batch {args.batch}, context {args.context}, "
+          f"fastest of {args.reps}; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'part':40s} {'ms':>8s} {'% of forward':>13s}")
+    for name, ms in rows:
+        print(f"{name:40s} {ms:8.2f} {ms / step:12.0%}")
+    if engine:
+        print(f"{'engine decode step, fastest (wall)':40s} {engine['min']:8.2f} {engine['min'] / step:12.0%}")
+        print(f"{'engine decode step, median (wall)':40s} {engine['median']:8.2f} {engine['median'] / step:12.0%}")
+        print(f"{'  of which host (schedule, metadata, launch)':40s} {engine['host']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
