@@ -167,7 +167,7 @@ def bench_lookahead(args) -> None:
 
 
 # -- 3. peers -------------------------------------------------------------------------------------------------
-PEERS = ROOT.parent / "shared" / "peers"
+PEERS = Path(os.environ.get("PEERS_SCRIPTS", ROOT.parent / "shared" / "peers"))  # setup.sh, bench_hf.py, ...
 PEER_KV_GIB = 4  # every engine's KV budget in this section
 RATE = re.compile(r"([\d.]+) generated tok/s")
 
