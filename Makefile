@@ -43,6 +43,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests
 	$(MAKE) tpu-check
 
@@ -51,6 +52,7 @@ tpu-check: $(TPU_STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) out .pytest_cache .ruff_cache

@@ -30,8 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from paged_jax.chat_template import apply_chat_template, validate_conversation
-from paged_jax.dp import DataParallelEngine
-from paged_jax.engine import LLMEngine
+from paged_jax.engine_api import Engine
 from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
@@ -89,7 +88,7 @@ class BatchSummary:
     preemptions: int = 0
     prefix_hit_rate: float = 0.0
     startup_seconds: float = 0.0  # model load, engine construction and warm-up, before the first request
-    compile: dict = field(default_factory=dict)  # the engine's compile and padding counters (see LLMEngine.stats)
+    compile: dict = field(default_factory=dict)  # the engine's compile and padding counters (see EngineStats)
 
     def lines(self) -> list[str]:
         tps = self.generated_tokens / self.seconds if self.seconds else 0.0
@@ -297,7 +296,7 @@ def read_items(path: Path, errors: LineWriter, summary: BatchSummary, skip: set[
             yield item
 
 
-def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_path: Path,
+def run_batch(engine: Engine, input_path: Path, output_path: Path,
               errors_path: Path | None = None, progress: bool = True, shard: tuple[int, int] = (0, 1)) -> BatchSummary:
     """Generate for every line of `input_path` not yet in `output_path`."""
     errors_path = errors_path or output_path.with_name(output_path.stem + ".errors.jsonl")
@@ -352,7 +351,7 @@ def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_p
                 bar.update(1)
                 elapsed = time.monotonic() - t0
                 bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}",
-                                kv=f"{engine.stats()['kv_utilization']:.0%}", refresh=False)
+                                kv=f"{engine.stats().slot_utilization:.0%}", refresh=False)
     finally:
         for rid in list(in_flight):
             engine.abort(rid)
@@ -361,11 +360,10 @@ def run_batch(engine: LLMEngine | DataParallelEngine, input_path: Path, output_p
         errors.close()
     summary.seconds = time.monotonic() - t0
     stats = engine.stats()
-    summary.preemptions = stats["num_preemptions"]
-    summary.prefix_hit_rate = stats["prefix_hit_rate"]
-    summary.compile = {k: stats[k] for k in ("compile_count", "compile_seconds", "compile_cache_hits",
-                                             "compiles_after_warmup", "step_tokens", "step_padding_tokens")
-                       if k in stats}
+    summary.preemptions = stats.num_preemptions
+    summary.prefix_hit_rate = stats.prefix_hit_rate
+    summary.compile = {k: getattr(stats, k) for k in ("compile_count", "compile_seconds", "compile_cache_hits",
+                                                      "compiles_after_warmup", "step_tokens", "step_padding_tokens")}
     return summary
 
 

@@ -1,9 +1,8 @@
 """Data parallelism: independent engine replicas on disjoint device groups behind one engine-shaped front.
 
 Each replica is a whole `LLMEngine` (its own scheduler, KV manager and page arrays) on its own group of
-`tensor_parallel_size` devices. `DataParallelEngine` has the engine surface the batch script and the server
-drive (`add_request`, `step`, `abort`, `fail`, `has_unfinished`, `stats`, plus `config`, `tokenizer`,
-`engine_config`, `max_model_len`, `num_pages`, `num_steps`), so it drops in where an `LLMEngine` goes.
+`tensor_parallel_size` devices. `DataParallelEngine` implements the same `paged_jax.engine_api.Engine` protocol
+as `LLMEngine`, so it drops in wherever the batch script or the server takes an engine.
 
 Routing: a request goes to the replica with the fewest unfinished sequences (ties to the lowest index),
 and stays there until it finishes (its KV lives there). One `step` launches every busy replica's step
@@ -20,6 +19,7 @@ import jax
 from paged_jax import sharding
 from paged_jax.config import ModelConfig
 from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.engine_api import EngineStats
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenizer import Tokenizer
@@ -130,18 +130,11 @@ class DataParallelEngine:
 
     def check_invariants(self) -> None:
         for r in self.replicas:
-            r.kv.check_invariants()
+            r.check_invariants()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Counters summed over replicas; rates recomputed from the sums; `replicas` holds each one's own."""
-        per = [r.stats() for r in self.replicas]
-        out: dict = {k: sum(s[k] for s in per) for k, v in per[0].items() if isinstance(v, (int, float))}
-        out["prefix_hit_rate"] = out["prefix_hits"] / out["prefix_queries"] if out["prefix_queries"] else 0.0
-        in_use = out["pages_in_use"]
-        out["kv_utilization"] = (sum(s["kv_utilization"] * s["pages_in_use"] for s in per) / in_use
-                                 if in_use else 1.0)
-        out["replicas"] = per
-        return out
+        return EngineStats.combine([r.stats() for r in self.replicas])
 
 
 def make_engine(config: ModelConfig, params, tokenizer: Tokenizer,

@@ -1,10 +1,12 @@
-"""Command-line flags for the engine options and default sampling, shared by `generate`, `serve` and `bench`."""
+"""Command-line flags for the engine options, shared by `paged-jax generate` and `paged-jax serve`; the chat
+template and generation-defaults flags also by `paged-jax info` (and their logic by `LLM`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from paged_jax.engine import BACKENDS, EngineConfig
+from paged_jax.engine import EngineConfig
+from pallas_kernels.common import BACKENDS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

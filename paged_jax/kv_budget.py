@@ -1,4 +1,4 @@
-"""How many bytes of KV cache does an engine on the CPU get?
+"""How many KV pages does an engine get? (`kv_capacity_pages`, from the device's free memory or the CPU budget.)
 
 An accelerator reports its free memory, and the engine takes a fraction of it. The CPU shares memory with
 everything else on the machine, so the budget is set the way vLLM-CPU users expect: 4 GiB by default
@@ -17,6 +17,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+
+import jax
+
+from paged_jax.config import ModelConfig
+from paged_jax.engine_config import EngineConfig
+from pallas_kernels.common import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +64,31 @@ def cpu_kv_budget(requested: int | None, bytes_per_token: int, max_num_seqs: int
     if available is not None and budget.bytes > available * AVAILABLE_FRACTION:
         budget = KVBudget(int(available * AVAILABLE_FRACTION),
                           f"{budget.reason}, capped at half of the {available / gib:.1f} GiB available")
-    most = bytes_per_token * page_size * (max_num_seqs * -(-max_model_len // page_size) + 1)
+    most = bytes_per_token * page_size * (max_num_seqs * cdiv(max_model_len, page_size) + 1)
     if budget.bytes > most:
         budget = KVBudget(most, f"{budget.reason}, capped at what {max_num_seqs} sequences of {max_model_len} "
                                 "tokens can hold")
     return budget
+
+
+def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_bytes: int, device: jax.Device | None = None,
+                      kv_shards: int = 1, max_model_len: int = 8192) -> int:
+    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token.
+
+    With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
+    the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
+    """
+    if ec.num_pages is not None:
+        return ec.num_pages
+    per_page = config.kv_bytes_per_token(kv_bytes) * ec.page_size // kv_shards
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
+    else:
+        cpu = cpu_kv_budget(ec.cpu_kv_cache_bytes, per_page // ec.page_size, ec.max_num_seqs, max_model_len,
+                            ec.page_size)
+        log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30,
+                 cpu.reason)
+        budget = cpu.bytes
+    return max(2, budget // per_page)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from paged_jax.chat_template import Conversation, apply_chat_template, template_from_text
 from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.engine_api import EngineStats
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
@@ -109,5 +110,5 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -1,11 +1,13 @@
-"""Where does a step run? Host-side step metadata padded to buckets, and the jitted device step.
+"""Where does a step run? The bucket choice, the jitted device step and its executables.
 
 The KV cache is one page array per layer, `[num_pages, num_kv_heads, page_size, 2 * head_dim]`
 (K then V of a head along the last axis; see `pallas_kernels.common`), donated to every step so it is
 updated in place.
 Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
-bucket `S`; the forward pass returns logits only for the rows that sample; sampling is a second jitted call
-on device; the host receives only the sampled ids (and requested logprobs).
+bucket `S`, built from the scheduler's output by `paged_jax.step_inputs` (the runner never reads the KV
+manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for
+the rows that sample; sampling is a second jitted call on device; the host receives only the sampled ids (and
+requested logprobs).
 
 Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
 KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,
@@ -51,12 +53,14 @@ import pallas_kernels
 from paged_jax import sharding
 from paged_jax.config import ModelConfig
 from paged_jax.executables import CompileStats, Executables
-from paged_jax.kv_cache import KVCacheManager
-from paged_jax.model.llama import LlamaForCausalLM
+from paged_jax.kv_cache import PageCopy
+from paged_jax.lookahead import merge_pending, merge_pending_history
+from paged_jax.model.families import causal_lm
 from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
 from paged_jax.scheduler import SchedulerOutput
-from pallas_kernels.common import kv_pages_shape
+from paged_jax.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
+from pallas_kernels.common import cdiv, kv_pages_shape
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +77,14 @@ class PagedMeta:
 
 
 def paged_attention(q, k, v, kv_pages, meta: PagedMeta, *, sm_scale: float, backend: str,
-                    sliding_window: int | None):
-    """The model's `AttentionFn` over paged KV: write this step's K/V into pages, then attend."""
+                    sliding_window: int | None, soft_cap: float | None = None):
+    """The model's `AttentionFn` over paged KV: write this step's K/V into pages, then attend.
+
+    The model passes each layer's `sliding_window` and `soft_cap` (the config's window is only the default)."""
     kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping)
     out = pallas_kernels.ragged_paged_attention(
         q, kv_pages, meta.kv_lens, meta.block_tables, meta.cu_q_lens, meta.num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, backend=backend)
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, backend=backend)
     return out, kv_pages
 
 
@@ -110,11 +116,11 @@ def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | 
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh)
-    model = LlamaForCausalLM(config, attention_fn=attn)
+    model = causal_lm(config, attn, mesh)
 
     def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta)
-        logits = model.apply(params, hidden[logits_indices], method=LlamaForCausalLM.compute_logits)
+        logits = model.apply(params, hidden[logits_indices], method="compute_logits")
         return logits, tuple(kv_caches)
 
     if mesh is None:
@@ -136,23 +142,6 @@ def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int):
     return jax.jit(_copy_all_pages, donate_argnums=(0,), out_shardings=kv)
 
 
-@jax.jit
-def _merge_pending(token_ids: jax.Array, prev_rows: jax.Array, prev_tokens: jax.Array) -> jax.Array:
-    """token_ids [T] with the entries where prev_rows [T] >= 0 taken from prev_tokens [S_prev] on device."""
-    taken = prev_tokens[jnp.clip(prev_rows, 0, prev_tokens.shape[0] - 1)]
-    return jnp.where(prev_rows >= 0, taken, token_ids).astype(jnp.int32)
-
-
-@jax.jit
-def _merge_pending_history(history: jax.Array, rows: jax.Array, cols: jax.Array, prev_tokens: jax.Array) -> jax.Array:
-    """history [S, L] with entry (r, cols[r]) taken from prev_tokens [S_prev] at rows[r] where rows[r] >= 0: the
-    lookahead's still-on-device token of a penalized sequence, for its penalties."""
-    r = jnp.arange(history.shape[0])
-    c = jnp.clip(cols, 0, history.shape[1] - 1)
-    taken = prev_tokens[jnp.clip(rows, 0, prev_tokens.shape[0] - 1)]
-    return history.at[r, c].set(jnp.where(rows >= 0, taken, history[r, c]))
-
-
 @partial(jax.jit, static_argnames=("width", "do_sample", "do_filter", "do_penalty", "want_logprobs"))
 def _sample_rows(logits: jax.Array, meta: SamplingMeta, *, width: int, do_sample: bool, do_filter: bool,
                  do_penalty: bool, want_logprobs: bool) -> SamplerOutput:
@@ -164,7 +153,6 @@ def _sample_rows(logits: jax.Array, meta: SamplingMeta, *, width: int, do_sample
 
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
 
-SamplerFlags = tuple[bool, bool, bool, bool]  # do_sample, do_filter, do_penalty, want_logprobs
 Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
 
 
@@ -183,6 +171,11 @@ class StepResult:
     top_ids: np.ndarray  # [R, K] i32
     top_logprobs: np.ndarray  # [R, K] f32
 
+    def logprobs_of(self, row: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """Row `row`'s token logprob and its `k` most likely (id, logprob) alternatives."""
+        top = [(int(i), float(v)) for i, v in zip(self.top_ids[row, :k], self.top_logprobs[row, :k], strict=True)]
+        return float(self.logprob[row]), top
+
 
 class ModelRunner:
     """Owns the parameters, the KV page arrays and the compiled step functions.
@@ -198,7 +191,7 @@ class ModelRunner:
         self.params = params
         self.mesh = mesh
         self.page_size = page_size
-        self.max_blocks = -(-max_model_len // page_size)
+        self.max_blocks = cdiv(max_model_len, page_size)
         self.max_num_seqs = max_num_seqs
         self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(8, max_num_seqs)
@@ -228,7 +221,7 @@ class ModelRunner:
         self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
 
     # -- host side ----------------------------------------------------------------------------------
-    def copy_pages(self, ops: list[tuple[int, int]]) -> None:
+    def copy_pages(self, ops: list[PageCopy]) -> None:
         """Run the KV manager's copy-on-write instructions on every layer, in place."""
         n = bucket_for(len(ops), pow2_buckets(8, max(8, len(ops))))
         src = np.zeros(n, np.int32)
@@ -241,88 +234,7 @@ class ModelRunner:
         docstring): `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
         return bucket_for(max(min(t, self.max_num_seqs), rows), self.seq_buckets)
 
-    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[tuple, dict, np.ndarray]:
-        """Build padded numpy step inputs from the scheduler's decision.
-
-        Also returns `prev_rows [T]`: for a token whose id is still on the device (the engine's one-step
-        lookahead), the row of the previous step's samples that holds it; -1 elsewhere.
-        """
-        num_rows = len(sched.sample_rows)
-        t = bucket_for(sched.num_tokens, self.token_buckets)
-        s = self.seq_bucket(t, max(len(sched.scheduled), num_rows))
-        ps = self.page_size
-        token_ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.full(t, -1, np.int32)
-        kv_lens = np.zeros(s, np.int32)
-        tables = np.zeros((s, self.max_blocks), np.int32)
-        cu = np.zeros(s + 1, np.int32)
-        prev_rows = np.full(t, -1, np.int32)
-        off = 0
-        for i, item in enumerate(sched.scheduled):
-            seq, start, n = item.seq, item.start, item.num_new
-            blocks = kv.block_ids(seq.seq_id)
-            tables[i, : len(blocks)] = blocks
-            if n == 1:
-                if seq.has_pending and start == seq.num_tokens - 1:
-                    prev_rows[off] = seq.pending_row
-                else:
-                    token_ids[off] = seq.all_token_ids[start]
-            else:
-                token_ids[off: off + n] = seq.all_token_ids[start: start + n]
-            pos = np.arange(start, start + n, dtype=np.int32)
-            positions[off: off + n] = pos
-            slots[off: off + n] = tables[i, pos // ps] * ps + pos % ps
-            off += n
-            kv_lens[i] = start + n
-            cu[i + 1] = off
-        cu[len(sched.scheduled) + 1:] = off
-        logits_indices = np.zeros(s, np.int32)
-        for r, (_, index) in enumerate(sched.sample_rows):
-            logits_indices[r] = cu[index + 1] - 1
-        meta = PagedMeta(slots, kv_lens, tables, cu, np.array([len(sched.scheduled)], np.int32))
-        return (token_ids, positions, meta, logits_indices), self._sampling_inputs(sched, s), prev_rows
-
-    def _sampling_inputs(self, sched: SchedulerOutput, s: int) -> dict:
-        rows = sched.sample_rows
-        penalized = any(seq.params.uses_penalties for seq, _ in rows)
-        m = empty_meta(s, self.suppress_width, self.history_len if penalized else 1)
-        pending_rows = np.full(s, -1, np.int32)  # penalized rows whose last token is still on the device
-        pending_cols = np.zeros(s, np.int32)
-        flags = {"do_sample": False, "do_filter": False, "do_penalty": bool(penalized), "want_logprobs": False}
-        for r, (seq, _) in enumerate(rows):
-            p = seq.params
-            m["temperature"][r] = p.temperature
-            if p.temperature > 0:
-                flags["do_sample"] = True
-                if p.uses_filters:
-                    flags["do_filter"] = True
-                    m["top_k"][r], m["top_p"][r], m["min_p"][r] = p.top_k, p.top_p, p.min_p
-            if p.logprobs is not None:
-                flags["want_logprobs"] = True
-            seed = (seq.seed + seq.index) % 2**64
-            m["seed"][r] = (seed & 0xFFFFFFFF, seed >> 32)
-            m["step"][r] = len(seq.output_token_ids)
-            if len(seq.output_token_ids) < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.config.eos_token_ids))
-                m["suppress"][r, : len(banned)] = banned
-            if p.uses_penalties:
-                m["repetition_penalty"][r] = p.repetition_penalty
-                m["presence_penalty"][r] = p.presence_penalty
-                m["frequency_penalty"][r] = p.frequency_penalty
-                toks = seq.all_token_ids
-                m["history"][r, : len(toks)] = toks  # a placeholder (-1) is padding until merged on device
-                m["num_prompt"][r] = len(seq.prompt_token_ids)
-                if seq.has_pending:
-                    pending_rows[r], pending_cols[r] = seq.pending_row, len(toks) - 1
-        return {"meta": m, "flags": flags, "pending": (pending_rows, pending_cols)}
-
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
-        """Run one step: copy-on-write copies, forward, sampling; return host copies of the samples."""
-        return self.collect(self.launch(sched, kv), len(sched.sample_rows))
-
-    def launch(self, sched: SchedulerOutput, kv: KVCacheManager,
-               prev_samples: SamplerOutput | None = None) -> SamplerOutput:
+    def launch(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> SamplerOutput:
         """Dispatch one step (copies, forward, sampling) without waiting; returns the samples on device.
 
         `prev_samples`: the previous step's samples, still on the device, for tokens scheduled before their
@@ -330,29 +242,34 @@ class ModelRunner:
         """
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
-        (token_ids, positions, meta, logits_indices), sampling, prev_rows = self.prepare(sched, kv)
-        t, s = len(token_ids), len(logits_indices)
+        t = bucket_for(sched.num_tokens, self.token_buckets)
+        s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
+        step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
+        sampling = build_sampling_inputs(sched.sample_rows, s, self.suppress_width, self.history_len,
+                                         self.config.eos_token_ids)
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
-        if (prev_rows >= 0).any():
-            token_ids = self._executable(self.merge_job(t))(token_ids, prev_rows, prev_samples.tokens)
+        token_ids = step.token_ids
+        if step.has_pending:
+            token_ids = self._executable(self.merge_job(t))(token_ids, step.prev_rows, prev_samples.tokens)
+        meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
         forward = self._executable(self.forward_job(t, s))
-        logits, self.kv_caches = forward(self.params, self.kv_caches, token_ids, positions, meta, logits_indices)
+        logits, self.kv_caches = forward(self.params, self.kv_caches, token_ids, step.positions, meta,
+                                         step.logits_indices)
         m = self._with_history(sampling, prev_samples)
-        f = sampling["flags"]
-        flags = (f["do_sample"], f["do_filter"], f["do_penalty"], f["want_logprobs"])
-        job = self.sample_job(s, m["suppress"].shape[1], m["history"].shape[1], flags)
-        return self._executable(job)(logits, SamplingMeta(**m))
+        job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags)
+        return self._executable(job)(logits, m)
 
-    def _with_history(self, sampling: dict, prev_samples: SamplerOutput | None) -> dict:
+    def _with_history(self, sampling: SamplingInputs, prev_samples: SamplerOutput | None) -> SamplingMeta:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the
         lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
-        m = sampling["meta"]
-        if not sampling["flags"]["do_penalty"]:
+        m = sampling.meta
+        if not sampling.flags[2]:  # do_penalty
             return m
-        rows, cols = sampling["pending"]
         prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
-        return m | {"history": self._executable(self.history_job(len(rows)))(m["history"], rows, cols, prev)}
+        history = self._executable(self.history_job(len(sampling.pending_rows)))(
+            m.history, sampling.pending_rows, sampling.pending_cols, prev)
+        return m._replace(history=history)
 
     def collect(self, out: SamplerOutput, num_rows: int) -> StepResult:
         """Wait for a launched step and copy its first `num_rows` samples to the host."""
@@ -395,13 +312,13 @@ class ModelRunner:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
         i32 = self._spec
         return (("merge", self._key, t),
-                lambda: _merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])), f"merge tokens={t}")
+                lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])), f"merge tokens={t}")
 
     def history_job(self, s: int) -> Job:
         """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
         i32 = self._spec
         return (("history", self._key, s),
-                lambda: _merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s),
+                lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s),
                                                      i32(self.seq_buckets[-1])),
                 f"history rows={s} length={self.history_len}")
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.sampling_params import MAX_LOGPROBS
+from pallas_kernels.common import MASK_VALUE as MASK
 
-MASK = -1e30  # finite, so that max - max stays finite
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (as in vLLM): x / t would overflow float32
 
 

@@ -5,35 +5,47 @@ cannot get a page, the most recently admitted running sequence is preempted (its
 full blocks left in the prefix cache) and later recomputed. Waiting sequences are then admitted in
 arrival order while the token budget, the sequence limit and the pages last; their cached prefix
 blocks are skipped. A prompt longer than the budget (or the chunk size) is prefilled in chunks.
+
+The output is everything the runner needs and nothing more: each scheduled sequence's token range and its
+page ids, the rows that sample, the pages to copy first. The runner never talks to the KV manager. How many
+of a sequence's tokens are computed is the KV manager's to know (`num_computed_tokens`); a waiting sequence
+holds no pages and has none computed.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from paged_jax.kv_cache import KVCacheManager
-from paged_jax.sequence import FinishReason, Sequence, Status
+from paged_jax.kv_cache import KVCacheManager, PageCopy
+from paged_jax.sequence import FinishReason, Status, TokenSequence
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     """`num_new` tokens of `seq` at positions [start, start + num_new) are computed this step."""
 
-    seq: Sequence
+    seq: TokenSequence
     start: int
     num_new: int
-    sample: bool  # this step computes the sequence's last known token, so it samples the next one
+    page_ids: list[int]  # the sequence's block table after this step's allocation: logical block i -> page
+
+
+class SampleRow(NamedTuple):
+    """One row of the step's samples: `seq` draws its next token from the logits of the last token of
+    `scheduled[index]` (its own entry, or its leader's on the step a shared prompt completes)."""
+
+    seq: TokenSequence
+    index: int
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    # (sequence, index into `scheduled` whose last token's logits it samples from); forked children
-    # sample from their leader's logits on the step the shared prompt completes.
-    sample_rows: list[tuple[Sequence, int]] = field(default_factory=list)
-    copy_ops: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src page, dst page)
-    preempted: list[Sequence] = field(default_factory=list)
+    sample_rows: list[SampleRow] = field(default_factory=list)  # row r of the step's samples
+    copy_ops: list[PageCopy] = field(default_factory=list)  # copy-on-write, before the step writes
+    preempted: list[TokenSequence] = field(default_factory=list)
     num_tokens: int = 0
 
     @property
@@ -55,17 +67,17 @@ class Scheduler:
         self.reserve_tokens = reserve_tokens
         # Admission leaves this many pages free while others run (vLLM's watermark, 1% by default).
         self.watermark_pages = int(watermark * (kv.num_pages - 1))
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[TokenSequence] = deque()
+        self.running: list[TokenSequence] = []
         self.num_preemptions = 0
 
     # -- membership -----------------------------------------------------------------------------
-    def add(self, leader: Sequence, children: list[Sequence]) -> None:
+    def add(self, leader: TokenSequence, children: list[TokenSequence]) -> None:
         """Queue a request: its leader waits; its other samples are forked when the prompt completes."""
         leader.forked_children = children
         self.waiting.append(leader)
 
-    def remove(self, seq: Sequence, reason: FinishReason) -> None:
+    def remove(self, seq: TokenSequence, reason: FinishReason) -> None:
         """Finish or abort `seq`: leave every queue and return every page it holds."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
@@ -77,10 +89,6 @@ class Scheduler:
         seq.forked_children = []
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # -- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -89,10 +97,10 @@ class Scheduler:
         for seq in list(self.running):  # a snapshot: children forked during this step join the list
             if budget <= 0:
                 break
-            if seq.status is not Status.RUNNING or seq.ends_after_pending:
+            if seq.status is not Status.RUNNING or (seq.pending is not None and seq.pending.is_last):
                 continue  # preempted earlier in this loop, or its pending token is its last
-            num_new = min(seq.num_uncomputed, budget, self.chunk_size)
-            cache = not seq.has_pending  # a placeholder token must not be hashed; cached once its id is known
+            num_new = min(seq.num_tokens - self.kv.num_computed_tokens(seq.seq_id), budget, self.chunk_size)
+            cache = seq.pending is None  # a placeholder (lookahead) must not be hashed; cached once its id is known
             copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache)
             while copies is None:  # out of pages: preempt the most recently admitted unscheduled one
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
@@ -134,38 +142,34 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt = min(got, len(seq.prompt_token_ids))
-            seq.num_computed = got
             seq.status = Status.RUNNING
             self.running.append(seq)
             promised = wanted
             self._schedule(seq, num_new, out, scheduled)
             budget -= num_new
 
-    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput, scheduled: set[str]) -> None:
+    def _schedule(self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str]) -> None:
+        """Record `num_new` tokens of `seq`, already allocated (so its computed count already includes them)."""
         scheduled.add(seq.seq_id)
-        start = seq.num_computed
-        seq.num_computed += num_new
-        sample = seq.num_computed == seq.num_tokens
-        out.scheduled.append(ScheduledSeq(seq, start, num_new, sample))
-        if not sample:
+        end = self.kv.num_computed_tokens(seq.seq_id)
+        out.scheduled.append(ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id)))
+        if end < seq.num_tokens:  # a prompt chunk short of the last token samples nothing
             return
         index = len(out.scheduled) - 1
-        out.sample_rows.append((seq, index))
+        out.sample_rows.append(SampleRow(seq, index))
         for child in seq.forked_children:  # the prompt completes now: children share its pages
             self.kv.fork(seq.seq_id, child.seq_id)
-            child.num_computed = seq.num_computed
             child.num_cached_prompt = seq.num_cached_prompt
             child.status = Status.RUNNING
             scheduled.add(child.seq_id)
             self.running.append(child)
-            out.sample_rows.append((child, index))
+            out.sample_rows.append(SampleRow(child, index))
         seq.forked_children = []
 
-    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: TokenSequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv.free(victim.seq_id)
         victim.status = Status.WAITING
-        victim.num_computed = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)

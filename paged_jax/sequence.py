@@ -9,8 +9,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from paged_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_jax.lookahead import PendingToken
 
 
 class Status(enum.Enum):
@@ -29,8 +33,10 @@ class FinishReason(enum.StrEnum):
 
 
 @dataclass(slots=True)
-class Sequence:
-    """Token state of one sample. `num_computed` counts leading tokens whose KV is in the cache."""
+class TokenSequence:
+    """Token state of one sample (named so as not to shadow `collections.abc.Sequence`). How many of its
+    tokens have KV in the cache is the KV manager's count (`KVCacheManager.num_computed_tokens`), not a field
+    here."""
 
     seq_id: str  # unique inside the engine: f"{request_id}#{index}"
     request_id: str
@@ -41,7 +47,6 @@ class Sequence:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    num_computed: int = 0
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at (first) admission
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -51,12 +56,10 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_sent_tokens: int = 0  # output tokens already reported in a RequestOutput delta
-    # One-step lookahead: the last output token is a placeholder (-1) whose id is still on the device, in row
-    # `pending_row` of the in-flight step's samples; `ends_after_pending` means that token is its last
-    # (max_tokens or max_model_len), so the scheduler does not run it again.
-    pending_row: int = -1
-    ends_after_pending: bool = False
-    forked_children: list[Sequence] = field(default_factory=list)  # children waiting for this leader's prompt
+    # One-step lookahead (`paged_jax.lookahead`): set while the last output token is a placeholder whose id is
+    # still on the device.
+    pending: PendingToken | None = None
+    forked_children: list[TokenSequence] = field(default_factory=list)  # children waiting for this leader's prompt
 
     # prompt then output ids, kept in step with `output_token_ids` so the scheduler's per-step calls copy nothing
     all_token_ids: list[int] = field(init=False)
@@ -76,14 +79,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    @property
-    def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
-
-    @property
-    def has_pending(self) -> bool:
-        return self.pending_row >= 0
 
     @property
     def finished(self) -> bool:

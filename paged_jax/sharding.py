@@ -132,8 +132,8 @@ def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], me
     if mesh.size == 1:
         return attention_fn
 
-    def sharded(q, k, v, kv_pages, meta, *, sm_scale: float):
-        body = functools.partial(attention_fn, sm_scale=sm_scale)
+    def sharded(q, k, v, kv_pages, meta, *, sm_scale: float, **layer_options):
+        body = functools.partial(attention_fn, sm_scale=sm_scale, **layer_options)  # per-layer window and cap
         return jax.shard_map(body, mesh=mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, KV_SPEC, P()),
                              out_specs=(HEADS_SPEC, KV_SPEC), check_vma=False)(q, k, v, kv_pages, meta)
 

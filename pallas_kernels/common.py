@@ -146,5 +146,6 @@ def kv_dims(kv_pages: jax.Array) -> tuple[int, int, int, int]:
     return num_pages, num_kv_heads, page_size, width // 2
 
 
-def cdiv(a: int, b: int) -> int:
+def cdiv(a, b: int):
+    """``ceil(a / b)`` for ints and integer arrays (numpy or jax) alike: the one ceiling division of the project."""
     return -(-a // b)

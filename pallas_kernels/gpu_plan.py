@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import cdiv
+from pallas_kernels.planning import query_lens, sequence_items, visible_kv_blocks
 from pallas_kernels.work_model import HARDWARE, KernelWork
 
 MMA_MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
@@ -260,17 +261,10 @@ def work_list(xp, cu_q_lens, kv_lens, num_seqs, *, q_block: int, num_items: int,
     ``n`` (its tokens, 0 for an empty item past the real ones), ``pos0`` (position of its first token),
     ``kv_len`` (the owner's keys). The kernel wrapper and the work model both call this."""
     i32 = lambda x: xp.asarray(x).astype(xp.int32)
-    max_seqs = kv_lens.shape[0]
-    slot = xp.arange(max_seqs, dtype=xp.int32)
-    q_lens = xp.where(slot < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    q_lens = query_lens(xp, cu_q_lens, num_seqs)
     member = (q_lens > min_q_len) if max_q_len is None else (q_lens > min_q_len) & (q_lens <= max_q_len)
-    n_items = xp.where(member, (q_lens + q_block - 1) // q_block, 0)
-    ends = i32(xp.cumsum(n_items))
-    starts = ends - n_items
-    item = xp.arange(num_items, dtype=xp.int32)
-    seq = xp.minimum(i32(xp.searchsorted(ends, item, side="right")), max_seqs - 1)
-    real = item < ends[-1]
-    off = (item - starts[seq]) * q_block
+    seq, k, real = sequence_items(xp, xp.where(member, cdiv(q_lens, q_block), 0), num_items)
+    off = k * q_block
     n = xp.where(real, xp.clip(q_lens[seq] - off, 0, q_block), 0)
     tok0 = cu_q_lens[seq] + off
     pos0 = kv_lens[seq] - q_lens[seq] + off
@@ -291,10 +285,10 @@ def effective_splits(xp, real_items, *, num_splits: int, num_kv_heads: int, num_
 
 
 def _item_blocks(xp, pos0, n, *, num_splits, kv_block: int, sliding_window: int | None):
+    first_key, lo, hi = visible_kv_blocks(pos0, n, kv_block, sliding_window)
+    first_key = first_key + xp.zeros_like(pos0)  # like pos0 with or without a window
     last = pos0 + n - 1
-    first_key = xp.zeros_like(pos0) if sliding_window is None else xp.maximum(pos0 - sliding_window + 1, 0)
-    lo = first_key // kv_block
-    hi = xp.where(n > 0, last // kv_block + 1, lo)
+    hi = xp.where(n > 0, hi, lo)
     per = (hi - lo + num_splits - 1) // num_splits  # KV blocks per split
     return first_key, last, lo, hi, per
 

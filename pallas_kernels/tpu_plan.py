@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pallas_kernels.common import cdiv
+from pallas_kernels.planning import query_lens, sequence_items, visible_kv_blocks
 from pallas_kernels.work_model import KernelWork
 
 _SUBLANES = 8  # MXU row granularity: rows are padded to the 8-sublane tile
@@ -130,22 +131,13 @@ def plan_items(xp, cu_q_lens, num_seqs, rng: RangePlan, decode: bool) -> Items:
 
     Decode items are the sequences with one query token, in order; prefill items cut every sequence with two
     or more query tokens into ``tokens_per_item`` windows. Generic over ``xp`` (numpy or jax.numpy)."""
-    max_seqs = cu_q_lens.shape[0] - 1
-    seq_ids = xp.arange(max_seqs, dtype=np.int32)
-    q_lens = xp.where(seq_ids < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0).astype(np.int32)
-    j = xp.arange(rng.num_items, dtype=np.int32)
+    q_lens = query_lens(xp, cu_q_lens, num_seqs)
     w = rng.tokens_per_item
     if decode:
-        mine = q_lens == 1
-        counts = mine.astype(np.int32)
+        counts = (q_lens == 1).astype(np.int32)
     else:
-        mine = q_lens >= 2
-        counts = xp.where(mine, (q_lens + w - 1) // w, 0).astype(np.int32)
-    cu_items = xp.cumsum(counts).astype(np.int32)  # items up to and including each sequence
-    total = cu_items[-1]
-    seq = xp.clip(xp.searchsorted(cu_items, j, side="right"), 0, max_seqs - 1).astype(np.int32)
-    k = j - (cu_items[seq] - counts[seq])  # index of the item inside its sequence
-    real = j < total
+        counts = xp.where(q_lens >= 2, cdiv(q_lens, w), 0).astype(np.int32)
+    seq, k, real = sequence_items(xp, counts, rng.num_items)
     t0 = xp.where(real, cu_q_lens[seq] + k * w, 0).astype(np.int32)
     n = xp.where(real, xp.minimum(w, q_lens[seq] - k * w), 0).astype(np.int32)
     return Items(xp.where(real, seq, 0).astype(np.int32), t0, n)
@@ -156,13 +148,7 @@ def item_blocks(kv_len, q_len, q_start, t0, n, kv_block: int, sliding_window: in
 
     Works on scalars of any array library (the kernel calls it on SMEM scalars)."""
     first_pos = kv_len - q_len + (t0 - q_start)
-    last_pos = first_pos + n - 1
-    first_key = 0
-    if sliding_window is not None:
-        first_key = first_pos - sliding_window + 1
-        first_key = first_key * (first_key > 0)  # max(., 0) for numpy and traced scalars alike
-    b_lo = first_key // kv_block
-    b_hi = last_pos // kv_block + 1
+    _, b_lo, b_hi = visible_kv_blocks(first_pos, n, kv_block, sliding_window)
     return first_pos, b_lo, b_hi
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.common import cdiv
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelWork:
@@ -69,5 +71,5 @@ def minimum_kv_bytes(kv_lens, q_lens, *, num_kv_heads: int, head_dim: int, items
     total = 0
     for kv_len, q_len in zip(kv_lens, q_lens, strict=True):
         if q_len > 0:
-            total += -(-int(kv_len) // page_size) * page_size
+            total += cdiv(int(kv_len), page_size) * page_size
     return total * 2 * num_kv_heads * head_dim * itemsize

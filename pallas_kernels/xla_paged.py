@@ -93,7 +93,7 @@ def xla_ragged_paged_attention(
     q_lens = jnp.where(seq_ids < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     lens = jnp.where(seq_ids < n, kv_lens, 0)
     cu_rows = jnp.concatenate(
-        [jnp.zeros((1,), jnp.int32), jnp.cumsum(cdiv_arr(q_lens, rpc), dtype=jnp.int32)]
+        [jnp.zeros((1,), jnp.int32), jnp.cumsum(cdiv(q_lens, rpc), dtype=jnp.int32)]
     )
     total_rows = cu_rows[max_seqs]
 
@@ -157,7 +157,7 @@ def xla_ragged_paged_attention(
         return jax.lax.dynamic_update_slice_in_dim(out_rows, out, start, axis=0)
 
     out_rows = jnp.zeros((num_rows, rpc, num_q_heads, head_dim), q.dtype)
-    out_rows = jax.lax.fori_loop(0, cdiv_arr(total_rows, rpb), block_body, out_rows)
+    out_rows = jax.lax.fori_loop(0, cdiv(total_rows, rpb), block_body, out_rows)
 
     # Scatter rows back to the flat token axis.
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -167,7 +167,3 @@ def xla_ragged_paged_attention(
     row = jnp.where(real, cu_rows[t_seq] + i // rpc, 0)
     out = out_rows[row, jnp.where(real, i % rpc, 0)]
     return jnp.where(real[:, None, None], out, 0).astype(q.dtype)
-
-
-def cdiv_arr(a: jax.Array, b: int) -> jax.Array:
-    return (a + b - 1) // b

@@ -70,7 +70,7 @@ def run(num_pages: int, args: argparse.Namespace) -> dict[str, float]:
                 m.free(rid)
         t3 = time.perf_counter_ns()
         for rid in running:
-            m.block_ids(rid)
+            m.page_ids(rid)
         t4 = time.perf_counter_ns()
         decode_ns.append(t1 - t0)
         admit_ns.append(t2 - t1)
@@ -92,7 +92,7 @@ def run(num_pages: int, args: argparse.Namespace) -> dict[str, float]:
         "p99_ms": sorted(step_ns)[int(0.99 * (len(step_ns) - 1))] * ms,
         "tables_ms": statistics.mean(table_ns) * ms,
         "hit_rate": hit_tokens / (args.steps * args.admit * args.prompt) if args.admit else 0.0,
-        "util": stats.kv_utilization,
+        "util": stats.slot_utilization,
     }
 
 
@@ -126,7 +126,7 @@ def main() -> None:
         print("  ".join(cells) + f"  {row['hit_rate']:>8.3f}")
     print(
         "step_ms = decode + admit + free (manager's share of a step); admit_ms is per admitted request;"
-        " tables_ms = block_ids() of every running request (not in step_ms)."
+        " tables_ms = page_ids() of every running request (not in step_ms)."
     )
     if len(rows) > 1:
         ratio = rows[-1]["step_ms"] / rows[0]["step_ms"]

@@ -23,7 +23,7 @@ import numpy as np
 from paged_jax.config import ModelConfig
 from paged_jax.model.init import init_params
 from paged_jax.runner import PagedMeta, step_functions
-from pallas_kernels.common import kv_pages_shape
+from pallas_kernels.common import cdiv, kv_pages_shape
 
 
 def smollm_like(layers: int, vocab: int = 49152) -> ModelConfig:
@@ -49,7 +49,7 @@ def case_inputs(kind: str, t: int, s: int, page_size: int, max_blocks: int):
     tables = np.zeros((s, max_blocks), np.int32)
     off, page = 0, 1
     for i, (q, kv) in enumerate(lens):
-        n_blocks = -(-kv // page_size)
+        n_blocks = cdiv(kv, page_size)
         tables[i, :n_blocks] = np.arange(page, page + n_blocks)
         page += n_blocks
         pos = np.arange(kv - q, kv, dtype=np.int32)

@@ -67,7 +67,7 @@ def run_offline(engine: LLMEngine, workload, baseline: bool) -> dict:
             gen += len(out.outputs[0].new_token_ids)
         running = engine.scheduler.running
         if running:
-            live = sum(s.num_computed for s in running)
+            live = sum(engine.kv.num_computed_tokens(s.seq_id) for s in running)
             slots = len(running) * engine.max_model_len if baseline else engine.kv.stats().pages_in_use * \
                 engine.engine_config.page_size
             util.append(live / max(slots, 1))

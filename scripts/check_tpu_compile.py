@@ -13,6 +13,14 @@ fails when the compiled HLO copies or transposes a KV page array (any instructio
 array other than the in-place scatter) or when the temporaries that grow with the KV cache exceed 5% of one
 layer's KV pages. A failure names the config and the instruction.
 
+``--families [NAME ...]`` (default: all five) compiles one engine step (a 512-token chunked-prefill bucket) per
+model family beyond Llama, at the real per-layer shapes of its shipped config with only a few layers (enough for
+one global layer among Gemma's sliding ones): qwen3-8b (q/k norms), gemma-2-9b (soft caps, alternating
+windows), gemma-3-4b (windows 5:1, two RoPE bases), mixtral-8x7b and qwen3-30b-a3b (an MoE layer; Qwen3-MoE
+also at TP 4, experts split inside each expert). The same KV checks as the audit apply, and an MoE step must
+lower its experts to XLA's grouped matmul (``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
+Run only this part with ``--topologies --sharded --no-audit`` (``--families`` with no names skips it).
+
 ``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.sharding``) for
 Llama-3.1-8B in bfloat16 on the first TP chips of that slice, with abstract parameters (nothing is
 materialised), and prints a per-chip memory table from ``compiled.memory_analysis()``; the KV pages are
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import sys
 import time
 import traceback
@@ -90,15 +99,16 @@ def _nbytes(shape, dtype, sharding) -> int:
     return size
 
 
-def compile_step(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int,
+def compile_step(topo: str, tp: int, config_name, num_tokens: int, max_seqs: int,
                  hbm_gib: float | None = None, page_size: int = 16, max_model_len: int = 8192,
                  num_pages: int | None = None):
     """Compile the engine step for `config_name` on the first `tp` chips of `topo` (one chip: no mesh).
 
     Parameters are abstract (nothing is materialised); the KV pages are sized as the engine would size them
-    on that chip (HBM x 0.9 minus the weights). Returns ``(compiled, facts)`` with per-chip sizes."""
+    on that chip (HBM x 0.9 minus the weights). Returns ``(compiled, facts)`` with per-chip sizes.
+    `config_name` is a shipped config's name or a `ModelConfig`."""
     from paged_jax import sharding as shd
-    from paged_jax.config import load_model_config
+    from paged_jax.config import ModelConfig, load_model_config
     from paged_jax.model.init import param_shapes
     from paged_jax.runner import PagedMeta, step_functions
 
@@ -107,7 +117,7 @@ def compile_step(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topo,
                                         chips_per_host_bounds=(*dims, 1)[:3])
     hbm_gib = hbm_gib or HBM_GIB[topo.split(":")[0]]
-    config = load_model_config(config_name)
+    config = config_name if isinstance(config_name, ModelConfig) else load_model_config(config_name)
     if tp > 1:
         mesh = shd.make_mesh(desc.devices[:tp])
         config = config.replace(num_kv_heads=config.num_kv_heads * shd.kv_replication(config, tp))
@@ -231,6 +241,50 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
     return failures
 
 
+# XLA TPU compiles a ragged-dot into grouped-matmul fusions named ragged-dot-* (beside one ragged-dot-metadata
+# custom call that builds the group offsets); a dense fallback would show none.
+GROUPED_MATMUL = re.compile(r"^\s*(?:ROOT )?%ragged-dot-(?!metadata)[\w.\-]* = ", re.M)
+FAMILY_STEPS = {  # family config -> TP degrees to compile its step at
+    "qwen3-8b": (1,), "gemma-2-9b": (1,), "gemma-3-4b": (1,), "mixtral-8x7b": (1,), "qwen3-30b-a3b": (1, 4)}
+
+
+def check_families(names=tuple(FAMILY_STEPS), bucket: tuple[int, int] = (512, 16)) -> int:
+    """One engine step per family (module docstring), with the audit's KV checks; returns the failure count."""
+    from paged_jax.config import load_model_config
+
+    failures = 0
+    num_tokens, max_seqs = bucket
+    print(f"\nmodel families: the engine step ({num_tokens} tokens x {max_seqs} seqs) at each family's real layer "
+          "shapes, few layers, v6e")
+    print(f"{'config':<15}{'layers':>7}{'TP':>3}{'copies':>7}{'temp MiB':>10}{'layer KV MiB':>13}{'ragged-dot':>11}"
+          f"{'time':>7}  features")
+    for config_name in names:
+        full = load_model_config(config_name)
+        config = full.replace(num_layers=max(2, full.sliding_window_pattern))
+        for tp in FAMILY_STEPS[config_name]:
+            t0 = time.perf_counter()
+            name = f"{config_name} TP{tp}"
+            try:
+                compiled, facts = compile_step(AUDIT_TOPOLOGY[tp], tp, config, num_tokens, max_seqs)
+            except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+                failures += 1
+                print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
+                continue
+            hlo = compiled.as_text()
+            bad = kv_copies(hlo, facts["local_kv_shape"], facts["dtype"])
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            grouped = len(GROUPED_MATMUL.findall(hlo))
+            print(f"{config_name:<15}{config.num_layers:>7}{tp:>3}{len(bad):>7}{temp / 2**20:>10.1f}"
+                  f"{facts['layer_kv'] / 2**20:>13.1f}{grouped:>11}{time.perf_counter() - t0:>6.0f}s  "
+                  f"{config.family_summary()}")
+            for line in bad[:4]:
+                print(f"FAIL {name}: KV copy: {line}")
+            if config.is_moe and not grouped:
+                print(f"FAIL {name}: the experts did not lower to ragged-dot (grouped matmul)")
+            failures += bool(bad) + (config.is_moe and not grouped)
+    return failures
+
+
 def sharded_memory(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int,
                    hbm_gib: float) -> dict[str, float]:
     """Per-chip GiB of the compiled TP step (the memory table of ``--sharded``)."""
@@ -287,6 +341,8 @@ def main() -> int:
                         help="tensor-parallel engine steps to compile (none: skip)")
     parser.add_argument("--sharded-model", default="llama-3.1-8b")
     parser.add_argument("--no-audit", dest="audit", action="store_false", help="skip the compiled-step KV audit")
+    parser.add_argument("--families", nargs="*", default=list(FAMILY_STEPS), choices=list(FAMILY_STEPS),
+                        metavar="CONFIG", help="family engine steps to compile (none: skip)")
     parser.add_argument("--hbm-gib", type=float, default=None, help="per-chip HBM (default: by TPU generation)")
     args = parser.parse_args()
     failures = 0
@@ -315,6 +371,8 @@ def main() -> int:
                 print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
     if args.audit:
         failures += audit()
+    if args.families:
+        failures += check_families(args.families)
     if args.sharded:
         failures += check_sharded(args.sharded, args.sharded_model, args.hbm_gib)
     print(f"{failures} failure(s)")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import dense_reference_attention
-from pallas_kernels.common import kv_pages_shape
+from pallas_kernels.common import cdiv, kv_pages_shape
 from pallas_kernels.gpu_plan import gpu_plan_for, gpu_work_detail
 from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
 from pallas_kernels.testing import assert_close, make_case, median_seconds, random_seqs
@@ -200,7 +200,7 @@ def _mixed_rows(bandwidth: float, iters: int, smoke: bool) -> list[Row]:
                      head_dim=d, page_size=page, dtype=jnp.bfloat16)
     args = case.paged_args
     n = int(case.num_seqs[0])
-    kv_bytes = sum(-(-kv // page) * page for _, kv in seqs) * kvh * 2 * d * 2
+    kv_bytes = sum(cdiv(kv, page) * page for _, kv in seqs) * kvh * 2 * d * 2
     rows, outs = [], []
     for label, overrides in (("plan: 2 ranges", {}), ("1 range", {"one_range": True})):
         fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke, **overrides))

@@ -1,4 +1,4 @@
-"""Load test: bounded concurrent streams for a bounded time against a loopback `python -m serve` server.
+"""Load test: bounded concurrent streams for a bounded time against a loopback `paged-jax serve` server.
 
     .venv/bin/python scripts/load_test.py --concurrency 256 --duration 60
     .venv/bin/python scripts/load_test.py --http ...   # the same mix through the OpenAI HTTP front

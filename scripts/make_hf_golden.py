@@ -1,23 +1,31 @@
-"""Build small random HF Llama-family models and their golden outputs under tests/data/hf_*/.
+"""Build small random HF models of every supported family and their golden outputs under tests/data/hf_*/.
 
-Run by hand with torch + transformers (not in CI):  /tmp/peer/hf/bin/python scripts/make_hf_golden.py
+Run by hand with torch + transformers (not in CI):  /tmp/peer/hf/bin/python scripts/make_hf_golden.py [NAME ...]
+(no names: every variant).
 
 Each variant directory holds `config.json`, safetensors weights (one file, or shards with
 `model.safetensors.index.json`) and `golden.npz` with, per prompt i: `prompt_i` [n] int32,
 `logits_i` [n, vocab] float32 (HF eager attention, float32) and `greedy_i` [16] int32 (HF greedy
 `generate`, EOS disabled). Weights are re-drawn with a larger std than HF's init so that logits are
 peaked and greedy argmaxes are far from ties; norms and biases are randomised so they matter.
+
+The family variants (Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE) are smaller (vocab 288, just above the byte
+tokenizer's 259, hidden 32) and store their weights in bfloat16: values are rounded to bfloat16 before the
+goldens are computed in float32, so loading them as float32 is exact; 115-165 kB each. Their windows (4 tokens),
+soft caps, query scalar, RoPE bases and routing are set so that each feature changes these prompts' logits.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+import transformers
+from safetensors.torch import load_file, save_file
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data"
 NEW_TOKENS = 16
@@ -37,19 +45,39 @@ VARIANTS: dict[str, dict] = {
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, arch="qwen2"),
     "sharded": dict(num_attention_heads=8, num_key_value_heads=2, shard="60KB"),
 }
+FAMILY_BASE = dict(BASE, vocab_size=288, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, bf16=True)
+FAMILY_VARIANTS: dict[str, dict] = {
+    "qwen3": dict(FAMILY_BASE, arch="qwen3", rms_norm_eps=1e-6),
+    "gemma2": dict(FAMILY_BASE, arch="gemma2", layer_types=["sliding_attention", "full_attention"],
+                   sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=12.0, rms_norm_eps=1e-6),
+    "gemma3": dict(FAMILY_BASE, arch="gemma3", num_hidden_layers=3,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
+                   query_pre_attn_scalar=24, rms_norm_eps=1e-6,
+                   rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+                                    "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+    "mixtral": dict(FAMILY_BASE, arch="mixtral", intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(FAMILY_BASE, arch="qwen3_moe", moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=False, rms_norm_eps=1e-6),
+}
+ARCHES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2", "gemma3": "Gemma3Text",
+          "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
+
+
+def hf_model(arch: str, spec: dict) -> torch.nn.Module:
+    """A transformers model of `arch` (key of ARCHES) from config keyword arguments, eager attention."""
+    prefix = ARCHES[arch]
+    config = getattr(transformers, f"{prefix}Config")(**spec, attn_implementation="eager")
+    model_class = "Gemma3ForCausalLM" if arch == "gemma3" else f"{prefix}ForCausalLM"
+    return getattr(transformers, model_class)(config)
 
 
 def build(name: str, spec: dict, seed: int) -> None:
     spec = dict(spec)
-    arch, shard = spec.pop("arch", "llama"), spec.pop("shard", None)
+    arch, shard, bf16 = spec.pop("arch", "llama"), spec.pop("shard", None), spec.pop("bf16", False)
     torch.manual_seed(seed)
-    if arch == "qwen2":
-        config = Qwen2Config(**BASE, **spec, attn_implementation="eager")
-        model = Qwen2ForCausalLM(config)
-    else:
-        config = LlamaConfig(**BASE, **spec, attn_implementation="eager")
-        model = LlamaForCausalLM(config)
-    model = model.float().eval()
+    model = hf_model(arch, spec if bf16 else {**BASE, **spec}).float().eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
@@ -58,6 +86,8 @@ def build(name: str, spec: dict, seed: int) -> None:
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
+            if bf16:  # stored as bfloat16 below: make the float32 model hold exactly those values
+                p.copy_(p.to(torch.bfloat16).float())
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
 
@@ -66,12 +96,16 @@ def build(name: str, spec: dict, seed: int) -> None:
     model.save_pretrained(directory, max_shard_size=shard or "50MB", safe_serialization=True)
     for extra in ("generation_config.json",):
         (directory / extra).unlink(missing_ok=True)
+    if bf16:
+        path = directory / "model.safetensors"
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(path)).items()}, str(path),
+                  metadata={"format": "pt"})
 
     rng = np.random.default_rng(seed)
     golden: dict[str, np.ndarray] = {}
     min_gap = np.inf
     for i, n in enumerate(PROMPT_LENGTHS):
-        prompt = np.concatenate([[1], rng.integers(3, BASE["vocab_size"], n - 1)]).astype(np.int64)
+        prompt = np.concatenate([[1], rng.integers(3, model.config.vocab_size, n - 1)]).astype(np.int64)
         ids = torch.from_numpy(prompt)[None]
         with torch.no_grad():
             logits = model(ids).logits[0].float().numpy()
@@ -92,14 +126,15 @@ def build(name: str, spec: dict, seed: int) -> None:
     print(f"{name}: {files} {size / 1e3:.0f} kB, min greedy top-2 logit gap {min_gap:.4f}")
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for seed, (name, spec) in enumerate(VARIANTS.items()):
-        build(name, spec, seed)
-    meta = {"transformers": __import__("transformers").__version__, "torch": torch.__version__,
-            "variants": sorted(VARIANTS)}
+    every = {**VARIANTS, **FAMILY_VARIANTS}
+    for seed, (name, spec) in enumerate(every.items()):
+        if not names or name in names:
+            build(name, spec, seed)
+    meta = {"transformers": transformers.__version__, "torch": torch.__version__, "variants": sorted(every)}
     (OUT / "hf_golden_versions.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

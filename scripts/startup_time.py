@@ -38,7 +38,7 @@ def make_run_command() -> list[str]:
     if line is None:
         raise SystemExit("Makefile: the `run` target has no `paged-jax generate` command")
     args = shlex.split(line.split("paged-jax", 1)[1])
-    return [sys.executable, "-m", "paged_jax.cli", *args]
+    return [sys.executable, "-m", "serve", *args]
 
 
 def with_output(cmd: list[str], output: Path) -> list[str]:

@@ -1,7 +1,7 @@
-"""`python -m serve serve --model tiny --port 50051` and `python -m serve client "Hello"`."""
+"""`python -m serve ...`: the `paged-jax` console script without installing it."""
 
 import sys
 
-from serve.cli import main
+from serve.main import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""`paged-jax serve` and `paged-jax client` (also `python -m serve` and `python -m serve client`)."""
+"""The arguments and bodies of `paged-jax serve` and `paged-jax client` (registered in `serve.main`)."""
 
 from __future__ import annotations
 
@@ -142,11 +142,3 @@ def pb_finish_name(value: int) -> str:
 
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_args(sub.add_parser("serve", help="start the gRPC server"))
-    add_client_args(sub.add_parser("client", help="stream a completion from a running server"))
-    args = parser.parse_args(argv)
-    return run_serve(args) if args.command == "serve" else run_client(args)

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from paged_jax.engine import LLMEngine
+from paged_jax.engine_api import Engine
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from serve.convert import RequestError, internal_error
@@ -78,14 +78,14 @@ class _Abort:
 
 @dataclass(slots=True)
 class _Call:
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[[Engine], Any]
     future: concurrent.futures.Future
 
 
 class EngineLoop:
     """Owns `engine` on a daemon thread. `on_step(engine)` runs after every step (metrics)."""
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None,
+    def __init__(self, engine: Engine, on_step: Callable[[Engine], None] | None = None,
                  idle_poll_s: float = 0.5) -> None:
         self.engine = engine
         self._on_step = on_step
@@ -155,7 +155,7 @@ class EngineLoop:
         for stream in streams:
             self.abort(stream, message)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run `fn(engine)` on the loop thread between two steps and return its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:  # _die sets `error` under the lock and then drains: no call is left behind

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from paged_jax.engine import LLMEngine
+from paged_jax.engine_api import Engine, EngineStats
 from paged_jax.outputs import RequestOutput
 
 _PADDING_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -30,7 +30,7 @@ class Metrics:
         self.queue_depth = Gauge("paged_jax_queue_depth", "Requests accepted but not yet started", registry=r)
         self.waiting = Gauge("paged_jax_scheduler_waiting", "Sequences in the scheduler's waiting queue", registry=r)
         self.running = Gauge("paged_jax_running", "Sequences running in the engine", registry=r)
-        self.kv_utilization = Gauge("paged_jax_kv_pages_in_use_ratio", "KV pages in use / usable pages", registry=r)
+        self.pages_in_use_ratio = Gauge("paged_jax_kv_pages_in_use_ratio", "KV pages in use / usable pages", registry=r)
         self.kv_slot_utilization = Gauge("paged_jax_kv_slot_utilization", "Live token slots / slots of pages in use",
                                          registry=r)
         self.prefix_hit_rate = Gauge("paged_jax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
@@ -55,18 +55,18 @@ class Metrics:
         self.queued_fn = lambda: 0
         self.queue_depth.set_function(lambda: self.queued_fn())
 
-    def on_step(self, engine: LLMEngine) -> None:
+    def on_step(self, engine: Engine) -> None:
         """Engine gauges; runs on the engine loop thread after every step."""
         s = engine.stats()
-        self.waiting.set(s["num_waiting"])
-        self.running.set(s["num_running"])
-        self.kv_utilization.set(s["pages_in_use"] / max(1, s["pages_total"]))
-        self.kv_slot_utilization.set(s["kv_utilization"])
-        self.prefix_hit_rate.set(s["prefix_hit_rate"])
-        new = s["num_preemptions"] - self._preemptions_seen
+        self.waiting.set(s.num_waiting)
+        self.running.set(s.num_running)
+        self.pages_in_use_ratio.set(s.pages_in_use_ratio)
+        self.kv_slot_utilization.set(s.slot_utilization)
+        self.prefix_hit_rate.set(s.prefix_hit_rate)
+        new = s.num_preemptions - self._preemptions_seen
         if new > 0:
             self.preemptions.inc(new)
-            self._preemptions_seen = s["num_preemptions"]
+            self._preemptions_seen = s.num_preemptions
         real, padding = self._advance("step_tokens", s), self._advance("step_padding_tokens", s)
         if real > 0:
             self.step_padding_ratio.observe(padding / real)
@@ -76,11 +76,12 @@ class Metrics:
                              ("step_tokens", self.step_tokens), ("step_padding_tokens", self.step_padding_tokens)):
             counter.inc(self._advance(key, s, commit=True))
 
-    def _advance(self, key: str, stats: dict, commit: bool = False) -> float:
+    def _advance(self, key: str, stats: EngineStats, commit: bool = False) -> float:
         """How much engine counter `key` grew since it was last committed."""
-        delta = max(0.0, stats.get(key, 0) - self._seen.get(key, 0))
+        value = getattr(stats, key)
+        delta = max(0.0, value - self._seen.get(key, 0))
         if commit:
-            self._seen[key] = stats.get(key, 0)
+            self._seen[key] = value
         return delta
 
     def on_finished(self, out: RequestOutput) -> None:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from paged_jax.engine import LLMEngine
+from paged_jax.engine_api import Engine
 from paged_jax.warmup import serving_plans
 from serve.auth import BearerTokenInterceptor, server_credentials
 from serve.background import BackgroundServer
@@ -175,7 +175,7 @@ class ServerThread(BackgroundServer):
 EXIT_ENGINE_DIED = 1  # the process status when the engine loop dies: a supervisor should restart the server
 
 
-async def serve_forever(engine: LLMEngine, config: ServingConfig, warm_up: bool = False) -> int:
+async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = False) -> int:
     """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return 0.
 
     If the engine loop dies (its state is unknown, so nothing more can be served), every open stream has

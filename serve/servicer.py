@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc import aio
 
-from paged_jax.engine import LLMEngine
+from paged_jax.engine_api import Engine
 from serve import convert
 from serve.config import ServingConfig
 from serve.convert import InvalidRequest, ParsedRequest, RequestError, invalid
@@ -38,7 +38,7 @@ T = TypeVar("T")
 class GenerationServicer:
     def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics) -> None:
         self.loop, self.config, self.metrics = loop, config, metrics
-        engine: LLMEngine = loop.engine
+        engine: Engine = loop.engine
         self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
         self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
         self.sampling_defaults = dict(engine.engine_config.sampling_defaults)
@@ -187,12 +187,12 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "check_invariants: not allowed on this server "
                                 "(it stalls the engine; start the server with --allow-invariant-checks)")
 
-        def read(engine: LLMEngine) -> pb.Stats:
+        def read(engine: Engine) -> pb.Stats:
             s = engine.stats()
-            msg = pb.Stats(pages_total=s["pages_total"], pages_free=s["pages_free"], pages_in_use=s["pages_in_use"],
-                           pages_cached_free=s["pages_cached_free"], kv_utilization=s["kv_utilization"],
-                           prefix_hit_rate=s["prefix_hit_rate"], num_preemptions=s["num_preemptions"],
-                           num_waiting=s["num_waiting"], num_running=s["num_running"],
+            msg = pb.Stats(pages_total=s.pages_total, pages_free=s.pages_free, pages_in_use=s.pages_in_use,
+                           pages_cached_free=s.pages_cached_free, kv_utilization=s.slot_utilization,
+                           prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
+                           num_waiting=s.num_waiting, num_running=s.num_running,
                            num_open_requests=self.loop.num_open, num_steps=engine.num_steps)
             if check:
                 try:

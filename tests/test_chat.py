@@ -13,12 +13,12 @@ from safetensors.numpy import load_file, save_file
 
 from paged_jax.batch import parse_line, run_batch
 from paged_jax.chat_template import template_from_text
-from paged_jax.cli import main
 from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.generation_defaults import load_generation_defaults
 from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenizer import ByteTokenizer
+from serve.main import main
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = json.loads((DATA / "tokenizers" / "golden.json").read_text("utf-8"))["tokenizers"]["phi-3"]

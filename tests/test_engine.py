@@ -94,7 +94,7 @@ def test_preemption_under_a_tiny_kv_budget(tiny_config, tiny_params, reference):
     engine = make_engine(tiny_config, tiny_params, num_pages=14)  # 13 usable pages = 208 token slots
     prompts = make_prompts(8, seed=2, max_len=90)
     results = run_workload(engine, prompts, arrive_every=1)
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats().num_preemptions > 0
     check_against_reference(results, prompts, reference)
 
 
@@ -249,9 +249,9 @@ def test_no_recompilation_after_warmup(tiny_config, tiny_params):
                 i, prompt = pending.pop(0)
                 engine.add_request(f"w{i}", prompt, params[i])
         engine.step()
-    assert engine.stats()["num_preemptions"] > 0  # the workload exercised preemption too
+    assert engine.stats().num_preemptions > 0  # the workload exercised preemption too
     assert (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count) == compiled
-    assert engine.stats()["compiles_after_warmup"] == 0
+    assert engine.stats().compiles_after_warmup == 0
     assert persistent_cache_summary()["requests"] == xla_compiles
     assert_all_free(engine)
 
@@ -266,7 +266,7 @@ def test_a_failing_request_fails_alone(tiny_config, tiny_params, reference):
         def decode(self, ids, **options):
             raise RuntimeError("detokenizer exploded")
 
-    engine._requests["bad"].detoks[0].tokenizer = BrokenTokenizer()
+    engine.outputs.requests["bad"].detoks[0].tokenizer = BrokenTokenizer()
     finals = {}
     while engine.has_unfinished():
         finals |= {o.request_id: o for o in engine.step() if o.finished}
@@ -297,7 +297,7 @@ def test_lookahead_matches_one_step_at_a_time(tiny_config, tiny_params):
                                           for c in o.outputs]
             engine.kv.check_invariants()
         assert_all_free(engine)
-        return done, engine.stats()["num_preemptions"]
+        return done, engine.stats().num_preemptions
 
     (sync, _), (ahead, preemptions) = run(False), run(True)
     assert sync.keys() == ahead.keys()
@@ -376,10 +376,10 @@ def test_request_chosen_sampling_options_compile_nothing_after_warmup(tiny_confi
     """Issue 14.10: the ban list under min_tokens and the penalties' history had request-chosen widths, compiled
     on the engine thread when first seen (17 stop ids with min_tokens: 1.1 s). They have fixed widths now,
     compiled at warm-up, and a request with penalties keeps the lookahead on for the whole batch."""
-    from paged_jax.runner import _merge_pending_history
+    from paged_jax.lookahead import merge_pending_history
 
     engine = make_engine(tiny_config, tiny_params, num_pages=40, warmup=True)
-    compiled = (sample._cache_size(), _merge_pending_history._cache_size())
+    compiled = (sample._cache_size(), merge_pending_history._cache_size())
     many_stops = SamplingParams(temperature=0.7, seed=1, max_tokens=12, min_tokens=8,
                                 stop_token_ids=list(range(100, 117)), logprobs=2)
     penalized = SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5,
@@ -390,7 +390,7 @@ def test_request_chosen_sampling_options_compile_nothing_after_warmup(tiny_confi
     lookahead_steps = 0
     while engine.has_unfinished():
         engine.step()
-        lookahead_steps += engine._inflight is not None
+        lookahead_steps += engine.lookahead.inflight is not None
     assert penalized.uses_penalties and lookahead_steps >= 30  # the penalized request did not turn it off
-    assert (sample._cache_size(), _merge_pending_history._cache_size()) == compiled
+    assert (sample._cache_size(), merge_pending_history._cache_size()) == compiled
     assert_all_free(engine)

@@ -19,7 +19,7 @@ def toks(n: int, start: int = 0) -> list[int]:
 
 def snapshot(m: KVCacheManager) -> tuple:
     """Everything observable, to prove a failed call changed nothing."""
-    tables = {rid: (m.block_ids(rid), m.num_computed_tokens(rid)) for rid in m.requests}
+    tables = {rid: (m.page_ids(rid), m.num_computed_tokens(rid)) for rid in m.requests}
     refs = [m.page_ref_count(p) for p in range(m.num_pages)]
     return m.free_page_ids(), tables, refs, dict(m.pool.cached), m.stats()
 
@@ -47,7 +47,7 @@ def test_page_size_must_be_power_of_two_in_range(bad: object) -> None:
 def test_every_allowed_page_size(ok: int) -> None:
     m = KVCacheManager(num_pages=4, page_size=ok)
     assert m.admit("a", toks(ok + 1), ok + 1) == 0
-    assert m.block_ids("a") == [1, 2]
+    assert m.page_ids("a") == [1, 2]
     m.check_invariants()
 
 
@@ -58,7 +58,7 @@ def test_too_small_pool_rejected() -> None:
 
 def test_admit_without_hits_then_prefix_hit(m: KVCacheManager) -> None:
     assert m.admit("a", toks(20), 20) == 0
-    assert m.block_ids("a") == [1, 2, 3]
+    assert m.page_ids("a") == [1, 2, 3]
     assert m.num_computed_tokens("a") == 20
     assert m.free_page_ids() == list(range(4, 11))
     # Blocks 0 and 1 are full and cached, the partial block 2 is not.
@@ -67,7 +67,7 @@ def test_admit_without_hits_then_prefix_hit(m: KVCacheManager) -> None:
     assert m.lookup_prefix([99] + toks(19, 1)) == 0
     # b shares the first two blocks, then diverges.
     assert m.admit("b", toks(16) + [7, 7, 7], 3) == 16
-    assert m.block_ids("b") == [1, 2, 4]
+    assert m.page_ids("b") == [1, 2, 4]
     assert [m.page_ref_count(p) for p in (1, 2, 3, 4)] == [2, 2, 1, 1]
     assert m.free_page_ids() == list(range(5, 11))
     st = m.stats()
@@ -84,12 +84,12 @@ def test_free_is_tail_first_and_eviction_is_lru(m: KVCacheManager) -> None:
     assert m.stats().pages_cached_free == 2
     assert m.lookup_prefix(toks(20)) == 16  # freed pages stay findable
     assert m.admit("c", toks(64, 1000), 64) == 0
-    assert m.block_ids("c") == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert m.page_ids("c") == [3, 4, 5, 6, 7, 8, 9, 10]
     assert m.free_page_ids() == [2, 1]
     assert m.stats().evictions == 0
     # The next page handed out is 2: its hash (block 1 of a) is evicted, block 0 stays findable.
     assert m.admit("d", toks(3, 2000), 3) == 0
-    assert m.block_ids("d") == [2]
+    assert m.page_ids("d") == [2]
     assert m.stats().evictions == 1
     assert m.lookup_prefix(toks(20)) == 8
     m.check_invariants()
@@ -100,7 +100,7 @@ def test_hit_on_free_page_takes_it_from_the_middle(m: KVCacheManager) -> None:
     m.free("a")
     assert m.free_page_ids() == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1]
     assert m.admit("b", toks(8) + [5] * 4, 4) == 8
-    assert m.block_ids("b") == [1, 3]
+    assert m.page_ids("b") == [1, 3]
     assert m.free_page_ids() == [4, 5, 6, 7, 8, 9, 10, 2]
     assert m.stats().pages_cached_free == 1
     m.check_invariants()
@@ -116,8 +116,8 @@ def test_fully_cached_prompt_recomputes_last_token(m: KVCacheManager) -> None:
     # stays uncached (one page per hash).
     assert m.admit("b", toks(16), 16) == 8
     assert m.num_computed_tokens("b") == 16  # num_new_tokens clipped to len - cached
-    assert m.block_ids("b") == [1, 3]
-    assert m.pool.blocks[3].block_hash is None
+    assert m.page_ids("b") == [1, 3]
+    assert m.pool.pages[3].block_hash is None
     m.free("b")
     assert m.free_page_ids() == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1]
     m.check_invariants()
@@ -129,32 +129,32 @@ def test_cache_salt_separates_tenants(m: KVCacheManager) -> None:
     assert m.lookup_prefix(toks(17), cache_salt="tenant-2") == 0
     assert m.lookup_prefix(toks(17), cache_salt="tenant-1") == 16
     assert m.admit("b", toks(17), 1, cache_salt="tenant-1") == 16
-    assert m.block_ids("b") == [1, 2, 4]
+    assert m.page_ids("b") == [1, 2, 4]
     m.check_invariants()
 
 
 def test_decode_growth_allocates_at_boundaries_and_caches_full_blocks(m: KVCacheManager) -> None:
     tokens = toks(7)
     assert m.admit("a", tokens, 7) == 0
-    assert m.block_ids("a") == [1]
+    assert m.page_ids("a") == [1]
     for t in range(7, 17):
         tokens.append(t)
         assert m.allocate_slots("a", tokens, 1) == []
         m.check_invariants()
-    assert m.block_ids("a") == [1, 2, 3]
+    assert m.page_ids("a") == [1, 2, 3]
     assert m.num_computed_tokens("a") == 17
     assert m.lookup_prefix(toks(17)) == 16
     assert m.allocate_slots("a", tokens, 0) == []  # nothing to compute: nothing changes
-    assert m.block_ids("a") == [1, 2, 3]
+    assert m.page_ids("a") == [1, 2, 3]
 
 
 def test_chunked_prefill(m: KVCacheManager) -> None:
     prompt = toks(30)
     assert m.admit("a", prompt, 10) == 0
-    assert (m.block_ids("a"), m.num_computed_tokens("a")) == ([1, 2], 10)
+    assert (m.page_ids("a"), m.num_computed_tokens("a")) == ([1, 2], 10)
     assert m.lookup_prefix(prompt) == 8
     assert m.allocate_slots("a", prompt, 20) == []
-    assert (m.block_ids("a"), m.num_computed_tokens("a")) == ([1, 2, 3, 4], 30)
+    assert (m.page_ids("a"), m.num_computed_tokens("a")) == ([1, 2, 3, 4], 30)
     assert m.lookup_prefix(prompt) == 24
     m.check_invariants()
 
@@ -163,16 +163,16 @@ def test_fork_then_copy_on_write(m: KVCacheManager) -> None:
     tokens = toks(12)
     m.admit("p", tokens, 12)
     m.fork("p", "c")
-    assert m.block_ids("c") == [1, 2]
+    assert m.page_ids("c") == [1, 2]
     assert [m.page_ref_count(p) for p in (1, 2)] == [2, 2]
     m.check_invariants()
     # The child writes into the shared partial page 2: private copy on page 3.
     assert m.allocate_slots("c", tokens + [100], 1) == [(2, 3)]
-    assert m.block_ids("c") == [1, 3]
+    assert m.page_ids("c") == [1, 3]
     assert [m.page_ref_count(p) for p in (1, 2, 3)] == [2, 1, 1]
     # The parent now owns page 2 alone and writes in place.
     assert m.allocate_slots("p", tokens + [200], 1) == []
-    assert m.block_ids("p") == [1, 2]
+    assert m.page_ids("p") == [1, 2]
     assert m.free_page_ids() == list(range(4, 11))
     m.check_invariants()
 
@@ -181,8 +181,8 @@ def test_fork_at_page_boundary_needs_no_copy(m: KVCacheManager) -> None:
     m.admit("p", toks(16), 16)
     m.fork("p", "c")
     assert m.allocate_slots("c", toks(16) + [1], 1) == []
-    assert m.block_ids("c") == [1, 2, 3]
-    assert m.block_ids("p") == [1, 2]
+    assert m.page_ids("c") == [1, 2, 3]
+    assert m.page_ids("p") == [1, 2]
     m.check_invariants()
 
 
@@ -193,10 +193,10 @@ def test_identical_blocks_in_one_step_keep_one_cache_entry(m: KVCacheManager) ->
     done = tokens + toks(4, 50)  # both complete block 1 with the same tokens in the same step
     assert m.allocate_slots("p", done, 4) == [(2, 3)]  # p writes first, so p copies
     assert m.allocate_slots("c", done, 4) == []
-    assert (m.block_ids("p"), m.block_ids("c")) == ([1, 3], [1, 2])
+    assert (m.page_ids("p"), m.page_ids("c")) == ([1, 3], [1, 2])
     (entry,) = [b.page_id for b in m.pool.cached.values() if b.page_id != 1]
     assert entry == 3  # the first to complete the block owns the entry; page 2 stays uncached
-    assert m.pool.blocks[2].block_hash is None
+    assert m.pool.pages[2].block_hash is None
     m.free("c")
     assert m.free_page_ids() == [2] + list(range(4, 11))
     assert m.lookup_prefix(done + [0]) == 16
@@ -206,11 +206,11 @@ def test_identical_blocks_in_one_step_keep_one_cache_entry(m: KVCacheManager) ->
 def test_preempt_and_resume_hits_own_blocks(m: KVCacheManager) -> None:
     tokens = toks(25)
     m.admit("a", tokens, 25)
-    assert m.block_ids("a") == [1, 2, 3, 4]
+    assert m.page_ids("a") == [1, 2, 3, 4]
     m.free("a")  # preempted
     assert m.free_page_ids() == [4, 5, 6, 7, 8, 9, 10, 3, 2, 1]
     assert m.admit("a", tokens, 100) == 24
-    assert m.block_ids("a") == [1, 2, 3, 4]
+    assert m.page_ids("a") == [1, 2, 3, 4]
     assert m.num_computed_tokens("a") == 25
     m.check_invariants()
 
@@ -226,7 +226,7 @@ def test_failed_admit_and_allocate_change_nothing(m: KVCacheManager) -> None:
     assert "a" not in m
     # Exactly enough: 2 revived + 2 new.
     assert m.admit("a", toks(16) + [1] * 16, 16) == 16
-    assert m.block_ids("a") == [1, 2, 9, 10]
+    assert m.page_ids("a") == [1, 2, 9, 10]
     assert m.free_page_ids() == []
     before = snapshot(m)
     assert m.allocate_slots("b", toks(48, 500) + [0], 1) is None
@@ -255,7 +255,7 @@ def test_bad_input_raises_and_changes_nothing(m: KVCacheManager) -> None:
     cases = [
         (KeyError, lambda: m.free("zz")),
         (KeyError, lambda: m.allocate_slots("zz", toks(3), 1)),
-        (KeyError, lambda: m.block_ids("zz")),
+        (KeyError, lambda: m.page_ids("zz")),
         (KeyError, lambda: m.num_computed_tokens("zz")),
         (KeyError, lambda: m.fork("zz", "c")),
         (ValueError, lambda: m.fork("a", "b")),
@@ -287,14 +287,14 @@ def test_block_table_row(m: KVCacheManager) -> None:
 
 def test_stats(m: KVCacheManager) -> None:
     st = m.stats()
-    assert (st.pages_total, st.pages_free, st.pages_in_use, st.kv_utilization) == (10, 10, 0, 1.0)
+    assert (st.pages_total, st.pages_free, st.pages_in_use, st.slot_utilization) == (10, 10, 0, 1.0)
     m.admit("a", toks(20), 20)
     m.fork("a", "b")
     m.admit("c", toks(4, 300), 4)
     st = m.stats()
     assert (st.pages_free, st.pages_in_use, st.pages_cached_free) == (6, 4, 0)
     # Live slots: 8 + 8 + 4 (page 3, shared) + 4 (page 4) over 4 pages of 8 slots.
-    assert st.kv_utilization == pytest.approx(24 / 32)
+    assert st.slot_utilization == pytest.approx(24 / 32)
     m.free("a")
     m.free("b")
     st = m.stats()
@@ -326,13 +326,13 @@ def test_check_invariants_detects_corruption(kind: str) -> None:
     m = _corrupted_manager()
     pool = m.pool
     if kind == "refcount":
-        pool.blocks[3].ref_cnt += 1
+        pool.pages[3].ref_cnt += 1
     elif kind == "free list":
-        pool.free_queue.remove(pool.blocks[2])  # a refcount-0 page missing from the list
+        pool.free_queue.remove(pool.pages[2])  # a refcount-0 page missing from the list
     elif kind == "null page":
-        m.requests["b"].blocks.append(pool.blocks[0])
+        m.requests["b"].pages.append(pool.pages[0])
     elif kind == "stale hash":
-        pool.blocks[1].block_hash = None  # map still points at page 1
+        pool.pages[1].block_hash = None  # map still points at page 1
     else:
         pool.cached.pop(next(iter(pool.cached)))  # a page carrying a hash the map forgot
     with pytest.raises(RuntimeError, match="invariant broken"):

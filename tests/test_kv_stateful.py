@@ -45,12 +45,12 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self) -> tuple:
         m = self.m
-        tables = {r: (m.block_ids(r), m.num_computed_tokens(r)) for r in m.requests}
+        tables = {r: (m.page_ids(r), m.num_computed_tokens(r)) for r in m.requests}
         return m.free_page_ids(), tables, [m.page_ref_count(p) for p in range(NUM_PAGES)], dict(m.pool.cached)
 
     def _write(self, rid: str, start: int, stop: int, fresh_from: int) -> None:
         """Poison pages new to the table (index >= fresh_from), then write tokens [start, stop)."""
-        table = self.m.block_ids(rid)
+        table = self.m.page_ids(rid)
         for page in table[fresh_from:]:
             self.device[page] = [None] * PS
         for pos in range(start, stop):
@@ -107,7 +107,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if nc == len(tokens):  # prompt done: decode new tokens
             tokens = tokens + (new or [0])
         n = min(n, len(tokens) - nc)
-        old_table = m.block_ids(rid)
+        old_table = m.page_ids(rid)
         shared = nc % PS != 0 and m.page_ref_count(old_table[nc // PS]) > 1
         before = self._snapshot()
         if m.pages_needed(nc + n) > NUM_PAGES - 1:
@@ -120,7 +120,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self._snapshot() == before
             return
         self.tokens[rid] = tokens
-        table = m.block_ids(rid)
+        table = m.page_ids(rid)
         assert table[: len(old_table)] == old_table or shared
         if shared:
             i = nc // PS
@@ -144,7 +144,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child = self._new_id()
         self.m.fork(parent, child)
-        assert self.m.block_ids(child) == self.m.block_ids(parent)
+        assert self.m.page_ids(child) == self.m.page_ids(parent)
         self.tokens[child] = list(self.tokens[parent])
         self.salt[child] = self.salt[parent]
 
@@ -154,7 +154,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         """Write one token into a request whose partial last page is shared: must copy on write."""
         m = self.m
         candidates = [
-            r for r in sorted(self.tokens) if m.num_computed_tokens(r) % PS and m.page_ref_count(m.block_ids(r)[-1]) > 1
+            r for r in sorted(self.tokens) if m.num_computed_tokens(r) % PS and m.page_ref_count(m.page_ids(r)[-1]) > 1
         ]
         if candidates:
             self._grow(data.draw(st.sampled_from(candidates)), 1, new)
@@ -198,7 +198,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         m.check_invariants()
         in_use: set[int] = set()
         for rid, tokens in self.tokens.items():
-            table = m.block_ids(rid)
+            table = m.page_ids(rid)
             in_use.update(table)
             for pos in range(m.num_computed_tokens(rid)):
                 assert self.device[table[pos // PS]][pos % PS] == tokens[pos], f"{rid} reads wrong KV at {pos}"

@@ -22,7 +22,7 @@ def test_an_invalid_prompt_withdraws_the_whole_call(llm):
     assert not llm.engine.has_unfinished()
     outs = llm.generate(["hello"], greedy, use_tqdm=False)
     assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 3
-    assert llm.stats()["pages_in_use"] == 0
+    assert llm.stats().pages_in_use == 0
 
 
 def test_n_above_max_num_seqs_is_refused(llm):

@@ -42,9 +42,9 @@ def test_forward_shapes_and_cache_passthrough(tiny_config, tiny_params):
 def test_attention_fn_gets_each_layer_cache(tiny_config, tiny_params):
     seen = []
 
-    def counting_attention(q, k, v, kv_cache, meta, *, sm_scale):
+    def counting_attention(q, k, v, kv_cache, meta, *, sm_scale, **layer_options):
         seen.append(kv_cache)
-        out, _ = dense_attention(q, k, v, None, meta, sm_scale=sm_scale)
+        out, _ = dense_attention(q, k, v, None, meta, sm_scale=sm_scale, **layer_options)
         return out, kv_cache + 100
 
     model = LlamaForCausalLM(tiny_config, attention_fn=counting_attention)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler
-from paged_jax.sequence import FinishReason, Sequence
+from paged_jax.sequence import FinishReason, TokenSequence
 
 
-def request(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 40) -> tuple[Sequence, list[Sequence]]:
+def request(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 40) -> tuple[TokenSequence, list[TokenSequence]]:
     params = SamplingParams(n=n, max_tokens=max_tokens)
-    seqs = [Sequence(f"{rid}#{i}", rid, i, list(range(3, 3 + prompt_len)), params, seed=0) for i in range(n)]
+    seqs = [TokenSequence(f"{rid}#{i}", rid, i, list(range(3, 3 + prompt_len)), params, seed=0) for i in range(n)]
     return seqs[0], seqs[1:]
 
 
@@ -33,8 +33,103 @@ def test_children_of_a_running_leader_keep_their_slots():
             seq.append_token(5)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 sched.remove(seq, FinishReason.LENGTH)
-        if not sched.num_unfinished:
+        if not (sched.waiting or sched.running):
             break
-    assert most == 8 and not sched.num_unfinished
+    assert most == 8 and not (sched.waiting or sched.running)
     kv.check_invariants()
     assert kv.num_free_pages() == 399
+
+
+def seqs(rid: str, prompt: list[int], n: int = 1) -> tuple[TokenSequence, list[TokenSequence]]:
+    params = SamplingParams(n=n, max_tokens=100, temperature=0.0)
+    out = [TokenSequence(f"{rid}#{i}", rid, i, list(prompt), params, seed=0) for i in range(n)]
+    return out[0], out[1:]
+
+
+def entries(out) -> list[tuple[str, int, int, list[int]]]:
+    return [(s.seq.seq_id, s.start, s.num_new, s.page_ids) for s in out.scheduled]
+
+
+def rows(out) -> list[tuple[str, int]]:
+    return [(r.seq.seq_id, r.index) for r in out.sample_rows]
+
+
+def test_admission_in_arrival_order_and_a_long_prompt_in_chunks():
+    """Budget 16: a 20-token prompt runs 16 + 4 tokens; the 5-token one behind it waits for budget, then joins
+    the step that completes the first. Pages come off the free list in order (1, 2, 3, ...)."""
+    kv = KVCacheManager(num_pages=20, page_size=8)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
+    sched.add(*seqs("a", list(range(100, 120))))
+    sched.add(*seqs("b", list(range(200, 205))))
+    first = sched.schedule()
+    assert entries(first) == [("a#0", 0, 16, [1, 2])] and rows(first) == [] and first.num_tokens == 16
+    assert [s.seq_id for s in sched.waiting] == ["b#0"]
+    second = sched.schedule()
+    assert entries(second) == [("a#0", 16, 4, [1, 2, 3]), ("b#0", 0, 5, [4])]
+    assert rows(second) == [("a#0", 0), ("b#0", 1)] and second.num_tokens == 9
+    assert kv.num_computed_tokens("a#0") == 20 and kv.num_computed_tokens("b#0") == 5
+    kv.check_invariants()
+
+
+def test_chunk_size_caps_one_sequence_per_step():
+    kv = KVCacheManager(num_pages=20, page_size=8)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, chunk_size=8, watermark=0.0)
+    sched.add(*seqs("a", list(range(20))))
+    sched.add(*seqs("b", list(range(50, 53))))
+    assert entries(sched.schedule()) == [("a#0", 0, 8, [1]), ("b#0", 0, 3, [2])]
+    assert entries(sched.schedule())[0] == ("a#0", 8, 8, [1, 3])
+
+
+def test_out_of_pages_preempts_the_most_recently_admitted():
+    """Four usable pages, three one-page sequences: when they all need a second page, the first gets the last
+    free page, and the second takes the page of the third (preempted: back to the front of the waiting queue,
+    its pages freed, to be recomputed). No admission in a step that preempted."""
+    kv = KVCacheManager(num_pages=5, page_size=8)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, watermark=0.0)
+    a, b, c = (seqs(r, [base + i for i in range(7)])[0] for r, base in (("a", 10), ("b", 30), ("c", 50)))
+    for s in (a, b, c):
+        sched.add(s, [])
+    assert entries(sched.schedule()) == [("a#0", 0, 7, [1]), ("b#0", 0, 7, [2]), ("c#0", 0, 7, [3])]
+    for _ in range(2):  # position 7 fits the first page; position 8 needs a second one
+        for s in (a, b, c):
+            s.append_token(s.all_token_ids[-1] + 1)
+        out = sched.schedule()
+    assert entries(out) == [("a#0", 8, 1, [1, 4]), ("b#0", 8, 1, [2, 3])]
+    assert out.preempted == [c] and c.num_preemptions == 1 and sched.num_preemptions == 1
+    assert list(sched.waiting) == [c] and "c#0" not in kv and [s.seq_id for s in sched.running] == ["a#0", "b#0"]
+    kv.check_invariants()
+
+
+def test_admission_keeps_the_watermark_free_while_others_run():
+    """100 usable pages, 5% watermark: with 92 in use, a request needing 4 more pages (leaving 4 free) waits; one
+    needing 2 (leaving 6) is admitted. The first request is always admitted (nothing runs yet)."""
+    def run(watermark: float, second_prompt_len: int) -> list[str]:
+        kv = KVCacheManager(num_pages=101, page_size=8)
+        sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=1024, watermark=watermark)
+        sched.add(*seqs("big", [7] * (92 * 8)))
+        sched.add(*seqs("small", [8] * second_prompt_len))
+        return [s.seq.seq_id for s in sched.schedule().scheduled]
+
+    assert run(0.05, 32) == ["big#0"]
+    assert run(0.05, 16) == ["big#0", "small#0"]
+    assert run(0.0, 32) == ["big#0", "small#0"]
+
+
+def test_forked_samples_share_the_prompt_then_copy_on_write():
+    """n = 3: the leader computes the 10-token prompt (pages 1, 2) and its two siblings fork on that step,
+    sampling from its row. On the next step each writes position 10 into the shared, partly filled page 2:
+    the first two writers get private copies (pages 3 and 4), the last one keeps page 2."""
+    kv = KVCacheManager(num_pages=10, page_size=8)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, watermark=0.0)
+    lead, children = seqs("r", list(range(10)), n=3)
+    sched.add(lead, children)
+    first = sched.schedule()
+    assert entries(first) == [("r#0", 0, 10, [1, 2])]
+    assert rows(first) == [("r#0", 0), ("r#1", 0), ("r#2", 0)]
+    assert [kv.page_ids(s.seq_id) for s in (lead, *children)] == [[1, 2]] * 3 and kv.page_ref_count(2) == 3
+    for i, s in enumerate((lead, *children)):
+        s.append_token(50 + i)
+    second = sched.schedule()
+    assert entries(second) == [("r#0", 10, 1, [1, 3]), ("r#1", 10, 1, [1, 4]), ("r#2", 10, 1, [1, 2])]
+    assert second.copy_ops == [(2, 3), (2, 4)] and rows(second) == [("r#0", 0), ("r#1", 1), ("r#2", 2)]
+    kv.check_invariants()

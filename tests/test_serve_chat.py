@@ -124,7 +124,7 @@ def test_parse_generate_with_a_real_vocabulary(real_tokenizer_dir):
 
 
 def test_client_cli_chat(setup, capsys):
-    from serve.cli import main
+    from serve.main import main
 
     _, _, ids, _, target = setup
     assert main(["client", "--target", target, "--chat", "--system", "Be brief.", "Hello there",

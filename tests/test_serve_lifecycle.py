@@ -1,4 +1,4 @@
-"""Whole-server lifecycle: an engine loop that dies, and SIGTERM draining a real `python -m serve` process."""
+"""Whole-server lifecycle: an engine loop that dies, and SIGTERM draining a real `paged-jax serve` process."""
 
 from __future__ import annotations
 

@@ -268,7 +268,7 @@ else:
         assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
         assert all(r.num_steps > 0 for r in dp.replicas)  # both replicas served
         stats = dp.stats()
-        assert stats["pages_in_use"] == 0 and len(stats["replicas"]) == 2
+        assert stats.pages_in_use == 0 and len(stats.replicas) == 2
 
     def test_no_recompilation_in_steady_state_with_tp():
         engine = make_engine(2, tensor_parallel_size=4, warmup=True, num_pages=12)
@@ -278,6 +278,6 @@ else:
                 for p, t, m, lp in zip(make_prompts(12, seed=30, max_len=100), [0.0, 0.7] * 6, [3, 20, 9] * 4,
                                        [None, None, 2] * 4, strict=True)]
         serve(engine, work, arrive_every=1)
-        assert engine.stats()["num_preemptions"] > 0  # a tight cache: preemption and recompute too
+        assert engine.stats().num_preemptions > 0  # a tight cache: preemption and recompute too
         assert (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count) == compiled
-        assert engine.runner.warm and engine.stats()["compiles_after_warmup"] == 0
+        assert engine.runner.warm and engine.stats().compiles_after_warmup == 0

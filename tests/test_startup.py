@@ -59,19 +59,19 @@ def test_steady_state_compiles_nothing_and_a_missed_shape_is_a_warning(tiny_conf
     plan = plan_for_requests([(40, SamplingParams(max_tokens=8, temperature=0.0))] * 4, 128)
     engine.warmup(plan, progress=False)
     stats = engine.stats()
-    assert stats["compile_count"] == len(jobs(engine.runner, plan)) and stats["compiles_after_warmup"] == 0
+    assert stats.compile_count == len(jobs(engine.runner, plan)) and stats.compiles_after_warmup == 0
     for i in range(4):
         engine.add_request(f"g{i}", list(range(3 + i, 43 + i)), SamplingParams(max_tokens=8, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
-    assert engine.stats()["compile_count"] == stats["compile_count"]  # the plan held every shape the run used
-    assert engine.stats()["step_padding_tokens"] > 0 and engine.stats()["step_tokens"] == 4 * 40 + 4 * 7
+    assert engine.stats().compile_count == stats.compile_count  # the plan held every shape the run used
+    assert engine.stats().step_padding_tokens > 0 and engine.stats().step_tokens == 4 * 40 + 4 * 7
     with caplog.at_level(logging.WARNING, logger="paged_jax.executables"):
         engine.add_request("hot", list(range(3, 20)), SamplingParams(max_tokens=2, temperature=0.9, logprobs=1))
         while engine.has_unfinished():
             engine.step()
     after = engine.stats()
-    assert after["compiles_after_warmup"] >= 1 and after["compile_count"] > stats["compile_count"]
+    assert after.compiles_after_warmup >= 1 and after.compile_count > stats.compile_count
     assert any("after warm-up: sample rows=8" in r.getMessage() and "want_logprobs" in r.getMessage()
                for r in caplog.records)
 
@@ -82,7 +82,7 @@ def _generate(tmp_path: Path, cache: Path, name: str) -> tuple[str, list[dict]]:
                                           "temperature": 0.0}) + "\n" for i in range(3)))
     out = tmp_path / f"{name}.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE=str(cache))
-    proc = subprocess.run([sys.executable, "-m", "paged_jax.cli", "generate", "--model", "tiny", "--input",
+    proc = subprocess.run([sys.executable, "-m", "serve", "generate", "--model", "tiny", "--input",
                            str(inputs), "--output", str(out), "--num-pages", "64", "--max-num-seqs", "4",
                            "--max-num-batched-tokens", "32", "--no-progress"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -180,10 +180,10 @@ def test_prometheus_mirrors_compile_counts_and_padding(tiny_config, tiny_params)
         steps += 1
     stats = engine.stats()
     value = metrics.registry.get_sample_value
-    assert value("paged_jax_compiles_total") == stats["compile_count"] > 0
-    assert value("paged_jax_compile_seconds_total") == pytest.approx(stats["compile_seconds"])
+    assert value("paged_jax_compiles_total") == stats.compile_count > 0
+    assert value("paged_jax_compile_seconds_total") == pytest.approx(stats.compile_seconds)
     assert value("paged_jax_compiles_after_warmup_total") == 0
-    assert value("paged_jax_step_tokens_total") == stats["step_tokens"] == 30 + 2
-    assert value("paged_jax_step_padding_tokens_total") == stats["step_padding_tokens"] == (32 - 30) + 2 * 15
+    assert value("paged_jax_step_tokens_total") == stats.step_tokens == 30 + 2
+    assert value("paged_jax_step_padding_tokens_total") == stats.step_padding_tokens == (32 - 30) + 2 * 15
     # one observation per step that launched work (the last call of a lookahead engine only collects)
     assert value("paged_jax_step_padding_ratio_count") == steps - 1

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax.cli import COMMANDS, main
 from paged_jax.model.weights import load_model
+from serve.main import COMMANDS, main
 
 GQA = Path(__file__).parent / "data" / "hf_gqa"
 

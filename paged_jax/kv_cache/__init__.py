@@ -1,8 +1,9 @@
-"""Paged KV cache: the host-side manager (pool, prefix cache, copy-on-write); later the device pages."""
+"""Paged KV cache, host side: the manager the scheduler talks to (per-request page tables, prefix cache,
+copy-on-write forks) over the page pool. The device page arrays live in `paged_jax.runner`."""
 
-from paged_jax.kv_cache.block_pool import NULL_PAGE
 from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
-from paged_jax.kv_cache.manager import KVCacheManager
+from paged_jax.kv_cache.manager import KVCacheManager, PageCopy
+from paged_jax.kv_cache.page_pool import NULL_PAGE
 from paged_jax.kv_cache.stats import KVCacheStats
 
-__all__ = ["NULL_PAGE", "BlockHash", "BlockHasher", "KVCacheManager", "KVCacheStats"]
+__all__ = ["NULL_PAGE", "BlockHash", "BlockHasher", "KVCacheManager", "KVCacheStats", "PageCopy"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paged_jax.kv_cache.block_pool import NULL_PAGE
+from paged_jax.kv_cache.page_pool import NULL_PAGE
+from pallas_kernels.common import cdiv
 
 if TYPE_CHECKING:
     from paged_jax.kv_cache.manager import KVCacheManager
@@ -21,30 +22,30 @@ def check_manager_invariants(m: KVCacheManager) -> None:
     """Every page in exactly one state, refcounts == table holders, sound free list, cache map and tables."""
     pool = m.pool
     ps = m.page_size
-    blocks = pool.blocks
-    if len(blocks) != m.num_pages or any(b.page_id != i for i, b in enumerate(blocks)):
-        _fail("pool blocks are not exactly pages 0..num_pages-1 in order")
+    pages = pool.pages
+    if len(pages) != m.num_pages or any(p.page_id != i for i, p in enumerate(pages)):
+        _fail("pool pages are not exactly pages 0..num_pages-1 in order")
 
     # Tables: no null page, no page twice in one table, length matches computed tokens, hashes agree.
     holders = [0] * m.num_pages
     partial_fill: dict[int, int] = {}  # page -> fill, for pages that are some request's partial last page
     full_pages: set[int] = set()
     for rid, st in m.requests.items():
-        ids = [b.page_id for b in st.blocks]
-        if any(b is not blocks[b.page_id] for b in st.blocks):
+        ids = [b.page_id for b in st.pages]
+        if any(b is not pages[b.page_id] for b in st.pages):
             _fail(f"request {rid!r} holds a block object that is not the pool's")
         if NULL_PAGE in ids:
             _fail(f"request {rid!r} holds the null page: {ids}")
         if len(set(ids)) != len(ids):
             _fail(f"request {rid!r} holds a page twice: {ids}")
-        if len(ids) != -(-st.num_computed // ps):
+        if len(ids) != cdiv(st.num_computed, ps):
             _fail(f"request {rid!r} has {len(ids)} pages for {st.num_computed} computed tokens")
         num_full = st.num_computed // ps
         if st.num_cached_blocks != num_full:
             _fail(f"request {rid!r}: {st.num_cached_blocks} blocks offered to the cache, {num_full} full")
         if m.enable_prefix_caching and len(st.block_hashes) < num_full:
             _fail(f"request {rid!r}: {len(st.block_hashes)} hashes for {num_full} full blocks")
-        for i, b in enumerate(st.blocks):
+        for i, b in enumerate(st.pages):
             holders[b.page_id] += 1
             if b.block_hash is not None and (i >= num_full or b.block_hash != st.block_hashes[i]):
                 _fail(f"request {rid!r} block {i} (page {b.page_id}) is cached under a hash not its own")
@@ -57,10 +58,10 @@ def check_manager_invariants(m: KVCacheManager) -> None:
         _fail(f"pages both full and partial: {sorted(full_pages & set(partial_fill))}")
 
     # Refcounts and free-list membership.
-    null = blocks[NULL_PAGE]
+    null = pages[NULL_PAGE]
     if null.ref_cnt or null.block_hash is not None or null.prev_free or null.next_free:
         _fail("the null page has a refcount, a hash or free-list links")
-    for b in blocks[1:]:
+    for b in pages[1:]:
         if b.ref_cnt != holders[b.page_id]:
             _fail(f"page {b.page_id} refcount {b.ref_cnt} != {holders[b.page_id]} tables holding it")
         in_list = b.prev_free is not None
@@ -84,7 +85,7 @@ def check_manager_invariants(m: KVCacheManager) -> None:
         prev, node = node, node.next_free
     if fq.tail.prev_free is not prev:
         _fail("free list tail back link is wrong")
-    num_zero = sum(1 for b in blocks[1:] if b.ref_cnt == 0)
+    num_zero = sum(1 for b in pages[1:] if b.ref_cnt == 0)
     if seen != fq.num_free or seen != num_zero:
         _fail(f"free list walks {seen} pages, counts {fq.num_free}, {num_zero} pages have refcount 0")
 
@@ -93,7 +94,7 @@ def check_manager_invariants(m: KVCacheManager) -> None:
         if b.block_hash != h:
             _fail(f"cache entry {h.hex()} points at page {b.page_id} carrying another hash")
     cached_free = 0
-    for b in blocks[1:]:
+    for b in pages[1:]:
         if b.block_hash is not None:
             if pool.cached.get(b.block_hash) is not b:
                 _fail(f"page {b.page_id} carries a hash the cache map does not point back from")

@@ -1,6 +1,6 @@
-"""The facade the scheduler talks to: per-request block tables on top of the block pool.
+"""The facade the scheduler talks to: per-request block tables on top of the page pool.
 
-The scheduler never touches a ``Block``; it speaks in request ids, token counts and page ids. Every
+The scheduler never touches a ``Page`` record; it speaks in request ids, token counts and page ids. Every
 mutating call is all or nothing: it validates, then decides whether enough free pages exist, and only
 then moves anything. A call that returns ``None`` (not enough pages) or raises leaves the manager exactly
 as it was.
@@ -20,26 +20,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from paged_jax.kv_cache.block_pool import NULL_PAGE, Block, BlockPool
 from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
 from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.kv_cache.page_pool import NULL_PAGE, Page, PagePool
 from paged_jax.kv_cache.stats import KVCacheStats
+from pallas_kernels.common import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
 
-MIN_PAGE_SIZE = 8
-MAX_PAGE_SIZE = 256
+
+class PageCopy(NamedTuple):
+    """A copy-on-write instruction: the device copies page `src` to page `dst` (every layer) before the step."""
+
+    src: int
+    dst: int
 
 
 @dataclass(slots=True)
-class RequestBlocks:
+class RequestPages:
     """What the manager knows about one running request."""
 
-    blocks: list[Block]
-    """The block table, logical block i -> physical page ``blocks[i].page_id``; append-only except CoW."""
+    pages: list[Page]
+    """The block table, logical block i -> physical page ``pages[i].page_id``; append-only except CoW."""
     num_computed: int
-    """Tokens whose KV is (or is being, this step) written into ``blocks``."""
+    """Tokens whose KV is (or is being, this step) written into ``pages``."""
     block_hashes: list[BlockHash]
     """Chained hashes of the request's leading full blocks (may run ahead of ``num_cached_blocks``)."""
     num_cached_blocks: int
@@ -57,15 +63,17 @@ class KVCacheManager:
             or page_size & (page_size - 1)
             or not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE)
         ):
-            raise ValueError(f"page_size must be a power of two in [8, 256], got {page_size!r}")
+            raise ValueError(
+                f"page_size must be a power of two in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size!r}"
+            )
         if not isinstance(num_pages, int) or num_pages < 2:
             raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), got {num_pages!r}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_pages, enable_caching=enable_prefix_caching)
+        self.pool = PagePool(num_pages, enable_caching=enable_prefix_caching)
         self.hasher = BlockHasher(page_size)
-        self.requests: dict[str, RequestBlocks] = {}
+        self.requests: dict[str, RequestPages] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
 
@@ -75,7 +83,7 @@ class KVCacheManager:
         """Pages that hold ``num_tokens`` tokens: ``ceil(num_tokens / page_size)``."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return -(-num_tokens // self.page_size)
+        return cdiv(num_tokens, self.page_size)
 
     def num_free_pages(self) -> int:
         """Pages with refcount 0, cached-but-free ones included (they are reclaimed on demand)."""
@@ -96,25 +104,27 @@ class KVCacheManager:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def page_ids(self, request_id: str) -> list[int]:
         """The request's block table as physical page ids (a fresh list)."""
-        return [b.page_id for b in self._get(request_id).blocks]
+        return [p.page_id for p in self._get(request_id).pages]
 
     def block_table_row(self, request_id: str, width: int) -> np.ndarray:
         """The block table as an int32 row of ``width`` entries, padded with the null page."""
-        blocks = self._get(request_id).blocks
-        if len(blocks) > width:
-            raise ValueError(f"request {request_id!r} has {len(blocks)} pages, row width is {width}")
+        pages = self._get(request_id).pages
+        if len(pages) > width:
+            raise ValueError(f"request {request_id!r} has {len(pages)} pages, row width is {width}")
         row = np.full(width, NULL_PAGE, dtype=np.int32)
-        row[: len(blocks)] = [b.page_id for b in blocks]
+        row[: len(pages)] = [p.page_id for p in pages]
         return row
 
     def num_computed_tokens(self, request_id: str) -> int:
+        """Leading tokens of the request whose KV is in its pages (or is written this step): the one count of
+        computed tokens (sequences do not keep their own)."""
         return self._get(request_id).num_computed
 
     def page_ref_count(self, page_id: int) -> int:
         """Refcount of one physical page (for tests and debugging)."""
-        return self.pool.blocks[page_id].ref_cnt
+        return self.pool.pages[page_id].ref_cnt
 
     def free_page_ids(self) -> list[int]:
         """Free pages in eviction order, next-evicted first (O(n); for tests and debugging)."""
@@ -155,11 +165,11 @@ class KVCacheManager:
         if need - num_hits + num_revived > self.pool.free_queue.num_free:
             return None
         # Revive the hits first: they leave the free list, so the allocation below cannot evict them.
-        for block in hits:
-            self.pool.touch(block)
-        blocks = hits  # the table starts with the hit pages
-        blocks.extend(self.pool.allocate(need - num_hits))
-        state = RequestBlocks(blocks, total, hashes, num_hits, cache_salt)
+        for page in hits:
+            self.pool.touch(page)
+        pages = hits  # the table starts with the hit pages
+        pages.extend(self.pool.allocate(need - num_hits))
+        state = RequestPages(pages, total, hashes, num_hits, cache_salt)
         self.requests[request_id] = state
         self._cache_full_blocks(state, token_ids)
         self._prefix_queries += len(token_ids)
@@ -168,7 +178,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, cache: bool = True
-    ) -> list[tuple[int, int]] | None:
+    ) -> list[PageCopy] | None:
         """A running request computes positions ``[num_computed, num_computed + num_new_tokens)`` now.
 
         Allocates the pages this needs, all or nothing (``None``: not enough free pages, nothing changed).
@@ -189,24 +199,24 @@ class KVCacheManager:
         total = start + num_new_tokens
         if len(token_ids) < total:
             raise ValueError(f"request {request_id!r}: {total} tokens to compute, {len(token_ids)} given")
-        blocks = state.blocks
-        need = -(-total // ps)
+        pages = state.pages
+        need = cdiv(total, ps)
         if need > self.num_pages - 1:
             raise ValueError(f"request {request_id!r} needs {need} pages, the pool has {self.num_pages - 1}")
-        num_new_pages = need - len(blocks)
-        cow = num_new_tokens > 0 and start % ps != 0 and blocks[start // ps].ref_cnt > 1
+        num_new_pages = need - len(pages)
+        cow = num_new_tokens > 0 and start % ps != 0 and pages[start // ps].ref_cnt > 1
         if num_new_pages + cow > self.pool.free_queue.num_free:
             return None
-        copies: list[tuple[int, int]] = []
+        copies: list[PageCopy] = []
         if cow:
             index = start // ps
-            src = blocks[index]
+            src = pages[index]
             dst = self.pool.allocate(1)[0]
-            blocks[index] = dst
+            pages[index] = dst
             self.pool.release(src)  # refcount was > 1: src stays in use by its other holders
-            copies.append((src.page_id, dst.page_id))
+            copies.append(PageCopy(src.page_id, dst.page_id))
         if num_new_pages > 0:
-            blocks.extend(self.pool.allocate(num_new_pages))
+            pages.extend(self.pool.allocate(num_new_pages))
         state.num_computed = total
         if cache and total // ps > state.num_cached_blocks:
             self._cache_full_blocks(state, token_ids)
@@ -224,10 +234,10 @@ class KVCacheManager:
         parent = self._get(parent_id)
         if child_id in self.requests:
             raise ValueError(f"fork target {child_id!r} already exists")
-        for block in parent.blocks:
-            self.pool.touch(block)
-        self.requests[child_id] = RequestBlocks(
-            list(parent.blocks),
+        for page in parent.pages:
+            self.pool.touch(page)
+        self.requests[child_id] = RequestPages(
+            list(parent.pages),
             parent.num_computed,
             list(parent.block_hashes),
             parent.num_cached_blocks,
@@ -243,8 +253,8 @@ class KVCacheManager:
         """
         state = self._get(request_id)
         del self.requests[request_id]
-        for block in reversed(state.blocks):
-            self.pool.release(block)
+        for page in reversed(state.pages):
+            self.pool.release(page)
 
     # ----------------------------------------------------------------------------------- introspection
 
@@ -260,8 +270,8 @@ class KVCacheManager:
         seen: set[int] = set()
         for state in self.requests.values():
             fill = state.num_computed % ps
-            if fill and state.blocks[-1].page_id not in seen:
-                seen.add(state.blocks[-1].page_id)
+            if fill and state.pages[-1].page_id not in seen:
+                seen.add(state.pages[-1].page_id)
                 empty_slots += ps - fill
         queries, hits = self._prefix_queries, self._prefix_hits
         return KVCacheStats(
@@ -269,7 +279,7 @@ class KVCacheManager:
             pages_free=free,
             pages_cached_free=pool.num_cached_free,
             pages_in_use=in_use,
-            kv_utilization=(in_use * ps - empty_slots) / (in_use * ps) if in_use else 1.0,
+            slot_utilization=(in_use * ps - empty_slots) / (in_use * ps) if in_use else 1.0,
             prefix_queries=queries,
             prefix_hits=hits,
             prefix_hit_rate=hits / queries if queries else 0.0,
@@ -282,7 +292,7 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------------------------------- internal
 
-    def _get(self, request_id: str) -> RequestBlocks:
+    def _get(self, request_id: str) -> RequestPages:
         state = self.requests.get(request_id)
         if state is None:
             raise KeyError(f"unknown request {request_id!r}")
@@ -290,24 +300,24 @@ class KVCacheManager:
 
     def _find_hits(
         self, token_ids: Sequence[int], cache_salt: str | None, hashes: list[BlockHash]
-    ) -> list[Block]:
+    ) -> list[Page]:
         """Cached pages of the leading full blocks, stopping at the first miss; fills ``hashes`` on the way.
 
         At most ``(len - 1) // page_size`` blocks, so the last token is always left to compute.
         """
-        hits: list[Block] = []
+        hits: list[Page] = []
         if not self.enable_prefix_caching:
             return hits
         lookup = self.pool.cached.get
         for i in range((len(token_ids) - 1) // self.page_size):
             self.hasher.extend(hashes, token_ids, i + 1, cache_salt)
-            block = lookup(hashes[i])
-            if block is None:
+            page = lookup(hashes[i])
+            if page is None:
                 break
-            hits.append(block)
+            hits.append(page)
         return hits
 
-    def _cache_full_blocks(self, state: RequestBlocks, token_ids: Sequence[int]) -> None:
+    def _cache_full_blocks(self, state: RequestPages, token_ids: Sequence[int]) -> None:
         """Offer the request's newly completed full blocks to the prefix cache."""
         num_full = state.num_computed // self.page_size
         if num_full <= state.num_cached_blocks:
@@ -315,5 +325,5 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.hasher.extend(state.block_hashes, token_ids, num_full, state.cache_salt)
             for i in range(state.num_cached_blocks, num_full):
-                self.pool.cache(state.blocks[i], state.block_hashes[i])
+                self.pool.cache(state.pages[i], state.block_hashes[i])
         state.num_cached_blocks = num_full

@@ -19,7 +19,7 @@ class KVCacheStats:
     """Pages with refcount 0, cached-but-free included (they are reclaimed on demand)."""
     pages_cached_free: int
     pages_in_use: int
-    kv_utilization: float
+    slot_utilization: float
     """Token slots holding live tokens over token slots in pages in use (1.0 when none in use)."""
     prefix_queries: int
     """Prompt tokens looked up at admission (``admit`` calls that succeeded)."""

@@ -1,6 +1,8 @@
-"""The Llama-style model, its attention seam, and where its parameters come from."""
+"""The decoder families (`families.causal_lm` picks one by `model_type`), the attention seam, and where
+parameters come from."""
 
 from paged_jax.model.attention import AttentionFn, DenseMeta, dense_attention
+from paged_jax.model.families import FAMILIES, causal_lm
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.weights import (
     WeightsError,
@@ -12,5 +14,6 @@ from paged_jax.model.weights import (
     save_checkpoint,
 )
 
-__all__ = ["AttentionFn", "DenseMeta", "LlamaForCausalLM", "WeightsError", "dense_attention", "init_params",
-           "load_checkpoint", "load_hf_params", "load_model", "param_partition_specs", "save_checkpoint"]
+__all__ = ["FAMILIES", "AttentionFn", "DenseMeta", "LlamaForCausalLM", "WeightsError", "causal_lm",
+           "dense_attention", "init_params", "load_checkpoint", "load_hf_params", "load_model",
+           "param_partition_specs", "save_checkpoint"]

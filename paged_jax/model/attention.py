@@ -16,10 +16,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-AttentionFn = Callable[..., tuple[jax.Array, Any]]
-"""fn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_cache, meta, *, sm_scale) -> (out [T, Hq, D], kv_cache)."""
+from pallas_kernels.common import MASK_VALUE  # finite, so max - max stays finite
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so max - max stays finite
+AttentionFn = Callable[..., tuple[jax.Array, Any]]
+"""fn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_cache, meta, *, sm_scale, sliding_window=None, soft_cap=None)
+-> (out [T, Hq, D], kv_cache). `sliding_window` (tokens, per layer) and `soft_cap` (Gemma 2's logit cap) follow
+`pallas_kernels.common`: key p is visible to the query at x when x - window < p <= x; scores become
+cap * tanh(scores / cap) before the softmax."""
 
 
 @flax.struct.dataclass
@@ -42,8 +45,12 @@ class DenseMeta:
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: Any, meta: DenseMeta, *,
-                    sm_scale: float) -> tuple[jax.Array, Any]:
+                    sm_scale: float, sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> tuple[jax.Array, Any]:
     """Masked causal softmax attention in float32 within segments; the cache passes through untouched.
+
+    With `sliding_window` w a query at position x sees keys at x - w < p <= x; with `soft_cap` c the scaled
+    scores become c * tanh(scores / c) before masking (the order of `pallas_kernels.common`).
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] with Hq a multiple of Hkv (GQA/MQA). Query head h reads KV head
     h // (Hq // Hkv), as HF's `repeat_kv` does; we reshape q to [T, Hkv, G, D] instead of copying KV.
@@ -54,9 +61,13 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: Any, met
     g = hq // hkv
     qg = q.reshape(t, hkv, g, d).astype(jnp.float32)
     scores = jnp.einsum("qhgd,khd->hgqk", qg, k.astype(jnp.float32)) * sm_scale  # [Hkv, G, T, T]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     seg, pos = meta.segment_ids, meta.positions
     valid_q = seg >= 0
     mask = (seg[:, None] == seg[None, :]) & valid_q[:, None] & (pos[None, :] <= pos[:, None])  # [Tq, Tk]
+    if sliding_window is not None:
+        mask = mask & (pos[None, :] > pos[:, None] - sliding_window)
     scores = jnp.where(mask[None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("hgqk,khd->qhgd", probs, v.astype(jnp.float32))  # [T, Hkv, G, D]

@@ -38,7 +38,8 @@ def memory_budget_bytes() -> int:
 
 def _culprit(config: ModelConfig) -> str:
     """The size field whose value contributes most: the one that, set to 1, shrinks the total most."""
-    fields = {f: getattr(config, f) for f in (*SIZE_FIELDS, "attention_bias", "tie_word_embeddings")}
+    fields = {f: getattr(config, f) for f in (*SIZE_FIELDS, "attention_bias", "tie_word_embeddings",
+                                                "model_type", "num_experts")}
 
     def shrunk(name: str) -> int:  # the formula alone: a config with that field at 1 need not be valid
         return ModelConfig.num_params(SimpleNamespace(**fields | {name: 1}))

@@ -63,7 +63,8 @@ def fuse_params(config: ModelConfig, params: Params) -> Params:
         attn["qkv_proj"] = fuse_qkv(attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj"), group)
         if "q_bias" in attn:
             attn["qkv_bias"] = fuse_qkv(attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias"), group)
-        mlp["gate_up_proj"] = jnp.stack([mlp.pop("gate_proj"), mlp.pop("up_proj")], axis=1)
+        if "gate_proj" in mlp:  # a dense MLP (an MoE block's experts are already one array each)
+            mlp["gate_up_proj"] = jnp.stack([mlp.pop("gate_proj"), mlp.pop("up_proj")], axis=1)
         layer["self_attn"], layer["mlp"] = attn, mlp
         out["params"][name] = layer
     return out
@@ -78,8 +79,9 @@ def unfuse_params(params: Params) -> Params:
         attn["q_proj"], attn["k_proj"], attn["v_proj"] = split_qkv(attn.pop("qkv_proj"))
         if "qkv_bias" in attn:
             attn["q_bias"], attn["k_bias"], attn["v_bias"] = split_qkv(attn.pop("qkv_bias"))
-        gate_up = mlp.pop("gate_up_proj")
-        mlp["gate_proj"], mlp["up_proj"] = gate_up[:, 0], gate_up[:, 1]
+        if "gate_up_proj" in mlp:
+            gate_up = mlp.pop("gate_up_proj")
+            mlp["gate_proj"], mlp["up_proj"] = gate_up[:, 0], gate_up[:, 1]
         layer["self_attn"], layer["mlp"] = attn, mlp
         out["params"][name] = layer
     return out

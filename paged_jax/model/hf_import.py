@@ -1,4 +1,4 @@
-"""Import a Hugging Face Llama-family directory (`config.json` + safetensors) without torch or pickle.
+"""Import a Hugging Face directory (`config.json` + safetensors) of any supported family, without torch or pickle.
 
 Reads `model.safetensors` or the shards listed in `model.safetensors.index.json` (or, failing both,
 every `*.safetensors` file), maps HF names onto our tree and transposes HF's [out, in] weights into
@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paged_jax.config import ModelConfig
+from paged_jax.config import GEMMA_TYPES, QK_NORM_TYPES, ModelConfig
 from paged_jax.model.fuse import fuse_params, import_shapes
 from paged_jax.model.init import Params
 
@@ -66,31 +66,68 @@ def _headers(files: list[Path]) -> dict[Path, list[tuple[str, tuple[int, ...], s
     return out
 
 
-def _layer_rules(config: ModelConfig, i: int) -> dict[str, tuple[tuple[str, ...], Callable]]:
+Rules = dict[str, tuple[tuple[Any, ...], Callable]]  # HF tensor name -> (our path, transform from the HF array)
+
+
+def _identity(w: Any) -> Any:
+    return w
+
+
+def _transpose(w: Any) -> Any:
+    return w.T
+
+
+# HF names of one MoE layer's router and of expert j's gate, up and down projections, per family.
+MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
+                "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight"),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
+                  "mlp.experts.{j}.down_proj.weight"),
+}
+
+
+def _mlp_rules(config: ModelConfig, ours: str) -> Rules:
+    """The MLP of one layer: dense gate/up/down, or an MoE's router and per-expert projections. A path ending
+    in an expert index j is row j of the stacked [E, ...] leaf (stacked by `_stack_experts` after reading)."""
+    if not config.is_moe:
+        return {f"mlp.{proj}.weight": ((ours, "mlp", proj), _transpose)
+                for proj in ("gate_proj", "up_proj", "down_proj")}
+    router, gate, up, down = MOE_NAMES[config.model_type]
+    rules: Rules = {router: ((ours, "mlp", "router"), _transpose)}
+    for j in range(config.num_experts):
+        for hf, leaf in ((gate, "experts_gate"), (up, "experts_up"), (down, "experts_down")):
+            rules[hf.format(j=j)] = ((ours, "mlp", leaf, j), _transpose)
+    return rules
+
+
+def _layer_rules(config: ModelConfig, i: int) -> Rules:
     """HF tensor name -> (our path, transform from the HF array) for layer i."""
     h, d, hq, hkv = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
     pre, ours = f"model.layers.{i}.", f"layers_{i}"
-    rules: dict[str, tuple[tuple[str, ...], Callable]] = {
-        "input_layernorm.weight": ((ours, "input_layernorm", "weight"), lambda w: w),
-        "post_attention_layernorm.weight": ((ours, "post_attention_layernorm", "weight"), lambda w: w),
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.model_type in GEMMA_TYPES:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    rules: Rules = {f"{norm}.weight": ((ours, norm, "weight"), _identity) for norm in norms}
+    rules.update({
         "self_attn.q_proj.weight": ((ours, "self_attn", "q_proj"), lambda w: w.T.reshape(h, hq, d)),
         "self_attn.k_proj.weight": ((ours, "self_attn", "k_proj"), lambda w: w.T.reshape(h, hkv, d)),
         "self_attn.v_proj.weight": ((ours, "self_attn", "v_proj"), lambda w: w.T.reshape(h, hkv, d)),
         "self_attn.o_proj.weight": ((ours, "self_attn", "o_proj"), lambda w: w.T.reshape(hq, d, h)),
-        "mlp.gate_proj.weight": ((ours, "mlp", "gate_proj"), lambda w: w.T),
-        "mlp.up_proj.weight": ((ours, "mlp", "up_proj"), lambda w: w.T),
-        "mlp.down_proj.weight": ((ours, "mlp", "down_proj"), lambda w: w.T),
-    }
+    })
     if config.attention_bias:
         for proj, heads in (("q", hq), ("k", hkv), ("v", hkv)):
             rules[f"self_attn.{proj}_proj.bias"] = ((ours, "self_attn", f"{proj}_bias"),
                                                    lambda w, n=heads: w.reshape(n, d))
+    if config.model_type in QK_NORM_TYPES:
+        for norm in ("q_norm", "k_norm"):
+            rules[f"self_attn.{norm}.weight"] = ((ours, "self_attn", norm, "weight"), _identity)
+    rules.update(_mlp_rules(config, ours))
     return {pre + k: v for k, v in rules.items()}
 
 
-def hf_name_map(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
+def hf_name_map(config: ModelConfig) -> Rules:
     """Every HF tensor name the model needs -> (our parameter path, transform)."""
-    rules: dict[str, tuple[tuple[str, ...], Callable]] = {
+    rules: Rules = {
         "model.embed_tokens.weight": (("embed_tokens", "embedding"), lambda w: w),
         "model.norm.weight": (("norm", "weight"), lambda w: w),
     }
@@ -101,16 +138,32 @@ def hf_name_map(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callabl
     return rules
 
 
-def _get(tree: dict, path: tuple[str, ...]) -> jax.ShapeDtypeStruct:
-    for key in path:
+def _get(tree: dict, path: tuple[Any, ...]) -> jax.ShapeDtypeStruct:
+    """The abstract leaf at `path`; a trailing expert index gives that expert's row of the stacked leaf."""
+    *keys, last = path
+    for key in keys:
         tree = tree[key]
-    return tree  # type: ignore[return-value]
+    if isinstance(last, int):
+        leaf = tree
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)  # type: ignore[union-attr]
+    return tree[last]  # type: ignore[return-value]
 
 
-def _set(tree: dict, path: tuple[str, ...], value: jax.Array) -> None:
+def _set(tree: dict, path: tuple[Any, ...], value: jax.Array) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def _stack_experts(tree: dict) -> dict:
+    """Replace every {0: row, 1: row, ...} node (one expert per key) by the rows stacked in expert order."""
+    for key, node in tree.items():
+        if isinstance(node, dict):
+            if node and all(isinstance(j, int) for j in node):
+                tree[key] = jnp.stack([node[j] for j in range(len(node))])
+            else:
+                _stack_experts(node)
+    return tree
 
 
 def _hf_shape(name: str, ours: tuple[int, ...]) -> tuple[int, ...]:
@@ -170,7 +223,7 @@ def load_hf_params(model_dir: str | Path, config: ModelConfig) -> Params:
             if check.accept(name, shape, FLOAT_DTYPES.get(stored) or _dtype_name(stored)):
                 wanted.setdefault(f, []).append(name)
     check.finish()
-    return fuse_params(config, {"params": _read(wanted, check.rules, jnp.dtype(config.dtype))})
+    return fuse_params(config, {"params": _stack_experts(_read(wanted, check.rules, jnp.dtype(config.dtype)))})
 
 
 def _dtype_name(stored: str) -> str:
@@ -180,8 +233,7 @@ def _dtype_name(stored: str) -> str:
     return f"{kinds[kind]}{stored[len(kind):]}" if kind in kinds else stored.lower()
 
 
-def _read(wanted: dict[Path, list[str]], rules: dict[str, tuple[tuple[str, ...], Callable]],
-          dtype: jnp.dtype) -> dict:
+def _read(wanted: dict[Path, list[str]], rules: Rules, dtype: jnp.dtype) -> dict:
     """Read the checked tensors one at a time into our tree (each freed on the host before the next)."""
     from safetensors import safe_open
 
@@ -209,7 +261,7 @@ def params_from_hf_tensors(tensors: Iterable[tuple[str, Any]], config: ModelConf
             path, transform = check.rules[name]
             _set(params, path, jnp.asarray(transform(tensor), dtype=dtype))
     check.finish()
-    return fuse_params(config, {"params": params})
+    return fuse_params(config, {"params": _stack_experts(params)})
 
 
 __all__ = ["WeightsError", "hf_name_map", "load_hf_params", "params_from_hf_tensors", "safetensors_files"]

@@ -10,15 +10,15 @@ import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
 from paged_jax.model.attention import DenseMeta
+from paged_jax.model.families import causal_lm
 from paged_jax.model.layers import INIT_STD
-from paged_jax.model.llama import LlamaForCausalLM
 
-Params = dict[str, Any]  # {"params": {...}}, as `LlamaForCausalLM.apply` takes it
+Params = dict[str, Any]  # {"params": {...}}, as the model's `apply` takes it
 
 
 def param_shapes(config: ModelConfig) -> Params:
     """The parameter tree as `jax.ShapeDtypeStruct` leaves, traced abstractly (no compute, no memory)."""
-    model = LlamaForCausalLM(config)
+    model = causal_lm(config)
     tokens = jnp.zeros((1,), jnp.int32)
     meta = DenseMeta(segment_ids=tokens, positions=tokens)
     return jax.eval_shape(lambda key: model.init(key, tokens, tokens, None, meta), jax.random.key(0))

@@ -60,7 +60,8 @@ class Attention(nn.Module):
         q, k, v = qkv_projection(x, attn, c)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d ** -0.5)
+        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d ** -0.5,
+                                          sliding_window=c.sliding_window)
         return out_projection(out, attn), kv_cache
 
 

@@ -2,7 +2,8 @@
 
 Attention is split by heads (the fused q/k/v by KV-head groups, o on its input head axis), the MLP by the
 intermediate dimension (gate/up by columns, down by rows), the embedding and LM head by vocab,
-norms replicated. The TP degree must divide num_heads, intermediate and vocab, and the number of KV heads
+norms replicated; MoE experts like the MLP, each expert split by its intermediate dimension (the router
+replicated). The TP degree must divide num_heads, intermediate and vocab, and the number of KV heads
 in `params`: when it exceeds the model's KV heads, `paged_jax.sharding.expand_kv_heads` first repeats them
 (`sharding.kv_replication` checks all of this).
 """
@@ -24,7 +25,11 @@ _SPECS: dict[str, Any] = {
     "down_proj": lambda tp: P(tp, None),      # [I, H]
     "embedding": lambda tp: P(tp, None),      # [V, H]
     "lm_head": lambda tp: P(None, tp),        # [H, V]
-    "weight": lambda tp: P(),                 # RMSNorm [H]
+    "weight": lambda tp: P(),                 # RMSNorm [H] (q/k norms [D])
+    "router": lambda tp: P(),                 # MoE router [H, E], replicated: every chip routes every token
+    "experts_gate": lambda tp: P(None, None, tp),  # [E, H, I]: TP inside each expert (see paged_jax.model.moe)
+    "experts_up": lambda tp: P(None, None, tp),
+    "experts_down": lambda tp: P(None, tp, None),  # [E, I, H]
 }
 
 

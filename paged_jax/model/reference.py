@@ -1,5 +1,7 @@
 """Reference greedy decoding: full recompute with `dense_attention`, the oracle for the engine.
 
+Works for every family (`paged_jax.model.families`): the model applies its own per-layer windows and caps.
+
 Each new token reruns the whole (padded) sequence. The buffer is padded to a power-of-two length,
 and the whole loop runs inside one jitted `fori_loop`, so one (model, length, steps) compiles once.
 """
@@ -9,28 +11,28 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.init import Params
-from paged_jax.model.llama import LlamaForCausalLM
 
 
 def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def full_logits(model: LlamaForCausalLM, params: Params, token_ids: jax.Array, length: jax.Array) -> jax.Array:
+def full_logits(model: nn.Module, params: Params, token_ids: jax.Array, length: jax.Array) -> jax.Array:
     """Logits [L, V] float32 of one sequence padded to L (tokens at index >= length are padding)."""
     num = token_ids.shape[0]
     meta = DenseMeta.single(num, length)
     hidden, _ = model.apply(params, token_ids, meta.positions, None, meta)
-    return model.apply(params, hidden, method=LlamaForCausalLM.compute_logits)
+    return model.apply(params, hidden, method="compute_logits")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _greedy(model: LlamaForCausalLM, params: Params, buf: jax.Array, length: jax.Array,
+def _greedy(model: nn.Module, params: Params, buf: jax.Array, length: jax.Array,
             steps: int) -> jax.Array:
     def step(i: int, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         buf, n = carry
@@ -42,7 +44,7 @@ def _greedy(model: LlamaForCausalLM, params: Params, buf: jax.Array, length: jax
     return buf
 
 
-def greedy_generate(model: LlamaForCausalLM, params: Params, prompt_ids: Sequence[int], max_new_tokens: int,
+def greedy_generate(model: nn.Module, params: Params, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos: int | Sequence[int] | None = None, pad_to: int | None = None) -> list[int]:
     """The greedy continuation of `prompt_ids` (new tokens only), stopping after the first `eos` id.
 

@@ -1,5 +1,9 @@
 """The `paged-jax` console script: one argparse subcommand per entry of `COMMANDS`.
 
+It lives in `serve`, the application layer, because it imports both: `paged_jax` (generate, convert, info)
+and `serve` (serve, client). `serve` depends on `paged_jax`, never the reverse, so there is no cycle (the
+design card fixes the top-level packages, so no third package). `python -m serve` runs it without installing.
+
 To add a subcommand, write `add_args(parser)` and `run(args) -> int` (in this file or its own
 module) and register them: `COMMANDS["name"] = Command(help, add_args, run)`.
 """
@@ -59,6 +63,9 @@ def _add_info_args(parser: argparse.ArgumentParser) -> None:
                              "model (smollm2-135m-instruct) or orbax checkpoint")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random weights (config names only)")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="config names, JSON or HF directories: count parameters from the abstract shape tree "
+                             "without allocating them (for shapes larger than this machine, e.g. mixtral-8x7b)")
     from paged_jax.engine_args import add_model_text_args
 
     add_model_text_args(parser)
@@ -84,6 +91,20 @@ def text_info_lines(tokenizer, defaults: dict) -> list[str]:
     return lines
 
 
+def _abstract_model(model: str, dtype: str | None):
+    """(config, parameter tree of ShapeDtypeStructs, tokenizer) without allocating any weights."""
+    from pathlib import Path
+
+    from paged_jax.config import load_model_config
+    from paged_jax.model.init import param_shapes
+    from paged_jax.tokenizer import load_tokenizer
+
+    config = load_model_config(model)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    return config, param_shapes(config), load_tokenizer(model if Path(model).is_dir() else None, config)
+
+
 def run_info(args: argparse.Namespace) -> int:
     """Load the model (random weights for a config name) and print its shape, size and memory."""
     import jax
@@ -93,12 +114,16 @@ def run_info(args: argparse.Namespace) -> int:
     from paged_jax.model.weights import load_model
 
     start = time.perf_counter()
-    config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    if args.no_weights:
+        config, params, tokenizer = _abstract_model(args.model, args.dtype)
+    else:
+        config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
     defaults = apply_model_text_args(args, tokenizer)
     jax.block_until_ready(params)
     elapsed = time.perf_counter() - start
     n, nbytes = count_params(params), param_bytes(params)
-    print(f"model: {config.name} ({config.dtype})")
+    print(f"model: {config.name} ({config.dtype}{', shapes only' if args.no_weights else ''})")
+    print(f"family: {config.family_summary()}")
     print(f"layers={config.num_layers} hidden={config.hidden_size} heads={config.num_heads} "
           f"kv_heads={config.num_kv_heads} head_dim={config.head_dim} intermediate={config.intermediate_size} "
           f"vocab={config.vocab_size} tied={config.tie_word_embeddings}")
@@ -124,7 +149,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _serve_cli():
-    from serve import cli
+    from serve import cli  # imported on use: `generate` and `info` need neither grpc nor the server
 
     return cli
 

@@ -1,0 +1,180 @@
+"""What the decoder families beyond Llama share: per-layer attention, the gated MLP, the causal-LM skeleton.
+
+A family module (`qwen3`, `gemma`, `mixtral`, `qwen3_moe`) subclasses `CausalLM` and says how one layer is
+built (`make_layer`), which RMSNorm the final norm is, and whether embeddings are scaled; everything else
+(embedding, RoPE tables, the layer loop over KV caches, the final norm, tied or separate LM head, the final
+logit soft cap) is here. Parameter names follow `paged_jax.model.llama` (fused qkv_proj and gate_up_proj,
+o_proj, down_proj, input_layernorm, ...) so the HF import (one kernel per projection, fused at load by
+`paged_jax.model.fuse`), the init and the tensor-parallel specs treat every family alike.
+
+Per layer, `Attention` passes its sliding window (`ModelConfig.layer_sliding_window`) and the attention
+logit soft cap to the `AttentionFn`, so both reach the paged kernels and the dense reference alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.config import ModelConfig, RopeScaling
+from paged_jax.model.attention import AttentionFn, dense_attention
+from paged_jax.model.layers import (
+    RMSNorm,
+    apply_rope,
+    kernel_init,
+    out_projection,
+    qkv_projection,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+Rope = tuple[jax.Array, jax.Array]  # cos, sin: [T, D] float32
+
+
+def inv_freq_for(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """RoPE inverse frequencies [D / 2] float32: `rope_inv_freq`, plus linear scaling (every frequency / factor)."""
+    if scaling is not None and scaling.rope_type == "linear":
+        return (rope_inv_freq(head_dim, theta, None) / np.float32(scaling.factor)).astype(np.float32)
+    return rope_inv_freq(head_dim, theta, scaling)
+
+
+class Attention(nn.Module):
+    """QKV projection, optional per-head q/k RMSNorm (before RoPE), RoPE, attention with this layer's sliding
+    window and soft cap, output projection. Kernels as in `llama.Attention`; q_norm/k_norm weights [D]."""
+
+    config: ModelConfig
+    attention_fn: AttentionFn
+    layer: int
+    qk_norm: Any = None  # an RMSNorm module class (hidden_size, eps, dtype), or None for no q/k norm
+
+    @nn.compact
+    def __call__(self, x: jax.Array, rope: Rope, kv_cache: Any, meta: Any) -> tuple[jax.Array, Any]:
+        """x: [T, H]. Returns ([T, H], new kv_cache)."""
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
+        g = hq // hkv
+        attn = {"qkv_proj": self.param("qkv_proj", kernel_init, (h, hkv, g + 2, d), dtype),
+                "o_proj": self.param("o_proj", kernel_init, (hq, d, h), dtype)}
+        if c.attention_bias:
+            attn["qkv_bias"] = self.param("qkv_bias", nn.initializers.zeros, (hkv, g + 2, d), dtype)
+        q, k, v = qkv_projection(x, attn, c)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        if self.qk_norm is not None:
+            q = self.qk_norm(d, c.rms_norm_eps, dtype, name="q_norm")(q)
+            k = self.qk_norm(d, c.rms_norm_eps, dtype, name="k_norm")(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=c.attn_scale,
+                                          sliding_window=c.layer_sliding_window(self.layer),
+                                          soft_cap=c.attn_logit_softcap)
+        return out_projection(out, attn), kv_cache
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (`silu`) or GeGLU (`gelu_tanh`). x: [T, H] -> [T, H]; gate and up
+    fused as `gate_up_proj` [H, 2, I] (one matmul, `paged_jax.model.fuse`), down_proj [I, H]."""
+
+    config: ModelConfig
+    activation: str = "silu"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        h, i = c.hidden_size, c.intermediate_size
+        gate_up = jnp.einsum("th,hgi->tgi", x, self.param("gate_up_proj", kernel_init, (h, 2, i), dtype))  # [T, 2, I]
+        down = self.param("down_proj", kernel_init, (i, h), dtype)
+        return (ACTIVATIONS[self.activation](gate_up[:, 0]) * gate_up[:, 1]) @ down
+
+
+class PreNormLayer(nn.Module):
+    """Llama's residual block: x + attn(norm(x)), then + mlp(norm(x)); `mlp` is a module class taking the config
+    (`GatedMLP` or an MoE block), q/k norm as in `Attention`."""
+
+    config: ModelConfig
+    attention_fn: AttentionFn
+    layer: int
+    mlp: Any
+    qk_norm: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, rope: Rope, kv_cache: Any, meta: Any) -> tuple[jax.Array, Any]:
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        attn_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="input_layernorm")(x)
+        attn_out, kv_cache = Attention(c, self.attention_fn, self.layer, self.qk_norm, name="self_attn")(
+            attn_in, rope, kv_cache, meta)
+        x = x + attn_out
+        mlp_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
+        return x + self.mlp(c, name="mlp")(mlp_in), kv_cache
+
+
+class CausalLM(nn.Module):
+    """Decoder over flattened tokens of many sequences (the contract of `llama.LlamaForCausalLM`).
+
+    Subclasses set `make_layer`, `final_norm` and `scale_embeddings`. `__call__` returns final-normed hidden
+    states; `compute_logits` applies the LM head (and the final soft cap), so the engine computes logits only
+    for the rows it samples from.
+    """
+
+    config: ModelConfig
+    attention_fn: AttentionFn = dense_attention
+    mesh: Any = None  # a jax.sharding.Mesh: MoE layers run their experts per TP shard on it (paged_jax.model.moe)
+
+    scale_embeddings = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
+    final_norm = RMSNorm  # the final norm's module class
+
+    def make_layer(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def setup(self) -> None:
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype,
+                                     embedding_init=kernel_init)
+        self.layers = [self.make_layer(i) for i in range(c.num_layers)]
+        self.norm = self.final_norm(c.hidden_size, c.rms_norm_eps, dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", kernel_init, (c.hidden_size, c.vocab_size), dtype)
+        self.inv_freq = inv_freq_for(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.local_inv_freq = (None if c.rope_local_theta is None
+                               else inv_freq_for(c.head_dim, c.rope_local_theta, None))
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: Sequence[Any] | None,
+                 meta: Any) -> tuple[jax.Array, list[Any]]:
+        """token_ids, positions: [T] int32. kv_caches: one entry per layer, or None.
+
+        Returns (hidden [T, H] after the final norm, new kv_caches as a list, one per layer).
+        """
+        c = self.config
+        caches = [None] * c.num_layers if kv_caches is None else list(kv_caches)
+        if len(caches) != c.num_layers:
+            raise ValueError(f"kv_caches: expected {c.num_layers} entries (one per layer), got {len(caches)}")
+        x = self.embed_tokens(token_ids)  # [T, H]
+        if self.scale_embeddings:
+            x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
+        rope = rope_cos_sin(positions, self.inv_freq)
+        local = rope if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
+        new_caches = []
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            x, cache = layer(x, local if c.layer_sliding_window(i) is not None else rope, cache, meta)
+            new_caches.append(cache)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [N, H] -> logits [N, V] float32 (accumulated in float32), soft-capped when the config says so."""
+        w = self.embed_tokens.embedding.T if self.config.tie_word_embeddings else self.lm_head  # [H, V]
+        logits = jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+__all__ = ["ACTIVATIONS", "Attention", "CausalLM", "GatedMLP", "PreNormLayer", "inv_freq_for"]

@@ -1,0 +1,40 @@
+"""Which module builds a config's decoder: `ModelConfig.model_type` -> its causal-LM class.
+
+Every class takes `(config, attention_fn)` and has the contract of `llama.LlamaForCausalLM`:
+`apply(params, token_ids [T], positions [T], kv_caches, meta) -> (hidden [T, H], kv_caches)` and
+`apply(params, hidden, method="compute_logits") -> logits [N, V] float32`.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from paged_jax.config import ModelConfig
+from paged_jax.model.attention import AttentionFn, dense_attention
+from paged_jax.model.gemma import GemmaForCausalLM
+from paged_jax.model.llama import LlamaForCausalLM
+from paged_jax.model.mixtral import MixtralForCausalLM
+from paged_jax.model.qwen3 import Qwen3ForCausalLM
+from paged_jax.model.qwen3_moe import Qwen3MoeForCausalLM
+
+FAMILIES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
+
+
+def causal_lm(config: ModelConfig, attention_fn: AttentionFn = dense_attention,
+              mesh: jax.sharding.Mesh | None = None) -> nn.Module:
+    """The decoder of `config`'s family, attending through `attention_fn` (dense by default). `mesh`: the TP mesh
+    the step runs on, for the families that place work on it themselves (MoE experts); None on one device."""
+    if mesh is not None and config.is_moe:
+        return FAMILIES[config.model_type](config, attention_fn=attention_fn, mesh=mesh)
+    return FAMILIES[config.model_type](config, attention_fn=attention_fn)
+
+
+__all__ = ["FAMILIES", "causal_lm"]
