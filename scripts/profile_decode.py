@@ -156,7 +156,8 @@ def engine_step_ms(model: str, dtype: str, batch: int, new: int = 96) -> dict[st
 
     config, params, tok = load_model(model, dtype=dtype)
     ec = EngineConfig(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=1024,
-                      num_pages=batch * 20 + 1, attention_backend="xla", enable_prefix_caching=False)
+                      num_pages=batch * 20 + 1, attention_backend="xla", enable_prefix_caching=False,
+                      warmup=False)  # compile only the shapes this run reaches
     engine = LLMEngine(config, params, tok, ec)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
