@@ -11,8 +11,8 @@ median CPU ms of 10 steps, two interleaved rounds (float32 / bfloat16):
 
 A 32 x 512 x 32,000 matmul (the LM head) in isolation showed the same picture; bfloat16 dots are already
 fast without oneDNN (AMX), and a decode step is bound by reading weights and KV from memory, which no flag
-changes. `--xla_cpu_enable_fast_math` was not kept: it changes float32 results (greedy tokens must stay
-identical to transformers').
+changes. `--xla_cpu_enable_fast_math` was not tried on the step: it licenses reassociation and approximate
+exp/log, and float32 greedy tokens must stay identical to transformers'.
 """
 
 from __future__ import annotations
