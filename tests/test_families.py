@@ -164,3 +164,16 @@ def test_info_prints_each_family_without_allocating(capsys):
     assert "mixtral, 8 experts, top 2 (12,879,925,248 parameters active per token)" in outs["mixtral-8x7b"]
     assert "sliding window 4096 on 1 of every 2 layers" in outs["gemma-2-9b"]
     assert "attention soft cap 50, final soft cap 30" in outs["gemma-2-9b"]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+def test_orbax_checkpoint_round_trips_the_family(tmp_path, name):
+    import jax
+
+    from paged_jax.model.checkpoint import load_checkpoint, save_checkpoint
+
+    config, params, _ = load_model(DATA / f"hf_{name}", dtype="float32")
+    save_checkpoint(tmp_path / "ckpt", config, params)
+    got_config, got = load_checkpoint(tmp_path / "ckpt")
+    assert got_config == config
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), got, params))
