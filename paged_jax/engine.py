@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 import jax
-import jax.numpy as jnp
 
-from paged_jax import sharding
+from paged_jax import quant, sharding
 from paged_jax.config import ModelConfig
 from paged_jax.engine_api import EngineStats
 from paged_jax.engine_config import EngineConfig
@@ -63,7 +62,7 @@ class LLMEngine:
         config = config.replace(eos_token_ids=eos) if eos != tuple(config.eos_token_ids) else config
         self.config, self.tokenizer, self.engine_config = config, tokenizer, ec
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 8192)
-        kv_bytes = jnp.dtype(ec.kv_dtype or config.dtype).itemsize
+        kv_dtype = quant.kv_cache_dtype(ec.kv_dtype, config.dtype)
         tp = ec.tensor_parallel_size
         mesh, run_config = None, config
         if devices is not None or tp > 1:
@@ -74,7 +73,7 @@ class LLMEngine:
             run_config, params = sharding.shard_params(config, params, mesh)
         self.mesh = mesh
         self.num_pages = kv_capacity_pages(
-            run_config, ec, kv_bytes, None if mesh is None else devices[0], tp, self.max_model_len
+            run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
         )
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -107,9 +106,11 @@ class LLMEngine:
             seed=ec.seed,
         )
         self.lookahead = Lookahead()
-        self.kv_cache_bytes = config.kv_bytes_per_token(kv_bytes) * self.num_pages * ec.page_size
+        self.kv_cache_bytes = quant.kv_bytes_per_token(config, kv_dtype) * self.num_pages * ec.page_size
+        self.kv_token_gain = quant.kv_token_gain(config, kv_dtype)  # tokens per byte vs bfloat16 pages
         log.info(
-            "KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d)",
+            "KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d; "
+            "%s pages: %.2fx the tokens of bfloat16 in the same bytes)",
             self.num_pages - 1,
             ec.page_size,
             (self.num_pages - 1) * ec.page_size,
@@ -117,6 +118,8 @@ class LLMEngine:
             config.num_layers,
             config.num_kv_heads,
             config.head_dim,
+            kv_dtype.name,
+            self.kv_token_gain,
         )
         self.num_steps = 0
         self.num_launched = 0  # steps dispatched to the device (the engine loop's progress signal)
@@ -201,6 +204,8 @@ class LLMEngine:
             **self.runner.compile_stats.as_dict(),
             step_tokens=self.runner.real_tokens,
             step_padding_tokens=self.runner.padded_tokens,
+            kv_cache_tokens=(self.num_pages - 1) * self.engine_config.page_size,
+            kv_cache_token_gain=round(self.kv_token_gain, 3),
         )
 
     # -- the loop -------------------------------------------------------------------------------------

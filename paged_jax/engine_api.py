@@ -46,6 +46,8 @@ class EngineStats:
     compiles_after_warmup: int
     step_tokens: int  # tokens of scheduled work, summed over steps
     step_padding_tokens: int  # padding added to reach each step's token bucket (waste = this / step_tokens)
+    kv_cache_tokens: int = 0  # token slots of the KV pages (page 0 not counted)
+    kv_cache_token_gain: float = 1.0  # tokens per KV byte relative to bfloat16 pages (int8 pages: ~1.94)
     replicas: tuple[EngineStats, ...] = ()  # each replica's own (data parallelism only)
 
     @property
@@ -60,6 +62,7 @@ class EngineStats:
         queries, in_use = sums["prefix_queries"], sums["pages_in_use"]
         sums["prefix_hit_rate"] = sums["prefix_hits"] / queries if queries else 0.0
         sums["slot_utilization"] = sum(s.slot_utilization * s.pages_in_use for s in per) / in_use if in_use else 1.0
+        sums["kv_cache_token_gain"] = per[0].kv_cache_token_gain if per else 1.0  # the same pages everywhere
         return cls(**sums, replicas=tuple(per))
 
 

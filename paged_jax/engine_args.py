@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS
 from paged_jax.engine import EngineConfig
 from pallas_kernels.common import BACKENDS
 
@@ -15,6 +16,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="HF directory, GGUF file, named model (smollm2-135m-instruct), orbax checkpoint from "
                         "`paged-jax convert`, or config name (random weights)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the model dtype")
+    g.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, default=None,
+                   help="quantize the weights at load: int8 / fp8, per-output-channel scales (paged_jax.quant)")
     g.add_argument("--seed", type=int, default=0, help="random weights and unseeded requests")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
@@ -29,7 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     g.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily instead of at start-up")
-    g.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default=None, help="KV page dtype (default: model)")
+    g.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
+                   help="KV page dtype (default: model); int8 / fp8_e4m3 store quantized pages with per-token scales")
     g.add_argument("--watermark", type=float, default=0.01, help="fraction of pages admission keeps free")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next (no one-step lookahead)")
@@ -96,7 +100,8 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     # (the whole model need not fit one chip).
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
     with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else contextlib.nullcontext():
-        config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed)
+        config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed,
+                                               quantization=args.quantization)
     apply_model_text_args(args, tokenizer, ec)
     return make_engine(config, params, tokenizer, ec)
 

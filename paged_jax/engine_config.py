@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paged_jax.config import KV_DTYPE_CHOICES
 from pallas_kernels.common import BACKENDS
 
 
@@ -21,7 +22,7 @@ class EngineConfig:
     chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # one of pallas_kernels.common.BACKENDS (auto | xla | pallas | ...)
-    kv_dtype: str | None = None  # default: the model dtype
+    kv_dtype: str | None = None  # default: the model dtype; int8 / fp8_e4m3: quantized pages (paged_jax.quant)
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)
     warmup: bool = True  # compile every step shape at start-up (or call `warmup(plan)` later with False)
@@ -45,3 +46,5 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes <= 0:
             raise ValueError("cpu_kv_cache_bytes: must be positive (or None for the default)")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv_dtype: must be one of {KV_DTYPE_CHOICES}, got {self.kv_dtype!r}")

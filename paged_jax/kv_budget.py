@@ -71,16 +71,19 @@ def cpu_kv_budget(requested: int | None, bytes_per_token: int, max_num_seqs: int
     return budget
 
 
-def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_bytes: int, device: jax.Device | None = None,
+def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_dtype, device: jax.Device | None = None,
                       kv_shards: int = 1, max_model_len: int = 8192) -> int:
-    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token.
+    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
+    scales of quantized pages, `paged_jax.quant.kv_bytes_per_token`).
 
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
     """
     if ec.num_pages is not None:
         return ec.num_pages
-    per_page = config.kv_bytes_per_token(kv_bytes) * ec.page_size // kv_shards
+    from paged_jax.quant import kv_bytes_per_token
+
+    per_page = kv_bytes_per_token(config, kv_dtype) * ec.page_size // kv_shards
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:

@@ -35,14 +35,14 @@ class LLM:
     are `EngineConfig` fields.
     """
 
-    def __init__(self, model: str = "tiny", *, dtype: str | None = None, seed: int = 0,
+    def __init__(self, model: str = "tiny", *, dtype: str | None = None, seed: int = 0, quantization: str | None = None,
                  chat_template: str | None = None, generation_config: str = "auto", **engine_options) -> None:
         from argparse import Namespace
 
         from paged_jax.engine_args import apply_model_text_args
         from paged_jax.model.weights import load_model
 
-        config, params, tokenizer = load_model(model, dtype=dtype, seed=seed)
+        config, params, tokenizer = load_model(model, dtype=dtype, seed=seed, quantization=quantization)
         ec = EngineConfig(seed=seed, **engine_options)
         apply_model_text_args(Namespace(model=model, chat_template=chat_template,
                                         generation_config=generation_config), tokenizer, ec)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from paged_jax import sharding
+from paged_jax import quant, sharding
 from paged_jax.config import ModelConfig
 from paged_jax.executables import CompileStats, Executables
 from paged_jax.kv_cache import PageCopy
@@ -60,6 +60,7 @@ from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
 from paged_jax.scheduler import SchedulerOutput
 from paged_jax.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
+from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv, kv_pages_shape
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,8 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 
 @functools.cache
-def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | None = None):
+def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | None = None,
+                   quantized_kv: bool = False, weights: tuple[str, bool, bool] | None = None):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
 
@@ -115,7 +117,7 @@ def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | 
     """
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
-        attn = sharding.shard_attention(attn, mesh)
+        attn = sharding.shard_attention(attn, mesh, quantized_kv)
     model = causal_lm(config, attn, mesh)
 
     def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
@@ -125,7 +127,18 @@ def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | 
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
-    return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh))
+    return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh, quantized_kv, weights))
+
+
+def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
+    """One layer's zeroed cache: a page array, or `QuantizedPages` (values and scales) for int8 / fp8."""
+    device = None if mesh is None else sharding.kv_sharding(mesh)
+    if kv_quant.is_quantized_dtype(kv_dtype):
+        scales_device = None if mesh is None else sharding.kv_scales_sharding(mesh)
+        return kv_quant.allocate(num_pages, config.num_kv_heads, page_size, config.head_dim, kv_dtype, device,
+                                 scales_device)
+    shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
+    return jnp.zeros(shape, kv_dtype, device=device)
 
 
 def _copy_all_pages(kv_caches, src, dst):
@@ -136,9 +149,9 @@ _copy_pages = jax.jit(_copy_all_pages, donate_argnums=(0,))
 
 
 @functools.cache
-def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int):
+def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int, quantized_kv: bool = False):
     """`_copy_pages` with the pages kept in their mesh layout (so donation stays in place)."""
-    kv = (sharding.kv_sharding(mesh),) * num_layers
+    kv = (sharding.kv_cache_sharding(mesh, quantized_kv),) * num_layers
     return jax.jit(_copy_all_pages, donate_argnums=(0,), out_shardings=kv)
 
 
@@ -199,18 +212,19 @@ class ModelRunner:
         # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
         self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
         self.history_len = pow2_buckets(64, max_model_len)[-1]
-        self.kv_dtype = jnp.dtype(kv_dtype or config.dtype)
-        shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
-        device = None if mesh is None else sharding.kv_sharding(mesh)
-        self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype, device=device) for _ in range(config.num_layers))
+        self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
+        self.kv_caches = tuple(_allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh)
+                               for _ in range(config.num_layers))
         # Lowering sees only these (a background compile never touches pages a running step donated).
-        self._kv_specs = tuple(jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding)
-                               for kv in self.kv_caches)
+        self._kv_specs = jax.tree.map(lambda kv: jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding),
+                                      self.kv_caches)
         self._rep = None if mesh is None else sharding.replicated(mesh)
-        self.model, self._forward = step_functions(config, attention_backend, mesh)
+        quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
+        self.model, self._forward = step_functions(config, attention_backend, mesh, quantized_kv,
+                                                   quant.weights_key(params))
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
-        self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers)
+        self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers, quantized_kv)
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (self._forward, self._copy, mesh, self.max_blocks, _fingerprint(params),
                      _fingerprint(self._kv_specs))

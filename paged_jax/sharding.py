@@ -38,9 +38,12 @@ from paged_jax.config import ModelConfig
 from paged_jax.model.fuse import expand_fused_kv_heads
 from paged_jax.model.init import param_shapes
 from paged_jax.model.partition import param_partition_specs
+from paged_jax.quant import abstract_params
+from pallas_kernels.kv_quant import QuantizedPages
 
 TP = "tp"
 KV_SPEC = P(None, TP, None, None)  # [num_pages, Hkv, page_size, 2 * D]: split by KV heads
+KV_SCALES_SPEC = P(None, TP)  # quantized pages' scales [num_pages, Hkv * 2 * page_size]: heads are axis 1's major
 HEADS_SPEC = P(None, TP, None)  # q [T, Hq, D], k/v [T, Hkv, D]: split by heads
 
 
@@ -104,6 +107,20 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, KV_SPEC)
 
 
+def kv_scales_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, KV_SCALES_SPEC)
+
+
+def kv_cache_spec(quantized: bool):
+    """The partition spec (pytree) of one layer's cache: the pages, or quantized pages and their scales."""
+    return QuantizedPages(KV_SPEC, KV_SCALES_SPEC) if quantized else KV_SPEC
+
+
+def kv_cache_sharding(mesh: Mesh, quantized: bool):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_spec(quantized),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -116,14 +133,15 @@ def shard_params(config: ModelConfig, params: Any, mesh: Mesh) -> tuple[ModelCon
     """
     r = kv_replication(config, mesh.size)
     run_config = config.replace(num_kv_heads=config.num_kv_heads * r) if r > 1 else config
-    shardings = param_shardings(run_config, mesh)
+    shardings = param_shardings(run_config, mesh, params)  # the tree of `params` (quantized weights too)
     if r == 1:
         return run_config, jax.device_put(params, shardings)
     expand = jax.jit(lambda p: expand_kv_heads(config, p, r)[1], out_shardings=shardings)
     return run_config, expand(params)
 
 
-def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], mesh: Mesh) -> Callable:
+def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], mesh: Mesh,
+                    quantized: bool = False) -> Callable:
     """Run the paged `attention_fn(q, k, v, kv_pages, meta, *, sm_scale)` per TP shard with `shard_map`.
 
     Per shard: q [T, Hq / tp, D], k/v [T, Hkv / tp, D], kv_pages [P, Hkv / tp, page, 2 * D], meta whole.
@@ -134,22 +152,30 @@ def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], me
 
     def sharded(q, k, v, kv_pages, meta, *, sm_scale: float, **layer_options):
         body = functools.partial(attention_fn, sm_scale=sm_scale, **layer_options)  # per-layer window and cap
-        return jax.shard_map(body, mesh=mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, KV_SPEC, P()),
-                             out_specs=(HEADS_SPEC, KV_SPEC), check_vma=False)(q, k, v, kv_pages, meta)
+        kv = kv_cache_spec(quantized)
+        return jax.shard_map(body, mesh=mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, kv, P()),
+                             out_specs=(HEADS_SPEC, kv), check_vma=False)(q, k, v, kv_pages, meta)
 
     return sharded
 
 
-def step_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+def step_shardings(config: ModelConfig, mesh: Mesh, quantized: bool = False,
+                   weights: tuple[str, bool, bool] | None = None) -> dict[str, Any]:
     """`jit` keyword arguments pinning the forward step's operands to `mesh`.
 
     forward(params, kv_caches, token_ids, positions, meta, logits_indices): params by their specs, the
     per-layer pages by KV heads, metadata replicated; out: logits replicated, pages as they came in.
+    `quantized`: KV pages with scales; `weights`: `paged_jax.quant.weights_key` of quantized params.
     """
-    kv = (kv_sharding(mesh),) * config.num_layers
+    kv = (kv_cache_sharding(mesh, quantized),) * config.num_layers
     rep = replicated(mesh)
-    return {"in_shardings": (param_shardings(config, mesh), kv, rep, rep, rep, rep), "out_shardings": (rep, kv)}
+    params = abstract_params(param_shapes(config), weights)
+    return {"in_shardings": (param_shardings(config, mesh, params), kv, rep, rep, rep, rep),
+            "out_shardings": (rep, kv)}
 
 
-__all__ = ["KV_SPEC", "TP", "dp_device_groups", "expand_kv_heads", "kv_replication", "kv_sharding", "make_mesh",
-           "param_shardings", "replicated", "shard_attention", "shard_params", "step_shardings"]
+__all__ = [
+    "KV_SCALES_SPEC", "KV_SPEC", "TP", "dp_device_groups", "expand_kv_heads", "kv_cache_sharding", "kv_cache_spec",
+    "kv_replication", "kv_scales_sharding", "kv_sharding", "make_mesh", "param_shardings", "replicated",
+    "shard_attention", "shard_params", "step_shardings",
+]

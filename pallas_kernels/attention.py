@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from pallas_kernels import common
+from pallas_kernels import common, kv_quant
 from pallas_kernels.xla_paged import xla_ragged_paged_attention
 
 
@@ -32,7 +32,7 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "backend"))
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages,  # [num_pages, num_kv_heads, page_size, 2 * head_dim], or kv_quant.QuantizedPages
     kv_lens: jax.Array,  # [max_seqs] int32
     block_tables: jax.Array,  # [max_seqs, max_blocks_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
@@ -49,8 +49,11 @@ def ragged_paged_attention(
     :mod:`pallas_kernels.common`. ``backend``: ``auto`` (by platform), ``xla``, ``pallas`` (the platform's
     kernel), ``pallas-interpret`` (that kernel in interpret mode; the TPU kernel on CPU), or
     explicitly ``pallas-tpu``, ``pallas-gpu``, ``pallas-tpu-interpret``, ``pallas-gpu-interpret``.
-    Rows of padding tokens are zeros.
+    Rows of padding tokens are zeros. Quantized pages (int8, fp8_e4m3) come as
+    :class:`pallas_kernels.kv_quant.QuantizedPages`; every backend applies their scales on the fly.
     """
+    kv_pages, kv_scales = kv_quant.split(kv_pages)
+    kv_quant.validate_scales(kv_pages, kv_scales)
     common.validate_static(
         q,
         kv_pages,
@@ -64,7 +67,7 @@ def ragged_paged_attention(
         backend=backend,
     )
     args = (q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
-    opts = dict(sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window)
+    opts = dict(sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales)
     concrete = resolve_backend(backend)
     if concrete == "xla":
         return xla_ragged_paged_attention(*args, **opts)

@@ -49,6 +49,8 @@ BACKENDS = (
     "pallas-gpu-interpret",
 )
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Stored page dtypes: float pages, and quantized pages with per-row scales (pallas_kernels.kv_quant).
+KV_PAGE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
 MIN_PAGE_SIZE, MAX_PAGE_SIZE = 8, 256
 
 
@@ -93,8 +95,9 @@ def validate_static(
         raise ValueError(f"kv_pages axis 3 must be 2 * head_dim = {2 * head_dim} (K then V), got {kv_width}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_pages.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q and kv_pages must be float32 or bfloat16, got {q.dtype} and {kv_pages.dtype}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_pages.dtype not in KV_PAGE_DTYPES:
+        raise ValueError(f"q must be float32 or bfloat16 and kv_pages one of {KV_PAGE_DTYPES}, got {q.dtype} "
+                         f"and {kv_pages.dtype}")
     if kv_lens.ndim != 1 or block_tables.ndim != 2 or kv_lens.shape[0] != block_tables.shape[0]:
         raise ValueError(
             f"kv_lens [max_seqs] and block_tables [max_seqs, max_blocks] disagree: "

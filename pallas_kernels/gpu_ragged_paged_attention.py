@@ -36,6 +36,11 @@ so such slots re-read a page already in L1/L2 instead of fetching a new one from
 Online softmax in float32 with a finite mask value; V rows outside the visible range are zeroed so stale or
 NaN slots cannot leak.
 
+**Quantized pages** (int8, fp8_e4m3; :mod:`pallas_kernels.kv_quant`): a program also gathers its KV head's
+K and V scale rows of the step's pages (``[pages_per_block, page_size]`` each, beside the values), casts the
+values to the query dtype (exact) and applies the per-key scales to the logits (K) and to the probabilities
+(V): ``rows x keys`` multiplications, not ``keys x head_dim``, and HBM reads only the quantized bytes and scales.
+
 **Plan and work model** (:mod:`pallas_kernels.gpu_plan`, re-exported here). :func:`plan_gpu` (static shapes)
 picks the tiling from a table keyed by head_dim, page size and dtype and is what this wrapper runs;
 :func:`gpu_work` runs the same plan, work list and per-program KV ranges in numpy for host-known lengths and
@@ -67,6 +72,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import kv_quant
 from pallas_kernels.common import MASK_VALUE, apply_soft_cap, validate_kernel_shape
 from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's plan and work model
     MMA_MIN_ROWS,
@@ -99,13 +105,15 @@ def _kernel(
     q_ref,  # [num_tokens, num_q_heads, head_dim], whole
     k_ref,  # [num_pages, page_size, head_dim]: K of this program's KV head
     v_ref,  # [num_pages, page_size, head_dim]: V of this program's KV head
-    *refs,  # (out_in, o) when the range has one split, else (acc, m, l); then stats when counting
+    *refs,  # quantized: (k_scale, v_scale) [num_pages, page_size] f32 of this KV head; then (out_in, o) when
+    # the range has one split, else (acc, m, l); then stats when counting
     plan: GpuPlan,
     rng: GpuRange,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     count: bool,
+    quantized: bool,
 ):
     qb, gp, group, d, ppb, page = (rng.q_block, plan.group_p, plan.group, plan.head_dim, rng.pages_per_block,
                                    plan.page_size)
@@ -119,6 +127,8 @@ def _kernel(
     if count:
         refs, stats_ref = refs[:-1], refs[-1]
         stats_ref[...] = jnp.zeros((2,), jnp.int32)
+    if quantized:
+        (ks_ref, vs_ref), refs = refs[:2], refs[2:]
 
     # Programs without work (items past the real ones, splits past K_eff or past a short item's KV) stop after
     # the scalar loads above: no q load, no table load, no store (the combine skips their partials).
@@ -128,7 +138,8 @@ def _kernel(
         g3 = jax.lax.broadcasted_iota(jnp.int32, (qb, gp, 1), 1)
         row_ok3 = jnp.broadcast_to((j3 < n) & (g3 < group), (qb, gp, d))
         q_view = q_ref.at[pl.ds(tok0, qb), pl.ds(h * group, gp)]
-        q = pltriton.load(q_view, mask=row_ok3, other=0).reshape(rows, d).astype(k_ref.dtype)
+        cdt = q_ref.dtype if quantized else k_ref.dtype  # quantized values are cast exactly to q's dtype
+        q = pltriton.load(q_view, mask=row_ok3, other=0).reshape(rows, d).astype(cdt)
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
         q_pos = pos0 + r // gp  # [rows, 1]
         row_real = r // gp < n
@@ -140,20 +151,26 @@ def _kernel(
         def kv_body(b, carry):
             m, den, acc, pages, stats = carry
             next_pages = table_entries(b + 1)  # one step ahead: the next gather's addresses are ready
-            k = k_ref[pages].reshape(kv_block, d)
-            v = v_ref[pages].reshape(kv_block, d)
+            k = k_ref[pages].reshape(kv_block, d).astype(cdt)
+            v = v_ref[pages].reshape(kv_block, d).astype(cdt)
             k_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
             mask = row_real & (k_pos <= q_pos)
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
             logits = pltriton.dot(q, k, trans_b=True, allow_tf32=False) * sm_scale  # float32 accumulate
+            if quantized:  # per-key scales; zero outside the item's keys (stale slots may hold NaN scales)
+                in_range = (k_pos >= p_lo * page) & (k_pos <= pos0 + n - 1)
+                k_scale = jnp.where(in_range, ks_ref[pages].reshape(1, kv_block), 0.0)
+                v_scale = jnp.where(in_range, vs_ref[pages].reshape(1, kv_block), 0.0)
+                logits = logits * k_scale
             logits = jnp.where(mask, apply_soft_cap(logits, soft_cap), MASK_VALUE)
             m_next = jnp.maximum(m, jnp.max(logits, axis=1))
             alpha = jnp.exp(m - m_next)
             p = jnp.where(mask, jnp.exp(logits - m_next[:, None]), 0.0)
             v_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)
             v = jnp.where((v_pos >= p_lo * page) & (v_pos <= pos0 + n - 1), v, jnp.zeros_like(v))
-            acc = alpha[:, None] * acc + pltriton.dot(p.astype(v.dtype), v, allow_tf32=False)
+            pv = p * v_scale if quantized else p
+            acc = alpha[:, None] * acc + pltriton.dot(pv.astype(v.dtype), v, allow_tf32=False)
             if count:  # KV steps, and distinct in-range pages gathered (the clamped slots re-read one of them)
                 first, last = jnp.maximum(b * ppb, p_lo), jnp.minimum(b * ppb + ppb - 1, p_hi)
                 stats = stats + jnp.where(jnp.arange(2) == 0, 1, jnp.maximum(last - first + 1, 0))
@@ -277,7 +294,7 @@ def _combine_cost(plan: GpuPlan, rng: GpuRange) -> pl.CostEstimate:
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, num_kv_heads, page_size, 2 * head_dim]
+    kv_pages,  # [num_pages, num_kv_heads, page_size, 2 * head_dim], or kv_quant.QuantizedPages
     kv_lens: jax.Array,  # [max_seqs] int32
     block_tables: jax.Array,  # [max_seqs, max_blocks_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
@@ -286,6 +303,7 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    kv_scales: jax.Array | None = None,  # [num_pages, 2 * num_kv_heads * page_size] f32, quantized pages
     interpret: bool = False,
     q_block: int | None = None,
     pages_per_block: int | None = None,
@@ -302,8 +320,10 @@ def ragged_paged_attention_gpu(
     Tiling comes from :func:`plan_gpu`; the keyword overrides (see there) are for tests and tuning.
     ``interpret=True`` runs the kernel in the Pallas interpreter (CPU is fine). ``count=True`` (tests) also
     returns, per range, per-program ``[num_splits, num_items, num_kv_heads, 2]`` int32 counters: KV steps walked,
-    distinct pages gathered.
+    distinct pages gathered. Quantized pages: ``kv_pages`` as ``QuantizedPages`` or with ``kv_scales``.
     """
+    if kv_scales is None:
+        kv_pages, kv_scales = kv_quant.split(kv_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = kv_pages.shape
     max_seqs, max_blocks = block_tables.shape
@@ -317,14 +337,14 @@ def ragged_paged_attention_gpu(
     out = jnp.zeros(q.shape, q.dtype)  # padding tokens' rows stay zero; every real row is written once
     stats = []
     for rng in plan.ranges:
-        out, st = _launch(plan, rng, out, q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        out, st = _launch(plan, rng, out, q, kv_pages, kv_scales, kv_lens, block_tables, cu_q_lens, num_seqs,
                           sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
                           count=count)
         stats.append(st)
     return (out, tuple(stats)) if count else out
 
 
-def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_scales, kv_lens, block_tables, cu_q_lens, num_seqs, *,
             sm_scale, soft_cap, sliding_window, interpret, count):
     """One range: its work list, its pallas_call, and (split ranges) the combine into ``out``."""
     seq, tok0, n, pos0, _ = range_work_list(jnp, rng, cu_q_lens, kv_lens, num_seqs[0])
@@ -341,6 +361,13 @@ def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_lens, block_table
     meta = (seq, tok0, n, pos0, splits, block_tables)
     in_specs = [full(x) for x in meta] + [full(q), kv_spec(0), kv_spec(1)]
     args = [*meta, q, kv_pages, kv_pages]
+    quantized = kv_scales is not None
+    if quantized:  # [P, 2 * H, page_size]: row 2 h is K's scales of head h, row 2 h + 1 V's
+        sc = kv_scales.reshape(kv_pages.shape[0], 2 * nh, plan.page_size)
+        for half in (0, 1):
+            in_specs.append(pl.BlockSpec((sc.shape[0], None, plan.page_size),
+                                         lambda k, i, h, half=half: (0, 2 * h + half, 0)))
+            args.append(sc)
     aliases = {}
     if nsp == 1:  # rows straight into the output (aliased: other ranges' rows are kept)
         in_specs.append(full(out))
@@ -363,7 +390,7 @@ def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_lens, block_table
         out_specs.append(pl.BlockSpec((None, None, None, 2), lambda k, i, h: (k, i, h, 0)))
         out_shape.append(jax.ShapeDtypeStruct((nsp, ni, nh, 2), jnp.int32))
     kernel = functools.partial(_kernel, plan=plan, rng=rng, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window, count=count)
+                               sliding_window=sliding_window, count=count, quantized=quantized)
     outs = pl.pallas_call(
         kernel,
         grid=rng.grid(nh),

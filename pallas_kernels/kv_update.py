@@ -2,49 +2,68 @@
 
 Both are single XLA scatters on the page array itself (no reshape, so no relayout on TPU), so under a ``jit``
 that donates ``kv_pages`` they update the buffer in place: the cost is proportional to what is written, not to
-the size of the cache. Layout: see :mod:`.common`."""
+the size of the cache. Layout: see :mod:`.common`. Quantized caches (:class:`.kv_quant.QuantizedPages`) are
+written the same way: each new row is quantized with its own scale (:mod:`.kv_quant`), the values go into the
+pages and the scales into the scale rows with a second scatter, so nothing already in a page is read or
+rewritten; a page copy copies its scale row with it."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
 from pallas_kernels.common import kv_dims
 
 
 def write_kv(
-    kv_pages: jax.Array,  # [num_pages, num_kv_heads, page_size, 2 * head_dim]
+    kv_pages,  # [num_pages, num_kv_heads, page_size, 2 * head_dim], or QuantizedPages of that layout
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # [num_tokens] int32, slot = page * page_size + offset; negative: padding
-) -> jax.Array:
+):
     """Returns ``kv_pages`` with token ``t``'s K/V at slot ``slot_mapping[t]``; negative slots write nothing.
 
     Slots must be distinct (one physical slot per new token). In place when the caller's jit donates
-    ``kv_pages``: one scatter of ``[num_kv_heads, 2 * head_dim]`` rows indexed by (page, offset).
+    ``kv_pages``: one scatter of ``[num_kv_heads, 2 * head_dim]`` rows indexed by (page, offset), and for
+    quantized pages one scatter of ``[num_kv_heads, 2]`` scales.
     """
-    num_pages, num_kv_heads, page_size, head_dim = kv_dims(kv_pages)
+    pages, scales = kv_quant.split(kv_pages)
+    num_pages, num_kv_heads, page_size, head_dim = kv_dims(pages)
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"k and v must be [num_tokens, {num_kv_heads}, {head_dim}], got {k.shape}, {v.shape}")
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {slot_mapping.shape}")
-    new = jnp.concatenate([k, v], axis=-1).astype(kv_pages.dtype)  # [num_tokens, num_kv_heads, 2 * head_dim]
     # Negative slots get an out-of-bounds page, which mode="drop" skips (no wrap-around to the end).
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)
     offset = jnp.where(slot_mapping < 0, 0, slot_mapping % page_size)
-    return kv_pages.at[page, :, offset].set(new, mode="drop", unique_indices=False)
+    if scales is None:
+        new = jnp.concatenate([k, v], axis=-1).astype(pages.dtype)  # [num_tokens, num_kv_heads, 2 * head_dim]
+        return pages.at[page, :, offset].set(new, mode="drop", unique_indices=False)
+    kq, ks = kv_quant.quantize(k, pages.dtype)  # [T, H, D], [T, H]
+    vq, vs = kv_quant.quantize(v, pages.dtype)
+    pages = pages.at[page, :, offset].set(jnp.concatenate([kq, vq], axis=-1), mode="drop", unique_indices=False)
+    # Scale of (head h, K/V kv, slot offset) at column (2 h + kv) * page_size + offset of the page's row.
+    hk = jnp.arange(2 * num_kv_heads, dtype=jnp.int32).reshape(num_kv_heads, 2)
+    col = hk[None] * page_size + offset[:, None, None]  # [T, H, 2]
+    scales = scales.at[page[:, None, None], col].set(jnp.stack([ks, vs], axis=-1), mode="drop",
+                                                     unique_indices=False)
+    return kv_quant.QuantizedPages(pages, scales)
 
 
 def copy_pages(
-    kv_pages: jax.Array,  # [num_pages, num_kv_heads, page_size, 2 * head_dim]
+    kv_pages,  # [num_pages, num_kv_heads, page_size, 2 * head_dim], or QuantizedPages
     src: jax.Array,  # [n] int32 page ids
     dst: jax.Array,  # [n] int32 page ids; (0, 0) pairs are padding
-) -> jax.Array:
-    """Returns ``kv_pages`` with page ``dst[i]`` replaced by (old) page ``src[i]``; in place under donation.
+):
+    """Returns ``kv_pages`` with page ``dst[i]`` replaced by (old) page ``src[i]`` (its scales too); in place
+    under donation.
 
     All sources are read before any destination is written. Destinations other than the null page 0 must be
     distinct, and a destination should not be a source of the same call.
     """
     if src.shape != dst.shape or src.ndim != 1:
         raise ValueError(f"src and dst must be equal [n] arrays, got {src.shape}, {dst.shape}")
+    if isinstance(kv_pages, kv_quant.QuantizedPages):
+        return kv_quant.QuantizedPages(*(x.at[dst].set(x[src], mode="drop") for x in kv_pages))
     return kv_pages.at[dst].set(kv_pages[src], mode="drop")

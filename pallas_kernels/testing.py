@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv, kv_pages_shape
 
 
@@ -29,10 +30,18 @@ class PagedCase:
     num_seqs: jax.Array  # [1] int32
     k_dense: jax.Array  # [max_seqs, max_kv_len, num_kv_heads, head_dim], NaN past kv_len
     v_dense: jax.Array
+    kv_scales: jax.Array | None = None  # [num_pages, num_kv_heads * 2 * page_size] f32 for quantized pages
 
     @property
-    def paged_args(self) -> tuple[jax.Array, ...]:
-        return self.q, self.kv_pages, self.kv_lens, self.block_tables, self.cu_q_lens, self.num_seqs
+    def kv(self):
+        """The layer cache as the entry point takes it: the page array, or QuantizedPages."""
+        if self.kv_scales is None:
+            return self.kv_pages
+        return kv_quant.QuantizedPages(self.kv_pages, self.kv_scales)
+
+    @property
+    def paged_args(self) -> tuple:
+        return self.q, self.kv, self.kv_lens, self.block_tables, self.cu_q_lens, self.num_seqs
 
     @property
     def dense_args(self) -> tuple[jax.Array, ...]:
@@ -53,8 +62,13 @@ def make_case(
     max_blocks: int | None = None,
     extra_pages: int = 3,
     poison: bool = True,
+    kv_dtype=None,
 ) -> PagedCase:
-    """A random ragged batch; padding sequences have ``q_len == kv_len == 0`` and tables full of page 0."""
+    """A random ragged batch; padding sequences have ``q_len == kv_len == 0`` and tables full of page 0.
+
+    ``kv_dtype`` int8 or float8_e4m3fn: the pages are quantized (:mod:`.kv_quant`), the scales of the poisoned
+    slots are NaN, and ``k_dense``/``v_dense`` hold the dequantized values, so a kernel is compared with the
+    reference on exactly what it stores (the quantization error itself is measured separately)."""
     rng = np.random.default_rng(seed)
     if len(seqs) > max_seqs or sum(q for q, _ in seqs) > num_tokens:
         raise ValueError("batch does not fit the bucket")
@@ -91,9 +105,13 @@ def make_case(
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim), np.float32)
     q[cu[len(seqs)] :] = nan
     as_dtype = lambda x: jnp.asarray(x, dtype)
+    kv_pages, kv_scales = as_dtype(pages), None
+    if kv_dtype is not None:
+        kv_pages, kv_scales, k_dense, v_dense = _quantized(pages, tables, kv_lens, k_dense, v_dense, kv_dtype)
     return PagedCase(
         q=as_dtype(q),
-        kv_pages=as_dtype(pages),
+        kv_pages=kv_pages,
+        kv_scales=kv_scales,
         kv_lens=jnp.asarray(kv_lens),
         block_tables=jnp.asarray(tables),
         cu_q_lens=jnp.asarray(cu),
@@ -101,6 +119,25 @@ def make_case(
         k_dense=as_dtype(k_dense),
         v_dense=as_dtype(v_dense),
     )
+
+
+def _quantized(pages: np.ndarray, tables: np.ndarray, kv_lens: np.ndarray, k_dense: np.ndarray,
+               v_dense: np.ndarray, kv_dtype):
+    """Quantizes float pages; NaN scales where the page is poisoned; dense K/V from the dequantized pages."""
+    qp = kv_quant.quantize_pages(jnp.asarray(pages), kv_dtype)
+    num_pages, num_kv_heads, page_size, width = pages.shape
+    poisoned = np.isnan(pages[..., 0])  # [P, H, ps]
+    poisoned = np.broadcast_to(poisoned[:, :, None, :], (num_pages, num_kv_heads, 2, page_size))
+    scales = np.where(poisoned.reshape(qp.scales.shape), np.nan, np.asarray(qp.scales))
+    deq = np.asarray(kv_quant.dequantize_pages(qp))
+    k_dense, v_dense = k_dense.copy(), v_dense.copy()
+    d = width // 2
+    for s, kv_len in enumerate(kv_lens):
+        for t in range(int(kv_len)):
+            page = tables[s, t // page_size]
+            k_dense[s, t] = deq[page, :, t % page_size, :d]
+            v_dense[s, t] = deq[page, :, t % page_size, d:]
+    return qp.pages, jnp.asarray(scales, jnp.float32), jnp.asarray(k_dense), jnp.asarray(v_dense)
 
 
 def random_seqs(

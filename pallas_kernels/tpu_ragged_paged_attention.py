@@ -27,6 +27,16 @@ buffer rows (no strided loads). An online softmax in float32 scratch (``m``, ``l
 folds in each block. The mask value is finite, probabilities of masked keys are exactly zero, and V rows past
 ``kv_len`` are zeroed (a poisoned slot may hold NaN), so an item's rows never see stale memory.
 
+Quantized pages (int8, fp8_e4m3; :mod:`pallas_kernels.kv_quant`): each page's scale row
+(``[2 * num_kv_heads * page_size]`` float32, one scale per token, head and K/V) is DMA'd with the page into a
+``[pages_per_block, 2 * num_kv_heads * page_size]`` buffer on the same semaphore. Once per block the rows are
+broadcast to the block's key rows (``[kv_block, 2 * num_kv_heads * page_size]``), the diagonal ``lane %
+page_size == key % page_size`` kept, and one small MXU product with a 0/1 head selector (``sel . diag^T``, the
+q.k^T form, exact at HIGHEST precision) turns them into one ``[1, kv_block]`` lane row per (head, K/V): the
+orientation of the logits' key axis. The values are cast exactly to the query dtype; the K scales multiply
+the logits and the V scales the probabilities (``rows x keys`` multiplications per head, 8 rows in decode,
+instead of ``keys x head_dim`` to dequantize K and V). HBM carries only the quantized values and the scales.
+
 ``stats`` (an SMEM output, ``[2 * num_items]``): pages DMA'd and blocks computed per item, counted where the
 kernel issues them; the work model's tests compare it with :func:`pallas_kernels.tpu_plan.tpu_work`.
 Block tables live in SMEM, which bounds ``max_seqs * max_blocks_per_seq`` (as in JAX's own kernel).
@@ -41,6 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import kv_quant
 from pallas_kernels.common import MASK_VALUE, apply_soft_cap, kv_dims, validate_kernel_shape
 from pallas_kernels.tpu_plan import (
     RangePlan,
@@ -67,6 +78,7 @@ def _kernel(
     # Inputs (HBM).
     q_hbm,  # [num_tokens, num_q_heads, head_dim]
     kv_hbm,  # [num_pages, num_kv_heads, page_size, 2 * head_dim]
+    sc_hbm,  # [num_pages, 2 * num_kv_heads * page_size] f32 scales; a [1, 128] placeholder for float pages
     out_in,  # [num_tokens, num_q_heads, head_dim], aliased to out_hbm
     # Outputs.
     out_hbm,  # [num_tokens, num_q_heads, head_dim]
@@ -75,6 +87,7 @@ def _kernel(
     q_buf,  # [2, w, num_q_heads, head_dim]
     o_buf,  # [2, w, num_q_heads, head_dim]
     kv_buf,  # [2, num_kv_heads, pages_per_block * page_size, 2 * head_dim]
+    sc_buf,  # [2, pages_per_block, 2 * num_kv_heads * page_size] f32 (quantized pages; else a placeholder)
     m_ref,  # [num_kv_heads, group * w, 128] f32, running max (lane-replicated)
     l_ref,  # [num_kv_heads, group * w, 128] f32, running denominator
     acc_ref,  # [num_kv_heads, group * w, head_dim] f32
@@ -88,6 +101,7 @@ def _kernel(
     sliding_window: int | None,
     pages_per_block: int,
     max_blocks: int,
+    quantized: bool,
 ):
     del out_in  # same buffer as out_hbm
     w, num_q_heads, head_dim = q_buf.shape[1:]
@@ -131,6 +145,20 @@ def _kernel(
             copies.append((idx < n_pages, pltpu.make_async_copy(kv_hbm.at[page], dst, kv_sem.at[slot])))
         return copies
 
+    def scale_copies(j, b, slot):
+        """The scale rows of the same pages (quantized pages only), on the same semaphore."""
+        if not quantized:
+            return []
+        s, _, _, kv_len, *_ = info(j)
+        n_pages = (kv_len + page_size - 1) // page_size
+        copies = []
+        for p in range(pages_per_block):
+            idx = b * pages_per_block + p
+            page = tables_ref[s * max_blocks + jnp.minimum(idx, max_blocks - 1)]
+            copy = pltpu.make_async_copy(sc_hbm.at[pl.ds(page, 1)], sc_buf.at[slot, pl.ds(p, 1)], kv_sem.at[slot])
+            copies.append((idx < n_pages, copy))
+        return copies
+
     def start_one(copy, count_at):
         copy.start()
         if count_at is not None:
@@ -149,6 +177,7 @@ def _kernel(
         _, _, _, _, _, b_lo, _ = info(j)
         start(token_copies(j, j % 2, q_hbm, q_buf, q_sem, False))
         start(kv_copies(j, b_lo, kv_slot), count_at=2 * j)
+        start(scale_copies(j, b_lo, kv_slot))
 
     @pl.when(i == 0)
     def _():
@@ -182,12 +211,32 @@ def _kernel(
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         v_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0) < kv_len
+        if quantized:  # per-key scales as rows: scales_t[2 h + kv] is [1, kv_block], kv_block along lanes
+            width = sc_buf.shape[2]
+            rows_sc = jnp.broadcast_to(sc_buf[slot][:, None, :], (pages_per_block, page_size, width))
+            rows_sc = rows_sc.reshape(kv_block, width)  # key r: its page's scale row
+            lane = jax.lax.broadcasted_iota(jnp.int32, (kv_block, width), 1)
+            key = jax.lax.broadcasted_iota(jnp.int32, (kv_block, width), 0)
+            diag = jnp.where(lane % page_size == key % page_size, rows_sc, 0.0)  # key r: its own slot's scales
+            hk_rows = max(8, 2 * num_kv_heads)
+            sel = (jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 1) // page_size
+                   == jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 0)).astype(jnp.float32)
+            # [hk_rows, kv_block] = sel . diag^T on the MXU (the q.k^T form), exact at HIGHEST for a 0/1 matrix
+            scales_t = jax.lax.dot_general(sel, diag, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                           preferred_element_type=jnp.float32)
+            key_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1) < kv_len
+            scales_t = jnp.where(key_ok, scales_t, 0.0)  # stale slots may hold NaN scales
+
         for h in range(num_kv_heads):
             k = kv_buf[slot, h, :, pl.ds(0, head_dim)]
             v = kv_buf[slot, h, :, pl.ds(head_dim, head_dim)]
+            if quantized:  # int8 / e4m3 values are exact in q's dtype
+                k, v = k.astype(q_buf.dtype), v.astype(q_buf.dtype)
             logits = jax.lax.dot_general(
                 load_q(h), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
+            if quantized:
+                logits = logits * scales_t[2 * h : 2 * h + 1, :]
             logits = jnp.where(mask, apply_soft_cap(logits * sm_scale, soft_cap), MASK_VALUE)
             m_prev, l_prev = m_ref[h], l_ref[h]  # [rows, 128]
             m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
@@ -196,6 +245,8 @@ def _kernel(
             l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = m_next
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
+            if quantized:
+                p = p * scales_t[2 * h + 1 : 2 * h + 2, :]
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv
 
@@ -212,12 +263,14 @@ def _kernel(
             @pl.when(~last)
             def _():
                 start(kv_copies(i, b + 1, 1 - slot), count_at=2 * i)
+                start(scale_copies(i, b + 1, 1 - slot))
 
             @pl.when(last & has_next)
             def _():
                 start_item(i + 1, 1 - slot)
 
             wait(kv_copies(i, b, slot))
+            wait(scale_copies(i, b, slot))
             stats_ref[2 * i + 1] += 1
             compute(b, slot)
             return 1 - slot
@@ -244,19 +297,23 @@ def _kernel(
             wait(token_copies(i, q_slot, out_hbm, o_buf, o_sem, True))
 
 
-def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, out, *, sm_scale, soft_cap,
+def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, kv_scales, out, *, sm_scale, soft_cap,
                sliding_window, interpret):
     """One ``pallas_call`` over the items of one range; writes their rows into ``out`` (aliased)."""
     kv_lens, tables, cu_q_lens = meta
     max_blocks = tables.shape[1]
     w, num_items = rng.tokens_per_item, rng.num_items
-    dtype = kv_pages.dtype
     kv_block = rng.pages_per_block * plan.page_size
     rows = plan.group * w
+    quantized = kv_scales is not None
+    if not quantized:
+        kv_scales = jnp.zeros((1, _LANES), jnp.float32)  # placeholder operand, never read
+    sc_shape = (2, rng.pages_per_block, kv_scales.shape[1]) if quantized else (2, 1, _LANES)
     scratch = [
-        pltpu.VMEM((2, w, plan.num_q_heads, plan.head_dim), dtype),
-        pltpu.VMEM((2, w, plan.num_q_heads, plan.head_dim), dtype),
-        pltpu.VMEM((2, plan.num_kv_heads, kv_block, 2 * plan.head_dim), dtype),
+        pltpu.VMEM((2, w, plan.num_q_heads, plan.head_dim), q.dtype),
+        pltpu.VMEM((2, w, plan.num_q_heads, plan.head_dim), q.dtype),
+        pltpu.VMEM((2, plan.num_kv_heads, kv_block, 2 * plan.head_dim), kv_pages.dtype),
+        pltpu.VMEM(sc_shape, jnp.float32),
         pltpu.VMEM((plan.num_kv_heads, rows, _LANES), jnp.float32),
         pltpu.VMEM((plan.num_kv_heads, rows, _LANES), jnp.float32),
         pltpu.VMEM((plan.num_kv_heads, rows, plan.head_dim), jnp.float32),
@@ -272,6 +329,7 @@ def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, out, *, 
         sliding_window=sliding_window,
         pages_per_block=rng.pages_per_block,
         max_blocks=max_blocks,
+        quantized=quantized,
     )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_bytes(plan, rng)
@@ -281,7 +339,7 @@ def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, out, *, 
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_items,),
-            in_specs=[any_spec, any_spec, any_spec],
+            in_specs=[any_spec, any_spec, any_spec, any_spec],
             out_specs=[any_spec, pl.BlockSpec(memory_space=pltpu.SMEM)],
             scratch_shapes=scratch,
         ),
@@ -289,7 +347,7 @@ def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, out, *, 
             jax.ShapeDtypeStruct(out.shape, out.dtype),
             jax.ShapeDtypeStruct((2 * num_items,), jnp.int32),
         ],
-        input_output_aliases={8: 0},  # out_in (after 6 scalar-prefetch operands, q, kv) -> out
+        input_output_aliases={9: 0},  # out_in (after 6 scalar-prefetch operands, q, kv, scales) -> out
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
@@ -298,7 +356,7 @@ def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, out, *, 
         cost_estimate=pl.CostEstimate(flops=bound.issued_flops, transcendentals=bound.exps,
                                       bytes_accessed=bound.hbm_bytes),
         name="ragged_paged_attention_tpu_" + ("decode" if w == 1 else "prefill"),
-    )(kv_lens, tables.reshape(-1), cu_q_lens, *items, q, kv_pages, out)
+    )(kv_lens, tables.reshape(-1), cu_q_lens, *items, q, kv_pages, kv_scales, out)
     return out, stats
 
 
@@ -329,7 +387,7 @@ def tpu_plan_for(q_shape, kv_pages_shape, max_seqs: int, max_blocks: int, dtype,
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, num_kv_heads, page_size, 2 * head_dim]
+    kv_pages,  # [num_pages, num_kv_heads, page_size, 2 * head_dim], or kv_quant.QuantizedPages
     kv_lens: jax.Array,  # [max_seqs] int32
     block_tables: jax.Array,  # [max_seqs, max_blocks_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
@@ -338,6 +396,7 @@ def ragged_paged_attention_tpu(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    kv_scales: jax.Array | None = None,  # [num_pages, 2 * num_kv_heads * page_size] f32, quantized pages
     interpret: bool | pltpu.InterpretParams = False,
     tokens_per_item: int | None = None,
     pages_per_block: int | None = None,
@@ -350,7 +409,10 @@ def ragged_paged_attention_tpu(
     heuristic); ``tokens_per_item`` and ``pages_per_block`` override them (tests). ``interpret``: True or a
     ``pltpu.InterpretParams`` runs the kernel in the TPU interpreter (CPU is fine). ``return_stats`` also
     returns ``(decode_stats, prefill_stats)``, each ``[num_items, 2]``: pages DMA'd and blocks computed.
+    Quantized pages: ``kv_pages`` as ``QuantizedPages`` or with ``kv_scales``; the queries stay in their dtype.
     """
+    if kv_scales is None:
+        kv_pages, kv_scales = kv_quant.split(kv_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = kv_dims(kv_pages)
     max_seqs, max_blocks = block_tables.shape
@@ -360,14 +422,15 @@ def ragged_paged_attention_tpu(
     if interpret is True:
         interpret = pltpu.InterpretParams()
     out_dtype = q.dtype
-    q = q.astype(kv_pages.dtype)
+    if kv_scales is None:
+        q = q.astype(kv_pages.dtype)
     meta = (kv_lens, block_tables, cu_q_lens)
     opts = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
     out = jnp.zeros(q.shape, q.dtype)  # padding rows stay zero; every real row is written by one item
     stats = []
     for rng, decode in ((plan.decode, True), (plan.prefill, False)):
         items = plan_items(jnp, cu_q_lens, num_seqs[0], rng, decode)
-        out, st = _run_range(plan, rng, items, meta, q, kv_pages, out, **opts)
+        out, st = _run_range(plan, rng, items, meta, q, kv_pages, kv_scales, out, **opts)
         stats.append(st.reshape(-1, 2))
     out = out.astype(out_dtype)
     return (out, tuple(stats)) if return_stats else out

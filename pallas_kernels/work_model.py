@@ -73,3 +73,16 @@ def minimum_kv_bytes(kv_lens, q_lens, *, num_kv_heads: int, head_dim: int, items
         if q_len > 0:
             total += cdiv(int(kv_len), page_size) * page_size
     return total * 2 * num_kv_heads * head_dim * itemsize
+
+
+def with_kv_dtype(work: KernelWork, *, head_dim: int, itemsize: int, kv_dtype) -> KernelWork:
+    """``work`` (a plan over float pages of ``itemsize`` bytes) with the pages stored as ``kv_dtype``.
+
+    The plans walk the same pages whatever the dtype, so only the bytes change: a slot of one KV head costs
+    ``2 * head_dim * kv_itemsize`` bytes, plus ``2 * 4`` bytes of scales for quantized pages (int8, fp8_e4m3:
+    each page's scale row is read with it; :mod:`.kv_quant`). Queries and outputs stay in their dtype."""
+    from pallas_kernels.kv_quant import bytes_per_token_head
+
+    per_slot = bytes_per_token_head(head_dim, kv_dtype)
+    kv = work.kv_bytes_read * per_slot // (2 * head_dim * itemsize)
+    return dataclasses.replace(work, kv_bytes_read=kv)

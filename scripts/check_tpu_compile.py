@@ -13,6 +13,11 @@ fails when the compiled HLO copies or transposes a KV page array (any instructio
 array other than the in-place scatter) or when the temporaries that grow with the KV cache exceed 5% of one
 layer's KV pages. A failure names the config and the instruction.
 
+``--quantized TOPOLOGY`` (default v5e:1x1) compiles the one-chip step of Llama-3.1-8B with int8 weights and int8
+(and fp8_e4m3) KV pages next to the bfloat16 ones, prints per-chip memory and KV tokens, and fails below 100k
+KV tokens for int8 + int8 (issue 16's goal), on a KV page copy, or past HBM; the kernel cases also compile
+with quantized pages.
+
 ``--families [NAME ...]`` (default: all five) compiles one engine step (a 512-token chunked-prefill bucket) per
 model family beyond Llama, at the real per-layer shapes of its shipped config with only a few layers (enough for
 one global layer among Gemma's sliding ones): qwen3-8b (q/k norms), gemma-2-9b (soft caps, alternating
@@ -63,14 +68,29 @@ CASES = [
 ]
 
 
-def compile_case(device, generation, case) -> None:
+# Quantized pages (int8 / fp8_e4m3 values with per-token scales, pallas_kernels.kv_quant): (case, page dtype)
+QUANT_CASES = [
+    (CASES[1], jnp.int8),  # Llama-3-8B-like decode bucket, 16-token pages
+    (CASES[1], jnp.float8_e4m3fn),
+    (CASES[2], jnp.int8),  # prefill with a sliding window
+    (CASES[3], jnp.float8_e4m3fn),  # head_dim 256, soft cap
+    (CASES[6], jnp.int8),  # head_dim 64, MQA
+    (CASES[9], jnp.int8),  # SmolLM2 prefill, float32 queries
+]
+
+
+def compile_case(device, generation, case, kv_dtype=None) -> None:
+    from pallas_kernels import kv_quant
+
     num_tokens, max_seqs, qh, kvh, d, page, dtype, window, cap = case
     max_blocks = max(2, 8192 // page)
     num_pages = max_seqs * max_blocks + 1
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
     args = (
         sds((num_tokens, qh, d), dtype),
-        sds(kv_pages_shape(num_pages, kvh, page, d), dtype),
+        sds(kv_pages_shape(num_pages, kvh, page, d), dtype) if kv_dtype is None else kv_quant.QuantizedPages(
+            sds(kv_pages_shape(num_pages, kvh, page, d), kv_dtype),
+            sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32)),
         sds((max_seqs,), jnp.int32),
         sds((max_seqs, max_blocks), jnp.int32),
         sds((max_seqs + 1,), jnp.int32),
@@ -101,16 +121,19 @@ def _nbytes(shape, dtype, sharding) -> int:
 
 def compile_step(topo: str, tp: int, config_name, num_tokens: int, max_seqs: int,
                  hbm_gib: float | None = None, page_size: int = 16, max_model_len: int = 8192,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, quantization: str | None = None, kv_dtype: str | None = None):
     """Compile the engine step for `config_name` on the first `tp` chips of `topo` (one chip: no mesh).
 
     Parameters are abstract (nothing is materialised); the KV pages are sized as the engine would size them
-    on that chip (HBM x 0.9 minus the weights). Returns ``(compiled, facts)`` with per-chip sizes.
-    `config_name` is a shipped config's name or a `ModelConfig`."""
+    on that chip (HBM x 0.9 minus the weights). `quantization` (int8 | fp8 weights, the TPU's cast matmul) and
+    `kv_dtype` (int8 | fp8_e4m3 pages with scales) compile the quantized step. Returns ``(compiled, facts)``
+    with per-chip sizes. `config_name` is a shipped config's name or a `ModelConfig`."""
+    from paged_jax import quant
     from paged_jax import sharding as shd
     from paged_jax.config import ModelConfig, load_model_config
     from paged_jax.model.init import param_shapes
     from paged_jax.runner import PagedMeta, step_functions
+    from pallas_kernels import kv_quant
 
     dims = tuple(int(x) for x in topo.split(":")[1].split("x"))
     # One host holds the whole slice (a v5e-4 or v5e-8 host), as for one engine of `paged-jax generate`.
@@ -118,35 +141,43 @@ def compile_step(topo: str, tp: int, config_name, num_tokens: int, max_seqs: int
                                         chips_per_host_bounds=(*dims, 1)[:3])
     hbm_gib = hbm_gib or HBM_GIB[topo.split(":")[0]]
     config = config_name if isinstance(config_name, ModelConfig) else load_model_config(config_name)
+    weights_key = None if quantization is None else (quantization, True, False)
     if tp > 1:
         mesh = shd.make_mesh(desc.devices[:tp])
         config = config.replace(num_kv_heads=config.num_kv_heads * shd.kv_replication(config, tp))
-        shardings = shd.param_shardings(config, mesh, param_shapes(config))
+        shapes = quant.abstract_params(param_shapes(config), weights_key)
+        shardings = shd.param_shardings(config, mesh, shapes)
         kv_sharding, rep = shd.kv_sharding(mesh), shd.replicated(mesh)
+        scales_sharding = shd.kv_scales_sharding(mesh)
     else:
         mesh = jax.sharding.Mesh(desc.devices[:1], ("x",))
         one = SingleDeviceSharding(desc.devices[0])
-        shardings = jax.tree.map(lambda _: one, param_shapes(config))
-        kv_sharding = rep = one
-    shapes = param_shapes(config)
+        shapes = quant.abstract_params(param_shapes(config), weights_key)
+        shardings = jax.tree.map(lambda _: one, shapes)
+        kv_sharding = rep = scales_sharding = one
     params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
     weights = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(params))
-    dtype = jnp.dtype(config.dtype)
-    page_bytes = config.kv_bytes_per_token(dtype.itemsize) * page_size // tp  # one chip, all layers
+    dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
+    page_bytes = quant.kv_bytes_per_token(config, dtype) * page_size // tp  # one chip, all layers
     num_pages = num_pages or int((hbm_gib * 2**30 - weights) * 0.9) // page_bytes
     kv_shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
     kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding)
+    quantized_kv = kv_quant.is_quantized_dtype(dtype)
+    if quantized_kv:
+        scales = kv_quant.scales_shape(num_pages, config.num_kv_heads, page_size)
+        kv = kv_quant.QuantizedPages(kv, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=scales_sharding))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
     max_blocks = max_model_len // page_size
     meta = PagedMeta(i32(num_tokens), i32(max_seqs), i32(max_seqs, max_blocks), i32(max_seqs + 1), i32(1))
-    _, forward = step_functions(config, "pallas-tpu", mesh if tp > 1 else None)
+    _, forward = step_functions(config, "pallas-tpu", mesh if tp > 1 else None, quantized_kv, weights_key)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = forward.lower(params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta,
                                  i32(max_seqs)).compile()
     local_kv = kv_sharding.shard_shape(kv_shape)
+    layer_kv = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(kv))
     facts = {
         "weights": weights,
-        "layer_kv": _nbytes(kv_shape, dtype, kv_sharding),
+        "layer_kv": layer_kv,
         "kv_tokens": (num_pages - 1) * page_size,
         "local_kv_shape": local_kv,
         "dtype": dtype,
@@ -159,7 +190,7 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
     """HLO instructions that produce a whole KV page array other than in place: copies, transposes, and any
     other op with a KV-shaped result except the donated parameters, the in-place scatter (and fusions whose
     root is one), tuples, get-tuple-element and bitcasts."""
-    short = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(dtype).name]
+    short = {"bfloat16": "bf16", "float32": "f32", "int8": "s8", "float8_e4m3fn": "f8e4m3fn"}[jnp.dtype(dtype).name]
     shape = f"{short}[{','.join(str(d) for d in local_kv_shape)}]"
     allowed = ("parameter(", "scatter(", "get-tuple-element(", "tuple(", "bitcast(", "custom-call(",
                "dynamic-update-slice(", "opt-barrier(")
@@ -334,6 +365,49 @@ def check_sharded(specs: list[str], config_name: str, hbm_gib: float | None) -> 
     return failures
 
 
+QUANTIZED_STEPS = ((64, 64), (512, 16))  # (tokens, seqs): decode and chunked-prefill buckets
+MIN_QUANTIZED_KV_TOKENS = 100_000  # issue 16's goal for Llama-3.1-8B int8 + int8 KV on one v5e chip
+
+
+def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
+    """Compile the one-chip engine step of `config_name` with int8 weights and int8 KV pages, print per-chip
+    memory, and fail if the peak exceeds HBM, a KV page array is copied, or fewer than 100k KV tokens fit."""
+    failures = 0
+    hbm = hbm_gib or HBM_GIB[topo.split(":")[0]]
+    print(f"\nper-chip memory of the quantized step, {config_name} on {topo} ({hbm:.0f} GiB), GiB")
+    print(f"{'weights':<8}{'KV':<10}{'tokens':>7}{'seqs':>5}{'weights':>9}{'KV':>8}{'KV tokens':>11}{'temp':>8}"
+          f"{'peak':>8}{'copies':>7}")
+    for quantization, kv_dtype in (("int8", "int8"), ("int8", "fp8_e4m3"), (None, "int8"), (None, None)):
+        for num_tokens, max_seqs in QUANTIZED_STEPS:
+            name = f"{config_name} w={quantization} kv={kv_dtype} {num_tokens}x{max_seqs}"
+            t0 = time.perf_counter()
+            try:
+                compiled, facts = compile_step(topo, 1, config_name, num_tokens, max_seqs, hbm,
+                                               quantization=quantization, kv_dtype=kv_dtype)
+            except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+                failures += 1
+                print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
+                continue
+            m = compiled.memory_analysis()
+            gib = 2**-30
+            peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                    + m.temp_size_in_bytes) * gib
+            bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
+            print(f"{quantization or 'bf16':<8}{kv_dtype or 'bf16':<10}{num_tokens:>7}{max_seqs:>5}"
+                  f"{facts['weights'] * gib:>9.2f}{facts['layer_kv'] * facts['num_layers'] * gib:>8.2f}"
+                  f"{facts['kv_tokens']:>11,}{m.temp_size_in_bytes * gib:>8.2f}{peak:>8.2f}{len(bad):>7}"
+                  f"  ({time.perf_counter() - t0:.0f}s)")
+            for line in bad[:4]:
+                print(f"FAIL {name}: KV copy: {line}")
+            failures += bool(bad) + (peak > hbm)
+            if peak > hbm:
+                print(f"FAIL {name}: peak {peak:.2f} GiB exceeds {hbm} GiB")
+            if quantization == "int8" and kv_dtype == "int8" and facts["kv_tokens"] < MIN_QUANTIZED_KV_TOKENS:
+                failures += 1
+                print(f"FAIL {name}: {facts['kv_tokens']:,} KV tokens < {MIN_QUANTIZED_KV_TOKENS:,}")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topologies", nargs="*", default=["v5e:1x1", "v6e:1x1"])
@@ -344,6 +418,9 @@ def main() -> int:
     parser.add_argument("--families", nargs="*", default=list(FAMILY_STEPS), choices=list(FAMILY_STEPS),
                         metavar="CONFIG", help="family engine steps to compile (none: skip)")
     parser.add_argument("--hbm-gib", type=float, default=None, help="per-chip HBM (default: by TPU generation)")
+    parser.add_argument("--quantized", nargs="*", default=["v5e:1x1"], metavar="TOPOLOGY",
+                        help="one-chip steps with int8/fp8 weights and KV pages to compile (none: skip)")
+    parser.add_argument("--quantized-model", default="llama-3.1-8b")
     args = parser.parse_args()
     failures = 0
     for topo in args.topologies:
@@ -358,13 +435,13 @@ def main() -> int:
             continue
         device = desc.devices[0]
         generation = topo.split(":")[0]
-        for case in CASES:
+        for case, kv_dtype in [(c, None) for c in CASES] + QUANT_CASES:
             name = f"{topo} {device.device_kind!r} " + " ".join(
                 str(getattr(x, "__name__", x)) for x in itertools.chain(case)
-            )
+            ) + ("" if kv_dtype is None else f" pages={jnp.dtype(kv_dtype).name}")
             t0 = time.perf_counter()
             try:
-                compile_case(device, generation, case)
+                compile_case(device, generation, case, kv_dtype)
                 print(f"ok   {name} ({time.perf_counter() - t0:.1f}s)")
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
@@ -375,6 +452,8 @@ def main() -> int:
         failures += check_families(args.families)
     if args.sharded:
         failures += check_sharded(args.sharded, args.sharded_model, args.hbm_gib)
+    for topo in args.quantized or ():
+        failures += check_quantized(topo, args.quantized_model, args.hbm_gib)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 

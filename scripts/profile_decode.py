@@ -4,7 +4,8 @@ The whole step is the runner's own jitted forward (`runner.step_functions`) plus
 same code (the model's own projection functions, `apply_rope`, `write_kv`, the XLA paged attention, `sample`)
 jitted on its own over all layers at once (one dispatch per part, like the step), on the shapes of the peers'
 workload: 32 sequences, each at `--context` tokens of KV (default 192: prompt 128 + half of 128 new tokens),
-pages scattered over the cache as the KV manager leaves them. Every time is the fastest of `--reps` calls.
+pages scattered over the cache as the KV manager leaves them. Each part: fastest wall time and median CPU time
+of `--reps` calls (`timeit`).
 A trivial jitted op gives the dispatch floor included in each part's time; "host" is what the engine adds
 per step around the executables (scheduling, metadata, transfers), measured on a real engine run.
 
@@ -36,17 +37,19 @@ from paged_jax.sampler import SamplingMeta, empty_meta, sample  # noqa: E402
 from pallas_kernels.common import kv_pages_shape  # noqa: E402
 
 
-def timeit(fn: Callable, *args, reps: int) -> float:
-    """Fastest of `reps` calls of `fn(*args)` in milliseconds (blocking on the result), after two warm-up
-    calls. The minimum, not the median: on CPUs shared with other work it is the least disturbed estimate."""
+def timeit(fn: Callable, *args, reps: int) -> tuple[float, float]:
+    """(fastest wall ms, median CPU ms) of `reps` calls of `fn(*args)` (blocking on the result), after two
+    warm-up calls. CPU time is this process's (all its threads): on CPUs shared with other work it moves far
+    less with their load than wall time does, so the table's shares are computed from it."""
     for _ in range(2):
         jax.block_until_ready(fn(*args))
-    times = []
+    walls, cpus = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return min(walls) * 1e3, sorted(cpus)[len(cpus) // 2] * 1e3
 
 
 def decode_inputs(config, batch: int, context: int, page_size: int, seed: int = 0):
@@ -77,7 +80,7 @@ def sampling_meta(batch: int, mode: str) -> SamplingMeta:
     return SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()})
 
 
-def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list[tuple[str, float]]:
+def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list[tuple[str, tuple[float, float]]]:
     config, params, _ = load_model(model, dtype=dtype)
     c = config
     p = params["params"]
@@ -153,7 +156,8 @@ def engine_step_ms(model: str, dtype: str, batch: int, new: int = 96) -> dict[st
 
     config, params, tok = load_model(model, dtype=dtype)
     ec = EngineConfig(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=1024,
-                      num_pages=batch * 20 + 1, attention_backend="xla", enable_prefix_caching=False)
+                      num_pages=batch * 20 + 1, attention_backend="xla", enable_prefix_caching=False,
+                      warmup=False)  # compile only the shapes this run reaches
     engine = LLMEngine(config, params, tok, ec)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -183,16 +187,16 @@ def main() -> None:
     xla_flags.log_settings()
     engine = engine_step_ms(args.model, args.dtype, args.batch) if args.engine else None
     rows = profile(args.model, args.dtype, args.batch, args.context, args.reps)
-    step = rows[0][1]
+    step = rows[0][1][1]
     print(f"\ndecode step profile: {args.model} {args.dtype}, batch {args.batch}, context {args.context}, "
-          f"fastest of {args.reps}; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'part':40s} {'ms':>8s} {'% of forward':>13s}")
-    for name, ms in rows:
-        print(f"{name:40s} {ms:8.2f} {ms / step:12.0%}")
+          f"{args.reps} calls each; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'part':44s} {'wall ms':>8s} {'CPU ms':>8s} {'CPU % of forward':>17s}")
+    for name, (wall, cpu) in rows:
+        print(f"{name:44s} {wall:8.2f} {cpu:8.2f} {cpu / step:16.0%}")
     if engine:
-        print(f"{'engine decode step, fastest (wall)':40s} {engine['min']:8.2f} {engine['min'] / step:12.0%}")
-        print(f"{'engine decode step, median (wall)':40s} {engine['median']:8.2f} {engine['median'] / step:12.0%}")
-        print(f"{'  of which host (schedule, metadata, launch)':40s} {engine['host']:8.2f}")
+        print(f"{'engine decode step, fastest / median (wall)':44s} {engine['min']:8.2f} {engine['median']:8.2f}")
+        print(f"{'  host per step (schedule, metadata, launch)':44s} {engine['host']:8.2f}")
+        print(f"{'  forward + greedy sampler alone (wall)':44s} {rows[0][1][0] + rows[1][1][0]:8.2f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from paged_jax.config import DTYPES
+from paged_jax.config import DTYPES, WEIGHT_QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,10 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
                                        "name of a model shipped as one (e.g. smollm2-135m-instruct)")
     parser.add_argument("--out", required=True, help="orbax checkpoint directory to write")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
+    parser.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, default=None,
+                        help="store quantized weights (per-output-channel scales; the checkpoint loads quantized)")
+    parser.add_argument("--float-lm-head", action="store_true",
+                        help="with --quantization: keep the LM head in the model dtype (embeddings always are)")
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -41,9 +45,11 @@ def run_convert(args: argparse.Namespace) -> int:
     from paged_jax.model.checkpoint import save_checkpoint
     from paged_jax.model.init import count_params, param_bytes
     from paged_jax.model.weights import load_model, resolve_model_path
+    from paged_jax.quant import quantize_params
 
     start = time.perf_counter()
     config, params, _ = load_model(args.hf or args.gguf, dtype=args.dtype)
+    params = quantize_params(params, args.quantization, lm_head=not args.float_lm_head)
     save_checkpoint(args.out, config, params)
     if args.gguf:
         from paged_jax.gguf_tokenizer import tokenizer_from_gguf
@@ -53,7 +59,8 @@ def run_convert(args: argparse.Namespace) -> int:
         if gguf.get("tokenizer.ggml.model", None) is not None:
             tokenizer_from_gguf(gguf).save(args.out)
     print(f"wrote {args.out}: {count_params(params):,} parameters, {param_bytes(params):,} bytes "
-          f"({config.dtype}) in {time.perf_counter() - start:.1f} s")
+          f"({config.dtype}{', weights ' + args.quantization if args.quantization else ''}) in "
+          f"{time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 The tree is the model's own (fused q/k/v and gate/up, `paged_jax.model.fuse`), saved and restored exactly;
 a checkpoint written before the fusion (one kernel per projection) is restored in that layout and fused.
+Quantized weights (`paged_jax.quant`) are stored as `{"qvalues", "qscale"}` pairs, with `quantization.json`
+naming the scheme, so a checkpoint written by `paged-jax convert --quantization int8` loads quantized.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from paged_jax.model.fuse import fuse_params, import_shapes
 from paged_jax.model.init import Params, param_shapes
 
 CONFIG_FILE = "model_config.json"
+QUANT_FILE = "quantization.json"
 PARAMS_DIR = "params"
 
 
@@ -30,12 +33,17 @@ def save_checkpoint(path: str | Path, config: ModelConfig, params: Params) -> No
     """Write `params` ({"params": ...}) with orbax and `config` as JSON into directory `path` (created)."""
     import orbax.checkpoint as ocp
 
+    from paged_jax import quant
+
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path / PARAMS_DIR, params, force=True)
+    checkpointer.save(path / PARAMS_DIR, quant.to_storable(params), force=True)
     checkpointer.wait_until_finished()
     (path / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    scheme = quant.scheme_of(params)
+    if scheme is not None:
+        (path / QUANT_FILE).write_text(json.dumps(scheme) + "\n")
 
 
 def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, Params]:
@@ -49,13 +57,20 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelCo
     if dtype is not None:
         config = config.replace(dtype=dtype)
     check_fits(config)
+    from paged_jax import quant
+
     target = param_shapes(config)
     checkpointer = ocp.StandardCheckpointer()
-    if _stores_unfused(checkpointer, path / PARAMS_DIR):  # written before q/k/v and gate/up were fused
+    scheme = json.loads((path / QUANT_FILE).read_text()) if (path / QUANT_FILE).exists() else None
+    if scheme is not None:  # quantized checkpoints are written in the fused layout
+        target = quant.storable_shapes(target, scheme["quantization"], lm_head=scheme["lm_head"])
+        restored = checkpointer.restore(path / PARAMS_DIR, target)
+    elif _stores_unfused(checkpointer, path / PARAMS_DIR):  # written before q/k/v and gate/up were fused
         restored = fuse_params(config, checkpointer.restore(path / PARAMS_DIR, import_shapes(config)))
     else:
         restored = checkpointer.restore(path / PARAMS_DIR, target)
-    return config, jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), restored, target)
+    params = jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), restored, target)
+    return config, params if scheme is None else quant.from_storable(params)
 
 
 def _stores_unfused(checkpointer, params_dir: Path) -> bool:
@@ -66,4 +81,4 @@ def _stores_unfused(checkpointer, params_dir: Path) -> bool:
     return "q_proj" in layer.get("self_attn", {})
 
 
-__all__ = ["CONFIG_FILE", "is_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CONFIG_FILE", "QUANT_FILE", "is_checkpoint", "load_checkpoint", "save_checkpoint"]

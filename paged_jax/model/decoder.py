@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import quant
 from paged_jax.config import ModelConfig, RopeScaling
 from paged_jax.model.attention import AttentionFn, dense_attention
 from paged_jax.model.layers import (
@@ -90,9 +91,9 @@ class GatedMLP(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, i = c.hidden_size, c.intermediate_size
-        gate_up = jnp.einsum("th,hgi->tgi", x, self.param("gate_up_proj", kernel_init, (h, 2, i), dtype))  # [T, 2, I]
+        gate_up = quant.dot(x, self.param("gate_up_proj", kernel_init, (h, 2, i), dtype))  # [T, 2, I]
         down = self.param("down_proj", kernel_init, (i, h), dtype)
-        return (ACTIVATIONS[self.activation](gate_up[:, 0]) * gate_up[:, 1]) @ down
+        return quant.dot(ACTIVATIONS[self.activation](gate_up[:, 0]) * gate_up[:, 1], down)
 
 
 class PreNormLayer(nn.Module):
@@ -172,7 +173,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, H] -> logits [N, V] float32 (accumulated in float32), soft-capped when the config says so."""
         w = self.embed_tokens.embedding.T if self.config.tie_word_embeddings else self.lm_head  # [H, V]
-        logits = jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        logits = quant.dot(hidden, w, preferred_element_type=jnp.float32)
         cap = self.config.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
+from paged_jax.quant import QuantizedWeight
 
 Params = dict[str, Any]
 
@@ -110,9 +111,11 @@ def expand_fused_kv_heads(params: Params, r: int) -> Params:
 
     def leaf(path: tuple[Any, ...], x: Any) -> Any:
         name = str(getattr(path[-1], "key", path[-1]))
+        if name == "qkv_proj" and isinstance(x, QuantizedWeight):  # scales [Hkv, G + 2, D] expand alike
+            return x.replace(values=expand(x.values), scale=expand(x.scale))
         return expand(x) if name in ("qkv_proj", "qkv_bias") else x
 
-    return jax.tree_util.tree_map_with_path(leaf, params)
+    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 __all__ = ["expand_fused_kv_heads", "fuse_params", "fuse_qkv", "import_shapes", "split_qkv", "unfuse_params"]

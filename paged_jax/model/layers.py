@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import quant
 from paged_jax.config import ModelConfig, RopeScaling
 from paged_jax.model.fuse import split_qkv
 
@@ -74,7 +75,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def qkv_projection(x: jax.Array, attn: dict, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T, Hq, D], k and v [T, Hkv, D] from x [T, H]: one matmul with the fused `qkv_proj` [H, Hkv, G + 2, D]
     (layout: `paged_jax.model.fuse`), its bias added when the model has one."""
-    qkv = jnp.einsum("th,hkgd->tkgd", x, attn["qkv_proj"])  # [T, Hkv, G + 2, D]
+    qkv = quant.dot(x, attn["qkv_proj"])  # [T, Hkv, G + 2, D]
     if config.attention_bias:
         qkv = qkv + attn["qkv_bias"]
     return split_qkv(qkv)
@@ -82,14 +83,14 @@ def qkv_projection(x: jax.Array, attn: dict, config: ModelConfig) -> tuple[jax.A
 
 def out_projection(out: jax.Array, attn: dict) -> jax.Array:
     """The attention output [T, Hq, D] projected back to [T, H] by `o_proj` [Hq, D, H]."""
-    return jnp.einsum("tnd,ndh->th", out, attn["o_proj"])
+    return quant.dot(out, attn["o_proj"], 2)
 
 
 def swiglu_mlp(x: jax.Array, mlp: dict) -> jax.Array:
     """down(silu(gate(x)) * up(x)): x [T, H] -> [T, H], gate and up as one matmul with `gate_up_proj` [H, 2, I]."""
-    gate_up = jnp.einsum("th,hgi->tgi", x, mlp["gate_up_proj"])  # [T, 2, I]
+    gate_up = quant.dot(x, mlp["gate_up_proj"])  # [T, 2, I]
     act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, I]
-    return act @ mlp["down_proj"]
+    return quant.dot(act, mlp["down_proj"])
 
 
 class MLP(nn.Module):

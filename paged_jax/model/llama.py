@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from paged_jax import quant
 from paged_jax.config import ModelConfig
 from paged_jax.model.attention import AttentionFn, dense_attention
 from paged_jax.model.layers import (
@@ -128,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
             w = self.embed_tokens.embedding.T  # [H, V]; XLA folds the transpose into the dot
         else:
             w = self.lm_head
-        return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        return quant.dot(hidden, w, preferred_element_type=jnp.float32)
 
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM"]

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from paged_jax.config import ModelConfig
+from paged_jax.quant import QuantizedWeight
 
 _SPECS: dict[str, Any] = {
     "qkv_proj": lambda tp: P(None, tp, None, None),  # [H, Hkv, G + 2, D]: whole (q, k, v) groups per shard
@@ -37,13 +38,16 @@ def param_partition_specs(config: ModelConfig, params: Any, tp_axis: str = "tp")
     """A pytree like `params` ({"params": ...}) with a `PartitionSpec` per leaf."""
     del config  # the layout depends only on the leaf names; kept for the contract and later variants
 
-    def spec(path: tuple[Any, ...], leaf: Any) -> P:
+    def spec(path: tuple[Any, ...], leaf: Any) -> Any:
         name = str(getattr(path[-1], "key", path[-1]))
         if name not in _SPECS:
             raise KeyError(f"{jax.tree_util.keystr(path)}: no partition rule")
-        return _SPECS[name](tp_axis)
+        rule = _SPECS[name](tp_axis)
+        if isinstance(leaf, QuantizedWeight):  # values as the weight; scales as its output (trailing) axes
+            return leaf.replace(values=rule, scale=P(*tuple(rule)[leaf.contract:]))
+        return rule
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 __all__ = ["param_partition_specs"]

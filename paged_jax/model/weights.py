@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from paged_jax import quant
 from paged_jax.config import ModelConfig, load_model_config
 from paged_jax.model.budget import check_fits
 from paged_jax.model.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
@@ -27,15 +28,23 @@ def resolve_model_path(model: str | Path) -> Path:
     return named_model_path(str(model)) or Path(model)
 
 
-def load_model(model: str | Path, dtype: str | None = None,
-               seed: int = 0) -> tuple[ModelConfig, Params, Tokenizer]:
+def load_model(model: str | Path, dtype: str | None = None, seed: int = 0,
+               quantization: str | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
     """(config, params, tokenizer) for a GGUF file or named model, an HF directory, an orbax checkpoint,
     or a config name/JSON.
 
     `dtype` ("float32" | "bfloat16") overrides the config's parameter/activation dtype (GGUF: float32
     unless given, since dequantized values are exact in float32). A config whose parameters could not fit
-    this machine is refused (ConfigError naming the field) before any allocation.
+    this machine is refused (ConfigError naming the field) before any allocation. `quantization` ("int8" |
+    "fp8") quantizes the weights after loading (`paged_jax.quant`); a quantized checkpoint loads quantized.
     """
+    config, params, tokenizer = _load(model, dtype, seed)
+    if quantization is not None and quant.scheme_of(params) is None:
+        params = quant.quantize_params(params, quantization)
+    return config, params, tokenizer
+
+
+def _load(model: str | Path, dtype: str | None, seed: int) -> tuple[ModelConfig, Params, Tokenizer]:
     path = resolve_model_path(model)
     if is_gguf(path):
         from paged_jax.gguf_tokenizer import gguf_tokenizer_dir

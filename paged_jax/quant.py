@@ -1,0 +1,216 @@
+"""Quantization: which KV page dtype a run stores and what a token of it costs; int8/fp8 weights.
+
+KV pages: ``--kv-dtype`` int8 or fp8_e4m3 stores :class:`pallas_kernels.kv_quant.QuantizedPages` (values plus one
+float32 scale per token, KV head and K/V; see that module for the layout and why). Weights: see
+:func:`quantize_params` below.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS, ModelConfig
+from pallas_kernels import kv_quant
+
+
+def kv_cache_dtype(name: str | None, model_dtype) -> jnp.dtype:
+    """The stored page dtype for ``--kv-dtype`` ``name`` (None: the model's dtype)."""
+    if name is not None and name not in KV_DTYPE_CHOICES:
+        raise ValueError(f"kv_dtype: must be one of {KV_DTYPE_CHOICES}, got {name!r}")
+    return kv_quant.kv_dtype_from_name(name, model_dtype)
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype) -> int:
+    """Bytes of KV one token takes over all layers and KV heads, scales included."""
+    return config.num_layers * config.num_kv_heads * kv_quant.bytes_per_token_head(config.head_dim, kv_dtype)
+
+
+def kv_token_gain(config: ModelConfig, kv_dtype) -> float:
+    """Tokens that fit a byte budget with ``kv_dtype`` pages, relative to bfloat16 pages (int8: ~1.94x)."""
+    return kv_bytes_per_token(config, jnp.bfloat16) / kv_bytes_per_token(config, kv_dtype)
+
+
+# -- weights ------------------------------------------------------------------------------------------------
+
+_WEIGHT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+# The matmul weights quantized (the model's fused layout and the import layout), and how many leading axes each
+# contracts: o_proj [Hq, D, H] two, every other one its first. Embeddings (a gather of T rows: memory, not
+# bandwidth), norms, biases, MoE routers and experts (grouped matmuls, not through `dot`) keep their dtype.
+_CONTRACT_AXES = {
+    "qkv_proj": 1,
+    "o_proj": 2,
+    "gate_up_proj": 1,
+    "down_proj": 1,
+    "lm_head": 1,
+    "q_proj": 1,
+    "k_proj": 1,
+    "v_proj": 1,
+    "gate_proj": 1,
+    "up_proj": 1,
+}
+
+
+def _is_matmul_weight(name: str, ndim: int, lm_head: bool) -> bool:
+    return name in _CONTRACT_AXES and ndim >= 2 and (lm_head or name != "lm_head")
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """A weight kept quantized in memory: ``w ~= values * scale``, symmetric, one scale per output channel.
+
+    ``values`` has the float weight's shape (so Flax's shape check on ``self.param`` still holds); ``scale``
+    has the shape of its output (non-contracted, trailing) axes: ``[Hq, D]`` for q_proj ``[H, Hq, D]``,
+    ``[H]`` for o_proj ``[Hq, D, H]``, ``[I]`` for gate_proj ``[H, I]``. ``native_dot``: multiply as int8 x int8
+    with int32 accumulation (activations quantized per token on the fly) instead of casting the weight to the
+    activation dtype; chosen per platform at load (:func:`quantize_params`).
+    """
+
+    values: jax.Array  # int8 or float8_e4m3fn, the float weight's shape
+    scale: jax.Array  # float32, the weight's output axes
+    native_dot: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def contract(self) -> int:
+        """How many leading axes the matmul contracts."""
+        return self.values.ndim - self.scale.ndim
+
+
+def quantize_weight(w: jax.Array, contract: int, quantization: str, native_dot: bool = False) -> QuantizedWeight:
+    """Per-output-channel symmetric quantization of ``w`` contracted over its first ``contract`` axes."""
+    dtype = _WEIGHT_DTYPES[quantization]
+    w32 = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=tuple(range(contract)))
+    scale = jnp.where(amax > 0, amax / kv_quant.qmax(dtype), 1.0)
+    y = w32 / scale
+    if dtype == jnp.int8:
+        y = jnp.clip(jnp.round(y), -127, 127)
+    return QuantizedWeight(y.astype(dtype), scale.astype(jnp.float32), native_dot and dtype == jnp.int8)
+
+
+def default_native_dot() -> bool:
+    """int8 x int8 dots on CPU (oneDNN/AMX and VNNI run them several times faster than casting the weight, see
+    the note of issue 16); on TPU and GPU the cast fuses into the matmul's operand load and keeps the
+    activations exact."""
+    return jax.default_backend() == "cpu"
+
+
+def quantize_params(params, quantization: str | None, *, lm_head: bool = True, native_dot: bool | None = None):
+    """Params with every projection matrix (and the untied LM head unless ``lm_head=False``) replaced by a
+    :class:`QuantizedWeight`; embeddings, norms and biases keep their dtype. ``None`` returns ``params``."""
+    if quantization is None:
+        return params
+    if quantization not in WEIGHT_QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {WEIGHT_QUANTIZATIONS}, got {quantization!r}")
+    native = default_native_dot() if native_dot is None else native_dot
+
+    def one(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if not _is_matmul_weight(name, leaf.ndim, lm_head):
+            return leaf
+        return quantize_weight(leaf, _CONTRACT_AXES[name], quantization, native)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def dot(x: jax.Array, w, contract: int = 1, preferred_element_type=None) -> jax.Array:
+    """``x [T, *K] . w [*K, *N] -> [T, *N]``, contracting x's last and w's first ``contract`` axes, for a plain
+    weight or a :class:`QuantizedWeight` (the scale applied to the output, in float32). The result has x's
+    dtype, or ``preferred_element_type``."""
+    out_dtype = preferred_element_type or x.dtype
+    dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
+    if not isinstance(w, QuantizedWeight):
+        return jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
+    if w.contract != contract:
+        raise ValueError(f"weight contracts {w.contract} axes, the call {contract}")
+    if w.native_dot:  # per-token int8 activations; int8 x int8 -> int32
+        k_axes = tuple(range(x.ndim - contract, x.ndim))
+        x32 = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x32), axis=k_axes, keepdims=True)
+        sx = jnp.where(amax > 0, amax / 127.0, 1.0)
+        xq = jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8)
+        acc = jax.lax.dot_general(xq, w.values, dims, preferred_element_type=jnp.int32)
+        sx = sx.reshape(sx.shape[: x.ndim - contract] + (1,) * w.scale.ndim)
+        return (acc.astype(jnp.float32) * sx * w.scale).astype(out_dtype)
+    acc = jax.lax.dot_general(x, w.values.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    return (acc * w.scale).astype(out_dtype)
+
+
+def to_storable(params):
+    """Quantized weights as plain dicts ``{"qvalues", "qscale"}`` (what orbax checkpoints hold)."""
+    return jax.tree.map(
+        lambda w: {"qvalues": w.values, "qscale": w.scale} if isinstance(w, QuantizedWeight) else w,
+        params,
+        is_leaf=lambda x: isinstance(x, QuantizedWeight),
+    )
+
+
+def from_storable(params, native_dot: bool | None = None):
+    """Inverse of :func:`to_storable` (the dot kind chosen for this platform)."""
+    native = default_native_dot() if native_dot is None else native_dot
+
+    def walk(node):
+        if isinstance(node, dict) and set(node) == {"qvalues", "qscale"}:
+            return QuantizedWeight(node["qvalues"], node["qscale"], native and node["qvalues"].dtype == jnp.int8)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    return walk(params)
+
+
+def storable_shapes(param_shapes, quantization: str, *, lm_head: bool = True):
+    """The abstract tree :func:`to_storable` produces for quantized params of these float shapes."""
+    dtype = _WEIGHT_DTYPES[quantization]
+
+    def one(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if not _is_matmul_weight(name, len(leaf.shape), lm_head):
+            return leaf
+        contract = _CONTRACT_AXES[name]
+        return {
+            "qvalues": jax.ShapeDtypeStruct(leaf.shape, dtype),
+            "qscale": jax.ShapeDtypeStruct(leaf.shape[contract:], jnp.float32),
+        }
+
+    return jax.tree_util.tree_map_with_path(one, param_shapes)
+
+
+def scheme_of(params) -> dict | None:
+    """``{"quantization": "int8" | "fp8", "lm_head": bool}`` of quantized params, None for float params."""
+    found = [
+        w
+        for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(w, QuantizedWeight)
+    ]
+    if not found:
+        return None
+    name = "int8" if found[0].values.dtype == jnp.int8 else "fp8"
+    lm_head = isinstance(params.get("params", {}).get("lm_head"), QuantizedWeight)
+    return {"quantization": name, "lm_head": lm_head}
+
+
+def weights_key(params) -> tuple[str, bool, bool] | None:
+    """Hashable description of quantized params' tree: (scheme, LM head quantized, native dot); None if float."""
+    scheme = scheme_of(params)
+    if scheme is None:
+        return None
+    native = any(
+        w.native_dot
+        for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(w, QuantizedWeight)
+    )
+    return scheme["quantization"], scheme["lm_head"], native
+
+
+def abstract_params(param_shapes, key: tuple[str, bool, bool] | None):
+    """The abstract parameter tree of :func:`weights_key` ``key`` built from the float shapes."""
+    if key is None:
+        return param_shapes
+    quantization, lm_head, native = key
+    return from_storable(storable_shapes(param_shapes, quantization, lm_head=lm_head), native)
