@@ -24,7 +24,7 @@ one global layer among Gemma's sliding ones): qwen3-8b (q/k norms), gemma-2-9b (
 windows), gemma-3-4b (windows 5:1, two RoPE bases), mixtral-8x7b and qwen3-30b-a3b (an MoE layer; Qwen3-MoE
 also at TP 4, experts split inside each expert). The same KV checks as the audit apply, and an MoE step must
 lower its experts to XLA's grouped matmul (``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
-Run only this part with ``--topologies --sharded --no-audit`` (``--families`` with no names skips it).
+Run only this part with ``--topologies --sharded --quantized --no-audit`` (``--families`` with no names skips it).
 
 ``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.sharding``) for
 Llama-3.1-8B in bfloat16 on the first TP chips of that slice, with abstract parameters (nothing is
