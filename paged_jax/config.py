@@ -18,7 +18,8 @@ from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DTYPES = ("float32", "bfloat16")
-WEIGHT_QUANTIZATIONS = ("int8", "fp8")  # --quantization: weights quantized at load (paged_jax.quant)
+# --quantization: weights quantized at load (paged_jax.quant); w8a8 also quantizes activations (an int8 dot)
+WEIGHT_QUANTIZATIONS = ("int8", "w8a8", "fp8")
 KV_DTYPE_CHOICES = ("float32", "bfloat16", "int8", "fp8_e4m3")  # --kv-dtype; the last two: quantized pages
 # Our model families; each has its module under paged_jax/model/ (see paged_jax.model.families).
 MODEL_TYPES = ("llama", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")

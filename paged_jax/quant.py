@@ -34,7 +34,7 @@ def kv_token_gain(config: ModelConfig, kv_dtype) -> float:
 
 # -- weights ------------------------------------------------------------------------------------------------
 
-_WEIGHT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+_WEIGHT_DTYPES = {"int8": jnp.dtype(jnp.int8), "w8a8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 # The matmul weights quantized (the model's fused layout and the import layout), and how many leading axes each
 # contracts: o_proj [Hq, D, H] two, every other one its first. Embeddings (a gather of T rows: memory, not
 # bandwidth), norms, biases, MoE routers and experts (grouped matmuls, not through `dot`) keep their dtype.
@@ -64,7 +64,7 @@ class QuantizedWeight:
     has the shape of its output (non-contracted, trailing) axes: ``[Hq, D]`` for q_proj ``[H, Hq, D]``,
     ``[H]`` for o_proj ``[Hq, D, H]``, ``[I]`` for gate_proj ``[H, I]``. ``native_dot``: multiply as int8 x int8
     with int32 accumulation (activations quantized per token on the fly) instead of casting the weight to the
-    activation dtype; chosen per platform at load (:func:`quantize_params`).
+    activation dtype: the ``w8a8`` scheme (:func:`quantize_params`).
     """
 
     values: jax.Array  # int8 or float8_e4m3fn, the float weight's shape
@@ -93,13 +93,6 @@ def quantize_weight(w: jax.Array, contract: int, quantization: str, native_dot: 
     return QuantizedWeight(y.astype(dtype), scale.astype(jnp.float32), native_dot and dtype == jnp.int8)
 
 
-def default_native_dot() -> bool:
-    """int8 x int8 dots on CPU (oneDNN/AMX and VNNI run them several times faster than casting the weight, see
-    the note of issue 16); on TPU and GPU the cast fuses into the matmul's operand load and keeps the
-    activations exact."""
-    return jax.default_backend() == "cpu"
-
-
 def quantize_params(params, quantization: str | None, *, lm_head: bool = True, native_dot: bool | None = None):
     """Params with every projection matrix (and the untied LM head unless ``lm_head=False``) replaced by a
     :class:`QuantizedWeight`; embeddings, norms and biases keep their dtype. ``None`` returns ``params``."""
@@ -107,7 +100,7 @@ def quantize_params(params, quantization: str | None, *, lm_head: bool = True, n
         return params
     if quantization not in WEIGHT_QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {WEIGHT_QUANTIZATIONS}, got {quantization!r}")
-    native = default_native_dot() if native_dot is None else native_dot
+    native = quantization == "w8a8" if native_dot is None else native_dot
 
     def one(path, leaf):
         name = str(getattr(path[-1], "key", path[-1]))
@@ -150,9 +143,9 @@ def to_storable(params):
     )
 
 
-def from_storable(params, native_dot: bool | None = None):
-    """Inverse of :func:`to_storable` (the dot kind chosen for this platform)."""
-    native = default_native_dot() if native_dot is None else native_dot
+def from_storable(params, native_dot: bool = False):
+    """Inverse of :func:`to_storable`; ``native_dot`` for w8a8 weights."""
+    native = native_dot
 
     def walk(node):
         if isinstance(node, dict) and set(node) == {"qvalues", "qscale"}:
@@ -182,7 +175,7 @@ def storable_shapes(param_shapes, quantization: str, *, lm_head: bool = True):
 
 
 def scheme_of(params) -> dict | None:
-    """``{"quantization": "int8" | "fp8", "lm_head": bool}`` of quantized params, None for float params."""
+    """``{"quantization": "int8" | "w8a8" | "fp8", "lm_head": bool}`` of quantized params, None for float ones."""
     found = [
         w
         for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
@@ -190,7 +183,7 @@ def scheme_of(params) -> dict | None:
     ]
     if not found:
         return None
-    name = "int8" if found[0].values.dtype == jnp.int8 else "fp8"
+    name = "fp8" if found[0].values.dtype != jnp.int8 else "w8a8" if found[0].native_dot else "int8"
     lm_head = isinstance(params.get("params", {}).get("lm_head"), QuantizedWeight)
     return {"quantization": name, "lm_head": lm_head}
 
@@ -200,12 +193,7 @@ def weights_key(params) -> tuple[str, bool, bool] | None:
     scheme = scheme_of(params)
     if scheme is None:
         return None
-    native = any(
-        w.native_dot
-        for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-        if isinstance(w, QuantizedWeight)
-    )
-    return scheme["quantization"], scheme["lm_head"], native
+    return scheme["quantization"], scheme["lm_head"], scheme["quantization"] == "w8a8"
 
 
 def abstract_params(param_shapes, key: tuple[str, bool, bool] | None):

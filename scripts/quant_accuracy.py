@@ -8,9 +8,10 @@ largest |logit|), mean KL(float || quantized), top-1 agreement, and the perplexi
 KV modes run the model's attention over K/V rounded exactly as ``write_kv`` stores them
 (:func:`pallas_kernels.kv_quant.quantize`, then dequantized); every paged backend is tested to compute exactly
 that attention on the stored values (``tests/test_kv_quant.py``), so this is the engine's KV error without
-its paging. Weight modes use the model's own quantized matmul (``paged_jax.quant.dot``): ``w-int8`` with int8
-activations and an int8 x int8 dot (the CPU default), ``w-int8-cast`` casting the weight to the activation dtype
-(the TPU/GPU path), ``w-fp8`` likewise.
+its paging. Weight modes use the model's own quantized matmul (``paged_jax.quant.dot``): ``w-int8``
+(``--quantization int8``) casts the weight to the activation dtype, ``w-w8a8`` (``--quantization w8a8``)
+quantizes the activations per token too and multiplies int8 x int8 (fast on CPU), ``w-fp8`` casts e4m3
+weights.
 
     python scripts/quant_accuracy.py /tmp/paged_jax_peers/model --window 1024 --chunks 4
 """
@@ -40,20 +41,20 @@ TEXT_FILE = os.path.join(os.path.dirname(os.__file__), "argparse.py")
 MODES = {
     "kv-int8": (None, False, jnp.int8),
     "kv-fp8": (None, False, jnp.float8_e4m3fn),
-    "w-int8": ("int8", True, None),
-    "w-int8-cast": ("int8", False, None),
+    "w-int8": ("int8", False, None),
+    "w-w8a8": ("w8a8", True, None),
     "w-fp8": ("fp8", False, None),
-    "w-int8+kv-int8": ("int8", True, jnp.int8),
+    "w-w8a8+kv-int8": ("w8a8", True, jnp.int8),
 }
 
 
-def kv_rounded_attention(q, k, v, kv_cache, meta, *, sm_scale, kv_dtype):
+def kv_rounded_attention(q, k, v, kv_cache, meta, *, sm_scale, kv_dtype, **layer_options):
     """Dense attention over K/V quantized per (token, head) and dequantized, as the pages hold them."""
     kq, ks = kv_quant.quantize(k, kv_dtype)
     vq, vs = kv_quant.quantize(v, kv_dtype)
     k = (kq.astype(jnp.float32) * ks[..., None]).astype(k.dtype)
     v = (vq.astype(jnp.float32) * vs[..., None]).astype(v.dtype)
-    return dense_attention(q, k, v, kv_cache, meta, sm_scale=sm_scale)
+    return dense_attention(q, k, v, kv_cache, meta, sm_scale=sm_scale, **layer_options)
 
 
 def log_probs_fn(config, kv_dtype):

@@ -177,3 +177,35 @@ def test_orbax_checkpoint_round_trips_the_family(tmp_path, name):
     got_config, got = load_checkpoint(tmp_path / "ckpt")
     assert got_config == config
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), got, params))
+
+
+@pytest.mark.slow  # the TPU kernel in interpret mode
+def test_gemma2_windows_and_soft_cap_through_the_pallas_tpu_kernel():
+    """The golden variants' head_dim 16 is below the Pallas kernels' 64, so a random Gemma 2 with head_dim 64
+    (window 8 on layer 0, soft caps 1 and 5) runs the engine on the TPU kernel (interpret mode) against the
+    dense reference."""
+    import jax
+
+    from paged_jax.config import ModelConfig
+    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.model.init import init_params
+    from paged_jax.tokenizer import ByteTokenizer
+
+    config = ModelConfig(name="g2", model_type="gemma2", vocab_size=320, hidden_size=64, intermediate_size=64,
+                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, sliding_window=8,
+                         sliding_window_pattern=2, query_pre_attn_scalar=48, attn_logit_softcap=1.0,
+                         final_logit_softcap=5.0, tie_word_embeddings=True, max_position_embeddings=256,
+                         eos_token_ids=(2,))
+    params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, init_params(config, seed=1))  # peaked logits
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 259, n).tolist() for n in (11, 19)]  # both longer than the window
+    want = [greedy_generate(causal_lm(config), params, p, 4, pad_to=32) for p in prompts]
+    ec = EngineConfig(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=16, chunk_size=8,
+                      attention_backend="pallas-interpret", warmup=False)
+    engine = LLMEngine(config, params, ByteTokenizer(), ec)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    assert [done["r0"], done["r1"]] == want

@@ -2,10 +2,11 @@
 
 512 positions (two 256-token windows of argparse.py's bytes) of tests/data/hf_llama3_rope, a random model, so
 its next-token distributions are flat and top-1 is often a near-tie: the numbers are far worse than a trained
-model's and only guard against regressions. Measured (CPU, this commit): mean KL 8.8e-5 / 1.8e-3 / 9.0e-4 /
-5.0e-4 / 9.5e-4, top-1 97.7% / 90.2% / 93.9% / 94.3% / 93.2%, max logit error 2.0% / 9.1% / 5.8% / 3.9% /
-5.9% of the largest logit, perplexity within 0.8% of the float model's, for kv-int8 / kv-fp8 / w-int8 (int8
-dot) / w-int8-cast / both int8. Bounds: KL 3x, logit error 1.5x, top-1 five points below, perplexity 3%.
+model's and only guard against regressions. Measured (CPU) for kv-int8 / kv-fp8 / w-w8a8 (int8 activations and
+dot) / w-int8 (weight only) / w8a8 with int8 KV: mean KL 8.8e-5 / 1.8e-3 / 9.0e-4 / 5.0e-4 / 9.5e-4, top-1
+97.7% / 90.2% / 93.9% / 94.3% / 93.2%, max logit error 2.0% / 9.1% / 5.8% / 3.9% / 5.9% of the largest logit,
+perplexity within 0.8% of the float model's. Bounds: KL 3x, logit error 1.5x, top-1 five points below,
+perplexity 3%.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import quant_accuracy  # noqa: E402
 MEASURED = {
     "kv-int8": (8.8e-5, 0.977, 0.020),
     "kv-fp8": (1.8e-3, 0.902, 0.091),
-    "w-int8": (9.0e-4, 0.939, 0.058),
-    "w-int8-cast": (5.0e-4, 0.943, 0.039),
-    "w-int8+kv-int8": (9.5e-4, 0.932, 0.059),
+    "w-w8a8": (9.0e-4, 0.939, 0.058),
+    "w-int8": (5.0e-4, 0.943, 0.039),
+    "w-w8a8+kv-int8": (9.5e-4, 0.932, 0.059),
 }
 
 
@@ -51,4 +52,4 @@ def test_int8_kv_is_the_most_accurate(rows):
     """The ordering the formats predict: int8 rows (256 levels on each row's range) beat e4m3 (3 mantissa bits),
     and weight-only int8 beats int8 weights with int8 activations."""
     assert rows["kv-int8"]["mean_kl"] < rows["kv-fp8"]["mean_kl"]
-    assert rows["w-int8-cast"]["mean_kl"] < rows["w-int8"]["mean_kl"]
+    assert rows["w-int8"]["mean_kl"] < rows["w-w8a8"]["mean_kl"]

@@ -127,3 +127,17 @@ def test_llm_generates_with_quantized_weights_and_kv():
         ["hello", "paged"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+
+
+def test_w8a8_checkpoint_restores_the_int8_dot(tmp_path):
+    out = tmp_path / "w8a8"
+    assert main(["convert", "--hf", str(GQA), "--out", str(out), "--quantization", "w8a8", "--float-lm-head"]) == 0
+    _, params, _ = load_model(str(out))
+    assert quant.scheme_of(params) == {"quantization": "w8a8", "lm_head": False}
+    weights = [
+        w
+        for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
+        if isinstance(w, quant.QuantizedWeight)
+    ]
+    assert weights and all(w.native_dot for w in weights)
+    assert quant.weights_key(params) == ("w8a8", False, True)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from test_serve_support import GREEDY, PROMPTS, SAMPLED, shared, start_server, wait_idle, wait_until
+from test_serve_support import GREEDY, PROMPTS, SAMPLED, shared, start_server, stop_case, wait_idle, wait_until
 
 from serve.client import Client
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
@@ -108,10 +108,10 @@ def test_n_samples_seeded_match_offline_with_logprobs(client):
 
 
 def test_stop_string_and_output_modes(client):
-    want = shared().greedy[PROMPTS[0]].outputs[0]
-    stop = want.text[3:5]
+    prompt, ref, stop = stop_case(shared().greedy)
+    want = ref.outputs[0]
     assert len(stop) == 2
-    out = client.generate(PROMPTS[0], temperature=0, max_tokens=24, stop=[stop], output_mode=pb.OUTPUT_MODE_TEXT)
+    out = client.generate(prompt, temperature=0, max_tokens=24, stop=[stop], output_mode=pb.OUTPUT_MODE_TEXT)
     c = out.completions[0]
     assert c.finish_reason == pb.FINISH_REASON_STOP_STRING and c.stop_string == stop
     assert want.text.startswith(c.text) and stop not in c.text and not c.token_ids

@@ -20,7 +20,17 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_serve_support import GREEDY, LIMITS, PROMPTS, SAMPLED, shared, start_server, wait_idle, wait_until
+from test_serve_support import (
+    GREEDY,
+    LIMITS,
+    PROMPTS,
+    SAMPLED,
+    shared,
+    start_server,
+    stop_case,
+    wait_idle,
+    wait_until,
+)
 
 from paged_jax.chat_template import apply_chat_template, template_from_text
 from paged_jax.engine import EngineConfig, LLMEngine
@@ -131,9 +141,9 @@ def test_n_seeded_sampling_reproducible_and_logprobs(oai):
 
 
 def test_stop_strings_and_vllm_extras(oai):
-    want = shared().greedy[PROMPTS[0]].outputs[0]
-    stop = want.text[3:5]
-    out = oai.completions.create(model="tiny", prompt=PROMPTS[0], temperature=0, max_tokens=24, stop=[stop])
+    prompt, ref, stop = stop_case(shared().greedy)
+    want = ref.outputs[0]
+    out = oai.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=24, stop=[stop])
     c = out.choices[0]
     assert c.finish_reason == "stop" and want.text.startswith(c.text) and stop not in c.text
     assert c.model_extra["stop_reason"] == stop

@@ -71,6 +71,18 @@ def wait_until(condition, what: str, hang_after_s: float = 300.0) -> None:
         time.sleep(0.01)
 
 
+def stop_case(greedy: dict[str, RequestOutput], start: int = 3) -> tuple[str, RequestOutput, str]:
+    """(prompt, its greedy output, a two-character stop string from that output at or after `start`) for the
+    first prompt whose output has one without U+FFFD: the random `tiny` model often emits byte tokens that do
+    not form UTF-8, and the detokenizer never emits a replacement character, so such a stop could never match."""
+    for prompt, out in greedy.items():
+        text = out.outputs[0].text
+        for i in range(start, len(text) - 1):
+            if "\ufffd" not in text[i:i + 2]:
+                return prompt, out, text[i:i + 2]
+    raise AssertionError(f"no greedy output has a two-character stop string without U+FFFD: {list(greedy.values())}")
+
+
 def wait_idle(client: Client, timeout: float = 120.0):
     """Stats once no request is open and every page is free (fails the test otherwise; `timeout` is a hang
     guard: the pages of a cancelled request are freed before the next engine step)."""

@@ -70,7 +70,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelCo
     else:
         restored = checkpointer.restore(path / PARAMS_DIR, target)
     params = jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), restored, target)
-    return config, params if scheme is None else quant.from_storable(params)
+    return config, params if scheme is None else quant.from_storable(params, scheme["quantization"] == "w8a8")
 
 
 def _stores_unfused(checkpointer, params_dir: Path) -> bool:
