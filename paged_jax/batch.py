@@ -48,8 +48,13 @@ class Chat:
     kwargs: dict = field(default_factory=dict)
 
     def prompt_ids(self, tokenizer) -> list[int]:
-        _, ids = apply_chat_template(tokenizer, self.messages, add_generation_prompt=self.add_generation_prompt,
-                                     tools=self.tools, template_kwargs=self.kwargs)
+        _, ids = apply_chat_template(
+            tokenizer,
+            self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            tools=self.tools,
+            template_kwargs=self.kwargs,
+        )
         return ids
 
 
@@ -109,11 +114,13 @@ class BatchSummary:
         if not c:
             return []
         waste = c["step_padding_tokens"] / c["step_tokens"] if c["step_tokens"] else 0.0
-        return [f"start-up           {self.startup_seconds:.1f}s: {c['compile_count']} executables compiled in "
-                f"{c['compile_seconds']:.1f} compile-s ({c['compile_cache_hits']} from the persistent cache), "
-                f"{c['compiles_after_warmup']} after warm-up",
-                f"padding            {waste:.1%} of step tokens ({c['step_padding_tokens']} padding / "
-                f"{c['step_tokens']} real)"]
+        return [
+            f"start-up           {self.startup_seconds:.1f}s: {c['compile_count']} executables compiled in "
+            f"{c['compile_seconds']:.1f} compile-s ({c['compile_cache_hits']} from the persistent cache), "
+            f"{c['compiles_after_warmup']} after warm-up",
+            f"padding            {waste:.1%} of step tokens ({c['step_padding_tokens']} padding / "
+            f"{c['step_tokens']} real)",
+        ]
 
 
 def _parse_chat(obj: dict) -> Chat:
@@ -224,8 +231,9 @@ class LineWriter:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OutputLockedError(f"--output: {self.path} is being written by another run; wait for it to "
-                                    "finish or choose another output") from None
+            raise OutputLockedError(
+                f"--output: {self.path} is being written by another run; wait for it to finish or choose another output"
+            ) from None
 
     def write(self, obj: dict) -> None:
         try:
@@ -256,14 +264,18 @@ def result_line(out: RequestOutput, rid: str | int) -> dict:
         "text": first.text,
         "token_ids": first.token_ids,
         "finish_reason": first.finish_reason,
-        "usage": {"prompt_tokens": out.metrics.num_prompt_tokens,
-                  "completion_tokens": out.metrics.num_generated_tokens,
-                  "cached_prompt_tokens": out.metrics.num_cached_prompt_tokens},
+        "usage": {
+            "prompt_tokens": out.metrics.num_prompt_tokens,
+            "completion_tokens": out.metrics.num_generated_tokens,
+            "cached_prompt_tokens": out.metrics.num_cached_prompt_tokens,
+        },
         "time_to_first_token_s": out.metrics.time_to_first_token,
     }
     if len(out.outputs) > 1:
-        line["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                            "finish_reason": c.finish_reason} for c in out.outputs]
+        line["choices"] = [
+            {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+            for c in out.outputs
+        ]
         if first.logprobs is not None:
             for choice, c in zip(line["choices"], out.outputs, strict=True):
                 choice["logprobs"] = _logprobs(c)
@@ -272,8 +284,14 @@ def result_line(out: RequestOutput, rid: str | int) -> dict:
     return line
 
 
-def read_items(path: Path, errors: LineWriter, summary: BatchSummary, skip: set[str],
-               shard: tuple[int, int] = (0, 1), defaults: dict | None = None) -> Iterator[BatchItem]:
+def read_items(
+    path: Path,
+    errors: LineWriter,
+    summary: BatchSummary,
+    skip: set[str],
+    shard: tuple[int, int] = (0, 1),
+    defaults: dict | None = None,
+) -> Iterator[BatchItem]:
     """Valid items of this shard (`index, count`: every count-th line) not already done."""
     index, count = shard
     seen: set[str] = set()
@@ -296,8 +314,14 @@ def read_items(path: Path, errors: LineWriter, summary: BatchSummary, skip: set[
             yield item
 
 
-def run_batch(engine: Engine, input_path: Path, output_path: Path,
-              errors_path: Path | None = None, progress: bool = True, shard: tuple[int, int] = (0, 1)) -> BatchSummary:
+def run_batch(
+    engine: Engine,
+    input_path: Path,
+    output_path: Path,
+    errors_path: Path | None = None,
+    progress: bool = True,
+    shard: tuple[int, int] = (0, 1),
+) -> BatchSummary:
     """Generate for every line of `input_path` not yet in `output_path`."""
     errors_path = errors_path or output_path.with_name(output_path.stem + ".errors.jsonl")
     summary = BatchSummary()
@@ -350,8 +374,11 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path,
                     summary.ttfts.append(res.metrics.time_to_first_token)
                 bar.update(1)
                 elapsed = time.monotonic() - t0
-                bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}",
-                                kv=f"{engine.stats().slot_utilization:.0%}", refresh=False)
+                bar.set_postfix(
+                    tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}",
+                    kv=f"{engine.stats().slot_utilization:.0%}",
+                    refresh=False,
+                )
     finally:
         for rid in list(in_flight):
             engine.abort(rid)
@@ -362,8 +389,17 @@ def run_batch(engine: Engine, input_path: Path, output_path: Path,
     stats = engine.stats()
     summary.preemptions = stats.num_preemptions
     summary.prefix_hit_rate = stats.prefix_hit_rate
-    summary.compile = {k: getattr(stats, k) for k in ("compile_count", "compile_seconds", "compile_cache_hits",
-                                                      "compiles_after_warmup", "step_tokens", "step_padding_tokens")}
+    summary.compile = {
+        k: getattr(stats, k)
+        for k in (
+            "compile_count",
+            "compile_seconds",
+            "compile_cache_hits",
+            "compiles_after_warmup",
+            "step_tokens",
+            "step_padding_tokens",
+        )
+    }
     return summary
 
 
@@ -376,8 +412,11 @@ def add_args(parser) -> None:
     parser.add_argument("--errors", type=Path, default=None, help="JSONL of rejected lines (default: beside output)")
     parser.add_argument("--no-progress", action="store_true")
     g = parser.add_argument_group("multi-host (each process takes every count-th line; process 0 merges)")
-    g.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() (on a TPU slice it finds the other hosts itself)")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (on a TPU slice it finds the other hosts itself)",
+    )
     g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (implies --distributed)")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
@@ -406,8 +445,9 @@ def run(args) -> int:
     engine = build_engine(args, warmup=False)
     if not args.no_warmup:  # only the shapes this input can reach
         written = args.output if count == 1 else multihost_part(args.output, index, count)
-        engine.warmup(plan_for_input(engine, args.input, written, (index, count)),
-                      progress=not args.no_progress and index == 0)
+        engine.warmup(
+            plan_for_input(engine, args.input, written, (index, count)), progress=not args.no_progress and index == 0
+        )
     try:
         return _run(engine, args, count, index, time.monotonic() - t0)
     except OutputLockedError as e:
@@ -424,11 +464,13 @@ def _run(engine, args, count: int, index: int, startup: float) -> int:
 
     errors = args.errors or args.output.with_name(args.output.stem + ".errors.jsonl")
     out_part, err_part = (multihost.part_path(p, index, count) for p in (args.output, errors))
-    summary = run_batch(engine, args.input, out_part, err_part, progress=not args.no_progress and index == 0,
-                        shard=(index, count))
+    summary = run_batch(
+        engine, args.input, out_part, err_part, progress=not args.no_progress and index == 0, shard=(index, count)
+    )
     summary.startup_seconds = startup
-    print("\n".join(["", f"paged-jax generate [process {index}/{count}]: {args.input} -> {out_part}",
-                     *summary.lines()]))
+    print(
+        "\n".join(["", f"paged-jax generate [process {index}/{count}]: {args.input} -> {out_part}", *summary.lines()])
+    )
     added = multihost.merge_parts(args.output, errors, count)
     if added is not None:
         print(f"merged {count} parts into {args.output} ({added} new lines)")

@@ -45,5 +45,6 @@ def plan_for_input(engine, input_path: Path, output_path: Path, shard: tuple[int
     """The warm-up plan of `paged-jax generate` over `input_path` (lines already in `output_path` skipped)."""
     ec = engine.engine_config
     skip = completed_ids(output_path) if output_path.exists() else set()
-    return plan_for_requests(_requests(engine, input_path, skip, shard), ec.max_num_batched_tokens,
-                             lookahead=ec.async_scheduling)
+    return plan_for_requests(
+        _requests(engine, input_path, skip, shard), ec.max_num_batched_tokens, lookahead=ec.async_scheduling
+    )

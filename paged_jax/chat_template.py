@@ -26,8 +26,7 @@ from typing import Any
 from paged_jax.special_tokens import read_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
-NO_TEMPLATE = ("the model has no chat template; give one with --chat-template FILE "
-               "(or chat_template= in LLM.chat)")
+NO_TEMPLATE = "the model has no chat template; give one with --chat-template FILE (or chat_template= in LLM.chat)"
 
 Message = Mapping[str, Any]
 Conversation = Sequence[Message]
@@ -56,8 +55,9 @@ class ChatTemplate:
             return self.templates["default"]
         if len(self.templates) == 1:
             return next(iter(self.templates.values()))
-        raise ChatTemplateError(f"chat_template: several named templates and none is 'default' "
-                                f"(have {sorted(self.templates)})")
+        raise ChatTemplateError(
+            f"chat_template: several named templates and none is 'default' (have {sorted(self.templates)})"
+        )
 
 
 def load_chat_template(model_dir: str | Path | None, override_file: str | Path | None = None) -> ChatTemplate | None:
@@ -82,9 +82,13 @@ def load_chat_template(model_dir: str | Path | None, override_file: str | Path |
         if isinstance(value, str):
             templates["default"] = value
         elif isinstance(value, list):
-            templates.update({t["name"]: t["template"] for t in value
-                              if isinstance(t, dict) and isinstance(t.get("name"), str)
-                              and isinstance(t.get("template"), str)})
+            templates.update(
+                {
+                    t["name"]: t["template"]
+                    for t in value
+                    if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                }
+            )
         if templates:
             source = "tokenizer_config.json"
     named_dir = model_dir / "chat_templates"
@@ -116,8 +120,7 @@ def validate_conversation(messages: Any, field: str = "messages") -> list[dict[s
         if role not in ROLES:
             raise ChatTemplateError(f"{where}.role: must be one of {', '.join(ROLES)}; got {role!r}")
         content = message.get("content")
-        if not isinstance(content, str) and not (content is None and role == "assistant"
-                                                 and message.get("tool_calls")):
+        if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
             raise ChatTemplateError(f"{where}.content: must be a string")
         out.append(dict(message))
     return out
@@ -129,8 +132,9 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -160,8 +164,9 @@ def _compile(template: str):
         def _render(self, caller):
             return caller()
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlocks, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -171,10 +176,17 @@ def _compile(template: str):
         raise ChatTemplateError(f"chat_template: not a valid jinja2 template (line {e.lineno}: {e.message})") from e
 
 
-def render(template: ChatTemplate | None, messages: Any, special_tokens: Mapping[str, str], *,
-           add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
-           template_name: str | None = None, field: str = "messages",
-           template_kwargs: Mapping[str, Any] | None = None) -> str:
+def render(
+    template: ChatTemplate | None,
+    messages: Any,
+    special_tokens: Mapping[str, str],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Any] | None = None,
+    template_name: str | None = None,
+    field: str = "messages",
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
     """The prompt text of one conversation. Raises ChatTemplateError naming `field` (or `chat_template`)."""
     if template is None:
         raise ChatTemplateError(f"{field}: {NO_TEMPLATE}")
@@ -187,28 +199,54 @@ def render(template: ChatTemplate | None, messages: Any, special_tokens: Mapping
     import jinja2
 
     try:
-        return compiled.render(messages=conversation, add_generation_prompt=add_generation_prompt,
-                               tools=list(tools) if tools is not None else None,
-                               **{**special_tokens, **kwargs})
+        return compiled.render(
+            messages=conversation,
+            add_generation_prompt=add_generation_prompt,
+            tools=list(tools) if tools is not None else None,
+            **{**special_tokens, **kwargs},
+        )
     except jinja2.TemplateError as e:  # raise_exception() in the template, or the sandbox refused something
         raise ChatTemplateError(f"{field}: the chat template refused this conversation: {e}") from e
 
 
-def apply_chat_template(tokenizer, messages: Any, *, add_generation_prompt: bool = True,
-                        tools: Sequence[Any] | None = None, chat_template: ChatTemplate | None = None,
-                        field: str = "messages", template_kwargs: Mapping[str, Any] | None = None
-                        ) -> tuple[str, list[int]]:
+def apply_chat_template(
+    tokenizer,
+    messages: Any,
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Any] | None = None,
+    chat_template: ChatTemplate | None = None,
+    field: str = "messages",
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[str, list[int]]:
     """(prompt text, prompt ids) of a conversation with the tokenizer's template (or `chat_template`).
 
     The ids come from `encode(text, add_special_tokens=False)`: the template wrote the special tokens.
     """
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    text = render(template, messages, tokenizer.special.template_tokens(), add_generation_prompt=add_generation_prompt,
-                  tools=tools, field=field, template_kwargs=template_kwargs)
+    text = render(
+        template,
+        messages,
+        tokenizer.special.template_tokens(),
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        field=field,
+        template_kwargs=template_kwargs,
+    )
     if not text:
         raise ChatTemplateError(f"{field}: the chat template rendered an empty prompt")
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-__all__ = ["ROLES", "ChatTemplate", "ChatTemplateError", "Conversation", "Message", "apply_chat_template",
-           "load_chat_template", "render", "template_from_text", "validate_conversation"]
+__all__ = [
+    "ROLES",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "Conversation",
+    "Message",
+    "apply_chat_template",
+    "load_chat_template",
+    "render",
+    "template_from_text",
+    "validate_conversation",
+]

@@ -107,19 +107,28 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ConfigError(
-                f"num_kv_heads: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})")
+                f"num_kv_heads: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.hidden_size % self.num_heads != 0 and self.head_dim == self.hidden_size // self.num_heads:
             raise ConfigError(
                 f"num_heads: hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
-                "set head_dim explicitly")
+                "set head_dim explicitly"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim: must be even for RoPE, got {self.head_dim}")
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
@@ -149,13 +158,15 @@ class ModelConfig:
             if not (isinstance(self.num_experts_per_tok, int) and 1 <= self.num_experts_per_tok <= self.num_experts):
                 raise ConfigError(f"num_experts_per_tok: must be in [1, num_experts], got {self.num_experts_per_tok!r}")
         elif self.num_experts or self.num_experts_per_tok:
-            raise ConfigError(f"num_experts: only the MoE model types {MOE_TYPES} have experts "
-                              f"(model_type is {self.model_type!r})")
+            raise ConfigError(
+                f"num_experts: only the MoE model types {MOE_TYPES} have experts (model_type is {self.model_type!r})"
+            )
         if self.rope_scaling is not None and self.rope_scaling.rope_type == "linear" and self.model_type == "llama":
             raise ConfigError("rope_scaling.rope_type: 'linear' is not supported for the llama family")
         if not (isinstance(self.sliding_window_pattern, int) and self.sliding_window_pattern >= 0):
-            raise ConfigError(f"sliding_window_pattern: must be a non-negative integer, got "
-                              f"{self.sliding_window_pattern!r}")
+            raise ConfigError(
+                f"sliding_window_pattern: must be a non-negative integer, got {self.sliding_window_pattern!r}"
+            )
         for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -226,8 +237,10 @@ class ModelConfig:
         if self.rope_local_theta is not None:
             parts.append(f"RoPE base {self.rope_theta:g} global / {self.rope_local_theta:g} local")
         if self.is_moe:
-            parts.append(f"{self.num_experts} experts, top {self.num_experts_per_tok} "
-                         f"({self.num_active_params():,} parameters active per token)")
+            parts.append(
+                f"{self.num_experts} experts, top {self.num_experts_per_tok} "
+                f"({self.num_active_params():,} parameters active per token)"
+            )
         return ", ".join(parts)
 
     def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
@@ -266,11 +279,26 @@ def _from_dict(data: dict[str, Any], source: str) -> ModelConfig:
 
 # HF `model_type` -> ours. Llama, Mistral and Qwen2 are one family here ("llama": Qwen2 adds q/k/v biases,
 # Mistral a sliding window). The multimodal "gemma3" (vision tower, `text_config`) is refused with a hint.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3", "gemma2": "gemma2",
-                  "gemma3_text": "gemma3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                    "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                    "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+}
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
 
 
 def _hf_model_type(hf: dict[str, Any]) -> str:
@@ -278,12 +306,15 @@ def _hf_model_type(hf: dict[str, Any]) -> str:
     arch = (hf.get("architectures") or [None])[0]
     kind = hf.get("model_type") or HF_ARCHITECTURES.get(arch) or ("llama" if arch is None else None)
     if kind == "gemma3":
-        raise ConfigError("model_type: 'gemma3' is the multimodal Gemma 3 (vision tower, text_config); only its "
-                          "text decoder ('gemma3_text', Gemma3ForCausalLM) is supported")
+        raise ConfigError(
+            "model_type: 'gemma3' is the multimodal Gemma 3 (vision tower, text_config); only its "
+            "text decoder ('gemma3_text', Gemma3ForCausalLM) is supported"
+        )
     if kind not in HF_MODEL_TYPES:
         field, shown = ("model_type", kind) if kind is not None else ("architectures", arch)
-        raise ConfigError(f"{field}: {shown!r} is not a supported model type "
-                          f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
+        raise ConfigError(
+            f"{field}: {shown!r} is not a supported model type (supported: {', '.join(sorted(HF_MODEL_TYPES))})"
+        )
     return kind
 
 
@@ -334,11 +365,15 @@ def _hf_family_fields(hf: dict[str, Any], kind: str) -> dict[str, Any]:
             raise ConfigError("attention_bias: Gemma with attention biases is not supported")
         if hf.get("use_bidirectional_attention"):
             raise ConfigError("use_bidirectional_attention: only causal Gemma is supported")
-        out.update(sliding_window=hf.get("sliding_window"), query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
-                   attn_logit_softcap=hf.get("attn_logit_softcapping"),
-                   final_logit_softcap=hf.get("final_logit_softcapping"),
-                   sliding_window_pattern=_hf_window_pattern(hf, 2 if kind == "gemma2" else 6),
-                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=False)
+        out.update(
+            sliding_window=hf.get("sliding_window"),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            sliding_window_pattern=_hf_window_pattern(hf, 2 if kind == "gemma2" else 6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            attention_bias=False,
+        )
         if kind == "gemma3_text":
             if "full_attention" in rope_params:  # transformers >= 5: one rope dict per layer type
                 out["rope_theta"], out["rope_scaling"] = _hf_rope(rope_params["full_attention"], 1e6)
@@ -359,19 +394,25 @@ def _hf_family_fields(hf: dict[str, Any], kind: str) -> dict[str, Any]:
     if kind in ("qwen3", "qwen3_moe") and hf.get("attention_bias"):
         raise ConfigError("attention_bias: Qwen3 with attention biases is not supported")
     use_sw = hf.get("use_sliding_window", kind in ("mistral", "mixtral"))
-    out.update(sliding_window=hf.get("sliding_window") if use_sw else None,
-               attention_bias=bool(hf.get("attention_bias", kind == "qwen2")),
-               tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    out.update(
+        sliding_window=hf.get("sliding_window") if use_sw else None,
+        attention_bias=bool(hf.get("attention_bias", kind == "qwen2")),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
     if kind == "mixtral":
         out.update(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]))
     elif kind == "qwen3_moe":
         if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
-            raise ConfigError("decoder_sparse_step: only Qwen3-MoE with every layer sparse is supported "
-                              "(decoder_sparse_step 1, no mlp_only_layers)")
-        out.update(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
-                   num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                   intermediate_size=int(hf["moe_intermediate_size"]))
+            raise ConfigError(
+                "decoder_sparse_step: only Qwen3-MoE with every layer sparse is supported "
+                "(decoder_sparse_step 1, no mlp_only_layers)"
+            )
+        out.update(
+            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+            num_experts_per_tok=int(hf["num_experts_per_tok"]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            intermediate_size=int(hf["moe_intermediate_size"]),
+        )
     return out
 
 
@@ -431,5 +472,13 @@ def load_model_config(name_or_path: str | Path) -> ModelConfig:
     return _from_dict(data, str(path))
 
 
-__all__ = ["ConfigError", "HF_MODEL_TYPES", "MODEL_TYPES", "ModelConfig", "RopeScaling", "available_configs",
-           "from_hf_config", "load_model_config"]
+__all__ = [
+    "ConfigError",
+    "HF_MODEL_TYPES",
+    "MODEL_TYPES",
+    "ModelConfig",
+    "RopeScaling",
+    "available_configs",
+    "from_hf_config",
+    "load_model_config",
+]

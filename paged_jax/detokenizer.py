@@ -45,8 +45,11 @@ class Detokenizer:
     _window_text: str = ""  # decode(ids[_window:committed])
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
     @property
     def committed(self) -> int:
@@ -61,11 +64,11 @@ class Detokenizer:
         if self.stopped_on is not None:
             return
         self._ids.extend(int(t) for t in token_ids)
-        window_text = self._decode(self._ids[self._window:])
+        window_text = self._decode(self._ids[self._window :])
         if not window_text.startswith(self._window_text):  # not seen with real decoders; stay exact anyway
-            self._window, self._window_text = 0, self._decode(self._ids[:self.committed])
+            self._window, self._window_text = 0, self._decode(self._ids[: self.committed])
             window_text = self._decode(self._ids)
-        self.pending = window_text[len(self._window_text):]
+        self.pending = window_text[len(self._window_text) :]
         if self.pending.endswith("\ufffd") or self._last_is_open_ended():
             return  # the tail may still change: wait for the next token
         self._commit(check_stop)
@@ -121,6 +124,6 @@ class Detokenizer:
         if not final and self.stop and self.stopped_on is None:
             hold = max(len(s) for s in self.stop) - 1
             end = max(self.emitted, end - hold)
-        delta = self.text[self.emitted: end]
+        delta = self.text[self.emitted : end]
         self.emitted = end
         return delta

@@ -59,8 +59,14 @@ class DataParallelEngine:
     `device_groups`: one device list per replica (default `sharding.dp_device_groups` over local devices).
     """
 
-    def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer, engine_config: EngineConfig,
-                 device_groups: Seq[Seq[jax.Device]] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        tokenizer: Tokenizer,
+        engine_config: EngineConfig,
+        device_groups: Seq[Seq[jax.Device]] | None = None,
+    ) -> None:
         ec = engine_config
         ec.validate()
         groups = device_groups or sharding.dp_device_groups(ec.data_parallel_size, ec.tensor_parallel_size)
@@ -78,8 +84,14 @@ class DataParallelEngine:
         """Every replica's `LLMEngine.warmup` (each replica has its own devices, so its own executables)."""
         return sum(r.warmup(plan, progress, what, cancel) for r in self.replicas)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request on the least-loaded replica; ValueError as `LLMEngine.add_request`."""
         if request_id in self.router.owner:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -137,8 +149,9 @@ class DataParallelEngine:
         return EngineStats.combine([r.stats() for r in self.replicas])
 
 
-def make_engine(config: ModelConfig, params, tokenizer: Tokenizer,
-                engine_config: EngineConfig) -> LLMEngine | DataParallelEngine:
+def make_engine(
+    config: ModelConfig, params, tokenizer: Tokenizer, engine_config: EngineConfig
+) -> LLMEngine | DataParallelEngine:
     """An `LLMEngine` for one replica (TP over the first local devices), else a `DataParallelEngine`."""
     if engine_config.data_parallel_size == 1:
         return LLMEngine(config, params, tokenizer, engine_config)

@@ -12,19 +12,30 @@ from pallas_kernels.common import BACKENDS
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", default="tiny",
-                   help="HF directory, GGUF file, named model (smollm2-135m-instruct), orbax checkpoint from "
-                        "`paged-jax convert`, or config name (random weights)")
+    g.add_argument(
+        "--model",
+        default="tiny",
+        help="HF directory, GGUF file, named model (smollm2-135m-instruct), orbax checkpoint from "
+        "`paged-jax convert`, or config name (random weights)",
+    )
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the model dtype")
-    g.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, default=None,
-                   help="quantize the weights at load: int8 / fp8, per-output-channel scales (paged_jax.quant)")
+    g.add_argument(
+        "--quantization",
+        choices=WEIGHT_QUANTIZATIONS,
+        default=None,
+        help="quantize the weights at load: int8 / fp8, per-output-channel scales (paged_jax.quant)",
+    )
     g.add_argument("--seed", type=int, default=0, help="random weights and unseeded requests")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
-    g.add_argument("--cpu-kv-cache-gib", type=float, default=None,
-                   help="KV budget on CPU (default: 4 GiB, capped at half the available memory and at "
-                        "max-num-seqs x max-model-len tokens)")
+    g.add_argument(
+        "--cpu-kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV budget on CPU (default: 4 GiB, capped at half the available memory and at "
+        "max-num-seqs x max-model-len tokens)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -32,25 +43,45 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     g.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily instead of at start-up")
-    g.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
-                   help="KV page dtype (default: model); int8 / fp8_e4m3 store quantized pages with per-token scales")
+    g.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPE_CHOICES,
+        default=None,
+        help="KV page dtype (default: model); int8 / fp8_e4m3 store quantized pages with per-token scales",
+    )
     g.add_argument("--watermark", type=float, default=0.01, help="fraction of pages admission keeps free")
-    g.add_argument("--no-async-scheduling", action="store_true",
-                   help="wait for each step's tokens before scheduling the next (no one-step lookahead)")
+    g.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="wait for each step's tokens before scheduling the next (no one-step lookahead)",
+    )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="chips per engine replica")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine replicas on disjoint groups of this host's chips")
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas on disjoint groups of this host's chips",
+    )
     add_model_text_args(parser)
 
 
 def add_model_text_args(parser: argparse.ArgumentParser) -> None:
     """`--chat-template` and `--generation-config`: what the model's files say about text, overridable."""
     g = parser.add_argument_group("chat template and generation defaults")
-    g.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="jinja2 chat template to use instead of the model's (chat_template.jinja / tokenizer_config)")
-    g.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
-                   help="sampling defaults for fields a request leaves unset: auto = the model's "
-                        "generation_config.json, none = off, or a directory holding one")
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="jinja2 chat template to use instead of the model's (chat_template.jinja / tokenizer_config)",
+    )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|none|DIR",
+        help="sampling defaults for fields a request leaves unset: auto = the model's "
+        "generation_config.json, none = off, or a directory holding one",
+    )
 
 
 def apply_model_text_args(args: argparse.Namespace, tokenizer, ec: EngineConfig | None = None) -> dict:
@@ -68,14 +99,24 @@ def apply_model_text_args(args: argparse.Namespace, tokenizer, ec: EngineConfig 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        page_size=args.page_size, num_pages=args.num_pages,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
         cpu_kv_cache_bytes=None if args.cpu_kv_cache_gib is None else int(args.cpu_kv_cache_gib * 2**30),
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        chunk_size=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend, seed=args.seed, warmup=not args.no_warmup,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        kv_dtype=args.kv_dtype, watermark=args.watermark, async_scheduling=not args.no_async_scheduling)
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        chunk_size=args.chunk_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        warmup=not args.no_warmup,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        kv_dtype=args.kv_dtype,
+        watermark=args.watermark,
+        async_scheduling=not args.no_async_scheduling,
+    )
 
 
 def build_engine(args: argparse.Namespace, warmup: bool | None = None):
@@ -100,8 +141,8 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     # (the whole model need not fit one chip).
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
     with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else contextlib.nullcontext():
-        config, params, tokenizer = load_model(args.model, dtype=args.dtype, seed=args.seed,
-                                               quantization=args.quantization)
+        config, params, tokenizer = load_model(
+            args.model, dtype=args.dtype, seed=args.seed, quantization=args.quantization
+        )
     apply_model_text_args(args, tokenizer, ec)
     return make_engine(config, params, tokenizer, ec)
-

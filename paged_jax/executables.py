@@ -46,8 +46,12 @@ class CompileStats:
     after_warmup: int = 0  # of `count`, needed by a step after warm-up (each one logged as a warning)
 
     def as_dict(self) -> dict[str, float]:
-        return {"compile_count": self.count, "compile_seconds": self.seconds, "compile_cache_hits": self.cache_hits,
-                "compiles_after_warmup": self.after_warmup}
+        return {
+            "compile_count": self.count,
+            "compile_seconds": self.seconds,
+            "compile_cache_hits": self.cache_hits,
+            "compiles_after_warmup": self.after_warmup,
+        }
 
 
 class _ProcessCounters:
@@ -85,8 +89,12 @@ def persistent_cache_summary() -> dict[str, int]:
     """Process-wide: XLA compiles requested (cache loads included), persistent cache hits and misses written,
     and `compiled`: executables XLA actually built (requests that were not hits)."""
     with PROCESS.lock:
-        return {"requests": PROCESS.backend_compiles, "hits": PROCESS.hits, "misses": PROCESS.misses,
-                "compiled": PROCESS.backend_compiles - PROCESS.hits}
+        return {
+            "requests": PROCESS.backend_compiles,
+            "hits": PROCESS.hits,
+            "misses": PROCESS.misses,
+            "compiled": PROCESS.backend_compiles - PROCESS.hits,
+        }
 
 
 def enable_persistent_cache(cache_dir: str) -> None:
@@ -111,8 +119,14 @@ class Executables:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._done
 
-    def get(self, key: Hashable, lower: Callable[[], jax.stages.Lowered], stats: CompileStats,
-            warm: bool = False, describe: str = "") -> jax.stages.Compiled:
+    def get(
+        self,
+        key: Hashable,
+        lower: Callable[[], jax.stages.Lowered],
+        stats: CompileStats,
+        warm: bool = False,
+        describe: str = "",
+    ) -> jax.stages.Compiled:
         """The executable for `key`, compiled now if needed (`lower()` gives its lowering). `warm`: warm-up is
         over, so a compile here stalls a step and is logged as a warning with `describe` (the shape)."""
         while True:
@@ -123,17 +137,24 @@ class Executables:
             if owner:
                 if warm:
                     stats.after_warmup += 1
-                    log.warning("compiling a new step shape after warm-up: %s (the step waits; warm-up missed it)",
-                                describe or key)
+                    log.warning(
+                        "compiling a new step shape after warm-up: %s (the step waits; warm-up missed it)",
+                        describe or key,
+                    )
                 self._compile(key, lower, stats, future)
             try:
                 return future.result()
             except concurrent.futures.CancelledError:  # a cancelled warm-up let go of it: compile it here
                 continue
 
-    def compile_all(self, jobs: Iterable[tuple[Hashable, Callable[[], jax.stages.Lowered]]], stats: CompileStats,
-                    workers: int, progress: Callable[[Hashable], None] | None = None,
-                    cancel: threading.Event | None = None) -> list[Hashable]:
+    def compile_all(
+        self,
+        jobs: Iterable[tuple[Hashable, Callable[[], jax.stages.Lowered]]],
+        stats: CompileStats,
+        workers: int,
+        progress: Callable[[Hashable], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> list[Hashable]:
         """Compile every job not yet compiled on `workers` threads; `progress(key)` after each. Returns the keys
         this call compiled. Once `cancel` is set no new compile starts (the running ones finish): the jobs left
         are released, and a step that needs one compiles it itself."""
@@ -174,8 +195,14 @@ class Executables:
             del self._pending[key]
         future.set_exception(error)
 
-    def _compile(self, key: Hashable, lower: Callable[[], jax.stages.Lowered], stats: CompileStats,
-                 future: concurrent.futures.Future, cancel: threading.Event | None = None) -> None:
+    def _compile(
+        self,
+        key: Hashable,
+        lower: Callable[[], jax.stages.Lowered],
+        stats: CompileStats,
+        future: concurrent.futures.Future,
+        cancel: threading.Event | None = None,
+    ) -> None:
         if cancel is not None and cancel.is_set():
             self._fail(key, future, concurrent.futures.CancelledError())
             return

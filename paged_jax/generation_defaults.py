@@ -15,8 +15,14 @@ from typing import Any
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.special_tokens import read_json
 
-FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def load_generation_defaults(model: str | Path | None, setting: str = "auto") -> dict[str, Any]:
@@ -39,8 +45,9 @@ def load_generation_defaults(model: str | Path | None, setting: str = "auto") ->
         SamplingParams(**defaults).validate()
     except ValueError as e:
         field = str(e).split(":", 1)[0]
-        raise ValueError(f"generation_config.json: {inverse.get(field, field)}: {str(e).split(':', 1)[-1].strip()}") \
-            from None
+        raise ValueError(
+            f"generation_config.json: {inverse.get(field, field)}: {str(e).split(':', 1)[-1].strip()}"
+        ) from None
     return defaults
 
 

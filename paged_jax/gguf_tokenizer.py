@@ -36,20 +36,41 @@ from paged_jax.model.gguf_file import GGUFError, GGUFFile
 CONTROL, USER_DEFINED = 3, 4
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # `tokenizer.ggml.pre` -> how llama.cpp splits text before BPE (llama-vocab.cpp's regex table):
 # "gpt2" = GPT-2's regex; "digits+gpt2" = each digit alone, then GPT-2's regex; else one regex.
 PRE_TOKENIZERS: dict[str, str] = {
-    "default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "phi-2": "gpt2", "jina-es": "gpt2", "jina-de": "gpt2",
-    "smollm": "digits+gpt2", "starcoder": "digits+gpt2", "refact": "digits+gpt2", "command-r": "digits+gpt2",
-    "codeshell": "digits+gpt2", "exaone": "digits+gpt2", "minerva-7b": "digits+gpt2",
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-    "pixtral": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+    "default": "gpt2",
+    "gpt-2": "gpt2",
+    "gpt2": "gpt2",
+    "phi-2": "gpt2",
+    "jina-es": "gpt2",
+    "jina-de": "gpt2",
+    "smollm": "digits+gpt2",
+    "starcoder": "digits+gpt2",
+    "refact": "digits+gpt2",
+    "command-r": "digits+gpt2",
+    "codeshell": "digits+gpt2",
+    "exaone": "digits+gpt2",
+    "minerva-7b": "digits+gpt2",
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "pixtral": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "megrez": _QWEN2_SPLIT,
 }
 
 
@@ -90,8 +111,9 @@ def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tupl
     merges: list[tuple[str, str, float]] = []
     for token, index in vocab.items():
         score = scores[index]
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
+        local = [
+            (token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
+        ]
         local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
         merges.extend(local)
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
@@ -104,8 +126,10 @@ def _byte_level_model(meta: dict[str, Any]) -> Any:
 
     alphabet = _bytes_to_unicode()
     letters = set(alphabet.values())
-    vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i
-             for i, t in enumerate(meta["tokens"])}
+    vocab = {
+        (t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(meta["tokens"])
+    }
     if "merges" not in meta:
         raise GGUFError("tokenizer.ggml.merges: missing (a gpt2-style vocabulary needs its merges)")
     merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
@@ -113,17 +137,21 @@ def _byte_level_model(meta: dict[str, Any]) -> Any:
     pre = meta.get("pre", "default") or "default"
     split = PRE_TOKENIZERS.get(pre)
     if split is None:
-        raise GGUFError(f"tokenizer.ggml.pre: pre-tokenizer {pre!r} is not known (known: "
-                        f"{', '.join(sorted(PRE_TOKENIZERS))})")
+        raise GGUFError(
+            f"tokenizer.ggml.pre: pre-tokenizer {pre!r} is not known (known: {', '.join(sorted(PRE_TOKENIZERS))})"
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if split == "gpt2":
         tok.pre_tokenizer = byte_level
     elif split == "digits+gpt2":
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -162,12 +190,16 @@ def _metadata(gguf: GGUFFile) -> dict[str, Any]:
     model = g("model")
     if model is None:
         raise GGUFError("tokenizer.ggml.model: missing (this GGUF has no tokenizer)")
-    meta: dict[str, Any] = {"model": model, "tokens": list(g("tokens")), "pre": g("pre"),
-                            "token_type": list(g("token_type", [])),
-                            "add_space_prefix": bool(g("add_space_prefix", model == "llama")),
-                            # llama.cpp adds BOS for SentencePiece vocabularies that do not say otherwise
-                            "add_bos": bool(g("add_bos_token", model == "llama")),
-                            "add_eos": bool(g("add_eos_token", False))}
+    meta: dict[str, Any] = {
+        "model": model,
+        "tokens": list(g("tokens")),
+        "pre": g("pre"),
+        "token_type": list(g("token_type", [])),
+        "add_space_prefix": bool(g("add_space_prefix", model == "llama")),
+        # llama.cpp adds BOS for SentencePiece vocabularies that do not say otherwise
+        "add_bos": bool(g("add_bos_token", model == "llama")),
+        "add_eos": bool(g("add_eos_token", False)),
+    }
     for key in ("merges", "scores"):
         if g(key) is not None:
             meta[key] = list(g(key))

@@ -51,8 +51,14 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def cpu_kv_budget(requested: int | None, bytes_per_token: int, max_num_seqs: int, max_model_len: int,
-                  page_size: int = 1, available: int | None = None) -> KVBudget:
+def cpu_kv_budget(
+    requested: int | None,
+    bytes_per_token: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int = 1,
+    available: int | None = None,
+) -> KVBudget:
     """The CPU KV budget: `requested` bytes (None: the 4 GiB default), capped as the module docstring says
     (`max_model_len` rounded up to whole pages, plus the null page)."""
     gib = 2**30
@@ -62,17 +68,26 @@ def cpu_kv_budget(requested: int | None, bytes_per_token: int, max_num_seqs: int
         budget = KVBudget(DEFAULT_CPU_KV_CACHE_BYTES, f"the default {DEFAULT_CPU_KV_CACHE_BYTES / gib:.0f} GiB")
     available = available_memory_bytes() if available is None else available
     if available is not None and budget.bytes > available * AVAILABLE_FRACTION:
-        budget = KVBudget(int(available * AVAILABLE_FRACTION),
-                          f"{budget.reason}, capped at half of the {available / gib:.1f} GiB available")
+        budget = KVBudget(
+            int(available * AVAILABLE_FRACTION),
+            f"{budget.reason}, capped at half of the {available / gib:.1f} GiB available",
+        )
     most = bytes_per_token * page_size * (max_num_seqs * cdiv(max_model_len, page_size) + 1)
     if budget.bytes > most:
-        budget = KVBudget(most, f"{budget.reason}, capped at what {max_num_seqs} sequences of {max_model_len} "
-                                "tokens can hold")
+        budget = KVBudget(
+            most, f"{budget.reason}, capped at what {max_num_seqs} sequences of {max_model_len} tokens can hold"
+        )
     return budget
 
 
-def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_dtype, device: jax.Device | None = None,
-                      kv_shards: int = 1, max_model_len: int = 8192) -> int:
+def kv_capacity_pages(
+    config: ModelConfig,
+    ec: EngineConfig,
+    kv_dtype,
+    device: jax.Device | None = None,
+    kv_shards: int = 1,
+    max_model_len: int = 8192,
+) -> int:
     """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
     scales of quantized pages, `paged_jax.quant.kv_bytes_per_token`).
 
@@ -89,9 +104,9 @@ def kv_capacity_pages(config: ModelConfig, ec: EngineConfig, kv_dtype, device: j
     if stats and "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
     else:
-        cpu = cpu_kv_budget(ec.cpu_kv_cache_bytes, per_page // ec.page_size, ec.max_num_seqs, max_model_len,
-                            ec.page_size)
-        log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30,
-                 cpu.reason)
+        cpu = cpu_kv_budget(
+            ec.cpu_kv_cache_bytes, per_page // ec.page_size, ec.max_num_seqs, max_model_len, ec.page_size
+        )
+        log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30, cpu.reason)
         budget = cpu.bytes
     return max(2, budget // per_page)

@@ -35,8 +35,17 @@ class LLM:
     are `EngineConfig` fields.
     """
 
-    def __init__(self, model: str = "tiny", *, dtype: str | None = None, seed: int = 0, quantization: str | None = None,
-                 chat_template: str | None = None, generation_config: str = "auto", **engine_options) -> None:
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        dtype: str | None = None,
+        seed: int = 0,
+        quantization: str | None = None,
+        chat_template: str | None = None,
+        generation_config: str = "auto",
+        **engine_options,
+    ) -> None:
         from argparse import Namespace
 
         from paged_jax.engine_args import apply_model_text_args
@@ -44,8 +53,9 @@ class LLM:
 
         config, params, tokenizer = load_model(model, dtype=dtype, seed=seed, quantization=quantization)
         ec = EngineConfig(seed=seed, **engine_options)
-        apply_model_text_args(Namespace(model=model, chat_template=chat_template,
-                                        generation_config=generation_config), tokenizer, ec)
+        apply_model_text_args(
+            Namespace(model=model, chat_template=chat_template, generation_config=generation_config), tokenizer, ec
+        )
         self.engine = LLMEngine(config, params, tokenizer, ec)
         self.config, self.tokenizer = config, tokenizer
         self._ids = itertools.count()
@@ -54,8 +64,12 @@ class LLM:
         """SamplingParams with the model's generation defaults (what `sampling_params=None` uses)."""
         return SamplingParams(**self.engine.engine_config.sampling_defaults)
 
-    def generate(self, prompts: Prompt | Iterable[Prompt], sampling_params: SamplingParams
-                 | Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
@@ -87,10 +101,17 @@ class LLM:
             bar.close()
         return [r for r in results if r is not None]
 
-    def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams
-             | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, *, add_generation_prompt: bool = True,
-             tools: Sequence[Mapping] | None = None, chat_template: str | None = None,
-             chat_template_kwargs: Mapping | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping | None = None,
+    ) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of them.
 
         Each conversation is rendered with the model's chat template (`chat_template`: template text used
@@ -104,9 +125,15 @@ class LLM:
         prompts = []
         for i, conversation in enumerate(conversations):
             field = "messages" if len(conversations) == 1 else f"messages[{i}]"
-            _, ids = apply_chat_template(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, chat_template=template, field=field,
-                                         template_kwargs=chat_template_kwargs)
+            _, ids = apply_chat_template(
+                self.tokenizer,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template=template,
+                field=field,
+                template_kwargs=chat_template_kwargs,
+            )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -36,16 +36,18 @@ from jax.experimental import multihost_utils
 CHUNK_BYTES = 4 * 2**20  # bytes per all-gather round when collecting part files
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+def initialize(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
     """`jax.distributed.initialize`, with gloo CPU collectives so the same code runs on a CPU cluster.
 
     On a TPU slice pass nothing (the TPU environment names the coordinator and this process). Must run
     before anything touches a JAX backend.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
 
 
 def part_path(path: Path, index: int, count: int) -> Path:
@@ -62,7 +64,7 @@ def allgather_bytes(data: bytes) -> list[bytes]:
     buf = np.frombuffer(data, np.uint8)
     for start in range(0, max(sizes), chunk):
         local = np.zeros(chunk, np.uint8)
-        piece = buf[start:start + chunk]
+        piece = buf[start : start + chunk]
         local[: len(piece)] = piece
         gathered = np.asarray(multihost_utils.process_allgather(local))  # [P, chunk]
         for p, n in enumerate(sizes):

@@ -77,15 +77,34 @@ class PagedMeta:
     num_seqs: jax.Array  # [1] i32
 
 
-def paged_attention(q, k, v, kv_pages, meta: PagedMeta, *, sm_scale: float, backend: str,
-                    sliding_window: int | None, soft_cap: float | None = None):
+def paged_attention(
+    q,
+    k,
+    v,
+    kv_pages,
+    meta: PagedMeta,
+    *,
+    sm_scale: float,
+    backend: str,
+    sliding_window: int | None,
+    soft_cap: float | None = None,
+):
     """The model's `AttentionFn` over paged KV: write this step's K/V into pages, then attend.
 
     The model passes each layer's `sliding_window` and `soft_cap` (the config's window is only the default)."""
     kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping)
     out = pallas_kernels.ragged_paged_attention(
-        q, kv_pages, meta.kv_lens, meta.block_tables, meta.cu_q_lens, meta.num_seqs,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, backend=backend)
+        q,
+        kv_pages,
+        meta.kv_lens,
+        meta.block_tables,
+        meta.cu_q_lens,
+        meta.num_seqs,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        backend=backend,
+    )
     return out, kv_pages
 
 
@@ -105,8 +124,13 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 
 @functools.cache
-def step_functions(config: ModelConfig, backend: str, mesh: jax.sharding.Mesh | None = None,
-                   quantized_kv: bool = False, weights: tuple[str, bool, bool] | None = None):
+def step_functions(
+    config: ModelConfig,
+    backend: str,
+    mesh: jax.sharding.Mesh | None = None,
+    quantized_kv: bool = False,
+    weights: tuple[str, bool, bool] | None = None,
+):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
 
@@ -135,8 +159,9 @@ def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, 
     device = None if mesh is None else sharding.kv_sharding(mesh)
     if kv_quant.is_quantized_dtype(kv_dtype):
         scales_device = None if mesh is None else sharding.kv_scales_sharding(mesh)
-        return kv_quant.allocate(num_pages, config.num_kv_heads, page_size, config.head_dim, kv_dtype, device,
-                                 scales_device)
+        return kv_quant.allocate(
+            num_pages, config.num_kv_heads, page_size, config.head_dim, kv_dtype, device, scales_device
+        )
     shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
     return jnp.zeros(shape, kv_dtype, device=device)
 
@@ -156,11 +181,20 @@ def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int, quantized_kv: bool 
 
 
 @partial(jax.jit, static_argnames=("width", "do_sample", "do_filter", "do_penalty", "want_logprobs"))
-def _sample_rows(logits: jax.Array, meta: SamplingMeta, *, width: int, do_sample: bool, do_filter: bool,
-                 do_penalty: bool, want_logprobs: bool) -> SamplerOutput:
+def _sample_rows(
+    logits: jax.Array,
+    meta: SamplingMeta,
+    *,
+    width: int,
+    do_sample: bool,
+    do_filter: bool,
+    do_penalty: bool,
+    want_logprobs: bool,
+) -> SamplerOutput:
     """`sample`, with the ids padded to `width` rows so that the next step's merge has one shape per `T`."""
-    out = sample(logits, meta, do_sample=do_sample, do_filter=do_filter, do_penalty=do_penalty,
-                 want_logprobs=want_logprobs)
+    out = sample(
+        logits, meta, do_sample=do_sample, do_filter=do_filter, do_penalty=do_penalty, want_logprobs=want_logprobs
+    )
     return out._replace(tokens=jnp.pad(out.tokens, (0, width - out.tokens.shape[0])))
 
 
@@ -197,9 +231,20 @@ class ModelRunner:
     (`sharding.shard_params`, which also gives the `config` to pass here) and the pages are created on it.
     """
 
-    def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "auto",
-                 kv_dtype: str | None = None, mesh: jax.sharding.Mesh | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        attention_backend: str = "auto",
+        kv_dtype: str | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ) -> None:
         self.config = config
         self.params = params
         self.mesh = mesh
@@ -213,21 +258,30 @@ class ModelRunner:
         self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
         self.history_len = pow2_buckets(64, max_model_len)[-1]
         self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
-        self.kv_caches = tuple(_allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh)
-                               for _ in range(config.num_layers))
+        self.kv_caches = tuple(
+            _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
+        )
         # Lowering sees only these (a background compile never touches pages a running step donated).
-        self._kv_specs = jax.tree.map(lambda kv: jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding),
-                                      self.kv_caches)
+        self._kv_specs = jax.tree.map(
+            lambda kv: jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding), self.kv_caches
+        )
         self._rep = None if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
-        self.model, self._forward = step_functions(config, attention_backend, mesh, quantized_kv,
-                                                   quant.weights_key(params))
+        self.model, self._forward = step_functions(
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+        )
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
         self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers, quantized_kv)
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
-        self._key = (self._forward, self._copy, mesh, self.max_blocks, _fingerprint(params),
-                     _fingerprint(self._kv_specs))
+        self._key = (
+            self._forward,
+            self._copy,
+            mesh,
+            self.max_blocks,
+            _fingerprint(params),
+            _fingerprint(self._kv_specs),
+        )
         self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
         self.compile_stats = CompileStats()
         self.warm = False  # warm-up is over: a compile now stalls a step and is logged as a warning
@@ -259,8 +313,9 @@ class ModelRunner:
         t = bucket_for(sched.num_tokens, self.token_buckets)
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
-        sampling = build_sampling_inputs(sched.sample_rows, s, self.suppress_width, self.history_len,
-                                         self.config.eos_token_ids)
+        sampling = build_sampling_inputs(
+            sched.sample_rows, s, self.suppress_width, self.history_len, self.config.eos_token_ids
+        )
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
         token_ids = step.token_ids
@@ -268,8 +323,9 @@ class ModelRunner:
             token_ids = self._executable(self.merge_job(t))(token_ids, step.prev_rows, prev_samples.tokens)
         meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
         forward = self._executable(self.forward_job(t, s))
-        logits, self.kv_caches = forward(self.params, self.kv_caches, token_ids, step.positions, meta,
-                                         step.logits_indices)
+        logits, self.kv_caches = forward(
+            self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices
+        )
         m = self._with_history(sampling, prev_samples)
         job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags)
         return self._executable(job)(logits, m)
@@ -282,7 +338,8 @@ class ModelRunner:
             return m
         prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
         history = self._executable(self.history_job(len(sampling.pending_rows)))(
-            m.history, sampling.pending_rows, sampling.pending_cols, prev)
+            m.history, sampling.pending_rows, sampling.pending_cols, prev
+        )
         return m._replace(history=history)
 
     def collect(self, out: SamplerOutput, num_rows: int) -> StepResult:
@@ -305,9 +362,11 @@ class ModelRunner:
         """The forward step of `t` tokens and `s` sequences."""
         i32 = self._spec
         meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
-        return (("forward", self._key, t, s),
-                lambda: self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s)),
-                f"forward tokens={t} seqs={s}")
+        return (
+            ("forward", self._key, t, s),
+            lambda: self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s)),
+            f"forward tokens={t} seqs={s}",
+        )
 
     def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
         """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs)."""
@@ -317,32 +376,42 @@ class ModelRunner:
         meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
         logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
         width = self.seq_buckets[-1]
-        return (("sample", self._key, s, suppress_width, history_len, flags),
-                lambda: _sample_rows.lower(logits, meta, width=width, **dict(zip(names, flags, strict=True))),
-                f"sample rows={s} suppress={suppress_width} history={history_len} "
-                + " ".join(n for n, on in zip(names, flags, strict=True) if on))
+        return (
+            ("sample", self._key, s, suppress_width, history_len, flags),
+            lambda: _sample_rows.lower(logits, meta, width=width, **dict(zip(names, flags, strict=True))),
+            f"sample rows={s} suppress={suppress_width} history={history_len} "
+            + " ".join(n for n, on in zip(names, flags, strict=True) if on),
+        )
 
     def merge_job(self, t: int) -> Job:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
         i32 = self._spec
-        return (("merge", self._key, t),
-                lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])), f"merge tokens={t}")
+        return (
+            ("merge", self._key, t),
+            lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])),
+            f"merge tokens={t}",
+        )
 
     def history_job(self, s: int) -> Job:
         """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
         i32 = self._spec
-        return (("history", self._key, s),
-                lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s),
-                                                     i32(self.seq_buckets[-1])),
-                f"history rows={s} length={self.history_len}")
+        return (
+            ("history", self._key, s),
+            lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
+            f"history rows={s} length={self.history_len}",
+        )
 
     def copy_job(self, n: int) -> Job:
         """Copy-on-write of `n` pages on every layer."""
-        return (("copy", self._key, n), lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
-                f"copy pages={n}")
+        return (
+            ("copy", self._key, n),
+            lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
+            f"copy pages={n}",
+        )
 
     def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:
         """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
         `cancel` (a threading.Event): stop starting compiles once set."""
-        return len(EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers,
-                                           progress, cancel))
+        return len(
+            EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers, progress, cancel)
+        )

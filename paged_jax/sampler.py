@@ -54,8 +54,7 @@ def _apply_penalties(logits: jax.Array, meta: SamplingMeta) -> jax.Array:
     ids = jnp.where(valid, hist, vocab)  # out of range -> dropped by the scatter
     is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= meta.num_prompt[:, None])
     rows = jnp.arange(num_rows)[:, None]
-    out_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(
-        is_output.astype(jnp.float32), mode="drop")
+    out_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32), mode="drop")
     seen = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, ids].set(valid, mode="drop")
     rp = meta.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
@@ -119,8 +118,9 @@ def _row_keys(meta: SamplingMeta) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("do_sample", "do_filter", "do_penalty", "want_logprobs"))
-def sample(logits: jax.Array, meta: SamplingMeta, *, do_sample: bool, do_filter: bool, do_penalty: bool,
-           want_logprobs: bool) -> SamplerOutput:
+def sample(
+    logits: jax.Array, meta: SamplingMeta, *, do_sample: bool, do_filter: bool, do_penalty: bool, want_logprobs: bool
+) -> SamplerOutput:
     """Pick one token per row. `logits` [S, V] float32. The static flags select the cheapest variant."""
     logits = logits.astype(jnp.float32)
     num_rows, vocab = logits.shape

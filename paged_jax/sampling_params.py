@@ -58,8 +58,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def uses_filters(self) -> bool:
@@ -98,8 +97,9 @@ class SamplingParams:
             raise ValueError(f"presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= number("frequency_penalty") <= 2.0:
             raise ValueError(f"frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):
             raise ValueError(f"seed: must be an integer in [0, 2^63), got {self.seed!r}")
         if integer("max_tokens") < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
@@ -120,7 +120,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return self

@@ -54,9 +54,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunk_size: int | None = None, enable_prefix_caching: bool = True,
-                 reserve_tokens: int | None = None, watermark: float = 0.01) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunk_size: int | None = None,
+        enable_prefix_caching: bool = True,
+        reserve_tokens: int | None = None,
+        watermark: float = 0.01,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -92,9 +92,11 @@ def dp_device_groups(dp: int, tp: int, devices: Sequence[jax.Device] | None = No
     if dp < 1 or tp < 1:
         raise ValueError(f"data_parallel_size and tensor_parallel_size must be >= 1, got {dp} and {tp}")
     if dp * tp > len(devices):
-        raise ValueError(f"data_parallel_size x tensor_parallel_size = {dp} x {tp} = {dp * tp} devices, "
-                         f"but only {len(devices)} are available")
-    return [devices[i * tp:(i + 1) * tp] for i in range(dp)]
+        raise ValueError(
+            f"data_parallel_size x tensor_parallel_size = {dp} x {tp} = {dp * tp} devices, "
+            f"but only {len(devices)} are available"
+        )
+    return [devices[i * tp : (i + 1) * tp] for i in range(dp)]
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh, params: Any | None = None) -> Any:
@@ -117,8 +119,9 @@ def kv_cache_spec(quantized: bool):
 
 
 def kv_cache_sharding(mesh: Mesh, quantized: bool):
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_spec(quantized),
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), kv_cache_spec(quantized), is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -140,8 +143,9 @@ def shard_params(config: ModelConfig, params: Any, mesh: Mesh) -> tuple[ModelCon
     return run_config, expand(params)
 
 
-def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], mesh: Mesh,
-                    quantized: bool = False) -> Callable:
+def shard_attention(
+    attention_fn: Callable[..., tuple[jax.Array, jax.Array]], mesh: Mesh, quantized: bool = False
+) -> Callable:
     """Run the paged `attention_fn(q, k, v, kv_pages, meta, *, sm_scale)` per TP shard with `shard_map`.
 
     Per shard: q [T, Hq / tp, D], k/v [T, Hkv / tp, D], kv_pages [P, Hkv / tp, page, 2 * D], meta whole.
@@ -153,14 +157,20 @@ def shard_attention(attention_fn: Callable[..., tuple[jax.Array, jax.Array]], me
     def sharded(q, k, v, kv_pages, meta, *, sm_scale: float, **layer_options):
         body = functools.partial(attention_fn, sm_scale=sm_scale, **layer_options)  # per-layer window and cap
         kv = kv_cache_spec(quantized)
-        return jax.shard_map(body, mesh=mesh, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, kv, P()),
-                             out_specs=(HEADS_SPEC, kv), check_vma=False)(q, k, v, kv_pages, meta)
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, kv, P()),
+            out_specs=(HEADS_SPEC, kv),
+            check_vma=False,
+        )(q, k, v, kv_pages, meta)
 
     return sharded
 
 
-def step_shardings(config: ModelConfig, mesh: Mesh, quantized: bool = False,
-                   weights: tuple[str, bool, bool] | None = None) -> dict[str, Any]:
+def step_shardings(
+    config: ModelConfig, mesh: Mesh, quantized: bool = False, weights: tuple[str, bool, bool] | None = None
+) -> dict[str, Any]:
     """`jit` keyword arguments pinning the forward step's operands to `mesh`.
 
     forward(params, kv_caches, token_ids, positions, meta, logits_indices): params by their specs, the
@@ -170,12 +180,24 @@ def step_shardings(config: ModelConfig, mesh: Mesh, quantized: bool = False,
     kv = (kv_cache_sharding(mesh, quantized),) * config.num_layers
     rep = replicated(mesh)
     params = abstract_params(param_shapes(config), weights)
-    return {"in_shardings": (param_shardings(config, mesh, params), kv, rep, rep, rep, rep),
-            "out_shardings": (rep, kv)}
+    return {"in_shardings": (param_shardings(config, mesh, params), kv, rep, rep, rep, rep), "out_shardings": (rep, kv)}
 
 
 __all__ = [
-    "KV_SCALES_SPEC", "KV_SPEC", "TP", "dp_device_groups", "expand_kv_heads", "kv_cache_sharding", "kv_cache_spec",
-    "kv_replication", "kv_scales_sharding", "kv_sharding", "make_mesh", "param_shardings", "replicated",
-    "shard_attention", "shard_params", "step_shardings",
+    "KV_SCALES_SPEC",
+    "KV_SPEC",
+    "TP",
+    "dp_device_groups",
+    "expand_kv_heads",
+    "kv_cache_sharding",
+    "kv_cache_spec",
+    "kv_replication",
+    "kv_scales_sharding",
+    "kv_sharding",
+    "make_mesh",
+    "param_shardings",
+    "replicated",
+    "shard_attention",
+    "shard_params",
+    "step_shardings",
 ]

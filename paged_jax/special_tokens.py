@@ -76,13 +76,18 @@ def as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-def resolve_special_tokens(model_dir: str | Path | None, token_to_id: Callable[[str], int | None],
-                           fallback_bos: int | None = None,
-                           fallback_eos: tuple[int, ...] = ()) -> SpecialTokens:
+def resolve_special_tokens(
+    model_dir: str | Path | None,
+    token_to_id: Callable[[str], int | None],
+    fallback_bos: int | None = None,
+    fallback_eos: tuple[int, ...] = (),
+) -> SpecialTokens:
     """Resolve every role from the files of `model_dir` with the precedence of this module's docstring."""
     model_dir = Path(model_dir) if model_dir is not None else None
-    files = {name: read_json(model_dir / name) if model_dir is not None else {} for name in
-             ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")}
+    files = {
+        name: read_json(model_dir / name) if model_dir is not None else {}
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
+    }
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for role in ROLES:

@@ -37,8 +37,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> str: ...
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str: ...
 
 
 @dataclass
@@ -62,16 +63,21 @@ class ByteTokenizer:
         if self.vocab_size < self.offset + 256:
             raise ValueError(f"vocab_size: a byte tokenizer needs at least {self.offset + 256}, got {self.vocab_size}")
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.special = SpecialTokens(bos_token_id=self.bos_token_id, eos_token_id=eos, pad_token_id=self.pad_token_id,
-                                     eos_token_ids=tuple(self.eos_token_ids),
-                                     sources=dict.fromkeys(("bos", "eos", "pad"), "byte tokenizer"))
+        self.special = SpecialTokens(
+            bos_token_id=self.bos_token_id,
+            eos_token_id=eos,
+            pad_token_id=self.pad_token_id,
+            eos_token_ids=tuple(self.eos_token_ids),
+            sources=dict.fromkeys(("bos", "eos", "pad"), "byte tokenizer"),
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.offset + b for b in text.encode("utf-8")]
         return ([self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []) + ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
         """Bytes to text; the special and unused ids have no text, whatever `skip_special_tokens` says."""
         data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.offset + 256)
         return data.decode("utf-8", errors="replace")
@@ -84,8 +90,9 @@ class HFTokenizer:
     elsewhere (e.g. from GGUF metadata) with the constructor.
     """
 
-    def __init__(self, tokenizer, special: SpecialTokens, chat_template: ChatTemplate | None = None,
-                 name: str = "tokenizer.json") -> None:
+    def __init__(
+        self, tokenizer, special: SpecialTokens, chat_template: ChatTemplate | None = None, name: str = "tokenizer.json"
+    ) -> None:
         self._tok = tokenizer
         self.name = name
         self.special = special
@@ -99,8 +106,9 @@ class HFTokenizer:
         self.open_ended_ids: frozenset[int] = _byte_fallback_ids(tokenizer)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, fallback: ModelConfig | None = None,
-                 chat_template_file: str | Path | None = None) -> HFTokenizer:
+    def from_dir(
+        cls, model_dir: str | Path, fallback: ModelConfig | None = None, chat_template_file: str | Path | None = None
+    ) -> HFTokenizer:
         """`tokenizer.json` of `model_dir`, its special tokens (see `paged_jax.special_tokens`) and chat template.
 
         `fallback` (usually the model config) fills BOS/EOS ids no file names; `chat_template_file`
@@ -112,17 +120,21 @@ class HFTokenizer:
 
         model_dir = Path(model_dir)
         tok = _HFTok.from_file(str(model_dir / "tokenizer.json"))
-        special = resolve_special_tokens(model_dir, tok.token_to_id,
-                                         fallback.bos_token_id if fallback is not None else None,
-                                         tuple(fallback.eos_token_ids) if fallback is not None else ())
+        special = resolve_special_tokens(
+            model_dir,
+            tok.token_to_id,
+            fallback.bos_token_id if fallback is not None else None,
+            tuple(fallback.eos_token_ids) if fallback is not None else (),
+        )
         return cls(tok, special, load_chat_template(model_dir, chat_template_file), name=str(model_dir))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids the model's tokenizer gives, its post-processor adding special tokens when asked."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
         """Text of `ids`. With `spaces_between_special_tokens` (the default) this is the tokenizer's own decode,
         as transformers and vLLM return it. False keeps every added token exactly as written, next to the text
         of its neighbours: each run of ordinary tokens is decoded alone (vLLM's behaviour for that setting)."""
@@ -154,8 +166,10 @@ class HFTokenizer:
         data = json.loads(self._tok.to_str())
         kind = (data.get("model") or {}).get("type", "?")
         bos_added = self.encode("a")[:1] != self.encode("a", add_special_tokens=False)[:1]
-        return (f"{self.name} ({kind}, vocab {self.vocab_size}, {len(self._added)} added tokens; "
-                f"post-processor {'adds' if bos_added else 'adds no'} BOS)")
+        return (
+            f"{self.name} ({kind}, vocab {self.vocab_size}, {len(self._added)} added tokens; "
+            f"post-processor {'adds' if bos_added else 'adds no'} BOS)"
+        )
 
 
 def _byte_fallback_ids(tok) -> frozenset[int]:
@@ -166,8 +180,9 @@ def _byte_fallback_ids(tok) -> frozenset[int]:
     return frozenset(i for t, i in tok.get_vocab(with_added_tokens=False).items() if _BYTE_TOKEN.fullmatch(t))
 
 
-def load_tokenizer(model_dir: str | Path | None, config: ModelConfig,
-                   chat_template_file: str | Path | None = None) -> Tokenizer:
+def load_tokenizer(
+    model_dir: str | Path | None, config: ModelConfig, chat_template_file: str | Path | None = None
+) -> Tokenizer:
     """`tokenizer.json` of `model_dir` when present, else a `ByteTokenizer` sized to the config."""
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").exists():
         return HFTokenizer.from_dir(model_dir, fallback=config, chat_template_file=chat_template_file)

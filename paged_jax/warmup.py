@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 GREEDY: SamplerFlags = (False, False, False, False)
 COMMON_SAMPLERS: tuple[SamplerFlags, ...] = (GREEDY, (True, False, False, False), (True, True, False, False))
-ALL_SAMPLERS: tuple[SamplerFlags, ...] = tuple((s, f, p, lp) for s, f, _, _ in COMMON_SAMPLERS
-                                               for p in (False, True) for lp in (False, True))
+ALL_SAMPLERS: tuple[SamplerFlags, ...] = tuple(
+    (s, f, p, lp) for s, f, _, _ in COMMON_SAMPLERS for p in (False, True) for lp in (False, True)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +66,9 @@ def or_closure(flags: Iterable[SamplerFlags]) -> tuple[SamplerFlags, ...]:
         out |= new
 
 
-def plan_for_requests(requests: Iterable[tuple[int, SamplingParams]], max_num_batched_tokens: int,
-                      lookahead: bool = True) -> WarmupPlan:
+def plan_for_requests(
+    requests: Iterable[tuple[int, SamplingParams]], max_num_batched_tokens: int, lookahead: bool = True
+) -> WarmupPlan:
     """The plan of a batch job: `requests` are (prompt tokens, params) of every request it will run.
 
     A step holds at most the token budget, and never more tokens than the requests have in all (prompts,
@@ -76,8 +78,7 @@ def plan_for_requests(requests: Iterable[tuple[int, SamplingParams]], max_num_ba
         total += params.n * (prompt_tokens + params.max_tokens)
         flags.add(request_flags(params))
         copies |= params.n > 1
-    return WarmupPlan(min(total, max_num_batched_tokens), or_closure(flags) if flags else (GREEDY,), lookahead,
-                      copies)
+    return WarmupPlan(min(total, max_num_batched_tokens), or_closure(flags) if flags else (GREEDY,), lookahead, copies)
 
 
 def serving_plans(max_num_seqs: int, lookahead: bool = True) -> tuple[WarmupPlan, WarmupPlan]:
@@ -98,8 +99,10 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     buckets = token_buckets(runner, plan)
     out = [runner.forward_job(t, runner.seq_bucket(t)) for t in buckets]
     for s in sorted({runner.seq_bucket(t) for t in buckets}):
-        out += [runner.sample_job(s, runner.suppress_width, runner.history_len if flags[2] else 1, flags)
-                for flags in plan.sampler_flags]
+        out += [
+            runner.sample_job(s, runner.suppress_width, runner.history_len if flags[2] else 1, flags)
+            for flags in plan.sampler_flags
+        ]
         if any(flags[2] for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
             out.append(runner.history_job(s))
     if plan.lookahead:
@@ -114,8 +117,14 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def run_warmup(runner: ModelRunner, plan: WarmupPlan, progress: bool = True, workers: int | None = None,
-               what: str = "warm-up", cancel: threading.Event | None = None) -> int:
+def run_warmup(
+    runner: ModelRunner,
+    plan: WarmupPlan,
+    progress: bool = True,
+    workers: int | None = None,
+    what: str = "warm-up",
+    cancel: threading.Event | None = None,
+) -> int:
     """Compile the plan's executables in parallel; returns how many were compiled (not already in the process).
     Afterwards a compile a step needs (a shape no plan named) is logged as a warning."""
     todo = jobs(runner, plan)
@@ -131,9 +140,18 @@ def run_warmup(runner: ModelRunner, plan: WarmupPlan, progress: bool = True, wor
     stats = runner.compile_stats
     cache = persistent_cache_summary()
     cache_dir = jax.config.jax_compilation_cache_dir
-    log.info("%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling; %d loaded from "
-             "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA)", what, new,
-             token_buckets(runner, plan), time.perf_counter() - t0, workers, stats.seconds - before[1],
-             stats.cache_hits - before[2], f" ({cache_dir})" if cache_dir else " (off)", cache["hits"],
-             cache["compiled"])
+    log.info(
+        "%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling; %d loaded from "
+        "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA)",
+        what,
+        new,
+        token_buckets(runner, plan),
+        time.perf_counter() - t0,
+        workers,
+        stats.seconds - before[1],
+        stats.cache_hits - before[2],
+        f" ({cache_dir})" if cache_dir else " (off)",
+        cache["hits"],
+        cache["compiled"],
+    )
     return new

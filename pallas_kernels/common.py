@@ -86,9 +86,7 @@ def validate_static(
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if kv_pages.ndim != 4:
-        raise ValueError(
-            f"kv_pages must be [num_pages, num_kv_heads, page_size, 2 * head_dim], got {kv_pages.shape}"
-        )
+        raise ValueError(f"kv_pages must be [num_pages, num_kv_heads, page_size, 2 * head_dim], got {kv_pages.shape}")
     _, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, kv_width = kv_pages.shape
     if kv_width != 2 * head_dim:
@@ -96,17 +94,16 @@ def validate_static(
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_pages.dtype not in KV_PAGE_DTYPES:
-        raise ValueError(f"q must be float32 or bfloat16 and kv_pages one of {KV_PAGE_DTYPES}, got {q.dtype} "
-                         f"and {kv_pages.dtype}")
+        raise ValueError(
+            f"q must be float32 or bfloat16 and kv_pages one of {KV_PAGE_DTYPES}, got {q.dtype} and {kv_pages.dtype}"
+        )
     if kv_lens.ndim != 1 or block_tables.ndim != 2 or kv_lens.shape[0] != block_tables.shape[0]:
         raise ValueError(
             f"kv_lens [max_seqs] and block_tables [max_seqs, max_blocks] disagree: "
             f"{kv_lens.shape}, {block_tables.shape}"
         )
     if cu_q_lens.shape != (kv_lens.shape[0] + 1,):
-        raise ValueError(
-            f"cu_q_lens must be [max_seqs + 1] = [{kv_lens.shape[0] + 1}], got {cu_q_lens.shape}"
-        )
+        raise ValueError(f"cu_q_lens must be [max_seqs + 1] = [{kv_lens.shape[0] + 1}], got {cu_q_lens.shape}")
     if num_seqs.shape != (1,):
         raise ValueError(f"num_seqs must have shape [1], got {num_seqs.shape}")
     for name, arr in (
@@ -133,8 +130,7 @@ def validate_kernel_shape(head_dim: int, page_size: int) -> None:
         raise ValueError(f"Pallas kernels support head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE) or page_size & (page_size - 1):
         raise ValueError(
-            f"Pallas kernels support power-of-two page sizes {MIN_PAGE_SIZE}..{MAX_PAGE_SIZE}, "
-            f"got {page_size}"
+            f"Pallas kernels support power-of-two page sizes {MIN_PAGE_SIZE}..{MAX_PAGE_SIZE}, got {page_size}"
         )
 
 

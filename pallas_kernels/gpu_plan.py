@@ -132,10 +132,27 @@ class GpuPlan:
     ranges: tuple[GpuRange, ...]  # launched in this order
 
 
-def _make_range(name: str, min_q_len: int, max_q_len: int, cfg: BlockConfig, *, num_tokens: int, max_seqs: int,
-                max_blocks: int, num_kv_heads: int, head_dim: int, page_size: int, itemsize: int, group_p: int,
-                q_block: int | None, pages_per_block: int | None, num_splits: int | None, num_warps: int | None,
-                num_stages: int | None, num_sms: int) -> GpuRange:
+def _make_range(
+    name: str,
+    min_q_len: int,
+    max_q_len: int,
+    cfg: BlockConfig,
+    *,
+    num_tokens: int,
+    max_seqs: int,
+    max_blocks: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    itemsize: int,
+    group_p: int,
+    q_block: int | None,
+    pages_per_block: int | None,
+    num_splits: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+    num_sms: int,
+) -> GpuRange:
     q_block = q_block or max(1, cfg.rows // group_p)
     q_block = max(1 << (q_block - 1).bit_length(), cdiv(MMA_MIN_ROWS, group_p))
     rows = q_block * group_p
@@ -159,8 +176,14 @@ def _make_range(name: str, min_q_len: int, max_q_len: int, cfg: BlockConfig, *, 
         base = likely * num_kv_heads
         num_splits = 1
         if base < 2 * num_sms:
-            most = max(1, min(MAX_SPLITS, max_blocks * page_size // MIN_KEYS_PER_SPLIT,
-                              cdiv(GRID_PROGRAMS_PER_SM * num_sms, num_items * num_kv_heads)))
+            most = max(
+                1,
+                min(
+                    MAX_SPLITS,
+                    max_blocks * page_size // MIN_KEYS_PER_SPLIT,
+                    cdiv(GRID_PROGRAMS_PER_SM * num_sms, num_items * num_kv_heads),
+                ),
+            )
             num_splits = max(1, min(cdiv(2 * num_sms, base), most))
     num_stages = num_stages or cfg.num_stages
     smem = num_stages * kv_block * head_dim * 2 * itemsize + rows * head_dim * itemsize
@@ -211,19 +234,42 @@ def plan_gpu(
     decode = num_tokens <= 2 * max_seqs
     itemsize = jnp.dtype(dtype).itemsize
     cfg_decode, cfg_prefill = block_configs(head_dim, page_size, dtype)
-    common = dict(num_tokens=num_tokens, max_seqs=max_seqs, max_blocks=max_blocks, num_kv_heads=num_kv_heads,
-                  head_dim=head_dim, page_size=page_size, itemsize=itemsize, group_p=group_p, num_sms=num_sms,
-                  pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages)
+    common = dict(
+        num_tokens=num_tokens,
+        max_seqs=max_seqs,
+        max_blocks=max_blocks,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        itemsize=itemsize,
+        group_p=group_p,
+        num_sms=num_sms,
+        pages_per_block=pages_per_block,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if decode or one_range:
-        ranges = (_make_range("all", 0, num_tokens, cfg_decode if decode else cfg_prefill, q_block=q_block,
-                              num_splits=num_splits, **common),)
+        ranges = (
+            _make_range(
+                "all",
+                0,
+                num_tokens,
+                cfg_decode if decode else cfg_prefill,
+                q_block=q_block,
+                num_splits=num_splits,
+                **common,
+            ),
+        )
     else:
-        dec = _make_range("decode", 0, num_tokens, cfg_decode, q_block=decode_q_block,
-                          num_splits=decode_num_splits, **common)
-        dec = _make_range("decode", 0, dec.q_block, cfg_decode, q_block=dec.q_block,
-                          num_splits=decode_num_splits, **common)  # one item per sequence
-        pre = _make_range("prefill", dec.q_block, num_tokens, cfg_prefill, q_block=q_block, num_splits=num_splits,
-                          **common)
+        dec = _make_range(
+            "decode", 0, num_tokens, cfg_decode, q_block=decode_q_block, num_splits=decode_num_splits, **common
+        )
+        dec = _make_range(
+            "decode", 0, dec.q_block, cfg_decode, q_block=dec.q_block, num_splits=decode_num_splits, **common
+        )  # one item per sequence
+        pre = _make_range(
+            "prefill", dec.q_block, num_tokens, cfg_prefill, q_block=q_block, num_splits=num_splits, **common
+        )
         ranges = (pre, dec)
     return GpuPlan(
         num_tokens=num_tokens,
@@ -242,18 +288,19 @@ def plan_gpu(
     )
 
 
-def gpu_plan_for(q_shape, kv_pages_shape, max_seqs: int, max_blocks: int, dtype, q_dtype=None,
-                 **overrides) -> GpuPlan:
+def gpu_plan_for(q_shape, kv_pages_shape, max_seqs: int, max_blocks: int, dtype, q_dtype=None, **overrides) -> GpuPlan:
     """The kernel's static plan for one call's shapes (what :func:`ragged_paged_attention_gpu` uses);
     ``overrides`` as :func:`plan_gpu` takes them."""
     num_tokens, num_q_heads, head_dim = q_shape
     _, num_kv_heads, page_size, _ = kv_pages_shape
-    return plan_gpu(num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
-                    q_dtype, **overrides)
+    return plan_gpu(
+        num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, dtype, q_dtype, **overrides
+    )
 
 
-def work_list(xp, cu_q_lens, kv_lens, num_seqs, *, q_block: int, num_items: int, min_q_len: int = 0,
-              max_q_len: int | None = None):
+def work_list(
+    xp, cu_q_lens, kv_lens, num_seqs, *, q_block: int, num_items: int, min_q_len: int = 0, max_q_len: int | None = None
+):
     """The ``(sequence, q-block)`` items of the sequences with ``min_q_len < q_len <= max_q_len``, in sequence
     order; ``xp`` is ``numpy`` or ``jax.numpy``.
 
@@ -273,8 +320,16 @@ def work_list(xp, cu_q_lens, kv_lens, num_seqs, *, q_block: int, num_items: int,
 
 def range_work_list(xp, rng: GpuRange, cu_q_lens, kv_lens, num_seqs):
     """:func:`work_list` of one range."""
-    return work_list(xp, cu_q_lens, kv_lens, num_seqs, q_block=rng.q_block, num_items=rng.num_items,
-                     min_q_len=rng.min_q_len, max_q_len=rng.max_q_len)
+    return work_list(
+        xp,
+        cu_q_lens,
+        kv_lens,
+        num_seqs,
+        q_block=rng.q_block,
+        num_items=rng.num_items,
+        min_q_len=rng.min_q_len,
+        max_q_len=rng.max_q_len,
+    )
 
 
 def effective_splits(xp, real_items, *, num_splits: int, num_kv_heads: int, num_sms: int = H200_SMS):
@@ -296,18 +351,21 @@ def _item_blocks(xp, pos0, n, *, num_splits, kv_block: int, sliding_window: int 
 def item_splits_with_work(xp, pos0, n, *, num_splits, kv_block: int, sliding_window: int | None):
     """How many of an item's splits walk at least one KV block: always a prefix ``[0, k)`` of the splits (the
     combine reads only those)."""
-    _, _, lo, hi, per = _item_blocks(xp, pos0, n, num_splits=num_splits, kv_block=kv_block,
-                                     sliding_window=sliding_window)
+    _, _, lo, hi, per = _item_blocks(
+        xp, pos0, n, num_splits=num_splits, kv_block=kv_block, sliding_window=sliding_window
+    )
     return (hi - lo + per - 1) // xp.maximum(per, 1)
 
 
-def item_kv_range(xp, pos0, n, *, split, num_splits, kv_block: int, page_size: int, max_blocks: int,
-                  sliding_window: int | None):
+def item_kv_range(
+    xp, pos0, n, *, split, num_splits, kv_block: int, page_size: int, max_blocks: int, sliding_window: int | None
+):
     """KV blocks ``[b_lo, b_hi)`` one program (item, split) walks, and the item's visible pages
     ``[p_lo, p_hi]`` (clamped to the table; every gather index is clamped into it). Scalars in the kernel,
     arrays in the work model."""
-    first_key, last, lo, hi, per = _item_blocks(xp, pos0, n, num_splits=num_splits, kv_block=kv_block,
-                                                sliding_window=sliding_window)
+    first_key, last, lo, hi, per = _item_blocks(
+        xp, pos0, n, num_splits=num_splits, kv_block=kv_block, sliding_window=sliding_window
+    )
     b_lo = xp.minimum(lo + split * per, hi)
     b_hi = xp.minimum(b_lo + per, hi)
     p_lo = xp.minimum(first_key // page_size, max_blocks - 1)
@@ -325,8 +383,7 @@ def _batch(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int):
     return kv, cu
 
 
-def program_counts(plan: GpuPlan, rng: GpuRange, kv_lens, cu_q_lens, num_seqs: int,
-                   sliding_window: int | None = None):
+def program_counts(plan: GpuPlan, rng: GpuRange, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None = None):
     """Per program of one range ``[num_splits, num_items, num_kv_heads, 2]``: KV steps walked and distinct pages
     gathered, exactly what the kernel's ``count=True`` output reports; plus the work list's ``seq``, ``n`` and
     each program's page interval ``[first, last]`` (``last < first`` when it reads none)."""
@@ -334,12 +391,18 @@ def program_counts(plan: GpuPlan, rng: GpuRange, kv_lens, cu_q_lens, num_seqs: i
     seq, _, n, pos0, _ = (x.astype(np.int64) for x in range_work_list(np, rng, cu, kv, num_seqs))
     k_eff = rng.num_splits
     if rng.adaptive_splits:
-        k_eff = int(effective_splits(np, int(np.sum(n > 0)), num_splits=rng.num_splits,
-                                     num_kv_heads=plan.num_kv_heads))
+        k_eff = int(effective_splits(np, int(np.sum(n > 0)), num_splits=rng.num_splits, num_kv_heads=plan.num_kv_heads))
     split = np.arange(rng.num_splits)[:, None]
     b_lo, b_hi, p_lo, p_hi = item_kv_range(
-        np, pos0[None, :], n[None, :], split=split, num_splits=k_eff, kv_block=rng.kv_block,
-        page_size=plan.page_size, max_blocks=plan.max_blocks, sliding_window=sliding_window,
+        np,
+        pos0[None, :],
+        n[None, :],
+        split=split,
+        num_splits=k_eff,
+        kv_block=rng.kv_block,
+        page_size=plan.page_size,
+        max_blocks=plan.max_blocks,
+        sliding_window=sliding_window,
     )  # [num_splits, num_items]
     ppb = rng.pages_per_block
     steps = np.maximum(b_hi - b_lo, 0)
@@ -372,8 +435,13 @@ def _hbm_pages(plan: GpuPlan, rng: GpuRange, steps, seq, first, last) -> int:
     return int(np.maximum(l_ - np.maximum(f, prev_end + 1) + 1, 0).sum())
 
 
-def gpu_work_detail(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None = None,
-                    ) -> dict[str, Any]:
+def gpu_work_detail(
+    plan: GpuPlan,
+    kv_lens,
+    cu_q_lens,
+    num_seqs: int,
+    sliding_window: int | None = None,
+) -> dict[str, Any]:
     """The work of one call for host-known lengths, from the kernel's own plan, work lists and KV ranges.
 
     Returns a dict: ``work`` (:class:`KernelWork`, ``kv_bytes_read`` under the wave model of the module
@@ -408,15 +476,17 @@ def gpu_work_detail(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_wi
         else:  # partials (the real rows of programs with work) written, read back by the combine kernel
             row_steps = (steps > 0).sum(axis=0) * n  # [I]: tokens x splits with work
             out_bytes = 2 * int(row_steps.sum()) * plan.group * h_n * (d + 2) * 4 + tokens * q_tok_bytes
-        works.append(KernelWork(
-            kv_bytes_read=_hbm_pages(plan, rng, steps, seq, first, last) * page_bytes,
-            q_bytes=q_bytes,
-            out_bytes=out_bytes,
-            issued_flops=r_steps * 2 * 2 * max(rng.rows, MMA_MIN_ROWS) * rng.kv_block * d,
-            useful_flops=0,
-            exps=r_steps * rng.rows * (rng.kv_block + 1),
-            programs=programs,
-        ))
+        works.append(
+            KernelWork(
+                kv_bytes_read=_hbm_pages(plan, rng, steps, seq, first, last) * page_bytes,
+                q_bytes=q_bytes,
+                out_bytes=out_bytes,
+                issued_flops=r_steps * 2 * 2 * max(rng.rows, MMA_MIN_ROWS) * rng.kv_block * d,
+                useful_flops=0,
+                exps=r_steps * rng.rows * (rng.kv_block + 1),
+                programs=programs,
+            )
+        )
     pos_q = [np.arange(k - q, k) for k, q in zip(kv_in, q_lens, strict=True)]
     seen = [x + 1 if sliding_window is None else np.minimum(x + 1, sliding_window) for x in pos_q]
     useful = int(sum(int(x.sum()) for x in seen)) * plan.num_q_heads * 2 * 2 * d
@@ -450,23 +520,59 @@ def gpu_work(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: i
     return gpu_work_detail(plan, kv_lens, cu_q_lens, num_seqs, sliding_window)["work"]
 
 
-def case_work(num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-              page_size: int, dtype, kv_lens, cu_q_lens, num_seqs: int, *, previous: bool = False,
-              max_blocks: int | None = None, sliding_window: int | None = None) -> KernelWork:
+def case_work(
+    num_tokens: int,
+    max_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype,
+    kv_lens,
+    cu_q_lens,
+    num_seqs: int,
+    *,
+    previous: bool = False,
+    max_blocks: int | None = None,
+    sliding_window: int | None = None,
+) -> KernelWork:
     """:class:`KernelWork` of one call in a ``(num_tokens, max_seqs)`` bucket for host-known lengths: the
     current kernel (:func:`gpu_work` on :func:`plan_gpu`) or, with ``previous=True``, the previous design
     (:func:`legacy_gpu_work`). ``max_blocks`` (block-table width) defaults to the longest sequence's pages."""
     kv = np.asarray(kv_lens, np.int64)[:num_seqs]
     max_blocks = max_blocks or max(1, cdiv(int(kv.max(initial=1)), page_size))
     if previous:
-        return legacy_gpu_work(num_tokens, max_seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
-                               kv_lens, cu_q_lens, num_seqs, max_blocks=max_blocks)
+        return legacy_gpu_work(
+            num_tokens,
+            max_seqs,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            dtype,
+            kv_lens,
+            cu_q_lens,
+            num_seqs,
+            max_blocks=max_blocks,
+        )
     plan = plan_gpu(num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, dtype)
     return gpu_work(plan, kv_lens, cu_q_lens, num_seqs, sliding_window)
 
 
-def legacy_gpu_work(num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                    page_size: int, dtype, kv_lens, cu_q_lens, num_seqs: int, *, max_blocks: int) -> KernelWork:
+def legacy_gpu_work(
+    num_tokens: int,
+    max_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype,
+    kv_lens,
+    cu_q_lens,
+    num_seqs: int,
+    *,
+    max_blocks: int,
+) -> KernelWork:
     """The previous GPU kernel (before issue 10), re-derived from its code: grid ``(num_kv_heads, num_tokens /
     q_block)`` with ``q_block = 16 // group_p`` tokens for decode buckets (``T <= 2 S``) and ``64 // group_p``
     otherwise; a program walks every sequence with a token in its block, one after another, and for each every

@@ -115,14 +115,27 @@ def _kernel(
     count: bool,
     quantized: bool,
 ):
-    qb, gp, group, d, ppb, page = (rng.q_block, plan.group_p, plan.group, plan.head_dim, rng.pages_per_block,
-                                   plan.page_size)
+    qb, gp, group, d, ppb, page = (
+        rng.q_block,
+        plan.group_p,
+        plan.group,
+        plan.head_dim,
+        rng.pages_per_block,
+        plan.page_size,
+    )
     rows, kv_block = rng.rows, rng.kv_block
     split, item, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     s, tok0, n, pos0 = seq_ref[item], tok0_ref[item], n_ref[item], pos0_ref[item]
     b_lo, b_hi, p_lo, p_hi = item_kv_range(
-        jnp, pos0, n, split=split, num_splits=splits_ref[0], kv_block=kv_block, page_size=page,
-        max_blocks=plan.max_blocks, sliding_window=sliding_window,
+        jnp,
+        pos0,
+        n,
+        split=split,
+        num_splits=splits_ref[0],
+        kv_block=kv_block,
+        page_size=page,
+        max_blocks=plan.max_blocks,
+        sliding_window=sliding_window,
     )
     if count:
         refs, stats_ref = refs[:-1], refs[-1]
@@ -219,8 +232,9 @@ def _combine_kernel(
     qb, gp, group, d, rows = rng.q_block, plan.group_p, plan.group, plan.head_dim, rng.rows
     item, h = pl.program_id(0), pl.program_id(1)
     tok0, n, pos0 = tok0_ref[item], n_ref[item], pos0_ref[item]
-    k_work = item_splits_with_work(jnp, pos0, n, num_splits=splits_ref[0], kv_block=rng.kv_block,
-                                   sliding_window=sliding_window)
+    k_work = item_splits_with_work(
+        jnp, pos0, n, num_splits=splits_ref[0], kv_block=rng.kv_block, sliding_window=sliding_window
+    )
 
     @pl.when(k_work > 0)
     def _():
@@ -237,8 +251,11 @@ def _combine_kernel(
             a, b = jnp.exp(m_run - m_new), jnp.exp(m_k - m_new)
             return m_new, a * l_run + b * l_k, a[:, None] * acc_run + b[:, None] * acc_k
 
-        init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-                jnp.zeros((rows, d), jnp.float32))
+        init = (
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, d), jnp.float32),
+        )
         _, den, acc = jax.lax.fori_loop(0, k_work, body, init)
         out = jnp.where(den[:, None] > 0, acc / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
         out = out.reshape(qb, gp, d).astype(o_ref.dtype)
@@ -269,9 +286,12 @@ def _static_cost(plan: GpuPlan, rng: GpuRange, sliding_window: int | None) -> pl
 def _combine_cost(plan: GpuPlan, rng: GpuRange) -> pl.CostEstimate:
     """The combine at its static worst case: every split of every item with work, every row real."""
     rows = rng.num_splits * rng.num_items * plan.num_kv_heads * rng.rows
-    return pl.CostEstimate(flops=3 * rows * plan.head_dim, transcendentals=2 * rows,
-                           bytes_accessed=rows * (plan.head_dim + 2) * 4 + plan.num_tokens * plan.num_q_heads
-                           * plan.head_dim * plan.q_itemsize)
+    return pl.CostEstimate(
+        flops=3 * rows * plan.head_dim,
+        transcendentals=2 * rows,
+        bytes_accessed=rows * (plan.head_dim + 2) * 4
+        + plan.num_tokens * plan.num_q_heads * plan.head_dim * plan.q_itemsize,
+    )
 
 
 @functools.partial(
@@ -329,23 +349,66 @@ def ragged_paged_attention_gpu(
     max_seqs, max_blocks = block_tables.shape
     validate_kernel_shape(head_dim, page_size)
     plan = plan_gpu(
-        num_tokens, max_seqs, max_blocks, num_q_heads, num_kv_heads, head_dim, page_size, kv_pages.dtype,
-        q.dtype, q_block=q_block, pages_per_block=pages_per_block, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages, decode_q_block=decode_q_block,
-        decode_num_splits=decode_num_splits, one_range=one_range,
+        num_tokens,
+        max_seqs,
+        max_blocks,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        kv_pages.dtype,
+        q.dtype,
+        q_block=q_block,
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        decode_q_block=decode_q_block,
+        decode_num_splits=decode_num_splits,
+        one_range=one_range,
     )
     out = jnp.zeros(q.shape, q.dtype)  # padding tokens' rows stay zero; every real row is written once
     stats = []
     for rng in plan.ranges:
-        out, st = _launch(plan, rng, out, q, kv_pages, kv_scales, kv_lens, block_tables, cu_q_lens, num_seqs,
-                          sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
-                          count=count)
+        out, st = _launch(
+            plan,
+            rng,
+            out,
+            q,
+            kv_pages,
+            kv_scales,
+            kv_lens,
+            block_tables,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            interpret=interpret,
+            count=count,
+        )
         stats.append(st)
     return (out, tuple(stats)) if count else out
 
 
-def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_scales, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-            sm_scale, soft_cap, sliding_window, interpret, count):
+def _launch(
+    plan: GpuPlan,
+    rng: GpuRange,
+    out,
+    q,
+    kv_pages,
+    kv_scales,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+    interpret,
+    count,
+):
     """One range: its work list, its pallas_call, and (split ranges) the combine into ``out``."""
     seq, tok0, n, pos0, _ = range_work_list(jnp, rng, cu_q_lens, kv_lens, num_seqs[0])
     splits = jnp.full((1,), rng.num_splits, jnp.int32)
@@ -355,9 +418,7 @@ def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_scales, kv_lens, 
         splits = splits[None]
     nsp, ni, nh, rows, d = rng.num_splits, rng.num_items, plan.num_kv_heads, rng.rows, plan.head_dim
     full = lambda x: pl.BlockSpec(x.shape, lambda k, i, h: (0,) * x.ndim)
-    kv_spec = lambda half: pl.BlockSpec(
-        (kv_pages.shape[0], None, plan.page_size, d), lambda k, i, h: (0, h, 0, half)
-    )
+    kv_spec = lambda half: pl.BlockSpec((kv_pages.shape[0], None, plan.page_size, d), lambda k, i, h: (0, h, 0, half))
     meta = (seq, tok0, n, pos0, splits, block_tables)
     in_specs = [full(x) for x in meta] + [full(q), kv_spec(0), kv_spec(1)]
     args = [*meta, q, kv_pages, kv_pages]
@@ -365,8 +426,9 @@ def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_scales, kv_lens, 
     if quantized:  # [P, 2 * H, page_size]: row 2 h is K's scales of head h, row 2 h + 1 V's
         sc = kv_scales.reshape(kv_pages.shape[0], 2 * nh, plan.page_size)
         for half in (0, 1):
-            in_specs.append(pl.BlockSpec((sc.shape[0], None, plan.page_size),
-                                         lambda k, i, h, half=half: (0, 2 * h + half, 0)))
+            in_specs.append(
+                pl.BlockSpec((sc.shape[0], None, plan.page_size), lambda k, i, h, half=half: (0, 2 * h + half, 0))
+            )
             args.append(sc)
     aliases = {}
     if nsp == 1:  # rows straight into the output (aliased: other ranges' rows are kept)
@@ -389,8 +451,16 @@ def _launch(plan: GpuPlan, rng: GpuRange, out, q, kv_pages, kv_scales, kv_lens, 
     if count:
         out_specs.append(pl.BlockSpec((None, None, None, 2), lambda k, i, h: (k, i, h, 0)))
         out_shape.append(jax.ShapeDtypeStruct((nsp, ni, nh, 2), jnp.int32))
-    kernel = functools.partial(_kernel, plan=plan, rng=rng, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window, count=count, quantized=quantized)
+    kernel = functools.partial(
+        _kernel,
+        plan=plan,
+        rng=rng,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        count=count,
+        quantized=quantized,
+    )
     outs = pl.pallas_call(
         kernel,
         grid=rng.grid(nh),

@@ -46,8 +46,7 @@ def write_kv(
     # Scale of (head h, K/V kv, slot offset) at column (2 h + kv) * page_size + offset of the page's row.
     hk = jnp.arange(2 * num_kv_heads, dtype=jnp.int32).reshape(num_kv_heads, 2)
     col = hk[None] * page_size + offset[:, None, None]  # [T, H, 2]
-    scales = scales.at[page[:, None, None], col].set(jnp.stack([ks, vs], axis=-1), mode="drop",
-                                                     unique_indices=False)
+    scales = scales.at[page[:, None, None], col].set(jnp.stack([ks, vs], axis=-1), mode="drop", unique_indices=False)
     return kv_quant.QuantizedPages(pages, scales)
 
 

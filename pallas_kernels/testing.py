@@ -121,8 +121,9 @@ def make_case(
     )
 
 
-def _quantized(pages: np.ndarray, tables: np.ndarray, kv_lens: np.ndarray, k_dense: np.ndarray,
-               v_dense: np.ndarray, kv_dtype):
+def _quantized(
+    pages: np.ndarray, tables: np.ndarray, kv_lens: np.ndarray, k_dense: np.ndarray, v_dense: np.ndarray, kv_dtype
+):
     """Quantizes float pages; NaN scales where the page is poisoned; dense K/V from the dequantized pages."""
     qp = kv_quant.quantize_pages(jnp.asarray(pages), kv_dtype)
     num_pages, num_kv_heads, page_size, width = pages.shape
@@ -140,9 +141,7 @@ def _quantized(pages: np.ndarray, tables: np.ndarray, kv_lens: np.ndarray, k_den
     return qp.pages, jnp.asarray(scales, jnp.float32), jnp.asarray(k_dense), jnp.asarray(v_dense)
 
 
-def random_seqs(
-    rng: np.random.Generator, num_tokens: int, max_seqs: int, max_kv: int
-) -> list[tuple[int, int]]:
+def random_seqs(rng: np.random.Generator, num_tokens: int, max_seqs: int, max_kv: int) -> list[tuple[int, int]]:
     """A random mix of decode, chunked-prefill, full-prefill and empty sequences that fits the bucket."""
     seqs, budget = [], num_tokens
     for _ in range(int(rng.integers(1, max_seqs + 1))):

@@ -152,8 +152,13 @@ def item_blocks(kv_len, q_len, q_start, t0, n, kv_block: int, sliding_window: in
     return first_pos, b_lo, b_hi
 
 
-def item_counts(plan: TpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None = None,
-                ) -> tuple[np.ndarray, np.ndarray]:
+def item_counts(
+    plan: TpuPlan,
+    kv_lens,
+    cu_q_lens,
+    num_seqs: int,
+    sliding_window: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Per range (decode, prefill): ``[num_items, 2]`` pages DMA'd and KV blocks computed by each item, as the
     kernel's own ``stats`` output reports them."""
     kv_lens, cu = np.asarray(kv_lens, np.int64), np.asarray(cu_q_lens, np.int64)
@@ -183,8 +188,9 @@ def tpu_work(plan: TpuPlan, kv_lens, cu_q_lens, num_seqs: int, sliding_window: i
     d, hkv = plan.head_dim, plan.num_kv_heads
     page_bytes = hkv * plan.page_size * 2 * d * plan.itemsize
     pages = issued = exps = programs = 0
-    for rng, counts in zip((plan.decode, plan.prefill), item_counts(plan, kv_lens, cu_q_lens, num_seqs,
-                                                                   sliding_window), strict=True):
+    for rng, counts in zip(
+        (plan.decode, plan.prefill), item_counts(plan, kv_lens, cu_q_lens, num_seqs, sliding_window), strict=True
+    ):
         kv_block = rng.pages_per_block * plan.page_size
         rows = cdiv(plan.group * rng.tokens_per_item, _SUBLANES) * _SUBLANES
         blocks = int(counts[:, 1].sum())
@@ -214,8 +220,7 @@ def static_work(plan: TpuPlan, rng: RangePlan, max_blocks: int, num_pages: int) 
     return KernelWork(pages * page_bytes, q_bytes, q_bytes, issued, 0, exps, rng.num_items)
 
 
-def useful_flops(num_q_heads: int, head_dim: int, kv_lens, cu_q_lens, num_seqs: int,
-                 sliding_window: int | None) -> int:
+def useful_flops(num_q_heads: int, head_dim: int, kv_lens, cu_q_lens, num_seqs: int, sliding_window: int | None) -> int:
     """``4 * head_dim * num_q_heads`` per visible (query, key) pair: QK^T and PV, nothing padded."""
     pairs = 0
     for s in range(num_seqs):

@@ -219,11 +219,18 @@ def _kernel(
             key = jax.lax.broadcasted_iota(jnp.int32, (kv_block, width), 0)
             diag = jnp.where(lane % page_size == key % page_size, rows_sc, 0.0)  # key r: its own slot's scales
             hk_rows = max(8, 2 * num_kv_heads)
-            sel = (jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 1) // page_size
-                   == jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 0)).astype(jnp.float32)
+            sel = (
+                jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 1) // page_size
+                == jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 0)
+            ).astype(jnp.float32)
             # [hk_rows, kv_block] = sel . diag^T on the MXU (the q.k^T form), exact at HIGHEST for a 0/1 matrix
-            scales_t = jax.lax.dot_general(sel, diag, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                                           preferred_element_type=jnp.float32)
+            scales_t = jax.lax.dot_general(
+                sel,
+                diag,
+                (((1,), (1,)), ((), ())),
+                precision=jax.lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32,
+            )
             key_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1) < kv_len
             scales_t = jnp.where(key_ok, scales_t, 0.0)  # stale slots may hold NaN scales
 
@@ -232,9 +239,7 @@ def _kernel(
             v = kv_buf[slot, h, :, pl.ds(head_dim, head_dim)]
             if quantized:  # int8 / e4m3 values are exact in q's dtype
                 k, v = k.astype(q_buf.dtype), v.astype(q_buf.dtype)
-            logits = jax.lax.dot_general(
-                load_q(h), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
+            logits = jax.lax.dot_general(load_q(h), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             if quantized:
                 logits = logits * scales_t[2 * h : 2 * h + 1, :]
             logits = jnp.where(mask, apply_soft_cap(logits * sm_scale, soft_cap), MASK_VALUE)
@@ -297,8 +302,21 @@ def _kernel(
             wait(token_copies(i, q_slot, out_hbm, o_buf, o_sem, True))
 
 
-def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, kv_scales, out, *, sm_scale, soft_cap,
-               sliding_window, interpret):
+def _run_range(
+    plan: TpuPlan,
+    rng: RangePlan,
+    items,
+    meta,
+    q,
+    kv_pages,
+    kv_scales,
+    out,
+    *,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+    interpret,
+):
     """One ``pallas_call`` over the items of one range; writes their rows into ``out`` (aliased)."""
     kv_lens, tables, cu_q_lens = meta
     max_blocks = tables.shape[1]
@@ -353,21 +371,38 @@ def _run_range(plan: TpuPlan, rng: RangePlan, items, meta, q, kv_pages, kv_scale
             vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
         ),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(flops=bound.issued_flops, transcendentals=bound.exps,
-                                      bytes_accessed=bound.hbm_bytes),
+        cost_estimate=pl.CostEstimate(
+            flops=bound.issued_flops, transcendentals=bound.exps, bytes_accessed=bound.hbm_bytes
+        ),
         name="ragged_paged_attention_tpu_" + ("decode" if w == 1 else "prefill"),
     )(kv_lens, tables.reshape(-1), cu_q_lens, *items, q, kv_pages, kv_scales, out)
     return out, stats
 
 
-def tpu_plan_for(q_shape, kv_pages_shape, max_seqs: int, max_blocks: int, dtype, generation: str | None = None,
-                 tokens_per_item: int | None = None, pages_per_block: int | None = None) -> TpuPlan:
+def tpu_plan_for(
+    q_shape,
+    kv_pages_shape,
+    max_seqs: int,
+    max_blocks: int,
+    dtype,
+    generation: str | None = None,
+    tokens_per_item: int | None = None,
+    pages_per_block: int | None = None,
+) -> TpuPlan:
     """The kernel's static plan for one call's shapes (what the wrapper below uses)."""
     num_tokens, num_q_heads, head_dim = q_shape
     _, num_kv_heads, page_size, _ = kv_pages_shape
     return plan_tpu(
-        num_tokens, max_seqs, num_q_heads, num_kv_heads, head_dim, page_size, jnp.dtype(dtype).itemsize,
-        max_blocks, get_block_sizes(num_kv_heads, head_dim, dtype, generation), tokens_per_item,
+        num_tokens,
+        max_seqs,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        jnp.dtype(dtype).itemsize,
+        max_blocks,
+        get_block_sizes(num_kv_heads, head_dim, dtype, generation),
+        tokens_per_item,
         pages_per_block,
     )
 
@@ -417,8 +452,9 @@ def ragged_paged_attention_tpu(
     _, num_kv_heads, page_size, _ = kv_dims(kv_pages)
     max_seqs, max_blocks = block_tables.shape
     validate_kernel_shape(head_dim, page_size)
-    plan = tpu_plan_for(q.shape, kv_pages.shape, max_seqs, max_blocks, kv_pages.dtype, generation,
-                        tokens_per_item, pages_per_block)
+    plan = tpu_plan_for(
+        q.shape, kv_pages.shape, max_seqs, max_blocks, kv_pages.dtype, generation, tokens_per_item, pages_per_block
+    )
     if interpret is True:
         interpret = pltpu.InterpretParams()
     out_dtype = q.dtype

@@ -65,8 +65,7 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
-def minimum_kv_bytes(kv_lens, q_lens, *, num_kv_heads: int, head_dim: int, itemsize: int,
-                     page_size: int) -> int:
+def minimum_kv_bytes(kv_lens, q_lens, *, num_kv_heads: int, head_dim: int, itemsize: int, page_size: int) -> int:
     """The least KV any correct kernel must read: every page holding a key visible to some query, once."""
     total = 0
     for kv_len, q_len in zip(kv_lens, q_lens, strict=True):

@@ -99,23 +99,17 @@ def xla_ragged_paged_attention(
     seq_ids = jnp.arange(max_seqs, dtype=jnp.int32)
     q_lens = jnp.where(seq_ids < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     lens = jnp.where(seq_ids < n, kv_lens, 0)
-    cu_rows = jnp.concatenate(
-        [jnp.zeros((1,), jnp.int32), jnp.cumsum(cdiv(q_lens, rpc), dtype=jnp.int32)]
-    )
+    cu_rows = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(cdiv(q_lens, rpc), dtype=jnp.int32)])
     total_rows = cu_rows[max_seqs]
 
     # Per-row metadata.
     row_ids = jnp.arange(num_rows, dtype=jnp.int32)
-    row_seq = jnp.clip(
-        jnp.searchsorted(cu_rows, row_ids, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1
-    )
+    row_seq = jnp.clip(jnp.searchsorted(cu_rows, row_ids, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1)
     idx_in_seq = (row_ids - cu_rows[row_seq])[:, None] * rpc + jnp.arange(rpc, dtype=jnp.int32)[None, :]
     q_valid = (row_ids < total_rows)[:, None] & (idx_in_seq < q_lens[row_seq][:, None])  # [rows, rpc]
     q_pos = (lens - q_lens)[row_seq][:, None] + idx_in_seq  # [rows, rpc], int32: no overflow below 2**31
     tok = jnp.where(q_valid, cu_q_lens[row_seq][:, None] + idx_in_seq, 0)
-    q_rows = jnp.where(q_valid[..., None, None], q[tok], 0).reshape(
-        num_rows, rpc, num_kv_heads, group, head_dim
-    )
+    q_rows = jnp.where(q_valid[..., None, None], q[tok], 0).reshape(num_rows, rpc, num_kv_heads, group, head_dim)
     # The first and last key position each row can see.
     lo = q_pos[:, 0] - sliding_window + 1 if sliding_window is not None else jnp.zeros_like(q_pos[:, 0])
     hi = jnp.max(jnp.where(q_valid, q_pos, -1), axis=1)

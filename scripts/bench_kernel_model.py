@@ -54,15 +54,15 @@ CASES = [
     Case("mixed 48 decode + 464 chunk", 512, 64, [1] * 48 + [464], [2048] * 48 + [1000]),
     Case("decode b64 ctx4096 hd64 (1B)", 64, 64, [1] * 64, [4096] * 64, head_dim=64),
     # SmolLM2-135M-Instruct (the real model of tests/test_smollm2.py): 9 query heads over 3 KV heads of 64
-    Case("decode b64 ctx2048 SmolLM2", 64, 64, [1] * 64, [2048] * 64, num_q_heads=9,
-         num_kv_heads=3, head_dim=64),
-    Case("prefill 8x256 ctx1024 SmolLM2", 2048, 16, [256] * 8, [1024] * 8, num_q_heads=9, num_kv_heads=3,
-         head_dim=64),
+    Case("decode b64 ctx2048 SmolLM2", 64, 64, [1] * 64, [2048] * 64, num_q_heads=9, num_kv_heads=3, head_dim=64),
+    Case("prefill 8x256 ctx1024 SmolLM2", 2048, 16, [256] * 8, [1024] * 8, num_q_heads=9, num_kv_heads=3, head_dim=64),
 ]
 
 # The previous TPU kernel's table: (q tokens per block, KV slots per block) for bf16 by head_dim.
-_LEGACY = {"v5e": {64: (32, 512), 128: (32, 256), 256: (32, 128)},
-           "v6e": {64: (32, 1024), 128: (32, 512), 256: (32, 256)}}
+_LEGACY = {
+    "v5e": {64: (32, 512), 128: (32, 256), 256: (32, 128)},
+    "v6e": {64: (32, 1024), 128: (32, 512), 256: (32, 256)},
+}
 
 
 def legacy_tpu_work(case: Case, generation: str) -> KernelWork:
@@ -90,14 +90,26 @@ def legacy_tpu_work(case: Case, generation: str) -> KernelWork:
     issued = blocks * case.num_kv_heads * 2 * 2 * rows * kv_block * case.head_dim
     useful = useful_flops(case.num_q_heads, case.head_dim, lens, cu, n, None)
     q_bytes = int(cu[n]) * case.num_q_heads * case.head_dim * 2
-    return KernelWork(pages * page_bytes, q_bytes, q_bytes, issued, useful,
-                      blocks * case.num_kv_heads * rows * kv_block, cdiv(case.num_tokens, q_block))
+    return KernelWork(
+        pages * page_bytes,
+        q_bytes,
+        q_bytes,
+        issued,
+        useful,
+        blocks * case.num_kv_heads * rows * kv_block,
+        cdiv(case.num_tokens, q_block),
+    )
 
 
 def tpu_case(case: Case, generation: str) -> KernelWork:
-    plan = tpu_plan_for((case.num_tokens, case.num_q_heads, case.head_dim),
-                        (1, case.num_kv_heads, case.page_size, 2 * case.head_dim), case.max_seqs,
-                        32768 // case.page_size, jnp.bfloat16, generation)
+    plan = tpu_plan_for(
+        (case.num_tokens, case.num_q_heads, case.head_dim),
+        (1, case.num_kv_heads, case.page_size, 2 * case.head_dim),
+        case.max_seqs,
+        32768 // case.page_size,
+        jnp.bfloat16,
+        generation,
+    )
     lens, cu = case.batch()
     return tpu_work(plan, lens, cu, len(case.q_lens))
 
@@ -109,35 +121,59 @@ def gpu_case(case: Case, previous: bool = False) -> KernelWork | None:
     except ImportError:
         return None
     lens, cu = case.batch()
-    return case_work(case.num_tokens, case.max_seqs, case.num_q_heads, case.num_kv_heads, case.head_dim,
-                     case.page_size, jnp.bfloat16, lens, cu, len(case.q_lens), previous=previous)
+    return case_work(
+        case.num_tokens,
+        case.max_seqs,
+        case.num_q_heads,
+        case.num_kv_heads,
+        case.head_dim,
+        case.page_size,
+        jnp.bfloat16,
+        lens,
+        cu,
+        len(case.q_lens),
+        previous=previous,
+    )
 
 
 def ideal(case: Case) -> tuple[int, int]:
     lens, cu = case.batch()
-    kv = minimum_kv_bytes(lens, np.diff(cu), num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
-                          itemsize=2, page_size=case.page_size)
+    kv = minimum_kv_bytes(
+        lens, np.diff(cu), num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, itemsize=2, page_size=case.page_size
+    )
     q = int(cu[len(case.q_lens)]) * case.num_q_heads * case.head_dim * 2
     return kv + 2 * q, useful_flops(case.num_q_heads, case.head_dim, lens, cu, len(case.q_lens), None)
 
 
 def _cells(w: KernelWork, hw, min_kv: int) -> str:
-    return (f"{w.seconds(hw) * 1e6:>10.1f}{w.kv_bytes_read / min_kv:>6.2f}"
-            f"{w.issued_flops / w.useful_flops:>7.1f}{w.exps / 1e6:>7.1f}{w.programs:>6}")
+    return (
+        f"{w.seconds(hw) * 1e6:>10.1f}{w.kv_bytes_read / min_kv:>6.2f}"
+        f"{w.issued_flops / w.useful_flops:>7.1f}{w.exps / 1e6:>7.1f}{w.programs:>6}"
+    )
 
 
 def main() -> None:
-    print("bf16, one layer; time = max(HBM bytes / bandwidth, issued FLOPs / peak) in microseconds; "
-          "KV = KV bytes read / minimum; FLOP = issued / useful FLOPs; Mexp = softmax exponentials issued "
-          "(vector-unit work, not in the time); progs = work items or programs")
-    header = (f"{'case':<32}{'target':<8}{'ideal us':>9}{'before us':>10}{'KV':>6}{'FLOP':>7}{'Mexp':>7}"
-              f"{'progs':>6}{'after us':>10}{'KV':>6}{'FLOP':>7}{'Mexp':>7}{'progs':>6}{'gain':>7}")
+    print(
+        "bf16, one layer; time = max(HBM bytes / bandwidth, issued FLOPs / peak) in microseconds; "
+        "KV = KV bytes read / minimum; FLOP = issued / useful FLOPs; Mexp = softmax exponentials issued "
+        "(vector-unit work, not in the time); progs = work items or programs"
+    )
+    header = (
+        f"{'case':<32}{'target':<8}{'ideal us':>9}{'before us':>10}{'KV':>6}{'FLOP':>7}{'Mexp':>7}"
+        f"{'progs':>6}{'after us':>10}{'KV':>6}{'FLOP':>7}{'Mexp':>7}{'progs':>6}{'gain':>7}"
+    )
     print(header)
     for case in CASES:
         ideal_bytes, ideal_flops = ideal(case)
         lens, cu = case.batch()
-        min_kv = minimum_kv_bytes(lens, np.diff(cu), num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
-                                  itemsize=2, page_size=case.page_size)
+        min_kv = minimum_kv_bytes(
+            lens,
+            np.diff(cu),
+            num_kv_heads=case.num_kv_heads,
+            head_dim=case.head_dim,
+            itemsize=2,
+            page_size=case.page_size,
+        )
         rows = []
         for target in ("v5e", "v6e"):
             rows.append((target, legacy_tpu_work(case, target), tpu_case(case, target)))
@@ -164,9 +200,13 @@ class StepModel:
 
 
 # Llama-3.1-8B: 32 layers, hidden 4096, 32 q / 8 KV heads of 128, MLP 14336, vocab 128256, untied LM head.
-LLAMA_8B = StepModel("Llama-3.1-8B decode b64 ctx4096", 32,
-                     32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336) + 4096 * 128256, 0,
-                     Case("decode b64 ctx4096", 64, 64, [1] * 64, [4096] * 64))
+LLAMA_8B = StepModel(
+    "Llama-3.1-8B decode b64 ctx4096",
+    32,
+    32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336) + 4096 * 128256,
+    0,
+    Case("decode b64 ctx4096", 64, 64, [1] * 64, [4096] * 64),
+)
 # (weight dtype, KV dtype): bytes per weight, KV page dtype
 QUANT_MODES = [("bf16", "bf16"), ("int8", "bf16"), ("bf16", "int8"), ("int8", "int8"), ("int8", "fp8_e4m3")]
 
@@ -177,8 +217,10 @@ def quant_table(step: StepModel = LLAMA_8B, target: str = "v5e") -> None:
     hw = HARDWARE[target]
     kv_dtypes = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}
     layer = tpu_case(step.case, target)  # bfloat16 pages
-    print(f"\n{step.name} on {target}: HBM bytes per decode step (weights read once; KV = 32 layers of the TPU "
-          f"kernel's plan, scales included; per-channel weight scales are < 0.1%)")
+    print(
+        f"\n{step.name} on {target}: HBM bytes per decode step (weights read once; KV = 32 layers of the TPU "
+        f"kernel's plan, scales included; per-channel weight scales are < 0.1%)"
+    )
     print(f"{'weights':<8}{'KV':<10}{'weight GB':>10}{'KV GB':>8}{'total GB':>9}{'step ms':>9}{'tok/s':>8}")
     for w_mode, kv_mode in QUANT_MODES:
         w_bytes = step.weight_params * (1 if w_mode == "int8" else 2)
@@ -186,8 +228,10 @@ def quant_table(step: StepModel = LLAMA_8B, target: str = "v5e") -> None:
         kv_bytes = step.num_layers * kv.hbm_bytes
         total = w_bytes + kv_bytes
         t = total / hw.hbm_bytes_per_s
-        print(f"{w_mode:<8}{kv_mode:<10}{w_bytes / 1e9:>10.2f}{kv_bytes / 1e9:>8.2f}{total / 1e9:>9.2f}"
-              f"{t * 1e3:>9.2f}{len(step.case.q_lens) / t:>8.0f}")
+        print(
+            f"{w_mode:<8}{kv_mode:<10}{w_bytes / 1e9:>10.2f}{kv_bytes / 1e9:>8.2f}{total / 1e9:>9.2f}"
+            f"{t * 1e3:>9.2f}{len(step.case.q_lens) / t:>8.0f}"
+        )
 
 
 if __name__ == "__main__":

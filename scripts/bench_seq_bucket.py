@@ -28,9 +28,19 @@ from pallas_kernels.common import cdiv, kv_pages_shape
 
 def smollm_like(layers: int, vocab: int = 49152) -> ModelConfig:
     """SmolLM2-135M's shapes (hidden 576, 9 heads, 3 KV heads, head_dim 64, vocab 49152) with `layers` layers."""
-    return ModelConfig(name="smollm-like", vocab_size=vocab, hidden_size=576, intermediate_size=1536,
-                       num_layers=layers, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=2048,
-                       eos_token_ids=(0,), bos_token_id=1)
+    return ModelConfig(
+        name="smollm-like",
+        vocab_size=vocab,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=layers,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        max_position_embeddings=2048,
+        eos_token_ids=(0,),
+        bos_token_id=1,
+    )
 
 
 def case_inputs(kind: str, t: int, s: int, page_size: int, max_blocks: int):
@@ -53,14 +63,14 @@ def case_inputs(kind: str, t: int, s: int, page_size: int, max_blocks: int):
         tables[i, :n_blocks] = np.arange(page, page + n_blocks)
         page += n_blocks
         pos = np.arange(kv - q, kv, dtype=np.int32)
-        positions[off:off + q] = pos
-        tokens[off:off + q] = 3 + pos % 100
-        slots[off:off + q] = tables[i, pos // page_size] * page_size + pos % page_size
+        positions[off : off + q] = pos
+        tokens[off : off + q] = 3 + pos % 100
+        slots[off : off + q] = tables[i, pos // page_size] * page_size + pos % page_size
         off += q
         kv_lens[i], cu[i + 1] = kv, off
-    cu[len(lens) + 1:] = off
+    cu[len(lens) + 1 :] = off
     logits_idx = np.zeros(s, np.int32)
-    logits_idx[:len(lens)] = cu[1:len(lens) + 1] - 1
+    logits_idx[: len(lens)] = cu[1 : len(lens) + 1] - 1
     meta = PagedMeta(slots, kv_lens, tables, cu, np.array([len(lens)], np.int32))
     return (tokens, positions, meta, logits_idx), page
 
@@ -76,10 +86,18 @@ def main() -> None:
     params = init_params(config)
     page_size, max_blocks = 16, 2048 // 16
     _, forward = step_functions(config, "xla")
-    cases = [("decode", 16, 16), ("decode", 32, 32), ("prefill", 64, 8), ("prefill", 256, 8), ("mixed", 256, 32),
-             ("mixed", 64, 8)]
-    print(f"model: {config.name}, {args.layers} layers, vocab {config.vocab_size}; "
-          f"max_num_seqs {args.max_num_seqs}; {jax.devices()[0]}")
+    cases = [
+        ("decode", 16, 16),
+        ("decode", 32, 32),
+        ("prefill", 64, 8),
+        ("prefill", 256, 8),
+        ("mixed", 256, 32),
+        ("mixed", 64, 8),
+    ]
+    print(
+        f"model: {config.name}, {args.layers} layers, vocab {config.vocab_size}; "
+        f"max_num_seqs {args.max_num_seqs}; {jax.devices()[0]}"
+    )
     print(f"{'case':8} {'T':>4} {'S':>4} {'S=max':>6} {'ms (S small)':>13} {'ms (S=max)':>11} {'ratio':>6}")
     for kind, t, s_small in cases:
         results = {}
@@ -87,8 +105,10 @@ def main() -> None:
         inputs = {}
         for name, s in variants.items():
             inputs[name], pages = case_inputs(kind, t, s, page_size, max_blocks)
-        kv = tuple(np.zeros(kv_pages_shape(pages + 1, config.num_kv_heads, page_size, config.head_dim), np.float32)
-                   for _ in range(config.num_layers))
+        kv = tuple(
+            np.zeros(kv_pages_shape(pages + 1, config.num_kv_heads, page_size, config.head_dim), np.float32)
+            for _ in range(config.num_layers)
+        )
         kv = jax.device_put(kv)
         times = {name: [] for name in variants}
         for name in variants:  # compile outside the timing
@@ -102,8 +122,10 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
         for name in variants:
             results[name] = statistics.median(times[name]) * 1e3
-        print(f"{kind:8} {t:4d} {s_small:4d} {variants['max']:6d} {results['small']:13.2f} {results['max']:11.2f} "
-              f"{results['max'] / results['small']:6.2f}")
+        print(
+            f"{kind:8} {t:4d} {s_small:4d} {variants['max']:6d} {results['small']:13.2f} {results['max']:11.2f} "
+            f"{results['max'] / results['small']:6.2f}"
+        )
 
 
 if __name__ == "__main__":

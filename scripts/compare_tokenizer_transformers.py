@@ -44,11 +44,17 @@ def dump(path: Path, count: int, seed: int) -> None:
         pool = texts + ["<|endoftext|>", "<s>", "</s>", "<|user|>", " 日本語", "🙂", "\t\n", "  x"]
         random_texts = ["".join(rng.choice(pool) for _ in range(rng.randint(1, 6))) for _ in range(count)]
         vocab, added = len(tok), list(tok.added_tokens_decoder)
-        streams = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] + rng.choices(added, k=rng.randint(0, 2))
-                   for _ in range(count)]
-        out[name] = {"encode": [[t, tok(t)["input_ids"]] for t in texts + random_texts],
-                     "decode": [[ids, tok.decode(ids, skip_special_tokens=True),
-                                 tok.decode(ids, skip_special_tokens=False)] for ids in streams]}
+        streams = [
+            [rng.randrange(vocab) for _ in range(rng.randint(1, 40))] + rng.choices(added, k=rng.randint(0, 2))
+            for _ in range(count)
+        ]
+        out[name] = {
+            "encode": [[t, tok(t)["input_ids"]] for t in texts + random_texts],
+            "decode": [
+                [ids, tok.decode(ids, skip_special_tokens=True), tok.decode(ids, skip_special_tokens=False)]
+                for ids in streams
+            ],
+        }
     path.write_text(json.dumps(out, ensure_ascii=False), encoding="utf-8")
     print(f"wrote {path}")
 
@@ -63,10 +69,14 @@ def check(path: Path) -> int:
         tok = load_tokenizer(model_dir(name), load_model_config("tiny"))
         cases = expected[name]
         enc = sum(tok.encode(text) != ids for text, ids in cases["encode"])
-        dec = sum((tok.decode(ids) != skip) + (tok.decode(ids, skip_special_tokens=False) != keep)
-                  for ids, skip, keep in cases["decode"])
-        print(f"{name}: encode with special tokens {enc}/{len(cases['encode'])} mismatches; "
-              f"decode {dec}/{2 * len(cases['decode'])} mismatches (skipping and keeping special tokens)")
+        dec = sum(
+            (tok.decode(ids) != skip) + (tok.decode(ids, skip_special_tokens=False) != keep)
+            for ids, skip, keep in cases["decode"]
+        )
+        print(
+            f"{name}: encode with special tokens {enc}/{len(cases['encode'])} mismatches; "
+            f"decode {dec}/{2 * len(cases['decode'])} mismatches (skipping and keeping special tokens)"
+        )
         bad_total += enc + dec
     return 1 if bad_total else 0
 

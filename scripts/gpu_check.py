@@ -90,8 +90,10 @@ def correctness(interpret: bool) -> int:
         opts = dict(sm_scale=d**-0.5, soft_cap=cap, sliding_window=window)
         ref = dense_reference_attention(*case.dense_args, **opts)
         for splits in (None, 3):  # the plan's own choice, then three splits forced
-            name = (f"{jnp.dtype(dtype).name} q{qh} kv{kvh} d{d} page{page} window={window} cap={cap} "
-                    f"splits={splits or 'plan'} seqs={seqs}")
+            name = (
+                f"{jnp.dtype(dtype).name} q{qh} kv{kvh} d{d} page{page} window={window} cap={cap} "
+                f"splits={splits or 'plan'} seqs={seqs}"
+            )
             try:
                 out = ragged_paged_attention_gpu(*case.paged_args, interpret=interpret, num_splits=splits, **opts)
                 assert_close(out, ref, dtype)
@@ -113,25 +115,27 @@ def _decode_inputs(batch: int, q_heads: int, kv_heads: int, d: int, ctx: int, pa
     v = jax.random.normal(kv, (batch, ctx, kv_heads, d), dtype)
     # Scatter contiguous K/V into [pages, kv_heads, page, 2 * d] through the tables.
     kv_seq = jnp.concatenate([k, v], axis=-1).reshape(batch, pages_per_seq, page, kv_heads, 2 * d)
-    kv_pages = jnp.zeros(kv_pages_shape(num_pages, kv_heads, page, d), dtype).at[tables].set(
-        kv_seq.transpose(0, 1, 3, 2, 4)
+    kv_pages = (
+        jnp.zeros(kv_pages_shape(num_pages, kv_heads, page, d), dtype).at[tables].set(kv_seq.transpose(0, 1, 3, 2, 4))
     )
     return kq, k, v, kv_pages, tables
 
 
 def _model(q, kv_pages, lens, tables, cu, n, **overrides) -> tuple[float, str]:
     """The work model's H200 microseconds for this call, and the plan it describes."""
-    plan = gpu_plan_for(q.shape, kv_pages.shape, tables.shape[0], tables.shape[1], kv_pages.dtype, q.dtype,
-                        **overrides)
+    plan = gpu_plan_for(q.shape, kv_pages.shape, tables.shape[0], tables.shape[1], kv_pages.dtype, q.dtype, **overrides)
     detail = gpu_work_detail(plan, np.asarray(lens), np.asarray(cu), int(n[0]))
     work = detail["work"]
     ranges = "; ".join(
         f"{r.name}: {r.q_block} tok x {plan.group_p} heads, kv step {r.kv_block}, splits {r.num_splits}"
-        f"{' (adaptive)' if r.adaptive_splits else ''}" for r in plan.ranges
+        f"{' (adaptive)' if r.adaptive_splits else ''}"
+        for r in plan.ranges
     )
-    desc = (f"{ranges}; {work.programs} programs, KV {work.kv_bytes_read / 1e6:.0f} MB (min "
-            f"{detail['kv_bytes_min'] / 1e6:.0f}), issued {work.issued_flops / 1e9:.1f} GFLOP (useful "
-            f"{work.useful_flops / 1e9:.1f})")
+    desc = (
+        f"{ranges}; {work.programs} programs, KV {work.kv_bytes_read / 1e6:.0f} MB (min "
+        f"{detail['kv_bytes_min'] / 1e6:.0f}), issued {work.issued_flops / 1e9:.1f} GFLOP (useful "
+        f"{work.useful_flops / 1e9:.1f})"
+    )
     return work.seconds(HARDWARE["h200"]) * 1e6, desc
 
 
@@ -155,13 +159,20 @@ def _decode_rows(shape, bandwidth: float, iters: int, smoke: bool, peers: bool) 
     rows = []
     variants = [("plan", {})] + ([("1 split", {"num_splits": 1})] if b * kvh < 264 else [])
     for label, overrides in variants:
-        ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke,
-                                         **overrides))
+        ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke, **overrides))
         assert_close(ours(q, kv_pages, lens, tables, cu, n), want, dtype)
         t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
         model_us, desc = _model(q, kv_pages, lens, tables, cu, n, **overrides)
-        rows.append((f"decode b{b} q{qh} kv{kvh} d{d} ctx{ctx} page{page} [{label}]", t_ours,
-                     kv_bytes / (t_ours * 1e-6) / bandwidth, model_us, desc, {}))
+        rows.append(
+            (
+                f"decode b{b} q{qh} kv{kvh} d{d} ctx{ctx} page{page} [{label}]",
+                t_ours,
+                kv_bytes / (t_ours * 1e-6) / bandwidth,
+                model_us,
+                desc,
+                {},
+            )
+        )
     if not peers:
         return rows
     others = {"dense (jax.nn.dot_product_attention)": bench(dense, q, k, v, iters=iters)}
@@ -196,8 +207,17 @@ def _mixed_rows(bandwidth: float, iters: int, smoke: bool) -> list[Row]:
         seqs, tokens, max_seqs, qh, kvh, d, page = [(1, 100)] * 6 + [(26, 60)], 32, 8, 8, 2, 64, 16
     else:
         seqs, tokens, max_seqs, qh, kvh, d, page = [(1, 2048)] * 48 + [(464, 1000)], 512, 64, 32, 8, 128, 16
-    case = make_case(11, seqs, num_tokens=tokens, max_seqs=max_seqs, num_q_heads=qh, num_kv_heads=kvh,
-                     head_dim=d, page_size=page, dtype=jnp.bfloat16)
+    case = make_case(
+        11,
+        seqs,
+        num_tokens=tokens,
+        max_seqs=max_seqs,
+        num_q_heads=qh,
+        num_kv_heads=kvh,
+        head_dim=d,
+        page_size=page,
+        dtype=jnp.bfloat16,
+    )
     args = case.paged_args
     n = int(case.num_seqs[0])
     kv_bytes = sum(cdiv(kv, page) * page for _, kv in seqs) * kvh * 2 * d * 2
@@ -206,10 +226,19 @@ def _mixed_rows(bandwidth: float, iters: int, smoke: bool) -> list[Row]:
         fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke, **overrides))
         outs.append(np.asarray(fn(*args)[: int(case.cu_q_lens[n])], np.float32))
         t = bench(fn, *args, iters=iters)
-        model_us, desc = _model(case.q, case.kv_pages, case.kv_lens, case.block_tables, case.cu_q_lens,
-                                case.num_seqs, **overrides)
-        rows.append((f"mixed {len(seqs) - 1} decode + {seqs[-1][0]} chunk [{label}]", t,
-                     kv_bytes / (t * 1e-6) / bandwidth, model_us, desc, {}))
+        model_us, desc = _model(
+            case.q, case.kv_pages, case.kv_lens, case.block_tables, case.cu_q_lens, case.num_seqs, **overrides
+        )
+        rows.append(
+            (
+                f"mixed {len(seqs) - 1} decode + {seqs[-1][0]} chunk [{label}]",
+                t,
+                kv_bytes / (t * 1e-6) / bandwidth,
+                model_us,
+                desc,
+                {},
+            )
+        )
     np.testing.assert_allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2)  # the two tilings agree
     return rows
 
@@ -245,9 +274,9 @@ def timing(bandwidth: float, smoke: bool = False) -> list[Row]:
     q_pos = ctx - new + jnp.arange(new)
     mask = (jnp.arange(ctx)[None, :] <= q_pos[:, None])[None, None]  # [1, 1, new, ctx]
     dense = jax.jit(
-        lambda q, k, v: jax.nn.dot_product_attention(
-            q.reshape(s, new, qh, d), k, v, mask=mask, scale=d**-0.5
-        ).reshape(s * new, qh, d)
+        lambda q, k, v: jax.nn.dot_product_attention(q.reshape(s, new, qh, d), k, v, mask=mask, scale=d**-0.5).reshape(
+            s * new, qh, d
+        )
     )
     assert_close(out, dense(q, k, v), dtype)
     t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
@@ -277,9 +306,7 @@ def print_table(rows) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--interpret", action="store_true", help="correctness only, in the Pallas interpreter"
-    )
+    parser.add_argument("--interpret", action="store_true", help="correctness only, in the Pallas interpreter")
     parser.add_argument(
         "--smoke-timing",
         action="store_true",

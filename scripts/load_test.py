@@ -57,15 +57,37 @@ def cpu_s(pid: int) -> float:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "serve", "serve", "--model", args.model, "--port", "0",
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-queued-requests", str(args.max_queued), "--grace-period", "5", "--allow-invariant-checks"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "serve",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        "0",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-queued-requests",
+        str(args.max_queued),
+        "--grace-period",
+        "5",
+        "--allow-invariant-checks",
+    ]
     if args.http:
         cmd += ["--http-port", "0"]
     if args.num_pages:
         cmd += ["--num-pages", str(args.num_pages)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     target = None
     for line in proc.stdout:
         if m := re.search(r"serving \S+ on (\S+:\d+)", line):
@@ -90,8 +112,13 @@ class Load:
 
     async def one(self, rng: random.Random) -> None:
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60)))
-        req = build_request(prompt, max_tokens=rng.randint(8, self.args.max_tokens), temperature=rng.random(),
-                            seed=rng.randrange(2**31), ignore_eos=rng.random() < 0.5)
+        req = build_request(
+            prompt,
+            max_tokens=rng.randint(8, self.args.max_tokens),
+            temperature=rng.random(),
+            seed=rng.randrange(2**31),
+            ignore_eos=rng.random() < 0.5,
+        )
         cancel_after = rng.randint(1, 20) if rng.random() < 0.1 else None
         start, chunks = time.perf_counter(), 0
         call = self.stub.Generate(req, timeout=120)
@@ -121,9 +148,15 @@ class Load:
         start, chunks, stream = time.perf_counter(), 0, None
         try:
             stream = await self.http.completions.create(
-                model=self.model, prompt=prompt, max_tokens=rng.randint(8, self.args.max_tokens), stream=True,
-                temperature=rng.random(), seed=rng.randrange(2**31), logprobs=0,
-                extra_body={"ignore_eos": rng.random() < 0.5})
+                model=self.model,
+                prompt=prompt,
+                max_tokens=rng.randint(8, self.args.max_tokens),
+                stream=True,
+                temperature=rng.random(),
+                seed=rng.randrange(2**31),
+                logprobs=0,
+                extra_body={"ignore_eos": rng.random() < 0.5},
+            )
             cancelled = False
             async for chunk in stream:
                 if chunks == 0:
@@ -164,8 +197,9 @@ async def run(args: argparse.Namespace, target: str, pid: int | None) -> dict:
         stub = pb_grpc.GenerationServiceStub(channel)
         info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         health = health_pb2_grpc.HealthStub(channel)  # the server warms up in the background: wait for SERVING
-        while (await health.Check(health_pb2.HealthCheckRequest(), timeout=30)).status != \
-                health_pb2.HealthCheckResponse.SERVING:
+        while (
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+        ).status != health_pb2.HealthCheckResponse.SERVING:
             await asyncio.sleep(0.1)
         load, rss = Load(stub, args), []
         if args.http:
@@ -223,21 +257,29 @@ def main() -> int:
             exit_code = proc.wait(timeout=60)
     load, stats, rss = r["load"], r["stats"], r["rss"]
     unexpected = {k: v for k, v in load.codes.items() if k not in EXPECTED}
-    print(f"{'HTTP (OpenAI)' if args.http else 'gRPC'}, concurrency {args.concurrency}, {r['elapsed']:.1f} s, "
-          f"{load.done} requests")
+    print(
+        f"{'HTTP (OpenAI)' if args.http else 'gRPC'}, concurrency {args.concurrency}, {r['elapsed']:.1f} s, "
+        f"{load.done} requests"
+    )
     print(f"requests/s {load.done / r['elapsed']:.1f}, generated tokens/s {load.tokens / r['elapsed']:.0f}")
     print(f"TTFT p50 {pct(load.ttft, 0.5) * 1e3:.1f} ms, p99 {pct(load.ttft, 0.99) * 1e3:.1f} ms")
     print(f"status codes {dict(load.codes)}; unexpected {unexpected or 'none'}")
     invariants = "ok" if stats.invariants_ok else stats.invariants_error
-    print(f"pages at the end: {stats.pages_free}/{stats.pages_total} free, in use {stats.pages_in_use}, "
-          f"open requests {stats.num_open_requests}, invariants {invariants}")
+    print(
+        f"pages at the end: {stats.pages_free}/{stats.pages_total} free, in use {stats.pages_in_use}, "
+        f"open requests {stats.num_open_requests}, invariants {invariants}"
+    )
     if r["cpu"] is not None:
-        print(f"server CPU {r['cpu']:.1f} s over the run ({r['cpu'] / max(1, load.tokens) * 1e3:.2f} ms per "
-              "generated token)")
+        print(
+            f"server CPU {r['cpu']:.1f} s over the run ({r['cpu'] / max(1, load.tokens) * 1e3:.2f} ms per "
+            "generated token)"
+        )
     if rss:
-        warm = rss[len(rss) // 4:] or rss
-        print(f"server RSS MiB: start {rss[0]:.0f}, after warm-up {warm[0]:.0f}, max {max(rss):.0f}, "
-              f"end {rss[-1]:.0f} (growth after warm-up {warm[-1] - warm[0]:+.0f})")
+        warm = rss[len(rss) // 4 :] or rss
+        print(
+            f"server RSS MiB: start {rss[0]:.0f}, after warm-up {warm[0]:.0f}, max {max(rss):.0f}, "
+            f"end {rss[-1]:.0f} (growth after warm-up {warm[-1] - warm[0]:+.0f})"
+        )
     if proc is not None:
         print(f"server exit code after SIGTERM: {exit_code}")
     ok = not unexpected and stats.pages_in_use == 0 and stats.invariants_ok and stats.num_open_requests == 0

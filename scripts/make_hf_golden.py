@@ -30,39 +30,94 @@ from safetensors.torch import load_file, save_file
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data"
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (5, 11, 23)
-BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, rms_norm_eps=1e-5,
-            max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 VARIANTS: dict[str, dict] = {
     "gqa": dict(num_attention_heads=8, num_key_value_heads=2),
     "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
     "tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
-    "llama3_rope": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                                             low_freq_factor=1.0, high_freq_factor=4.0,
-                                             original_max_position_embeddings=32)),
+    "llama3_rope": dict(
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
     "head_dim128": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128),
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, arch="qwen2"),
     "sharded": dict(num_attention_heads=8, num_key_value_heads=2, shard="60KB"),
 }
-FAMILY_BASE = dict(BASE, vocab_size=288, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, bf16=True)
+FAMILY_BASE = dict(
+    BASE,
+    vocab_size=288,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    bf16=True,
+)
 FAMILY_VARIANTS: dict[str, dict] = {
     "qwen3": dict(FAMILY_BASE, arch="qwen3", rms_norm_eps=1e-6),
-    "gemma2": dict(FAMILY_BASE, arch="gemma2", layer_types=["sliding_attention", "full_attention"],
-                   sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                   final_logit_softcapping=12.0, rms_norm_eps=1e-6),
-    "gemma3": dict(FAMILY_BASE, arch="gemma3", num_hidden_layers=3,
-                   layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
-                   query_pre_attn_scalar=24, rms_norm_eps=1e-6,
-                   rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
-                                    "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+    "gemma2": dict(
+        FAMILY_BASE,
+        arch="gemma2",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=12.0,
+        rms_norm_eps=1e-6,
+    ),
+    "gemma3": dict(
+        FAMILY_BASE,
+        arch="gemma3",
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+        },
+    ),
     "mixtral": dict(FAMILY_BASE, arch="mixtral", intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(FAMILY_BASE, arch="qwen3_moe", moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                      norm_topk_prob=False, rms_norm_eps=1e-6),
+    "qwen3_moe": dict(
+        FAMILY_BASE,
+        arch="qwen3_moe",
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        rms_norm_eps=1e-6,
+    ),
 }
-ARCHES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2", "gemma3": "Gemma3Text",
-          "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
+ARCHES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma2": "Gemma2",
+    "gemma3": "Gemma3Text",
+    "mixtral": "Mixtral",
+    "qwen3_moe": "Qwen3Moe",
+}
 
 
 def hf_model(arch: str, spec: dict) -> torch.nn.Module:
@@ -98,8 +153,9 @@ def build(name: str, spec: dict, seed: int) -> None:
         (directory / extra).unlink(missing_ok=True)
     if bf16:
         path = directory / "model.safetensors"
-        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(path)).items()}, str(path),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.to(torch.bfloat16) for k, v in load_file(str(path)).items()}, str(path), metadata={"format": "pt"}
+        )
 
     rng = np.random.default_rng(seed)
     golden: dict[str, np.ndarray] = {}
@@ -109,9 +165,15 @@ def build(name: str, spec: dict, seed: int) -> None:
         ids = torch.from_numpy(prompt)[None]
         with torch.no_grad():
             logits = model(ids).logits[0].float().numpy()
-            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=0,
-                                 attention_mask=torch.ones_like(ids), output_logits=True,
-                                 return_dict_in_generate=True)
+            out = model.generate(
+                ids,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                min_new_tokens=0,
+                attention_mask=torch.ones_like(ids),
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         greedy = out.sequences[0, n:].numpy()
         assert len(greedy) == NEW_TOKENS, (name, len(greedy))
         for step_logits in out.logits:

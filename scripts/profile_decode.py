@@ -61,8 +61,13 @@ def decode_inputs(config, batch: int, context: int, page_size: int, seed: int = 
     tables = order.reshape(batch, blocks)
     pos = np.full(batch, context, np.int32)
     slots = tables[np.arange(batch), pos // page_size] * page_size + pos % page_size
-    meta = PagedMeta(jnp.asarray(slots), jnp.asarray(pos + 1), jnp.asarray(tables),
-                     jnp.arange(batch + 1, dtype=jnp.int32), jnp.asarray([batch], jnp.int32))
+    meta = PagedMeta(
+        jnp.asarray(slots),
+        jnp.asarray(pos + 1),
+        jnp.asarray(tables),
+        jnp.arange(batch + 1, dtype=jnp.int32),
+        jnp.asarray([batch], jnp.int32),
+    )
     shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
     dtype = jnp.dtype(config.dtype)
     kv = tuple(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.5, dtype) for _ in range(config.num_layers))
@@ -116,27 +121,51 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
 
     parts = {
         "embed": (jax.jit(lambda t: p["embed_tokens"]["embedding"][t]), (tokens,)),
-        "RMSNorm x2": (over_layers(lambda i, h: (norm(lp[i]["input_layernorm"], h),
-                                                 norm(lp[i]["post_attention_layernorm"], h))), (x,)),
+        "RMSNorm x2": (
+            over_layers(lambda i, h: (norm(lp[i]["input_layernorm"], h), norm(lp[i]["post_attention_layernorm"], h))),
+            (x,),
+        ),
         "QKV projection": (over_layers(lambda i, h: layers.qkv_projection(h, lp[i]["self_attn"], c)), (x,)),
     }
     q, k, v = layers.qkv_projection(x, lp[0]["self_attn"], c)
     parts |= {
-        "RoPE (q, k)": (over_layers(lambda i, a, b: (layers.apply_rope(a, cos, sin), layers.apply_rope(b, cos, sin))),
-                        (q, k)),
-        "attention (XLA paged)": (over_layers(lambda i, a, kvs: pallas_kernels.ragged_paged_attention(
-            a, kvs[i], meta.kv_lens, meta.block_tables, meta.cu_q_lens, meta.num_seqs, sm_scale=c.head_dim ** -0.5,
-            backend="xla")), (q, kv)),
+        "RoPE (q, k)": (
+            over_layers(lambda i, a, b: (layers.apply_rope(a, cos, sin), layers.apply_rope(b, cos, sin))),
+            (q, k),
+        ),
+        "attention (XLA paged)": (
+            over_layers(
+                lambda i, a, kvs: pallas_kernels.ragged_paged_attention(
+                    a,
+                    kvs[i],
+                    meta.kv_lens,
+                    meta.block_tables,
+                    meta.cu_q_lens,
+                    meta.num_seqs,
+                    sm_scale=c.head_dim**-0.5,
+                    backend="xla",
+                )
+            ),
+            (q, kv),
+        ),
         "o projection": (over_layers(lambda i, a: layers.out_projection(a, lp[i]["self_attn"])), (q,)),
         "MLP (gate/up, SiLU, down)": (over_layers(lambda i, h: layers.swiglu_mlp(h, lp[i]["mlp"])), (x,)),
-        "final norm + LM head (32 rows)": (jax.jit(lambda h: jnp.dot(
-            norm(p["norm"], h), p["lm_head"] if "lm_head" in p else p["embed_tokens"]["embedding"].T,
-            preferred_element_type=jnp.float32)), (x,)),
+        "final norm + LM head (32 rows)": (
+            jax.jit(
+                lambda h: jnp.dot(
+                    norm(p["norm"], h),
+                    p["lm_head"] if "lm_head" in p else p["embed_tokens"]["embedding"].T,
+                    preferred_element_type=jnp.float32,
+                )
+            ),
+            (x,),
+        ),
     }
     for name, (fn, args) in parts.items():
         rows.append((name, timeit(fn, *args, reps=reps)))
-    write = jax.jit(lambda kvs, a, b: [pallas_kernels.write_kv(t, a, b, meta.slot_mapping) for t in kvs],
-                    donate_argnums=(0,))
+    write = jax.jit(
+        lambda kvs, a, b: [pallas_kernels.write_kv(t, a, b, meta.slot_mapping) for t in kvs], donate_argnums=(0,)
+    )
     holder = {"kv": kv}
 
     def write_all() -> list[jax.Array]:
@@ -155,9 +184,15 @@ def engine_step_ms(model: str, dtype: str, batch: int, new: int = 96) -> dict[st
     from paged_jax.sampling_params import SamplingParams
 
     config, params, tok = load_model(model, dtype=dtype)
-    ec = EngineConfig(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=1024,
-                      num_pages=batch * 20 + 1, attention_backend="xla", enable_prefix_caching=False,
-                      warmup=False)  # compile only the shapes this run reaches
+    ec = EngineConfig(
+        max_model_len=512,
+        max_num_seqs=batch,
+        max_num_batched_tokens=1024,
+        num_pages=batch * 20 + 1,
+        attention_backend="xla",
+        enable_prefix_caching=False,
+        warmup=False,
+    )  # compile only the shapes this run reaches
     engine = LLMEngine(config, params, tok, ec)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -171,8 +206,11 @@ def engine_step_ms(model: str, dtype: str, batch: int, new: int = 96) -> dict[st
         if engine.num_steps == new - 48:
             host0, steps0 = engine.host_seconds, engine.num_steps
     last = times[-48:]
-    return {"min": min(last) * 1e3, "median": sorted(last)[24] * 1e3,
-            "host": (engine.host_seconds - host0) / (engine.num_steps - steps0) * 1e3}
+    return {
+        "min": min(last) * 1e3,
+        "median": sorted(last)[24] * 1e3,
+        "host": (engine.host_seconds - host0) / (engine.num_steps - steps0) * 1e3,
+    }
 
 
 def main() -> None:
@@ -188,8 +226,10 @@ def main() -> None:
     engine = engine_step_ms(args.model, args.dtype, args.batch) if args.engine else None
     rows = profile(args.model, args.dtype, args.batch, args.context, args.reps)
     step = rows[0][1][1]
-    print(f"\ndecode step profile: {args.model} {args.dtype}, batch {args.batch}, context {args.context}, "
-          f"{args.reps} calls each; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\ndecode step profile: {args.model} {args.dtype}, batch {args.batch}, context {args.context}, "
+        f"{args.reps} calls each; load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'part':44s} {'wall ms':>8s} {'CPU ms':>8s} {'CPU % of forward':>17s}")
     for name, (wall, cpu) in rows:
         print(f"{name:44s} {wall:8.2f} {cpu:8.2f} {cpu / step:16.0%}")

@@ -55,8 +55,9 @@ def run_once(cmd: list[str], cache: Path, output: Path) -> tuple[float, float, s
     output.with_name(output.stem + ".errors.jsonl").unlink(missing_ok=True)
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([*with_output(cmd, output), "--no-progress"], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [*with_output(cmd, output), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
@@ -90,9 +91,11 @@ def main() -> int:
             print(f"{kind} #{r + 1}: {seconds:6.1f} s wall, {cpu:5.1f} s CPU (load {load:.1f})  {startup}")
     same = all(rows == outputs[0] for rows in outputs)
     cold, warm = min(times["cold"]), min(times["warm"])
-    print(f"\ncold {cold:.1f} s (goal <= {GOAL_COLD_S:.0f} s: {'met' if cold <= GOAL_COLD_S else 'NOT met'}), "
-          f"warm {warm:.1f} s (goal <= {GOAL_WARM_S:.0f} s: {'met' if warm <= GOAL_WARM_S else 'NOT met'}), "
-          f"warm/cold {warm / cold:.2f}; outputs identical across runs: {same}")
+    print(
+        f"\ncold {cold:.1f} s (goal <= {GOAL_COLD_S:.0f} s: {'met' if cold <= GOAL_COLD_S else 'NOT met'}), "
+        f"warm {warm:.1f} s (goal <= {GOAL_WARM_S:.0f} s: {'met' if warm <= GOAL_WARM_S else 'NOT met'}), "
+        f"warm/cold {warm / cold:.2f}; outputs identical across runs: {same}"
+    )
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0 if same else 1
 

@@ -39,9 +39,11 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
                 return ok and scheme.lower() == b"bearer"  # auth schemes are case-insensitive (RFC 9110)
         return False
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
-                                                             Awaitable[grpc.RpcMethodHandler]],
-                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None or self._authorized(details):
             return handler

@@ -20,17 +20,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     g.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    g.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
-                        "port of --host (default: off; 0 picks a free port)")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
+        "port of --host (default: off; 0 picks a free port)",
+    )
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (default: off)")
     g.add_argument("--metrics-host", default="127.0.0.1")
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS)")
     g.add_argument("--tls-key", default=None)
     g.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
     g.add_argument("--max-queued-requests", type=int, default=256, help=">= 1")
-    g.add_argument("--allow-invariant-checks", action="store_true",
-                   help="let GetStats(check_invariants=true) run the KV invariant checker (stalls the engine)")
+    g.add_argument(
+        "--allow-invariant-checks",
+        action="store_true",
+        help="let GetStats(check_invariants=true) run the KV invariant checker (stalls the engine)",
+    )
     g.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     d = ServingLimits()
     g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0: the model's length")
@@ -50,15 +57,29 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         token = Path(args.auth_token_file).read_text().strip()
         if not token:
             raise ValueError(f"--auth-token-file: {args.auth_token_file} is empty")
-    limits = ServingLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
-                           default_max_tokens=args.default_max_tokens, max_n=args.max_n,
-                           max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
-                           max_message_bytes=args.max_message_bytes)
-    config = ServingConfig(host=args.host, port=args.port, http_port=args.http_port, metrics_port=args.metrics_port,
-                           metrics_host=args.metrics_host, tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-                           auth_token=token, max_queued_requests=args.max_queued_requests,
-                           allow_invariant_checks=args.allow_invariant_checks,
-                           grace_period_s=args.grace_period, limits=limits)
+    limits = ServingLimits(
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens,
+        max_n=args.max_n,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_message_bytes=args.max_message_bytes,
+    )
+    config = ServingConfig(
+        host=args.host,
+        port=args.port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        auth_token=token,
+        max_queued_requests=args.max_queued_requests,
+        allow_invariant_checks=args.allow_invariant_checks,
+        grace_period_s=args.grace_period,
+        limits=limits,
+    )
     config.validate()
     return config
 
@@ -86,8 +107,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
-    parser.add_argument("--chat", action="store_true",
-                        help="send the prompt as a user message, rendered with the model's chat template")
+    parser.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message, rendered with the model's chat template"
+    )
     parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     parser.add_argument("--target", default="127.0.0.1:50051")
     parser.add_argument("--max-tokens", type=int, default=None)
@@ -100,8 +122,9 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--tls-ca", default=None, help="PEM root certificate(s) to trust (turns TLS on)")
     parser.add_argument("--tls", action="store_true", help="TLS with the system's roots")
-    parser.add_argument("--token", default=os.environ.get("PAGED_JAX_AUTH_TOKEN"),
-                        help="bearer token (default: $PAGED_JAX_AUTH_TOKEN)")
+    parser.add_argument(
+        "--token", default=os.environ.get("PAGED_JAX_AUTH_TOKEN"), help="bearer token (default: $PAGED_JAX_AUTH_TOKEN)"
+    )
 
 
 def run_client(args: argparse.Namespace) -> int:
@@ -111,8 +134,18 @@ def run_client(args: argparse.Namespace) -> int:
     from serve.client import Client, chat_input
 
     roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-    sampling = {k: v for k, v in dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                      top_k=args.top_k, seed=args.seed, n=args.n).items() if v is not None}
+    sampling = {
+        k: v
+        for k, v in dict(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            n=args.n,
+        ).items()
+        if v is not None
+    }
     with Client(args.target, token=args.token, root_certificates=roots, tls=args.tls) as client:
         try:
             prompt = args.prompt
@@ -126,11 +159,13 @@ def run_client(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
                 else:
                     f = resp.final
-                    reasons = ",".join(
-                        pb_finish_name(s.finish_reason) for s in f.samples)
-                    print(f"\n[{reasons}] prompt {f.usage.prompt_tokens} tokens ({f.usage.cached_tokens} cached), "
-                          f"generated {f.usage.completion_tokens}, ttft {f.timing.time_to_first_token_s * 1e3:.1f} ms"
-                          + (f", {f.message}" if f.message else ""), file=sys.stderr)
+                    reasons = ",".join(pb_finish_name(s.finish_reason) for s in f.samples)
+                    print(
+                        f"\n[{reasons}] prompt {f.usage.prompt_tokens} tokens ({f.usage.cached_tokens} cached), "
+                        f"generated {f.usage.completion_tokens}, ttft {f.timing.time_to_first_token_s * 1e3:.1f} ms"
+                        + (f", {f.message}" if f.message else ""),
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -141,4 +176,3 @@ def pb_finish_name(value: int) -> str:
     from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
-

@@ -13,9 +13,13 @@ from serve.proto.paged_jax.v1 import generate_pb2 as pb
 from serve.proto.paged_jax.v1 import generate_pb2_grpc as pb_grpc
 
 
-def chat_input(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               tools: Sequence[Any] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None
-               ) -> pb.ChatInput:
+def chat_input(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> pb.ChatInput:
     """A ChatInput from `[{"role": ..., "content": ...}, ...]` (optional `name`, `tool_call_id` per message)."""
     chat = pb.ChatInput(messages=[pb.ChatMessage(**m) for m in messages], add_generation_prompt=add_generation_prompt)
     if tools is not None:
@@ -25,9 +29,14 @@ def chat_input(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: 
     return chat
 
 
-def build_request(prompt: str | Sequence[int] | pb.ChatInput, *, request_id: str | None = None,
-                  cache_salt: str | None = None, output_mode: int = pb.OUTPUT_MODE_UNSPECIFIED,
-                  **sampling: Any) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | Sequence[int] | pb.ChatInput,
+    *,
+    request_id: str | None = None,
+    cache_salt: str | None = None,
+    output_mode: int = pb.OUTPUT_MODE_UNSPECIFIED,
+    **sampling: Any,
+) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids or a ChatInput (see `chat_input`); `sampling` keywords are
     SamplingParams fields (unset: the model's generation defaults, then the server's)."""
     req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), output_mode=output_mode)
@@ -47,8 +56,15 @@ def build_request(prompt: str | Sequence[int] | pb.ChatInput, *, request_id: str
 class Client:
     """`Client("127.0.0.1:50051")`; TLS with `root_certificates` (PEM bytes), auth with `token`."""
 
-    def __init__(self, target: str, *, token: str | None = None, root_certificates: bytes | None = None,
-                 tls: bool = False, server_name: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        tls: bool = False,
+        server_name: str | None = None,
+    ) -> None:
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         if tls or root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
@@ -68,37 +84,65 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def generate_stream(self, prompt: str | Sequence[int] | pb.ChatInput | pb.GenerateRequest, *,
-                        timeout: float | None = None, **kwargs: Any) -> Iterator[pb.GenerateResponse]:
+    def generate_stream(
+        self,
+        prompt: str | Sequence[int] | pb.ChatInput | pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> Iterator[pb.GenerateResponse]:
         """Stream responses (chunks, then one final). Cancel with `.cancel()` on the returned call."""
         req = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **kwargs)
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
-    def generate(self, prompt: str | Sequence[int] | pb.ChatInput | pb.GenerateRequest, *,
-                 timeout: float | None = None,
-                 **kwargs: Any) -> pb.GenerateUnaryResponse:
+    def generate(
+        self,
+        prompt: str | Sequence[int] | pb.ChatInput | pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> pb.GenerateUnaryResponse:
         req = prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **kwargs)
         return self.stub.GenerateUnary(req, timeout=timeout, metadata=self.metadata)
 
     def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-             add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
-             chat_template_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> pb.GenerateUnaryResponse:
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        timeout: float | None = None,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> pb.GenerateUnaryResponse:
         """One reply to a conversation, rendered by the server with the model's chat template."""
-        chat = chat_input(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                          chat_template_kwargs=chat_template_kwargs)
+        chat = chat_input(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         return self.generate(build_request(chat, **kwargs), timeout=timeout)
 
     def tokenize(self, text: str, add_special_tokens: bool = True, timeout: float | None = 10.0) -> list[int]:
         req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list(self.stub.Tokenize(req, timeout=timeout, metadata=self.metadata).token_ids)
 
-    def detokenize(self, token_ids: Sequence[int], timeout: float | None = 10.0, skip_special_tokens: bool = True,
-                   spaces_between_special_tokens: bool = True) -> str:
-        req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens,
-                                   spaces_between_special_tokens=spaces_between_special_tokens)
+    def detokenize(
+        self,
+        token_ids: Sequence[int],
+        timeout: float | None = 10.0,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        req = pb.DetokenizeRequest(
+            token_ids=token_ids,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
         return self.stub.Detokenize(req, timeout=timeout, metadata=self.metadata).text
 
     def stats(self, check_invariants: bool = False, timeout: float | None = 10.0) -> pb.Stats:

@@ -37,8 +37,15 @@ def generate(out: Path = ROOT) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"
-    args = ["grpc_tools.protoc", f"-I{ROOT}", f"-I{well_known}", f"--python_out={out}", f"--pyi_out={out}",
-            f"--grpc_python_out={out}", *(str(p) for p in proto_files())]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{ROOT}",
+        f"-I{well_known}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *(str(p) for p in proto_files()),
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
     return generated_files(out)

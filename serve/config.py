@@ -78,8 +78,10 @@ class ServingConfig:
         """Risky but valid settings, for the log at start-up."""
         out = []
         if self.auth_token is not None and not self.tls and not is_loopback(self.host):
-            out.append(f"auth: the bearer token travels in clear text: {self.host} is not a loopback address and TLS "
-                       "is off (--tls-cert/--tls-key)")
+            out.append(
+                f"auth: the bearer token travels in clear text: {self.host} is not a loopback address and TLS "
+                "is off (--tls-cert/--tls-key)"
+            )
         return out
 
 

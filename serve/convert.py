@@ -28,13 +28,30 @@ from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
 FINISH_REASONS = {
-    "eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP, "stop_string": pb.FINISH_REASON_STOP_STRING,
-    "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR,
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP,
+    "stop_string": pb.FINISH_REASON_STOP_STRING,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
 }
 MAX_CHARS_PER_TOKEN = 8  # no tokenizer makes fewer tokens than characters / 8
-_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "seed", "min_tokens", "ignore_eos", "n", "logprobs", "skip_special_tokens",
-                      "spaces_between_special_tokens")
+_OPTIONAL_SAMPLING = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "min_tokens",
+    "ignore_eos",
+    "n",
+    "logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
 
 
 class RequestError(Exception):
@@ -156,8 +173,15 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int
     return list(ids)
 
 
-def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vocab_size: int,
-                   max_model_len: int, max_n: int, defaults: Mapping[str, Any] | None = None) -> ParsedRequest:
+def parse_generate(
+    req: pb.GenerateRequest,
+    limits: ServingLimits,
+    tokenizer,
+    vocab_size: int,
+    max_model_len: int,
+    max_n: int,
+    defaults: Mapping[str, Any] | None = None,
+) -> ParsedRequest:
     """Validate a GenerateRequest against the limits and the model; tokenize text input, render chat input.
 
     `defaults` (the model's generation_config.json) fill the sampling fields the request leaves unset.
@@ -185,12 +209,16 @@ def parse_generate(req: pb.GenerateRequest, limits: ServingLimits, tokenizer, vo
         if not req.token_ids.ids:
             raise invalid("token_ids: must not be empty")
         if len(req.token_ids.ids) > max_prompt:  # bound the input before looking at every id
-            raise invalid(f"token_ids: the prompt has {len(req.token_ids.ids)} tokens, more than the limit of "
-                          f"{max_prompt} (max_model_len {max_model_len})")
+            raise invalid(
+                f"token_ids: the prompt has {len(req.token_ids.ids)} tokens, more than the limit of "
+                f"{max_prompt} (max_model_len {max_model_len})"
+            )
         ids = check_token_ids("token_ids", req.token_ids.ids, vocab_size)
     if len(ids) > max_prompt:
-        raise invalid(f"{kind}: the prompt has {len(ids)} tokens, more than the limit of {max_prompt} "
-                      f"(max_model_len {max_model_len})")
+        raise invalid(
+            f"{kind}: the prompt has {len(ids)} tokens, more than the limit of {max_prompt} "
+            f"(max_model_len {max_model_len})"
+        )
     params = _sampling(req.sampling, limits, len(ids), max_model_len, defaults or {})
     try:
         params.validate(vocab_size, min(max_n, limits.max_n))
@@ -230,16 +258,23 @@ def chat_prompt_ids(chat: pb.ChatInput, tokenizer, max_prompt: int) -> list[int]
         raise invalid(f"chat.chat_template_kwargs_json: {reserved[0]} is set by its own field")
     add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     try:
-        _, ids = apply_chat_template(tokenizer, messages, add_generation_prompt=add_prompt, tools=tools,
-                                     field="chat.messages", template_kwargs=extra)
+        _, ids = apply_chat_template(
+            tokenizer,
+            messages,
+            add_generation_prompt=add_prompt,
+            tools=tools,
+            field="chat.messages",
+            template_kwargs=extra,
+        )
     except ChatTemplateError as e:
         message = str(e)
         raise invalid(message if message.startswith("chat") else f"chat.{message}") from None
     return ids
 
 
-def _sampling(sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max_model_len: int,
-              defaults: Mapping[str, Any]) -> SamplingParams:
+def _sampling(
+    sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max_model_len: int, defaults: Mapping[str, Any]
+) -> SamplingParams:
     kwargs = {name: getattr(sp, name) for name in _OPTIONAL_SAMPLING if sp.HasField(name)}
     kwargs = {**{k: v for k, v in defaults.items() if k != "max_tokens"}, **kwargs}
     room = max_model_len - prompt_len
@@ -247,8 +282,10 @@ def _sampling(sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max
         if sp.max_tokens > limits.max_tokens:
             raise invalid(f"sampling.max_tokens: {sp.max_tokens} is above the limit of {limits.max_tokens}")
         if sp.max_tokens > room:
-            raise invalid(f"sampling.max_tokens: prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) "
-                          f"exceeds max_model_len ({max_model_len})")
+            raise invalid(
+                f"sampling.max_tokens: prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) "
+                f"exceeds max_model_len ({max_model_len})"
+            )
         kwargs["max_tokens"] = sp.max_tokens
     else:  # the model's max_new_tokens, else the server's default; never past the limit or the model's length
         kwargs["max_tokens"] = min(defaults.get("max_tokens", limits.default_max_tokens), limits.max_tokens, room)
@@ -266,8 +303,12 @@ def _sampling(sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max
 def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
     if not items:
         return []
-    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in items]
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+        )
+        for lp in items
+    ]
 
 
 def _set_finish(msg: pb.Completion, c: CompletionOutput) -> None:
@@ -302,15 +343,21 @@ def full_completion(c: CompletionOutput, mode: int) -> pb.Completion:
 
 def usage(out: RequestOutput) -> pb.Usage:
     m = out.metrics
-    return pb.Usage(prompt_tokens=m.num_prompt_tokens, completion_tokens=m.num_generated_tokens,
-                    cached_tokens=m.num_cached_prompt_tokens)
+    return pb.Usage(
+        prompt_tokens=m.num_prompt_tokens,
+        completion_tokens=m.num_generated_tokens,
+        cached_tokens=m.num_cached_prompt_tokens,
+    )
 
 
 def timing(out: RequestOutput) -> pb.Timing:
     m = out.metrics
     e2e = (m.finish_time - m.arrival_time) if m.finish_time is not None else 0.0
-    return pb.Timing(time_to_first_token_s=m.time_to_first_token or 0.0,
-                     time_per_output_token_s=m.time_per_output_token or 0.0, e2e_s=e2e)
+    return pb.Timing(
+        time_to_first_token_s=m.time_to_first_token or 0.0,
+        time_per_output_token_s=m.time_per_output_token or 0.0,
+        e2e_s=e2e,
+    )
 
 
 def final(out: RequestOutput, message: str = "") -> pb.Final:
@@ -323,6 +370,10 @@ def final(out: RequestOutput, message: str = "") -> pb.Final:
 
 
 def unary(out: RequestOutput, mode: int, message: str = "") -> pb.GenerateUnaryResponse:
-    return pb.GenerateUnaryResponse(request_id=out.request_id, completions=[full_completion(c, mode)
-                                                                           for c in out.outputs],
-                                    usage=usage(out), timing=timing(out), message=message)
+    return pb.GenerateUnaryResponse(
+        request_id=out.request_id,
+        completions=[full_completion(c, mode) for c in out.outputs],
+        usage=usage(out),
+        timing=timing(out),
+        message=message,
+    )

@@ -85,8 +85,9 @@ class _Call:
 class EngineLoop:
     """Owns `engine` on a daemon thread. `on_step(engine)` runs after every step (metrics)."""
 
-    def __init__(self, engine: Engine, on_step: Callable[[Engine], None] | None = None,
-                 idle_poll_s: float = 0.5) -> None:
+    def __init__(
+        self, engine: Engine, on_step: Callable[[Engine], None] | None = None, idle_poll_s: float = 0.5
+    ) -> None:
         self.engine = engine
         self._on_step = on_step
         self._idle_poll_s = idle_poll_s
@@ -124,8 +125,14 @@ class EngineLoop:
                 return
         fn(self.error)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None, max_queued: int | None = None) -> RequestStream:
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        max_queued: int | None = None,
+    ) -> RequestStream:
         """Register a request and queue it for the engine. Raises RequestError when it cannot be taken."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._lock:
@@ -134,8 +141,10 @@ class EngineLoop:
             if request_id in self._streams:
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in use")
             if max_queued is not None and self._num_queued >= max_queued:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"queue: {self._num_queued} requests already waiting (limit {max_queued})")
+                raise RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"queue: {self._num_queued} requests already waiting (limit {max_queued})",
+                )
             self._streams[request_id] = stream
             self._num_queued += 1
             self._commands.put(_Add(stream, prompt_token_ids, params, cache_salt))  # under the lock: see _die
@@ -233,8 +242,12 @@ class EngineLoop:
     def _abort(self, request_id: str, message: str) -> None:
         out = self.engine.abort(request_id)
         if request_id in self._streams:
-            self._close(request_id, Event(output=out, message=message) if out is not None
-                        else Event(code=grpc.StatusCode.CANCELLED, message=message))
+            self._close(
+                request_id,
+                Event(output=out, message=message)
+                if out is not None
+                else Event(code=grpc.StatusCode.CANCELLED, message=message),
+            )
 
     def _deliver(self, out: RequestOutput) -> None:
         rid = out.request_id

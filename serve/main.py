@@ -29,14 +29,24 @@ class Command:
 def _add_convert_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="Hugging Face model directory (config.json + *.safetensors)")
-    source.add_argument("--gguf", help="GGUF file (llama.cpp format; quantized tensors are dequantized), or the "
-                                       "name of a model shipped as one (e.g. smollm2-135m-instruct)")
+    source.add_argument(
+        "--gguf",
+        help="GGUF file (llama.cpp format; quantized tensors are dequantized), or the "
+        "name of a model shipped as one (e.g. smollm2-135m-instruct)",
+    )
     parser.add_argument("--out", required=True, help="orbax checkpoint directory to write")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
-    parser.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, default=None,
-                        help="store quantized weights (per-output-channel scales; the checkpoint loads quantized)")
-    parser.add_argument("--float-lm-head", action="store_true",
-                        help="with --quantization: keep the LM head in the model dtype (embeddings always are)")
+    parser.add_argument(
+        "--quantization",
+        choices=WEIGHT_QUANTIZATIONS,
+        default=None,
+        help="store quantized weights (per-output-channel scales; the checkpoint loads quantized)",
+    )
+    parser.add_argument(
+        "--float-lm-head",
+        action="store_true",
+        help="with --quantization: keep the LM head in the model dtype (embeddings always are)",
+    )
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -58,21 +68,29 @@ def run_convert(args: argparse.Namespace) -> int:
         gguf = GGUFFile(resolve_model_path(args.gguf))
         if gguf.get("tokenizer.ggml.model", None) is not None:
             tokenizer_from_gguf(gguf).save(args.out)
-    print(f"wrote {args.out}: {count_params(params):,} parameters, {param_bytes(params):,} bytes "
-          f"({config.dtype}{', weights ' + args.quantization if args.quantization else ''}) in "
-          f"{time.perf_counter() - start:.1f} s")
+    print(
+        f"wrote {args.out}: {count_params(params):,} parameters, {param_bytes(params):,} bytes "
+        f"({config.dtype}{', weights ' + args.quantization if args.quantization else ''}) in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 
 def _add_info_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="config name (e.g. tiny, llama-3.2-1b), config JSON, HF directory, GGUF file, named "
-                             "model (smollm2-135m-instruct) or orbax checkpoint")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="config name (e.g. tiny, llama-3.2-1b), config JSON, HF directory, GGUF file, named "
+        "model (smollm2-135m-instruct) or orbax checkpoint",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random weights (config names only)")
-    parser.add_argument("--no-weights", action="store_true",
-                        help="config names, JSON or HF directories: count parameters from the abstract shape tree "
-                             "without allocating them (for shapes larger than this machine, e.g. mixtral-8x7b)")
+    parser.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="config names, JSON or HF directories: count parameters from the abstract shape tree "
+        "without allocating them (for shapes larger than this machine, e.g. mixtral-8x7b)",
+    )
     from paged_jax.engine_args import add_model_text_args
 
     add_model_text_args(parser)
@@ -92,8 +110,11 @@ def text_info_lines(tokenizer, defaults: dict) -> list[str]:
     lines.append("special tokens: " + (", ".join(roles) or "none"))
     lines.append(f"eos set (ends generation): {list(tokenizer.eos_token_ids)}")
     template = tokenizer.chat_template
-    lines.append(f"chat template: {template.source} ({', '.join(sorted(template.templates))})" if template
-                 else "chat template: none (give one with --chat-template FILE)")
+    lines.append(
+        f"chat template: {template.source} ({', '.join(sorted(template.templates))})"
+        if template
+        else "chat template: none (give one with --chat-template FILE)"
+    )
     lines.append("generation defaults: " + (", ".join(f"{k}={v}" for k, v in defaults.items()) or "none"))
     return lines
 
@@ -131,9 +152,11 @@ def run_info(args: argparse.Namespace) -> int:
     n, nbytes = count_params(params), param_bytes(params)
     print(f"model: {config.name} ({config.dtype}{', shapes only' if args.no_weights else ''})")
     print(f"family: {config.family_summary()}")
-    print(f"layers={config.num_layers} hidden={config.hidden_size} heads={config.num_heads} "
-          f"kv_heads={config.num_kv_heads} head_dim={config.head_dim} intermediate={config.intermediate_size} "
-          f"vocab={config.vocab_size} tied={config.tie_word_embeddings}")
+    print(
+        f"layers={config.num_layers} hidden={config.hidden_size} heads={config.num_heads} "
+        f"kv_heads={config.num_kv_heads} head_dim={config.head_dim} intermediate={config.intermediate_size} "
+        f"vocab={config.vocab_size} tied={config.tie_word_embeddings}"
+    )
     print(f"parameters: {n:,}")
     print(f"memory: {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB)")
     kv = config.kv_bytes_per_token(jax.numpy.dtype(config.dtype).itemsize)
@@ -162,16 +185,25 @@ def _serve_cli():
 
 
 COMMANDS: dict[str, Command] = {
-    "generate": Command("batch generation: JSONL prompts in, JSONL results out (resumable)", _add_generate_args,
-                        run_generate),
-    "convert": Command("convert a Hugging Face directory or a GGUF file to an orbax checkpoint", _add_convert_args,
-                       run_convert),
-    "info": Command("load a model and print its size, memory, tokenizer, special tokens, chat template and "
-                    "generation defaults", _add_info_args, run_info),
-    "serve": Command("start the gRPC server", lambda p: _serve_cli().add_serve_args(p),
-                     lambda a: _serve_cli().run_serve(a)),
-    "client": Command("stream a completion from a running server to the terminal",
-                      lambda p: _serve_cli().add_client_args(p), lambda a: _serve_cli().run_client(a)),
+    "generate": Command(
+        "batch generation: JSONL prompts in, JSONL results out (resumable)", _add_generate_args, run_generate
+    ),
+    "convert": Command(
+        "convert a Hugging Face directory or a GGUF file to an orbax checkpoint", _add_convert_args, run_convert
+    ),
+    "info": Command(
+        "load a model and print its size, memory, tokenizer, special tokens, chat template and generation defaults",
+        _add_info_args,
+        run_info,
+    ),
+    "serve": Command(
+        "start the gRPC server", lambda p: _serve_cli().add_serve_args(p), lambda a: _serve_cli().run_serve(a)
+    ),
+    "client": Command(
+        "stream a completion from a running server to the terminal",
+        lambda p: _serve_cli().add_client_args(p),
+        lambda a: _serve_cli().run_client(a),
+    ),
 }
 
 

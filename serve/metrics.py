@@ -19,37 +19,61 @@ class Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
-        self.requests = Counter("paged_jax_requests", "Finished RPCs by method and gRPC status", ["method", "status"],
-                                registry=r)
+        self.requests = Counter(
+            "paged_jax_requests", "Finished RPCs by method and gRPC status", ["method", "status"], registry=r
+        )
         self.prompt_tokens = Counter("paged_jax_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("paged_jax_generated_tokens", "Generated tokens (all samples)", registry=r)
-        self.ttft = Histogram("paged_jax_time_to_first_token_seconds", "Arrival at the engine to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("paged_jax_time_per_output_token_seconds", "Mean time between output tokens",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "paged_jax_time_to_first_token_seconds",
+            "Arrival at the engine to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "paged_jax_time_per_output_token_seconds",
+            "Mean time between output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("paged_jax_queue_depth", "Requests accepted but not yet started", registry=r)
         self.waiting = Gauge("paged_jax_scheduler_waiting", "Sequences in the scheduler's waiting queue", registry=r)
         self.running = Gauge("paged_jax_running", "Sequences running in the engine", registry=r)
         self.pages_in_use_ratio = Gauge("paged_jax_kv_pages_in_use_ratio", "KV pages in use / usable pages", registry=r)
-        self.kv_slot_utilization = Gauge("paged_jax_kv_slot_utilization", "Live token slots / slots of pages in use",
-                                         registry=r)
-        self.prefix_hit_rate = Gauge("paged_jax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
-                                     registry=r)
+        self.kv_slot_utilization = Gauge(
+            "paged_jax_kv_slot_utilization", "Live token slots / slots of pages in use", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "paged_jax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
+        )
         self.preemptions = Counter("paged_jax_preemptions", "Sequences preempted for lack of KV pages", registry=r)
         self.engine_alive = Gauge("paged_jax_engine_alive", "1 while the engine loop runs", registry=r)
-        self.compiles = Counter("paged_jax_compiles", "Step executables compiled (persistent cache loads included)",
-                                registry=r)
-        self.compile_seconds = Counter("paged_jax_compile_seconds", "Seconds spent compiling step executables "
-                                       "(summed over compile threads)", registry=r)
-        self.compile_cache_hits = Counter("paged_jax_compile_cache_hits", "Step executables loaded from the "
-                                          "persistent compilation cache", registry=r)
-        self.compiles_after_warmup = Counter("paged_jax_compiles_after_warmup", "Step shapes a step had to compile "
-                                             "after warm-up (each one stalls that step)", registry=r)
+        self.compiles = Counter(
+            "paged_jax_compiles", "Step executables compiled (persistent cache loads included)", registry=r
+        )
+        self.compile_seconds = Counter(
+            "paged_jax_compile_seconds",
+            "Seconds spent compiling step executables (summed over compile threads)",
+            registry=r,
+        )
+        self.compile_cache_hits = Counter(
+            "paged_jax_compile_cache_hits", "Step executables loaded from the persistent compilation cache", registry=r
+        )
+        self.compiles_after_warmup = Counter(
+            "paged_jax_compiles_after_warmup",
+            "Step shapes a step had to compile after warm-up (each one stalls that step)",
+            registry=r,
+        )
         self.step_tokens = Counter("paged_jax_step_tokens", "Tokens of scheduled work in steps", registry=r)
-        self.step_padding_tokens = Counter("paged_jax_step_padding_tokens", "Padding tokens added to reach each "
-                                           "step's token bucket", registry=r)
-        self.step_padding_ratio = Histogram("paged_jax_step_padding_ratio", "Padding tokens / real tokens per step",
-                                            buckets=_PADDING_BUCKETS, registry=r)
+        self.step_padding_tokens = Counter(
+            "paged_jax_step_padding_tokens", "Padding tokens added to reach each step's token bucket", registry=r
+        )
+        self.step_padding_ratio = Histogram(
+            "paged_jax_step_padding_ratio",
+            "Padding tokens / real tokens per step",
+            buckets=_PADDING_BUCKETS,
+            registry=r,
+        )
         self._preemptions_seen = 0
         self._seen: dict[str, float] = {}  # last value of each engine counter mirrored by a Counter
         self.queued_fn = lambda: 0
@@ -70,10 +94,14 @@ class Metrics:
         real, padding = self._advance("step_tokens", s), self._advance("step_padding_tokens", s)
         if real > 0:
             self.step_padding_ratio.observe(padding / real)
-        for key, counter in (("compile_count", self.compiles), ("compile_seconds", self.compile_seconds),
-                             ("compile_cache_hits", self.compile_cache_hits),
-                             ("compiles_after_warmup", self.compiles_after_warmup),
-                             ("step_tokens", self.step_tokens), ("step_padding_tokens", self.step_padding_tokens)):
+        for key, counter in (
+            ("compile_count", self.compiles),
+            ("compile_seconds", self.compile_seconds),
+            ("compile_cache_hits", self.compile_cache_hits),
+            ("compiles_after_warmup", self.compiles_after_warmup),
+            ("step_tokens", self.step_tokens),
+            ("step_padding_tokens", self.step_padding_tokens),
+        ):
             counter.inc(self._advance(key, s, commit=True))
 
     def _advance(self, key: str, stats: EngineStats, commit: bool = False) -> float:

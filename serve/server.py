@@ -53,13 +53,13 @@ class GrpcServer:
         interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
         for warning in cfg.warnings():
             log.warning(warning)
-        options = [("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
-                   ("grpc.so_reuseport", 0)]
+        options = [("grpc.max_receive_message_length", cfg.limits.max_message_bytes), ("grpc.so_reuseport", 0)]
         server = aio.server(interceptors=interceptors, options=options)
         server.add_generic_rpc_handlers([generic_handler(self.servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+        )
         address = f"{cfg.host}:{cfg.port}"
         if cfg.tls:
             self.port = server.add_secure_port(address, server_credentials(cfg.tls_cert_file, cfg.tls_key_file))
@@ -71,8 +71,14 @@ class GrpcServer:
         self.loop.add_death_callback(lambda e: aio_loop.call_soon_threadsafe(self._on_engine_death, e))
         await self._set_all(SERVING if serving and self.loop.alive else NOT_SERVING)
         self.metrics.queued_fn = lambda: self.loop.num_queued
-        log.info("serving %s on %s:%d (tls %s, auth %s)", SERVICE_NAME, cfg.host, self.port, cfg.tls,
-                 cfg.auth_token is not None)
+        log.info(
+            "serving %s on %s:%d (tls %s, auth %s)",
+            SERVICE_NAME,
+            cfg.host,
+            self.port,
+            cfg.tls,
+            cfg.auth_token is not None,
+        )
         return self.port
 
     def start_warm_up(self, engine) -> threading.Thread:
@@ -212,8 +218,12 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
         server.start_warm_up(engine)
     await stop.wait()
     if died:
-        log.error("engine loop died (%s: %s): stopping with exit status %d so that a supervisor restarts the "
-                  "server", type(died[0]).__name__, died[0], EXIT_ENGINE_DIED)
+        log.error(
+            "engine loop died (%s: %s): stopping with exit status %d so that a supervisor restarts the server",
+            type(died[0]).__name__,
+            died[0],
+            EXIT_ENGINE_DIED,
+        )
         await server.drain_and_stop(grace_period_s=0.0)  # open streams already ended UNAVAILABLE
         if http is not None:
             await http.stop()

@@ -53,15 +53,23 @@ class GenerationServicer:
     def _parse(self, request: pb.GenerateRequest | InvalidRequest) -> ParsedRequest:
         if isinstance(request, InvalidRequest):
             raise invalid(request.message)
-        return convert.parse_generate(request, self.config.limits, self.tokenizer, self.vocab_size,
-                                      self.max_model_len, self.max_n, self.sampling_defaults)
+        return convert.parse_generate(
+            request,
+            self.config.limits,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.max_n,
+            self.sampling_defaults,
+        )
 
     def _submit(self, parsed: ParsedRequest) -> RequestStream:
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
         rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
-        return self.loop.submit(rid, parsed.prompt_token_ids, parsed.params, parsed.cache_salt,
-                                self.config.max_queued_requests)
+        return self.loop.submit(
+            rid, parsed.prompt_token_ids, parsed.params, parsed.cache_salt, self.config.max_queued_requests
+        )
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[Event]:
         """The stream's events until its last; aborts the request if the consumer stops early."""
@@ -134,18 +142,28 @@ class GenerationServicer:
         engine, lim = self.loop.engine, self.config.limits
         bos = getattr(self.tokenizer, "bos_token_id", None)
         return pb.ModelInfo(
-            name=engine.config.name, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            page_size=engine.engine_config.page_size, num_pages=engine.num_pages - 1,
-            kv_capacity_tokens=(engine.num_pages - 1) * engine.engine_config.page_size
+            name=engine.config.name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            page_size=engine.engine_config.page_size,
+            num_pages=engine.num_pages - 1,
+            kv_capacity_tokens=(engine.num_pages - 1)
+            * engine.engine_config.page_size
             * engine.engine_config.data_parallel_size,
-            eos_token_ids=list(dict.fromkeys((*engine.config.eos_token_ids,
-                                              *getattr(self.tokenizer, "eos_token_ids", ())))), bos_token_id=bos,
+            eos_token_ids=list(
+                dict.fromkeys((*engine.config.eos_token_ids, *getattr(self.tokenizer, "eos_token_ids", ())))
+            ),
+            bos_token_id=bos,
             max_prompt_tokens=self._max_prompt_tokens(),
-            max_tokens_limit=lim.max_tokens, max_n=min(lim.max_n, self.max_n), max_stop_strings=lim.max_stop_strings,
+            max_tokens_limit=lim.max_tokens,
+            max_n=min(lim.max_n, self.max_n),
+            max_stop_strings=lim.max_stop_strings,
             max_stop_string_chars=lim.max_stop_string_chars,
             chat_template_source=getattr(getattr(self.tokenizer, "chat_template", None), "source", ""),
-            generation_defaults=[pb.SamplingDefault(field=k, value=float(v))
-                                 for k, v in self.sampling_defaults.items()])
+            generation_defaults=[
+                pb.SamplingDefault(field=k, value=float(v)) for k, v in self.sampling_defaults.items()
+            ],
+        )
 
     async def Tokenize(self, request, context: aio.ServicerContext) -> pb.TokenizeResponse:
         try:
@@ -154,8 +172,13 @@ class GenerationServicer:
             convert.check_text_length("text", request.text, self._max_prompt_tokens())
         except RequestError as e:
             await context.abort(e.code, e.message)
-        add = (request.add_special_tokens if request.HasField("add_special_tokens")
-               else request.add_bos if request.HasField("add_bos") else True)
+        add = (
+            request.add_special_tokens
+            if request.HasField("add_special_tokens")
+            else request.add_bos
+            if request.HasField("add_bos")
+            else True
+        )
         ids = await self._off_loop(lambda: self.tokenizer.encode(request.text, add_special_tokens=add))
         return pb.TokenizeResponse(token_ids=ids)
 
@@ -171,8 +194,9 @@ class GenerationServicer:
             if isinstance(request, InvalidRequest):
                 raise invalid(request.message)
             if len(request.token_ids) > self.max_model_len:  # no sequence of this model is longer
-                raise invalid(f"token_ids: {len(request.token_ids)} ids, more than max_model_len "
-                              f"({self.max_model_len})")
+                raise invalid(
+                    f"token_ids: {len(request.token_ids)} ids, more than max_model_len ({self.max_model_len})"
+                )
             text = await self._off_loop(decode)
         except RequestError as e:
             await context.abort(e.code, e.message)
@@ -184,16 +208,27 @@ class GenerationServicer:
     async def GetStats(self, request, context: aio.ServicerContext) -> pb.Stats:
         check = not isinstance(request, InvalidRequest) and request.check_invariants
         if check and not self.config.allow_invariant_checks:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "check_invariants: not allowed on this server "
-                                "(it stalls the engine; start the server with --allow-invariant-checks)")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "check_invariants: not allowed on this server "
+                "(it stalls the engine; start the server with --allow-invariant-checks)",
+            )
 
         def read(engine: Engine) -> pb.Stats:
             s = engine.stats()
-            msg = pb.Stats(pages_total=s.pages_total, pages_free=s.pages_free, pages_in_use=s.pages_in_use,
-                           pages_cached_free=s.pages_cached_free, kv_utilization=s.slot_utilization,
-                           prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
-                           num_waiting=s.num_waiting, num_running=s.num_running,
-                           num_open_requests=self.loop.num_open, num_steps=engine.num_steps)
+            msg = pb.Stats(
+                pages_total=s.pages_total,
+                pages_free=s.pages_free,
+                pages_in_use=s.pages_in_use,
+                pages_cached_free=s.pages_cached_free,
+                kv_utilization=s.slot_utilization,
+                prefix_hit_rate=s.prefix_hit_rate,
+                num_preemptions=s.num_preemptions,
+                num_waiting=s.num_waiting,
+                num_running=s.num_running,
+                num_open_requests=self.loop.num_open,
+                num_steps=engine.num_steps,
+            )
             if check:
                 try:
                     engine.check_invariants()
@@ -215,9 +250,12 @@ def generic_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
     for method in service.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
-        factory = (grpc.unary_stream_rpc_method_handler if method.server_streaming
-                   else grpc.unary_unary_rpc_method_handler)
-        handlers[method.name] = factory(getattr(servicer, method.name),
-                                        request_deserializer=convert.lenient_deserializer(request_cls),
-                                        response_serializer=response_cls.SerializeToString)
+        factory = (
+            grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=convert.lenient_deserializer(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)

@@ -18,9 +18,7 @@ def test_reference_matches_naive_numpy():
     """Pins the dense reference itself to a loop over tokens in numpy (causal, window, soft cap)."""
     case = make_case(0, [(3, 5), (1, 9), (0, 4), (4, 4)], num_tokens=16, max_seqs=8, **SHAPE)
     for window, cap in ((None, None), (3, 5.0)):
-        ref = np.asarray(
-            dense_reference_attention(*case.dense_args, sm_scale=0.3, soft_cap=cap, sliding_window=window)
-        )
+        ref = np.asarray(dense_reference_attention(*case.dense_args, sm_scale=0.3, soft_cap=cap, sliding_window=window))
         q, k, v = (np.asarray(x, np.float64) for x in (case.q, case.k_dense, case.v_dense))
         cu, lens = np.asarray(case.cu_q_lens), np.asarray(case.kv_lens)
         expect = np.zeros_like(ref)
@@ -178,9 +176,7 @@ def test_write_kv_slots_and_padding():
     pages = _pages(0)
     rng = np.random.default_rng(1)
     k, v = rng.standard_normal((2, 5, 2, 64)).astype(np.float32)
-    slots = np.array(
-        [9, 47, -1, 8, -5], np.int32
-    )  # page 1 offset 1, page 5 offset 7, pad, page 1 offset 0, pad
+    slots = np.array([9, 47, -1, 8, -5], np.int32)  # page 1 offset 1, page 5 offset 7, pad, page 1 offset 0, pad
     out = np.asarray(write_kv(jnp.asarray(pages), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots)))
     expect = pages.copy()
     for t, slot in enumerate(slots):
@@ -201,9 +197,7 @@ def test_write_kv_then_attention_sees_new_token():
     out = ragged_paged_attention(case.q, pages, lens, *case.paged_args[3:], sm_scale=0.125, backend="xla")
     k_dense = jnp.concatenate([case.k_dense[:, :9], k[None, :1].repeat(8, 0)], axis=1)
     v_dense = jnp.concatenate([case.v_dense[:, :9], v[None, :1].repeat(8, 0)], axis=1)
-    ref = dense_reference_attention(
-        case.q, k_dense, v_dense, lens, case.cu_q_lens, case.num_seqs, sm_scale=0.125
-    )
+    ref = dense_reference_attention(case.q, k_dense, v_dense, lens, case.cu_q_lens, case.num_seqs, sm_scale=0.125)
     assert_close(out, ref, jnp.float32)
 
 
@@ -213,9 +207,7 @@ def test_write_kv_and_copy_pages_in_place_under_donation():
     k = v = jnp.ones((4, 2, 64), jnp.float32)
     pages = jax.jit(write_kv, donate_argnums=0)(pages, k, v, jnp.array([0, 1, -1, 2], jnp.int32))
     assert pages.unsafe_buffer_pointer() == ptr
-    pages = jax.jit(copy_pages, donate_argnums=0)(
-        pages, jnp.array([1, 0], jnp.int32), jnp.array([3, 0], jnp.int32)
-    )
+    pages = jax.jit(copy_pages, donate_argnums=0)(pages, jnp.array([1, 0], jnp.int32), jnp.array([3, 0], jnp.int32))
     assert pages.unsafe_buffer_pointer() == ptr
 
 

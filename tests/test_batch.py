@@ -23,8 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def write_input(path: Path, n: int, bad_lines: bool = True) -> set[str]:
     lines, ids = [], set()
     for i in range(n):
-        lines.append(json.dumps({"id": f"q{i}", "prompt": f"prompt number {i} " * (1 + i % 5),
-                                 "max_tokens": 8 + i % 7, "temperature": 0.0, "ignore_eos": True}))
+        lines.append(
+            json.dumps(
+                {
+                    "id": f"q{i}",
+                    "prompt": f"prompt number {i} " * (1 + i % 5),
+                    "max_tokens": 8 + i % 7,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                }
+            )
+        )
         ids.add(f"q{i}")
         if bad_lines and i == 3:
             lines.append("{not json")
@@ -38,9 +47,12 @@ def write_input(path: Path, n: int, bad_lines: bool = True) -> set[str]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_config, tiny_params):
-    return LLMEngine(tiny_config, tiny_params, ByteTokenizer(),
-                     EngineConfig(num_pages=128, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla",
-                                  warmup=False))
+    return LLMEngine(
+        tiny_config,
+        tiny_params,
+        ByteTokenizer(),
+        EngineConfig(num_pages=128, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla", warmup=False),
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -91,9 +103,25 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_tail(engine, tmp_path):
 def test_kill_9_loses_nothing(tmp_path):
     ids = write_input(tmp_path / "in.jsonl", 60, bad_lines=False)
     out_path = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "paged_jax.batch", "--input", str(tmp_path / "in.jsonl"), "--output",
-           str(out_path), "--no-progress", "--no-warmup", "--num-pages", "128", "--max-num-seqs", "4",
-           "--max-num-batched-tokens", "32", "--attention-backend", "xla"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "paged_jax.batch",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output",
+        str(out_path),
+        "--no-progress",
+        "--no-warmup",
+        "--num-pages",
+        "128",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--attention-backend",
+        "xla",
+    ]
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -119,10 +147,18 @@ def test_lines_that_used_to_crash_the_job_fail_alone(engine, tmp_path):
     """Issue 14.5 and 14.7: invalid UTF-8, JSON nested past the recursion limit, an id no UTF-8 can hold and a
     `stop` that is an object each crashed the job (at the same line on every re-run) or passed silently. Each
     now fails alone into the errors file, once, however often the job is re-run."""
-    good = [json.dumps({"id": f"g{i}", "prompt": "hello", "max_tokens": 3, "temperature": 0.0}).encode()
-            for i in range(3)]
-    lines = [good[0], b'{"id": "bytes", "prompt": "caf\xe9"}', good[1], b"[" * 100_000,
-             b'{"id": "\\ud800", "prompt": "x"}', b'{"id": "stop-obj", "prompt": "x", "stop": {"x": 1}}', good[2]]
+    good = [
+        json.dumps({"id": f"g{i}", "prompt": "hello", "max_tokens": 3, "temperature": 0.0}).encode() for i in range(3)
+    ]
+    lines = [
+        good[0],
+        b'{"id": "bytes", "prompt": "caf\xe9"}',
+        good[1],
+        b"[" * 100_000,
+        b'{"id": "\\ud800", "prompt": "x"}',
+        b'{"id": "stop-obj", "prompt": "x", "stop": {"x": 1}}',
+        good[2],
+    ]
     (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     for _ in range(2):
         summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
@@ -152,9 +188,11 @@ def test_a_second_run_on_the_same_output_is_refused(engine, tmp_path):
 
 def test_ids_keep_their_type_and_samples_their_logprobs(engine, tmp_path):
     """Issue 14.7: integer id 1 came back as "1" (colliding with the string id "1"); n>1 choices had no logprobs."""
-    lines = [{"id": 1, "prompt": "a", "max_tokens": 2, "temperature": 0.0},
-             {"id": "1", "prompt": "b", "max_tokens": 2, "temperature": 0.0},
-             {"id": "n2", "prompt": "c", "max_tokens": 3, "n": 2, "logprobs": 1, "seed": 0}]
+    lines = [
+        {"id": 1, "prompt": "a", "max_tokens": 2, "temperature": 0.0},
+        {"id": "1", "prompt": "b", "max_tokens": 2, "temperature": 0.0},
+        {"id": "n2", "prompt": "c", "max_tokens": 3, "n": 2, "logprobs": 1, "seed": 0},
+    ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
     out = {json.dumps(r["id"]): r for r in read_jsonl(tmp_path / "out.jsonl")}

@@ -23,8 +23,13 @@ from serve.main import main
 DATA = Path(__file__).parent / "data"
 GOLDEN = json.loads((DATA / "tokenizers" / "golden.json").read_text("utf-8"))["tokenizers"]["phi-3"]
 PHI3_VOCAB = 32064
-GENERATION_CONFIG = {"eos_token_id": [32000, 32007], "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 7,
-                     "do_sample": True}
+GENERATION_CONFIG = {
+    "eos_token_id": [32000, 32007],
+    "temperature": 0.6,
+    "top_p": 0.9,
+    "max_new_tokens": 7,
+    "do_sample": True,
+}
 OPTIONS = dict(num_pages=64, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="xla", warmup=False)
 
 
@@ -71,9 +76,10 @@ def test_chat_renders_the_models_template(llm):
     assert out.outputs[0].token_ids == same.outputs[0].token_ids
     several = [[{"role": "user", "content": f"Question {i}?"}] for i in range(3)]
     outs = llm.chat(several, greedy, use_tqdm=False)
-    assert [o.prompt_token_ids for o in outs] == [llm.tokenizer.encode(f"<s><|user|>\nQuestion {i}?<|end|>\n"
-                                                                       "<|assistant|>\n", add_special_tokens=False)
-                                                  for i in range(3)]
+    assert [o.prompt_token_ids for o in outs] == [
+        llm.tokenizer.encode(f"<s><|user|>\nQuestion {i}?<|end|>\n<|assistant|>\n", add_special_tokens=False)
+        for i in range(3)
+    ]
     with pytest.raises(ValueError, match=r"^messages\[1\]\[0\].role: "):
         llm.chat([several[0], [{"role": "bot", "content": "x"}]], greedy, use_tqdm=False)
     [own] = llm.chat(several[0], greedy, use_tqdm=False, chat_template="{{ messages[0].content }}")
@@ -116,14 +122,20 @@ def test_batch_lines_with_messages(llm, tmp_path):
     assert out["chat"]["usage"]["prompt_tokens"] == len(case["ids"])
     assert out["chat"]["usage"]["completion_tokens"] <= 7  # max_new_tokens of generation_config.json
     assert [(e["line"], e["error"].split(":")[0]) for e in errors] == [
-        (3, "messages[1].role"), (4, "messages"), (5, "tools"), (6, "chat_template_kwargs")]
+        (3, "messages[1].role"),
+        (4, "messages"),
+        (5, "tools"),
+        (6, "chat_template_kwargs"),
+    ]
 
 
 def test_batch_chat_without_a_template_is_an_error_line(tiny_config, tiny_params, tmp_path):
     engine = LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(**OPTIONS))
-    lines = [{"id": "a", "prompt": "hi", "max_tokens": 2},
-             {"id": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-             {"id": "c", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": 1}}]
+    lines = [
+        {"id": "a", "prompt": "hi", "max_tokens": 2},
+        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        {"id": "c", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": 1}},
+    ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]

@@ -29,8 +29,13 @@ def test_rendered_text_and_ids_equal_transformers(real_tokenizer_dir, name):
     assert len(cases) >= 8
     for case in cases:
         template = None if case["template"] is None else template_from_text(GOLDEN["templates"][case["template"]])
-        text, ids = apply_chat_template(tok, case["messages"], add_generation_prompt=case["add_generation_prompt"],
-                                        tools=case["tools"], chat_template=template)
+        text, ids = apply_chat_template(
+            tok,
+            case["messages"],
+            add_generation_prompt=case["add_generation_prompt"],
+            tools=case["tools"],
+            chat_template=template,
+        )
         assert text == case["text"], case
         assert ids == case["ids"], case
 
@@ -52,9 +57,16 @@ def test_a_model_without_a_template_names_the_option(real_tokenizer_dir):
 
 def test_where_the_template_comes_from(tmp_path):
     assert load_chat_template(tmp_path) is None
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "default", "template": "D{{ messages[0].content }}"},
-        {"name": "tool_use", "template": "T{{ tools | length }}"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "default", "template": "D{{ messages[0].content }}"},
+                    {"name": "tool_use", "template": "T{{ tools | length }}"},
+                ]
+            }
+        )
+    )
     named = load_chat_template(tmp_path)
     assert named.source == "tokenizer_config.json" and set(named.templates) == {"default", "tool_use"}
     tok = ByteTokenizer(chat_template=named)
@@ -74,9 +86,10 @@ def test_template_features_transformers_provides():
     template = template_from_text(
         "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
         "{% generation %}[{{ m.role }}]{{ m.content | tojson }}{% endgeneration %}{% endfor %}"
-        "{% if add_generation_prompt %}>{% endif %}{{ strftime_now('%Y') | length }}{{ extra }}")
+        "{% if add_generation_prompt %}>{% endif %}{{ strftime_now('%Y') | length }}{{ extra }}"
+    )
     tok = ByteTokenizer(chat_template=template)
-    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "héllo \"x\""}]
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": 'héllo "x"'}]
     text, ids = apply_chat_template(tok, messages, template_kwargs={"extra": "!"})
     assert text == '[user]"héllo \\"x\\""' + ">4!"  # bos_token unset for the byte tokenizer: renders empty
     assert ids == tok.encode(text, add_special_tokens=False)
@@ -85,8 +98,9 @@ def test_template_features_transformers_provides():
 
 
 def test_raise_exception_and_the_sandbox():
-    refuse = template_from_text("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}"
-                                "{% endif %}ok")
+    refuse = template_from_text(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok"
+    )
     tok = ByteTokenizer(chat_template=refuse)
     with pytest.raises(ChatTemplateError, match="^messages: the chat template refused .*first must be user"):
         apply_chat_template(tok, [{"role": "assistant", "content": "x"}])
@@ -97,15 +111,18 @@ def test_raise_exception_and_the_sandbox():
         apply_chat_template(ByteTokenizer(chat_template=template_from_text("{% for %}")), HELLO)
 
 
-@pytest.mark.parametrize("messages,field", [
-    ([], "messages"),
-    ("hello", "messages"),
-    ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\].role"),
-    ([{"content": "a"}], r"messages\[0\].role"),
-    ([{"role": "user", "content": 3}], r"messages\[0\].content"),
-    ([{"role": "user"}], r"messages\[0\].content"),
-    (["user: hi"], r"messages\[0\]"),
-])
+@pytest.mark.parametrize(
+    "messages,field",
+    [
+        ([], "messages"),
+        ("hello", "messages"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\].role"),
+        ([{"content": "a"}], r"messages\[0\].role"),
+        ([{"role": "user", "content": 3}], r"messages\[0\].content"),
+        ([{"role": "user"}], r"messages\[0\].content"),
+        (["user: hi"], r"messages\[0\]"),
+    ],
+)
 def test_bad_conversations_name_the_field(messages, field):
     with pytest.raises(ChatTemplateError, match=f"^{field}: "):
         validate_conversation(messages)

@@ -17,19 +17,24 @@ def _write(tmp_path, **changes):
     return path
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"num_kv_heads": 3}, "num_kv_heads"),
-    ({"head_dim": 33}, "head_dim"),
-    ({"hidden_size": 250, "head_dim": 0}, "num_heads"),
-    ({"intermediate_size": -4}, "intermediate_size"),
-    ({"vocab_size": 0}, "vocab_size"),
-    ({"dtype": "float64"}, "dtype"),
-    ({"eos_token_ids": [999]}, "eos_token_ids"),
-    ({"rope_scaling": {"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
-     "rope_scaling.high_freq_factor"),
-    ({"rope_scaling": {"factor": 8.0, "beta": 1}}, "rope_scaling.beta"),
-    ({"num_experts": 8}, "num_experts"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"head_dim": 33}, "head_dim"),
+        ({"hidden_size": 250, "head_dim": 0}, "num_heads"),
+        ({"intermediate_size": -4}, "intermediate_size"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"eos_token_ids": [999]}, "eos_token_ids"),
+        (
+            {"rope_scaling": {"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+            "rope_scaling.high_freq_factor",
+        ),
+        ({"rope_scaling": {"factor": 8.0, "beta": 1}}, "rope_scaling.beta"),
+        ({"num_experts": 8}, "num_experts"),
+    ],
+)
 def test_bad_values_name_the_field(tmp_path, changes, field):
     with pytest.raises(ConfigError, match=rf"^{field}"):
         load_model_config(_write(tmp_path, **changes))
@@ -50,8 +55,16 @@ def test_unknown_config_name():
 
 
 def test_hf_config_mapping_old_and_new_rope_fields():
-    base = dict(architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, eos_token_id=[2, 3])
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=[2, 3],
+    )
     rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
     old = from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {**rope, "rope_type": "llama3"}})
     new = from_hf_config({**base, "rope_parameters": {**rope, "rope_type": "llama3", "rope_theta": 5e5}})

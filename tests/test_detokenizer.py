@@ -62,8 +62,10 @@ def test_stop_strings_are_ignored_while_check_stop_is_off():
 
 
 # -- real vocabularies: the incremental text equals one-shot decode at every prefix ---------------------------
-TEXT = ("Grüße aus Köln! 日本語のテキスト、絵文字 🙂🚀 and ASCII. Ünïcödé “quotes” — dashes; "
-        "   spaces\tand\nnewlines 1234567890 €100 ½ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢")
+TEXT = (
+    "Grüße aus Köln! 日本語のテキスト、絵文字 🙂🚀 and ASCII. Ünïcödé “quotes” — dashes; "
+    "   spaces\tand\nnewlines 1234567890 €100 ½ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"
+)
 
 
 def random_stream(tok, rng: np.random.Generator, n: int) -> list[int]:
@@ -77,7 +79,7 @@ def random_stream(tok, rng: np.random.Generator, n: int) -> list[int]:
         kind = rng.integers(4)
         if kind == 0:
             start = int(rng.integers(len(text_ids)))
-            ids += text_ids[start: start + int(rng.integers(1, 12))]
+            ids += text_ids[start : start + int(rng.integers(1, 12))]
         elif kind == 1:
             ids += [int(i) for i in rng.integers(0, tok.vocab_size, size=int(rng.integers(1, 4)))]
         elif kind == 2:
@@ -97,15 +99,18 @@ def test_incremental_equals_one_shot_decode_at_every_prefix(real_tokenizer_dir, 
         detok = Detokenizer(tok, (), skip, spaces)
         committed, streamed = "", []
         for k in range(1, len(ids) + 1):
-            detok.add(ids[k - 1: k])
+            detok.add(ids[k - 1 : k])
             expected = tok.decode(ids[:k], skip_special_tokens=skip, spaces_between_special_tokens=spaces)
-            assert detok.text + detok.pending == expected, (k, ids[max(0, k - 8): k])
+            assert detok.text + detok.pending == expected, (k, ids[max(0, k - 8) : k])
             assert detok.text.startswith(committed)  # committed text is never taken back
             committed = detok.text
             streamed.append(detok.take_delta(final=False))
         streamed.append(detok.take_delta(final=True))
-        assert "".join(streamed) == detok.text == tok.decode(ids, skip_special_tokens=skip,
-                                                             spaces_between_special_tokens=spaces)
+        assert (
+            "".join(streamed)
+            == detok.text
+            == tok.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+        )
 
 
 @pytest.mark.parametrize("name", ["phi-3", "gpt-2"])
@@ -117,14 +122,14 @@ def test_stop_strings_across_token_boundaries(real_tokenizer_dir, name):
     full = tok.decode(ids)
     checked = 0
     for start in range(0, len(full) - 6, 5):
-        stop = full[start: start + 2 + start % 5]
+        stop = full[start : start + 2 + start % 5]
         first = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
-        if stop in tok.decode(ids[first - 1: first]):
+        if stop in tok.decode(ids[first - 1 : first]):
             continue  # inside one token: not a boundary case
         detok = Detokenizer(tok, (stop, "never appears"))
         streamed = []
         for k in range(len(ids)):
-            detok.add(ids[k: k + 1])
+            detok.add(ids[k : k + 1])
             streamed.append(detok.take_delta(final=False))
             if detok.stopped_on is not None:
                 break

@@ -39,13 +39,19 @@ def reference(tiny_config, tiny_params):
 
 
 def make_engine(tiny_config, tiny_params, **options) -> LLMEngine:
-    options = {"num_pages": 96, "max_num_seqs": 8, "max_num_batched_tokens": 64, "attention_backend": "xla",
-               "warmup": False} | options
+    options = {
+        "num_pages": 96,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "attention_backend": "xla",
+        "warmup": False,
+    } | options
     return LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(**options))
 
 
-def run_workload(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | None = None,
-                 arrive_every: int = 2) -> dict[str, list[int]]:
+def run_workload(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | None = None, arrive_every: int = 2
+) -> dict[str, list[int]]:
     """Requests arrive one every `arrive_every` steps; returns each request's tokens."""
     params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     pending = list(enumerate(prompts))
@@ -76,14 +82,18 @@ def check_against_reference(results, prompts, reference) -> None:
         assert results[f"r{i}"] == reference(prompt), f"request r{i} (prompt length {len(prompt)})"
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"page_size": 8, "num_pages": 192},
-    {"page_size": 64, "num_pages": 24},
-    {"chunk_size": 16},
-    {"chunk_size": 64, "max_num_batched_tokens": 128},
-    {"enable_prefix_caching": False},
-], ids=["default", "page8", "page64", "chunk16", "chunk64", "no-prefix-cache"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"page_size": 8, "num_pages": 192},
+        {"page_size": 64, "num_pages": 24},
+        {"chunk_size": 16},
+        {"chunk_size": 64, "max_num_batched_tokens": 128},
+        {"enable_prefix_caching": False},
+    ],
+    ids=["default", "page8", "page64", "chunk16", "chunk64", "no-prefix-cache"],
+)
 def test_greedy_matches_dense_model(tiny_config, tiny_params, reference, options):
     engine = make_engine(tiny_config, tiny_params, **options)
     prompts = make_prompts(10, seed=1)
@@ -125,8 +135,7 @@ def test_parallel_samples_share_the_prompt(tiny_config, tiny_params, reference):
     engine = make_engine(tiny_config, tiny_params)
     prompt = make_prompts(1, seed=5, max_len=40)[0]
     engine.add_request("greedy", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS))
-    engine.add_request("sampled", prompt, SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8,
-                                                         ignore_eos=True))
+    engine.add_request("sampled", prompt, SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True))
     finished = {}
     while engine.has_unfinished():
         finished |= {o.request_id: o for o in engine.step() if o.finished}
@@ -178,8 +187,9 @@ def test_stop_conditions(tiny_config, tiny_params, reference):
     out = run(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3))
     assert len(out.logprobs) == len(out.token_ids) and all(len(lp.top) == 3 for lp in out.logprobs)
     assert all(lp.token_id == lp.top[0][0] for lp in out.logprobs)  # greedy picks the most likely
-    out = run(SamplingParams(temperature=1.0, max_tokens=6, min_tokens=6, stop_token_ids=list(range(3, 67)),
-                             seed=3))  # 64 stop ids: the most a request may give (MAX_STOP_TOKEN_IDS)
+    out = run(
+        SamplingParams(temperature=1.0, max_tokens=6, min_tokens=6, stop_token_ids=list(range(3, 67)), seed=3)
+    )  # 64 stop ids: the most a request may give (MAX_STOP_TOKEN_IDS)
     assert len(out.token_ids) == 6 and not set(out.token_ids[:5]) & set(range(3, 67))
 
 
@@ -239,9 +249,17 @@ def test_no_recompilation_after_warmup(tiny_config, tiny_params):
     assert engine.runner.warm
     rng = np.random.default_rng(10)
     prompts = make_prompts(24, seed=10, max_len=120)
-    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_p=float(rng.choice([1.0, 0.9])),
-                             max_tokens=int(rng.integers(1, 30)), n=int(rng.choice([1, 1, 2])), ignore_eos=True,
-                             logprobs=int(rng.choice([0, 2])) or None) for _ in prompts]
+    params = [
+        SamplingParams(
+            temperature=float(rng.choice([0.0, 0.8])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            max_tokens=int(rng.integers(1, 30)),
+            n=int(rng.choice([1, 1, 2])),
+            ignore_eos=True,
+            logprobs=int(rng.choice([0, 2])) or None,
+        )
+        for _ in prompts
+    ]
     pending = list(enumerate(prompts))
     while pending or engine.has_unfinished():
         for _ in range(int(rng.integers(0, 3))):
@@ -280,10 +298,19 @@ def test_lookahead_matches_one_step_at_a_time(tiny_config, tiny_params):
     """Async scheduling (step n+1 dispatched before step n's tokens reach the host) changes no output."""
     prompts = make_prompts(8, seed=13, max_len=60)
     rng = np.random.default_rng(13)
-    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.9])), top_k=int(rng.choice([0, 20])),
-                             seed=i, max_tokens=int(rng.integers(1, 20)), n=int(rng.choice([1, 2])),
-                             stop_token_ids=[int(rng.integers(3, 259))], logprobs=1,
-                             repetition_penalty=float(rng.choice([1.0, 1.0, 1.3]))) for i in range(8)]
+    params = [
+        SamplingParams(
+            temperature=float(rng.choice([0.0, 0.9])),
+            top_k=int(rng.choice([0, 20])),
+            seed=i,
+            max_tokens=int(rng.integers(1, 20)),
+            n=int(rng.choice([1, 2])),
+            stop_token_ids=[int(rng.integers(3, 259))],
+            logprobs=1,
+            repetition_penalty=float(rng.choice([1.0, 1.0, 1.3])),
+        )
+        for i in range(8)
+    ]
 
     def run(async_scheduling: bool):
         engine = make_engine(tiny_config, tiny_params, num_pages=10, async_scheduling=async_scheduling)
@@ -293,8 +320,9 @@ def test_lookahead_matches_one_step_at_a_time(tiny_config, tiny_params):
         while engine.has_unfinished():
             for o in engine.step():
                 if o.finished:
-                    done[o.request_id] = [(c.token_ids, c.finish_reason, [lp.logprob for lp in c.logprobs])
-                                          for c in o.outputs]
+                    done[o.request_id] = [
+                        (c.token_ids, c.finish_reason, [lp.logprob for lp in c.logprobs]) for c in o.outputs
+                    ]
             engine.kv.check_invariants()
         assert_all_free(engine)
         return done, engine.stats().num_preemptions
@@ -324,8 +352,9 @@ def test_forked_children_never_exceed_max_num_seqs(tiny_config, tiny_params):
     """Issue 14.1: short requests admitted while an n=8 leader is still in chunked prefill used to leave no
     room for its 7 children, and the runner raised `15 exceeds the largest bucket 8`."""
     engine = make_engine(tiny_config, tiny_params, num_pages=200, chunk_size=16)
-    engine.add_request("big", list(range(3, 193)),
-                       SamplingParams(n=8, temperature=0.8, seed=0, max_tokens=20, ignore_eos=True))
+    engine.add_request(
+        "big", list(range(3, 193)), SamplingParams(n=8, temperature=0.8, seed=0, max_tokens=20, ignore_eos=True)
+    )
     engine.step()
     for i in range(7):
         engine.add_request(f"small{i}", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -352,8 +381,9 @@ def test_outputs_carry_deltas_and_the_whole_output_once(tiny_config, tiny_params
     host cost per step grew with the output (n=16, 4,000 tokens, logprobs=20: 45 ms a step). Intermediate
     outputs now carry only what the step added; the final one carries everything, equal to the deltas."""
     engine = make_engine(tiny_config, tiny_params)
-    engine.add_request("r", [5, 6, 7, 8], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10, logprobs=2,
-                                                         ignore_eos=True))
+    engine.add_request(
+        "r", [5, 6, 7, 8], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10, logprobs=2, ignore_eos=True)
+    )
     deltas: dict[int, list] = {0: [], 1: []}
     final = None
     while engine.has_unfinished():
@@ -380,10 +410,17 @@ def test_request_chosen_sampling_options_compile_nothing_after_warmup(tiny_confi
 
     engine = make_engine(tiny_config, tiny_params, num_pages=40, warmup=True)
     compiled = (sample._cache_size(), merge_pending_history._cache_size())
-    many_stops = SamplingParams(temperature=0.7, seed=1, max_tokens=12, min_tokens=8,
-                                stop_token_ids=list(range(100, 117)), logprobs=2)
-    penalized = SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5,
-                               frequency_penalty=0.2, ignore_eos=True)
+    many_stops = SamplingParams(
+        temperature=0.7, seed=1, max_tokens=12, min_tokens=8, stop_token_ids=list(range(100, 117)), logprobs=2
+    )
+    penalized = SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        ignore_eos=True,
+    )
     engine.add_request("stops", make_prompts(1, seed=20)[0], many_stops)
     engine.add_request("penalties", make_prompts(1, seed=21, max_len=100)[0], penalized)
     engine.add_request("plain", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))

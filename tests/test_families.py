@@ -51,12 +51,17 @@ def packed_logits(config, params, golden) -> np.ndarray:
 def test_each_variant_is_the_family_it_claims():
     c = {name: load_model_config(DATA / f"hf_{name}") for name in FAMILIES}
     assert {name: cfg.model_type for name, cfg in c.items()} == {
-        "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
+        "qwen3": "qwen3",
+        "gemma2": "gemma2",
+        "gemma3": "gemma3",
+        "mixtral": "mixtral",
+        "qwen3_moe": "qwen3_moe",
+    }
     assert c["qwen3"].head_dim * c["qwen3"].num_heads != c["qwen3"].hidden_size  # head_dim set independently
     g2, g3 = c["gemma2"], c["gemma3"]
     assert [g2.layer_sliding_window(i) for i in range(2)] == [4, None]
     assert [g3.layer_sliding_window(i) for i in range(3)] == [4, 4, None]
-    assert g2.attn_logit_softcap == 2.0 and g2.final_logit_softcap == 12.0 and g2.attn_scale == 24 ** -0.5
+    assert g2.attn_logit_softcap == 2.0 and g2.final_logit_softcap == 12.0 and g2.attn_scale == 24**-0.5
     assert g3.rope_local_theta == 1e4 and g3.rope_theta == 1e6 and g3.rope_scaling.rope_type == "linear"
     assert c["mixtral"].num_experts == 4 and c["mixtral"].num_experts_per_tok == 2 and c["mixtral"].norm_topk_prob
     assert c["qwen3_moe"].num_experts == 4 and not c["qwen3_moe"].norm_topk_prob
@@ -80,8 +85,17 @@ def test_engine_generate_matches_hf(family):
     """LLM.generate over paged KV in pages of 8 (windows of 4 cross page boundaries), prompts chunked into
     8-token pieces, then the same prompts again, served from the prefix cache."""
     name, _, _, golden = family
-    llm = LLM(str(DATA / f"hf_{name}"), dtype="float32", attention_backend="xla", page_size=8, num_pages=64,
-              max_num_seqs=4, max_num_batched_tokens=16, chunk_size=8, warmup=False)
+    llm = LLM(
+        str(DATA / f"hf_{name}"),
+        dtype="float32",
+        attention_backend="xla",
+        page_size=8,
+        num_pages=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        chunk_size=8,
+        warmup=False,
+    )
     prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in golden]
     params = SamplingParams(temperature=0.0, max_tokens=len(golden[0][2]), ignore_eos=True)
     for _ in range(2):
@@ -121,11 +135,26 @@ def test_hf_import_dispatches_on_model_type():
     with pytest.raises(ConfigError, match="^model_type: 'gemma3' is the multimodal"):
         from_hf_config({**base, "model_type": "gemma3"})
     with pytest.raises(ConfigError, match="^layer_types"):
-        from_hf_config({**base, "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
-                        "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4})
+        from_hf_config(
+            {
+                **base,
+                "model_type": "gemma2",
+                "hidden_activation": "gelu_pytorch_tanh",
+                "layer_types": ["full_attention", "sliding_attention"],
+                "sliding_window": 4,
+            }
+        )
     with pytest.raises(ConfigError, match="^decoder_sparse_step"):
-        from_hf_config({**base, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
-                        "moe_intermediate_size": 16, "mlp_only_layers": [1]})
+        from_hf_config(
+            {
+                **base,
+                "model_type": "qwen3_moe",
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16,
+                "mlp_only_layers": [1],
+            }
+        )
 
 
 # Published sizes (model cards): Qwen3-8B 8.2B (6.95B without embeddings); Gemma-2-9B 9,241,705,984 (its
@@ -191,17 +220,38 @@ def test_gemma2_windows_and_soft_cap_through_the_pallas_tpu_kernel():
     from paged_jax.model.init import init_params
     from paged_jax.tokenizer import ByteTokenizer
 
-    config = ModelConfig(name="g2", model_type="gemma2", vocab_size=320, hidden_size=64, intermediate_size=64,
-                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, sliding_window=8,
-                         sliding_window_pattern=2, query_pre_attn_scalar=48, attn_logit_softcap=1.0,
-                         final_logit_softcap=5.0, tie_word_embeddings=True, max_position_embeddings=256,
-                         eos_token_ids=(2,))
+    config = ModelConfig(
+        name="g2",
+        model_type="gemma2",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=48,
+        attn_logit_softcap=1.0,
+        final_logit_softcap=5.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        eos_token_ids=(2,),
+    )
     params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, init_params(config, seed=1))  # peaked logits
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 259, n).tolist() for n in (11, 19)]  # both longer than the window
     want = [greedy_generate(causal_lm(config), params, p, 4, pad_to=32) for p in prompts]
-    ec = EngineConfig(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=16, chunk_size=8,
-                      attention_backend="pallas-interpret", warmup=False)
+    ec = EngineConfig(
+        num_pages=32,
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        chunk_size=8,
+        attention_backend="pallas-interpret",
+        warmup=False,
+    )
     engine = LLMEngine(config, params, ByteTokenizer(), ec)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

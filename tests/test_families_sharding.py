@@ -22,16 +22,41 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = os.environ.get("PAGED_JAX_MESH_CHILD") == "1"
 NUM_DEVICES = 8
 
-BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=8, head_dim=16,
-            max_position_embeddings=512, eos_token_ids=(2,))
+BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=8,
+    head_dim=16,
+    max_position_embeddings=512,
+    eos_token_ids=(2,),
+)
 CONFIGS = {
-    "mixtral": ModelConfig(name="moe-mixtral", model_type="mixtral", num_kv_heads=8, num_experts=4,
-                           num_experts_per_tok=2, **BASE),
-    "qwen3_moe": ModelConfig(name="moe-qwen3", model_type="qwen3_moe", num_kv_heads=2, num_experts=8,
-                             num_experts_per_tok=3, norm_topk_prob=False, **BASE),
-    "gemma2": ModelConfig(name="gemma2-small", model_type="gemma2", num_kv_heads=4, sliding_window=8,
-                          sliding_window_pattern=2, query_pre_attn_scalar=12, attn_logit_softcap=1.0,
-                          final_logit_softcap=5.0, tie_word_embeddings=True, **BASE),
+    "mixtral": ModelConfig(
+        name="moe-mixtral", model_type="mixtral", num_kv_heads=8, num_experts=4, num_experts_per_tok=2, **BASE
+    ),
+    "qwen3_moe": ModelConfig(
+        name="moe-qwen3",
+        model_type="qwen3_moe",
+        num_kv_heads=2,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        **BASE,
+    ),
+    "gemma2": ModelConfig(
+        name="gemma2-small",
+        model_type="gemma2",
+        num_kv_heads=4,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=12,
+        attn_logit_softcap=1.0,
+        final_logit_softcap=5.0,
+        tie_word_embeddings=True,
+        **BASE,
+    ),
 }
 
 
@@ -41,12 +66,23 @@ def prompts(seed: int, n: int = 4, max_len: int = 40) -> list[list[int]]:
 
 
 if not CHILD:
+
     def test_mesh_suite():
         """The mesh tests below, in a child pytest with 8 host devices."""
-        env = {**os.environ, "PAGED_JAX_MESH_CHILD": "1", "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        env = {
+            **os.environ,
+            "PAGED_JAX_MESH_CHILD": "1",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
 
 else:
@@ -61,8 +97,16 @@ else:
     GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     def generate(config: ModelConfig, params, tp: int) -> tuple[LLMEngine, list[list[int]]]:
-        ec = EngineConfig(num_pages=64, page_size=8, max_num_seqs=4, max_num_batched_tokens=32, chunk_size=16,
-                          attention_backend="xla", warmup=False, tensor_parallel_size=tp)
+        ec = EngineConfig(
+            num_pages=64,
+            page_size=8,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            chunk_size=16,
+            attention_backend="xla",
+            warmup=False,
+            tensor_parallel_size=tp,
+        )
         engine = LLMEngine(config, params, ByteTokenizer(), ec)
         for i, p in enumerate(prompts(seed=len(config.name))):
             engine.add_request(f"r{i}", p, GREEDY)
@@ -84,8 +128,11 @@ else:
         assert got == want, family
         if config.is_moe:  # each chip holds an I / 8 slice of every expert
             gate = engine.runner.params["params"]["layers_0"]["mlp"]["experts_gate"]
-            assert gate.addressable_shards[0].data.shape == (config.num_experts, config.hidden_size,
-                                                            config.intermediate_size // NUM_DEVICES)
+            assert gate.addressable_shards[0].data.shape == (
+                config.num_experts,
+                config.hidden_size,
+                config.intermediate_size // NUM_DEVICES,
+            )
         # The dense reference with the sharded (and, for qwen3_moe, KV-expanded) parameters gives the same logits.
         from paged_jax.model.families import causal_lm
 

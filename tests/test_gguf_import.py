@@ -19,14 +19,25 @@ from paged_jax.model.weights import load_model
 
 DATA = Path(__file__).parent / "data"
 Q = gguf.GGMLQuantizationType
-HF_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
-LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-         "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-         "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -41,8 +52,14 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{LAYER[rest]}"
 
 
-def write_gguf(path: Path, hf_dir: Path, arch: str = "llama", qtype: Q = Q.F32, extra_tensors: dict | None = None,
-               skip: tuple[str, ...] = ()) -> Path:
+def write_gguf(
+    path: Path,
+    hf_dir: Path,
+    arch: str = "llama",
+    qtype: Q = Q.F32,
+    extra_tensors: dict | None = None,
+    skip: tuple[str, ...] = (),
+) -> Path:
     """The HF directory's model as a GGUF file: llama.cpp's metadata keys, names and Q/K permutation."""
     import json
 
@@ -87,14 +104,23 @@ def _flat(params) -> dict:
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
-@pytest.mark.parametrize("variant,arch", [("gqa", "llama"), ("tied", "llama"), ("mqa", "llama"),
-                                          ("qwen2", "qwen2")])
+@pytest.mark.parametrize("variant,arch", [("gqa", "llama"), ("tied", "llama"), ("mqa", "llama"), ("qwen2", "qwen2")])
 def test_f32_gguf_loads_the_same_parameters_as_the_hf_directory(tmp_path, variant, arch):
     path = write_gguf(tmp_path / "m.gguf", DATA / f"hf_{variant}", arch=arch)
     config, params, _ = load_model(path)
     want_config, want_params, _ = load_model(DATA / f"hf_{variant}", dtype="float32")
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "tie_word_embeddings", "attention_bias", "rope_theta"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "attention_bias",
+        "rope_theta",
+    ):
         assert getattr(config, field) == getattr(want_config, field), field
     got, want = _flat(params), _flat(want_params)
     assert got.keys() == want.keys()
@@ -151,15 +177,20 @@ def ref_q5(blocks: np.ndarray, with_min: bool) -> np.ndarray:
     """ggml's block_q5_0/q5_1: fp16 d (, fp16 m), 4 bytes of high bits, 16 bytes of nibbles."""
     d = _f16(blocks[:, :2].copy())
     off = 4 if with_min else 2
-    qh = blocks[:, off:off + 4].copy().view(np.uint32)[:, 0]
-    qs = blocks[:, off + 4:]
+    qh = blocks[:, off : off + 4].copy().view(np.uint32)[:, 0]
+    qs = blocks[:, off + 4 :]
     hi = ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
     q = (np.concatenate([qs & 0x0F, qs >> 4], axis=1) | hi).astype(np.float32)
     return d * q + _f16(blocks[:, 2:4].copy()) if with_min else d * (q - 16)
 
 
-REFERENCES = {Q.Q8_0: ref_q8_0, Q.Q4_1: ref_q4_1, Q.Q4_0: ref_q4_0,
-              Q.Q5_0: lambda b: ref_q5(b, False), Q.Q5_1: lambda b: ref_q5(b, True)}
+REFERENCES = {
+    Q.Q8_0: ref_q8_0,
+    Q.Q4_1: ref_q4_1,
+    Q.Q4_0: ref_q4_0,
+    Q.Q5_0: lambda b: ref_q5(b, False),
+    Q.Q5_1: lambda b: ref_q5(b, True),
+}
 
 
 def _roundtrip(tmp_path: Path, values: np.ndarray, qtype: Q):
@@ -184,15 +215,18 @@ def test_block_quants_dequantize_like_ggml(tmp_path, qtype):
     want = REFERENCES[qtype](np.asarray(tensor.raw).reshape(-1, block_bytes)).reshape(6, 64)
     np.testing.assert_array_equal(got, want)
     bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5}[qtype]
-    assert np.abs(got - values).max() < 8 / 2 ** bits  # a real quantization of the values, not noise
+    assert np.abs(got - values).max() < 8 / 2**bits  # a real quantization of the values, not noise
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16])
 def test_float_types_dequantize_exactly(tmp_path, qtype):
     values = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
     tensor = _roundtrip(tmp_path, values, qtype)
-    want = values.astype(np.float16).astype(np.float32) if qtype == Q.F16 else \
-        (values.view(np.uint32) + 0x7FFF + ((values.view(np.uint32) >> 16) & 1) >> 16 << 16).view(np.float32)
+    want = (
+        values.astype(np.float16).astype(np.float32)
+        if qtype == Q.F16
+        else (values.view(np.uint32) + 0x7FFF + ((values.view(np.uint32) >> 16) & 1) >> 16 << 16).view(np.float32)
+    )
     np.testing.assert_array_equal(tensor.dequantize(), want)
 
 
@@ -205,10 +239,10 @@ def test_k_quants_load_through_the_reference_dequantizer(tmp_path, qtype):
     scale = np.array([0.01], np.float16).view(np.uint8)  # d (and dmin) are the block's trailing/leading fp16 fields
     if qtype in (Q.Q2_K, Q.Q4_K, Q.Q5_K):
         offset = {Q.Q2_K: size - 4, Q.Q4_K: 0, Q.Q5_K: 0}[qtype]
-        raw[:, offset:offset + 2] = scale
-        raw[:, offset + 2:offset + 4] = scale
+        raw[:, offset : offset + 2] = scale
+        raw[:, offset + 2 : offset + 4] = scale
     else:
-        raw[:, size - 2:] = scale
+        raw[:, size - 2 :] = scale
     w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     w.add_tensor("k", raw.reshape(2, 2 * size), raw_dtype=qtype)
     w.write_header_to_file()

@@ -16,8 +16,14 @@ from paged_jax.tokenizer import HFTokenizer
 
 VOCAB = Path(__file__).parent / "data" / "gguf_vocab"
 # name -> (tokenizer.ggml.model, tokenizer.ggml.pre)
-FILES = {"gpt-2": ("gpt2", "gpt-2"), "starcoder": ("gpt2", "starcoder"), "qwen2": ("gpt2", "qwen2"),
-         "llama-bpe": ("gpt2", "llama-bpe"), "llama-spm": ("llama", "default"), "phi-3": ("llama", "default")}
+FILES = {
+    "gpt-2": ("gpt2", "gpt-2"),
+    "starcoder": ("gpt2", "starcoder"),
+    "qwen2": ("gpt2", "qwen2"),
+    "llama-bpe": ("gpt2", "llama-bpe"),
+    "llama-spm": ("llama", "default"),
+    "phi-3": ("llama", "default"),
+}
 # Where llama.cpp's ids differ from `tokenizers` running the same regex and merges: llama.cpp's regex
 # engine classes the Vietnamese letters in 'Việt' differently, so ' Việt' is one token there, three here.
 KNOWN_DIFFERENCES = {("llama-bpe", "Cửa Việt")}
@@ -45,8 +51,11 @@ def test_ids_equal_llama_cpp_test_vectors(vocab_dir, name):
     tok = tokenizer_from_gguf(gguf).tokenizer
     vectors = _vectors(name)
     assert len(vectors) >= 40
-    wrong = [(text, want, tok.encode(text, add_special_tokens=False).ids) for text, want in vectors
-             if tok.encode(text, add_special_tokens=False).ids != want and (name, text) not in KNOWN_DIFFERENCES]
+    wrong = [
+        (text, want, tok.encode(text, add_special_tokens=False).ids)
+        for text, want in vectors
+        if tok.encode(text, add_special_tokens=False).ids != want and (name, text) not in KNOWN_DIFFERENCES
+    ]
     assert not wrong, f"{name}: {len(wrong)} of {len(vectors)} differ, first: {wrong[0]}"
 
 

@@ -24,12 +24,28 @@ MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)]  # decode,
 class TestGpuKernel:
     interpret = True
 
-    def run(self, case, dtype=jnp.float32, q_block=4, pages_per_block=2, num_splits=None, decode_q_block=None,
-            decode_num_splits=None, one_range=False, **opts):
-        kernel = functools.partial(ragged_paged_attention_gpu, interpret=self.interpret, q_block=q_block,
-                                   pages_per_block=pages_per_block, num_splits=num_splits,
-                                   decode_q_block=decode_q_block, decode_num_splits=decode_num_splits,
-                                   one_range=one_range)
+    def run(
+        self,
+        case,
+        dtype=jnp.float32,
+        q_block=4,
+        pages_per_block=2,
+        num_splits=None,
+        decode_q_block=None,
+        decode_num_splits=None,
+        one_range=False,
+        **opts,
+    ):
+        kernel = functools.partial(
+            ragged_paged_attention_gpu,
+            interpret=self.interpret,
+            q_block=q_block,
+            pages_per_block=pages_per_block,
+            num_splits=num_splits,
+            decode_q_block=decode_q_block,
+            decode_num_splits=decode_num_splits,
+            one_range=one_range,
+        )
         check_case(case, kernel, dtype, **opts)
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -61,9 +77,7 @@ class TestGpuKernel:
         )
         self.run(case)
 
-    @pytest.mark.parametrize(
-        "head_dim,page_size", [(64, 8), (128, 16), (256, 32), (64, 64), (128, 128), (64, 256)]
-    )
+    @pytest.mark.parametrize("head_dim,page_size", [(64, 8), (128, 16), (256, 32), (64, 64), (128, 128), (64, 256)])
     def test_head_dims_and_page_sizes(self, head_dim, page_size):
         case = make_case(
             2,
@@ -104,7 +118,13 @@ class TestGpuKernel:
     def test_decode_prefill_mixed_boundaries(self, seqs, num_tokens, max_seqs):
         """The default plan (decode or prefill config by bucket) at the edges of items and sequences."""
         case = make_case(
-            5, seqs, num_tokens=num_tokens, max_seqs=max_seqs, num_q_heads=4, num_kv_heads=2, head_dim=64,
+            5,
+            seqs,
+            num_tokens=num_tokens,
+            max_seqs=max_seqs,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
             page_size=8,
         )
         self.run(case, q_block=None, pages_per_block=None)
@@ -116,27 +136,46 @@ class TestGpuKernel:
         """Flash-decoding splits: one, a few, and more splits than a sequence has KV blocks (kv 3 and 9 with
         16-key blocks: empty splits must drop out of the combine); decode and a chunk in one batch."""
         case = make_case(
-            6, [(1, 70), (1, 3), (1, 9), (3, 40), (0, 5)], num_tokens=8, max_seqs=8, num_q_heads=8,
-            num_kv_heads=2, head_dim=64, page_size=8,
+            6,
+            [(1, 70), (1, 3), (1, 9), (3, 40), (0, 5)],
+            num_tokens=8,
+            max_seqs=8,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            page_size=8,
         )
-        self.run(case, q_block=4, pages_per_block=2, num_splits=num_splits, sliding_window=window,
-                 soft_cap=cap)
+        self.run(case, q_block=4, pages_per_block=2, num_splits=num_splits, sliding_window=window, soft_cap=cap)
 
     @pytest.mark.parametrize("overrides", [dict(one_range=True), dict(decode_num_splits=3, decode_q_block=8)])
     def test_prefill_bucket_ranges(self, overrides):
         """A prefill bucket: one range with the prefill tiling for every item, or the prefill range plus a decode
         range (sequences of up to the decode tile's tokens: 1, 3 and 8 here) with its own splits."""
         case = make_case(
-            9, [(1, 40), (20, 20), (3, 33), (0, 4), (8, 70), (9, 9), (1, 1)], num_tokens=48, max_seqs=8,
-            num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+            9,
+            [(1, 40), (20, 20), (3, 33), (0, 4), (8, 70), (9, 9), (1, 1)],
+            num_tokens=48,
+            max_seqs=8,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            page_size=8,
         )
         self.run(case, q_block=16, pages_per_block=2, **overrides)
 
     def test_adaptive_splits_small_batch(self):
         """The default plan of a small decode bucket splits KV by itself (the issue's batch-4 case, small)."""
         case = make_case(
-            8, [(1, 300), (1, 129), (1, 64), (1, 1)], num_tokens=16, max_seqs=8, num_q_heads=4,
-            num_kv_heads=1, head_dim=64, page_size=16, dtype=jnp.bfloat16, max_blocks=64,
+            8,
+            [(1, 300), (1, 129), (1, 64), (1, 1)],
+            num_tokens=16,
+            max_seqs=8,
+            num_q_heads=4,
+            num_kv_heads=1,
+            head_dim=64,
+            page_size=16,
+            dtype=jnp.bfloat16,
+            max_blocks=64,
         )
         (rng,) = plan_gpu(16, 8, 64, 4, 1, 64, 16, jnp.bfloat16).ranges
         assert rng.adaptive_splits and rng.num_splits > 1
@@ -170,9 +209,7 @@ class TestGpuKernelCompiled(TestGpuKernel):
 
 
 def test_default_block_sizes_through_public_entry_point():
-    case = make_case(
-        4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16
-    )
+    case = make_case(4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
     check_case(case, "pallas-gpu-interpret")
 
 
@@ -195,9 +232,7 @@ def test_lowers_to_triton_for_h200(t, s, h, kvh, d, page, blocks):
         sds((s + 1,), jnp.int32),
         sds((1,), jnp.int32),
     )
-    fn = jax.jit(
-        lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5, sliding_window=512, soft_cap=30.0)
-    )
+    fn = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5, sliding_window=512, soft_cap=30.0))
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
         exported = export.export(

@@ -26,8 +26,12 @@ class TestTpuKernel:
     interpret = pltpu.InterpretParams()
 
     def run(self, case, dtype=jnp.float32, tokens_per_item=4, pages_per_block=2, **opts):
-        kernel = functools.partial(ragged_paged_attention_tpu, interpret=self.interpret,
-                                   tokens_per_item=tokens_per_item, pages_per_block=pages_per_block)
+        kernel = functools.partial(
+            ragged_paged_attention_tpu,
+            interpret=self.interpret,
+            tokens_per_item=tokens_per_item,
+            pages_per_block=pages_per_block,
+        )
         check_case(case, kernel, dtype, **opts)
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -59,9 +63,7 @@ class TestTpuKernel:
         )
         self.run(case)
 
-    @pytest.mark.parametrize(
-        "head_dim,page_size", [(64, 8), (128, 16), (256, 32), (64, 64), (128, 128), (64, 256)]
-    )
+    @pytest.mark.parametrize("head_dim,page_size", [(64, 8), (128, 16), (256, 32), (64, 64), (128, 128), (64, 256)])
     def test_head_dims_and_page_sizes(self, head_dim, page_size):
         # kv lengths: exactly a multiple of the page size, one past it, and a decode in the first page.
         case = make_case(
@@ -91,9 +93,7 @@ class TestTpuKernel:
         self.run(case, sliding_window=window, soft_cap=cap)
 
     def test_default_block_sizes_through_public_entry_point(self):
-        case = make_case(
-            4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16
-        )
+        case = make_case(4, MIXED, num_tokens=64, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
         check_case(case, "pallas-tpu-interpret")
 
     @pytest.mark.parametrize(
@@ -107,9 +107,7 @@ class TestTpuKernel:
         ids=["decode-prefill-boundary", "item-boundaries", "decode-only", "prefill-only"],
     )
     def test_range_and_item_boundaries(self, seqs):
-        case = make_case(
-            8, seqs, num_tokens=32, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8
-        )
+        case = make_case(8, seqs, num_tokens=32, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
         self.run(case)
 
     @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])

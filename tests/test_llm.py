@@ -9,8 +9,7 @@ from paged_jax import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla",
-               warmup=False)
+    return LLM("tiny", num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla", warmup=False)
 
 
 def test_an_invalid_prompt_withdraws_the_whole_call(llm):

@@ -62,8 +62,9 @@ def test_causal_and_padding_do_not_leak(tiny_config, tiny_params):
     changed, _ = _forward(tiny_config, tiny_params, [1, 10, 20, 99, 41], range(5), [0] * 5)
     np.testing.assert_allclose(base[:3], changed[:3], atol=1e-6)
     assert np.abs(base[3:] - changed[3:]).max() > 1e-4
-    padded, _ = _forward(tiny_config, tiny_params, [1, 10, 20, 30, 40, 7, 7], [0, 1, 2, 3, 4, 0, 0],
-                         [0, 0, 0, 0, 0, -1, -1])
+    padded, _ = _forward(
+        tiny_config, tiny_params, [1, 10, 20, 30, 40, 7, 7], [0, 1, 2, 3, 4, 0, 0], [0, 0, 0, 0, 0, -1, -1]
+    )
     np.testing.assert_allclose(base, padded[:5], atol=1e-6)
 
 
@@ -76,7 +77,7 @@ def test_packed_sequences_match_separate_runs(tiny_config, tiny_params):
     start = 0
     for seq in seqs:
         alone, _ = _forward(tiny_config, tiny_params, seq, range(len(seq)), [0] * len(seq))
-        np.testing.assert_allclose(packed[start: start + len(seq)], alone, atol=1e-5)
+        np.testing.assert_allclose(packed[start : start + len(seq)], alone, atol=1e-5)
         start += len(seq)
 
 
@@ -84,8 +85,9 @@ def test_dense_attention_matches_repeat_kv_reference():
     rng = np.random.default_rng(0)
     t, hq, hkv, d = 6, 8, 2, 16
     q, k, v = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
-    meta = DenseMeta(segment_ids=jnp.asarray([0, 0, 0, 1, 1, -1], jnp.int32),
-                     positions=jnp.asarray([0, 1, 2, 0, 1, 0], jnp.int32))
+    meta = DenseMeta(
+        segment_ids=jnp.asarray([0, 0, 0, 1, 1, -1], jnp.int32), positions=jnp.asarray([0, 1, 2, 0, 1, 0], jnp.int32)
+    )
     out, cache = dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), "cache", meta, sm_scale=0.25)
     assert cache == "cache"
     kr, vr = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)  # HF repeat_kv
@@ -93,7 +95,7 @@ def test_dense_attention_matches_repeat_kv_reference():
     for seg_start, seg_len in ((0, 3), (3, 2)):
         for i in range(seg_len):
             qi = q[seg_start + i]  # [Hq, D]
-            ks, vs = kr[seg_start: seg_start + i + 1], vr[seg_start: seg_start + i + 1]
+            ks, vs = kr[seg_start : seg_start + i + 1], vr[seg_start : seg_start + i + 1]
             s = np.einsum("hd,khd->hk", qi, ks) * 0.25
             p = np.exp(s - s.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
@@ -128,7 +130,7 @@ def test_greedy_generate_matches_argmax_and_compiles_once(tiny_config, tiny_para
     for _ in range(5):  # step by step with an unpadded full forward
         logits = full_logits(model, tiny_params, jnp.asarray(seq, jnp.int32), jnp.int32(len(seq)))
         seq.append(int(jnp.argmax(logits[-1])))
-    assert new == seq[len(prompt):]
+    assert new == seq[len(prompt) :]
     before = _greedy._cache_size()
     greedy_generate(model, tiny_params, [1, 9, 9], 5)  # same bucket (16) and steps: no recompile
     assert _greedy._cache_size() == before

@@ -24,9 +24,14 @@ def draw(logits, m, *, steps=64, **flags):
     out = []
     for step in range(steps):
         m["step"][:] = step
-        res = sample(jnp.asarray(logits), SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()}),
-                     do_sample=flags.get("do_sample", True), do_filter=flags.get("do_filter", False),
-                     do_penalty=flags.get("do_penalty", False), want_logprobs=flags.get("want_logprobs", False))
+        res = sample(
+            jnp.asarray(logits),
+            SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()}),
+            do_sample=flags.get("do_sample", True),
+            do_filter=flags.get("do_filter", False),
+            do_penalty=flags.get("do_penalty", False),
+            want_logprobs=flags.get("want_logprobs", False),
+        )
         out.append(np.asarray(res.tokens))
     return np.stack(out)
 
@@ -106,8 +111,14 @@ def test_penalties_follow_vllm_semantics():
 
 def test_logprobs_are_of_the_raw_distribution(logits):
     m = meta(4, temperature=0.0)
-    res = sample(jnp.asarray(logits), SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()}), do_sample=False,
-                 do_filter=False, do_penalty=False, want_logprobs=True)
+    res = sample(
+        jnp.asarray(logits),
+        SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()}),
+        do_sample=False,
+        do_filter=False,
+        do_penalty=False,
+        want_logprobs=True,
+    )
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), -1))
     np.testing.assert_allclose(np.asarray(res.logprob), ref.max(-1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(res.top_logprobs)[:, 0], ref.max(-1), rtol=1e-5, atol=1e-6)

@@ -103,6 +103,7 @@ def test_out_of_pages_preempts_the_most_recently_admitted():
 def test_admission_keeps_the_watermark_free_while_others_run():
     """100 usable pages, 5% watermark: with 92 in use, a request needing 4 more pages (leaving 4 free) waits; one
     needing 2 (leaving 6) is admitted. The first request is always admitted (nothing runs yet)."""
+
     def run(watermark: float, second_prompt_len: int) -> list[str]:
         kv = KVCacheManager(num_pages=101, page_size=8)
         sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=1024, watermark=watermark)

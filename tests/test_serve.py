@@ -62,8 +62,11 @@ def test_stream_and_unary_match_offline_token_for_token(client):
         ids, text, reasons, final = collect(client.generate_stream(prompt, timeout=30, **greedy_kwargs()))
         want = ref[prompt].outputs[0]
         assert ids[0] == want.token_ids and text[0] == want.text
-        assert reasons[0] == final.samples[0].finish_reason == pb.FinishReason.Value(
-            f"FINISH_REASON_{want.finish_reason.upper()}")
+        assert (
+            reasons[0]
+            == final.samples[0].finish_reason
+            == pb.FinishReason.Value(f"FINISH_REASON_{want.finish_reason.upper()}")
+        )
         assert final.usage.prompt_tokens == len(ref[prompt].prompt_token_ids)
         assert final.usage.completion_tokens == len(want.token_ids)
         assert final.timing.time_to_first_token_s > 0
@@ -91,8 +94,15 @@ def test_concurrent_streams_match_offline(client):
 
 def test_n_samples_seeded_match_offline_with_logprobs(client):
     ref = shared().sampled
-    kwargs = dict(n=SAMPLED.n, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p, seed=SAMPLED.seed,
-                  max_tokens=SAMPLED.max_tokens, ignore_eos=True, logprobs=2)
+    kwargs = dict(
+        n=SAMPLED.n,
+        temperature=SAMPLED.temperature,
+        top_p=SAMPLED.top_p,
+        seed=SAMPLED.seed,
+        max_tokens=SAMPLED.max_tokens,
+        ignore_eos=True,
+        logprobs=2,
+    )
     responses = list(client.generate_stream(PROMPTS[0], timeout=30, **kwargs))
     ids, _, reasons, final = collect(responses)
     assert ids == {c.index: c.token_ids for c in ref.outputs}
@@ -182,8 +192,12 @@ def test_one_failing_request_fails_alone(client, monkeypatch, caplog):
 def test_overload_gives_resource_exhausted(client):
     small_queue = start_server(max_queued_requests=2)
     try:
-        calls = [client.generate_stream(PROMPTS[3], timeout=60, temperature=0, max_tokens=1500, ignore_eos=True,
-                                        request_id=f"fill-{i}") for i in range(10)]
+        calls = [
+            client.generate_stream(
+                PROMPTS[3], timeout=60, temperature=0, max_tokens=1500, ignore_eos=True, request_id=f"fill-{i}"
+            )
+            for i in range(10)
+        ]
         # The engine runs 8 at once (whichever arrived first); the other two are queued behind them. Wait on
         # that state, however long a loaded machine takes to get there (a 10 s budget once ran out under load).
         engine, loop = shared().engine, shared().loop
@@ -202,10 +216,18 @@ def test_metrics_endpoint():
     metrics = shared().metrics
     port = metrics.serve("127.0.0.1", 0)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for name in ("paged_jax_requests_total", "paged_jax_generated_tokens_total", "paged_jax_prompt_tokens_total",
-                 "paged_jax_time_to_first_token_seconds_bucket", "paged_jax_time_per_output_token_seconds_bucket",
-                 "paged_jax_queue_depth", "paged_jax_running", "paged_jax_kv_pages_in_use_ratio",
-                 "paged_jax_prefix_cache_hit_rate", "paged_jax_preemptions_total"):
+    for name in (
+        "paged_jax_requests_total",
+        "paged_jax_generated_tokens_total",
+        "paged_jax_prompt_tokens_total",
+        "paged_jax_time_to_first_token_seconds_bucket",
+        "paged_jax_time_per_output_token_seconds_bucket",
+        "paged_jax_queue_depth",
+        "paged_jax_running",
+        "paged_jax_kv_pages_in_use_ratio",
+        "paged_jax_prefix_cache_hit_rate",
+        "paged_jax_preemptions_total",
+    ):
         assert name in body, name
     assert 'paged_jax_requests_total{method="Generate",status="OK"}' in body
     metrics.close()
@@ -221,16 +243,24 @@ def test_auth_on_and_off(server):
                     assert c.generate(PROMPTS[0], max_tokens=2).completions[0].token_ids
                     assert c.model_info().name == "tiny"
                     continue
-                for call in (lambda: c.generate(PROMPTS[0], max_tokens=2), c.model_info,
-                             lambda: list(c.generate_stream(PROMPTS[0], max_tokens=2))):
+                for call in (
+                    lambda: c.generate(PROMPTS[0], max_tokens=2),
+                    c.model_info,
+                    lambda: list(c.generate_stream(PROMPTS[0], max_tokens=2)),
+                ):
                     with pytest.raises(grpc.RpcError) as e:
                         call()
                     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with Client(server.target) as plain:  # the server without auth needs no token
             assert plain.generate(PROMPTS[0], max_tokens=2).completions[0].token_ids
         with Client(secured.target) as c:  # issue 14.12: the scheme is case-insensitive, the token is not
-            for value, ok in (("bearer s3cret", True), ("BEARER s3cret", True), ("bearer S3CRET", False),
-                              ("Basic s3cret", False), ("s3cret", False)):
+            for value, ok in (
+                ("bearer s3cret", True),
+                ("BEARER s3cret", True),
+                ("bearer S3CRET", False),
+                ("Basic s3cret", False),
+                ("s3cret", False),
+            ):
                 call = c.stub.GetModelInfo.with_call
                 if ok:
                     assert call(pb.GetModelInfoRequest(), metadata=(("authorization", value),))[0].name == "tiny"
@@ -266,18 +296,26 @@ def _self_signed(tmp_path):
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_pem = cert.public_bytes(serialization.Encoding.PEM)
     (tmp_path / "cert.pem").write_bytes(cert_pem)
-    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                         serialization.PrivateFormat.PKCS8,
-                                                         serialization.NoEncryption()))
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"), cert_pem
 
 

@@ -24,8 +24,10 @@ from serve.metrics import Metrics
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 from serve.server import ServerThread
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
-            "{% if tools %}[{{ tools | length }} tools]{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+    "{% if tools %}[{{ tools | length }} tools]{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 DEFAULTS = {"temperature": 0.0, "max_tokens": 5}
 GOLDEN = json.loads((Path(__file__).parent / "data" / "tokenizers" / "golden.json").read_text("utf-8"))
@@ -35,9 +37,19 @@ GOLDEN = json.loads((Path(__file__).parent / "data" / "tokenizers" / "golden.jso
 def setup():
     config = load_model_config("tiny")
     tokenizer = ByteTokenizer(chat_template=template_from_text(TEMPLATE, "test template"))
-    engine = LLMEngine(config, init_params(config, seed=0), tokenizer,
-                       EngineConfig(num_pages=256, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="xla",
-                                    warmup=False, sampling_defaults=dict(DEFAULTS)))
+    engine = LLMEngine(
+        config,
+        init_params(config, seed=0),
+        tokenizer,
+        EngineConfig(
+            num_pages=256,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            attention_backend="xla",
+            warmup=False,
+            sampling_defaults=dict(DEFAULTS),
+        ),
+    )
     _, ids = apply_chat_template(tokenizer, CHAT)
     reference = run_offline(engine, ids, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), "ref")
     metrics = Metrics()
@@ -58,8 +70,9 @@ def test_chat_request_is_rendered_with_the_template(setup):
     streamed = [r for r in client.generate_stream(build_request(chat_input(CHAT), ignore_eos=True, max_tokens=3))]
     assert sum(len(r.chunk.token_ids) for r in streamed if r.HasField("chunk")) == 3
     with_tools = client.chat(CHAT, tools=[{"name": "f"}, {"name": "g"}], add_generation_prompt=False, max_tokens=1)
-    assert with_tools.usage.prompt_tokens == len(tokenizer.encode(
-        "<system>Be brief.</system><user>Hello there</user>[2 tools]", add_special_tokens=False))
+    assert with_tools.usage.prompt_tokens == len(
+        tokenizer.encode("<system>Be brief.</system><user>Hello there</user>[2 tools]", add_special_tokens=False)
+    )
 
 
 def test_unset_fields_take_the_generation_defaults(setup):
@@ -71,15 +84,20 @@ def test_unset_fields_take_the_generation_defaults(setup):
     assert len(client.generate("Hi", ignore_eos=True, max_tokens=2).completions[0].token_ids) == 2
 
 
-@pytest.mark.parametrize("chat,field", [
-    (pb.ChatInput(), "chat.messages"),
-    (chat_input([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]), r"chat.messages\[1\].role"),
-    (chat_input([{"role": "", "content": "a"}]), r"chat.messages\[0\].role"),
-    (pb.ChatInput(messages=[pb.ChatMessage(role="user", content="a")], tools_json="[oops"), "chat.tools_json"),
-    (pb.ChatInput(messages=[pb.ChatMessage(role="user", content="a")], tools_json='{"a": 1}'), "chat.tools_json"),
-    (pb.ChatInput(messages=[pb.ChatMessage(role="user", content="a")], chat_template_kwargs_json='{"tools": 1}'),
-     "chat.chat_template_kwargs_json"),
-])
+@pytest.mark.parametrize(
+    "chat,field",
+    [
+        (pb.ChatInput(), "chat.messages"),
+        (chat_input([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]), r"chat.messages\[1\].role"),
+        (chat_input([{"role": "", "content": "a"}]), r"chat.messages\[0\].role"),
+        (pb.ChatInput(messages=[pb.ChatMessage(role="user", content="a")], tools_json="[oops"), "chat.tools_json"),
+        (pb.ChatInput(messages=[pb.ChatMessage(role="user", content="a")], tools_json='{"a": 1}'), "chat.tools_json"),
+        (
+            pb.ChatInput(messages=[pb.ChatMessage(role="user", content="a")], chat_template_kwargs_json='{"tools": 1}'),
+            "chat.chat_template_kwargs_json",
+        ),
+    ],
+)
 def test_invalid_chat_names_the_field(setup, chat, field):
     client, *_ = setup
     with pytest.raises(grpc.RpcError) as e:
@@ -113,8 +131,11 @@ def test_parse_generate_with_a_real_vocabulary(real_tokenizer_dir):
     """Conversion alone (no server): Phi-3's own template gives transformers' ids; the decode fields pass through."""
     tokenizer = load_tokenizer(real_tokenizer_dir("phi-3"), load_model_config("tiny"))
     case = next(c for c in GOLDEN["tokenizers"]["phi-3"]["chat"] if c["template"] is None)
-    req = build_request(chat_input(case["messages"], add_generation_prompt=case["add_generation_prompt"]),
-                        skip_special_tokens=False, spaces_between_special_tokens=False)
+    req = build_request(
+        chat_input(case["messages"], add_generation_prompt=case["add_generation_prompt"]),
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+    )
     parsed = convert.parse_generate(req, LIMITS, tokenizer, tokenizer.vocab_size, 4096, 8, {"top_p": 0.5})
     assert parsed.prompt_token_ids == case["ids"]
     p = parsed.params
@@ -127,6 +148,7 @@ def test_client_cli_chat(setup, capsys):
     from serve.main import main
 
     _, _, ids, _, target = setup
-    assert main(["client", "--target", target, "--chat", "--system", "Be brief.", "Hello there",
-                 "--max-tokens", "3"]) == 0
+    assert (
+        main(["client", "--target", target, "--chat", "--system", "Be brief.", "Hello there", "--max-tokens", "3"]) == 0
+    )
     assert f"prompt {len(ids)} tokens" in capsys.readouterr().err

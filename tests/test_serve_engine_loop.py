@@ -14,9 +14,12 @@ from serve.engine_loop import EngineLoop
 
 def small_engine() -> LLMEngine:
     s = shared()
-    return LLMEngine(s.engine.config, s.params, s.engine.tokenizer,
-                     EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16, attention_backend="xla",
-                                  warmup=False))
+    return LLMEngine(
+        s.engine.config,
+        s.params,
+        s.engine.tokenizer,
+        EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16, attention_backend="xla", warmup=False),
+    )
 
 
 def test_a_request_that_cannot_be_scheduled_does_not_spin_the_thread(monkeypatch):
@@ -34,6 +37,7 @@ def test_a_request_that_cannot_be_scheduled_does_not_spin_the_thread(monkeypatch
     monkeypatch.setattr(engine, "step", step)
     loop = EngineLoop(engine).start()
     try:
+
         async def submit():
             return loop.submit("stuck", [5, 6, 7], SamplingParams(max_tokens=4), None)
 

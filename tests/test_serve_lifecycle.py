@@ -31,15 +31,20 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 def test_engine_loop_death_ends_every_stream_unavailable(monkeypatch):
     s = shared()  # a second engine (this one dies) on the shared engine's weights
-    engine = LLMEngine(s.engine.config, s.params, s.engine.tokenizer,
-                       EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16,
-                                    attention_backend="xla", warmup=False))
+    engine = LLMEngine(
+        s.engine.config,
+        s.params,
+        s.engine.tokenizer,
+        EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16, attention_backend="xla", warmup=False),
+    )
     loop = EngineLoop(engine).start()
     server = ServerThread(loop, ServingConfig(port=0)).start()
     try:
         with Client(server.target) as client:
-            calls = [client.generate_stream(PROMPTS[i], timeout=60, temperature=0, max_tokens=1500,
-                                            ignore_eos=True) for i in range(3)]
+            calls = [
+                client.generate_stream(PROMPTS[i], timeout=60, temperature=0, max_tokens=1500, ignore_eos=True)
+                for i in range(3)
+            ]
             for c in calls:
                 assert next(c).HasField("chunk")
             real_step = engine.step
@@ -73,9 +78,12 @@ def test_serve_forever_exits_nonzero_when_the_engine_dies(monkeypatch):
     """A dead engine loop ends open streams UNAVAILABLE and then the serving process itself, with a non-zero
     status, so a supervisor restarts it (it used to stay up, NOT_SERVING, for ever)."""
     s = shared()
-    engine = LLMEngine(s.engine.config, s.params, s.engine.tokenizer,
-                       EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16,
-                                    attention_backend="xla", warmup=False))
+    engine = LLMEngine(
+        s.engine.config,
+        s.params,
+        s.engine.tokenizer,
+        EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16, attention_backend="xla", warmup=False),
+    )
     fail = threading.Event()
     real_step = engine.step
 
@@ -116,9 +124,32 @@ def test_serve_forever_exits_nonzero_when_the_engine_dies(monkeypatch):
 def _start_subprocess(grace: float) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
-         "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--attention-backend", "xla",
-         "--grace-period", str(grace)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "serve",
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--num-pages",
+            "300",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "16",
+            "--attention-backend",
+            "xla",
+            "--grace-period",
+            str(grace),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, target = [], None
     deadline = time.monotonic() + 300  # a hang guard
     while time.monotonic() < deadline:
@@ -171,9 +202,30 @@ def test_sigterm_drains_then_aborts_and_exits_zero():
 def test_sigterm_during_warmup_exits_zero():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PAGED_JAX_COMPILE_CACHE="off")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "300",
-         "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--attention-backend", "xla"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "serve",
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--num-pages",
+            "300",
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "512",
+            "--attention-backend",
+            "xla",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in proc.stdout:  # the engine logs its KV capacity just before warm-up starts
             if "KV cache:" in line:

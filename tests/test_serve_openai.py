@@ -40,8 +40,10 @@ from serve.engine_loop import EngineLoop
 from serve.openai_api.server import HttpServerThread
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 
 
@@ -84,14 +86,23 @@ def test_completions_greedy_match_offline_unary_and_streaming(oai):
         assert out.usage.prompt_tokens == len(ref[prompt].prompt_token_ids)
         assert out.usage.completion_tokens == len(want.token_ids)
         assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
-        chunks = list(oai.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True,
-                                             max_tokens=GREEDY.max_tokens, stream_options={"include_usage": True}))
+        chunks = list(
+            oai.completions.create(
+                model="tiny",
+                prompt=prompt,
+                temperature=0,
+                stream=True,
+                max_tokens=GREEDY.max_tokens,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
         assert all(c.usage is None for c in chunks[:-1])
-        by_ids = oai.completions.create(model="tiny", prompt=ref[prompt].prompt_token_ids, temperature=0,
-                                        max_tokens=GREEDY.max_tokens)
+        by_ids = oai.completions.create(
+            model="tiny", prompt=ref[prompt].prompt_token_ids, temperature=0, max_tokens=GREEDY.max_tokens
+        )
         assert by_ids.choices[0].text == want.text
         if len(ref[prompt].prompt_token_ids) > 16:  # a full page: the second request hits the prefix cache
             assert by_ids.usage.prompt_tokens_details.cached_tokens >= 16
@@ -99,28 +110,51 @@ def test_completions_greedy_match_offline_unary_and_streaming(oai):
 
 def test_chat_matches_grpc_chat_unary_and_streaming(oai, stats):
     want = stats.chat(CHAT, temperature=0, max_tokens=8, ignore_eos=True)
-    out = oai.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_completion_tokens=8,
-                                      extra_body={"ignore_eos": True})
+    out = oai.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_completion_tokens=8, extra_body={"ignore_eos": True}
+    )
     c = out.choices[0]
     assert out.object == "chat.completion" and c.message.role == "assistant"
     assert c.message.content == want.completions[0].text and c.finish_reason == "length"
-    assert out.usage.prompt_tokens == want.usage.prompt_tokens == len(apply_chat_template(
-        shared().engine.tokenizer, CHAT)[1])
-    chunks = list(oai.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_tokens=8, stream=True,
-                                              extra_body={"ignore_eos": True}))
+    assert (
+        out.usage.prompt_tokens
+        == want.usage.prompt_tokens
+        == len(apply_chat_template(shared().engine.tokenizer, CHAT)[1])
+    )
+    chunks = list(
+        oai.chat.completions.create(
+            model="tiny", messages=CHAT, temperature=0, max_tokens=8, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
     assert chunks[-1].choices[0].finish_reason == "length"
-    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
-             CHAT[1]]
-    assert oai.chat.completions.create(model="tiny", messages=parts, temperature=0, max_tokens=8,
-                                       extra_body={"ignore_eos": True}).choices[0].message.content == c.message.content
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        CHAT[1],
+    ]
+    assert (
+        oai.chat.completions.create(
+            model="tiny", messages=parts, temperature=0, max_tokens=8, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .message.content
+        == c.message.content
+    )
 
 
 def test_n_seeded_sampling_reproducible_and_logprobs(oai):
     ref = shared().sampled
-    kwargs = dict(model="tiny", prompt=PROMPTS[0], n=SAMPLED.n, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p,
-                  seed=SAMPLED.seed, max_tokens=SAMPLED.max_tokens, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny",
+        prompt=PROMPTS[0],
+        n=SAMPLED.n,
+        temperature=SAMPLED.temperature,
+        top_p=SAMPLED.top_p,
+        seed=SAMPLED.seed,
+        max_tokens=SAMPLED.max_tokens,
+        extra_body={"ignore_eos": True},
+    )
     first = oai.completions.create(**kwargs, logprobs=2)
     assert {c.index: c.text for c in first.choices} == {c.index: c.text for c in ref.outputs}
     assert first.usage.completion_tokens == SAMPLED.n * SAMPLED.max_tokens
@@ -133,8 +167,15 @@ def test_n_seeded_sampling_reproducible_and_logprobs(oai):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {c.index: c.text for c in ref.outputs}
-    chat = oai.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_tokens=4, logprobs=True,
-                                       top_logprobs=3, extra_body={"ignore_eos": True})
+    chat = oai.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert "".join(t.token for t in content) == chat.choices[0].message.content
@@ -147,10 +188,25 @@ def test_stop_strings_and_vllm_extras(oai):
     c = out.choices[0]
     assert c.finish_reason == "stop" and want.text.startswith(c.text) and stop not in c.text
     assert c.model_extra["stop_reason"] == stop
-    out = oai.completions.create(model="tiny", prompt=PROMPTS[0], temperature=0.7, max_tokens=6, user="u-1",
-                                 presence_penalty=0.5, frequency_penalty=0.5, seed=7,
-                                 extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 6,
-                                             "ignore_eos": True, "skip_special_tokens": True, "cache_salt": "t1"})
+    out = oai.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        temperature=0.7,
+        max_tokens=6,
+        user="u-1",
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        seed=7,
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "min_tokens": 6,
+            "ignore_eos": True,
+            "skip_special_tokens": True,
+            "cache_salt": "t1",
+        },
+    )
     assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
 
 
@@ -160,20 +216,23 @@ def _status(call) -> openai.APIStatusError:
     return e.value
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(temperature="hot"), "temperature"),
-    (dict(temperature=-1), "temperature"),
-    (dict(top_p=0), "top_p"),
-    (dict(max_tokens=5000), "max_tokens"),
-    (dict(n=0), "n"),
-    (dict(seed=-3), "seed"),
-    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (dict(logprobs=21), "logprobs"),
-    (dict(prompt=""), "prompt"),
-    (dict(prompt=[["a"]]), "prompt"),
-    (dict(extra_body={"top_k": -2}), "top_k"),
-    (dict(echo=True), "echo"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(temperature="hot"), "temperature"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=5000), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(seed=-3), "seed"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=[["a"]]), "prompt"),
+        (dict(extra_body={"top_k": -2}), "top_k"),
+        (dict(echo=True), "echo"),
+    ],
+)
 def test_invalid_completion_fields_are_400_naming_the_param(oai, kwargs, param):
     args = dict(model="tiny", prompt="hi", max_tokens=2) | kwargs
     e = _status(lambda: oai.completions.create(**args))
@@ -182,15 +241,18 @@ def test_invalid_completion_fields_are_400_naming_the_param(oai, kwargs, param):
     assert e.body["message"].startswith(f"{param}: "), e.body
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
-    (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
-    (dict(messages=[]), "messages"),
-    (dict(max_completion_tokens=5000), "max_completion_tokens"),
-    (dict(top_logprobs=2), "top_logprobs"),
-    (dict(logprobs=True, top_logprobs=25), "top_logprobs"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+        (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+        (dict(messages=[]), "messages"),
+        (dict(max_completion_tokens=5000), "max_completion_tokens"),
+        (dict(top_logprobs=2), "top_logprobs"),
+        (dict(logprobs=True, top_logprobs=25), "top_logprobs"),
+        (dict(response_format={"type": "json_object"}), "response_format"),
+    ],
+)
 def test_invalid_chat_fields_are_400_naming_the_param(oai, kwargs, param):
     args = dict(model="tiny", messages=CHAT, max_tokens=2) | kwargs
     e = _status(lambda: oai.chat.completions.create(**args))
@@ -215,10 +277,18 @@ def test_unknown_model_is_404_and_models_health_metrics(oai, fronts):
 
 
 def test_raw_sse_ends_with_done(fronts):
-    body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 3, "temperature": 0, "stream": True,
-                       "ignore_eos": True, "logprobs": 0}).encode()
-    request = urllib.request.Request(f"{fronts[0].base_url}/completions", body,
-                                     {"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": "a",
+            "max_tokens": 3,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
+    ).encode()
+    request = urllib.request.Request(f"{fronts[0].base_url}/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.read().decode().split("\n\n") if line]
@@ -233,8 +303,9 @@ def _cancelled() -> float:
 def test_disconnect_mid_stream_frees_every_page(oai, stats):
     idle = wait_idle(stats)
     before, steps, cancelled = idle.pages_total, idle.num_steps, _cancelled()
-    stream = oai.completions.create(model="tiny", prompt=PROMPTS[1], temperature=0, max_tokens=1500, stream=True,
-                                    extra_body={"ignore_eos": True})
+    stream = oai.completions.create(
+        model="tiny", prompt=PROMPTS[1], temperature=0, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+    )
     seen = 0
     for chunk in stream:
         seen += len(chunk.choices[0].text)
@@ -251,8 +322,9 @@ def test_unary_disconnect_aborts_and_frees(fronts, stats):
     steps, cancelled = wait_idle(stats).num_steps, _cancelled()
     with openai.OpenAI(base_url=fronts[0].base_url, api_key="unused", max_retries=0, timeout=0.5) as client:
         with pytest.raises(openai.APITimeoutError):
-            client.completions.create(model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=1800,
-                                      extra_body={"ignore_eos": True})
+            client.completions.create(
+                model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=1800, extra_body={"ignore_eos": True}
+            )
     after = wait_idle(stats)
     assert after.pages_free == after.pages_total and _cancelled() == cancelled + 1
     assert after.num_steps - steps < 1800  # aborted when the client went away, not run to its end
@@ -260,8 +332,9 @@ def test_unary_disconnect_aborts_and_frees(fronts, stats):
 
 def test_auth_and_draining(fronts):
     s = shared()
-    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, auth_token="sesame", limits=LIMITS),
-                            s.metrics).start()
+    http = HttpServerThread(
+        s.loop, ServingConfig(port=0, http_port=0, auth_token="sesame", limits=LIMITS), s.metrics
+    ).start()
     try:
         with openai.OpenAI(base_url=http.base_url, api_key="wrong", max_retries=0) as bad:
             e = _status(lambda: bad.completions.create(model="tiny", prompt="hi", max_tokens=2))
@@ -283,9 +356,12 @@ def test_auth_and_draining(fronts):
 def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
     """One sequence at a time, one waiting: a third request is refused 429; a dead engine loop answers 503."""
     s = shared()
-    engine = LLMEngine(s.engine.config, s.params, s.engine.tokenizer,
-                       EngineConfig(num_pages=200, max_num_seqs=1, max_num_batched_tokens=16,
-                                    attention_backend="xla", warmup=False))
+    engine = LLMEngine(
+        s.engine.config,
+        s.params,
+        s.engine.tokenizer,
+        EngineConfig(num_pages=200, max_num_seqs=1, max_num_batched_tokens=16, attention_backend="xla", warmup=False),
+    )
     loop = EngineLoop(engine).start()
     http = HttpServerThread(loop, ServingConfig(port=0, http_port=0, max_queued_requests=1, limits=LIMITS)).start()
     try:
@@ -294,13 +370,16 @@ def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
             running = client.completions.create(**long, stream=True)
             next(iter(running))  # started: no longer queued
             waiting: list = []
-            thread = threading.Thread(target=lambda: waiting.append(client.completions.create(
-                model="tiny", prompt="b", max_tokens=2)), daemon=True)
+            thread = threading.Thread(
+                target=lambda: waiting.append(client.completions.create(model="tiny", prompt="b", max_tokens=2)),
+                daemon=True,
+            )
             thread.start()
             wait_until(lambda: loop.num_queued == 1, "the second request to wait in the queue")
             e = _status(lambda: client.completions.create(model="tiny", prompt="c", max_tokens=2))
-            assert e.status_code == 429 and isinstance(e, openai.RateLimitError) and e.body["code"] == \
-                "resource_exhausted"
+            assert (
+                e.status_code == 429 and isinstance(e, openai.RateLimitError) and e.body["code"] == "resource_exhausted"
+            )
             running.close()  # frees the sequence: the waiting request runs
             thread.join(120)
             assert waiting and waiting[0].usage.completion_tokens >= 1
@@ -335,9 +414,34 @@ def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
     refuses new work 503, ends an open stream with finish_reason `abort` after the grace period, exits 0."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--http-port", "0",
-         "--num-pages", "300", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--attention-backend", "xla",
-         "--grace-period", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "serve",
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--num-pages",
+            "300",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "16",
+            "--attention-backend",
+            "xla",
+            "--grace-period",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
         for line in proc.stdout:
@@ -360,10 +464,15 @@ def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
         wait_until(lambda: health() == 200, "/health 200 once the warm-up has compiled the decode shapes")
         with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
             assert [m.id for m in client.models.list()] == ["tiny"]
-            assert client.completions.create(model="tiny", prompt="hi", max_tokens=3,
-                                             extra_body={"ignore_eos": True}).usage.completion_tokens == 3
-            long = client.completions.create(model="tiny", prompt="a", temperature=0, max_tokens=1800, stream=True,
-                                             extra_body={"ignore_eos": True})
+            assert (
+                client.completions.create(
+                    model="tiny", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+                ).usage.completion_tokens
+                == 3
+            )
+            long = client.completions.create(
+                model="tiny", prompt="a", temperature=0, max_tokens=1800, stream=True, extra_body={"ignore_eos": True}
+            )
             chunks = iter(long)
             next(chunks)
             proc.send_signal(signal.SIGTERM)
@@ -379,8 +488,9 @@ def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
             proc.wait()
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", json.dumps({"prompt": "x" * (LIMITS.max_message_bytes + 1)})
-                                  .encode()])
+@pytest.mark.parametrize(
+    "body", [b"{not json", b"[1, 2]", json.dumps({"prompt": "x" * (LIMITS.max_message_bytes + 1)}).encode()]
+)
 def test_bodies_that_are_not_a_request_are_400(fronts, body):
     request = urllib.request.Request(f"{fronts[0].base_url}/completions", body, {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -397,8 +507,11 @@ def test_tls_and_auth_shared_with_grpc(tmp_path):
 
     cert, key, _ = _self_signed(tmp_path)
     s = shared()
-    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, tls_cert_file=cert, tls_key_file=key,
-                                                  auth_token="tok", limits=LIMITS), s.metrics).start()
+    http = HttpServerThread(
+        s.loop,
+        ServingConfig(port=0, http_port=0, tls_cert_file=cert, tls_key_file=key, auth_token="tok", limits=LIMITS),
+        s.metrics,
+    ).start()
     try:
         base_url = http.base_url
         assert base_url.startswith("https://")
@@ -426,8 +539,9 @@ def test_a_failure_inside_the_front_is_500_for_that_request_alone(oai, stats, mo
     e = _status(lambda: oai.completions.create(model="tiny", prompt="hi", max_tokens=2))
     assert e.status_code == 500 and "error id" not in e.body["message"] and "internal error (id" in e.body["message"]
     monkeypatch.setattr(ResponseBuilder, "delta_chunk", broken)
-    stream = oai.completions.create(model="tiny", prompt="a", max_tokens=1500, stream=True,
-                                    extra_body={"ignore_eos": True})
+    stream = oai.completions.create(
+        model="tiny", prompt="a", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+    )
     with pytest.raises(openai.APIError) as err:
         list(stream)
     assert "internal error (id" in str(err.value)
@@ -445,13 +559,20 @@ def test_several_prompts_in_one_completions_request(oai):
     assert [c.text for c in out.choices] == [ref[p].outputs[0].text for p in prompts]
     assert out.usage.prompt_tokens == sum(len(ref[p].prompt_token_ids) for p in prompts)
     streamed: dict[int, str] = {}
-    for chunk in oai.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=GREEDY.max_tokens,
-                                        stream=True, stream_options={"include_usage": True}):
+    for chunk in oai.completions.create(
+        model="tiny",
+        prompt=prompts,
+        temperature=0,
+        max_tokens=GREEDY.max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {i: ref[p].outputs[0].text for i, p in enumerate(prompts)}
-    two = oai.completions.create(model="tiny", prompt=[ref[prompts[0]].prompt_token_ids, prompts[1]], n=2,
-                                 temperature=0, max_tokens=4)
+    two = oai.completions.create(
+        model="tiny", prompt=[ref[prompts[0]].prompt_token_ids, prompts[1]], n=2, temperature=0, max_tokens=4
+    )
     assert [c.index for c in two.choices] == [0, 1, 2, 3]
     e = _status(lambda: oai.completions.create(model="tiny", prompt=["fine", ""], max_tokens=2))
     assert e.status_code == 400 and e.body["param"] == "prompt"

@@ -21,8 +21,9 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "a", "Once upon a ti
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
 LIMITS = ServingLimits(max_tokens=1800, max_n=8, max_stop_strings=4, max_stop_string_chars=32)
-ENGINE_CONFIG = EngineConfig(num_pages=1024, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla",
-                             max_model_len=2048)
+ENGINE_CONFIG = EngineConfig(
+    num_pages=1024, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla", max_model_len=2048
+)
 
 
 @dataclass
@@ -78,8 +79,8 @@ def stop_case(greedy: dict[str, RequestOutput], start: int = 3) -> tuple[str, Re
     for prompt, out in greedy.items():
         text = out.outputs[0].text
         for i in range(start, len(text) - 1):
-            if "\ufffd" not in text[i:i + 2]:
-                return prompt, out, text[i:i + 2]
+            if "\ufffd" not in text[i : i + 2]:
+                return prompt, out, text[i : i + 2]
     raise AssertionError(f"no greedy output has a two-character stop string without U+FFFD: {list(greedy.values())}")
 
 

@@ -96,10 +96,14 @@ INVALID = [
 
 @pytest.mark.parametrize("what,request_,field", INVALID, ids=[w for w, _, _ in INVALID])
 def test_invalid_argument_names_the_field(client, what, request_, field):
-    raw = client.channel.unary_unary(GENERATE, request_serializer=None,
-                                     response_deserializer=pb.GenerateUnaryResponse.FromString)
-    stream = client.channel.unary_stream(GENERATE.replace("GenerateUnary", "Generate"), request_serializer=None,
-                                         response_deserializer=pb.GenerateResponse.FromString)
+    raw = client.channel.unary_unary(
+        GENERATE, request_serializer=None, response_deserializer=pb.GenerateUnaryResponse.FromString
+    )
+    stream = client.channel.unary_stream(
+        GENERATE.replace("GenerateUnary", "Generate"),
+        request_serializer=None,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     data = request_ if isinstance(request_, bytes) else request_.SerializeToString()
     for call in (lambda: raw(data, timeout=10), lambda: list(stream(data, timeout=10))):
         with pytest.raises(grpc.RpcError) as e:
@@ -112,8 +116,11 @@ def test_other_rpcs_validate_and_server_still_serves(client):
     with pytest.raises(grpc.RpcError) as e:
         client.detokenize([1, 999])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("token_ids:")
-    tok = client.channel.unary_unary("/paged_jax.v1.GenerationService/Tokenize", request_serializer=None,
-                                     response_deserializer=pb.TokenizeResponse.FromString)
+    tok = client.channel.unary_unary(
+        "/paged_jax.v1.GenerationService/Tokenize",
+        request_serializer=None,
+        response_deserializer=pb.TokenizeResponse.FromString,
+    )
     with pytest.raises(grpc.RpcError) as e:
         tok(pb.TokenizeRequest(text="abcd").SerializeToString().replace(b"abcd", b"a\xffcd"), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("text:")
@@ -126,29 +133,53 @@ def test_other_rpcs_validate_and_server_still_serves(client):
 
 finite = st.floats(allow_nan=True, allow_infinity=True, width=64)
 small_float = st.one_of(finite, st.floats(-3, 3))
-sampling = st.fixed_dictionaries({}, optional={
-    "temperature": small_float, "top_k": st.integers(-3, 400), "top_p": small_float, "min_p": small_float,
-    "repetition_penalty": small_float, "presence_penalty": small_float, "frequency_penalty": small_float,
-    "seed": st.integers(0, 2**64 - 1), "max_tokens": st.one_of(st.integers(0, 12), st.integers(0, 2**32 - 1)),
-    "min_tokens": st.integers(0, 16), "stop": st.lists(st.text(max_size=40), max_size=6),
-    "stop_token_ids": st.lists(st.integers(-2**40, 2**40), max_size=5), "ignore_eos": st.booleans(),
-    "n": st.integers(0, 12), "logprobs": st.integers(0, 25)})
-prompts = st.one_of(st.text(max_size=60), st.lists(st.integers(-5, 330), max_size=40),
-                    st.lists(st.integers(-2**63, 2**63 - 1), max_size=4))
-requests = st.builds(lambda prompt, s, rid, salt, mode: req(prompt, request_id=rid, cache_salt=salt,
-                                                             output_mode=mode, **s),
-                     prompts, sampling, st.one_of(st.none(), st.text(max_size=20)),
-                     st.one_of(st.none(), st.text(max_size=300)), st.integers(-2, 5))
+sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": small_float,
+        "top_k": st.integers(-3, 400),
+        "top_p": small_float,
+        "min_p": small_float,
+        "repetition_penalty": small_float,
+        "presence_penalty": small_float,
+        "frequency_penalty": small_float,
+        "seed": st.integers(0, 2**64 - 1),
+        "max_tokens": st.one_of(st.integers(0, 12), st.integers(0, 2**32 - 1)),
+        "min_tokens": st.integers(0, 16),
+        "stop": st.lists(st.text(max_size=40), max_size=6),
+        "stop_token_ids": st.lists(st.integers(-(2**40), 2**40), max_size=5),
+        "ignore_eos": st.booleans(),
+        "n": st.integers(0, 12),
+        "logprobs": st.integers(0, 25),
+    },
+)
+prompts = st.one_of(
+    st.text(max_size=60),
+    st.lists(st.integers(-5, 330), max_size=40),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4),
+)
+requests = st.builds(
+    lambda prompt, s, rid, salt, mode: req(prompt, request_id=rid, cache_salt=salt, output_mode=mode, **s),
+    prompts,
+    sampling,
+    st.one_of(st.none(), st.text(max_size=20)),
+    st.one_of(st.none(), st.text(max_size=300)),
+    st.integers(-2, 5),
+)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(message=st.one_of(requests.map(lambda r: r.SerializeToString()), st.binary(max_size=200)),
-       streaming=st.booleans())
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    message=st.one_of(requests.map(lambda r: r.SerializeToString()), st.binary(max_size=200)), streaming=st.booleans()
+)
 def test_garbage_requests_get_an_answer(client, message, streaming):
     raw = (client.channel.unary_stream if streaming else client.channel.unary_unary)(
-        GENERATE.replace("GenerateUnary", "Generate") if streaming else GENERATE, request_serializer=None,
-        response_deserializer=bytes)
+        GENERATE.replace("GenerateUnary", "Generate") if streaming else GENERATE,
+        request_serializer=None,
+        response_deserializer=bytes,
+    )
     try:
         result = list(raw(message, timeout=30)) if streaming else raw(message, timeout=30)
         assert result
@@ -171,8 +202,10 @@ def test_n_above_max_num_seqs_is_rejected_and_model_info_says_so():
         with Client(srv.target) as c:
             assert ServingLimits().max_n > ENGINE_CONFIG.max_num_seqs
             assert c.model_info().max_n == ENGINE_CONFIG.max_num_seqs
-            for call in (lambda: c.generate("hi", n=9, max_tokens=2, timeout=10),
-                         lambda: list(c.generate_stream("hi", n=9, max_tokens=2, timeout=10))):
+            for call in (
+                lambda: c.generate("hi", n=9, max_tokens=2, timeout=10),
+                lambda: list(c.generate_stream("hi", n=9, max_tokens=2, timeout=10)),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     call()
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -33,9 +33,18 @@ main_only = pytest.mark.skipif(CHILD, reason="runs in the parent process")
 
 def small_config(num_kv_heads: int) -> ModelConfig:
     """hidden 256, 8 query heads of 32, vocab 320 (the byte tokenizer's ids fit): divisible by TP 1..8."""
-    return ModelConfig(name=f"kv{num_kv_heads}", vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=2,
-                       num_heads=8, num_kv_heads=num_kv_heads, head_dim=32, max_position_embeddings=1024,
-                       eos_token_ids=(2,))
+    return ModelConfig(
+        name=f"kv{num_kv_heads}",
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        max_position_embeddings=1024,
+        eos_token_ids=(2,),
+    )
 
 
 def make_prompts(n: int, seed: int, max_len: int = 70, shared_prefix: int = 0) -> list[list[int]]:
@@ -78,8 +87,12 @@ def test_tp_degrees_that_cannot_split_the_model_are_rejected():
     with pytest.raises(ValueError, match="num_heads"):
         kv_replication(small_config(2), 16)
     with pytest.raises(ValueError, match="num_kv_heads"):
-        kv_replication(ModelConfig(vocab_size=320, hidden_size=192, intermediate_size=384, num_heads=12,
-                                   num_kv_heads=3, head_dim=16), 2)
+        kv_replication(
+            ModelConfig(
+                vocab_size=320, hidden_size=192, intermediate_size=384, num_heads=12, num_kv_heads=3, head_dim=16
+            ),
+            2,
+        )
     with pytest.raises(ValueError, match="devices"):
         dp_device_groups(2, 2, devices=["d0", "d1", "d2"])
     assert dp_device_groups(2, 2, devices=list("abcd")) == [["a", "b"], ["c", "d"]]
@@ -105,9 +118,27 @@ def free_port() -> int:
 
 
 def batch_cmd(inp: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "paged_jax.batch", "--input", str(inp), "--output", str(out), "--model", "tiny",
-            "--attention-backend", "xla", "--no-warmup", "--num-pages", "96", "--max-num-seqs", "8",
-            "--max-num-batched-tokens", "64", "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "paged_jax.batch",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--model",
+        "tiny",
+        "--attention-backend",
+        "xla",
+        "--no-warmup",
+        "--num-pages",
+        "96",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "64",
+        "--no-progress",
+    ]
 
 
 def comparable(path: Path) -> dict[str, tuple]:
@@ -121,8 +152,19 @@ def comparable(path: Path) -> dict[str, tuple]:
 def test_batch_over_two_processes_matches_one(tmp_path):
     """Two real processes (jax.distributed over gloo on localhost) each take half the lines; process 0
     merges their parts into one output equal to a single process's; a re-run adds nothing."""
-    lines = [json.dumps({"id": f"q{i}", "prompt": f"request {i} " * (1 + i % 4), "max_tokens": 4 + i % 5,
-                         "temperature": 0.0 if i % 3 else 0.7, "seed": i, "ignore_eos": True}) for i in range(9)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"q{i}",
+                "prompt": f"request {i} " * (1 + i % 4),
+                "max_tokens": 4 + i % 5,
+                "temperature": 0.0 if i % 3 else 0.7,
+                "seed": i,
+                "ignore_eos": True,
+            }
+        )
+        for i in range(9)
+    ]
     lines.insert(4, "{broken")
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(lines) + "\n")
@@ -130,16 +172,27 @@ def test_batch_over_two_processes_matches_one(tmp_path):
     env.pop("XLA_FLAGS", None)
     single = tmp_path / "single" / "out.jsonl"
     config, params, tokenizer = load_model("tiny")  # what `--model tiny` loads, in this process
-    engine = LLMEngine(config, params, tokenizer, EngineConfig(num_pages=96, max_num_seqs=8, max_num_batched_tokens=64,
-                                                               attention_backend="xla", warmup=False))
+    engine = LLMEngine(
+        config,
+        params,
+        tokenizer,
+        EngineConfig(num_pages=96, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla", warmup=False),
+    )
     run_batch(engine, inp, single, progress=False)
     multi = tmp_path / "multi" / "out.jsonl"
     addr = f"localhost:{free_port()}"
 
     def run_two() -> list[str]:
-        procs = [subprocess.Popen(batch_cmd(inp, multi) + ["--coordinator-address", addr, "--num-processes", "2",
-                                                          "--process-id", str(i)], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                batch_cmd(inp, multi) + ["--coordinator-address", addr, "--num-processes", "2", "--process-id", str(i)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
         logs = [p.communicate(timeout=300)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
         return logs
@@ -159,12 +212,23 @@ def test_batch_over_two_processes_matches_one(tmp_path):
 
 
 if not CHILD:
+
     def test_mesh_suite():
         """The mesh tests below, in a child pytest with 8 host devices."""
-        env = {**os.environ, "PAGED_JAX_MESH_CHILD": "1", "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        env = {
+            **os.environ,
+            "PAGED_JAX_MESH_CHILD": "1",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
 
 else:
@@ -179,8 +243,13 @@ else:
 
     CONFIGS = {kv: small_config(kv) for kv in (8, 2)}
     PARAMS = {kv: init_params(cfg, seed=kv) for kv, cfg in CONFIGS.items()}
-    OPTIONS = {"num_pages": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64, "attention_backend": "xla",
-               "warmup": False}
+    OPTIONS = {
+        "num_pages": 64,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "attention_backend": "xla",
+        "warmup": False,
+    }
 
     def make_engine(kv: int, **options) -> LLMEngine | DataParallelEngine:
         ec = EngineConfig(**(OPTIONS | options))
@@ -215,8 +284,9 @@ else:
         kv_lens, cu = np.zeros(s, np.int32), np.full(s + 1, n, np.int32)
         kv_lens[0], cu[0] = n, 0
         meta = PagedMeta(slots, kv_lens, tables, cu, np.array([1], np.int32))
-        logits, runner.kv_caches = runner._forward(runner.params, runner.kv_caches, tokens, positions, meta,
-                                                   np.arange(s, dtype=np.int32))
+        logits, runner.kv_caches = runner._forward(
+            runner.params, runner.kv_caches, tokens, positions, meta, np.arange(s, dtype=np.int32)
+        )
         return np.asarray(logits)
 
     GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
@@ -253,10 +323,12 @@ else:
 
     def mixed_workload() -> list[tuple[list[int], SamplingParams]]:
         prompts = make_prompts(8, seed=21) + make_prompts(4, seed=22, max_len=20, shared_prefix=40)
-        kinds = [SamplingParams(temperature=0.0, max_tokens=12),
-                 SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=9),
-                 SamplingParams(temperature=1.0, top_k=20, n=2, seed=11, max_tokens=7),
-                 SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[100, 101], logprobs=2)]
+        kinds = [
+            SamplingParams(temperature=0.0, max_tokens=12),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=9),
+            SamplingParams(temperature=1.0, top_k=20, n=2, seed=11, max_tokens=7),
+            SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[100, 101], logprobs=2),
+        ]
         return [(p, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
 
     def test_dp2_tp2_serves_a_mixed_workload_like_one_device():
@@ -274,9 +346,12 @@ else:
         engine = make_engine(2, tensor_parallel_size=4, warmup=True, num_pages=12)
         _, forward = step_functions(engine.runner.config, "xla", engine.mesh)
         compiled = (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count)
-        work = [(p, SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, logprobs=lp))
-                for p, t, m, lp in zip(make_prompts(12, seed=30, max_len=100), [0.0, 0.7] * 6, [3, 20, 9] * 4,
-                                       [None, None, 2] * 4, strict=True)]
+        work = [
+            (p, SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, logprobs=lp))
+            for p, t, m, lp in zip(
+                make_prompts(12, seed=30, max_len=100), [0.0, 0.7] * 6, [3, 20, 9] * 4, [None, None, 2] * 4, strict=True
+            )
+        ]
         serve(engine, work, arrive_every=1)
         assert engine.stats().num_preemptions > 0  # a tight cache: preemption and recompute too
         assert (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count) == compiled

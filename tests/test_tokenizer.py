@@ -107,8 +107,9 @@ def test_special_token_precedence(tmp_path):
     config.json; every EOS of generation_config.json and config.json joins the tokenizer's own."""
     _write_hf_tokenizer(tmp_path, bos_in_post_processor=True)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
-    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<|eot|>",
-                                                                  "pad_token": "<|endoftext|>"}))
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "<|eot|>", "pad_token": "<|endoftext|>"})
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 2], "pad_token_id": 0}))
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 4, "eos_token_id": 6}))
     tok = load_tokenizer(tmp_path, load_model_config("tiny"))

@@ -113,7 +113,7 @@ def test_fused_layout_groups_queries_with_their_kv_head(tiny_config):
     attn, g = flat["params"]["layers_1"]["self_attn"], config.num_heads // config.num_kv_heads
     qkv = np.asarray(fused["params"]["layers_1"]["self_attn"]["qkv_proj"])
     for j in range(config.num_kv_heads):
-        np.testing.assert_array_equal(qkv[:, j, :g], np.asarray(attn["q_proj"])[:, j * g:(j + 1) * g])
+        np.testing.assert_array_equal(qkv[:, j, :g], np.asarray(attn["q_proj"])[:, j * g : (j + 1) * g])
         np.testing.assert_array_equal(qkv[:, j, g], np.asarray(attn["k_proj"])[:, j])
         np.testing.assert_array_equal(qkv[:, j, g + 1], np.asarray(attn["v_proj"])[:, j])
     gate_up = np.asarray(fused["params"]["layers_1"]["mlp"]["gate_up_proj"])
@@ -128,8 +128,9 @@ def test_partition_specs_match_params(tiny_config):
     config = tiny_config.replace(attention_bias=True)
     params = init_params(config, 0)
     specs = param_partition_specs(config, params)
-    assert jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P)) == \
-        jax.tree_util.tree_structure(params)
+    assert jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree_util.tree_structure(
+        params
+    )
     layer = specs["params"]["layers_0"]
     assert layer["self_attn"]["qkv_proj"] == P(None, "tp", None, None)  # whole KV-head groups per shard
     assert layer["self_attn"]["qkv_bias"] == P("tp", None, None)
@@ -138,8 +139,11 @@ def test_partition_specs_match_params(tiny_config):
     assert layer["mlp"]["down_proj"] == P("tp", None) and layer["input_layernorm"]["weight"] == P()
     assert specs["params"]["embed_tokens"]["embedding"] == P("tp", None)
     assert specs["params"]["lm_head"] == P(None, "tp")
-    for spec, leaf in zip(jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)),
-                          jax.tree_util.tree_leaves(params), strict=True):
+    for spec, leaf in zip(
+        jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+        jax.tree_util.tree_leaves(params),
+        strict=True,
+    ):
         assert len(spec) <= leaf.ndim
 
 

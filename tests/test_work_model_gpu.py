@@ -98,8 +98,18 @@ def test_hbm_wave_model_matches_brute_force(seed):
     kv_lens = q_lens + rng.integers(0, 3000, num_seqs)
     page = int(rng.choice([16, 32]))
     window = [None, 700][seed % 2]
-    plan = plan_gpu(int(q_lens.sum()) + 16, 8, 3300 // page + 1, QH, KVH, D, page, jnp.bfloat16,
-                    num_splits=int(rng.choice([1, 3])), decode_num_splits=[None, 2][seed % 3 == 0])
+    plan = plan_gpu(
+        int(q_lens.sum()) + 16,
+        8,
+        3300 // page + 1,
+        QH,
+        KVH,
+        D,
+        page,
+        jnp.bfloat16,
+        num_splits=int(rng.choice([1, 3])),
+        decode_num_splits=[None, 2][seed % 3 == 0],
+    )
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     page_bytes = page * D * 2 * 2
     got = gpu_work(plan, kv_lens, cu, num_seqs, window).kv_bytes_read // page_bytes
@@ -145,12 +155,20 @@ CASES = [
 def test_model_matches_interpreted_kernel(case_idx):
     seqs, num_tokens, max_seqs, qh, kvh, page, overrides, window = CASES[case_idx]
     case = make_case(
-        case_idx, seqs, num_tokens=num_tokens, max_seqs=max_seqs, num_q_heads=qh, num_kv_heads=kvh, head_dim=64,
-        page_size=page, max_blocks=64 if case_idx == 2 else None,
+        case_idx,
+        seqs,
+        num_tokens=num_tokens,
+        max_seqs=max_seqs,
+        num_q_heads=qh,
+        num_kv_heads=kvh,
+        head_dim=64,
+        page_size=page,
+        max_blocks=64 if case_idx == 2 else None,
     )
     kernel = functools.partial(ragged_paged_attention_gpu, interpret=True, count=True, **overrides)
-    plan = gpu_plan_for(case.q.shape, case.kv_pages.shape, max_seqs, case.block_tables.shape[1],
-                        case.kv_pages.dtype, **overrides)
+    plan = gpu_plan_for(
+        case.q.shape, case.kv_pages.shape, max_seqs, case.block_tables.shape[1], case.kv_pages.dtype, **overrides
+    )
     assert len(plan.ranges) == (1 if plan.decode else 2)
     if case_idx == 2:
         assert plan.ranges[0].adaptive_splits and plan.ranges[0].num_splits > 1
@@ -171,8 +189,11 @@ def test_model_matches_interpreted_kernel(case_idx):
 
     # Dot shapes in each launch's kernel jaxpr: QK^T [rows, d] x [kv_block, d] and PV [rows, kv_block] x
     # [kv_block, d] per KV step, which is what issued_flops counts.
-    closed = jax.make_jaxpr(functools.partial(ragged_paged_attention_gpu, sm_scale=0.125, interpret=True,
-                                              sliding_window=window, **overrides))(*case.paged_args)
+    closed = jax.make_jaxpr(
+        functools.partial(
+            ragged_paged_attention_gpu, sm_scale=0.125, interpret=True, sliding_window=window, **overrides
+        )
+    )(*case.paged_args)
     calls = [c for c in _pallas_calls(closed.jaxpr) if "combine" not in str(c.params["name"])]
     assert len(calls) == len(plan.ranges)
     issued = 0
@@ -200,8 +221,9 @@ def test_previous_design_figures():
     assert before.seconds(h200) > 10 * after.seconds(h200)
     # With enough programs the occupancy share is 1: the plain roofline.
     assert after.programs >= h200.num_cores
-    assert after.seconds(h200) == max(after.hbm_bytes / h200.hbm_bytes_per_s,
-                                      after.issued_flops / h200.matmul_flops_per_s)
+    assert after.seconds(h200) == max(
+        after.hbm_bytes / h200.hbm_bytes_per_s, after.issued_flops / h200.matmul_flops_per_s
+    )
     # Decode batch 64: the previous design walked 4 sequences one after another per program (16 rows each:
     # the same 4x MMA padding) on 128 programs, fewer than the SMs; the new one has one program per sequence
     # and KV head.
@@ -225,8 +247,9 @@ def test_item_bounds_hold_for_any_batch_in_the_bucket(seed):
         q_lens = np.diff(np.concatenate([[0], cuts, [int(rng.integers(cuts.max(initial=0), num_tokens + 1))]]))
         kv_lens = q_lens + rng.integers(0, 100, n)
         group = int(rng.choice([1, 4, 7]))
-        plan = plan_gpu(num_tokens, max_seqs, 8, 2 * group, 2, 64, 16, jnp.bfloat16,
-                        q_block=[None, 8][int(rng.integers(2))])
+        plan = plan_gpu(
+            num_tokens, max_seqs, 8, 2 * group, 2, 64, 16, jnp.bfloat16, q_block=[None, 8][int(rng.integers(2))]
+        )
         cu = np.concatenate([[0], np.cumsum(q_lens)])
         covered = np.zeros(num_tokens, np.int64)
         for r in plan.ranges:

@@ -18,8 +18,9 @@ MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25), (1, 40)]
 @pytest.mark.parametrize("window", [None, 9])
 def test_model_counts_what_the_kernel_does(window):
     """Pages DMA'd and blocks computed per item: the kernel's own counters equal the work model's."""
-    case = make_case(0, MIXED, num_tokens=32, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                     page_size=8, max_blocks=6)
+    case = make_case(
+        0, MIXED, num_tokens=32, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, max_blocks=6
+    )
     opts = dict(tokens_per_item=4, pages_per_block=2)
     kernel = functools.partial(ragged_paged_attention_tpu, interpret=True, return_stats=True, **opts)
     _, (dec_stats, pre_stats) = kernel(*case.paged_args, sm_scale=0.125, sliding_window=window)
@@ -41,8 +42,7 @@ def _batch(q_lens, kv_lens, max_seqs):
 
 def _work(num_tokens, max_seqs, q_lens, kv_lens, page_size, generation="v5e"):
     max_blocks = 32768 // page_size
-    plan = tpu_plan_for((num_tokens, 32, 128), (1, 8, page_size, 256), max_seqs, max_blocks, jnp.bfloat16,
-                        generation)
+    plan = tpu_plan_for((num_tokens, 32, 128), (1, 8, page_size, 256), max_seqs, max_blocks, jnp.bfloat16, generation)
     lens, cu = _batch(q_lens, kv_lens, max_seqs)
     work = tpu_work(plan, lens, cu, len(q_lens))
     minimum = minimum_kv_bytes(lens, np.diff(cu), num_kv_heads=8, head_dim=128, itemsize=2, page_size=page_size)

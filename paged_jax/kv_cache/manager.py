@@ -298,9 +298,7 @@ class KVCacheManager:
             raise KeyError(f"unknown request {request_id!r}")
         return state
 
-    def _find_hits(
-        self, token_ids: Sequence[int], cache_salt: str | None, hashes: list[BlockHash]
-    ) -> list[Page]:
+    def _find_hits(self, token_ids: Sequence[int], cache_salt: str | None, hashes: list[BlockHash]) -> list[Page]:
         """Cached pages of the leading full blocks, stopping at the first miss; fills ``hashes`` on the way.
 
         At most ``(len - 1) // page_size`` blocks, so the last token is always left to compute.

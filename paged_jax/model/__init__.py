@@ -14,6 +14,18 @@ from paged_jax.model.weights import (
     save_checkpoint,
 )
 
-__all__ = ["FAMILIES", "AttentionFn", "DenseMeta", "LlamaForCausalLM", "WeightsError", "causal_lm",
-           "dense_attention", "init_params", "load_checkpoint", "load_hf_params", "load_model",
-           "param_partition_specs", "save_checkpoint"]
+__all__ = [
+    "FAMILIES",
+    "AttentionFn",
+    "DenseMeta",
+    "LlamaForCausalLM",
+    "WeightsError",
+    "causal_lm",
+    "dense_attention",
+    "init_params",
+    "load_checkpoint",
+    "load_hf_params",
+    "load_model",
+    "param_partition_specs",
+    "save_checkpoint",
+]

@@ -44,9 +44,17 @@ class DenseMeta:
         return cls(segment_ids=seg.astype(jnp.int32), positions=idx)
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: Any, meta: DenseMeta, *,
-                    sm_scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> tuple[jax.Array, Any]:
+def dense_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: Any,
+    meta: DenseMeta,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, Any]:
     """Masked causal softmax attention in float32 within segments; the cache passes through untouched.
 
     With `sliding_window` w a query at position x sees keys at x - w < p <= x; with `soft_cap` c the scaled

@@ -17,9 +17,15 @@ import jax.numpy as jnp
 from paged_jax.config import ConfigError, ModelConfig
 
 # Our field -> the name Hugging Face's config.json gives it (the name a user sees in their file).
-SIZE_FIELDS = {"num_layers": "num_hidden_layers", "vocab_size": "vocab_size", "hidden_size": "hidden_size",
-               "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
-               "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+SIZE_FIELDS = {
+    "num_layers": "num_hidden_layers",
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+}
 
 
 def param_bytes_estimate(config: ModelConfig) -> int:
@@ -38,8 +44,10 @@ def memory_budget_bytes() -> int:
 
 def _culprit(config: ModelConfig) -> str:
     """The size field whose value contributes most: the one that, set to 1, shrinks the total most."""
-    fields = {f: getattr(config, f) for f in (*SIZE_FIELDS, "attention_bias", "tie_word_embeddings",
-                                                "model_type", "num_experts")}
+    fields = {
+        f: getattr(config, f)
+        for f in (*SIZE_FIELDS, "attention_bias", "tie_word_embeddings", "model_type", "num_experts")
+    }
 
     def shrunk(name: str) -> int:  # the formula alone: a config with that field at 1 need not be valid
         return ModelConfig.num_params(SimpleNamespace(**fields | {name: 1}))
@@ -57,9 +65,11 @@ def check_fits(config: ModelConfig, budget_bytes: int | None = None) -> None:
     name = _culprit(config)
     hf = SIZE_FIELDS[name]
     label = name if hf == name else f"{name} ({hf} in config.json)"
-    raise ConfigError(f"{label}: {getattr(config, name)} makes the parameters {need / 2**30:,.1f} GiB "
-                      f"({config.num_params():,} x {config.dtype}), more than the {budget / 2**30:,.1f} GiB this "
-                      "machine has")
+    raise ConfigError(
+        f"{label}: {getattr(config, name)} makes the parameters {need / 2**30:,.1f} GiB "
+        f"({config.num_params():,} x {config.dtype}), more than the {budget / 2**30:,.1f} GiB this "
+        "machine has"
+    )
 
 
 __all__ = ["check_fits", "memory_budget_bytes", "param_bytes_estimate"]

@@ -60,8 +60,10 @@ class Attention(nn.Module):
         dtype = jnp.dtype(c.dtype)
         h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
         g = hq // hkv
-        attn = {"qkv_proj": self.param("qkv_proj", kernel_init, (h, hkv, g + 2, d), dtype),
-                "o_proj": self.param("o_proj", kernel_init, (hq, d, h), dtype)}
+        attn = {
+            "qkv_proj": self.param("qkv_proj", kernel_init, (h, hkv, g + 2, d), dtype),
+            "o_proj": self.param("o_proj", kernel_init, (hq, d, h), dtype),
+        }
         if c.attention_bias:
             attn["qkv_bias"] = self.param("qkv_bias", nn.initializers.zeros, (hkv, g + 2, d), dtype)
         q, k, v = qkv_projection(x, attn, c)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
@@ -70,9 +72,16 @@ class Attention(nn.Module):
             k = self.qk_norm(d, c.rms_norm_eps, dtype, name="k_norm")(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=c.attn_scale,
-                                          sliding_window=c.layer_sliding_window(self.layer),
-                                          soft_cap=c.attn_logit_softcap)
+        out, kv_cache = self.attention_fn(
+            q,
+            k,
+            v,
+            kv_cache,
+            meta,
+            sm_scale=c.attn_scale,
+            sliding_window=c.layer_sliding_window(self.layer),
+            soft_cap=c.attn_logit_softcap,
+        )
         return out_projection(out, attn), kv_cache
 
 
@@ -112,7 +121,8 @@ class PreNormLayer(nn.Module):
         dtype = jnp.dtype(c.dtype)
         attn_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="input_layernorm")(x)
         attn_out, kv_cache = Attention(c, self.attention_fn, self.layer, self.qk_norm, name="self_attn")(
-            attn_in, rope, kv_cache, meta)
+            attn_in, rope, kv_cache, meta
+        )
         x = x + attn_out
         mlp_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
         return x + self.mlp(c, name="mlp")(mlp_in), kv_cache
@@ -139,18 +149,19 @@ class CausalLM(nn.Module):
     def setup(self) -> None:
         c = self.config
         dtype = jnp.dtype(c.dtype)
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype,
-                                     embedding_init=kernel_init)
+        self.embed_tokens = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, embedding_init=kernel_init
+        )
         self.layers = [self.make_layer(i) for i in range(c.num_layers)]
         self.norm = self.final_norm(c.hidden_size, c.rms_norm_eps, dtype)
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", kernel_init, (c.hidden_size, c.vocab_size), dtype)
         self.inv_freq = inv_freq_for(c.head_dim, c.rope_theta, c.rope_scaling)
-        self.local_inv_freq = (None if c.rope_local_theta is None
-                               else inv_freq_for(c.head_dim, c.rope_local_theta, None))
+        self.local_inv_freq = None if c.rope_local_theta is None else inv_freq_for(c.head_dim, c.rope_local_theta, None)
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: Sequence[Any] | None,
-                 meta: Any) -> tuple[jax.Array, list[Any]]:
+    def __call__(
+        self, token_ids: jax.Array, positions: jax.Array, kv_caches: Sequence[Any] | None, meta: Any
+    ) -> tuple[jax.Array, list[Any]]:
         """token_ids, positions: [T] int32. kv_caches: one entry per layer, or None.
 
         Returns (hidden [T, H] after the final norm, new kv_caches as a list, one per layer).
@@ -161,7 +172,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"kv_caches: expected {c.num_layers} entries (one per layer), got {len(caches)}")
         x = self.embed_tokens(token_ids)  # [T, H]
         if self.scale_embeddings:
-            x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
+            x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
         rope = rope_cos_sin(positions, self.inv_freq)
         local = rope if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
         new_caches = []

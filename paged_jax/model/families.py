@@ -28,8 +28,9 @@ FAMILIES: dict[str, type[nn.Module]] = {
 }
 
 
-def causal_lm(config: ModelConfig, attention_fn: AttentionFn = dense_attention,
-              mesh: jax.sharding.Mesh | None = None) -> nn.Module:
+def causal_lm(
+    config: ModelConfig, attention_fn: AttentionFn = dense_attention, mesh: jax.sharding.Mesh | None = None
+) -> nn.Module:
     """The decoder of `config`'s family, attending through `attention_fn` (dense by default). `mesh`: the TP mesh
     the step runs on, for the families that place work on it themselves (MoE experts); None on one device."""
     if mesh is not None and config.is_moe:

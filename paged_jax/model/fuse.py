@@ -47,7 +47,7 @@ def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, group: int) -> jax.Array:
 def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The inverse of `fuse_qkv`: [..., Hkv, G + 2, D] -> q [..., Hkv * G, D], k and v [..., Hkv, D]."""
     *lead, hkv, g2, d = qkv.shape
-    return qkv[..., :g2 - 2, :].reshape(*lead, hkv * (g2 - 2), d), qkv[..., g2 - 2, :], qkv[..., g2 - 1, :]
+    return qkv[..., : g2 - 2, :].reshape(*lead, hkv * (g2 - 2), d), qkv[..., g2 - 2, :], qkv[..., g2 - 1, :]
 
 
 def fuse_params(config: ModelConfig, params: Params) -> Params:

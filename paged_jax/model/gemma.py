@@ -57,7 +57,8 @@ class GemmaDecoderLayer(nn.Module):
 
         qk_norm = GemmaRMSNorm if c.model_type == "gemma3" else None
         h, kv_cache = Attention(c, self.attention_fn, self.layer, qk_norm, name="self_attn")(
-            norm("input_layernorm")(x), rope, kv_cache, meta)
+            norm("input_layernorm")(x), rope, kv_cache, meta
+        )
         x = x + norm("post_attention_layernorm")(h)
         h = GatedMLP(c, "gelu_tanh", name="mlp")(norm("pre_feedforward_layernorm")(x))
         return x + norm("post_feedforward_layernorm")(h), kv_cache

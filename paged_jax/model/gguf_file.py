@@ -20,8 +20,21 @@ import numpy as np
 
 # The ggml types `dequantize` accepts: plain floats, the legacy block quants and the K-quants.
 # (gguf-py also dequantizes the IQ/TQ/MXFP4 types; they are let through but untested here.)
-TESTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TESTED_QUANT_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 
 class GGUFError(ValueError):

@@ -72,8 +72,9 @@ def config_from_gguf(gguf: GGUFFile, name: str | None = None, dtype: str = "floa
     """A `ModelConfig` from a GGUF's architecture metadata. Raises `GGUFError` for what we cannot run."""
     arch = gguf.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"general.architecture: {arch!r} is not supported (supported: "
-                        f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+        raise GGUFError(
+            f"general.architecture: {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        )
 
     def key(suffix: str, default: object = ...) -> object:
         return gguf.get(f"{arch}.{suffix}", default)
@@ -125,8 +126,9 @@ def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, 
     for tensor in gguf.tensors():
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None:
-            raise GGUFError(f"{tensor.name}: unexpected tensor in {gguf.path.name} (no place in a "
-                            f"{gguf.architecture} model)")
+            raise GGUFError(
+                f"{tensor.name}: unexpected tensor in {gguf.path.name} (no place in a {gguf.architecture} model)"
+            )
         values = tensor.dequantize()
         if permuted and ".q_proj." in hf_name:
             values = unpermute_qk(values, config.num_heads)
@@ -135,8 +137,9 @@ def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, 
         yield hf_name, values
 
 
-def load_gguf(path: str | Path, dtype: str | None = None,
-              name: str | None = None) -> tuple[ModelConfig, Params, GGUFFile]:
+def load_gguf(
+    path: str | Path, dtype: str | None = None, name: str | None = None
+) -> tuple[ModelConfig, Params, GGUFFile]:
     """(config, params, the open file) for a GGUF checkpoint; params dequantized to `dtype` (default float32)."""
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf, name=name, dtype=dtype or "float32")
@@ -144,5 +147,11 @@ def load_gguf(path: str | Path, dtype: str | None = None,
     return config, params, gguf
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "config_from_gguf", "hf_tensor_name", "iter_hf_tensors", "load_gguf",
-           "unpermute_qk"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "config_from_gguf",
+    "hf_tensor_name",
+    "iter_hf_tensors",
+    "load_gguf",
+    "unpermute_qk",
+]

@@ -61,8 +61,10 @@ def _headers(files: list[Path]) -> dict[Path, list[tuple[str, tuple[int, ...], s
     out = {}
     for f in files:
         with safe_open(str(f), framework="flax") as handle:
-            out[f] = [(name, tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
-                      for name in handle.keys()]
+            out[f] = [
+                (name, tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
+                for name in handle.keys()
+            ]
     return out
 
 
@@ -79,10 +81,18 @@ def _transpose(w: Any) -> Any:
 
 # HF names of one MoE layer's router and of expert j's gate, up and down projections, per family.
 MOE_NAMES = {
-    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
-                "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight"),
-    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
-                  "mlp.experts.{j}.down_proj.weight"),
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        "block_sparse_moe.experts.{j}.w1.weight",
+        "block_sparse_moe.experts.{j}.w3.weight",
+        "block_sparse_moe.experts.{j}.w2.weight",
+    ),
+    "qwen3_moe": (
+        "mlp.gate.weight",
+        "mlp.experts.{j}.gate_proj.weight",
+        "mlp.experts.{j}.up_proj.weight",
+        "mlp.experts.{j}.down_proj.weight",
+    ),
 }
 
 
@@ -90,8 +100,9 @@ def _mlp_rules(config: ModelConfig, ours: str) -> Rules:
     """The MLP of one layer: dense gate/up/down, or an MoE's router and per-expert projections. A path ending
     in an expert index j is row j of the stacked [E, ...] leaf (stacked by `_stack_experts` after reading)."""
     if not config.is_moe:
-        return {f"mlp.{proj}.weight": ((ours, "mlp", proj), _transpose)
-                for proj in ("gate_proj", "up_proj", "down_proj")}
+        return {
+            f"mlp.{proj}.weight": ((ours, "mlp", proj), _transpose) for proj in ("gate_proj", "up_proj", "down_proj")
+        }
     router, gate, up, down = MOE_NAMES[config.model_type]
     rules: Rules = {router: ((ours, "mlp", "router"), _transpose)}
     for j in range(config.num_experts):
@@ -108,16 +119,20 @@ def _layer_rules(config: ModelConfig, i: int) -> Rules:
     if config.model_type in GEMMA_TYPES:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     rules: Rules = {f"{norm}.weight": ((ours, norm, "weight"), _identity) for norm in norms}
-    rules.update({
-        "self_attn.q_proj.weight": ((ours, "self_attn", "q_proj"), lambda w: w.T.reshape(h, hq, d)),
-        "self_attn.k_proj.weight": ((ours, "self_attn", "k_proj"), lambda w: w.T.reshape(h, hkv, d)),
-        "self_attn.v_proj.weight": ((ours, "self_attn", "v_proj"), lambda w: w.T.reshape(h, hkv, d)),
-        "self_attn.o_proj.weight": ((ours, "self_attn", "o_proj"), lambda w: w.T.reshape(hq, d, h)),
-    })
+    rules.update(
+        {
+            "self_attn.q_proj.weight": ((ours, "self_attn", "q_proj"), lambda w: w.T.reshape(h, hq, d)),
+            "self_attn.k_proj.weight": ((ours, "self_attn", "k_proj"), lambda w: w.T.reshape(h, hkv, d)),
+            "self_attn.v_proj.weight": ((ours, "self_attn", "v_proj"), lambda w: w.T.reshape(h, hkv, d)),
+            "self_attn.o_proj.weight": ((ours, "self_attn", "o_proj"), lambda w: w.T.reshape(hq, d, h)),
+        }
+    )
     if config.attention_bias:
         for proj, heads in (("q", hq), ("k", hkv), ("v", hkv)):
-            rules[f"self_attn.{proj}_proj.bias"] = ((ours, "self_attn", f"{proj}_bias"),
-                                                   lambda w, n=heads: w.reshape(n, d))
+            rules[f"self_attn.{proj}_proj.bias"] = (
+                (ours, "self_attn", f"{proj}_bias"),
+                lambda w, n=heads: w.reshape(n, d),
+            )
     if config.model_type in QK_NORM_TYPES:
         for norm in ("q_norm", "k_norm"):
             rules[f"self_attn.{norm}.weight"] = ((ours, "self_attn", norm, "weight"), _identity)
@@ -230,7 +245,7 @@ def _dtype_name(stored: str) -> str:
     """A safetensors header dtype ("I32") as numpy spells it ("int32")."""
     kinds = {"F": "float", "I": "int", "U": "uint", "BF": "bfloat"}
     kind = stored.rstrip("0123456789")
-    return f"{kinds[kind]}{stored[len(kind):]}" if kind in kinds else stored.lower()
+    return f"{kinds[kind]}{stored[len(kind) :]}" if kind in kinds else stored.lower()
 
 
 def _read(wanted: dict[Path, list[str]], rules: Rules, dtype: jnp.dtype) -> dict:

@@ -64,13 +64,14 @@ def _hash_uniform(shape: tuple[int, ...], seed: jax.Array, leaf: int) -> jax.Arr
         size *= dim
     base = _fmix32(seed * jnp.uint32(0x9E3779B9) + jnp.uint32((leaf * 0x632BE5AB + 1) & 0xFFFFFFFF))
     bits = _fmix32(jax.lax.iota(jnp.uint32, size) ^ base)
-    unit = (bits >> 8).astype(jnp.float32) * (2.0 ** -24)  # [0, 1)
-    return ((unit * 2.0 - 1.0) * 3.0 ** 0.5).reshape(shape)
+    unit = (bits >> 8).astype(jnp.float32) * (2.0**-24)  # [0, 1)
+    return ((unit * 2.0 - 1.0) * 3.0**0.5).reshape(shape)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _generate(structs: tuple[tuple[tuple[int, ...], Any], ...], kinds: tuple[str, ...],
-              seed: jax.Array) -> list[jax.Array]:
+def _generate(
+    structs: tuple[tuple[tuple[int, ...], Any], ...], kinds: tuple[str, ...], seed: jax.Array
+) -> list[jax.Array]:
     out = []
     for i, ((shape, dtype), kind) in enumerate(zip(structs, kinds, strict=True)):
         if kind == "ones":

@@ -103,5 +103,10 @@ class MLP(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, i = c.hidden_size, c.intermediate_size
-        return swiglu_mlp(x, {"gate_up_proj": self.param("gate_up_proj", kernel_init, (h, 2, i), dtype),
-                              "down_proj": self.param("down_proj", kernel_init, (i, h), dtype)})
+        return swiglu_mlp(
+            x,
+            {
+                "gate_up_proj": self.param("gate_up_proj", kernel_init, (h, 2, i), dtype),
+                "down_proj": self.param("down_proj", kernel_init, (i, h), dtype),
+            },
+        )

@@ -47,22 +47,22 @@ class Attention(nn.Module):
     attention_fn: AttentionFn
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: Any,
-                 meta: Any) -> tuple[jax.Array, Any]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: Any, meta: Any) -> tuple[jax.Array, Any]:
         """x: [T, H]; cos, sin: [T, D] float32. Returns ([T, H], new kv_cache)."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
         g = hq // hkv
-        attn = {"qkv_proj": self.param("qkv_proj", kernel_init, (h, hkv, g + 2, d), dtype),
-                "o_proj": self.param("o_proj", kernel_init, (hq, d, h), dtype)}
+        attn = {
+            "qkv_proj": self.param("qkv_proj", kernel_init, (h, hkv, g + 2, d), dtype),
+            "o_proj": self.param("o_proj", kernel_init, (hq, d, h), dtype),
+        }
         if c.attention_bias:
             attn["qkv_bias"] = self.param("qkv_bias", nn.initializers.zeros, (hkv, g + 2, d), dtype)
         q, k, v = qkv_projection(x, attn, c)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d ** -0.5,
-                                          sliding_window=c.sliding_window)
+        out, kv_cache = self.attention_fn(q, k, v, kv_cache, meta, sm_scale=d**-0.5, sliding_window=c.sliding_window)
         return out_projection(out, attn), kv_cache
 
 
@@ -73,8 +73,7 @@ class DecoderLayer(nn.Module):
     attention_fn: AttentionFn
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: Any,
-                 meta: Any) -> tuple[jax.Array, Any]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: Any, meta: Any) -> tuple[jax.Array, Any]:
         c = self.config
         dtype = jnp.dtype(c.dtype)
         attn_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="input_layernorm")(x)
@@ -97,16 +96,18 @@ class LlamaForCausalLM(nn.Module):
     def setup(self) -> None:
         c = self.config
         dtype = jnp.dtype(c.dtype)
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype,
-                                     embedding_init=kernel_init)
+        self.embed_tokens = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, embedding_init=kernel_init
+        )
         self.layers = [DecoderLayer(c, self.attention_fn) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", kernel_init, (c.hidden_size, c.vocab_size), dtype)
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_caches: Sequence[Any] | None,
-                 meta: Any) -> tuple[jax.Array, list[Any]]:
+    def __call__(
+        self, token_ids: jax.Array, positions: jax.Array, kv_caches: Sequence[Any] | None, meta: Any
+    ) -> tuple[jax.Array, list[Any]]:
         """token_ids, positions: [T] int32. kv_caches: one entry per layer, or None.
 
         Returns (hidden [T, H] after the final RMSNorm, new kv_caches as a list, one per layer).

@@ -49,8 +49,9 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
     return weights, experts.astype(jnp.int32)
 
 
-def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                    w_down: jax.Array) -> jax.Array:
+def grouped_experts(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with SwiGLU experts, by grouped matmuls.
 
     x [T, H]; weights [T, k] float32; experts [T, k] int32; w_gate, w_up [E, H, I]; w_down [E, I, H] (I may be
@@ -96,8 +97,9 @@ class SparseMoE(nn.Module):
             return jax.lax.psum(grouped_experts(x, weights, experts, w_gate, w_up, w_down), TP_AXIS)
 
         column, row = P(None, None, TP_AXIS), P(None, TP_AXIS, None)
-        out = jax.shard_map(shard, mesh=self.mesh, in_specs=(P(), P(), P(), column, column, row), out_specs=P(),
-                            check_vma=False)(x, weights, experts, w_gate, w_up, w_down)
+        out = jax.shard_map(
+            shard, mesh=self.mesh, in_specs=(P(), P(), P(), column, column, row), out_specs=P(), check_vma=False
+        )(x, weights, experts, w_gate, w_up, w_down)
         return out.astype(x.dtype)
 
 

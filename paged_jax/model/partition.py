@@ -20,14 +20,14 @@ from paged_jax.quant import QuantizedWeight
 
 _SPECS: dict[str, Any] = {
     "qkv_proj": lambda tp: P(None, tp, None, None),  # [H, Hkv, G + 2, D]: whole (q, k, v) groups per shard
-    "qkv_bias": lambda tp: P(tp, None, None),        # [Hkv, G + 2, D]
-    "o_proj": lambda tp: P(tp, None, None),   # [Hq, D, H]
+    "qkv_bias": lambda tp: P(tp, None, None),  # [Hkv, G + 2, D]
+    "o_proj": lambda tp: P(tp, None, None),  # [Hq, D, H]
     "gate_up_proj": lambda tp: P(None, None, tp),  # [H, 2, I]
-    "down_proj": lambda tp: P(tp, None),      # [I, H]
-    "embedding": lambda tp: P(tp, None),      # [V, H]
-    "lm_head": lambda tp: P(None, tp),        # [H, V]
-    "weight": lambda tp: P(),                 # RMSNorm [H] (q/k norms [D])
-    "router": lambda tp: P(),                 # MoE router [H, E], replicated: every chip routes every token
+    "down_proj": lambda tp: P(tp, None),  # [I, H]
+    "embedding": lambda tp: P(tp, None),  # [V, H]
+    "lm_head": lambda tp: P(None, tp),  # [H, V]
+    "weight": lambda tp: P(),  # RMSNorm [H] (q/k norms [D])
+    "router": lambda tp: P(),  # MoE router [H, E], replicated: every chip routes every token
     "experts_gate": lambda tp: P(None, None, tp),  # [E, H, I]: TP inside each expert (see paged_jax.model.moe)
     "experts_up": lambda tp: P(None, None, tp),
     "experts_down": lambda tp: P(None, tp, None),  # [E, I, H]
@@ -44,7 +44,7 @@ def param_partition_specs(config: ModelConfig, params: Any, tp_axis: str = "tp")
             raise KeyError(f"{jax.tree_util.keystr(path)}: no partition rule")
         rule = _SPECS[name](tp_axis)
         if isinstance(leaf, QuantizedWeight):  # values as the weight; scales as its output (trailing) axes
-            return leaf.replace(values=rule, scale=P(*tuple(rule)[leaf.contract:]))
+            return leaf.replace(values=rule, scale=P(*tuple(rule)[leaf.contract :]))
         return rule
 
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

@@ -32,8 +32,7 @@ def full_logits(model: nn.Module, params: Params, token_ids: jax.Array, length: 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _greedy(model: nn.Module, params: Params, buf: jax.Array, length: jax.Array,
-            steps: int) -> jax.Array:
+def _greedy(model: nn.Module, params: Params, buf: jax.Array, length: jax.Array, steps: int) -> jax.Array:
     def step(i: int, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         buf, n = carry
         logits = full_logits(model, params, buf, n)
@@ -44,8 +43,14 @@ def _greedy(model: nn.Module, params: Params, buf: jax.Array, length: jax.Array,
     return buf
 
 
-def greedy_generate(model: nn.Module, params: Params, prompt_ids: Sequence[int], max_new_tokens: int,
-                    eos: int | Sequence[int] | None = None, pad_to: int | None = None) -> list[int]:
+def greedy_generate(
+    model: nn.Module,
+    params: Params,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos: int | Sequence[int] | None = None,
+    pad_to: int | None = None,
+) -> list[int]:
     """The greedy continuation of `prompt_ids` (new tokens only), stopping after the first `eos` id.
 
     The buffer is padded to `pad_to` tokens if given (>= prompt + new tokens), else to a power of two.
@@ -60,7 +65,7 @@ def greedy_generate(model: nn.Module, params: Params, prompt_ids: Sequence[int],
         raise ValueError(f"pad_to: {size} is shorter than prompt + new tokens ({len(prompt) + max_new_tokens})")
     buf = jnp.zeros((size,), jnp.int32).at[: len(prompt)].set(jnp.asarray(prompt, jnp.int32))
     out = _greedy(model, params, buf, jnp.int32(len(prompt)), max_new_tokens)
-    new = [int(t) for t in jax.device_get(out)[len(prompt): len(prompt) + max_new_tokens]]
+    new = [int(t) for t in jax.device_get(out)[len(prompt) : len(prompt) + max_new_tokens]]
     stops = set() if eos is None else ({eos} if isinstance(eos, int) else {int(e) for e in eos})
     for i, token in enumerate(new):
         if token in stops:

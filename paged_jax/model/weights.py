@@ -28,8 +28,9 @@ def resolve_model_path(model: str | Path) -> Path:
     return named_model_path(str(model)) or Path(model)
 
 
-def load_model(model: str | Path, dtype: str | None = None, seed: int = 0,
-               quantization: str | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
+def load_model(
+    model: str | Path, dtype: str | None = None, seed: int = 0, quantization: str | None = None
+) -> tuple[ModelConfig, Params, Tokenizer]:
     """(config, params, tokenizer) for a GGUF file or named model, an HF directory, an orbax checkpoint,
     or a config name/JSON.
 
@@ -66,6 +67,18 @@ def _load(model: str | Path, dtype: str | None, seed: int) -> tuple[ModelConfig,
     return config, init_params(config, seed), load_tokenizer(None, config)
 
 
-__all__ = ["GGUFError", "Params", "WeightsError", "count_params", "init_params", "load_checkpoint",
-           "load_hf_params", "load_model", "param_bytes", "param_partition_specs", "param_shapes",
-           "resolve_model_path", "save_checkpoint"]
+__all__ = [
+    "GGUFError",
+    "Params",
+    "WeightsError",
+    "count_params",
+    "init_params",
+    "load_checkpoint",
+    "load_hf_params",
+    "load_model",
+    "param_bytes",
+    "param_partition_specs",
+    "param_shapes",
+    "resolve_model_path",
+    "save_checkpoint",
+]

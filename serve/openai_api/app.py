@@ -29,8 +29,9 @@ def create_app(front: OpenAIFront) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return error_response(_HTTP_CODES.get(e.status_code, grpc.StatusCode.UNKNOWN),
-                              f"{request.method} {request.url.path}: {e.detail}")
+        return error_response(
+            _HTTP_CODES.get(e.status_code, grpc.StatusCode.UNKNOWN), f"{request.method} {request.url.path}: {e.detail}"
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

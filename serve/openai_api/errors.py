@@ -25,8 +25,13 @@ _STATUS = {
 }
 
 
-def error_body(code: grpc.StatusCode, message: str, kind: Kind = "completion", max_tokens_name: str = "max_tokens",
-               param: str | None = None) -> tuple[int, dict]:
+def error_body(
+    code: grpc.StatusCode,
+    message: str,
+    kind: Kind = "completion",
+    max_tokens_name: str = "max_tokens",
+    param: str | None = None,
+) -> tuple[int, dict]:
     """(HTTP status, body) for a request that ended with gRPC status `code`."""
     status, error_type = _STATUS.get(code, (500, "internal_error"))
     if param is None and status == 400:

@@ -77,10 +77,22 @@ class OpenAIFront:
     def _convert(self, req: OpenAIRequest) -> list[ParsedRequest]:
         """The gRPC front's validation of each prompt: limits, tokenizing or the chat template, SamplingParams."""
         if req.model is not None and req.model != self.model_name:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model: {req.model!r} is not served here "
-                               f"(GET /v1/models lists {self.model_name!r})")
-        return [convert.parse_generate(g, self.config.limits, self.tokenizer, self.vocab_size, self.max_model_len,
-                                       self.max_n, self.sampling_defaults) for g in req.generates]
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model: {req.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
+            )
+        return [
+            convert.parse_generate(
+                g,
+                self.config.limits,
+                self.tokenizer,
+                self.vocab_size,
+                self.max_model_len,
+                self.max_n,
+                self.sampling_defaults,
+            )
+            for g in req.generates
+        ]
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
@@ -97,17 +109,24 @@ class OpenAIFront:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
             rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
             for i, p in enumerate(parsed):  # a batch is admitted whole or not at all (the except aborts the rest)
-                streams.append(self.loop.submit(rid if len(parsed) == 1 else f"{rid}-{i}", p.prompt_token_ids,
-                                                p.params, p.cache_salt, self.config.max_queued_requests))
+                streams.append(
+                    self.loop.submit(
+                        rid if len(parsed) == 1 else f"{rid}-{i}",
+                        p.prompt_token_ids,
+                        p.params,
+                        p.cache_salt,
+                        self.config.max_queued_requests,
+                    )
+                )
             builder = ResponseBuilder(kind, rid, self.model_name, self.tokenizer, req.logprobs)
             n = parsed[0].params.n
-            firsts = await self._unless_disconnected(request, streams,
-                                                     asyncio.gather(*(self._get(s) for s in streams)))
+            firsts = await self._unless_disconnected(request, streams, asyncio.gather(*(self._get(s) for s in streams)))
             if req.stream:
                 body = self._sse(streams, firsts, builder, req, n)
                 return _EventStream(body, lambda: self._abort(streams))
             outs = await self._unless_disconnected(
-                request, streams, asyncio.gather(*(self._collect(s, f) for s, f in zip(streams, firsts, strict=True))))
+                request, streams, asyncio.gather(*(self._collect(s, f) for s, f in zip(streams, firsts, strict=True)))
+            )
             for out in outs:
                 self.metrics.on_finished(out)
             self._count(method, grpc.StatusCode.OK)
@@ -116,8 +135,9 @@ class OpenAIFront:
             self._abort(streams)  # a no-op for requests that have ended
             self._count(method, e.code)
             names = dict(kind=kind, max_tokens_name=req.max_tokens_name) if req is not None else dict(kind=kind)
-            return error_response(e.code, e.message, param="model" if e.code == grpc.StatusCode.NOT_FOUND else None,
-                                  **names)
+            return error_response(
+                e.code, e.message, param="model" if e.code == grpc.StatusCode.NOT_FOUND else None, **names
+            )
         except Exception as e:  # noqa: BLE001 - this request fails alone, in OpenAI's shape, its pages freed
             self._abort(streams, "failed")
             error = convert.internal_error(f"{method} failed: {type(e).__name__}: {e}", exc_info=True)
@@ -155,16 +175,18 @@ class OpenAIFront:
             raise RequestError(grpc.StatusCode.CANCELLED, "cancelled: the client disconnected")
         return task.result()
 
-    async def _sse(self, streams: list[RequestStream], firsts: list[Event], builder: ResponseBuilder,
-                   req: OpenAIRequest, n: int) -> AsyncIterator[str]:
+    async def _sse(
+        self, streams: list[RequestStream], firsts: list[Event], builder: ResponseBuilder, req: OpenAIRequest, n: int
+    ) -> AsyncIterator[str]:
         """The event stream: chunks as outputs arrive (prompt i's sample j as choice i * n + j), the usage chunk if
         asked for, then `data: [DONE]`."""
         method, status, done = METHODS[req.kind], grpc.StatusCode.OK, False
         usage_field = {"usage": None} if req.include_usage else {}
         ended: set[int] = set()  # choices whose chunk with the finish reason went out
         merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        pumps = [asyncio.ensure_future(_pump(i, s, f, merged)) for i, (s, f) in enumerate(zip(streams, firsts,
-                                                                                                strict=True))]
+        pumps = [
+            asyncio.ensure_future(_pump(i, s, f, merged)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))
+        ]
         finished: list[RequestOutput] = []
         try:
             if req.kind == "chat":
@@ -210,8 +232,18 @@ class OpenAIFront:
     # -- the rest -------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
         engine = self.loop.engine
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "paged-jax", "max_model_len": engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "paged-jax",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
 
 class _EventStream(StreamingResponse):
@@ -220,8 +252,9 @@ class _EventStream(StreamingResponse):
     the abort is a no-op: the engine loop keys it by the stream, not by a reusable id."""
 
     def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

@@ -22,8 +22,14 @@ from serve.proto.paged_jax.v1 import generate_pb2 as pb
 Kind = Literal["completion", "chat"]
 _UINT32 = 2**32
 MAX_PROMPTS = 64  # prompts in one completions request (each is its own engine request)
-_TYPE_NAMES = {(str,): "a string", (bool,): "a boolean", (int,): "an integer", (int, float): "a number",
-               (dict,): "an object", (list,): "an array"}
+_TYPE_NAMES = {
+    (str,): "a string",
+    (bool,): "a boolean",
+    (int,): "an integer",
+    (int, float): "a number",
+    (dict,): "an object",
+    (list,): "an array",
+}
 # OpenAI / vLLM name -> (our SamplingParams name, JSON type)
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _UINTS = ("n", "min_tokens")
@@ -31,16 +37,30 @@ _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
 # Options that change what OpenAI would return and that we do not implement: refused unless at their default.
 _UNSUPPORTED = {
     "completion": {"echo": (False,), "suffix": ("",), "logit_bias": ({},)},
-    "chat": {"logit_bias": ({},), "functions": ([],), "function_call": ("none", "auto"), "audio": (),
-             "prediction": (), "modalities": (["text"],), "tool_choice": ("none", "auto"),
-             "response_format": ({"type": "text"},)},
+    "chat": {
+        "logit_bias": ({},),
+        "functions": ([],),
+        "function_call": ("none", "auto"),
+        "audio": (),
+        "prediction": (),
+        "modalities": (["text"],),
+        "tool_choice": ("none", "auto"),
+        "response_format": ({"type": "text"},),
+    },
 }
 # Prefixes of convert's messages -> the OpenAI parameter they are about.
-_PARAM_PREFIXES = (("sampling.", ""), ("chat.messages", "messages"), ("chat.tools_json", "tools"),
-                   ("chat.chat_template_kwargs_json", "chat_template_kwargs"),
-                   ("chat_template_kwargs", "chat_template_kwargs"),
-                   ("chat.add_generation_prompt", "add_generation_prompt"), ("chat", "messages"), ("text", "prompt"),
-                   ("token_ids", "prompt"), ("messages", "messages"))
+_PARAM_PREFIXES = (
+    ("sampling.", ""),
+    ("chat.messages", "messages"),
+    ("chat.tools_json", "tools"),
+    ("chat.chat_template_kwargs_json", "chat_template_kwargs"),
+    ("chat_template_kwargs", "chat_template_kwargs"),
+    ("chat.add_generation_prompt", "add_generation_prompt"),
+    ("chat", "messages"),
+    ("text", "prompt"),
+    ("token_ids", "prompt"),
+    ("messages", "messages"),
+)
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")
 
 
@@ -65,7 +85,7 @@ def param_of(message: str, max_tokens_name: str = "max_tokens", kind: Kind = "co
     field = m.group(1)
     for prefix, replacement in _PARAM_PREFIXES:
         if field == prefix or field.startswith(prefix):
-            field = replacement + field[len(prefix):]
+            field = replacement + field[len(prefix) :]
             break
     if field == "max_tokens":
         return max_tokens_name
@@ -138,8 +158,9 @@ def _uint(body: dict, name: str, bound: int = _UINT32, param: str | None = None)
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def _prompts(body: dict) -> list[str | list[int]]:
@@ -175,8 +196,9 @@ def _chat(body: dict, chat: pb.ChatInput) -> None:
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise invalid(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
-                                  "are supported")
+                    raise invalid(
+                        f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported"
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         if not isinstance(content, str):

@@ -16,8 +16,14 @@ from typing import Any
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from serve.openai_api.protocol import Kind
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_string": "stop", "length": "length", "abort": "abort",
-                  "error": "error"}
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop": "stop",
+    "stop_string": "stop",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+}
 
 
 @dataclass(slots=True)
@@ -41,32 +47,51 @@ class ResponseBuilder:
     # -- unary --------------------------------------------------------------------------------------
     def full(self, outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
         """The whole response; prompt i's sample j is choice i * n + j (as OpenAI numbers a batch)."""
-        choices = [self._choice(c, c.text, c.logprobs, c.finish_reason, c.stop_reason, final=True, offset=i * n)
-                   for i, out in enumerate(outs) for c in out.outputs]
-        return {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(outs)}
+        choices = [
+            self._choice(c, c.text, c.logprobs, c.finish_reason, c.stop_reason, final=True, offset=i * n)
+            for i, out in enumerate(outs)
+            for c in out.outputs
+        ]
+        return {
+            "id": self.request_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(outs),
+        }
 
     # -- streaming ----------------------------------------------------------------------------------
     def role_chunk(self, n: int) -> dict[str, Any]:
         """The first chat chunk: each choice's role (OpenAI sends it before any content)."""
-        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                   for i in range(n)]
+        choices = [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(n)
+        ]
         return self._chunk(choices)
 
     def delta_chunk(self, c: CompletionOutput, offset: int = 0) -> dict[str, Any]:
-        return self._chunk([self._choice(c, c.new_text, c.new_logprobs, c.finish_reason, c.stop_reason, final=False,
-                                         offset=offset)])
+        return self._chunk(
+            [self._choice(c, c.new_text, c.new_logprobs, c.finish_reason, c.stop_reason, final=False, offset=offset)]
+        )
 
     def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict[str, Any]:
         return {**self._chunk([]), "usage": usage(outs)}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return {"id": self.request_id, "object": name, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {"id": self.request_id, "object": name, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, c: CompletionOutput, text: str, logprobs: Sequence[TokenLogprob] | None,
-                reason: str | None, stop_reason: str | int | None, final: bool, offset: int) -> dict[str, Any]:
+    def _choice(
+        self,
+        c: CompletionOutput,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        reason: str | None,
+        stop_reason: str | int | None,
+        final: bool,
+        offset: int,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": offset + c.index}
         if self.kind == "completion":
             choice["text"] = text
@@ -86,22 +111,30 @@ class ResponseBuilder:
             tokens.append(self.token_text(lp.token_id))
             offsets.append(offset)
             offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items or ()],
-                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in items or ()],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in items or ()],
+            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in items or ()],
+            "text_offset": offsets,
+        }
 
     def _chat_logprobs(self, items: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                for lp in items or ()]
+        return [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in items or ()
+        ]
 
 
 def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
     """Token counts summed over the request's prompts (and their samples)."""
     prompt = sum(o.metrics.num_prompt_tokens for o in outs)
     completion = sum(o.metrics.num_generated_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.metrics.num_cached_prompt_tokens for o in outs)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.metrics.num_cached_prompt_tokens for o in outs)},
+    }

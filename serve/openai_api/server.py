@@ -47,9 +47,17 @@ class HttpServer:
     async def start(self) -> int:
         cfg = self.config
         port = cfg.http_port if cfg.http_port is not None else 0
-        config = uvicorn.Config(self.app, host=cfg.host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            self.app,
+            host=cfg.host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=cfg.tls_cert_file,
+            ssl_keyfile=cfg.tls_key_file,
+            timeout_graceful_shutdown=5,
+        )
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve())
         while not self._server.started:  # uvicorn binds in serve(); a failure ends the task
@@ -59,8 +67,9 @@ class HttpServer:
             await asyncio.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         scheme = "https" if cfg.tls else "http"
-        log.info("serving the OpenAI API on %s://%s:%d/v1 (auth %s)", scheme, cfg.host, self.port,
-                 cfg.auth_token is not None)
+        log.info(
+            "serving the OpenAI API on %s://%s:%d/v1 (auth %s)", scheme, cfg.host, self.port, cfg.auth_token is not None
+        )
         return self.port
 
     async def drain(self, grace_period_s: float) -> None:
