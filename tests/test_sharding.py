@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mesh_child import CHILD, NUM_DEVICES, run_mesh_child
 
 from paged_jax.batch import run_batch
 from paged_jax.config import ModelConfig
@@ -25,9 +26,6 @@ from paged_jax.dp import LeastLoadedRouter
 from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.model.weights import load_model
 
-ROOT = Path(__file__).resolve().parents[1]
-CHILD = os.environ.get("PAGED_JAX_MESH_CHILD") == "1"
-NUM_DEVICES = 8
 main_only = pytest.mark.skipif(CHILD, reason="runs in the parent process")
 
 
@@ -215,21 +213,7 @@ if not CHILD:
 
     def test_mesh_suite():
         """The mesh tests below, in a child pytest with 8 host devices."""
-        env = {
-            **os.environ,
-            "PAGED_JAX_MESH_CHILD": "1",
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}",
-        }
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+        run_mesh_child(__file__)
 
 else:
     import jax
