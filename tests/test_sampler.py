@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.sampler import SamplingMeta, empty_meta, sample
+from paged_jax.sampler import BLOCK, SamplingMeta, categorical, empty_meta, first_argmax, row_uniforms, sample
 
 V = 64
 
@@ -187,8 +187,22 @@ def test_sort_free_filter_equals_the_sort_based_reference(vocab, scale):
     assert kept.min() >= 1 and kept.max() > 50 and (kept == 1).any()  # the cases are not all trivial
 
 
-def test_filtered_draws_equal_the_sort_based_sampler(logits):
-    """Whole draws: the sampler's tokens equal Gumbel-max over the reference's kept set, row by row."""
+def inverse_cdf_reference(weights: np.ndarray, u: np.ndarray, block: int = BLOCK) -> np.ndarray:
+    """The draw rule `categorical` implements, in float64 numpy: a block of `block` tokens by u[:, 0] against the
+    running block sums, then a token inside it by u[:, 1] against the block's running sums. [S] ids."""
+    out = []
+    for w, (u0, u1) in zip(weights.astype(np.float64), u.astype(np.float64), strict=True):
+        w = np.pad(w, (0, -len(w) % block)).reshape(-1, block)
+        cum = np.cumsum(w.sum(-1))
+        b = int(np.argmax(cum > u0 * cum[-1]))
+        inside = np.cumsum(w[b])
+        out.append(b * block + int(np.argmax(inside > u1 * inside[-1])))
+    return np.asarray(out)
+
+
+def test_filtered_draws_follow_the_inverse_cdf_rule_over_the_sort_based_kept_set():
+    """Whole draws: the sampler's tokens are the two-stage inverse-CDF draw (`inverse_cdf_reference`, with the
+    row's own `row_uniforms`) from softmax(y) restricted to the sort-based reference's kept set, row by row."""
     big = np.asarray(jax.random.normal(jax.random.key(3), (16, 512)) * 2, np.float32)
     m = meta(16, temperature=0.7)
     m["top_k"][:] = [0, 5, 40, 0] * 4
@@ -196,13 +210,116 @@ def test_filtered_draws_equal_the_sort_based_sampler(logits):
     m["min_p"][:] = [0.0, 0.0, 0.02, 0.0] * 4
     m["seed"][:, 0] = np.arange(16)
     got = draw(big, m, steps=8, do_filter=True)
-    from paged_jax.sampler import _row_keys
-
-    y = jnp.asarray(big) / 0.7
-    drop = sort_reference_drop(y, jnp.asarray(m["top_k"]), jnp.asarray(m["top_p"]), jnp.asarray(m["min_p"]))
+    y = np.asarray(jnp.asarray(big) / 0.7)
+    drop = sort_reference_drop(
+        jnp.asarray(y), jnp.asarray(m["top_k"]), jnp.asarray(m["top_p"]), jnp.asarray(m["min_p"])
+    )
+    weights = np.where(drop, 0.0, np.exp(y - y.max(-1, keepdims=True)))
     for step in range(8):
         m["step"][:] = step
-        keys = _row_keys(SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()}))
-        gumbel = np.asarray(jax.vmap(lambda k: jax.random.gumbel(k, (512,), jnp.float32))(keys))
-        want = np.argmax(np.where(drop, -1e30, np.asarray(y) + gumbel), axis=-1)
-        np.testing.assert_array_equal(got[step], want)
+        u = np.asarray(row_uniforms(SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()})))
+        np.testing.assert_array_equal(got[step], inverse_cdf_reference(weights, u))
+    assert len(np.unique(got)) > 16  # not all trivial
+
+
+@pytest.mark.parametrize("vocab", [64, 300, 1000])
+def test_categorical_is_the_two_stage_inverse_cdf(vocab):
+    """`categorical` on random weights (zeros included) and uniforms picks exactly the reference's token, and a
+    token of weight 0 never; uniforms at the edges (0 and just below 1) included."""
+    rng = np.random.default_rng(vocab)
+    rows = 256
+    weights = np.exp(rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    weights[rng.random((rows, vocab)) < 0.3] = 0.0
+    weights[0, 1:], weights[0, 0] = 0.0, 1.0  # one token left
+    u = rng.random((rows, 2)).astype(np.float32)
+    u[1], u[2] = 0.0, np.float32(1 - 2**-24)
+    got = np.asarray(jax.jit(categorical)(jnp.asarray(weights), jnp.asarray(u)))
+    np.testing.assert_array_equal(got, inverse_cdf_reference(weights, u))
+    assert (weights[np.arange(rows), got] > 0).all() and got[0] == 0
+
+
+def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's goodness of fit of `counts` to `probs`, categories with expected count < 5 pooled."""
+    from scipy.stats import chi2  # a dependency of jax
+
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(chi2.sf(stat, len(obs) - 1))
+
+
+def test_draws_follow_the_softmax_distribution():
+    """8,192 seeded draws (512 rows with their own seeds, 16 output positions) from one row of logits over 300
+    tokens (three blocks, the last one partly padding) fit softmax(logits / T) by a chi-square test, and do
+    not fit the distribution of a slightly different temperature (the test can fail). Banned ids are never
+    drawn. Deterministic: fixed seeds."""
+    vocab, rows, temp = 300, 512, 0.9
+    row = np.asarray(jax.random.normal(jax.random.key(5), (vocab,)), np.float32)
+    m = meta(rows, temperature=temp)
+    m["seed"][:, 0] = np.arange(rows)
+    m["suppress"][:, :2] = [7, 299]
+    got = draw(np.repeat(row[None], rows, 0), m, steps=16).ravel()
+    counts = np.bincount(got, minlength=vocab)
+    assert counts[7] == counts[299] == 0
+    allowed = np.ones(vocab, bool)
+    allowed[[7, 299]] = False
+
+    def dist(t: float) -> np.ndarray:
+        p = np.where(allowed, np.exp((row - row.max()) / t), 0.0)
+        return p / p.sum()
+
+    assert chi_square_p_value(counts[allowed], dist(temp)[allowed]) > 1e-3
+    assert chi_square_p_value(counts[allowed], dist(temp * 1.25)[allowed]) < 1e-6
+
+
+def test_a_seeded_row_draws_the_same_tokens_in_any_batch(logits):
+    """A row's draws depend on its own seed, step and logits only: alone (a 1-row batch) or as row 5 of 16
+    beside other rows and seeds (another compiled shape), with and without filters."""
+    target = np.asarray(jax.random.normal(jax.random.key(9), (1, V)) * 2, np.float32)
+    for flags in ({"do_filter": False}, {"do_filter": True}):
+        alone = meta(1, temperature=0.8, top_p=0.95, top_k=20)
+        alone["seed"][:] = [1234, 5]
+        mixed = meta(16, temperature=1.3, top_p=0.5, top_k=3)
+        mixed["seed"][:, 0] = np.arange(16)
+        for f in ("temperature", "top_p", "top_k", "seed"):
+            mixed[f][5] = alone[f][0]
+        others = np.array(jax.random.normal(jax.random.key(10), (16, V)) * 4, np.float32)
+        others[5] = target[0]
+        a = draw(target, alone, steps=32, **flags)[:, 0]
+        b = draw(others, mixed, steps=32, **flags)[:, 5]
+        np.testing.assert_array_equal(a, b)
+        assert len(np.unique(a)) > 3
+
+
+@pytest.mark.parametrize("vocab", [64, 1000, 50257])
+def test_first_argmax_equals_argmax(vocab):
+    """`first_argmax` is `jnp.argmax` exactly: ties (coarsely rounded scores) go to the first index, a NaN wins
+    (the first one), an all -inf row gives 0, a vocabulary that is not a multiple of the block is padded."""
+    rng = np.random.default_rng(vocab)
+    x = np.round(rng.standard_normal((32, vocab)) * 2).astype(np.float32)  # many ties at the max
+    x[1, :] = -np.inf
+    x[2, [vocab // 3, vocab - 1]] = np.nan
+    x[3, -1] = 100.0
+    x[4, :] = np.float32(-3e38)
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got[2] == vocab // 3 and got[3] == vocab - 1
+
+
+@pytest.mark.parametrize("scale", [0.01, 3.0, 30.0])
+def test_greedy_logprob_equals_log_softmax(scale):
+    """The chosen token's logprob (its logit minus the row's logsumexp, no [S, V] log-softmax) equals
+    `jax.nn.log_softmax` at the token to float32 rounding, on random logits; with logprobs wanted the top
+    list still comes from the full rows."""
+    logits = jnp.asarray(np.random.default_rng(int(scale * 100)).standard_normal((32, 50257)) * scale, jnp.float32)
+    m = SamplingMeta(**{k: jnp.asarray(v) for k, v in meta(32).items()})
+    ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for want in (False, True):
+        res = sample(logits, m, do_sample=False, do_filter=False, do_penalty=False, want_logprobs=want)
+        tokens = np.asarray(res.tokens)
+        np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), -1))
+        np.testing.assert_allclose(np.asarray(res.logprob), ref[np.arange(32), tokens], rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(res.top_ids)[:, 0], tokens)
