@@ -75,45 +75,79 @@ def _order_keys(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
+FILTER_CANDIDATES = 64  # the top scores `filter_mask` looks at first (lax.top_k: 1.9 ms at 32 x 32,000, 2 cores)
+
+
 def filter_mask(y: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Which tokens top-k, top-p and min-p keep, without sorting: bool [S, V] for scaled logits y [S, V] f32.
+    """Which tokens top-k, top-p and min-p keep, without sorting: bool [S, V] for scaled logits y [S, V] f32."""
+    return filter_keep(y, jax.nn.softmax(y, axis=-1), top_k, top_p, min_p)
+
+
+def filter_keep(
+    y: jax.Array, probs: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, cap: int = FILTER_CANDIDATES
+) -> jax.Array:
+    """`filter_mask` given probs = softmax(y) [S, V] (the sampler has it already): bool [S, V].
 
     Semantics (vLLM's, over the distribution p = softmax(y)): a token is dropped when `top_k` > 0 and at least
     `top_k` tokens score higher, when the probability mass of the tokens scoring higher is >= `top_p`
     (`top_p` >= 1: off), or when p < `min_p` x max(p); the most likely token always survives. The first two
-    are "at least so much above me", so each keeps every token scoring at least some threshold: the smallest
-    value t with fewer than k tokens (and less than top_p mass) above it. t is found by bisection over the
-    2^32 float32 values in order (32 masked reductions over the vocabulary, no sort), so it is exactly the
-    score of the last kept token. Ties at the threshold are all kept (a sort would keep some of them).
-    Rows are bisected one at a time (`lax.map`): a row's scores and probabilities (2 x 4 bytes x V) stay in
-    the core's cache for its 32 passes, where all rows at once would stream [S, V] from memory 32 times
-    (measured on 2 cores, V = 32,000, S = 32: 18 ms CPU against 46 ms; the sort alone took 140 ms).
+    are "at least so much above me", so each keeps every token scoring at least some threshold t: the
+    smallest score with fewer than k tokens (and less than top_p mass) above it, exactly the score of the last
+    kept token. Ties at the threshold are all kept (a sort would keep some of them); -0.0 counts as 0.0.
+
+    t is found without sorting the vocabulary. First among the row's `cap` highest scores (`lax.top_k`): every
+    token scoring above the lowest of them is in that list, so the count and the mass above each listed score
+    are exact, and when the lowest listed score is not allowed, t is the lowest listed score that is (top-k
+    below `cap`, or a nucleus inside the top `cap`: the common case). Otherwise t is at most the lowest listed
+    score and that row alone falls back to bisection over the float32 values in order below it (at most 32
+    masked reductions over its vocabulary, the row's scores and probabilities staying in the core's cache).
+    Measured at 32 rows x 32,000 on 2 cores: 21 ms for bisecting every row, 3-4 ms for the list.
     """
-    keys = _order_keys(y)  # [S, V]
-    probs = jax.nn.softmax(y, axis=-1)
-    top = jnp.max(keys, axis=-1)
-    threshold = jax.lax.map(lambda row: _threshold(*row), (keys, probs, top_k, top_p))  # [S]
+    rows, vocab = y.shape
+    keys = _order_keys(jnp.where(y == 0, 0.0, y))  # [S, V]
+    cap = min(cap, vocab)
+    _, idx = jax.lax.top_k(y, cap)  # [S, cap], scores descending
+    list_keys = jnp.take_along_axis(keys, idx, axis=-1)
+    list_probs = jnp.take_along_axis(probs, idx, axis=-1)
+    above = list_keys[:, None, :] > list_keys[:, :, None]  # [S, cap, cap]: [r, i, j] = listed j above listed i
+    count = jnp.sum(above, axis=-1)
+    mass = jnp.sum(jnp.where(above, list_probs[:, None, :], 0.0), axis=-1)
+    allowed = _allowed(count, mass, top_k[:, None], top_p[:, None])  # [S, cap]
+    listed_t = jnp.min(jnp.where(allowed, list_keys, list_keys[:, :1]), axis=-1)
+    off = (top_k <= 0) & (top_p >= 1.0)
+    bisect = allowed[:, -1] & ~off & (cap < vocab)  # t may lie below the list
+
+    def one_row(row: tuple[jax.Array, ...]) -> jax.Array:
+        keys, probs, top_k, top_p, lowest_listed, need, t = row
+        return jax.lax.cond(need, lambda: _bisect(keys, probs, top_k, top_p, lowest_listed), lambda: t)
+
+    listed_t = jnp.where(off, jnp.uint32(0), listed_t)  # every key is >= 0
+    threshold = jax.lax.cond(
+        jnp.any(bisect),
+        lambda: jax.lax.map(one_row, (keys, probs, top_k, top_p, list_keys[:, -1], bisect, listed_t)),
+        lambda: listed_t,
+    )
     keep = keys >= threshold[:, None]
-    keep &= probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    return keep | (keys == top[:, None])  # the most likely token always survives
+    keep &= probs >= min_p[:, None] * list_probs[:, :1]  # the first listed is the most likely
+    return keep | (keys == list_keys[:, :1])  # and it always survives
 
 
-def _threshold(keys: jax.Array, probs: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """One row: the smallest order key t in [min, max] of `keys` [V] with fewer than `top_k` tokens (if > 0)
-    and less than `top_p` probability mass (if < 1) strictly above it."""
+def _allowed(count: jax.Array, mass: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Whether a threshold with `count` tokens and `mass` probability strictly above it passes top-k and top-p."""
+    return ((top_k <= 0) | (count < top_k)) & ((top_p >= 1.0) | (mass < top_p))
 
-    def allowed(t: jax.Array) -> jax.Array:
-        above = keys > t
-        ok_k = (top_k <= 0) | (jnp.sum(above) < top_k)
-        return ok_k & ((top_p >= 1.0) | (jnp.sum(jnp.where(above, probs, 0.0)) < top_p))
 
-    def bisect(_, lo_hi):
+def _bisect(keys: jax.Array, probs: jax.Array, top_k: jax.Array, top_p: jax.Array, hi: jax.Array) -> jax.Array:
+    """One row: the smallest order key t in [min(keys), hi] that is `_allowed` (hi is) for `keys` [V]."""
+
+    def step(lo_hi: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         lo, hi = lo_hi
         mid = lo + (hi - lo) // 2
-        ok = allowed(mid)
+        above = keys > mid
+        ok = _allowed(jnp.sum(above), jnp.sum(jnp.where(above, probs, 0.0)), top_k, top_p)
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-    return jax.lax.fori_loop(0, 32, bisect, (jnp.min(keys), jnp.max(keys)))[1]
+    return jax.lax.while_loop(lambda lo_hi: lo_hi[0] < lo_hi[1], step, (jnp.min(keys), hi))[1]
 
 
 def _row_keys(meta: SamplingMeta) -> jax.Array:
@@ -211,7 +245,8 @@ def sample(
         y = (x / temp[:, None]).at[rows, suppress].set(MASK, mode="drop")
         weights = jnp.exp(y - jnp.max(y, axis=-1, keepdims=True))  # a suppressed token's is exactly 0
         if do_filter:
-            weights = jnp.where(filter_mask(y, meta.top_k, meta.top_p, meta.min_p), weights, 0.0)
+            probs = weights / jnp.sum(weights, axis=-1, keepdims=True)  # softmax(y), as jax.nn.softmax has it
+            weights = jnp.where(filter_keep(y, probs, meta.top_k, meta.top_p, meta.min_p), weights, 0.0)
         sampled = categorical(weights, row_uniforms(meta))
         tokens = jnp.where(hot, sampled, tokens)
     logprob = chosen_logprob(logits, tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,9 +172,10 @@ def sort_reference_drop(y: jax.Array, top_k, top_p, min_p) -> np.ndarray:
 
 @pytest.mark.parametrize("vocab,scale", [(1000, 3.0), (49152, 8.0), (300, 0.01)])
 def test_sort_free_filter_equals_the_sort_based_reference(vocab, scale):
-    """`filter_mask` (bisection over float32 thresholds) keeps exactly the tokens the sort-based filter keeps,
-    on random logits with every combination of top-k, top-p and min-p, off values included."""
-    from paged_jax.sampler import filter_mask
+    """`filter_mask` (the top-score list, bisection below it where needed) keeps exactly the tokens the
+    sort-based filter keeps, on random logits with every combination of top-k, top-p and min-p, off values
+    included."""
+    from paged_jax.sampler import filter_keep, filter_mask
 
     rows = 48
     rng = np.random.default_rng(vocab)
@@ -180,9 +183,15 @@ def test_sort_free_filter_equals_the_sort_based_reference(vocab, scale):
     top_k = jnp.asarray(rng.choice([0, 1, 2, 7, 50, vocab - 1, vocab], rows), jnp.int32)
     top_p = jnp.asarray(rng.choice([1.0, 0.99, 0.9, 0.5, 0.1, 1e-6], rows), jnp.float32)
     min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.01, 0.3], rows), jnp.float32)
-    keep = np.asarray(jax.jit(filter_mask)(y, top_k, top_p, min_p))
     want = ~sort_reference_drop(y, top_k, top_p, min_p)
+    keep = np.asarray(jax.jit(filter_mask)(y, top_k, top_p, min_p))
     np.testing.assert_array_equal(keep, want)
+    # The same with a longer top-score list (every row decided in it alone for V = 300) and with nearly every
+    # row bisected (cap = 2).
+    probs = jax.nn.softmax(y, axis=-1)
+    for cap in (300, 2):
+        keep = np.asarray(jax.jit(partial(filter_keep, cap=cap))(y, probs, top_k, top_p, min_p))
+        np.testing.assert_array_equal(keep, want)
     kept = keep.sum(-1)
     assert kept.min() >= 1 and kept.max() > 50 and (kept == 1).any()  # the cases are not all trivial
 
