@@ -1,5 +1,5 @@
 """The on-device sampler, old against new, side by side in one process: greedy, temperature sampling and
-top-k + top-p filtering of S rows of float32 logits.
+top-k + top-p (and top-p alone) filtering of S rows of float32 logits.
 
 "old" is `paged_jax.sampler.sample` as it was on `main` before the sampler branch (Gumbel-max over V threefry
 uniforms per row, a full [S, V] log-softmax for the chosen token's logprob, `jnp.argmax`), copied below
@@ -136,18 +136,24 @@ def old_sample(
 
 
 def sampling_meta(rows: int, mode: str) -> SamplingMeta:
-    """As `scripts/profile_decode.py` sets it: temperature 0.8, one seed per row, top-k 50 and top-p 0.9."""
+    """As `scripts/profile_decode.py` sets it: temperature 0.8, one seed per row, "filter": top-k 50 and top-p
+    0.9; "top-p": top-p 0.95 alone (on these logits most rows' nucleus is larger than the 64 highest scores, so
+    the new filter bisects them: its slow path)."""
     m = empty_meta(rows)
     if mode != "greedy":
         m["temperature"][:] = 0.8
         m["seed"][:, 0] = np.arange(rows)
     if mode == "filter":
         m["top_k"][:], m["top_p"][:] = 50, 0.9
+    if mode == "top-p":
+        m["top_p"][:] = 0.95
     return SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()})
 
 
 def variants(mode: str) -> dict[str, Callable]:
-    flags = dict(do_sample=mode != "greedy", do_filter=mode == "filter", do_penalty=False, want_logprobs=False)
+    flags = dict(
+        do_sample=mode != "greedy", do_filter=mode in ("filter", "top-p"), do_penalty=False, want_logprobs=False
+    )
     out = {"old": partial(old_sample, **flags), "new": partial(sample, **flags)}
     if mode == "sample":
         out["old, rbg keys"] = partial(old_sample, **flags, impl="rbg")
@@ -185,7 +191,7 @@ def main() -> None:
     for vocab in args.vocab:
         rng = np.random.default_rng(vocab)
         logits = jnp.asarray(rng.standard_normal((args.rows, vocab)) * 3, jnp.float32)
-        for mode in ("greedy", "sample", "filter"):
+        for mode in ("greedy", "sample", "filter", "top-p"):
             res = measure(variants(mode), (logits, sampling_meta(args.rows, mode)), args.reps, args.rounds)
             old_cpu = res["old"][1]
             for name, (wall, cpu) in res.items():
