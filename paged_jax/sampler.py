@@ -252,19 +252,21 @@ def sample(
     suppress = jnp.where(meta.suppress >= 0, meta.suppress, vocab)
     rows = jnp.arange(num_rows)[:, None]
     x = x.at[rows, suppress].set(MASK, mode="drop")
-    tokens = first_argmax(x)
     if do_sample:
         hot = meta.temperature >= MIN_TEMPERATURE
         temp = jnp.where(hot, meta.temperature, 1.0)
         # Masked again after scaling: MASK / a huge temperature is close to 0, which would let a suppressed
         # token (EOS under min_tokens) back in.
         y = (x / temp[:, None]).at[rows, suppress].set(MASK, mode="drop")
+        tokens = first_argmax(y)  # the greedy rows' pick: their y is x (divided by 1)
         weights = jnp.exp(y - jnp.max(y, axis=-1, keepdims=True))  # a suppressed token's is exactly 0
         if do_filter:
             probs = weights / jnp.sum(weights, axis=-1, keepdims=True)  # softmax(y), as jax.nn.softmax has it
             weights = jnp.where(filter_keep(y, probs, meta.top_k, meta.top_p, meta.min_p), weights, 0.0)
         sampled = categorical(weights, row_uniforms(meta))
         tokens = jnp.where(hot, sampled, tokens)
+    else:
+        tokens = first_argmax(x)
     logprob = chosen_logprob(logits, tokens)
     if want_logprobs:
         top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), min(MAX_LOGPROBS, vocab))
