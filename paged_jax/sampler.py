@@ -122,9 +122,11 @@ def filter_keep(
     ok_p = (top_p[:, None] >= 1.0) | (mass < top_p[:, None])
     t_k = jnp.where(top_k <= 0, jnp.uint32(0), _lowest_allowed(ok_k, list_keys))  # 0: every key passes
     t_p = jnp.where(top_p >= 1.0, jnp.uint32(0), _lowest_allowed(ok_p, list_keys))
-    # Where even the lowest listed score passes, that part's threshold may lie below the list: bisect it.
+    # Where even the lowest listed score passes, that part's threshold may lie below the list: bisect it, unless
+    # the other part's threshold is in the list (then that one is the larger).
     below_k = ok_k[:, -1] & (top_k > 0) & (cap < vocab)
     below_p = ok_p[:, -1] & (top_p < 1.0) & (cap < vocab)
+    below_k, below_p = below_k & ((top_p >= 1.0) | below_p), below_p & ((top_k <= 0) | below_k)
 
     def one_row(row: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         keys, probs, top_k, top_p, hi, below_k, below_p, listed_k, listed_p = row
