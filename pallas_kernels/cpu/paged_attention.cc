@@ -70,33 +70,56 @@ struct Item {
 // (rows x head_dim floats) stay in L1/L2 and the items spread over the threads.
 constexpr int32_t kTokensPerItem = 32;
 
+// exp(x) for x <= 0 to about 2 ulp, branch-free so that loops over it vectorize (std::exp does not without
+// -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n by the
+// exponent bits. Below -87 the result is 0 (the exact value is below float32's normal range).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187045e-06f, x));
+  float y = 1.0f / 720.0f;
+  y = std::fma(y, r, 1.0f / 120.0f);
+  y = std::fma(y, r, 1.0f / 24.0f);
+  y = std::fma(y, r, 1.0f / 6.0f);
+  y = std::fma(y, r, 0.5f);
+  y = std::fma(y, r, 1.0f);
+  y = std::fma(y, r, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+template <typename T>
+void to_floats(const T* src, int64_t n, float* dst) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
 template <typename T>
 void run_item(const Problem& p, const T* q, const T* kv, T* out, const Item& it, std::vector<float>& scratch) {
   const int64_t D = p.head_dim, G = p.group, S = p.page_size;
   const int32_t len = p.kv_lens[it.seq];
   const int32_t q_len = p.cu_q_lens[it.seq + 1] - p.cu_q_lens[it.seq];
-  const int32_t first_pos = len - q_len;  // position of the sequence's first query token
-  const int64_t rows = static_cast<int64_t>(it.t1 - it.t0) * G;
-  // scratch: q rows (float) | acc rows | m | l | scores of one page per row
-  scratch.resize(static_cast<size_t>(rows * D * 2 + rows * 2 + rows * S + D));
+  const int64_t tokens = it.t1 - it.t0;
+  const int64_t rows = tokens * G;  // row t * G + g: query token it.t0 + t, query head it.head * G + g
+  // scratch: q rows | acc rows | m | l | one page's scores (G x S) | one K or V row in float32
+  scratch.resize(static_cast<size_t>(rows * D * 2 + rows * 2 + G * S + D));
   float* qf = scratch.data();
   float* acc = qf + rows * D;
   float* m = acc + rows * D;
   float* l = m + rows;
   float* sc = l + rows;
-  for (int64_t t = it.t0; t < it.t1; ++t) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = q + (t * p.num_q_heads + it.head * G + g) * D;
-      float* dst = qf + ((t - it.t0) * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
-    }
+  float* row = sc + G * S;
+  for (int64_t t = 0; t < tokens; ++t) {
+    to_floats(q + ((it.t0 + t) * p.num_q_heads + it.head * G) * D, G * D, qf + t * G * D);
   }
   std::fill(acc, acc + rows * D, 0.0f);
   std::fill(m, m + rows, -INFINITY);
   std::fill(l, l + rows, 0.0f);
-  // Keys any row of the item can see: [lo, hi].
-  const int64_t pos0 = first_pos + (it.t0 - p.cu_q_lens[it.seq]);
-  const int64_t pos1 = pos0 + (it.t1 - it.t0) - 1;
+  // Positions of the item's first and last query tokens, and the keys any of them can see: [lo, hi].
+  const int64_t pos0 = (len - q_len) + (it.t0 - p.cu_q_lens[it.seq]);
+  const int64_t pos1 = pos0 + tokens - 1;
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
   const int64_t hi = std::min<int64_t>(pos1, len - 1);
   const int32_t* table = p.tables + static_cast<int64_t>(it.seq) * p.max_blocks;
@@ -105,38 +128,53 @@ void run_item(const Problem& p, const T* q, const T* kv, T* out, const Item& it,
     if (page < 0 || page >= p.num_pages) continue;  // a corrupt table never reads out of bounds
     const T* base = kv + (page * p.num_kv_heads + it.head) * S * 2 * D;
     const int64_t k0 = blk * S;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = pos0 + r / G;
-      // This row's visible slots of the page: [j0, j1).
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t pos = pos0 + t;
+      // This token's visible slots of the page: [j0, j1) (the same for its G query heads).
       const int64_t j0 = std::max<int64_t>(0, (p.window > 0 ? pos - p.window + 1 : 0) - k0);
       const int64_t j1 = std::min<int64_t>(S, std::min<int64_t>(pos, len - 1) - k0 + 1);
       if (j0 >= j1) continue;
-      const float* qr = qf + r * D;
-      float* s = sc + r * S;
-      float page_max = -INFINITY;
+      const float* qt = qf + t * G * D;
       for (int64_t j = j0; j < j1; ++j) {
-        const T* k = base + j * 2 * D;
-        float dot = 0.0f;
+        to_floats(base + j * 2 * D, D, row);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = qt + g * D;
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * to_float(k[d]);
-        float x = dot * p.sm_scale;
-        if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
-        s[j] = x;
-        page_max = std::max(page_max, x);
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * row[d];
+          float x = dot * p.sm_scale;
+          if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
+          sc[g * S + j] = x;
+        }
       }
-      const float m_new = std::max(m[r], page_max);
-      const float alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible page
-      float* a = acc + r * D;
-      float sum = 0.0f;
-      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = t * G + g;
+        float* s = sc + g * S;
+        float page_max = -INFINITY;
+        for (int64_t j = j0; j < j1; ++j) page_max = std::max(page_max, s[j]);
+        const float m_new = std::max(m[r], page_max);
+        const float alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible page
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = j0; j < j1; ++j) {
+          s[j] = exp_nonpositive(s[j] - m_new);
+          sum += s[j];
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+        float* a = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      }
       for (int64_t j = j0; j < j1; ++j) {
-        const float e = std::exp(s[j] - m_new);
-        sum += e;
-        const T* v = base + j * 2 * D + D;
-        for (int64_t d = 0; d < D; ++d) a[d] += e * to_float(v[d]);
+        to_floats(base + j * 2 * D + D, D, row);
+        for (int64_t g = 0; g < G; ++g) {
+          const float e = sc[g * S + j];
+          float* a = acc + (t * G + g) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += e * row[d];
+        }
       }
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
