@@ -8,7 +8,7 @@ intra-op thread pool. Same semantics and layout as every backend (:mod:`.common`
 (quantized pages stay on the XLA path).
 
 Build: ``g++ -O3 -march=native`` against the FFI headers jaxlib ships (``jax.ffi.include_dir()``), into a
-cache directory (``$PAGED_JAX_KERNEL_CACHE``, default ``~/.cache/paged_jax/kernels``) keyed by the source,
+cache directory (``$PAGED_JAX_KERNEL_CACHE``, default ``~/.cache/paged-jax/kernels``) keyed by the source,
 the compiler, jaxlib and this CPU's instruction-set flags, so another machine or version never loads a stale
 library. Without a C++ compiler (or if the build fails) :func:`available` is False, a warning says why once,
 and ``backend="auto"`` uses the XLA path.
@@ -60,7 +60,7 @@ def library_path(compiler: str) -> Path:
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), version, " ".join(FLAGS), jax.__version__, _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    cache = Path(os.environ.get("PAGED_JAX_KERNEL_CACHE", Path.home() / ".cache" / "paged_jax" / "kernels"))
+    cache = Path(os.environ.get("PAGED_JAX_KERNEL_CACHE", Path.home() / ".cache" / "paged-jax" / "kernels"))
     return cache / f"paged_attention-{key}.so"
 
 
