@@ -360,25 +360,30 @@ class ModelRunner:
 
     def forward_job(self, t: int, s: int) -> Job:
         """The forward step of `t` tokens and `s` sequences."""
-        i32 = self._spec
-        meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
-        return (
-            ("forward", self._key, t, s),
-            lambda: self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s)),
-            f"forward tokens={t} seqs={s}",
-        )
+
+        def lower() -> jax.stages.Lowered:
+            i32 = self._spec
+            meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
+            return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s))
+
+        return ("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}"
 
     def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
-        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs)."""
+        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs).
+        The argument specs are built only when the executable is compiled (this runs every step)."""
         names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
-        shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len).items()}
-        dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
-        meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
-        logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
-        width = self.seq_buckets[-1]
+
+        def lower() -> jax.stages.Lowered:
+            shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len).items()}
+            dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
+            meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
+            logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
+            width = self.seq_buckets[-1]
+            return _sample_rows.lower(logits, meta, width=width, **dict(zip(names, flags, strict=True)))
+
         return (
             ("sample", self._key, s, suppress_width, history_len, flags),
-            lambda: _sample_rows.lower(logits, meta, width=width, **dict(zip(names, flags, strict=True))),
+            lower,
             f"sample rows={s} suppress={suppress_width} history={history_len} "
             + " ".join(n for n, on in zip(names, flags, strict=True) if on),
         )

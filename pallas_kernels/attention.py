@@ -6,19 +6,22 @@ import functools
 
 import jax
 
-from pallas_kernels import common, kv_quant
+from pallas_kernels import common, cpu_paged, kv_quant
 from pallas_kernels.xla_paged import xla_ragged_paged_attention
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """Maps a backend request to ``xla``, ``pallas-tpu[-interpret]`` or ``pallas-gpu[-interpret]``.
+    """Maps a backend request to ``xla``, ``cpu``, ``pallas-tpu[-interpret]`` or ``pallas-gpu[-interpret]``.
 
-    ``auto`` picks by platform (tpu: the Mosaic kernel, gpu: the Triton kernel, cpu: XLA). ``pallas`` is the
+    ``auto`` picks by platform (tpu: the Mosaic kernel, gpu: the Triton kernel, cpu: the C++ kernel of
+    :mod:`.cpu_paged` when it builds on this machine, else XLA). ``pallas`` is the
     platform's Pallas kernel; ``pallas-interpret`` is that kernel in interpret mode, and on CPU it means the
     TPU kernel (the one whose DMAs and semaphores the interpreter simulates).
     """
     platform = platform or jax.default_backend()
     if backend == "auto":
+        if platform == "cpu":
+            return "cpu" if cpu_paged.available() else "xla"
         return {"tpu": "pallas-tpu", "gpu": "pallas-gpu"}.get(platform, "xla")
     if backend == "pallas":
         if platform not in ("tpu", "gpu"):
@@ -69,7 +72,11 @@ def ragged_paged_attention(
     args = (q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     opts = dict(sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales)
     concrete = resolve_backend(backend)
-    if concrete == "xla":
+    if concrete == "cpu" and cpu_paged.available() and cpu_paged.supports(q, kv_pages, kv_scales):
+        return cpu_paged.cpu_ragged_paged_attention(
+            *args, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window
+        )
+    if concrete in ("xla", "cpu"):
         return xla_ragged_paged_attention(*args, **opts)
     if concrete.startswith("pallas-tpu"):
         from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu

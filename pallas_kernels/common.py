@@ -41,6 +41,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 BACKENDS = (
     "auto",
     "xla",
+    "cpu",
     "pallas",
     "pallas-interpret",
     "pallas-tpu",

@@ -101,7 +101,7 @@ def bench_paged(args) -> None:
             max_model_len=max_model_len,
             max_num_seqs=64,
             max_num_batched_tokens=512,
-            attention_backend="xla",
+            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu_paged)
             enable_prefix_caching=not baseline,
             reserve_full_length=baseline,
         )
@@ -153,7 +153,7 @@ def bench_prefix(args) -> None:
             max_model_len=2048,
             max_num_seqs=8,
             max_num_batched_tokens=2048,
-            attention_backend="xla",
+            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu_paged)
             enable_prefix_caching=cache,
         )
         engines[name] = LLMEngine(config, params, tok, ec)
@@ -188,7 +188,7 @@ def bench_lookahead(args) -> None:
             max_model_len=1024,
             max_num_seqs=32,
             max_num_batched_tokens=512,
-            attention_backend="xla",
+            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu_paged)
             async_scheduling=on,
             enable_prefix_caching=False,
         )
@@ -419,7 +419,7 @@ def bench_quant(args) -> None:
             max_model_len=512,
             max_num_seqs=8,
             max_num_batched_tokens=512,
-            attention_backend="xla",
+            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu_paged)
             kv_dtype=kv,
             enable_prefix_caching=False,
             warmup=False,

@@ -97,7 +97,7 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
     rows = []
 
     # The whole step: the runner's forward (all layers + LM head on 32 rows) and each sampler variant.
-    _, forward = step_functions(c, "xla")
+    _, forward = step_functions(c, "auto")
     state = {"kv": kv}
 
     def step():
@@ -133,7 +133,7 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
             over_layers(lambda i, a, b: (layers.apply_rope(a, cos, sin), layers.apply_rope(b, cos, sin))),
             (q, k),
         ),
-        "attention (XLA paged)": (
+        "attention (paged, auto backend)": (
             over_layers(
                 lambda i, a, kvs: pallas_kernels.ragged_paged_attention(
                     a,
@@ -143,7 +143,7 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
                     meta.cu_q_lens,
                     meta.num_seqs,
                     sm_scale=c.head_dim**-0.5,
-                    backend="xla",
+                    backend="auto",
                 )
             ),
             (q, kv),
@@ -189,7 +189,7 @@ def engine_step_ms(model: str, dtype: str, batch: int, new: int = 96) -> dict[st
         max_num_seqs=batch,
         max_num_batched_tokens=1024,
         num_pages=batch * 20 + 1,
-        attention_backend="xla",
+        attention_backend="auto",
         enable_prefix_caching=False,
         warmup=False,
     )  # compile only the shapes this run reaches

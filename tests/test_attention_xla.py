@@ -119,9 +119,9 @@ def test_xla_all_padding_is_zero_and_finite():
     assert not np.any(np.asarray(out))
 
 
-def test_xla_jit_and_auto_backend_on_cpu():
+def test_xla_under_jit():
     case = make_case(7, [(1, 9), (4, 4)], num_tokens=16, max_seqs=8, **SHAPE)
-    f = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125))
+    f = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125, backend="xla"))
     ref = dense_reference_attention(*case.dense_args, sm_scale=0.125)
     assert_close(f(*case.paged_args), ref, jnp.float32)
 
