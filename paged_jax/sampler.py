@@ -2,7 +2,7 @@
 
 One row per sequence that samples this step. Everything runs inside one jitted function so only the sampled
 ids (and requested logprobs) come back to the host, and nothing sorts the vocabulary, on every platform:
-top-k / top-p / min-p (`filter_keep`) find each row's threshold among its 64 highest scores (`lax.top_k`),
+top-k / top-p / min-p (`filter_mask`) find each row's threshold among its 64 highest scores (`lax.top_k`),
 bisecting over float32 values only for a row whose threshold lies below them.
 
 Randomness is inverse-CDF sampling with two uniforms per row (`categorical`) from a key derived from the
@@ -80,15 +80,11 @@ def _order_keys(x: jax.Array) -> jax.Array:
 FILTER_CANDIDATES = 64  # the top scores `filter_mask` looks at first (lax.top_k: 1.9 ms at 32 x 32,000, 2 cores)
 
 
-def filter_mask(y: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Which tokens top-k, top-p and min-p keep, without sorting: bool [S, V] for scaled logits y [S, V] f32."""
-    return filter_keep(y, jax.nn.softmax(y, axis=-1), top_k, top_p, min_p)
-
-
-def filter_keep(
+def filter_mask(
     y: jax.Array, probs: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, cap: int = FILTER_CANDIDATES
 ) -> jax.Array:
-    """`filter_mask` given probs = softmax(y) [S, V] (the sampler has it already): bool [S, V].
+    """Which tokens top-k, top-p and min-p keep, without sorting: bool [S, V] for scaled logits y [S, V] f32 and
+    probs = softmax(y) [S, V] (the sampler has it already).
 
     Semantics (vLLM's, over the distribution p = softmax(y)): a token is dropped when `top_k` > 0 and at least
     `top_k` tokens score higher, when the probability mass of the tokens scoring higher is >= `top_p`
@@ -264,7 +260,7 @@ def sample(
         weights = jnp.exp(y - jnp.max(y, axis=-1, keepdims=True))  # a suppressed token's is exactly 0
         if do_filter:
             probs = weights / jnp.sum(weights, axis=-1, keepdims=True)  # softmax(y), as jax.nn.softmax has it
-            weights = jnp.where(filter_keep(y, probs, meta.top_k, meta.top_p, meta.min_p), weights, 0.0)
+            weights = jnp.where(filter_mask(y, probs, meta.top_k, meta.top_p, meta.min_p), weights, 0.0)
         sampled = categorical(weights, row_uniforms(meta))
         tokens = jnp.where(hot, sampled, tokens)
     else:
