@@ -149,7 +149,7 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
             (q, kv),
         ),
         "o projection": (over_layers(lambda i, a: layers.out_projection(a, lp[i]["self_attn"])), (q,)),
-        "MLP (gate/up, SiLU, down)": (over_layers(lambda i, h: layers.swiglu_mlp(h, lp[i]["mlp"])), (x,)),
+        "MLP (gate/up, SiLU, down)": (over_layers(lambda i, h: layers.gated_mlp(h, lp[i]["mlp"])), (x,)),
         "final norm + LM head (32 rows)": (
             jax.jit(
                 lambda h: jnp.dot(

@@ -144,3 +144,22 @@ def test_cpu_hypothesis(seed, tokens_log2, seqs_log2, page_size, heads, window, 
         dtype=dtype,
     )
     check_case(case, "cpu", dtype, sliding_window=window)
+
+
+def test_engine_step_reads_pages_in_place(tiny_config, tiny_params):
+    """The compiled CPU step of the engine (the tiny model, a decode bucket) calls the kernel once per layer on
+    the donated page arrays themselves: no copy of a page array anywhere in the optimized HLO."""
+    from paged_jax.runner import PagedMeta, step_functions
+    from pallas_kernels.common import kv_pages_shape
+
+    c = tiny_config
+    _, forward = step_functions(c, "auto")
+    pages = jax.ShapeDtypeStruct(kv_pages_shape(64, c.num_kv_heads, 16, c.head_dim), jnp.dtype(c.dtype))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    meta = PagedMeta(i32(16), i32(16), i32(16, 8), i32(17), i32(1))
+    hlo = forward.lower(tiny_params, (pages,) * c.num_layers, i32(16), i32(16), meta, i32(16)).compile().as_text()
+    assert hlo.count('custom_call_target="paged_jax_paged_attention"') == c.num_layers
+    page_type = f"{jnp.dtype(c.dtype).name.replace('float', 'f')}[{','.join(map(str, pages.shape))}]"
+    copies = [line for line in hlo.splitlines() if page_type in line.split("=")[0] and " copy(" in line]
+    assert sum(page_type in line.split("=")[0] for line in hlo.splitlines()) >= c.num_layers  # the type matches
+    assert not copies, copies

@@ -174,7 +174,8 @@ def test_batch_over_two_processes_matches_one(tmp_path):
         config,
         params,
         tokenizer,
-        EngineConfig(num_pages=96, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla", warmup=False),
+        # the auto attention backend, as the CLI processes use
+        EngineConfig(num_pages=96, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="auto", warmup=False),
     )
     run_batch(engine, inp, single, progress=False)
     multi = tmp_path / "multi" / "out.jsonl"

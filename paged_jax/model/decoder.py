@@ -1,6 +1,6 @@
-"""What the decoder families beyond Llama share: per-layer attention, the gated MLP, the causal-LM skeleton.
+"""What every decoder family shares: per-layer attention, the gated MLP, the causal-LM skeleton.
 
-A family module (`qwen3`, `gemma`, `mixtral`, `qwen3_moe`) subclasses `CausalLM` and says how one layer is
+A family module (`llama`, `qwen3`, `gemma`, `mixtral`, `qwen3_moe`) subclasses `CausalLM` and says how one layer is
 built (`make_layer`), which RMSNorm the final norm is, and whether embeddings are scaled; everything else
 (embedding, RoPE tables, the layer loop over KV caches, the final norm, tied or separate LM head, the final
 logit soft cap) is here. Parameter names follow `paged_jax.model.llama` (fused qkv_proj and gate_up_proj,
@@ -27,6 +27,7 @@ from paged_jax.model.attention import AttentionFn, dense_attention
 from paged_jax.model.layers import (
     RMSNorm,
     apply_rope,
+    gated_mlp,
     kernel_init,
     out_projection,
     qkv_projection,
@@ -46,7 +47,8 @@ def inv_freq_for(head_dim: int, theta: float, scaling: RopeScaling | None) -> np
 
 class Attention(nn.Module):
     """QKV projection, optional per-head q/k RMSNorm (before RoPE), RoPE, attention with this layer's sliding
-    window and soft cap, output projection. Kernels as in `llama.Attention`; q_norm/k_norm weights [D]."""
+    window and soft cap, output projection. Kernels as documented in `paged_jax.model.llama`; q_norm/k_norm
+    weights [D]."""
 
     config: ModelConfig
     attention_fn: AttentionFn
@@ -100,9 +102,11 @@ class GatedMLP(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, i = c.hidden_size, c.intermediate_size
-        gate_up = quant.dot(x, self.param("gate_up_proj", kernel_init, (h, 2, i), dtype))  # [T, 2, I]
-        down = self.param("down_proj", kernel_init, (i, h), dtype)
-        return quant.dot(ACTIVATIONS[self.activation](gate_up[:, 0]) * gate_up[:, 1], down)
+        mlp = {
+            "gate_up_proj": self.param("gate_up_proj", kernel_init, (h, 2, i), dtype),
+            "down_proj": self.param("down_proj", kernel_init, (i, h), dtype),
+        }
+        return gated_mlp(x, mlp, ACTIVATIONS[self.activation])
 
 
 class PreNormLayer(nn.Module):

@@ -1,7 +1,7 @@
 """Building blocks of the Llama decoder: RMSNorm, rotary embeddings, the projections, SwiGLU MLP.
 
 The projections are plain functions over a layer's parameter dict (`qkv_projection`, `out_projection`,
-`swiglu_mlp`): one call site each, used by the modules and by `scripts/profile_decode.py`.
+`gated_mlp`): one call site each, used by the modules and by `scripts/profile_decode.py`.
 
 Numerics follow Hugging Face transformers: RMSNorm in float32 then cast back before the weight;
 RoPE frequencies and rotation in float32 with the non-interleaved `rotate_half` convention.
@@ -86,27 +86,8 @@ def out_projection(out: jax.Array, attn: dict) -> jax.Array:
     return quant.dot(out, attn["o_proj"], 2)
 
 
-def swiglu_mlp(x: jax.Array, mlp: dict) -> jax.Array:
-    """down(silu(gate(x)) * up(x)): x [T, H] -> [T, H], gate and up as one matmul with `gate_up_proj` [H, 2, I]."""
+def gated_mlp(x: jax.Array, mlp: dict, activation=jax.nn.silu) -> jax.Array:
+    """down(act(gate(x)) * up(x)) (SwiGLU with silu): x [T, H] -> [T, H], gate and up as one matmul with
+    `gate_up_proj` [H, 2, I], then `down_proj` [I, H]."""
     gate_up = quant.dot(x, mlp["gate_up_proj"])  # [T, 2, I]
-    act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, I]
-    return quant.dot(act, mlp["down_proj"])
-
-
-class MLP(nn.Module):
-    """SwiGLU (`swiglu_mlp`). x: [T, H] -> [T, H]. Kernels stored [in, ...out]."""
-
-    config: ModelConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        c = self.config
-        dtype = jnp.dtype(c.dtype)
-        h, i = c.hidden_size, c.intermediate_size
-        return swiglu_mlp(
-            x,
-            {
-                "gate_up_proj": self.param("gate_up_proj", kernel_init, (h, 2, i), dtype),
-                "down_proj": self.param("down_proj", kernel_init, (i, h), dtype),
-            },
-        )
+    return quant.dot(activation(gate_up[:, 0]) * gate_up[:, 1], mlp["down_proj"])
