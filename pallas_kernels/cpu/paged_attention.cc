@@ -69,6 +69,8 @@ struct Item {
 // Query tokens per item: decode items hold one token; prefill rows are cut so that their accumulators
 // (rows x head_dim floats) stay in L1/L2 and the items spread over the threads.
 constexpr int32_t kTokensPerItem = 32;
+// How many pages ahead of the one being computed are requested from memory (see run_item).
+constexpr int64_t kPrefetchPages = 4;
 
 // exp(x) for x <= 0 to about 2 ulp, branch-free so that loops over it vectorize (std::exp does not without
 // -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n by the
@@ -127,6 +129,15 @@ void run_item(const Problem& p, const T* q, const T* kv, T* out, const Item& it,
     const int64_t page = table[blk];
     if (page < 0 || page >= p.num_pages) continue;  // a corrupt table never reads out of bounds
     const T* base = kv + (page * p.num_kv_heads + it.head) * S * 2 * D;
+    // Pages are scattered, so the hardware prefetcher cannot see the next one coming: ask for it now, while
+    // this one is computed (decode is bound by memory latency, not bandwidth, with one stream per thread).
+    for (int64_t ahead = (blk == lo / S ? 1 : kPrefetchPages); ahead <= kPrefetchPages; ++ahead) {
+      if (blk + ahead > hi / S || blk + ahead >= p.max_blocks) break;
+      const int64_t next = table[blk + ahead];
+      if (next < 0 || next >= p.num_pages) continue;
+      const char* np = reinterpret_cast<const char*>(kv + (next * p.num_kv_heads + it.head) * S * 2 * D);
+      for (int64_t b = 0; b < static_cast<int64_t>(S * 2 * D * sizeof(T)); b += 64) __builtin_prefetch(np + b);
+    }
     const int64_t k0 = blk * S;
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t pos = pos0 + t;
