@@ -22,6 +22,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -196,32 +197,37 @@ void run_item(const Problem& p, const T* q, const T* kv, T* out, const Item& it,
   }
 }
 
-// Runs fn(i) for i in [0, n) on the caller and up to `threads - 1` tasks of XLA's intra-op pool, items handed
+// Runs fn(i) for i in [0, n) on the caller and on up to `threads - 1` tasks of XLA's intra-op pool, items handed
 // out one at a time (decode items are tiny and many; prefill items are few and large).
-template <typename Fn>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
+//
+// The caller never waits for a task that has not started: XLA may run several custom calls at once (independent
+// ops of one computation), each on a pool thread, so a task can sit queued behind the very calls waiting for it.
+// The caller works through the items itself and then waits only for tasks that are inside an item. A task
+// registers (`active`) before it claims an item; one that starts after every item is claimed finds none and
+// touches nothing but the shared state it co-owns, so it may outlive the call.
+struct ForState {
   std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  };
-  if (helpers <= 0) {
-    work();
-    return;
-  }
+  std::atomic<int64_t> active{0};
   std::mutex mu;
   std::condition_variable cv;
-  int64_t pending = helpers;
+};
+
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
+  auto state = std::make_shared<ForState>();
+  const Fn* body = &fn;
   for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([&] {
-      work();
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_one();
+    pool.Schedule([state, body, n] {
+      state->active.fetch_add(1);
+      for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) (*body)(i);
+      std::lock_guard<std::mutex> lock(state->mu);
+      if (state->active.fetch_sub(1) == 1) state->cv.notify_all();
     });
   }
-  work();
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return pending == 0; });
+  for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) fn(i);
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->active.load() == 0; });
 }
 
 template <typename T>
