@@ -97,7 +97,7 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
     rows = []
 
     # The whole step: the runner's forward (all layers + LM head on 32 rows) and each sampler variant.
-    _, forward = step_functions(c, "auto")
+    model, forward = step_functions(c, "auto")
     state = {"kv": kv}
 
     def step():
@@ -151,13 +151,7 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
         "o projection": (over_layers(lambda i, a: layers.out_projection(a, lp[i]["self_attn"])), (q,)),
         "MLP (gate/up, SiLU, down)": (over_layers(lambda i, h: layers.gated_mlp(h, lp[i]["mlp"])), (x,)),
         "final norm + LM head (32 rows)": (
-            jax.jit(
-                lambda h: jnp.dot(
-                    norm(p["norm"], h),
-                    p["lm_head"] if "lm_head" in p else p["embed_tokens"]["embedding"].T,
-                    preferred_element_type=jnp.float32,
-                )
-            ),
+            jax.jit(lambda h: model.apply(params, norm(p["norm"], h), method="compute_logits")),
             (x,),
         ),
     }

@@ -187,8 +187,14 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, H] -> logits [N, V] float32 (accumulated in float32), soft-capped when the config says so."""
-        w = self.embed_tokens.embedding.T if self.config.tie_word_embeddings else self.lm_head  # [H, V]
-        logits = quant.dot(hidden, w, preferred_element_type=jnp.float32)
+        if self.config.tie_word_embeddings:
+            # Contract the embedding's hidden axis where it lies ([V, H], "x . E^T" without a transpose): written
+            # as `hidden @ embedding.T`, XLA:CPU converted the whole bfloat16 table to float32 on every step
+            # (SmolLM2-135M: 41-47 ms against 4.3 ms for this form; float32 alike either way).
+            dims = (((1,), (1,)), ((), ()))
+            logits = jax.lax.dot_general(hidden, self.embed_tokens.embedding, dims, preferred_element_type=jnp.float32)
+        else:
+            logits = quant.dot(hidden, self.lm_head, preferred_element_type=jnp.float32)  # lm_head [H, V]
         cap = self.config.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
