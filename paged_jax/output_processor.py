@@ -146,7 +146,8 @@ class OutputProcessor:
             reason, stop_reason = FinishReason.STOP, token
         else:
             detok = req.detoks[seq.index]
-            detok.add([token], check_stop=n_out >= p.min_tokens)
+            if p.detokenize:
+                detok.add([token], check_stop=n_out >= p.min_tokens)
             if detok.stopped_on is not None:
                 reason, stop_reason = FinishReason.STOP_STRING, detok.stopped_on
             elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -22,6 +22,7 @@ class SamplingParams:
     temperature 0 means greedy. `top_k` 0 (or -1) and `top_p` 1 disable those filters.
     `seed` makes a request's samples reproducible whatever else shares the batch.
     `logprobs` asks for that many top alternatives per generated token (plus the chosen one).
+    `detokenize=False` returns token ids without text (no per-token detokenization on the host).
     """
 
     n: int = 1
@@ -41,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens kept as written, runs decoded alone
+    detokenize: bool = True  # False: token ids only, no text (as vLLM's); stop strings then cannot be matched
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,9 +119,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("detokenize: stop strings are matched on the text; detokenize=False cannot have them")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)

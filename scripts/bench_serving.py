@@ -240,7 +240,8 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
         cpu_kv_cache_bytes=PEER_KV_GIB * 2**30,
         warmup=False,
     )
-    sp = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True)
+    # detokenize=False as bench_vllm.py asks of vLLM (transformers' script returns ids only, too).
+    sp = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True, detokenize=False)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     for run in range(3):

@@ -29,3 +29,22 @@ def test_n_above_max_num_seqs_is_refused(llm):
     with pytest.raises(ValueError, match=r"^n: must be in \[1, 8\]"):
         llm.generate("hello", SamplingParams(n=9), use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_detokenize_false_returns_the_same_ids_without_text(llm):
+    """vLLM's `detokenize=False`: token ids only (no per-token detokenization on the host); stop strings, which
+    are matched on the text, are refused with it."""
+    prompts = ["hello", "the quick brown fox"]
+    with_text = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    ids_only = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False), use_tqdm=False
+    )
+    for a, b in zip(with_text, ids_only, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids and len(a.outputs[0].token_ids) == 6
+        assert b.outputs[0].text == ""
+        assert a.outputs[0].text == llm.engine.outputs.tokenizer.decode(a.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="^detokenize:"):
+        llm.generate("hello", SamplingParams(stop=["x"], detokenize=False), use_tqdm=False)
+    with pytest.raises(ValueError, match="^detokenize: must be a boolean"):
+        llm.generate("hello", SamplingParams(detokenize=1), use_tqdm=False)
+    assert llm.stats().pages_in_use == 0
