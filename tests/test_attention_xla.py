@@ -1,4 +1,6 @@
-"""The plain-XLA paged path, the dense reference, write_kv and copy_pages (all on CPU)."""
+"""The CPU paged paths (plain XLA, and the C++ kernel of pallas_kernels.cpu_paged) against the dense reference;
+write_kv and copy_pages. The kernel's own concerns (work items, build cache, backend choice) are in
+test_attention_cpu.py."""
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import copy_pages, dense_reference_attention, ragged_paged_attention, write_kv
+from pallas_kernels import copy_pages, cpu_paged, dense_reference_attention, ragged_paged_attention, write_kv
 from pallas_kernels.common import MASK_VALUE
 from pallas_kernels.testing import assert_close, check_case, make_case, random_seqs
 
 SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+# Both CPU paths run every semantic case; the C++ kernel needs a compiler (g++) to build.
+CPU_BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(not cpu_paged.available(), reason="no g++"))]
 
 
 def test_reference_matches_naive_numpy():
@@ -48,7 +52,8 @@ def test_reference_matches_naive_numpy():
         ("decode", jnp.bfloat16),
     ],
 )
-def test_xla_batches(kind, dtype):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_xla_batches(kind, dtype, backend):
     seqs = {
         "decode": [(1, 17), (1, 8), (1, 1), (1, 9), (1, 33)],
         "prefill": [(16, 16), (9, 9)],
@@ -56,11 +61,12 @@ def test_xla_batches(kind, dtype):
         "mixed": [(1, 40), (0, 0), (12, 12), (0, 5), (6, 20), (1, 1)],
     }[kind]
     case = make_case(1, seqs, num_tokens=32, max_seqs=8, dtype=dtype, **SHAPE)
-    check_case(case, "xla", dtype)
+    check_case(case, backend, dtype)
 
 
-@pytest.mark.parametrize("group", [1, 4, 8, "mqa"])
-def test_xla_gqa(group):
+@pytest.mark.parametrize("group", [1, 3, 4, 8, "mqa"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_xla_gqa(group, backend):
     kv_heads = 1 if group == "mqa" else 2
     q_heads = 8 if group == "mqa" else kv_heads * group
     case = make_case(
@@ -77,13 +83,16 @@ def test_xla_gqa(group):
 
 
 @pytest.mark.parametrize("window,cap", [(1, None), (4, None), (13, 30.0), (None, 2.0)])
-def test_xla_window_and_soft_cap(window, cap):
-    case = make_case(3, [(1, 50), (10, 37), (24, 24)], num_tokens=64, max_seqs=8, **SHAPE)
-    check_case(case, "xla", sliding_window=window, soft_cap=cap)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_xla_window_and_soft_cap(window, cap, dtype, backend):
+    case = make_case(3, [(1, 50), (10, 37), (24, 24)], num_tokens=64, max_seqs=8, dtype=dtype, **SHAPE)
+    check_case(case, backend, dtype, sliding_window=window, soft_cap=cap)
 
 
-@pytest.mark.parametrize("head_dim,page_size", [(64, 256), (128, 32), (256, 8)])
-def test_xla_head_dims_and_pages(head_dim, page_size):
+@pytest.mark.parametrize("head_dim,page_size", [(64, 256), (128, 32), (256, 8), (80, 16)])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_xla_head_dims_and_pages(head_dim, page_size, backend):
     case = make_case(
         4,
         [(1, page_size), (3, page_size + 1), (2, 2 * page_size)],
@@ -94,10 +103,11 @@ def test_xla_head_dims_and_pages(head_dim, page_size):
         head_dim=head_dim,
         page_size=page_size,
     )
-    check_case(case, "xla")
+    check_case(case, backend)
 
 
-def test_xla_long_context_positions_past_32k():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_xla_long_context_positions_past_32k(backend):
     kv = 40_000
     case = make_case(
         5,
@@ -110,12 +120,14 @@ def test_xla_long_context_positions_past_32k():
         page_size=256,
         extra_pages=0,
     )
-    check_case(case, "xla", sliding_window=33_000)
+    check_case(case, backend)
+    check_case(case, backend, sliding_window=33_000)
 
 
-def test_xla_all_padding_is_zero_and_finite():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_xla_all_padding_is_zero_and_finite(backend):
     case = make_case(6, [], num_tokens=16, max_seqs=8, **SHAPE)
-    out = ragged_paged_attention(*case.paged_args, sm_scale=0.1, backend="xla")
+    out = ragged_paged_attention(*case.paged_args, sm_scale=0.1, backend=backend)
     assert not np.any(np.asarray(out))
 
 
@@ -144,10 +156,12 @@ def test_validation_errors():
     tokens_log2=st.integers(4, 6),
     seqs_log2=st.integers(3, 4),
     page_size=st.sampled_from([8, 16, 32]),
-    heads=st.sampled_from([(1, 1), (4, 1), (4, 4), (8, 2)]),
+    heads=st.sampled_from([(1, 1), (4, 1), (4, 4), (8, 2), (9, 3)]),
     window=st.sampled_from([None, 5]),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
 )
-def test_xla_hypothesis(seed, tokens_log2, seqs_log2, page_size, heads, window):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_xla_hypothesis(backend, seed, tokens_log2, seqs_log2, page_size, heads, window, dtype):
     rng = np.random.default_rng(seed)
     num_tokens, max_seqs = 2**tokens_log2, 2**seqs_log2
     seqs = random_seqs(rng, num_tokens, max_seqs, max_kv=3 * page_size + 1)
@@ -160,8 +174,9 @@ def test_xla_hypothesis(seed, tokens_log2, seqs_log2, page_size, heads, window):
         num_kv_heads=heads[1],
         head_dim=64,
         page_size=page_size,
+        dtype=dtype,
     )
-    check_case(case, "xla", sliding_window=window)
+    check_case(case, backend, dtype, sliding_window=window)
 
 
 # --- write_kv and copy_pages ---
