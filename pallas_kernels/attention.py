@@ -23,6 +23,8 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
         if platform == "cpu":
             return "cpu" if cpu_paged.available() else "xla"
         return {"tpu": "pallas-tpu", "gpu": "pallas-gpu"}.get(platform, "xla")
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(f"backend='cpu' is the CPU kernel; this platform is {platform} (use 'auto')")
     if backend == "pallas":
         if platform not in ("tpu", "gpu"):
             raise ValueError(f"backend='pallas' needs a TPU or GPU, not {platform}; use 'pallas-interpret'")

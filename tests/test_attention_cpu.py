@@ -25,6 +25,9 @@ def test_cpu_long_prompt_spans_several_work_items():
 
 def test_auto_backend_on_cpu_is_the_kernel_and_runs_under_jit():
     assert resolve_backend("auto", "cpu") == "cpu"
+    assert resolve_backend("auto", "tpu") == "pallas-tpu" and resolve_backend("auto", "gpu") == "pallas-gpu"
+    with pytest.raises(ValueError, match="backend='cpu' is the CPU kernel"):
+        resolve_backend("cpu", "gpu")
     case = make_case(7, [(1, 9), (4, 4)], num_tokens=16, max_seqs=8, **SHAPE)
     f = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125))
     assert "paged_jax_paged_attention" in f.lower(*case.paged_args).as_text()
