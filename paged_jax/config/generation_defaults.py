@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from paged_jax.config.files import read_json
+from paged_jax.config.model_files import read_json_object
 from paged_jax.sampling_params import SamplingParams
 
 FIELDS = {
@@ -38,7 +38,7 @@ def load_generation_defaults(model: str | Path | None, setting: str = "auto") ->
         if setting not in ("auto", "none"):
             raise ValueError(f"generation_config: {setting} is not a directory")
         return {}
-    config = read_json(folder / "generation_config.json")
+    config = read_json_object(folder, "generation_config.json")
     defaults = {ours: config[hf] for hf, ours in FIELDS.items() if config.get(hf) is not None}
     inverse = {ours: hf for hf, ours in FIELDS.items()}
     try:

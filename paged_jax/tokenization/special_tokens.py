@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paged_jax.config.files import read_json
+from paged_jax.config.model_files import read_json_object
 
 ROLES = ("bos", "eos", "pad", "unk")
 
@@ -76,7 +76,7 @@ def resolve_special_tokens(
     """Resolve every role from the files of `model_dir` with the precedence of this module's docstring."""
     model_dir = Path(model_dir) if model_dir is not None else None
     files = {
-        name: read_json(model_dir / name) if model_dir is not None else {}
+        name: read_json_object(model_dir, name) if model_dir is not None else {}
         for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
     }
     values: dict[str, Any] = {}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from paged_jax.config import ModelConfig
+from paged_jax.config.model_files import MAX_JSON_BYTES, ModelFileError, model_file, read_text
 from paged_jax.tokenization.chat_template import ChatTemplate, load_chat_template
 from paged_jax.tokenization.special_tokens import SpecialTokens, resolve_special_tokens
 
@@ -116,7 +117,15 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HFTok
 
         model_dir = Path(model_dir)
-        tok = _HFTok.from_file(str(model_dir / "tokenizer.json"))
+        path = model_file(model_dir, "tokenizer.json")
+        if path is None:
+            raise ModelFileError(f"tokenizer.json: missing from {model_dir}")
+        try:
+            tok = _HFTok.from_str(read_text(path, MAX_JSON_BYTES))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+            if isinstance(e, ModelFileError):
+                raise
+            raise ModelFileError(f"tokenizer.json: not a tokenizer the tokenizers library can read ({e})") from None
         special = resolve_special_tokens(
             model_dir,
             tok.token_to_id,
@@ -181,7 +190,7 @@ def load_tokenizer(
     model_dir: str | Path | None, config: ModelConfig, chat_template_file: str | Path | None = None
 ) -> Tokenizer:
     """`tokenizer.json` of `model_dir` when present, else a `ByteTokenizer` sized to the config."""
-    if model_dir is not None and (Path(model_dir) / "tokenizer.json").exists():
+    if model_dir is not None and model_file(model_dir, "tokenizer.json") is not None:
         return HFTokenizer.from_dir(model_dir, fallback=config, chat_template_file=chat_template_file)
     bos = config.bos_token_id if config.bos_token_id is not None else 1
     eos = tuple(config.eos_token_ids) or (2,)

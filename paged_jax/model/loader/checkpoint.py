@@ -15,6 +15,7 @@ import jax
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.model import config_from_dict
+from paged_jax.config.model_files import read_json_object
 from paged_jax.model import quant
 from paged_jax.model.init import Params, param_shapes
 from paged_jax.model.loader.budget import check_fits
@@ -53,13 +54,13 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelCo
     path = Path(path).absolute()
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path}: not a paged-jax checkpoint (needs {CONFIG_FILE} and {PARAMS_DIR}/)")
-    config = config_from_dict(json.loads((path / CONFIG_FILE).read_text()), str(path / CONFIG_FILE))
+    config = config_from_dict(read_json_object(path, CONFIG_FILE), str(path / CONFIG_FILE))
     if dtype is not None:
         config = config.replace(dtype=dtype)
     check_fits(config)
     target = param_shapes(config)
     checkpointer = ocp.StandardCheckpointer()
-    scheme = json.loads((path / QUANT_FILE).read_text()) if (path / QUANT_FILE).exists() else None
+    scheme = read_json_object(path, QUANT_FILE) or None
     if scheme is not None:  # quantized checkpoints are written in the fused layout
         target = quant.storable_shapes(target, scheme["quantization"], lm_head=scheme["lm_head"])
         restored = checkpointer.restore(path / PARAMS_DIR, target)
