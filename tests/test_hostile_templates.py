@@ -13,8 +13,8 @@ import tracemalloc
 
 import pytest
 
-from paged_jax.chat_template import ChatTemplateError, render, template_from_text
-from paged_jax.template_sandbox import RenderLimits
+from paged_jax.tokenization.chat_template import ChatTemplateError, render, template_from_text
+from paged_jax.tokenization.template_sandbox import RenderLimits
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 DOUBLE_40 = "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s OP ns.s %}{% endfor %}"
