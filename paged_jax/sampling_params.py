@@ -13,13 +13,20 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64  # the sampler's ban list has a fixed width (compiled once), so this many at most
 FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger values become inf there
+# Documented limits of the sampling math in float32: above MAX_TEMPERATURE, scores / temperature are so flat
+# (3e38: all zero) that top_k=1 and min_p=1 no longer single out the best token; a repetition penalty outside
+# [MIN_, MAX_REPETITION_PENALTY] sends a seen token's score to inf or 0 (1e-38: every pick token 0).
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. `top_k` 0 (or -1) and `top_p` 1 disable those filters.
+    temperature 0 means greedy (below 1e-5 sampling is greedy too); at most `MAX_TEMPERATURE`.
+    `repetition_penalty` lies in [`MIN_REPETITION_PENALTY`, `MAX_REPETITION_PENALTY`] (1 = off).
+    `top_k` 0 (or -1) and `top_p` 1 disable those filters.
     `seed` makes a request's samples reproducible whatever else shares the batch.
     `logprobs` asks for that many top alternatives per generated token (plus the chosen one).
     `detokenize=False` returns token ids without text (no per-token detokenization on the host).
@@ -85,16 +92,19 @@ class SamplingParams:
 
         if not 1 <= integer("n") <= max_n:
             raise ValueError(f"n: must be in [1, {max_n}], got {self.n}")
-        if number("temperature") < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 <= number("temperature") <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if integer("top_k") < 0:
             raise ValueError(f"top_k: must be >= 0 (0 or -1 disables it), got {self.top_k}")
         if not 0.0 < number("top_p") <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if not 0.0 <= number("min_p") <= 1.0:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
-        if number("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= number("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty: must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty}"
+            )
         if not -2.0 <= number("presence_penalty") <= 2.0:
             raise ValueError(f"presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= number("frequency_penalty") <= 2.0:
