@@ -124,6 +124,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stop: not valid Unicode (a lone surrogate at character {e.start})") from None
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:

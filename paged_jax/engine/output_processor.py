@@ -18,6 +18,7 @@ from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, T
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.sched.sequence import FinishReason, TokenSequence
 from paged_jax.tokenization.detokenizer import Detokenizer
+from paged_jax.tokenization.text_checks import check_text
 from paged_jax.tokenization.tokenizer import Tokenizer
 
 
@@ -80,7 +81,13 @@ class OutputProcessor:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size, self.max_n)
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str):
+                raise ValueError(f"cache_salt: must be a string, got {type(cache_salt).__name__}")
+            check_text(cache_salt, "cache_salt")
         text, ids = self._prompt_ids(prompt)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
@@ -108,7 +115,9 @@ class OutputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
+        if isinstance(prompt, bytes) or not isinstance(prompt, Sequence | np.ndarray):
+            raise ValueError(f"prompt_token_ids: must be a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt_token_ids: must not be empty")

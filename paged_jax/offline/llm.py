@@ -25,7 +25,10 @@ def prompt_input(prompt: Prompt) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+            raise ValueError(f"prompt_token_ids: must be a list of token ids, got {type(ids).__name__}")
+        return list(ids)
     raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
 
@@ -72,6 +75,8 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
