@@ -231,7 +231,8 @@ def bandwidth_section(args: argparse.Namespace) -> None:
     ref = stream(threads, mib, reps=3)
     for name in ("read", "copy"):
         print(
-            f"STREAM {name:5s} ({threads} threads): {ref[name].wall:6.1f} GB/s wall, {ref[name].cpu:6.1f} per CPU-second"
+            f"STREAM {name:5s} ({threads} threads): {ref[name].wall:6.1f} GB/s wall, "
+            f"{ref[name].cpu:6.1f} per CPU-second"
         )
     ctx = 1 if args.quick else 2
     cases = [
@@ -249,9 +250,10 @@ def bandwidth_section(args: argparse.Namespace) -> None:
         ),
     ]
     isas = [i for i in ("native", "avx2") if cpu_paged.available(i)]
-    print(f"paths: " + ", ".join(f"{i} = {cpu_paged.kernel(i).isa}" for i in isas))
+    print("paths: " + ", ".join(f"{i} = {cpu_paged.kernel(i).isa}" for i in isas))
     print(
-        f"{'case':48s} {'dtype':>9s} {'path':>7s} {'MB':>7s} {'ms':>8s} {'GB/s':>6s} {'/read':>6s} {'CPU GB/s':>9s} {'/read':>6s} {'load':>5s}"
+        f"{'case':48s} {'dtype':>9s} {'path':>7s} {'MB':>7s} {'ms':>8s} {'GB/s':>6s} {'/read':>6s} "
+        f"{'CPU GB/s':>9s} {'/read':>6s} {'load':>5s}"
     )
     for name, kw in cases:
         for dtype in ("float32", "bfloat16", "int8"):
@@ -294,7 +296,8 @@ def prefill_section(args: argparse.Namespace) -> None:
     ]
     isas = [i for i in ("native", "avx2") if cpu_paged.available(i)]
     print(
-        f"{'case':40s} {'dtype':>9s} {'path':>7s} {'ms':>8s} {'floor ms':>8s} {'x floor':>7s} {'CPU x floor':>11s} {'load':>5s}"
+        f"{'case':40s} {'dtype':>9s} {'path':>7s} {'ms':>8s} {'floor ms':>8s} {'x floor':>7s} "
+        f"{'CPU x floor':>11s} {'load':>5s}"
     )
     for name, kw in cases:
         b, t, hq, hk, d, page = (kw[k] for k in ("batch", "q_len", "q_heads", "kv_heads", "d", "page"))
