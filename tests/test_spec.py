@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.kv_cache import KVCacheManager
-from paged_jax.sampler import SamplingMeta, empty_meta, sample
+from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec.config import SpeculativeConfig
 from paged_jax.spec.ngram import NgramProposer
-from paged_jax.spec.verify import REJECTED, mask_rejected
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer
+from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
+from paged_jax.worker.spec_verify import REJECTED, mask_rejected
 
 
 def make_engine(tiny_config, tiny_params, spec: dict | None, **options) -> LLMEngine:
@@ -73,7 +75,7 @@ def run(engine: LLMEngine, prompts, params, arrive_every: int = 1) -> dict[str, 
                     (c.token_ids, c.text, c.finish_reason, [(lp.logprob, lp.top) for lp in c.logprobs or []])
                     for c in out.outputs
                 ]
-        engine.kv.check_invariants()
+        check_manager_invariants(engine.kv)
         step += 1
     stats = engine.kv.stats()
     assert stats.pages_in_use == 0 and stats.pages_free == stats.pages_total
@@ -215,22 +217,22 @@ def test_drafts_get_slots_are_never_hashed_and_roll_back():
     assert m.allocate_slots("a", tokens, 1, num_draft=9) == []
     assert m.page_ids("a") == [1, 2, 3] and m.num_computed_tokens("a") == 11 and m.num_draft_slots("a") == 9
     assert len(m.pool.cached) == 1  # block 0 only: block 1 holds drafts until they are settled
-    m.check_invariants()
+    check_manager_invariants(m)
     tokens += [1, 2, 3]  # drafts 0-1 accepted, then the bonus token
     m.accept_drafts("a", 2, tokens)
     assert m.page_ids("a") == [1, 2] and m.num_computed_tokens("a") == 13 and m.num_draft_slots("a") == 0
     assert m.free_page_ids()[0] == 3  # the page only rejected drafts needed goes back first
-    m.check_invariants()
+    check_manager_invariants(m)
     assert m.allocate_slots("a", tokens, 1, num_draft=3) == []  # positions 13..16: block 1 fills with drafts
     assert len(m.pool.cached) == 1
     tokens += [4, 5, 6, 8]
     m.accept_drafts("a", 3, tokens)  # all kept: block 1 is full of verified tokens now and is cached
     assert m.num_computed_tokens("a") == 17 and len(m.pool.cached) == 2
-    m.check_invariants()
+    check_manager_invariants(m)
     with pytest.raises(ValueError, match="drafts accepted"):
         m.accept_drafts("a", 1, tokens)
     m.free("a")
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_drafts_are_dropped_before_anyone_is_preempted(tiny_config, tiny_params):

@@ -7,7 +7,7 @@
 - `decoder`: the engine's side: who speculates, the drafts each step, settling the KV after it, the metrics.
 
 How a step verifies: a speculating sequence schedules its last token plus k drafts (the scheduler reserves their KV
-slots inside the token budget, `paged_jax.scheduler`); the forward step scores all 1 + k positions; the sampler
+slots inside the token budget, `paged_jax.sched.scheduler`); the forward step scores all 1 + k positions; the sampler
 draws one token per position from the target's distribution, exactly as it would without speculation; a position's
 token is kept while every earlier draft equals the token drawn before it (`verify.mask_rejected`). For greedy rows
 that is the longest prefix equal to the target's argmax plus the target's next token. For sampled rows the drafts

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 from paged_jax.spec.config import SpeculativeConfig
 from paged_jax.spec.proposer import DraftRequest, Proposer
 from paged_jax.spec.stats import SpecStats
-from paged_jax.spec.verify import REJECTED
+from paged_jax.worker.spec_verify import REJECTED
 
 if TYPE_CHECKING:
     import numpy as np
 
     from paged_jax.kv_cache import KVCacheManager
-    from paged_jax.scheduler import SchedulerOutput
-    from paged_jax.sequence import TokenSequence
+    from paged_jax.sched.output import SchedulerOutput
+    from paged_jax.sched.sequence import TokenSequence
 
 MAX_PAUSE_FACTOR = 16
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from paged_jax.sequence import TokenSequence
+    from paged_jax.sched.sequence import TokenSequence
 
 
 @dataclass(slots=True)

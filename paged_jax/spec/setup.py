@@ -11,7 +11,7 @@ from paged_jax.spec.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from paged_jax.config import ModelConfig
-    from paged_jax.engine_config import EngineConfig
+    from paged_jax.config.engine import EngineConfig
 
 
 def parse_spec_config(value: Mapping | str | SpeculativeConfig) -> SpeculativeConfig:
@@ -26,7 +26,5 @@ def make_spec_decoder(
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
     else:
-        from paged_jax.spec.draft_model import DraftModelProposer
-
-        proposer = DraftModelProposer.load(spec, target, ec, max_model_len)
+        raise ValueError('speculative_config.method: "draft_model" is not in this build yet (use "ngram")')
     return SpecDecoder(spec, proposer, max_model_len)
