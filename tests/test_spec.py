@@ -292,3 +292,38 @@ def test_no_recompilation_in_steady_state(tiny_config, tiny_params):
     stats = engine.stats()
     assert stats.spec_draft_tokens > 0 and stats.compiles_after_warmup == 0
     assert engine.runner.compile_stats.count == compiled
+
+
+def test_cli_flag_and_batch_summary(tiny_config, tiny_params):
+    import argparse
+
+    from paged_jax.engine.args import add_engine_args, engine_config_from_args
+    from paged_jax.offline.batch import BatchSummary
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert engine_config_from_args(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(argparse.ArgumentError, match="speculative-config"):
+            parser.parse_args(["--speculative-config", bad])
+    engine = make_engine(
+        tiny_config, tiny_params, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    )
+    prompts, params = workload(1, 6)
+    run(engine, prompts, params)
+    summary = BatchSummary(
+        spec={
+            k: getattr(engine.stats(), k)
+            for k in (
+                "spec_drafts",
+                "spec_draft_tokens",
+                "spec_accepted_tokens",
+                "spec_acceptance_rate",
+                "spec_mean_accepted_length",
+                "spec_acceptance_per_position",
+            )
+        }
+    )
+    (line,) = summary.spec_lines()
+    assert line.startswith("speculation") and "by position" in line
