@@ -47,7 +47,7 @@ class WarmupPlan:
     max_step_tokens: int | None = None
     sampler_flags: tuple[SamplerFlags, ...] = ALL_SAMPLERS
     lookahead: bool = True  # the merge of the previous step's ids (async scheduling)
-    copies: bool = True  # copy-on-write of pages (requests with n > 1)
+    copies: bool = True  # requests with n > 1: copy-on-write of pages, and their children's sample rows
 
 
 def request_flags(params: SamplingParams) -> SamplerFlags:
@@ -97,7 +97,7 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     """The plan's executables: forward steps first (the long compiles), then sampling (with the penalties'
     history merge where a variant has penalties), the lookahead's merges, copies."""
     buckets = token_buckets(runner, plan)
-    shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t)]
+    shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t, forks=plan.copies)]
     out = [runner.forward_job(t, s) for t, s in shapes]
     for s in sorted({s for _, s in shapes}):
         out += [
@@ -109,7 +109,7 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     if plan.lookahead:
         out += [runner.merge_job(t) for t in buckets]
     if plan.copies:
-        out.append(runner.copy_job(8))
+        out += [runner.copy_job(n) for n in runner.copy_buckets]
     return out
 
 
