@@ -55,6 +55,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests
 	$(MAKE) tpu-check
 	$(MAKE) gpu-check
@@ -68,6 +69,7 @@ gpu-check: $(GPU_STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) $(GPU_VENV) out .pytest_cache .ruff_cache

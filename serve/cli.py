@@ -14,7 +14,7 @@ from serve.config import ServingConfig, ServingLimits
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from paged_jax.engine_args import add_engine_args
+    from paged_jax.engine.args import add_engine_args
 
     add_engine_args(parser)
     g = parser.add_argument_group("server")
@@ -29,6 +29,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (default: off)")
     g.add_argument("--metrics-host", default="127.0.0.1")
+    g.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="require the bearer token on HTTP /metrics and on the metrics port too (default: they are open)",
+    )
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS)")
     g.add_argument("--tls-key", default=None)
     g.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
@@ -72,6 +77,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        metrics_auth=args.metrics_auth,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         auth_token=token,
@@ -85,7 +91,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from paged_jax.engine_args import build_engine
+    from paged_jax.engine.args import build_engine
     from serve.server import serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
