@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from paged_jax.offline.lines import Chat, parse_line
+from paged_jax.engine.input_processor import ChatPrompt, chat_prompt_ids
+from paged_jax.offline.lines import parse_line
 from paged_jax.offline.output_files import completed_ids
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.warmup import WarmupPlan, plan_for_requests
@@ -30,8 +31,8 @@ def _requests(engine, input_path: Path, skip: set[str], shard: tuple[int, int]) 
                     continue
                 if total >= ec.max_num_batched_tokens:
                     n = 1  # the plan is at the budget already: the length no longer matters
-                elif isinstance(item.prompt, Chat):
-                    n = len(item.prompt.prompt_ids(engine.tokenizer))
+                elif isinstance(item.prompt, ChatPrompt):
+                    n = len(chat_prompt_ids(engine.tokenizer, item.prompt))
                 elif isinstance(item.prompt, str):
                     n = len(engine.tokenizer.encode(item.prompt))
                 else:
