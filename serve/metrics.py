@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hmac
+import ssl
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from paged_jax.engine.protocol import Engine, EngineStats
 from paged_jax.outputs import RequestOutput
@@ -121,9 +127,21 @@ class Metrics:
         if m.time_per_output_token is not None:
             self.tpot.observe(m.time_per_output_token)
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint; returns the bound port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, token: str | None = None, tls: tuple[str, str] | None = None) -> int:
+        """Start the HTTP endpoint; returns the bound port.
+
+        `token`: every scrape must send `Authorization: Bearer <token>` (401 otherwise); `tls`: (certificate
+        chain, key) PEM files, so that the token does not travel in clear text.
+        """
+        if token is None:
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        else:
+            server = make_server(host, port, _bearer(make_wsgi_app(self.registry), token), ThreadingWSGIServer, _Quiet)
+            if tls is not None:
+                context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+                context.load_cert_chain(*tls)
+                server.socket = context.wrap_socket(server.socket, server_side=True)
+            threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._http = server
         return server.server_address[1]
 
@@ -132,3 +150,22 @@ class Metrics:
         if http is not None:
             http.shutdown()
             http.server_close()
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # scrapes are not worth a log line each
+        pass
+
+
+def _bearer(app: Callable, token: str) -> Callable:
+    """A WSGI app that answers 401 unless the request carries `Authorization: Bearer <token>`."""
+    expected = token.encode()
+
+    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        scheme, _, got = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if hmac.compare_digest(got.strip().encode(), expected) and scheme.lower() == "bearer":
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"authorization: a valid 'Bearer <token>' is required\n"]
+
+    return guarded
