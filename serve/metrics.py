@@ -80,6 +80,27 @@ class Metrics:
             buckets=_PADDING_BUCKETS,
             registry=r,
         )
+        self.spec_draft_tokens = Counter(
+            "paged_jax_spec_draft_tokens", "Speculative decoding: draft tokens scored by verify steps", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "paged_jax_spec_accepted_tokens", "Speculative decoding: draft tokens kept", registry=r
+        )
+        self.spec_drafts = Counter(
+            "paged_jax_spec_drafts", "Speculative decoding: sequences verified with drafts", registry=r
+        )
+        self.spec_acceptance_rate = Gauge(
+            "paged_jax_spec_acceptance_rate", "Speculative decoding: drafts kept / drafts scored", registry=r
+        )
+        self.spec_mean_accepted_length = Gauge(
+            "paged_jax_spec_mean_accepted_length", "Speculative decoding: drafts kept per verified sequence", registry=r
+        )
+        self.spec_position_acceptance = Gauge(
+            "paged_jax_spec_position_acceptance_rate",
+            "Speculative decoding: per draft position, the share of runs reaching it that kept it",
+            ["position"],
+            registry=r,
+        )
         self._preemptions_seen = 0
         self._seen: dict[str, float] = {}  # last value of each engine counter mirrored by a Counter
         self.queued_fn = lambda: 0
@@ -107,8 +128,16 @@ class Metrics:
             ("compiles_after_warmup", self.compiles_after_warmup),
             ("step_tokens", self.step_tokens),
             ("step_padding_tokens", self.step_padding_tokens),
+            ("spec_drafts", self.spec_drafts),
+            ("spec_draft_tokens", self.spec_draft_tokens),
+            ("spec_accepted_tokens", self.spec_accepted_tokens),
         ):
             counter.inc(self._advance(key, s, commit=True))
+        if s.spec_drafts:
+            self.spec_acceptance_rate.set(s.spec_acceptance_rate)
+            self.spec_mean_accepted_length.set(s.spec_mean_accepted_length)
+            for j, rate in enumerate(s.spec_acceptance_per_position):
+                self.spec_position_acceptance.labels(position=str(j)).set(rate)
 
     def _advance(self, key: str, stats: EngineStats, commit: bool = False) -> float:
         """How much engine counter `key` grew since it was last committed."""
