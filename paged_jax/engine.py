@@ -23,9 +23,11 @@ from paged_jax.engine_config import EngineConfig
 from paged_jax.kv_budget import kv_capacity_pages
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.lookahead import Launched, Lookahead
+from paged_jax.lora.registry import AdapterCache, SlotTable
+from paged_jax.lora.request import LoRARequest
 from paged_jax.output_processor import OutputProcessor, RequestState
 from paged_jax.outputs import RequestOutput
-from paged_jax.runner import ModelRunner, StepResult
+from paged_jax.runner import LoraShape, ModelRunner, StepResult
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler
 from paged_jax.sequence import FinishReason, TokenSequence
@@ -76,6 +78,10 @@ class LLMEngine:
             run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
         )
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
+        self.adapters, lora_slots, lora_shape = None, None, None
+        if ec.enable_lora:  # adapters are checked against the model's own shapes, slots use the run config's
+            self.adapters = AdapterCache(config, ec.max_lora_rank, ec.max_cpu_loras or ec.max_loras)
+            lora_slots, lora_shape = SlotTable(ec.max_loras), LoraShape(ec.max_loras, ec.max_lora_rank)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=ec.max_num_seqs,
@@ -84,6 +90,7 @@ class LLMEngine:
             enable_prefix_caching=ec.enable_prefix_caching,
             reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
             watermark=ec.watermark,
+            lora_slots=lora_slots,
         )
         self.runner = ModelRunner(
             run_config,
@@ -96,6 +103,7 @@ class LLMEngine:
             attention_backend=ec.attention_backend,
             kv_dtype=ec.kv_dtype,
             mesh=mesh,
+            lora=lora_shape,
         )
         self.outputs = OutputProcessor(
             tokenizer,
@@ -147,10 +155,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError naming the field when the request is invalid or can never fit."""
+        """Queue a request. Raises ValueError naming the field when the request is invalid or can never fit;
+        `lora_request`: run it with that adapter (`paged_jax.lora`; LoraError when it cannot be served)."""
         params = params if params is not None else SamplingParams(**self.engine_config.sampling_defaults)
+        adapter = None
+        if lora_request is not None:
+            if self.adapters is None:
+                raise ValueError("lora_request: LoRA is not enabled on this engine (enable_lora)")
+            adapter = self.adapters.get(lora_request)
         req = self.outputs.add_request(request_id, prompt, params, cache_salt, arrival_time, self._check_fits)
+        for seq in req.seqs:
+            seq.lora = adapter
         self.scheduler.add(req.seqs[0], req.seqs[1:])
 
     def _check_fits(self, total_tokens: int) -> None:

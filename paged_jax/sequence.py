@@ -15,6 +15,7 @@ from paged_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from paged_jax.lookahead import PendingToken
+    from paged_jax.lora.peft import LoraAdapter
 
 
 class Status(enum.Enum):
@@ -60,6 +61,8 @@ class TokenSequence:
     # still on the device.
     pending: PendingToken | None = None
     forked_children: list[TokenSequence] = field(default_factory=list)  # children waiting for this leader's prompt
+    lora: LoraAdapter | None = None  # the request's adapter (paged_jax.lora), None for the base model
+    lora_slot: int = 0  # its device slot while running (paged_jax.lora.registry.SlotTable); 0: no adapter
 
     # prompt then output ids, kept in step with `output_token_ids` so the scheduler's per-step calls copy nothing
     all_token_ids: list[int] = field(init=False)
@@ -75,6 +78,13 @@ class TokenSequence:
         """Replace the last output token (the lookahead's placeholder) with the sampled one."""
         self.output_token_ids[-1] = token
         self.all_token_ids[-1] = token
+
+    @property
+    def prefix_keys(self) -> tuple[str, ...]:
+        """The prefix cache's extra keys for this sequence's blocks (`paged_jax.kv_cache.hashing`): its cache salt
+        and its adapter's digest, so neither another tenant nor another adapter is ever served its KV."""
+        keys = () if self.cache_salt is None else ("salt:" + self.cache_salt,)
+        return keys if self.lora is None else (*keys, "lora:" + self.lora.digest)
 
     @property
     def num_tokens(self) -> int:
