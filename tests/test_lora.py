@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from lora_adapters import GREEDY, OPTIONS, TINY, lora_engine, make_tiny_adapters, merged_params, prompts, serve
 
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.load import load_model
 from paged_jax.lora import LoRARequest
 from paged_jax.lora import weights as lw
 from paged_jax.lora.delta import LoraBatch
@@ -22,9 +24,8 @@ from paged_jax.lora.peft import LoraError, read_adapter
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.families import causal_lm
 from paged_jax.model.init import init_params
-from paged_jax.model.weights import load_model
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer
 
 DATA = Path(__file__).parent / "data"
 LORA = DATA / "lora"
@@ -304,3 +305,46 @@ def test_int8_base_weights(tiny_adapters):
     _same(mixed, solo)
     base = serve(lora_engine(config, params), [("x", ps[0], GREEDY, None)])
     assert base["x"][0] != mixed["r0"][0]
+
+
+# -- offline fronts ----------------------------------------------------------------------------------------------
+
+
+def test_llm_generate_takes_a_lora_request_per_prompt(tiny_adapters):
+    from paged_jax.offline.llm import LLM
+
+    a = tiny_adapters["all"]
+    ps = prompts(2, seed=9)
+    llm = LLM("tiny", enable_lora=True, max_loras=2, max_lora_rank=8, **(OPTIONS | {"num_pages": 32}))
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False, lora_request=[a, None])
+    want = serve(lora_engine(), [("x", ps[0], GREEDY, a), ("y", ps[1], GREEDY, None)])
+    assert [o.outputs[0].token_ids for o in outs] == [want["x"][0][0], want["y"][0][0]]
+    with pytest.raises(ValueError, match="lora_request: need one per prompt"):
+        llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False, lora_request=[a])
+
+
+def test_batch_lines_name_their_adapter(tiny_adapters, tmp_path):
+    from paged_jax.lora.named import ServedAdapters
+    from paged_jax.offline.batch import run_batch
+
+    a = tiny_adapters["all"]
+    p = prompts(1, seed=10)[0]
+    lines = [
+        {"id": 1, "prompt_token_ids": p, "lora": "a", "max_tokens": 10, "temperature": 0.0},
+        {"id": 2, "prompt_token_ids": p, "max_tokens": 10, "temperature": 0.0},
+        {"id": 3, "prompt_token_ids": p, "lora": "nope", "max_tokens": 10},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = run_batch(
+        lora_engine(),
+        tmp_path / "in.jsonl",
+        tmp_path / "out.jsonl",
+        progress=False,
+        adapters=ServedAdapters([("a", a.lora_path)]),
+    )
+    assert summary.requests == 2 and summary.errors == 1
+    got = {x["id"]: x["token_ids"] for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    want = serve(lora_engine(), [("1", p, GREEDY, a), ("2", p, GREEDY, None)])
+    assert got == {1: want["1"][0][0], 2: want["2"][0][0]}
+    error = json.loads((tmp_path / "out.errors.jsonl").read_text())
+    assert error["id"] == 3 and error["error"].startswith("lora: the LoRA adapter 'nope' is not served here")

@@ -18,7 +18,7 @@ float32 holds each slot's `lora_alpha / r` (0 for slot 0 and empty slots).
 Tensor parallelism shards each array like the base weight it adapts (`paged_jax.model.partition`): B of q/k/v
 by heads and gate/up by columns (as qkv_proj / gate_up_proj are split), A of o and down by their input axis
 (as o_proj / down_proj are split by rows, so the shrink's partial sums are all-reduced like the base output);
-the other halves are replicated. With KV heads repeated for TP (`paged_jax.sharding.expand_kv_heads`), k_b and
+the other halves are replicated. With KV heads repeated for TP (`paged_jax.worker.sharding.expand_kv_heads`), k_b and
 v_b repeat them alike.
 
 Loading an adapter into a slot is one jitted in-place update (`write_slot`, the slot index a traced scalar), so
