@@ -4,7 +4,9 @@ Serving and the batch script both drive this loop. Each `step` schedules one bat
 runs it on the device (`paged_jax.runner`), appends the sampled tokens, hands each to the output processor
 (`paged_jax.output_processor`: stop checks, detokenization, outputs) and frees the pages of every sequence
 that finished. Every page a request holds goes back when it finishes, is aborted, or fails. With
-`async_scheduling` the step looks one step ahead (`paged_jax.lookahead`).
+`async_scheduling` the step looks one step ahead (`paged_jax.lookahead`). A request with structured outputs
+gets one grammar matcher per sample when it is added (`paged_jax.structured`); each sampled token advances
+it, and each step's constrained rows get their bitmask filled while the device runs the forward pass.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from paged_jax.output_processor import OutputProcessor, RequestState
 from paged_jax.outputs import RequestOutput
 from paged_jax.runner import ModelRunner, StepResult
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler
+from paged_jax.scheduler import Scheduler, SchedulerOutput
 from paged_jax.sequence import FinishReason, TokenSequence
+from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, StructuredRows
 from paged_jax.tokenizer import Tokenizer
 from paged_jax.warmup import WarmupPlan, run_warmup
 
@@ -106,6 +109,10 @@ class LLMEngine:
             seed=ec.seed,
         )
         self.lookahead = Lookahead()
+        limits = StructuredLimits(
+            max_grammar_bytes=ec.structured_max_grammar_bytes, compile_timeout_s=ec.structured_compile_timeout_s
+        )
+        self.structured = StructuredRows(LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_ids, limits))
         self.kv_cache_bytes = quant.kv_bytes_per_token(config, kv_dtype) * self.num_pages * ec.page_size
         self.kv_token_gain = quant.kv_token_gain(config, kv_dtype)  # tokens per byte vs bfloat16 pages
         log.info(
@@ -151,6 +158,12 @@ class LLMEngine:
         """Queue a request. Raises ValueError naming the field when the request is invalid or can never fit."""
         params = params if params is not None else SamplingParams(**self.engine_config.sampling_defaults)
         req = self.outputs.add_request(request_id, prompt, params, cache_salt, arrival_time, self._check_fits)
+        if params.structured_outputs is not None:
+            try:
+                req.matchers = self.structured.matchers(params.structured_outputs, params.n)
+            except ValueError:
+                del self.outputs.requests[request_id]
+                raise
         self.scheduler.add(req.seqs[0], req.seqs[1:])
 
     def _check_fits(self, total_tokens: int) -> None:
@@ -221,25 +234,53 @@ class LLMEngine:
         prev = self.lookahead.take()
         if prev is not None:
             self.lookahead.mark_pending(prev, self._is_live, self.outputs.is_last_token)
-        self.lookahead.inflight = self.launch_step(prev)
-        return [] if prev is None else self.finish_step(prev)
+        launched = self.launch_step(prev, defer_masks=True)
+        outputs = [] if prev is None else self.finish_step(prev)
+        if launched is not None and launched.samples is None:  # constrained rows: their masks need prev's tokens
+            launched = self.launch_sampling(launched)
+        self.lookahead.inflight = launched
+        return outputs
 
     def _is_live(self, seq: TokenSequence) -> bool:
         return not seq.finished and seq.request_id in self.outputs.requests
 
-    def launch_step(self, prev: Launched | None = None) -> Launched | None:
+    def launch_step(self, prev: Launched | None = None, defer_masks: bool = False) -> Launched | None:
         """First half of `step`: schedule and dispatch to the device without waiting (None: nothing to run).
 
         Every launched step must be passed to `finish_step` before the next `launch_step`. Data parallelism
-        launches every replica's step before finishing any, so the replicas' devices run together.
+        launches every replica's step before finishing any, so the replicas' devices run together. A step
+        with structured-output rows dispatches its forward pass, fills their masks meanwhile and then
+        dispatches its sampling; with `defer_masks` (the lookahead: the masks need `prev`'s tokens) its
+        sampling is left to `launch_sampling`, after `finish_step(prev)`.
         """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             return None
-        samples = self.runner.launch(sched, None if prev is None else prev.samples)
+        forward = self.runner.launch_forward(sched, None if prev is None else prev.samples)
         self.num_launched += 1
-        return Launched(sched, samples, time.perf_counter() - t0)
+        launched = Launched(sched, None, time.perf_counter() - t0, forward)
+        if defer_masks and self._constrained_rows(sched):
+            return launched
+        return self.launch_sampling(launched)
+
+    def launch_sampling(self, launched: Launched) -> Launched:
+        """Fill the bitmask of `launched`'s structured-output rows (from their matchers' current state) and
+        dispatch its sampling."""
+        t0 = time.perf_counter()
+        bitmask = self.structured.bitmask(self._constrained_rows(launched.sched), len(launched.sched.sample_rows))
+        samples = self.runner.launch_sample(launched.forward, bitmask)
+        return Launched(launched.sched, samples, launched.host_seconds + time.perf_counter() - t0)
+
+    def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[Matcher, int]]:
+        """(matcher, sample row) of each live structured-output sequence `sched` samples."""
+        rows = []
+        for r, (seq, _) in enumerate(sched.sample_rows):
+            req = self.outputs.requests.get(seq.request_id)
+            m = None if req is None or seq.finished else req.matcher(seq)
+            if m is not None:
+                rows.append((m, r))
+        return rows
 
     def finish_step(self, launched: Launched) -> list[RequestOutput]:
         """Second half of `step`: wait for the samples, append tokens, apply stops, free finished requests."""
@@ -278,5 +319,19 @@ class LLMEngine:
             seq.append_token(token)
         k = seq.params.logprobs
         reason = self.outputs.check_token(req, seq, token, None if k is None else result.logprobs_of(row, k))
+        matcher = req.matcher(seq)
+        if matcher is not None and reason is None:
+            reason = self._advance(seq, matcher, token)
+            if reason is not None:
+                seq.finish_time = time.monotonic()
         if reason is not None:
             self.scheduler.remove(seq, reason)
+
+    @staticmethod
+    def _advance(seq: TokenSequence, matcher: Matcher, token: int) -> FinishReason | None:
+        """Advance `seq`'s grammar by `token`: EOS when the grammar is complete (nothing may follow), ERROR (the
+        matcher's message as the stop reason) when it refused the token or failed (a resource limit)."""
+        if not matcher.accept(token):
+            seq.stop_reason = f"structured output: {matcher.error or f'token {token} refused'}"
+            return FinishReason.ERROR
+        return FinishReason.EOS if matcher.is_stopped else None

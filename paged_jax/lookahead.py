@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from paged_jax.kv_cache import KVCacheManager
+    from paged_jax.runner import ForwardLaunched
     from paged_jax.sampler import SamplerOutput
     from paged_jax.scheduler import SchedulerOutput
     from paged_jax.sequence import TokenSequence
@@ -51,8 +52,9 @@ class Launched(NamedTuple):
     """A step dispatched to the device and not yet collected."""
 
     sched: SchedulerOutput
-    samples: SamplerOutput  # on device
+    samples: SamplerOutput | None  # on device; None while a structured-output step's sampling waits for masks
     host_seconds: float  # host time spent launching
+    forward: ForwardLaunched | None = None  # the forward half, while `samples` is None
 
 
 class Lookahead:
