@@ -57,7 +57,7 @@ def test_library_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
 def test_engine_step_reads_pages_in_place(tiny_config, tiny_params):
     """The compiled CPU step of the engine (the tiny model, a decode bucket) calls the kernel once per layer on
     the donated page arrays themselves: no copy of a page array anywhere in the optimized HLO."""
-    from paged_jax.runner import PagedMeta, step_functions
+    from paged_jax.worker.runner import PagedMeta, step_functions
     from pallas_kernels.common import kv_pages_shape
 
     c = tiny_config

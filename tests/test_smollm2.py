@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from paged_jax.kv_cache.invariants import check_manager_invariants
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "smollm2"
 CHILD = os.environ.get("PAGED_JAX_SMOLLM2_TP_CHILD") == "1"
@@ -52,14 +54,15 @@ def prompts(golden) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def model():
-    from paged_jax.model.weights import load_model
+    from paged_jax.engine.load import load_model
 
     return load_model("smollm2-135m-instruct")
 
 
 def run_engine(model, requests: list[list[int]], **options) -> tuple[dict[int, list[int]], dict, dict]:
     """Greedy, EOS ignored, 32 tokens each; returns (index -> ids, engine stats, index -> cached prompt tokens)."""
-    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.config.engine import EngineConfig
+    from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.sampling_params import SamplingParams
 
     config, params, tokenizer = model
@@ -86,7 +89,7 @@ def run_engine(model, requests: list[list[int]], **options) -> tuple[dict[int, l
             if o.finished:
                 out[int(o.request_id)] = list(o.outputs[0].token_ids)
                 cached[int(o.request_id)] = o.metrics.num_cached_prompt_tokens
-    engine.kv.check_invariants()
+    check_manager_invariants(engine.kv)
     return out, engine.stats(), cached
 
 
@@ -125,9 +128,9 @@ if not CHILD:
 
     def test_dequantized_parameters_equal_transformers_bit_for_bit():
         """Every tensor, after dequantization and Q/K un-permutation, has the SHA-256 of transformers' float32 one."""
-        from paged_jax.model.gguf_file import GGUFFile
-        from paged_jax.model.gguf_import import config_from_gguf, iter_hf_tensors
-        from paged_jax.model.named import named_model_path
+        from paged_jax.model.loader.gguf import config_from_gguf, iter_hf_tensors
+        from paged_jax.model.loader.gguf_file import GGUFFile
+        from paged_jax.model.loader.named import named_model_path
 
         want = json.loads((DATA / "params.json").read_text())
         gguf = GGUFFile(named_model_path("smollm2-135m-instruct"))
@@ -183,7 +186,7 @@ if not CHILD:
             assert tokenizer.decode(golden[f"prompt_{i}"].tolist()) == text
 
     def test_chat_template_renders_transformers_prompt(model, golden):
-        from paged_jax.chat_template import apply_chat_template
+        from paged_jax.tokenization.chat_template import apply_chat_template
 
         _, _, tokenizer = model
         assert tokenizer.chat_template is not None and tokenizer.eos_token_ids == (2,)
@@ -225,8 +228,8 @@ if not CHILD:
     def test_convert_writes_a_checkpoint_with_the_gguf_tokenizer(model, golden, tmp_path, capsys):
         import jax
 
-        from paged_jax.chat_template import apply_chat_template
-        from paged_jax.model.weights import load_model
+        from paged_jax.engine.load import load_model
+        from paged_jax.tokenization.chat_template import apply_chat_template
         from serve.main import main
 
         out = tmp_path / "ckpt"

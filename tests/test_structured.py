@@ -14,14 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_jax.engine import EngineConfig, LLMEngine
-from paged_jax.sampler import SamplingMeta, empty_meta, sample
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
-from paged_jax.sequence import FinishReason
+from paged_jax.sched.sequence import FinishReason
 from paged_jax.structured import GrammarError, LLGuidanceBackend, StructuredLimits
 from paged_jax.structured.bitmask import all_allowed, apply_bitmask, bitmask_of, mask_words, unpack_bitmask
-from paged_jax.tokenizer import ByteTokenizer, HFTokenizer
-from paged_jax.warmup import plan_for_requests
+from paged_jax.tokenization.tokenizer import ByteTokenizer, HFTokenizer
+from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
+from paged_jax.worker.warmup import plan_for_requests
 from pallas_kernels.common import MASK_VALUE
 
 V = 320  # the tiny config's vocabulary (the byte tokenizer's)

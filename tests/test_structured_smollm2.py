@@ -259,7 +259,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    from paged_jax.llm import LLM
+    from paged_jax.offline.llm import LLM
 
     return LLM(
         "smollm2-135m-instruct",

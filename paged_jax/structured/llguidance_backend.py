@@ -27,7 +27,7 @@ import numpy as np
 
 from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.structured.backend import GrammarError, StructuredLimits
-from paged_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = {"type": "object"}  # `json=True` (OpenAI's json_object)

@@ -4,7 +4,7 @@ The engine owns one matcher per constrained sequence (in its request state). Bef
 dispatched, `StructuredRows.bitmask` fills the packed masks of that step's constrained rows (the backend's
 parallel fill) while the device runs the step's forward pass; unconstrained rows stay all ones.
 
-With the one-step lookahead (`paged_jax.lookahead`) step n+1 is scheduled before step n's tokens reach the
+With the one-step lookahead (`paged_jax.engine.lookahead`) step n+1 is scheduled before step n's tokens reach the
 host, but a constrained row's mask for step n+1 depends on its token from step n. So a step with a
 constrained row is dispatched in two halves: its forward pass at once (it needs no mask: the token still on
 the device is merged there), its sampling only after step n's tokens are on the host, have advanced the
