@@ -23,6 +23,7 @@ class ServingLimits:
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 256
     max_cache_salt_chars: int = 256
+    max_structured_output_bytes: int = 64 * 1024  # a structured-output constraint's text (schema, grammar, ...)
     max_message_bytes: int = 4 * 2**20  # gRPC receive limit; larger messages get RESOURCE_EXHAUSTED
 
     def validate(self) -> None:

@@ -22,7 +22,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.tokenization.chat_template import ChatTemplateError, apply_chat_template
 from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
@@ -296,7 +296,33 @@ def _sampling(
             raise invalid(f"sampling.stop: a stop string is longer than {limits.max_stop_string_chars} characters")
     if len(sp.stop_token_ids) > limits.max_stop_token_ids:
         raise invalid(f"sampling.stop_token_ids: more than {limits.max_stop_token_ids} ids")
+    if sp.HasField("structured_output"):
+        kwargs["structured_outputs"] = structured_outputs(sp.structured_output, limits.max_structured_output_bytes)
     return SamplingParams(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), **kwargs)
+
+
+def structured_outputs(so: pb.StructuredOutput, max_bytes: int) -> StructuredOutputs:
+    """The engine's `StructuredOutputs` of a `StructuredOutput` message, its size bounded before anything
+    parses it (INVALID_ARGUMENT naming the field)."""
+    kind = so.WhichOneof("kind")
+    field = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise invalid("sampling.structured_output: set one of json_schema, json_object, regex, choice, grammar")
+    value = getattr(so, kind)
+    size = sum(len(c.encode()) for c in value.choices) if kind == "choice" else len(str(value).encode())
+    if size > max_bytes:
+        raise invalid(f"{field}: {size} bytes, more than the limit of {max_bytes}")
+    if kind == "json_object":
+        if not value:
+            raise invalid(f"{field}: must be true when set")
+        return StructuredOutputs(json=True)
+    if kind == "json_schema":
+        return StructuredOutputs(json=_json_field(field, value, dict) or {})
+    if kind == "structural_tag":
+        return StructuredOutputs(structural_tag=_json_field(field, value, dict) or {})
+    if kind == "choice":
+        return StructuredOutputs(choice=list(value.choices))
+    return StructuredOutputs(**{kind: value})
 
 
 # -- outputs ----------------------------------------------------------------------------------------

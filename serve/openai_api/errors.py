@@ -31,11 +31,12 @@ def error_body(
     kind: Kind = "completion",
     max_tokens_name: str = "max_tokens",
     param: str | None = None,
+    structured_param: str | None = None,
 ) -> tuple[int, dict]:
     """(HTTP status, body) for a request that ended with gRPC status `code`."""
     status, error_type = _STATUS.get(code, (500, "internal_error"))
     if param is None and status == 400:
-        param = param_of(message, max_tokens_name, kind)
+        param = param_of(message, max_tokens_name, kind, structured_param)
         if param is not None:  # our field names (`sampling.top_p`, `text`) spelled as the client sent them
             message = f"{param}:{message.partition(':')[2]}"
     return status, {"error": {"message": message, "type": error_type, "param": param, "code": code.name.lower()}}

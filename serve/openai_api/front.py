@@ -134,7 +134,11 @@ class OpenAIFront:
         except RequestError as e:
             self._abort(streams)  # a no-op for requests that have ended
             self._count(method, e.code)
-            names = dict(kind=kind, max_tokens_name=req.max_tokens_name) if req is not None else dict(kind=kind)
+            names = (
+                dict(kind=kind, max_tokens_name=req.max_tokens_name, structured_param=req.structured_param)
+                if req is not None
+                else dict(kind=kind)
+            )
             return error_response(
                 e.code, e.message, param="model" if e.code == grpc.StatusCode.NOT_FOUND else None, **names
             )

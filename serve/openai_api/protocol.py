@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from serve.convert import invalid
+from serve.openai_api.structured import structured_output
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
 Kind = Literal["completion", "chat"]
@@ -45,7 +46,6 @@ _UNSUPPORTED = {
         "prediction": (),
         "modalities": (["text"],),
         "tool_choice": ("none", "auto"),
-        "response_format": ({"type": "text"},),
     },
 }
 # Prefixes of convert's messages -> the OpenAI parameter they are about.
@@ -75,14 +75,20 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: int | None  # alternatives per token in the response (None: no logprobs)
     max_tokens_name: str  # which name the client used, for error messages
+    structured_param: str | None = None  # the parameter that asked for structured output (response_format, ...)
 
 
-def param_of(message: str, max_tokens_name: str = "max_tokens", kind: Kind = "completion") -> str | None:
-    """The OpenAI parameter a rejection message names (None when it names none)."""
+def param_of(
+    message: str, max_tokens_name: str = "max_tokens", kind: Kind = "completion", structured_param: str | None = None
+) -> str | None:
+    """The OpenAI parameter a rejection message names (None when it names none). A message about the
+    structured-output constraint (the gRPC message's field, or the engine's compile) names `structured_param`."""
     m = _FIELD.match(message)
     if m is None:
         return None
     field = m.group(1)
+    if structured_param is not None and field.startswith(("sampling.structured_output", "structured_outputs.")):
+        return structured_param
     for prefix, replacement in _PARAM_PREFIXES:
         if field == prefix or field.startswith(prefix):
             field = replacement + field[len(prefix) :]
@@ -118,6 +124,9 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens_name = "max_completion_tokens"
     logprobs = _sampling(body, req.sampling, kind, max_tokens_name)
+    constraint, structured_param = structured_output(body)
+    if constraint is not None:
+        req.sampling.structured_output.CopyFrom(constraint)
     salt = _typed(body, "cache_salt", str)
     if salt is not None:
         req.cache_salt = salt
@@ -134,7 +143,7 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
             else:
                 one.token_ids.ids.extend(prompt)
             generates.append(one)
-    return OpenAIRequest(kind, generates, model, stream, include_usage, logprobs, max_tokens_name)
+    return OpenAIRequest(kind, generates, model, stream, include_usage, logprobs, max_tokens_name, structured_param)
 
 
 def _typed(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:
