@@ -4,7 +4,8 @@ Serving and the batch script both drive this loop. Each `step` schedules one bat
 runs it on the device (`paged_jax.worker.runner`), appends the sampled tokens, hands each to the output processor
 (`paged_jax.engine.output_processor`: stop checks, detokenization, outputs) and frees the pages of every sequence
 that finished. Every page a request holds goes back when it finishes, is aborted, or fails. With
-`async_scheduling` the step looks one step ahead (`paged_jax.engine.lookahead`). A request with structured outputs
+`async_scheduling` the step looks one step ahead (`paged_jax.engine.lookahead`). With a `speculative_config` a
+step also verifies drafts (`paged_jax.spec`). A request with structured outputs
 gets one grammar matcher per sample when it is added (`paged_jax.structured`); each sampled token advances
 it, and each step's constrained rows get their bitmask filled while the device runs the forward pass.
 """
@@ -31,11 +32,13 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
+from paged_jax.spec.decoder import SpecDecoder
 from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, StructuredRows
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.kv_budget import kv_capacity_pages
 from paged_jax.worker.runner import ModelRunner, StepResult
+from paged_jax.worker.spec_verify import REJECTED
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,12 @@ class LLMEngine:
             mesh = sharding.make_mesh(devices)
             run_config, params = sharding.shard_params(config, params, mesh)
         self.mesh = mesh
+        self.spec: SpecDecoder | None = None
+        spec_config = None
+        if ec.speculative_config is not None:
+            from paged_jax.spec.setup import make_spec_decoder, parse_spec_config
+
+            spec_config = parse_spec_config(ec.speculative_config)
         self.num_pages = kv_capacity_pages(
             run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
         )
@@ -104,7 +113,10 @@ class LLMEngine:
             attention_backend=ec.attention_backend,
             kv_dtype=ec.kv_dtype,
             mesh=mesh,
+            num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
         )
+        if spec_config is not None:
+            self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len)
         self.outputs = OutputProcessor(
             tokenizer,
             vocab_size=config.vocab_size,
@@ -164,6 +176,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams(**self.engine_config.sampling_defaults)
         req = self.outputs.add_request(request_id, prompt, params, cache_salt, arrival_time, self._check_fits)
         if params.structured_outputs is not None:
+            if self.spec is not None:
+                del self.outputs.requests[request_id]
+                raise ValueError("structured_outputs: not supported together with speculative decoding (yet)")
             try:
                 req.matchers = self.structured.matchers(params.structured_outputs, params.n)
             except ValueError:
@@ -194,7 +209,7 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.finished:
-                self.scheduler.remove(seq, reason)
+                self._remove(seq, reason)
                 seq.finish_time = time.monotonic()
         return self.outputs.output(req, final=True)
 
@@ -214,7 +229,9 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
+        spec = {} if self.spec is None else self.spec.stats.as_dict()
         return EngineStats(
+            **spec,
             **asdict(self.kv.stats()),
             num_preemptions=self.scheduler.num_preemptions,
             num_waiting=self.num_waiting,
@@ -237,10 +254,15 @@ class LLMEngine:
             launched = self.launch_step()
             return [] if launched is None else self.finish_step(launched)
         prev = self.lookahead.take()
+        outputs = []
+        spec = self.spec
+        if prev is not None and spec is not None and spec.needs_sync(prev.sched, self.scheduler.running, self.kv):
+            outputs, prev = self.finish_step(prev), None  # speculating: the next step's drafts need these tokens
         if prev is not None:
             self.lookahead.mark_pending(prev, self._is_live, self.outputs.is_last_token)
         launched = self.launch_step(prev, defer_masks=True)
-        outputs = [] if prev is None else self.finish_step(prev)
+        if prev is not None:
+            outputs = self.finish_step(prev)
         if launched is not None and launched.samples is None:  # constrained rows: their masks need prev's tokens
             launched = self.launch_sampling(launched)
         self.lookahead.inflight = launched
@@ -259,6 +281,8 @@ class LLMEngine:
         sampling is left to `launch_sampling`, after `finish_step(prev)`.
         """
         t0 = time.perf_counter()
+        if self.spec is not None and prev is None:  # every token is on the host: propose drafts
+            self.spec.propose(self.scheduler.running, self.kv)
         sched = self.scheduler.schedule()
         if sched.empty:
             return None
@@ -295,10 +319,12 @@ class LLMEngine:
         result = self.runner.collect(launched.samples, len(sched.sample_rows))
         touched: dict[str, RequestState] = {}
         outputs = []
-        for r, (seq, _) in enumerate(sched.sample_rows):
+        for r, row in enumerate(sched.sample_rows):
+            seq = row.seq
             req = self.outputs.requests.get(seq.request_id)
-            if req is None or seq.finished:
-                continue  # finished, aborted or failed while this step was in flight (or earlier in this loop)
+            if req is None or seq.finished or result.tokens[r] == REJECTED:
+                continue  # finished, aborted or failed while this step was in flight (or earlier in this loop); or a
+                # row after a rejected draft
             try:
                 self._append(req, seq, result, r)
             except Exception as e:  # one request's failure (e.g. its tokenizer) ends that request alone
@@ -307,6 +333,8 @@ class LLMEngine:
                 outputs.append(self.fail(req.request_id, f"{type(e).__name__}: {e}"))
                 continue
             touched[req.request_id] = req
+        if self.spec is not None:
+            self.spec.settle(sched, result.tokens, self.kv)
         for req in touched.values():
             done = req.finished
             outputs.append(self.outputs.output(req, final=done))
@@ -330,7 +358,13 @@ class LLMEngine:
             if reason is not None:
                 seq.finish_time = time.monotonic()
         if reason is not None:
-            self.scheduler.remove(seq, reason)
+            self._remove(seq, reason)
+
+    def _remove(self, seq: TokenSequence, reason: FinishReason) -> None:
+        """End `seq`: its pages back to the pool, its speculation record (and draft KV) dropped."""
+        self.scheduler.remove(seq, reason)
+        if self.spec is not None:
+            self.spec.release(seq)
 
     @staticmethod
     def _advance(seq: TokenSequence, matcher: Matcher, token: int) -> FinishReason | None:

@@ -67,6 +67,9 @@ class TokenSequence:
     # still on the device.
     pending: PendingToken | None = None
     forked_children: list[TokenSequence] = field(default_factory=list)  # children waiting for this leader's prompt
+    # Speculative decoding (`paged_jax.spec`): tokens proposed to follow the last one, scored by the next step if
+    # the scheduler finds room (it takes them: a draft is for one step).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     # prompt then output ids, kept in step with `output_token_ids` so the scheduler's per-step calls copy nothing
     all_token_ids: list[int] = field(init=False)

@@ -61,6 +61,7 @@ from paged_jax.worker import sharding
 from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.pending import merge_pending, merge_pending_history
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
+from paged_jax.worker.spec_verify import VerifyRows, mask_rejected, verify_rows
 from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
 from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv, kv_pages_shape
@@ -187,6 +188,7 @@ def _sample_rows(
     logits: jax.Array,
     meta: SamplingMeta,
     bitmask: jax.Array,
+    verify: VerifyRows | None = None,
     *,
     width: int,
     do_sample: bool,
@@ -194,7 +196,8 @@ def _sample_rows(
     do_penalty: bool,
     want_logprobs: bool,
 ) -> SamplerOutput:
-    """`sample`, with the ids padded to `width` rows so that the next step's merge has one shape per `T`."""
+    """`sample`, with the ids padded to `width` rows so that the next step's merge has one shape per `T`. With
+    `verify` (an engine that speculates, every step) rows whose drafts were rejected read `REJECTED`."""
     out = sample(
         logits,
         meta,
@@ -204,7 +207,8 @@ def _sample_rows(
         do_penalty=do_penalty,
         want_logprobs=want_logprobs,
     )
-    return out._replace(tokens=jnp.pad(out.tokens, (0, width - out.tokens.shape[0])))
+    tokens = out.tokens if verify is None else mask_rejected(out.tokens, verify.next_draft, verify.row_start)
+    return out._replace(tokens=jnp.pad(tokens, (0, width - tokens.shape[0])))
 
 
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
@@ -226,6 +230,7 @@ class ForwardLaunched:
     meta: SamplingMeta  # the sampler's inputs (history merged)
     flags: SamplerFlags
     s: int  # the sequence bucket
+    verify: VerifyRows | None  # speculation: where each sequence's rows start and its next draft
 
 
 @dataclass(slots=True)
@@ -248,6 +253,8 @@ class ModelRunner:
 
     `mesh`: None for the default device; otherwise `params` must already be placed on it
     (`sharding.shard_params`, which also gives the `config` to pass here) and the pages are created on it.
+    `num_speculative_tokens` > 0: steps may verify that many drafts per sequence (`paged_jax.spec`): the sequence
+    buckets then reach the sample rows of a full verify step, and the sampler marks the rejected rows.
     """
 
     def __init__(
@@ -263,6 +270,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_dtype: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.config = config
         self.params = params
@@ -271,7 +279,9 @@ class ModelRunner:
         self.max_blocks = cdiv(max_model_len, page_size)
         self.max_num_seqs = max_num_seqs
         self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
-        self.seq_buckets = pow2_buckets(8, max_num_seqs)
+        self.num_speculative_tokens = num_speculative_tokens
+        max_rows = min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
+        self.seq_buckets = pow2_buckets(8, max(max_num_seqs, max_rows))
         # Sampling arrays whose size a request chooses have one fixed width each, compiled at warm-up: the ban
         # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
         self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
@@ -323,6 +333,13 @@ class ModelRunner:
         docstring): `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
         return bucket_for(max(min(t, self.max_num_seqs), rows), self.seq_buckets)
 
+    def step_seq_buckets(self, t: int) -> list[int]:
+        """The sequence buckets a step of token bucket `t` can use (warm-up compiles each): `seq_bucket(t)`, and
+        with speculation those up to one holding the sample rows of a full verify step (each row is a token)."""
+        lo = self.seq_bucket(t)
+        hi = self.seq_bucket(t, min(t, self.max_num_seqs * (1 + self.num_speculative_tokens)))
+        return [s for s in self.seq_buckets if lo <= s <= hi]
+
     def launch(
         self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None, bitmask: np.ndarray | None = None
     ) -> SamplerOutput:
@@ -345,6 +362,7 @@ class ModelRunner:
         sampling = build_sampling_inputs(
             sched.sample_rows, s, self.suppress_width, self.history_len, self.config.eos_token_ids
         )
+        verify = verify_rows(sched, s) if self.num_speculative_tokens else None
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
         token_ids = step.token_ids
@@ -355,7 +373,7 @@ class ModelRunner:
         logits, self.kv_caches = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices
         )
-        return ForwardLaunched(logits, self._with_history(sampling, prev_samples), sampling.flags, s)
+        return ForwardLaunched(logits, self._with_history(sampling, prev_samples), sampling.flags, s, verify)
 
     def launch_sample(self, fwd: ForwardLaunched, bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Dispatch the sampling of a launched forward step. `bitmask`: int32 [R, ceil(V / 32)] for the step's
@@ -363,7 +381,7 @@ class ModelRunner:
         all-ones mask is used: nothing crosses to the device)."""
         m = fwd.meta
         job = self.sample_job(fwd.s, m.suppress.shape[1], m.history.shape[1], fwd.flags)
-        return self._executable(job)(fwd.logits, m, self._bitmask(fwd.s, bitmask))
+        return self._executable(job)(fwd.logits, m, self._bitmask(fwd.s, bitmask), fwd.verify)
 
     def _bitmask(self, s: int, bitmask: np.ndarray | None) -> jax.Array | np.ndarray:
         """The sampler's bitmask operand for `s` rows: `bitmask` padded with all-ones rows, or the cached
@@ -420,6 +438,7 @@ class ModelRunner:
         """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs).
         The argument specs are built only when the executable is compiled (this runs every step)."""
         names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
+        verify = self.num_speculative_tokens > 0
 
         def lower() -> jax.stages.Lowered:
             shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len).items()}
@@ -428,10 +447,11 @@ class ModelRunner:
             logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
             bitmask = self._spec(s, mask_words(self.config.vocab_size))
             width = self.seq_buckets[-1]
-            return _sample_rows.lower(logits, meta, bitmask, width=width, **dict(zip(names, flags, strict=True)))
+            rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None
+            return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **dict(zip(names, flags, strict=True)))
 
         return (
-            ("sample", self._key, s, suppress_width, history_len, flags),
+            ("sample", self._key, s, suppress_width, history_len, flags, self.seq_buckets[-1], verify),
             lower,
             f"sample rows={s} suppress={suppress_width} history={history_len} "
             + " ".join(n for n, on in zip(names, flags, strict=True) if on),
@@ -441,7 +461,7 @@ class ModelRunner:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
         i32 = self._spec
         return (
-            ("merge", self._key, t),
+            ("merge", self._key, t, self.seq_buckets[-1]),
             lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])),
             f"merge tokens={t}",
         )
@@ -450,7 +470,7 @@ class ModelRunner:
         """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
         i32 = self._spec
         return (
-            ("history", self._key, s),
+            ("history", self._key, s, self.seq_buckets[-1]),
             lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
             f"history rows={s} length={self.history_len}",
         )
