@@ -304,7 +304,8 @@ class LLMEngine:
     def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[Matcher, int]]:
         """(matcher, sample row) of each live structured-output sequence `sched` samples."""
         rows = []
-        for r, (seq, _) in enumerate(sched.sample_rows):
+        for r, row in enumerate(sched.sample_rows):
+            seq = row.seq
             req = self.outputs.requests.get(seq.request_id)
             m = None if req is None or seq.finished else req.matcher(seq)
             if m is not None:
