@@ -1,6 +1,7 @@
 """Structured output on the serving fronts (the tiny model, real servers on loopback): OpenAI's
 `response_format`, vLLM's `structured_outputs` and `guided_*` extras through the official `openai` client, and
-the gRPC `structured_output` message; bad constraints are 400 / INVALID_ARGUMENT naming the parameter."""
+the gRPC `structured_output` message; bad constraints are 400 / INVALID_ARGUMENT naming the parameter (the
+engine's `structured_outputs.<kind>` shown as the parameter that asked: `response_format.json`)."""
 
 from __future__ import annotations
 
@@ -78,11 +79,14 @@ def test_vllm_extras_regex_choice_grammar(oai):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+            "response_format.json",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
-        ({"structured_outputs": {"regex": "a("}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a("}}, "structured_outputs.regex"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json.json"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
     ],
 )
@@ -101,10 +105,10 @@ def test_grpc_structured_output(grpc_client):
     )
     assert r.completions[0].text in ("p", "q")
     for so, field in [
-        (pb.StructuredOutput(regex="a("), "structured_outputs.regex: "),
+        (pb.StructuredOutput(regex="a("), "sampling.structured_outputs.regex: "),
         (pb.StructuredOutput(json_schema="[1]"), "sampling.structured_output.json_schema: must be a JSON object"),
         (pb.StructuredOutput(json_object=False), "sampling.structured_output.json_object: must be true"),
-        (pb.StructuredOutput(regex="a" * (64 * 1024 + 1)), "sampling.structured_output.regex: 65537 bytes"),
+        (pb.StructuredOutput(regex="a" * (64 * 1024 + 1)), "sampling.structured_outputs.regex: 65537 bytes"),
     ]:
         with pytest.raises(grpc.RpcError) as e:
             grpc_client.generate("x", max_tokens=4, structured_output=so)

@@ -14,16 +14,13 @@ from typing import Protocol
 
 import numpy as np
 
+from paged_jax.errors import FieldError
 from paged_jax.sampling_params import StructuredOutputs
 
 
-class GrammarError(ValueError):
-    """A constraint the backend refuses (bad schema, grammar syntax, too large, too slow to compile). The
-    message starts with the field (`structured_outputs.json: ...`), as every request error does."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+class GrammarError(FieldError):
+    """A constraint the backend refuses (bad schema, grammar syntax, too large, too slow to compile), naming
+    the field (`structured_outputs.json`) as every request error does."""
 
 
 @dataclass(frozen=True, slots=True)
