@@ -29,6 +29,7 @@ import numpy as np
 from safetensors import safe_open
 
 from paged_jax.config import ModelConfig
+from paged_jax.errors import FieldError
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -41,8 +42,12 @@ _REFUSED_TRUE = {
 }
 
 
-class LoraError(ValueError):
-    """An adapter that cannot be served as it is; the message names the adapter and the field or tensor."""
+class LoraError(FieldError):
+    """An adapter that cannot be served as it is: a request's `lora_request` refused, the message naming the
+    adapter and the field or tensor."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("lora_request", message)
 
 
 @dataclass(slots=True)

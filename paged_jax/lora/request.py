@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paged_jax.errors import FieldError
+
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
@@ -16,11 +18,11 @@ class LoRARequest:
 
     def validate(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError("lora_request.lora_name: must be a non-empty string")
+            raise FieldError("lora_request.lora_name", "must be a non-empty string")
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise ValueError(f"lora_request.lora_int_id: must be an integer >= 1, got {self.lora_int_id!r}")
+            raise FieldError("lora_request.lora_int_id", f"must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str):
-            raise ValueError("lora_request.lora_path: must be a string")
+            raise FieldError("lora_request.lora_path", "must be a string")
 
 
 __all__ = ["LoRARequest"]

@@ -33,7 +33,7 @@ from paged_jax.engine.protocol import Engine
 from paged_jax.lora.named import ServedAdapters, UnknownAdapterError, parse_lora_modules
 from paged_jax.lora.request import LoRARequest
 from paged_jax.offline import multihost
-from paged_jax.offline.lines import BatchItem, Chat, parse_line
+from paged_jax.offline.lines import BatchItem, parse_line
 from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids, result_line
 from paged_jax.offline.plan import plan_for_input
 
@@ -177,9 +177,8 @@ def run_batch(
                     exhausted = True
                     break
                 try:
-                    prompt = item.prompt.prompt_ids(engine.tokenizer) if isinstance(item.prompt, Chat) else item.prompt
                     lora = None if item.lora is None else _adapter(adapters, item.lora)
-                    engine.add_request(item.key, prompt, item.params, item.cache_salt, lora_request=lora)
+                    engine.add_request(item.key, item.prompt, item.params, item.cache_salt, lora_request=lora)
                 except Exception as e:  # noqa: BLE001 - this line fails alone (ValueError names the field)
                     errors.write({"line": item.lineno, "id": item.id, "error": str(e)})
                     summary.errors += 1
