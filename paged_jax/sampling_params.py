@@ -1,14 +1,17 @@
 """Per-request sampling parameters, validated at the edge.
 
 Names and defaults follow vLLM's `SamplingParams` so that users can move over unchanged.
-`validate` raises `ValueError` whose message starts with the offending field name; the gRPC
-server turns that into `INVALID_ARGUMENT`.
+`validate` raises a `FieldError` (a ValueError: "<field>: <what is wrong>") naming the offending field;
+each front shows it in its own words (`paged_jax.engine.input_processor`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from paged_jax.errors import FieldError
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64  # the sampler's ban list has a fixed width (compiled once), so this many at most
@@ -18,6 +21,61 @@ FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger va
 # [MIN_, MAX_REPETITION_PENALTY] sends a seen token's score to inf or 0 (1e-38: every pick token 0).
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
+@dataclass(slots=True)
+class StructuredOutputs:
+    """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one field is set.
+
+    `json`: a JSON Schema (a dict, or its JSON text), or True for any JSON object; `regex`: the whole output
+    matches it; `choice`: the output is one of these strings; `grammar`: a Lark grammar (llguidance's dialect)
+    or a GBNF one (llama.cpp's; converted); `structural_tag`: llguidance's tool-call tags, `{"structures":
+    [{"begin", "schema", "end"}], "triggers": [...]}` (vLLM's format). The grammar is compiled against the
+    model's tokenizer when the request is added (`paged_jax.structured`); a field it refuses is an error for
+    that request only, named `structured_outputs.<field>`.
+    """
+
+    json: dict[str, Any] | str | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StructuredOutputs:
+        """From `{"json": ...}` and the like; an unknown key is a FieldError naming it."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise FieldError(f"structured_outputs.{unknown[0]}", f"unknown field (known: {', '.join(sorted(names))})")
+        return cls(**data)
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set (validate first)."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) is not None)
+
+    def validate(self) -> StructuredOutputs:
+        """Types only (the backend compiles the grammar); raises FieldError naming the field."""
+        given = [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs", f"set exactly one of json, regex, choice, grammar, structural_tag (got {given})"
+            )
+        kind = given[0]
+        value = getattr(self, kind)
+        field_name = f"structured_outputs.{kind}"
+        if kind == "json" and not (isinstance(value, (dict, str)) or value is True):
+            raise FieldError(field_name, "must be a JSON Schema (an object or its text) or true")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise FieldError(field_name, "must be a non-empty string")
+        if kind == "choice" and (
+            not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise FieldError(field_name, "must be a non-empty list of non-empty strings")
+        if kind == "structural_tag" and not isinstance(value, (dict, str)):
+            raise FieldError(field_name, "must be an object (or its JSON text)")
+        return self
 
 
 @dataclass(slots=True)
@@ -50,6 +108,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens kept as written, runs decoded alone
     detokenize: bool = True  # False: token ids only, no text (as vLLM's); stop strings then cannot be matched
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +119,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -74,74 +135,78 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     def validate(self, vocab_size: int | None = None, max_n: int = 64) -> SamplingParams:
-        """Check every field; return self so calls can chain. Raises ValueError naming the field."""
+        """Check every field; return self so calls can chain. Raises FieldError naming the field."""
 
         def number(name: str) -> float:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name}: must be a finite number, got {value!r}")
+                raise FieldError(name, f"must be a finite number, got {value!r}")
             if abs(value) > FLOAT32_MAX:  # checked in the dtype it is used in
-                raise ValueError(f"{name}: {value!r} is not finite in float32 (the device's dtype)")
+                raise FieldError(name, f"{value!r} is not finite in float32 (the device's dtype)")
             return float(value)
 
         def integer(name: str) -> int:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}: must be an integer, got {value!r}")
+                raise FieldError(name, f"must be an integer, got {value!r}")
             return value
 
         if not 1 <= integer("n") <= max_n:
-            raise ValueError(f"n: must be in [1, {max_n}], got {self.n}")
+            raise FieldError("n", f"must be in [1, {max_n}], got {self.n}")
         if not 0 <= number("temperature") <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+            raise FieldError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if integer("top_k") < 0:
-            raise ValueError(f"top_k: must be >= 0 (0 or -1 disables it), got {self.top_k}")
+            raise FieldError("top_k", f"must be >= 0 (0 or -1 disables it), got {self.top_k}")
         if not 0.0 < number("top_p") <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= number("min_p") <= 1.0:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+            raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}")
         if not MIN_REPETITION_PENALTY <= number("repetition_penalty") <= MAX_REPETITION_PENALTY:
-            raise ValueError(
-                f"repetition_penalty: must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
-                f"got {self.repetition_penalty}"
+            raise FieldError(
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
             )
         if not -2.0 <= number("presence_penalty") <= 2.0:
-            raise ValueError(f"presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
+            raise FieldError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= number("frequency_penalty") <= 2.0:
-            raise ValueError(f"frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
+            raise FieldError("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
-            raise ValueError(f"seed: must be an integer in [0, 2^63), got {self.seed!r}")
+            raise FieldError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if integer("max_tokens") < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not 0 <= integer("min_tokens") <= self.max_tokens:
-            raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens}")
+            raise FieldError("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if not isinstance(self.stop, list):
-            raise ValueError(f"stop: must be a string or a list of strings, got {type(self.stop).__name__}")
+            raise FieldError("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
         if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids: must be a list of token ids, got {type(self.stop_token_ids).__name__}")
+            raise FieldError("stop_token_ids", f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+                raise FieldError("stop", f"every stop string must be a non-empty string, got {s!r}")
             try:
                 s.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"stop: not valid Unicode (a lone surrogate at character {e.start})") from None
+                raise FieldError("stop", f"not valid Unicode (a lone surrogate at character {e.start})") from None
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
+            raise FieldError("stop_token_ids", f"{len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
-                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+                raise FieldError("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
+                raise FieldError(name, f"must be a boolean, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
-            raise ValueError("detokenize: stop strings are matched on the text; detokenize=False cannot have them")
+            raise FieldError("detokenize", "stop strings are matched on the text; detokenize=False cannot have them")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise FieldError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise FieldError("structured_outputs", "must be a StructuredOutputs (or a dict of its fields)")
+            self.structured_outputs.validate()
         return self

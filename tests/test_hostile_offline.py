@@ -55,7 +55,7 @@ CASES = {
     "ids-not-a-list": (lambda m: m.generate({"prompt_token_ids": 5}, SP, use_tqdm=False), "prompt_token_ids"),
     "ids-a-string": (lambda m: m.generate({"prompt_token_ids": "12"}, SP, use_tqdm=False), "prompt_token_ids"),
     "prompts-not-iterable": (lambda m: m.generate(5, SP, use_tqdm=False), "prompts"),
-    "params-a-dict": (lambda m: m.generate("ab", [{"max_tokens": 2}], use_tqdm=False), "sampling_params"),
+    "params-a-number": (lambda m: m.generate("ab", [5], use_tqdm=False), "sampling_params"),
     "deep-tools": (lambda m: m.chat(USER, SP, use_tqdm=False, tools=[{"a": _deep(100_000)}]), "messages"),
     "deep-kwargs": (lambda m: m.chat(USER, SP, use_tqdm=False, chat_template_kwargs={"x": _deep(100_000)}), "messages"),
     "tools-not-a-list": (lambda m: m.chat(USER, SP, use_tqdm=False, tools=5), "tools"),

@@ -11,12 +11,15 @@ from tqdm.auto import tqdm
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.args import apply_model_text_args
+from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
 from paged_jax.engine.protocol import EngineStats
+from paged_jax.errors import FieldError, FieldNames
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenization.chat_template import Conversation, apply_chat_template, template_from_text
+from paged_jax.tokenization.chat_template import Conversation, template_from_text
 
 Prompt = str | Mapping[str, Sequence[int]]  # text, or {"prompt_token_ids": [...]}
 
@@ -27,9 +30,9 @@ def prompt_input(prompt: Prompt) -> str | list[int]:
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
-            raise ValueError(f"prompt_token_ids: must be a list of token ids, got {type(ids).__name__}")
+            raise FieldError("prompt_token_ids", f"must be a list of token ids, got {type(ids).__name__}")
         return list(ids)
-    raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+    raise FieldError("prompt", f"expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
 
 class LLM:
@@ -71,26 +74,79 @@ class LLM:
         prompts: Prompt | Iterable[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. `lora_request` (as vLLM's): one adapter
+        for every prompt or one per prompt (None: the base model); the engine needs `enable_lora=True`."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         if not isinstance(prompts, Iterable):
-            raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
-        prompts = list(prompts)
+            raise FieldError("prompts", f"expected a prompt or a list of prompts, got {type(prompts).__name__}")
+        prompts = [prompt_input(p) for p in prompts]
+        return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of them.
+
+        Each conversation is rendered with the model's chat template (`chat_template`: template text used
+        instead), then tokenized without adding special tokens again. Raises ValueError naming the message
+        at fault (`messages[i]...` for the i-th of several conversations), or saying how to give a template
+        when the model has none.
+        """
+        if isinstance(messages, (str, Mapping)) or not messages:
+            raise FieldError("messages", "must be a non-empty list of messages, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        template = template_from_text(chat_template) if chat_template is not None else None
+        chats = [
+            ChatPrompt(c, add_generation_prompt, tools, chat_template_kwargs or {}, template) for c in conversations
+        ]
+        several = len(chats) > 1
+        names = [FieldNames({"messages": f"messages[{i}]"}) if several else None for i in range(len(chats))]
+        return self._run(chats, sampling_params, use_tqdm, names, lora_request)
+
+    def _run(
+        self,
+        prompts: list[str | list[int] | ChatPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        names: Sequence[FieldNames | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Queue every prompt (all or nothing: an invalid one, or an interrupt, withdraws the ones queued before
+        it; its FieldError in `names[i]`'s words), step until all finish, return the outputs in prompt order."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError("sampling_params: need one per prompt or a single one")
+                raise FieldError("sampling_params", "need one per prompt or a single one")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise FieldError("lora_request", "need one per prompt or a single one")
         order: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")
-        try:  # all or nothing: an invalid prompt (or an interrupt) withdraws the ones queued before it
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+        try:
+            for i, (prompt, params, lora) in enumerate(zip(prompts, params_list, loras, strict=True)):
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, prompt_input(prompt), params)
+                try:
+                    self.engine.add_request(rid, prompt, params, lora_request=lora)
+                except FieldError as e:
+                    raise e.renamed(names[i]) if names and names[i] is not None else e from None
                 order[rid] = i
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -104,42 +160,6 @@ class LLM:
         finally:
             bar.close()
         return [r for r in results if r is not None]
-
-    def chat(
-        self,
-        messages: Conversation | Sequence[Conversation],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        *,
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping] | None = None,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping | None = None,
-    ) -> list[RequestOutput]:
-        """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of them.
-
-        Each conversation is rendered with the model's chat template (`chat_template`: template text used
-        instead), then tokenized without adding special tokens again. Raises ValueError naming the message
-        at fault, or saying how to give a template when the model has none.
-        """
-        if isinstance(messages, (str, Mapping)) or not messages:
-            raise ValueError("messages: must be a non-empty list of messages, or a list of such lists")
-        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
-        template = template_from_text(chat_template) if chat_template is not None else None
-        prompts = []
-        for i, conversation in enumerate(conversations):
-            field = "messages" if len(conversations) == 1 else f"messages[{i}]"
-            _, ids = apply_chat_template(
-                self.tokenizer,
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                chat_template=template,
-                field=field,
-                template_kwargs=chat_template_kwargs,
-            )
-            prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -54,9 +54,19 @@ def disk_full_message(e: OSError) -> str | None:
     )
 
 
+def written_ids(path: Path) -> set[str]:
+    """Ids of the whole lines already in the output (a torn last line is none); reads only, so it is safe
+    without the output's lock (the warm-up plan, read before the run takes it)."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    return _ids(data[: data.rfind(b"\n") + 1], path)
+
+
 def completed_ids(path: Path) -> set[str]:
     """Ids already in the output; a torn last line (no newline) is cut off first, and a line that is not a
-    result (not JSON, no `id` or `token_ids`) is skipped with a warning (not done: it is generated again)."""
+    result (not JSON, no `id` or `token_ids`) is skipped with a warning (not done: it is generated again).
+    Call it holding the output's lock (`LineWriter.lock`): the torn line may be another run's write in progress."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -65,6 +75,10 @@ def completed_ids(path: Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(keep)
         data = data[:keep]
+    return _ids(data, path)
+
+
+def _ids(data: bytes, path: Path) -> set[str]:
     done, skipped = set(), []
     for lineno, raw in enumerate(data.splitlines(), 1):
         if not raw.strip():

@@ -7,13 +7,15 @@ of a cache salt would fail on the engine thread. Every text field is checked her
 
 from __future__ import annotations
 
+from paged_jax.errors import FieldError
+
 
 def check_text(text: str, field: str) -> str:
-    """`text` if it is valid Unicode; otherwise a ValueError naming `field` and where the surrogate is."""
+    """`text` if it is valid Unicode; otherwise a FieldError naming `field` and where the surrogate is."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{field}: not valid Unicode (a lone surrogate at character {e.start})") from None
+        raise FieldError(field, f"not valid Unicode (a lone surrogate at character {e.start})") from None
     return text
 
 

@@ -110,6 +110,8 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
         out += [runner.merge_job(t) for t in buckets]
     if plan.copies:
         out += [runner.copy_job(n) for n in runner.copy_buckets]
+    if runner.lora is not None:
+        out.append(runner.lora_write_job())
     return out
 
 
