@@ -65,7 +65,7 @@ def written_ids(path: Path) -> set[str]:
 
 def completed_ids(path: Path) -> set[str]:
     """Ids already in the output; a torn last line (no newline) is cut off first, and a line that is not a
-    result (not JSON, no `id` or `token_ids`) is skipped with a warning (not done: it is generated again).
+    result (not JSON, no `id`, an error line) is skipped with a warning (not done: it is generated again).
     Call it holding the output's lock (`LineWriter.lock`): the torn line may be another run's write in progress."""
     if not path.exists():
         return set()
@@ -85,7 +85,7 @@ def _ids(data: bytes, path: Path) -> set[str]:
             continue
         try:
             obj = json.loads(raw)
-            if not isinstance(obj, dict) or "token_ids" not in obj:  # an error line ({"line", "id", "error"}) too
+            if not isinstance(obj, dict) or "error" in obj:  # an error line ({"line", "id", "error"}) is not done
                 raise ValueError
             done.add(id_key(obj["id"]))
         except (ValueError, TypeError, KeyError):  # not JSON, not a result, no id, an id of no known type
