@@ -25,9 +25,10 @@ from paged_jax.kv_cache import KVCacheManager
 from paged_jax.lookahead import Launched, Lookahead
 from paged_jax.output_processor import OutputProcessor, RequestState
 from paged_jax.outputs import RequestOutput
+from paged_jax.prompt_logprobs import PromptLogprobs, num_prompt_rows
 from paged_jax.runner import ModelRunner, StepResult
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler
+from paged_jax.scheduler import Scheduler, SchedulerOutput
 from paged_jax.sequence import FinishReason, TokenSequence
 from paged_jax.tokenizer import Tokenizer
 from paged_jax.warmup import WarmupPlan, run_warmup
@@ -96,6 +97,7 @@ class LLMEngine:
             attention_backend=ec.attention_backend,
             kv_dtype=ec.kv_dtype,
             mesh=mesh,
+            max_logit_bias=ec.max_logit_bias,
         )
         self.outputs = OutputProcessor(
             tokenizer,
@@ -104,6 +106,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_n=self.max_n,
             seed=ec.seed,
+            max_logit_bias=ec.max_logit_bias,
         )
         self.lookahead = Lookahead()
         self.kv_cache_bytes = quant.kv_bytes_per_token(config, kv_dtype) * self.num_pages * ec.page_size
@@ -237,18 +240,22 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return None
-        samples = self.runner.launch(sched, None if prev is None else prev.samples)
+        out = self.runner.launch(sched, None if prev is None else prev.samples)
         self.num_launched += 1
-        return Launched(sched, samples, time.perf_counter() - t0)
+        return Launched(sched, out.samples, time.perf_counter() - t0, out.prompt_logprobs)
 
     def finish_step(self, launched: Launched) -> list[RequestOutput]:
         """Second half of `step`: wait for the samples, append tokens, apply stops, free finished requests."""
         t0 = time.perf_counter()
         sched = launched.sched
         device0 = self.runner.device_seconds
-        result = self.runner.collect(launched.samples, len(sched.sample_rows))
+        result = self.runner.collect(
+            launched.samples, len(sched.sample_rows), launched.prompt_logprobs, num_prompt_rows(sched)
+        )
         touched: dict[str, RequestState] = {}
         outputs = []
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(sched, result.prompt_logprobs)
         for r, (seq, _) in enumerate(sched.sample_rows):
             req = self.outputs.requests.get(seq.request_id)
             if req is None or seq.finished:
@@ -270,12 +277,26 @@ class LLMEngine:
         self.host_seconds += launched.host_seconds + time.perf_counter() - t0 - (self.runner.device_seconds - device0)
         return outputs
 
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, values: PromptLogprobs) -> None:
+        """Hand each request its rows of the step's prompt logprobs (in scheduling order)."""
+        row = 0
+        for item in sched.scheduled:
+            positions = item.prompt_logprob_positions
+            req = self.outputs.requests.get(item.seq.request_id)
+            if positions and req is not None:
+                self.outputs.add_prompt_logprobs(req, positions, values, row)
+            row += len(positions)
+
     def _append(self, req: RequestState, seq: TokenSequence, result: StepResult, row: int) -> None:
         """Sample `row` of `result` is `seq`'s next token (or its pending one): append it, check it, and free
-        the sequence's pages if it ended."""
+        the sequence's pages if it ended. A prompt-only request (`max_tokens=0`) drops it and ends."""
         token = int(result.tokens[row])
         if not self.lookahead.resolve(seq, token, self.kv):
             seq.append_token(token)
+        if seq.params.max_tokens == 0:
+            seq.drop_last_token()
+            self.scheduler.remove(seq, self.outputs.finish_prompt_only(seq))
+            return
         k = seq.params.logprobs
         reason = self.outputs.check_token(req, seq, token, None if k is None else result.logprobs_of(row, k))
         if reason is not None:

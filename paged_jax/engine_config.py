@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paged_jax.config import KV_DTYPE_CHOICES
+from paged_jax.sampling_params import MAX_LOGIT_BIAS
 from pallas_kernels.common import BACKENDS
 
 
@@ -30,6 +31,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
     reserve_full_length: bool = False
+    max_logit_bias: int = MAX_LOGIT_BIAS  # most `logit_bias` entries per request (the sampler's fixed bias width)
     tensor_parallel_size: int = 1  # chips per engine (weights by heads/columns/vocab, KV pages by KV heads)
     data_parallel_size: int = 1  # engine replicas on disjoint device groups (`paged_jax.dp.make_engine`)
     # SamplingParams fields a request gets when it leaves them unset (the model's generation_config.json;
@@ -39,7 +41,14 @@ class EngineConfig:
     def validate(self) -> None:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {self.attention_backend!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size", "data_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_n",
+            "max_logit_bias",
+            "tensor_parallel_size",
+            "data_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         if not 0 < self.kv_cache_memory_fraction <= 1:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from paged_jax.kv_cache import KVCacheManager
+    from paged_jax.prompt_logprobs import PromptLogprobs
     from paged_jax.sampler import SamplerOutput
     from paged_jax.scheduler import SchedulerOutput
     from paged_jax.sequence import TokenSequence
@@ -53,6 +54,7 @@ class Launched(NamedTuple):
     sched: SchedulerOutput
     samples: SamplerOutput  # on device
     host_seconds: float  # host time spent launching
+    prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
 
 
 class Lookahead:

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from paged_jax.detokenizer import Detokenizer
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from paged_jax.sequence import FinishReason, TokenSequence
 from paged_jax.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from paged_jax.prompt_logprobs import PromptLogprobs
 
 
 @dataclass(slots=True)
@@ -32,6 +36,9 @@ class RequestState:
     seqs: list[TokenSequence]
     detoks: list[Detokenizer]
     arrival_time: float
+    # `prompt_logprobs` requests: entry i for prompt token i (None first), filled as the prompt's steps complete
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = field(default=False)  # already on an output (then again only on the final one)
 
     @property
     def finished(self) -> bool:
@@ -53,12 +60,14 @@ class OutputProcessor:
         max_model_len: int,
         max_n: int,
         seed: int,
+        max_logit_bias: int = MAX_LOGIT_BIAS,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_n = max_n
+        self.max_logit_bias = max_logit_bias
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(seed)
 
@@ -80,7 +89,7 @@ class OutputProcessor:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        params.validate(self.vocab_size, self.max_n)
+        params.validate(self.vocab_size, self.max_n, self.max_logit_bias)
         text, ids = self._prompt_ids(prompt)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
@@ -100,6 +109,8 @@ class OutputProcessor:
             for _ in seqs
         ]
         req = RequestState(request_id, text, list(ids), params, seqs, detoks, now)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         self.requests[request_id] = req
         return req
 
@@ -157,6 +168,19 @@ class OutputProcessor:
             seq.finish_time = now
         return reason
 
+    def add_prompt_logprobs(self, req: RequestState, positions: range, values: PromptLogprobs, first_row: int) -> None:
+        """Record rows [first_row, first_row + len(positions)) of a step's prompt logprobs: position p's row is
+        the logprob of prompt token p + 1 (positions come in order, each once)."""
+        assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == positions.start + 1, positions
+        k = req.params.prompt_logprobs
+        ids = req.prompt_token_ids
+        req.prompt_logprobs.extend(values.entry(first_row + i, ids[p + 1], k) for i, p in enumerate(positions))
+
+    def finish_prompt_only(self, seq: TokenSequence) -> FinishReason:
+        """A `max_tokens=0` sequence whose prompt is computed: it ends by length, with no tokens."""
+        seq.finish_time = time.monotonic()
+        return FinishReason.LENGTH
+
     def is_last_token(self, seq: TokenSequence) -> bool:
         """Whether the token `seq` just got is its last for length alone (max_tokens or max_model_len)."""
         return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
@@ -203,4 +227,8 @@ class OutputProcessor:
             num_cached_prompt_tokens=lead.num_cached_prompt,
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
         )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, final, metrics)
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, final, metrics)
+        complete = req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_token_ids)
+        if complete and (final or not req.prompt_logprobs_sent):
+            out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return out

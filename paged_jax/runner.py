@@ -6,8 +6,9 @@ updated in place.
 Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
 bucket `S`, built from the scheduler's output by `paged_jax.step_inputs` (the runner never reads the KV
 manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for
-the rows that sample; sampling is a second jitted call on device; the host receives only the sampled ids (and
-requested logprobs).
+the rows that sample (and its final hidden states, from which a step with prompt-logprob positions computes
+theirs, `paged_jax.prompt_logprobs`); sampling is a second jitted call on device; the host receives only the
+sampled ids (and requested logprobs).
 
 Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
 KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,
@@ -43,6 +44,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -56,8 +58,9 @@ from paged_jax.executables import CompileStats, Executables
 from paged_jax.kv_cache import PageCopy
 from paged_jax.lookahead import merge_pending, merge_pending_history
 from paged_jax.model.families import causal_lm
+from paged_jax.prompt_logprobs import PromptLogprobs, build_prompt_rows, make_prompt_logprobs
 from paged_jax.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
-from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.scheduler import SchedulerOutput
 from paged_jax.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
 from pallas_kernels import kv_quant
@@ -135,7 +138,7 @@ def step_functions(
     mesh (so engines in one process share compilations).
 
     forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S])
-        -> (logits [S, V] f32, kv_caches), with kv_caches donated.
+        -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated.
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
     params by their partition specs, KV pages by KV heads, metadata and logits replicated.
     """
@@ -147,11 +150,24 @@ def step_functions(
     def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta)
         logits = model.apply(params, hidden[logits_indices], method="compute_logits")
-        return logits, tuple(kv_caches)
+        return logits, tuple(kv_caches), hidden
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
     return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh, quantized_kv, weights))
+
+
+@functools.cache
+def prompt_logprobs_function(
+    config: ModelConfig,
+    backend: str,
+    mesh: jax.sharding.Mesh | None = None,
+    quantized_kv: bool = False,
+    weights: tuple[str, bool, bool] | None = None,
+):
+    """The jitted prompt-logprob step (`paged_jax.prompt_logprobs`) of `step_functions`' model."""
+    model, _ = step_functions(config, backend, mesh, quantized_kv, weights)
+    return make_prompt_logprobs(model, None if mesh is None else sharding.logits_shardings(config, mesh, weights))
 
 
 def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
@@ -209,6 +225,13 @@ def _fingerprint(tree) -> str:
     return hashlib.sha1(repr((jax.tree.structure(tree), leaves)).encode()).hexdigest()
 
 
+class StepOnDevice(NamedTuple):
+    """A launched step's outputs, still on the device."""
+
+    samples: SamplerOutput
+    prompt_logprobs: PromptLogprobs | None  # when the step has prompt-logprob positions
+
+
 @dataclass(slots=True)
 class StepResult:
     """Host copies of one step's samples; row r belongs to `SchedulerOutput.sample_rows[r]`."""
@@ -217,6 +240,7 @@ class StepResult:
     logprob: np.ndarray  # [R] f32
     top_ids: np.ndarray  # [R, K] i32
     top_logprobs: np.ndarray  # [R, K] f32
+    prompt_logprobs: PromptLogprobs | None = None  # numpy, [P] rows: the step's prompt-logprob positions in order
 
     def logprobs_of(self, row: int, k: int) -> tuple[float, list[tuple[int, float]]]:
         """Row `row`'s token logprob and its `k` most likely (id, logprob) alternatives."""
@@ -244,6 +268,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_dtype: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        max_logit_bias: int = MAX_LOGIT_BIAS,
     ) -> None:
         self.config = config
         self.params = params
@@ -257,6 +282,7 @@ class ModelRunner:
         # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
         self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
         self.history_len = pow2_buckets(64, max_model_len)[-1]
+        self.logit_bias_width = max_logit_bias  # bias columns of a step with a biased row (`paged_jax.logit_bias`)
         self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
         self.kv_caches = tuple(
             _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
@@ -270,12 +296,16 @@ class ModelRunner:
         self.model, self._forward = step_functions(
             config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
         )
+        self._prompt_logprobs = prompt_logprobs_function(
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+        )
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
         self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers, quantized_kv)
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (
             self._forward,
+            self._prompt_logprobs,
             self._copy,
             mesh,
             self.max_blocks,
@@ -302,8 +332,9 @@ class ModelRunner:
         docstring): `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
         return bucket_for(max(min(t, self.max_num_seqs), rows), self.seq_buckets)
 
-    def launch(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> SamplerOutput:
-        """Dispatch one step (copies, forward, sampling) without waiting; returns the samples on device.
+    def launch(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> StepOnDevice:
+        """Dispatch one step (copies, forward, prompt logprobs, sampling) without waiting; returns its outputs on
+        device.
 
         `prev_samples`: the previous step's samples, still on the device, for tokens scheduled before their
         ids reached the host (the engine's one-step lookahead); they are merged in on the device.
@@ -314,7 +345,12 @@ class ModelRunner:
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
         sampling = build_sampling_inputs(
-            sched.sample_rows, s, self.suppress_width, self.history_len, self.config.eos_token_ids
+            sched.sample_rows,
+            s,
+            self.suppress_width,
+            self.history_len,
+            self.config.eos_token_ids,
+            self.logit_bias_width,
         )
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
@@ -323,12 +359,17 @@ class ModelRunner:
             token_ids = self._executable(self.merge_job(t))(token_ids, step.prev_rows, prev_samples.tokens)
         meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
         forward = self._executable(self.forward_job(t, s))
-        logits, self.kv_caches = forward(
+        logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices
         )
+        prompt = None
+        rows = build_prompt_rows(sched, t)
+        if rows is not None:
+            job = self.prompt_logprobs_job(t)
+            prompt = self._executable(job)(self.params, hidden, rows.rows, rows.targets, rows.num_rows)
         m = self._with_history(sampling, prev_samples)
-        job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags)
-        return self._executable(job)(logits, m)
+        job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags, m.logit_bias.shape[1])
+        return StepOnDevice(self._executable(job)(logits, m), prompt)
 
     def _with_history(self, sampling: SamplingInputs, prev_samples: SamplerOutput | None) -> SamplingMeta:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the
@@ -342,13 +383,22 @@ class ModelRunner:
         )
         return m._replace(history=history)
 
-    def collect(self, out: SamplerOutput, num_rows: int) -> StepResult:
-        """Wait for a launched step and copy its first `num_rows` samples to the host."""
+    def collect(
+        self,
+        out: SamplerOutput,
+        num_rows: int,
+        prompt_logprobs: PromptLogprobs | None = None,
+        num_prompt_rows: int = 0,
+    ) -> StepResult:
+        """Wait for a launched step and copy its first `num_rows` samples (and `num_prompt_rows` prompt-logprob
+        rows) to the host."""
         t0 = time.perf_counter()
-        host = jax.device_get(out)
+        host, prompt = jax.device_get((out, prompt_logprobs))
         self.device_seconds += time.perf_counter() - t0
         r = num_rows
-        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r])
+        if prompt is not None:
+            prompt = PromptLogprobs(*(a[:num_prompt_rows] for a in prompt))
+        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r], prompt)
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
@@ -368,13 +418,16 @@ class ModelRunner:
 
         return ("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}"
 
-    def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
-        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs).
-        The argument specs are built only when the executable is compiled (this runs every step)."""
+    def sample_job(
+        self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags, logit_bias_width: int = 0
+    ) -> Job:
+        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs)
+        and bias columns. The argument specs are built only when the executable is compiled (this runs every
+        step)."""
         names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
 
         def lower() -> jax.stages.Lowered:
-            shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len).items()}
+            shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len, logit_bias_width).items()}
             dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
             meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
             logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
@@ -382,11 +435,21 @@ class ModelRunner:
             return _sample_rows.lower(logits, meta, width=width, **dict(zip(names, flags, strict=True)))
 
         return (
-            ("sample", self._key, s, suppress_width, history_len, flags),
+            ("sample", self._key, s, suppress_width, history_len, flags, logit_bias_width),
             lower,
-            f"sample rows={s} suppress={suppress_width} history={history_len} "
+            f"sample rows={s} suppress={suppress_width} history={history_len} logit_bias={logit_bias_width} "
             + " ".join(n for n, on in zip(names, flags, strict=True) if on),
         )
+
+    def prompt_logprobs_job(self, t: int) -> Job:
+        """The prompt logprobs of up to `t` rows of a `t`-token step's hidden states (`paged_jax.prompt_logprobs`)."""
+
+        def lower() -> jax.stages.Lowered:
+            hidden = self._spec(t, self.config.hidden_size, dtype=jnp.dtype(self.config.dtype))
+            i32 = self._spec
+            return self._prompt_logprobs.lower(self.params, hidden, i32(t), i32(t), i32(1))
+
+        return ("prompt_logprobs", self._key, t), lower, f"prompt logprobs tokens={t}"
 
     def merge_job(self, t: int) -> Job:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""

@@ -269,7 +269,7 @@ else:
         kv_lens, cu = np.zeros(s, np.int32), np.full(s + 1, n, np.int32)
         kv_lens[0], cu[0] = n, 0
         meta = PagedMeta(slots, kv_lens, tables, cu, np.array([1], np.int32))
-        logits, runner.kv_caches = runner._forward(
+        logits, runner.kv_caches, _ = runner._forward(
             runner.params, runner.kv_caches, tokens, positions, meta, np.arange(s, dtype=np.int32)
         )
         return np.asarray(logits)
