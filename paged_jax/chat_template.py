@@ -23,6 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from paged_jax.model_files import model_file, read_text
 from paged_jax.special_tokens import read_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
@@ -66,15 +67,15 @@ def load_chat_template(model_dir: str | Path | None, override_file: str | Path |
         path = Path(override_file)
         if not path.is_file():
             raise ValueError(f"chat_template: --chat-template {path} is not a file")
-        return ChatTemplate({"default": path.read_text(encoding="utf-8")}, f"--chat-template {path}")
+        return ChatTemplate({"default": read_text(path)}, f"--chat-template {path}")
     if model_dir is None:
         return None
     model_dir = Path(model_dir)
     templates: dict[str, str] = {}
     source = ""
-    jinja_file, json_file = model_dir / "chat_template.jinja", model_dir / "chat_template.json"
-    if jinja_file.is_file():
-        templates["default"], source = jinja_file.read_text(encoding="utf-8"), jinja_file.name
+    jinja_file, json_file = model_file(model_dir, "chat_template.jinja"), model_dir / "chat_template.json"
+    if jinja_file is not None:
+        templates["default"], source = read_text(jinja_file), "chat_template.jinja"
     elif isinstance(read_json(json_file).get("chat_template"), str):
         templates["default"], source = read_json(json_file)["chat_template"], json_file.name
     else:
@@ -94,7 +95,7 @@ def load_chat_template(model_dir: str | Path | None, override_file: str | Path |
     named_dir = model_dir / "chat_templates"
     if named_dir.is_dir():
         for path in sorted(named_dir.glob("*.jinja")):
-            templates.setdefault(path.stem, path.read_text(encoding="utf-8"))
+            templates.setdefault(path.stem, read_text(model_file(named_dir, path.name)))
         source = source or f"{named_dir.name}/"
     return ChatTemplate(templates, source) if templates else None
 

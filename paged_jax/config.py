@@ -10,11 +10,12 @@ Face ``config.json`` (dispatched on its `model_type`). Every bad value fails at 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from paged_jax.model_files import ModelFileError, read_json_object
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DTYPES = ("float32", "bfloat16")
@@ -454,20 +455,23 @@ def load_model_config(name_or_path: str | Path) -> ModelConfig:
     """Load a config by name (`configs/<name>.json`), from a JSON file, or from an HF model directory."""
     path = Path(name_or_path)
     if path.is_dir():
-        hf_path = path / "config.json"
-        if not hf_path.exists():
+        try:
+            hf = read_json_object(path, "config.json")
+        except ModelFileError as e:
+            raise ConfigError(f"model: {path}/{e}") from None
+        if not hf:
             raise ConfigError(f"model: {path} has no config.json")
-        return from_hf_config(json.loads(hf_path.read_text()), name=path.name)
+        return from_hf_config(hf, name=path.name)
     if path.suffix != ".json":
         path = CONFIG_DIR / f"{name_or_path}.json"
         if not path.exists():
             raise ConfigError(f"model: unknown config {name_or_path!r} (available: {', '.join(available_configs())})")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must hold a JSON object")
+        data = read_json_object(path.parent, path.name)
+    except ModelFileError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if not data:
+        raise ConfigError(f"{path}: no such file, or an empty JSON object")
     data.setdefault("name", path.stem)
     return _from_dict(data, str(path))
 

@@ -18,11 +18,12 @@ while its tokenizer never adds it; `bos_token_id` is then reported but never pre
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from paged_jax.model_files import read_json_object
 
 ROLES = ("bos", "eos", "pad", "unk")
 
@@ -53,13 +54,8 @@ class SpecialTokens:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file, or {} when it does not exist."""
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict):
-        raise ValueError(f"{path.name}: expected a JSON object")
-    return data
+    """A JSON object file, or {} when it does not exist (a regular file inside its folder: `model_files`)."""
+    return read_json_object(path.parent, path.name)
 
 
 def token_string(entry: Any) -> str | None:

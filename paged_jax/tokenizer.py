@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from paged_jax.config import ModelConfig
+from paged_jax.model_files import MAX_JSON_BYTES, ModelFileError, model_file, read_text
 from paged_jax.special_tokens import SpecialTokens, resolve_special_tokens
 
 if TYPE_CHECKING:
@@ -119,7 +120,15 @@ class HFTokenizer:
         from paged_jax.chat_template import load_chat_template
 
         model_dir = Path(model_dir)
-        tok = _HFTok.from_file(str(model_dir / "tokenizer.json"))
+        path = model_file(model_dir, "tokenizer.json")
+        if path is None:
+            raise ModelFileError(f"tokenizer.json: missing from {model_dir}")
+        try:
+            tok = _HFTok.from_str(read_text(path, MAX_JSON_BYTES))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+            if isinstance(e, ModelFileError):
+                raise
+            raise ModelFileError(f"tokenizer.json: not a tokenizer the tokenizers library can read ({e})") from None
         special = resolve_special_tokens(
             model_dir,
             tok.token_to_id,
@@ -184,7 +193,7 @@ def load_tokenizer(
     model_dir: str | Path | None, config: ModelConfig, chat_template_file: str | Path | None = None
 ) -> Tokenizer:
     """`tokenizer.json` of `model_dir` when present, else a `ByteTokenizer` sized to the config."""
-    if model_dir is not None and (Path(model_dir) / "tokenizer.json").exists():
+    if model_dir is not None and model_file(model_dir, "tokenizer.json") is not None:
         return HFTokenizer.from_dir(model_dir, fallback=config, chat_template_file=chat_template_file)
     from paged_jax.chat_template import load_chat_template
 

@@ -72,7 +72,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import kv_quant
+from pallas_kernels import gpu_offsets, kv_quant
 from pallas_kernels.common import MASK_VALUE, apply_soft_cap, validate_kernel_shape
 from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's plan and work model
     MMA_MIN_ROWS,
@@ -92,6 +92,8 @@ from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's 
     range_work_list,
     work_list,
 )
+
+gpu_offsets.install()  # int8/fp8 page arrays of 2-4 GiB need 64-bit offsets (jax 0.11.2 decides by bytes)
 
 
 def _kernel(

@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_kernels import dense_reference_attention
+from paged_jax import quant
+from paged_jax.config import load_model_config
+from paged_jax.model.init import param_shapes
+from pallas_kernels import dense_reference_attention, kv_quant
+from pallas_kernels.gpu_lowering import pointer_offsets, triton_modules
 from pallas_kernels.gpu_plan import plan_gpu
 from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
 from pallas_kernels.testing import assert_close, check_case, make_case, random_seqs
@@ -213,6 +215,22 @@ def test_default_block_sizes_through_public_entry_point():
     check_case(case, "pallas-gpu-interpret")
 
 
+def _abstract_args(t, s, h, kvh, d, page, blocks, kv_dtype=jnp.bfloat16, num_pages=None):
+    sds = jax.ShapeDtypeStruct
+    num_pages = num_pages or s * blocks + 1
+    kv = sds((num_pages, kvh, page, 2 * d), kv_dtype)
+    if kv_quant.is_quantized_dtype(kv_dtype):
+        kv = kv_quant.QuantizedPages(kv, sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32))
+    return (
+        sds((t, h, d), jnp.bfloat16),
+        kv,
+        sds((s,), jnp.int32),
+        sds((s, blocks), jnp.int32),
+        sds((s + 1,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
+
+
 @pytest.mark.parametrize(
     "t,s,h,kvh,d,page,blocks",
     [
@@ -222,26 +240,58 @@ def test_default_block_sizes_through_public_entry_point():
     ],
 )
 def test_lowers_to_triton_for_h200(t, s, h, kvh, d, page, blocks):
-    """Pallas -> Triton IR for an H200 (the Triton compiler itself runs only on a GPU)."""
-    sds = jax.ShapeDtypeStruct
-    args = (
-        sds((t, h, d), jnp.bfloat16),
-        sds((s * blocks + 1, kvh, page, 2 * d), jnp.bfloat16),
-        sds((s,), jnp.int32),
-        sds((s, blocks), jnp.int32),
-        sds((s + 1,), jnp.int32),
-        sds((1,), jnp.int32),
-    )
-    fn = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5, sliding_window=512, soft_cap=30.0))
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
-        exported = export.export(
-            fn,
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    text = exported.mlir_module()
-    assert "__gpu$xla.gpu.triton" in text and "ragged_paged_attention_gpu" in text
+    """Pallas -> Triton IR for an H200 (scripts/check_gpu_compile.py compiles it on to SASS, in .venv-gpu)."""
+    fn = lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5, sliding_window=512, soft_cap=30.0)
+    modules = triton_modules(fn, *_abstract_args(t, s, h, kvh, d, page, blocks))
+    assert modules and all(m.name.startswith("ragged_paged_attention_gpu") for m in modules)
+    assert all("tt.dot" in m.text for m in modules if not m.name.endswith("_combine"))
+
+
+# Bytes of one H200 (h200.txtpb's device_memory_size) and the engine's share of it for KV.
+H200_MEMORY_BYTES = 150_754_820_096
+
+
+def _engine_layer_pages(config_name: str, kv_dtype) -> int:
+    """Pages of one layer at the engine's default sizing on one H200 (90% of what the bf16 weights leave)."""
+    config = load_model_config(config_name)
+    weights = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(param_shapes(config)))
+    per_page = quant.kv_bytes_per_token(config, kv_dtype) * 16
+    return int((H200_MEMORY_BYTES - weights) * 0.9) // per_page
+
+
+@pytest.mark.parametrize(
+    "config_name,kv_dtype,page_bits",
+    [
+        ("llama-3.1-8b", jnp.int8, 64),  # 3.5 GB of int8 per layer: 3.4e9 elements, past a signed i32 offset
+        ("mistral-7b", jnp.float8_e4m3fn, 64),
+        ("qwen2.5-0.5b", jnp.bfloat16, 64),  # 5.6 GB of bf16: jax widens this one itself (over 2^32 bytes)
+        ("llama-3.2-1b", jnp.int8, 64),
+        ("qwen2.5-0.5b", jnp.int8, 64),
+    ],
+)
+def test_page_offsets_are_64_bit_at_engine_sizes(config_name, kv_dtype, page_bits):
+    """Every pointer addition on the page array uses offsets wide enough for its elements, at the page count the
+    engine gives that model on an H200 (lowered from shapes only: nothing is allocated)."""
+    config = load_model_config(config_name)
+    pages = _engine_layer_pages(config_name, kv_dtype)
+    kvh, d = config.num_kv_heads, config.head_dim
+    elements = pages * kvh * 16 * 2 * d
+    assert elements > 2**31  # the case under test: offsets past the reach of a signed 32-bit index
+    args = _abstract_args(64, 64, config.num_heads, kvh, d, 16, 512, kv_dtype, num_pages=pages)
+    modules = triton_modules(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=d**-0.5), *args)
+    (module,) = [m for m in modules if not m.name.endswith("_combine")]  # the combine reads no pages
+    elem = {jnp.int8: "i8", jnp.float8_e4m3fn: "f8E4M3FN", jnp.bfloat16: "bf16"}[kv_dtype]
+    offsets = pointer_offsets(module.text)
+    assert (elem, page_bits) in offsets
+    if kv_dtype != jnp.bfloat16:  # q and the output are bf16; only the pages are 1-byte
+        assert {bits for e, bits in offsets if e == elem} == {64}, offsets
+
+
+def test_small_page_arrays_keep_32_bit_offsets():
+    """An int8 page array well under 2^31 elements keeps the cheaper 32-bit offsets."""
+    args = _abstract_args(64, 64, 32, 8, 128, 16, 64, jnp.int8, num_pages=4097)
+    (module,) = triton_modules(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=0.1), *args)
+    assert {bits for e, bits in pointer_offsets(module.text) if e == "i8"} == {32}
 
 
 def test_positions_past_32k():

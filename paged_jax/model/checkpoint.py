@@ -17,6 +17,7 @@ from paged_jax.config import ModelConfig, _from_dict
 from paged_jax.model.budget import check_fits
 from paged_jax.model.fuse import fuse_params, import_shapes
 from paged_jax.model.init import Params, param_shapes
+from paged_jax.model_files import read_json_object
 
 CONFIG_FILE = "model_config.json"
 QUANT_FILE = "quantization.json"
@@ -53,7 +54,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelCo
     path = Path(path).absolute()
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path}: not a paged-jax checkpoint (needs {CONFIG_FILE} and {PARAMS_DIR}/)")
-    config = _from_dict(json.loads((path / CONFIG_FILE).read_text()), str(path / CONFIG_FILE))
+    config = _from_dict(read_json_object(path, CONFIG_FILE), str(path / CONFIG_FILE))
     if dtype is not None:
         config = config.replace(dtype=dtype)
     check_fits(config)
@@ -61,7 +62,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[ModelCo
 
     target = param_shapes(config)
     checkpointer = ocp.StandardCheckpointer()
-    scheme = json.loads((path / QUANT_FILE).read_text()) if (path / QUANT_FILE).exists() else None
+    scheme = read_json_object(path, QUANT_FILE) or None
     if scheme is not None:  # quantized checkpoints are written in the fused layout
         target = quant.storable_shapes(target, scheme["quantization"], lm_head=scheme["lm_head"])
         restored = checkpointer.restore(path / PARAMS_DIR, target)

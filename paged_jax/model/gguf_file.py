@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from paged_jax.model.gguf_bounds import GGUFError, check_layout
+
 # The ggml types `dequantize` accepts: plain floats, the legacy block quants and the K-quants.
 # (gguf-py also dequantizes the IQ/TQ/MXFP4 types; they are let through but untested here.)
 TESTED_QUANT_TYPES = (
@@ -35,10 +37,6 @@ TESTED_QUANT_TYPES = (
     "Q5_K",
     "Q6_K",
 )
-
-
-class GGUFError(ValueError):
-    """A GGUF file this runtime cannot use; the message names the key or tensor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +82,16 @@ class GGUFFile:
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such GGUF file")
         try:
-            self._reader = GGUFReader(str(self.path), "r")
+            data = np.memmap(self.path, mode="r")
         except (ValueError, OSError) as e:
+            raise GGUFError(f"{self.path}: not a readable GGUF file ({e})") from e
+        try:
+            check_layout(data)
+        except GGUFError as e:
+            raise GGUFError(f"{self.path.name}: {e}") from None
+        try:
+            self._reader = GGUFReader(str(self.path), "r")
+        except (ValueError, OSError, KeyError, IndexError, OverflowError) as e:
             raise GGUFError(f"{self.path}: not a readable GGUF file ({e})") from e
         self.metadata: dict[str, Any] = {}
         for name, field in self._reader.fields.items():

@@ -10,7 +10,6 @@ Shard paths must stay inside the model directory.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 from paged_jax.config import GEMMA_TYPES, QK_NORM_TYPES, ModelConfig
 from paged_jax.model.fuse import fuse_params, import_shapes
 from paged_jax.model.init import Params
+from paged_jax.model_files import ModelFileError, model_file, read_json_object
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors header dtype -> ours
@@ -32,25 +32,33 @@ class WeightsError(ValueError):
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The safetensors files of an HF directory, via the shard index when there is one."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+    index = "model.safetensors.index.json"
+    if model_file(model_dir, index) is not None:
+        weight_map = read_json_object(model_dir, index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise WeightsError(f"{index}: no 'weight_map' object")
-        root = model_dir.resolve()
+            raise WeightsError(f"{model_dir / index}: no 'weight_map' object")
+        names = {}
         for name, f in weight_map.items():
-            if not isinstance(f, str) or not (model_dir / f).resolve().is_relative_to(root):
-                raise WeightsError(f"{name}: its shard {f!r} in {index.name} is not a file inside {model_dir}")
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-    elif (model_dir / "model.safetensors").exists():
-        files = [model_dir / "model.safetensors"]
+            if not isinstance(f, str):
+                raise WeightsError(f"{name}: its shard {f!r} in {index} is not a file inside {model_dir}")
+            names.setdefault(f, name)
+        files = []
+        for f, name in sorted(names.items()):
+            try:
+                path = model_file(model_dir, f)
+            except ModelFileError as e:
+                raise WeightsError(
+                    f"{name}: its shard {f!r} in {index} is not a file inside {model_dir} ({e})"
+                ) from None
+            if path is None:
+                raise WeightsError(f"{model_dir / f}: listed in the shard index (for {name}) but missing")
+            files.append(path)
+    elif (single := model_file(model_dir, "model.safetensors")) is not None:
+        files = [single]
     else:
-        files = sorted(model_dir.glob("*.safetensors"))
+        files = [model_file(model_dir, p.name) for p in sorted(model_dir.glob("*.safetensors"))]
     if not files:
         raise WeightsError(f"{model_dir}: no *.safetensors files (pickled .bin checkpoints are not read)")
-    for f in files:
-        if not f.exists():
-            raise WeightsError(f"{f}: listed in the shard index but missing")
     return files
 
 

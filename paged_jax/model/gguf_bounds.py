@@ -1,0 +1,188 @@
+"""Is a GGUF file's header self-consistent? Every count bounded by the bytes left, before anything trusts it.
+
+gguf-py's `GGUFReader` believes the file: a key/value array that claims 2^62 elements makes it loop
+(appending an empty slice per element) until memory runs out, and a tensor or key/value count larger
+than the file ends in a raw `IndexError`. `check_layout` walks the same header first, over the raw
+bytes, and refuses with a `GGUFError` naming the key or tensor as soon as a count, a string length or
+a tensor's data reaches past the end of the file. Its work is bounded by the file size: every element
+it steps over consumes at least one byte, and an array whose count times its smallest element size is
+larger than the bytes left is refused before its first element is read.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class GGUFError(ValueError):
+    """A GGUF file this runtime cannot use; the message names the key or tensor."""
+
+
+# GGUFValueType codes (the GGUF spec): fixed-size scalars, then STRING = 8 and ARRAY = 9.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MIN_STRING_BYTES = 8  # the u64 length of an empty string
+_MIN_ARRAY_BYTES = 12  # item type u32 + count u64 of an empty array
+_MAX_ARRAY_NESTING = 4  # arrays of arrays are legal; deeper nesting is no real model's metadata
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # empty name, n_dims, type, offset
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_DEFAULT_ALIGNMENT = 32
+
+
+@dataclass(slots=True)
+class _Cursor:
+    """A read position in the file's bytes; every read is checked against the end."""
+
+    data: memoryview
+    order: str  # struct byte order: "<" or ">"
+    pos: int = 0
+
+    @property
+    def left(self) -> int:
+        return len(self.data) - self.pos
+
+    def skip(self, n: int, what: str) -> int:
+        """Step over `n` bytes, returning where they start."""
+        if n < 0 or n > self.left:
+            raise GGUFError(f"{what}: needs {n} bytes at offset {self.pos}, the file has {self.left} left")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def unpack(self, fmt: str, what: str) -> int:
+        size = struct.calcsize(fmt)
+        start = self.skip(size, what)
+        return struct.unpack_from(self.order + fmt, self.data, start)[0]
+
+    def string(self, what: str) -> str:
+        n = self.unpack("Q", f"{what} (string length)")
+        start = self.skip(n, what)
+        try:
+            return bytes(self.data[start : start + n]).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{what}: not UTF-8 ({e})") from None
+
+
+def _min_bytes(vtype: int) -> int:
+    if vtype in _SCALAR_BYTES:
+        return _SCALAR_BYTES[vtype]
+    return _MIN_STRING_BYTES if vtype == _STRING else _MIN_ARRAY_BYTES
+
+
+def _skip_value(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> int | None:
+    """Step over one metadata value of type `vtype`; returns it when it is a u32 (for the alignment)."""
+    if vtype in _SCALAR_BYTES:
+        start = cur.skip(_SCALAR_BYTES[vtype], what)
+        return struct.unpack_from(cur.order + "I", cur.data, start)[0] if vtype == 4 else None
+    if vtype == _STRING:
+        cur.string(what)
+        return None
+    if vtype != _ARRAY:
+        raise GGUFError(f"{what}: unknown value type {vtype}")
+    if depth >= _MAX_ARRAY_NESTING:
+        raise GGUFError(f"{what}: arrays nested deeper than {_MAX_ARRAY_NESTING}")
+    itype = cur.unpack("I", f"{what} (array item type)")
+    count = cur.unpack("Q", f"{what} (array length)")
+    if itype not in _SCALAR_BYTES and itype not in (_STRING, _ARRAY):
+        raise GGUFError(f"{what}: unknown array item type {itype}")
+    if count * _min_bytes(itype) > cur.left:
+        raise GGUFError(f"{what}: array of {count} elements, but only {cur.left} bytes are left in the file")
+    if itype in _SCALAR_BYTES:
+        cur.skip(count * _SCALAR_BYTES[itype], what)
+    else:
+        for i in range(count):
+            _skip_value(cur, itype, f"{what}[{i}]", depth + 1)
+    return None
+
+
+def _check_metadata(cur: _Cursor, kv_count: int) -> int:
+    """Walk the key/values; returns the file's tensor data alignment."""
+    if kv_count * (_MIN_STRING_BYTES + 4 + 1) > cur.left:
+        raise GGUFError(f"GGUF.kv_count: {kv_count} key/values cannot fit in the {cur.left} bytes left")
+    alignment = _DEFAULT_ALIGNMENT
+    seen: set[str] = set()
+    for i in range(kv_count):
+        key = cur.string(f"metadata key #{i}")
+        if key in seen:
+            raise GGUFError(f"{key}: duplicate metadata key")
+        seen.add(key)
+        vtype = cur.unpack("I", f"{key} (value type)")
+        value = _skip_value(cur, vtype, key)
+        if key == "general.alignment":
+            if value is None or value == 0 or value & (value - 1):
+                raise GGUFError("general.alignment: must be a u32 power of two")
+            alignment = value
+    return alignment
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # ggml order (ne0 first)
+    qtype: int
+    offset: int  # from the start of the data section
+
+
+def _check_tensor_infos(cur: _Cursor, tensor_count: int) -> list[_TensorInfo]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if tensor_count * _MIN_TENSOR_INFO_BYTES > cur.left:
+        raise GGUFError(f"GGUF.tensor_count: {tensor_count} tensors cannot fit in the {cur.left} bytes left")
+    infos, names = [], set()
+    for i in range(tensor_count):
+        name = cur.string(f"tensor #{i} name")
+        if name in names:
+            raise GGUFError(f"{name}: duplicate tensor")
+        names.add(name)
+        n_dims = cur.unpack("I", f"{name} (n_dims)")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise GGUFError(f"{name}: {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+        dims = tuple(cur.unpack("Q", f"{name} (dimension {d})") for d in range(n_dims))
+        qtype = cur.unpack("I", f"{name} (type)")
+        try:
+            block, _ = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{name}: unknown ggml type {qtype}") from None
+        if dims[0] % block:
+            raise GGUFError(f"{name}: first dimension {dims[0]} is not a multiple of the block size {block}")
+        infos.append(_TensorInfo(name, dims, qtype, cur.unpack("Q", f"{name} (data offset)")))
+    return infos
+
+
+def check_layout(data: np.ndarray) -> None:
+    """Raise `GGUFError` unless every count, length and tensor extent in the file lies inside it.
+
+    `data` is the whole file as a flat uint8 array (the reader's memory map).
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    view = memoryview(np.ascontiguousarray(data, dtype=np.uint8)).cast("B")
+    cur = _Cursor(view, "<")
+    if bytes(view[:4]) != b"GGUF":
+        raise GGUFError("not a GGUF file (magic)")
+    cur.skip(4, "magic")
+    version = cur.unpack("I", "GGUF.version")
+    if version & 0xFFFF == 0:  # written on a machine of the other byte order
+        cur.order = ">"
+        version = struct.unpack(">I", struct.pack("<I", version))[0]
+    if version not in (2, 3):
+        raise GGUFError(f"GGUF.version: {version} (2 and 3 are supported)")
+    tensor_count = cur.unpack("Q", "GGUF.tensor_count")
+    kv_count = cur.unpack("Q", "GGUF.kv_count")
+    alignment = _check_metadata(cur, kv_count)
+    infos = _check_tensor_infos(cur, tensor_count)
+    data_start = -(-cur.pos // alignment) * alignment
+    for t in infos:
+        block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.qtype)]
+        n_bytes = int(np.prod(t.dims, dtype=object)) * type_bytes // block
+        end = data_start + t.offset + n_bytes
+        if end > len(view):
+            raise GGUFError(
+                f"{t.name}: data ends at byte {end}, past the end of the file ({len(view)} bytes); truncated or corrupt"
+            )
+
+
+__all__ = ["GGUFError", "check_layout"]
