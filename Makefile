@@ -44,6 +44,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests
 	$(MAKE) tpu-check
 
@@ -53,6 +54,7 @@ tpu-check: $(TPU_STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) out .pytest_cache .ruff_cache

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # LLM pulls in jax and the model; import it on first use so `import paged_jax` stays light.
     if name == "LLM":
-        from paged_jax.llm import LLM
+        from paged_jax.offline.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -75,9 +75,7 @@ def ragged_paged_attention(
     opts = dict(sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales)
     concrete = resolve_backend(backend)
     if concrete == "cpu" and cpu_paged.available() and cpu_paged.supports(q, kv_pages, kv_scales):
-        return cpu_paged.cpu_ragged_paged_attention(
-            *args, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window
-        )
+        return cpu_paged.cpu_ragged_paged_attention(*args, **opts)
     if concrete in ("xla", "cpu"):
         return xla_ragged_paged_attention(*args, **opts)
     if concrete.startswith("pallas-tpu"):

@@ -2,21 +2,29 @@
 
 Why: XLA:CPU cannot fuse the page gather into a dot, so :mod:`.xla_paged` copies every page it reads into a
 contiguous chunk and its small per-(sequence, KV head) dots read that copy again; the C++ kernel walks each
-sequence's pages through the block table and folds every page into an online softmax while it is in L1, so KV
-is read once, in place. It splits the work (sequence x KV head x block of 32 query tokens) over XLA's own
-intra-op thread pool. Same semantics and layout as every backend (:mod:`.common`); float32 and bfloat16 pages
-(quantized pages stay on the XLA path).
+sequence's pages through the block table and reads every page once, in place: decode as register tiles over
+the pages, prefill as blocked matrix products (K/V widened once per block). It splits the work (sequence x KV
+head x block of 32 query tokens, a long sequence's keys cut into parts when there are fewer items than
+threads) over XLA's own intra-op thread pool. Same semantics and layout as every backend (:mod:`.common`);
+float32 and bfloat16 pages of the query's dtype, and int8 / float8_e4m3fn pages with their scales
+(:mod:`.kv_quant`, dequantized as the XLA path does: K scales on the scores, V scales on the probabilities).
 
-Build: ``g++ -O3 -march=native`` against the FFI headers jaxlib ships (``jax.ffi.include_dir()``), into a
-cache directory (``$PAGED_JAX_KERNEL_CACHE``, default ``~/.cache/paged-jax/kernels``) keyed by the source,
-the compiler, jaxlib and this CPU's instruction-set flags, so another machine or version never loads a stale
-library. Without a C++ compiler (or if the build fails) :func:`available` is False, a warning says why once,
-and ``backend="auto"`` uses the XLA path.
+Instruction set: one library per ISA path (``cpu/simd.h``): ``native`` (``-march=native``: AVX-512F, with
+``vdpbf16ps`` for bfloat16 pages where the CPU has AVX-512 BF16; AVX2 on AVX2-only CPUs), ``avx2`` (the
+AVX2 + FMA baseline, ``-march=haswell``) and ``generic`` (no vector ISA beyond the architecture's baseline).
+``$PAGED_JAX_CPU_ISA`` picks the path the engine uses (default ``native``); tests build each.
+
+Build: ``g++ -O3`` with the path's flags against the FFI headers jaxlib ships (``jax.ffi.include_dir()``), into
+a cache directory (``$PAGED_JAX_KERNEL_CACHE``, default ``~/.cache/paged-jax/kernels``) keyed by the sources,
+the compiler, the flags, jaxlib and this CPU's instruction-set flags, so another machine or version never loads
+a stale library. Without a C++ compiler (or if the build fails) :func:`available` is False, a warning says why
+once, and ``backend="auto"`` uses the XLA path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -31,12 +39,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cc"
+SOURCES = tuple(sorted((Path(__file__).parent / "cpu").glob("*.[ch]*")))  # paged_attention.cc and its headers
 TARGET = "paged_jax_paged_attention"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+COMMON_FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC")
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# Instruction-set paths and their target flags (the AVX2 baseline is Haswell's: AVX2, FMA, F16C, BMI2).
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": ("-march=native",),
+    "avx2": ("-march=haswell",),
+    "generic": ("-march=x86-64",) if _X86 else (),
+}
+ISA_ENV = "PAGED_JAX_CPU_ISA"
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One built and registered library: its FFI targets and the path it was compiled for."""
+
+    target: str  # float pages
+    quantized_target: str  # int8 / float8_e4m3fn pages with scales
+    isa: str  # what the library reports: "avx512+bf16", "avx512", "avx2" or "generic"
+    library: Path
+
+
+def default_isa() -> str:
+    """The path the engine uses: ``$PAGED_JAX_CPU_ISA`` (default ``native``); ValueError names bad values."""
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {sorted(ISA_FLAGS)}")
+    return isa
+
+
+def flags(isa: str) -> tuple[str, ...]:
+    return (*COMMON_FLAGS, *ISA_FLAGS[isa])
 
 
 def _cpu_flags() -> str:
@@ -54,59 +94,93 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def library_path(compiler: str) -> Path:
-    """Where this source, built by `compiler` for this CPU and jaxlib, lives in the cache."""
+def library_path(compiler: str, isa: str = "native") -> Path:
+    """Where these sources, built by `compiler` for path `isa` on this CPU and jaxlib, live in the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, " ".join(FLAGS), jax.__version__, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
+    parts = [f.read_text() for f in SOURCES] + [version, " ".join(flags(isa)), jax.__version__, _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGED_JAX_KERNEL_CACHE", Path.home() / ".cache" / "paged-jax" / "kernels"))
-    return cache / f"paged_attention-{key}.so"
+    return cache / f"paged_attention-{isa}-{key}.so"
 
 
-def build(compiler: str) -> Path:
-    """Compiles the kernel unless the cache holds it; returns the library's path. Raises on a failed build."""
-    out = library_path(compiler)
+def build(compiler: str, isa: str = "native") -> Path:
+    """Compiles the kernel for path `isa` unless the cache holds it; returns the library's path. Raises on a
+    failed build."""
+    out = library_path(compiler, isa)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         lib = Path(tmp) / out.name
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(lib)]
+        source = SOURCES[[f.name for f in SOURCES].index("paged_attention.cc")]
+        cmd = [compiler, *flags(isa), f"-I{jax.ffi.include_dir()}", str(source), "-o", str(lib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         os.replace(lib, out)  # atomic: concurrent builders (test workers, replicas) never see half a file
-    log.info("built the CPU paged-attention kernel: %s", out)
+    log.info("built the CPU paged-attention kernel (%s): %s", isa, out)
     return out
 
 
+def _isa_runs_here(isa: str) -> bool:
+    """The avx2 path needs AVX2 and FMA; the others run wherever they are built."""
+    if isa != "avx2":
+        return True
+    cpu = set(_cpu_flags().split())
+    return _X86 and {"avx2", "fma"} <= cpu
+
+
 @functools.cache
-def available() -> bool:
-    """True once the kernel is built and registered with XLA:CPU (built at most once per process)."""
+def kernel(isa: str | None = None) -> Kernel | None:
+    """The library of path `isa` (default :func:`default_isa`), built and registered with XLA:CPU at most once
+    per process; None (after one warning) when it cannot be."""
+    isa = isa or default_isa()
     if os.environ.get("PAGED_JAX_CPU_KERNEL", "1") == "0":
-        return False
+        return None
     compiler = _compiler()
     if compiler is None:
         log.warning("no C++ compiler found (g++, c++, clang++ or $CXX): CPU attention uses the XLA path")
-        return False
+        return None
+    if not _isa_runs_here(isa):
+        log.warning("this CPU lacks AVX2/FMA: the %s CPU kernel cannot run here; CPU attention uses the XLA path", isa)
+        return None
+    suffix = "" if isa == "native" else f"_{isa}"
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build(compiler)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu")
+        path = build(compiler, isa)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        k = Kernel(f"{TARGET}{suffix}", f"{TARGET}_quantized{suffix}", _library_isa(lib), path)
+        jax.ffi.register_ffi_target(k.target, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(k.quantized_target, jax.ffi.pycapsule(lib.PagedAttentionQuantized), platform="cpu")
     except Exception as e:  # a broken toolchain must not stop the engine: the XLA path is exact too
         log.warning("CPU paged-attention kernel unavailable (%s): CPU attention uses the XLA path", e)
-        return False
-    return True
+        return None
+    return k
+
+
+def _library_isa(lib: ctypes.CDLL) -> str:
+    fn = lib.PagedAttentionIsa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def available(isa: str | None = None) -> bool:
+    """True once the kernel of path `isa` (default :func:`default_isa`) is built and registered."""
+    return kernel(isa) is not None
 
 
 def supports(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Array | None) -> bool:
-    """Whether the kernel takes these operands: float32 or bfloat16 pages of q's own dtype, not quantized."""
-    return kv_scales is None and q.dtype == kv_pages.dtype and q.dtype in DTYPES
+    """Whether the kernel takes these operands: a float32 or bfloat16 query over pages of its own dtype, or over
+    int8 / float8_e4m3fn pages with their scales."""
+    if q.dtype not in DTYPES:
+        return False
+    if kv_scales is not None:
+        return kv_quant.is_quantized_dtype(kv_pages.dtype)
+    return q.dtype == kv_pages.dtype
 
 
 def cpu_ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, num_kv_heads, page_size, 2 * head_dim], q's dtype
+    kv_pages: jax.Array,  # [num_pages, num_kv_heads, page_size, 2 * head_dim], q's dtype or int8 / e4m3
     kv_lens: jax.Array,  # [max_seqs] int32
     block_tables: jax.Array,  # [max_seqs, max_blocks_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
@@ -115,18 +189,22 @@ def cpu_ragged_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    kv_scales: jax.Array | None = None,  # [num_pages, num_kv_heads * 2 * page_size] f32 for quantized pages
+    isa: str | None = None,
 ) -> jax.Array:
-    """Ragged paged attention by the C++ kernel; ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``.
-    Call only when :func:`available` and :func:`supports` hold."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(
-        q,
-        kv_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
+    """Ragged paged attention by the C++ kernel of path `isa` (default :func:`default_isa`);
+    ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``. Call only when :func:`available` and :func:`supports`
+    hold."""
+    k = kernel(isa)
+    if k is None:
+        raise RuntimeError(f"the CPU kernel ({isa or default_isa()}) is not available on this machine")
+    attrs = dict(
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int64(sliding_window or 0),
     )
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if kv_scales is None:
+        return jax.ffi.ffi_call(k.target, out)(q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **attrs)
+    call = jax.ffi.ffi_call(k.quantized_target, out)
+    return call(q, kv_pages, kv_scales, kv_lens, block_tables, cu_q_lens, num_seqs, **attrs)

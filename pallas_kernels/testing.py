@@ -182,6 +182,18 @@ def check_case(case: PagedCase, backend: str | Callable[..., jax.Array], dtype=j
     assert not np.any(np.asarray(out[pad_from:], np.float32)), "padding rows must be zeros"
 
 
+def cpu_kernel_path(isa: str) -> Callable[..., jax.Array]:
+    """The C++ CPU kernel forced onto one instruction-set path (:data:`pallas_kernels.cpu_paged.ISA_FLAGS`), as a
+    kernel :func:`check_case` takes (the paged arguments, quantized pages included, and the options)."""
+    from pallas_kernels import cpu_paged
+
+    def run(q, kv, *rest, **opts):
+        pages, scales = kv_quant.split(kv)
+        return cpu_paged.cpu_ragged_paged_attention(q, pages, *rest, kv_scales=scales, isa=isa, **opts)
+
+    return run
+
+
 def median_seconds(fn: Callable[..., object], *args, iters: int) -> float:
     """Median wall time of ``fn(*args)`` in seconds over ``iters`` calls, after one compile-and-warm-up call."""
     jax.block_until_ready(fn(*args))

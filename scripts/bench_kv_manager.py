@@ -18,6 +18,7 @@ import statistics
 import time
 
 from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache.invariants import check_manager_invariants
 
 
 def run(num_pages: int, args: argparse.Namespace) -> dict[str, float]:
@@ -78,7 +79,7 @@ def run(num_pages: int, args: argparse.Namespace) -> dict[str, float]:
         step_ns.append(t3 - t0)
         table_ns.append(t4 - t3)
 
-    m.check_invariants()
+    check_manager_invariants(m)
     stats = m.stats()
     ms = 1e-6
     return {

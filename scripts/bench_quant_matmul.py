@@ -17,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from paged_jax import quant  # noqa: E402
+from paged_jax.model import quant  # noqa: E402
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """The on-device sampler, old against new, side by side in one process: greedy, temperature sampling and
 top-k + top-p (and top-p alone) filtering of S rows of float32 logits.
 
-"old" is `paged_jax.sampler.sample` as it was on `main` before the sampler branch (Gumbel-max over V threefry
+"old" is `paged_jax.worker.sampler.sample` as it was on `main` before the sampler branch (Gumbel-max over V threefry
 uniforms per row, a full [S, V] log-softmax for the chosen token's logprob, `jnp.argmax`), copied below
 unchanged so that both run in the same process on the same inputs. Reference rows measure the alternatives
 tried for the sampled path (Gumbel-max with JAX's `rbg` / `unsafe_rbg` key implementations instead of
@@ -30,12 +30,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from paged_jax import xla_flags  # noqa: E402
-from paged_jax.sampler import MIN_TEMPERATURE, SamplerOutput, SamplingMeta, empty_meta, sample  # noqa: E402
 from paged_jax.sampling_params import MAX_LOGPROBS  # noqa: E402
+from paged_jax.worker import xla_flags  # noqa: E402
+from paged_jax.worker.sampler import MIN_TEMPERATURE, SamplerOutput, SamplingMeta, empty_meta, sample  # noqa: E402
 from pallas_kernels.common import MASK_VALUE as MASK  # noqa: E402
 
-# ---- the old sampler (main at d669d3f, paged_jax/sampler.py), unchanged but for names and the key impl ----
+# ---- the old sampler (main at d669d3f, paged_jax/worker/sampler.py), unchanged but for names and the key impl ----
 
 
 def _old_apply_penalties(logits: jax.Array, meta: SamplingMeta) -> jax.Array:

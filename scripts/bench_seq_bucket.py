@@ -22,7 +22,7 @@ import numpy as np
 
 from paged_jax.config import ModelConfig
 from paged_jax.model.init import init_params
-from paged_jax.runner import PagedMeta, step_functions
+from paged_jax.worker.runner import PagedMeta, step_functions
 from pallas_kernels.common import cdiv, kv_pages_shape
 
 

@@ -37,8 +37,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from paged_jax.engine import EngineConfig, LLMEngine  # noqa: E402
-from paged_jax.model.weights import load_model  # noqa: E402
+from paged_jax.config.engine import EngineConfig  # noqa: E402
+from paged_jax.engine.llm_engine import LLMEngine  # noqa: E402
+from paged_jax.engine.load import load_model  # noqa: E402
 from paged_jax.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -229,7 +230,7 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
 
     prompts = json.load(open(prompts_path))
     # The KV budget vLLM-CPU gets (VLLM_CPU_KVCACHE_SPACE=4) and its max_model_len (bench_vllm.py); paged-jax
-    # caps the budget at what max_num_seqs x max_model_len can hold (paged_jax.kv_budget).
+    # caps the budget at what max_num_seqs x max_model_len can hold (paged_jax.worker.kv_budget).
     # No up-front warm-up of every shape: the warm-up generation below compiles the ones this workload reaches.
     llm = LLM(
         model_dir,
@@ -296,7 +297,7 @@ def bench_peers_on(args, peer_model: str) -> None:
     env311 = os.environ | {"PYENV_VERSION": "3.11"}
     ours_model = model
     if peer_model == "smollm2":
-        from paged_jax.model.named import NAMED_MODELS
+        from paged_jax.model.loader.named import NAMED_MODELS
 
         ours_model = "smollm2-135m-instruct"
         gguf_dir = NAMED_MODELS[ours_model].path().parent
@@ -397,9 +398,9 @@ def bench_quant(args) -> None:
     generated tokens/s (rounds alternate between the engines, which share a smaller budget that holds the
     workload) and the fraction of greedy tokens equal to the unquantized engine's (a random model's flat
     logits make this pessimistic: one flipped near-tie changes the rest of the sequence)."""
-    from paged_jax import quant
-    from paged_jax.kv_budget import kv_capacity_pages
+    from paged_jax.model import quant
     from paged_jax.model.init import param_bytes
+    from paged_jax.worker.kv_budget import kv_capacity_pages
 
     model = args.quant_model or str(Path(args.peer_work) / "model")
     if not Path(model).exists():

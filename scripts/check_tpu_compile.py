@@ -26,7 +26,7 @@ also at TP 4, experts split inside each expert). The same KV checks as the audit
 lower its experts to XLA's grouped matmul (``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
 Run only this part with ``--topologies --sharded --quantized --no-audit`` (``--families`` with no names skips it).
 
-``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.sharding``) for
+``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.worker.sharding``) for
 Llama-3.1-8B in bfloat16 on the first TP chips of that slice, with abstract parameters (nothing is
 materialised), and prints a per-chip memory table from ``compiled.memory_analysis()``; the KV pages are
 sized as the engine would size them on that chip (``--hbm-gib`` x 0.9 minus the weights).
@@ -141,11 +141,11 @@ def compile_step(
     on that chip (HBM x 0.9 minus the weights). `quantization` (int8 | fp8 weights, the TPU's cast matmul) and
     `kv_dtype` (int8 | fp8_e4m3 pages with scales) compile the quantized step. Returns ``(compiled, facts)``
     with per-chip sizes. `config_name` is a shipped config's name or a `ModelConfig`."""
-    from paged_jax import quant
-    from paged_jax import sharding as shd
     from paged_jax.config import ModelConfig, load_model_config
+    from paged_jax.model import quant
     from paged_jax.model.init import param_shapes
-    from paged_jax.runner import PagedMeta, step_functions
+    from paged_jax.worker import sharding as shd
+    from paged_jax.worker.runner import PagedMeta, step_functions
     from pallas_kernels import kv_quant
 
     dims = tuple(int(x) for x in topo.split(":")[1].split("x"))
@@ -249,8 +249,8 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
     stay under 5% of one layer's KV pages. What does not grow with the cache (the step's activations, the
     replicated logits and, with TP, their relayout after the all-gather: 33 MB for a 64-sequence Llama-3
     bucket, seen in the buffer assignment) is reported, not bounded."""
-    from paged_jax import sharding as shd
     from paged_jax.config import load_model_config
+    from paged_jax.worker import sharding as shd
 
     failures = 0
     print(

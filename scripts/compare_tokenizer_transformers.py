@@ -7,8 +7,8 @@ Two steps, because transformers and the project live in different environments:
 
 `dump` writes, for the real vocabularies under tests/data/tokenizers/, transformers' ids of random texts
 (`tokenizer(text)`: special tokens added by the post-processor) and its `decode` of random id lists with and
-without special tokens; `check` loads the same directories with `paged_jax.tokenizer.load_tokenizer` and prints
-the mismatch counts.
+without special tokens; `check` loads the same directories with
+`paged_jax.tokenization.tokenizer.load_tokenizer` and prints the mismatch counts.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def dump(path: Path, count: int, seed: int) -> None:
 
 def check(path: Path) -> int:
     from paged_jax.config import load_model_config
-    from paged_jax.tokenizer import load_tokenizer
+    from paged_jax.tokenization.tokenizer import load_tokenizer
 
     expected = json.loads(path.read_text(encoding="utf-8"))
     bad_total = 0

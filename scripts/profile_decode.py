@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pallas_kernels  # noqa: E402
-from paged_jax import xla_flags  # noqa: E402
+from paged_jax.engine.load import load_model  # noqa: E402
 from paged_jax.model import layers  # noqa: E402
-from paged_jax.model.weights import load_model  # noqa: E402
-from paged_jax.runner import PagedMeta, step_functions  # noqa: E402
-from paged_jax.sampler import SamplingMeta, empty_meta, sample  # noqa: E402
+from paged_jax.worker import xla_flags  # noqa: E402
+from paged_jax.worker.runner import PagedMeta, step_functions  # noqa: E402
+from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample  # noqa: E402
 from pallas_kernels.common import kv_pages_shape  # noqa: E402
 
 
@@ -175,7 +175,8 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
 def engine_step_ms(model: str, dtype: str, batch: int, new: int = 96) -> dict[str, float]:
     """A real engine run (`batch` prompts of 128 tokens, `new` greedy tokens, lookahead on): the fastest and the
     median wall time of its last 48 steps (all decode steps of the whole batch), and host ms per step."""
-    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.config.engine import EngineConfig
+    from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.sampling_params import SamplingParams
 
     config, params, tok = load_model(model, dtype=dtype)

@@ -8,7 +8,7 @@ largest |logit|), mean KL(float || quantized), top-1 agreement, and the perplexi
 KV modes run the model's attention over K/V rounded exactly as ``write_kv`` stores them
 (:func:`pallas_kernels.kv_quant.quantize`, then dequantized); every paged backend is tested to compute exactly
 that attention on the stored values (``tests/test_kv_quant.py``), so this is the engine's KV error without
-its paging. Weight modes use the model's own quantized matmul (``paged_jax.quant.dot``): ``w-int8``
+its paging. Weight modes use the model's own quantized matmul (``paged_jax.model.quant.dot``): ``w-int8``
 (``--quantization int8``) casts the weight to the activation dtype, ``w-w8a8`` (``--quantization w8a8``)
 quantizes the activations per token too and multiplies int8 x int8 (fast on CPU), ``w-fp8`` casts e4m3
 weights.
@@ -30,10 +30,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from paged_jax import quant  # noqa: E402
+from paged_jax.engine.load import load_model  # noqa: E402
+from paged_jax.model import quant  # noqa: E402
 from paged_jax.model.attention import DenseMeta, dense_attention  # noqa: E402
 from paged_jax.model.llama import LlamaForCausalLM  # noqa: E402
-from paged_jax.model.weights import load_model  # noqa: E402
 from pallas_kernels import kv_quant  # noqa: E402
 
 TEXT_FILE = os.path.join(os.path.dirname(os.__file__), "argparse.py")

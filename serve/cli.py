@@ -14,7 +14,7 @@ from serve.config import ServingConfig, ServingLimits
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from paged_jax.engine_args import add_engine_args
+    from paged_jax.engine.args import add_engine_args
 
     add_engine_args(parser)
     g = parser.add_argument_group("server")
@@ -85,7 +85,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from paged_jax.engine_args import build_engine
+    from paged_jax.engine.args import build_engine
     from serve.server import serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

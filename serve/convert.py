@@ -21,9 +21,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from paged_jax.chat_template import ChatTemplateError, apply_chat_template
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.tokenization.chat_template import ChatTemplateError, apply_chat_template
 from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 

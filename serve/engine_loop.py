@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from paged_jax.engine_api import Engine
+from paged_jax.engine.protocol import Engine
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from serve.convert import RequestError, internal_error

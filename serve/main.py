@@ -52,18 +52,19 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     """Import an HF directory or a GGUF file and write it as an orbax checkpoint (plus its config JSON;
     for a GGUF also its tokenizer as `tokenizer.json` + `tokenizer_config.json`)."""
-    from paged_jax.model.checkpoint import save_checkpoint
+    from paged_jax.engine.load import load_model
     from paged_jax.model.init import count_params, param_bytes
-    from paged_jax.model.weights import load_model, resolve_model_path
-    from paged_jax.quant import quantize_params
+    from paged_jax.model.loader.checkpoint import save_checkpoint
+    from paged_jax.model.loader.weights import resolve_model_path
+    from paged_jax.model.quant import quantize_params
 
     start = time.perf_counter()
     config, params, _ = load_model(args.hf or args.gguf, dtype=args.dtype)
     params = quantize_params(params, args.quantization, lm_head=not args.float_lm_head)
     save_checkpoint(args.out, config, params)
     if args.gguf:
-        from paged_jax.gguf_tokenizer import tokenizer_from_gguf
-        from paged_jax.model.gguf_file import GGUFFile
+        from paged_jax.model.loader.gguf_file import GGUFFile
+        from paged_jax.tokenization.gguf import tokenizer_from_gguf
 
         gguf = GGUFFile(resolve_model_path(args.gguf))
         if gguf.get("tokenizer.ggml.model", None) is not None:
@@ -91,7 +92,7 @@ def _add_info_args(parser: argparse.ArgumentParser) -> None:
         help="config names, JSON or HF directories: count parameters from the abstract shape tree "
         "without allocating them (for shapes larger than this machine, e.g. mixtral-8x7b)",
     )
-    from paged_jax.engine_args import add_model_text_args
+    from paged_jax.engine.args import add_model_text_args
 
     add_model_text_args(parser)
 
@@ -125,7 +126,7 @@ def _abstract_model(model: str, dtype: str | None):
 
     from paged_jax.config import load_model_config
     from paged_jax.model.init import param_shapes
-    from paged_jax.tokenizer import load_tokenizer
+    from paged_jax.tokenization.tokenizer import load_tokenizer
 
     config = load_model_config(model)
     if dtype is not None:
@@ -137,9 +138,9 @@ def run_info(args: argparse.Namespace) -> int:
     """Load the model (random weights for a config name) and print its shape, size and memory."""
     import jax
 
-    from paged_jax.engine_args import apply_model_text_args
+    from paged_jax.engine.args import apply_model_text_args
+    from paged_jax.engine.load import load_model
     from paged_jax.model.init import count_params, param_bytes
-    from paged_jax.model.weights import load_model
 
     start = time.perf_counter()
     if args.no_weights:
@@ -167,13 +168,13 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
-    from paged_jax import batch
+    from paged_jax.offline import batch
 
     batch.add_args(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from paged_jax import batch
+    from paged_jax.offline import batch
 
     return batch.run(args)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from paged_jax.engine_api import Engine, EngineStats
+from paged_jax.engine.protocol import Engine, EngineStats
 from paged_jax.outputs import RequestOutput
 
 _PADDING_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)

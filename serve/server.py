@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from paged_jax.engine_api import Engine
-from paged_jax.warmup import serving_plans
+from paged_jax.engine.protocol import Engine
+from paged_jax.worker.warmup import serving_plans
 from serve.auth import BearerTokenInterceptor, server_credentials
 from serve.background import BackgroundServer
 from serve.config import ServingConfig

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc import aio
 
-from paged_jax.engine_api import Engine
+from paged_jax.engine.protocol import Engine
 from serve import convert
 from serve.config import ServingConfig
 from serve.convert import InvalidRequest, ParsedRequest, RequestError, invalid

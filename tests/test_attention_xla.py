@@ -11,11 +11,31 @@ from hypothesis import strategies as st
 
 from pallas_kernels import copy_pages, cpu_paged, dense_reference_attention, ragged_paged_attention, write_kv
 from pallas_kernels.common import MASK_VALUE
-from pallas_kernels.testing import assert_close, check_case, make_case, random_seqs
+from pallas_kernels.testing import assert_close, check_case, cpu_kernel_path, make_case, random_seqs
 
 SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
-# Both CPU paths run every semantic case; the C++ kernel needs a compiler (g++) to build.
-CPU_BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(not cpu_paged.available(), reason="no g++"))]
+# Every CPU path runs every semantic case: XLA, the C++ kernel as the engine calls it (backend "cpu", the
+# machine's best ISA path), and the kernel forced onto its AVX2 baseline and its portable path. The kernel needs
+# a compiler (g++) to build; the AVX2 path needs an AVX2 CPU.
+CPU_BACKENDS = [
+    "xla",
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu_paged.available(), reason="no g++")),
+    *(
+        pytest.param(
+            cpu_kernel_path(isa),
+            id=f"cpu-{isa}",
+            marks=pytest.mark.skipif(not cpu_paged.available(isa), reason=f"no {isa} path"),
+        )
+        for isa in ("avx2", "generic")
+    ),
+]
+
+
+def _run(backend, *args, **opts):
+    """ragged_paged_attention by a backend name, or a kernel callable."""
+    if callable(backend):
+        return backend(*args, **opts)
+    return ragged_paged_attention(*args, **opts, backend=backend)
 
 
 def test_reference_matches_naive_numpy():
@@ -79,7 +99,7 @@ def test_xla_gqa(group, backend):
         head_dim=128,
         page_size=16,
     )
-    check_case(case, "xla")
+    check_case(case, backend)
 
 
 @pytest.mark.parametrize("window,cap", [(1, None), (4, None), (13, 30.0), (None, 2.0)])
@@ -127,7 +147,7 @@ def test_xla_long_context_positions_past_32k(backend):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_xla_all_padding_is_zero_and_finite(backend):
     case = make_case(6, [], num_tokens=16, max_seqs=8, **SHAPE)
-    out = ragged_paged_attention(*case.paged_args, sm_scale=0.1, backend=backend)
+    out = _run(backend, *case.paged_args, sm_scale=0.1)
     assert not np.any(np.asarray(out))
 
 

@@ -12,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from paged_jax.batch import LineWriter, OutputLockedError, completed_ids, parse_line, run_batch
-from paged_jax.engine import EngineConfig, LLMEngine
-from paged_jax.multihost import _append_new
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.offline.batch import run_batch
+from paged_jax.offline.lines import parse_line
+from paged_jax.offline.multihost import _append_new
+from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids
+from paged_jax.tokenization.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +84,7 @@ def test_errors_are_reported_and_the_rest_goes_on(engine, tmp_path):
     assert [e.get("line") for e in errors] == [5, 8, 10]
     assert "temperature" in errors[1]["error"] and "colour" in errors[2]["error"]
     assert summary.requests == 12 and summary.errors == 3
-    engine.kv.check_invariants()
+    check_manager_invariants(engine.kv)
     assert engine.kv.stats().pages_in_use == 0
 
 
@@ -106,7 +110,7 @@ def test_kill_9_loses_nothing(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "paged_jax.batch",
+        "paged_jax.offline.batch",
         "--input",
         str(tmp_path / "in.jsonl"),
         "--output",

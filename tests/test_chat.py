@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from paged_jax.batch import parse_line, run_batch
-from paged_jax.chat_template import template_from_text
-from paged_jax.engine import EngineConfig, LLMEngine
-from paged_jax.generation_defaults import load_generation_defaults
-from paged_jax.llm import LLM
+from paged_jax.config.engine import EngineConfig
+from paged_jax.config.generation_defaults import load_generation_defaults
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.offline.batch import run_batch
+from paged_jax.offline.lines import parse_line
+from paged_jax.offline.llm import LLM
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.chat_template import template_from_text
+from paged_jax.tokenization.tokenizer import ByteTokenizer
 from serve.main import main
 
 DATA = Path(__file__).parent / "data"

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from paged_jax.chat_template import (
+from paged_jax.config import load_model_config
+from paged_jax.tokenization.chat_template import (
     ChatTemplateError,
     apply_chat_template,
     load_chat_template,
     template_from_text,
     validate_conversation,
 )
-from paged_jax.config import load_model_config
-from paged_jax.tokenizer import ByteTokenizer, load_tokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer, load_tokenizer
 
 GOLDEN = json.loads((Path(__file__).resolve().parent / "data" / "tokenizers" / "golden.json").read_text("utf-8"))
 HELLO = [{"role": "user", "content": "Hello"}]

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from paged_jax.config import ConfigError, ModelConfig, available_configs, from_hf_config, load_model_config
+from paged_jax.config import ConfigError, ModelConfig, available_configs, load_model_config
+from paged_jax.config.hf import from_hf_config
 
 
 def _write(tmp_path, **changes):

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_jax.config import load_model_config
-from paged_jax.detokenizer import Detokenizer
-from paged_jax.tokenizer import ByteTokenizer, load_tokenizer
+from paged_jax.tokenization.detokenizer import Detokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer, load_tokenizer
 
 TOK = ByteTokenizer()
 

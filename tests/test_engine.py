@@ -6,14 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax.engine import EngineConfig, LLMEngine
-from paged_jax.executables import persistent_cache_summary
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.reference import greedy_generate
-from paged_jax.runner import step_functions
-from paged_jax.sampler import sample
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer
+from paged_jax.worker.executables import persistent_cache_summary
+from paged_jax.worker.runner import step_functions
+from paged_jax.worker.sampler import sample
 
 MAX_TOKENS = 12
 
@@ -64,14 +66,14 @@ def run_workload(
         for out in engine.step():
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
-        engine.kv.check_invariants()
+        check_manager_invariants(engine.kv)
         step += 1
     assert_all_free(engine)
     return results
 
 
 def assert_all_free(engine: LLMEngine) -> None:
-    engine.kv.check_invariants()
+    check_manager_invariants(engine.kv)
     stats = engine.kv.stats()
     assert stats.pages_in_use == 0, stats
     assert stats.pages_free == stats.pages_total
@@ -139,7 +141,7 @@ def test_parallel_samples_share_the_prompt(tiny_config, tiny_params, reference):
     finished = {}
     while engine.has_unfinished():
         finished |= {o.request_id: o for o in engine.step() if o.finished}
-        engine.kv.check_invariants()
+        check_manager_invariants(engine.kv)
     assert [c.token_ids for c in finished["greedy"].outputs] == [reference(prompt)] * 3
     sampled = [tuple(c.token_ids) for c in finished["sampled"].outputs]
     assert len(set(sampled)) > 1 and all(len(s) == 8 for s in sampled)
@@ -323,7 +325,7 @@ def test_lookahead_matches_one_step_at_a_time(tiny_config, tiny_params):
                     done[o.request_id] = [
                         (c.token_ids, c.finish_reason, [lp.logprob for lp in c.logprobs]) for c in o.outputs
                     ]
-            engine.kv.check_invariants()
+            check_manager_invariants(engine.kv)
         assert_all_free(engine)
         return done, engine.stats().num_preemptions
 
@@ -406,7 +408,7 @@ def test_request_chosen_sampling_options_compile_nothing_after_warmup(tiny_confi
     """Issue 14.10: the ban list under min_tokens and the penalties' history had request-chosen widths, compiled
     on the engine thread when first seen (17 stop ids with min_tokens: 1.1 s). They have fixed widths now,
     compiled at warm-up, and a request with penalties keeps the lookahead on for the whole batch."""
-    from paged_jax.lookahead import merge_pending_history
+    from paged_jax.worker.pending import merge_pending_history
 
     engine = make_engine(tiny_config, tiny_params, num_pages=40, warmup=True)
     compiled = (sample._cache_size(), merge_pending_history._cache_size())

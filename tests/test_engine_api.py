@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from paged_jax.dp import DataParallelEngine
-from paged_jax.engine import LLMEngine
-from paged_jax.engine_api import Engine, EngineStats
+from paged_jax.engine.data_parallel import DataParallelEngine
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.protocol import Engine, EngineStats
 
 
 def test_both_engines_offer_every_method_and_property_of_the_protocol():

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.config import ConfigError, from_hf_config, load_model_config
-from paged_jax.llm import LLM
+from paged_jax.config import ConfigError, load_model_config
+from paged_jax.config.hf import from_hf_config
+from paged_jax.engine.load import load_model
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.families import causal_lm
 from paged_jax.model.reference import greedy_generate
-from paged_jax.model.weights import load_model
+from paged_jax.offline.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 
 DATA = Path(__file__).parent / "data"
@@ -199,7 +200,7 @@ def test_info_prints_each_family_without_allocating(capsys):
 def test_orbax_checkpoint_round_trips_the_family(tmp_path, name):
     import jax
 
-    from paged_jax.model.checkpoint import load_checkpoint, save_checkpoint
+    from paged_jax.model.loader.checkpoint import load_checkpoint, save_checkpoint
 
     config, params, _ = load_model(DATA / f"hf_{name}", dtype="float32")
     save_checkpoint(tmp_path / "ckpt", config, params)
@@ -216,9 +217,10 @@ def test_gemma2_windows_and_soft_cap_through_the_pallas_tpu_kernel():
     import jax
 
     from paged_jax.config import ModelConfig
-    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.config.engine import EngineConfig
+    from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.model.init import init_params
-    from paged_jax.tokenizer import ByteTokenizer
+    from paged_jax.tokenization.tokenizer import ByteTokenizer
 
     config = ModelConfig(
         name="g2",

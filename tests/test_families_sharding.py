@@ -66,11 +66,12 @@ if not CHILD:
 else:
     import jax
 
-    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.config.engine import EngineConfig
+    from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.model.init import init_params
     from paged_jax.model.reference import full_logits
     from paged_jax.sampling_params import SamplingParams
-    from paged_jax.tokenizer import ByteTokenizer
+    from paged_jax.tokenization.tokenizer import ByteTokenizer
 
     GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

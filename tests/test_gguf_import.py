@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from paged_jax.model.fuse import split_qkv
-from paged_jax.model.gguf_file import GGUFError, GGUFFile, is_gguf
-from paged_jax.model.gguf_import import config_from_gguf, hf_tensor_name, load_gguf, unpermute_qk
-from paged_jax.model.weights import load_model
+from paged_jax.engine.load import load_model
+from paged_jax.model.layers import split_qkv
+from paged_jax.model.loader.gguf import config_from_gguf, hf_tensor_name, load_gguf, unpermute_qk
+from paged_jax.model.loader.gguf_file import GGUFError, GGUFFile, is_gguf
 
 DATA = Path(__file__).parent / "data"
 Q = gguf.GGMLQuantizationType
@@ -304,7 +304,7 @@ def test_tensor_names_map_to_hf():
 
 
 def test_named_model_that_is_not_installed_says_how_to_install():
-    from paged_jax.model.named import NamedModel
+    from paged_jax.model.loader.named import NamedModel
 
     missing = NamedModel(name="x", package="no_such_package_xyz", filename="x.gguf", install="pip install x")
     with pytest.raises(FileNotFoundError, match="needs the no_such_package_xyz package: pip install x"):

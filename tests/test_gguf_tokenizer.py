@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from paged_jax.gguf_tokenizer import gguf_tokenizer_dir, tokenizer_from_gguf
-from paged_jax.model.gguf_file import GGUFFile
-from paged_jax.tokenizer import HFTokenizer
+from paged_jax.model.loader.gguf_file import GGUFFile
+from paged_jax.tokenization.gguf import gguf_tokenizer_dir, tokenizer_from_gguf
+from paged_jax.tokenization.tokenizer import HFTokenizer
 
 VOCAB = Path(__file__).parent / "data" / "gguf_vocab"
 # name -> (tokenizer.ggml.model, tokenizer.ggml.pre)

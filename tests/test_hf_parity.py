@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paged_jax.engine.load import load_model
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.reference import greedy_generate
-from paged_jax.model.weights import load_model
 
 DATA = Path(__file__).parent / "data"
 VARIANTS = ("gqa", "mqa", "tied", "llama3_rope", "head_dim128", "qwen2", "sharded")

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from paged_jax.model.gguf_file import GGUFError, GGUFFile
+from paged_jax.model.loader.gguf_file import GGUFError, GGUFFile
 
 U32, STRING, ARRAY = 4, 8, 9
 

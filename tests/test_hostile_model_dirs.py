@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from paged_jax.chat_template import load_chat_template
 from paged_jax.config import ConfigError, load_model_config
-from paged_jax.generation_defaults import load_generation_defaults
-from paged_jax.model.hf_import import load_hf_params, safetensors_files
-from paged_jax.model_files import ModelFileError, read_json
-from paged_jax.tokenizer import HFTokenizer, load_tokenizer
+from paged_jax.config.generation_defaults import load_generation_defaults
+from paged_jax.config.model_files import ModelFileError, read_json
+from paged_jax.model.loader.hf import load_hf_params, safetensors_files
+from paged_jax.tokenization.chat_template import load_chat_template
+from paged_jax.tokenization.tokenizer import HFTokenizer, load_tokenizer
 
 DATA = Path(__file__).parent / "data"
 GQA = DATA / "hf_gqa"
@@ -54,7 +54,7 @@ def test_fifo_tokenizer_does_not_hang(tmp_path: Path) -> None:
     d = _model_dir(tmp_path)
     os.mkfifo(d / "tokenizer.json")
     code = (
-        "import sys; from paged_jax.tokenizer import HFTokenizer\n"
+        "import sys; from paged_jax.tokenization.tokenizer import HFTokenizer\n"
         "try:\n    HFTokenizer.from_dir(sys.argv[1])\nexcept ValueError as e:\n    print(e)"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "JAX_PLATFORMS": "cpu"}

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_jax import quant
 from paged_jax.config import load_model_config
+from paged_jax.model import quant
 from paged_jax.model.init import param_shapes
 from pallas_kernels import dense_reference_attention, kv_quant
 from pallas_kernels.gpu_lowering import pointer_offsets, triton_modules

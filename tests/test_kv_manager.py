@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax.kv_cache import NULL_PAGE, KVCacheManager
+from paged_jax.kv_cache import NULL_PAGE, KVCacheManager, page_bounds
+from paged_jax.kv_cache.invariants import check_manager_invariants
+from pallas_kernels import common
 
 PS = 8
 
@@ -34,7 +36,7 @@ def test_fresh_pool(m: KVCacheManager) -> None:
     assert m.num_free_pages() == 10
     assert [m.pages_needed(n) for n in (0, 1, 8, 9, 16, 17)] == [0, 1, 1, 2, 2, 3]
     assert m.can_ever_fit(80) and not m.can_ever_fit(81)
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 @pytest.mark.parametrize("bad", [0, 1, 4, 7, 12, 100, 512, 16.0, True])
@@ -48,7 +50,7 @@ def test_every_allowed_page_size(ok: int) -> None:
     m = KVCacheManager(num_pages=4, page_size=ok)
     assert m.admit("a", toks(ok + 1), ok + 1) == 0
     assert m.page_ids("a") == [1, 2]
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_too_small_pool_rejected() -> None:
@@ -73,7 +75,7 @@ def test_admit_without_hits_then_prefix_hit(m: KVCacheManager) -> None:
     st = m.stats()
     assert (st.prefix_queries, st.prefix_hits) == (39, 16)
     assert st.prefix_hit_rate == pytest.approx(16 / 39)
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_free_is_tail_first_and_eviction_is_lru(m: KVCacheManager) -> None:
@@ -92,7 +94,7 @@ def test_free_is_tail_first_and_eviction_is_lru(m: KVCacheManager) -> None:
     assert m.page_ids("d") == [2]
     assert m.stats().evictions == 1
     assert m.lookup_prefix(toks(20)) == 8
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_hit_on_free_page_takes_it_from_the_middle(m: KVCacheManager) -> None:
@@ -103,7 +105,7 @@ def test_hit_on_free_page_takes_it_from_the_middle(m: KVCacheManager) -> None:
     assert m.page_ids("b") == [1, 3]
     assert m.free_page_ids() == [4, 5, 6, 7, 8, 9, 10, 2]
     assert m.stats().pages_cached_free == 1
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_fully_cached_prompt_recomputes_last_token(m: KVCacheManager) -> None:
@@ -120,7 +122,7 @@ def test_fully_cached_prompt_recomputes_last_token(m: KVCacheManager) -> None:
     assert m.pool.pages[3].block_hash is None
     m.free("b")
     assert m.free_page_ids() == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1]
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_cache_salt_separates_tenants(m: KVCacheManager) -> None:
@@ -130,7 +132,7 @@ def test_cache_salt_separates_tenants(m: KVCacheManager) -> None:
     assert m.lookup_prefix(toks(17), cache_salt="tenant-1") == 16
     assert m.admit("b", toks(17), 1, cache_salt="tenant-1") == 16
     assert m.page_ids("b") == [1, 2, 4]
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_decode_growth_allocates_at_boundaries_and_caches_full_blocks(m: KVCacheManager) -> None:
@@ -140,7 +142,7 @@ def test_decode_growth_allocates_at_boundaries_and_caches_full_blocks(m: KVCache
     for t in range(7, 17):
         tokens.append(t)
         assert m.allocate_slots("a", tokens, 1) == []
-        m.check_invariants()
+        check_manager_invariants(m)
     assert m.page_ids("a") == [1, 2, 3]
     assert m.num_computed_tokens("a") == 17
     assert m.lookup_prefix(toks(17)) == 16
@@ -156,7 +158,7 @@ def test_chunked_prefill(m: KVCacheManager) -> None:
     assert m.allocate_slots("a", prompt, 20) == []
     assert (m.page_ids("a"), m.num_computed_tokens("a")) == ([1, 2, 3, 4], 30)
     assert m.lookup_prefix(prompt) == 24
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_fork_then_copy_on_write(m: KVCacheManager) -> None:
@@ -165,7 +167,7 @@ def test_fork_then_copy_on_write(m: KVCacheManager) -> None:
     m.fork("p", "c")
     assert m.page_ids("c") == [1, 2]
     assert [m.page_ref_count(p) for p in (1, 2)] == [2, 2]
-    m.check_invariants()
+    check_manager_invariants(m)
     # The child writes into the shared partial page 2: private copy on page 3.
     assert m.allocate_slots("c", tokens + [100], 1) == [(2, 3)]
     assert m.page_ids("c") == [1, 3]
@@ -174,7 +176,7 @@ def test_fork_then_copy_on_write(m: KVCacheManager) -> None:
     assert m.allocate_slots("p", tokens + [200], 1) == []
     assert m.page_ids("p") == [1, 2]
     assert m.free_page_ids() == list(range(4, 11))
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_fork_at_page_boundary_needs_no_copy(m: KVCacheManager) -> None:
@@ -183,7 +185,7 @@ def test_fork_at_page_boundary_needs_no_copy(m: KVCacheManager) -> None:
     assert m.allocate_slots("c", toks(16) + [1], 1) == []
     assert m.page_ids("c") == [1, 2, 3]
     assert m.page_ids("p") == [1, 2]
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_identical_blocks_in_one_step_keep_one_cache_entry(m: KVCacheManager) -> None:
@@ -200,7 +202,7 @@ def test_identical_blocks_in_one_step_keep_one_cache_entry(m: KVCacheManager) ->
     m.free("c")
     assert m.free_page_ids() == [2] + list(range(4, 11))
     assert m.lookup_prefix(done + [0]) == 16
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_preempt_and_resume_hits_own_blocks(m: KVCacheManager) -> None:
@@ -212,7 +214,7 @@ def test_preempt_and_resume_hits_own_blocks(m: KVCacheManager) -> None:
     assert m.admit("a", tokens, 100) == 24
     assert m.page_ids("a") == [1, 2, 3, 4]
     assert m.num_computed_tokens("a") == 25
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_failed_admit_and_allocate_change_nothing(m: KVCacheManager) -> None:
@@ -231,7 +233,7 @@ def test_failed_admit_and_allocate_change_nothing(m: KVCacheManager) -> None:
     before = snapshot(m)
     assert m.allocate_slots("b", toks(48, 500) + [0], 1) is None
     assert snapshot(m) == before
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_copy_on_write_counts_toward_all_or_nothing() -> None:
@@ -245,7 +247,7 @@ def test_copy_on_write_counts_toward_all_or_nothing() -> None:
     assert snapshot(m) == before
     m.free("x")
     assert m.allocate_slots("c", toks(5), 1) == [(1, 2)]
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_bad_input_raises_and_changes_nothing(m: KVCacheManager) -> None:
@@ -275,7 +277,7 @@ def test_bad_input_raises_and_changes_nothing(m: KVCacheManager) -> None:
     m.free("a")
     with pytest.raises(KeyError, match="unknown request 'a'"):
         m.free("a")  # double free
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def test_block_table_row(m: KVCacheManager) -> None:
@@ -309,7 +311,7 @@ def test_prefix_caching_disabled() -> None:
     assert m.free_page_ids() == [1, 2, 3, 4, 5]  # nothing cached: every freed page goes to the head
     assert m.admit("b", toks(20), 20) == 0
     assert m.stats().pages_cached_free == 0
-    m.check_invariants()
+    check_manager_invariants(m)
 
 
 def _corrupted_manager() -> KVCacheManager:
@@ -317,7 +319,7 @@ def _corrupted_manager() -> KVCacheManager:
     m.admit("a", toks(20), 20)
     m.free("a")
     m.admit("b", toks(9, 100), 9)
-    m.check_invariants()
+    check_manager_invariants(m)
     return m
 
 
@@ -336,4 +338,12 @@ def test_check_invariants_detects_corruption(kind: str) -> None:
     else:
         pool.cached.pop(next(iter(pool.cached)))  # a page carrying a hash the map forgot
     with pytest.raises(RuntimeError, match="invariant broken"):
-        m.check_invariants()
+        check_manager_invariants(m)
+
+
+def test_page_bounds_agree_with_the_kernels():
+    """The host keeps its own page bounds and ceiling division (so it imports no JAX); they are the kernels'."""
+    assert (page_bounds.MIN_PAGE_SIZE, page_bounds.MAX_PAGE_SIZE) == (common.MIN_PAGE_SIZE, common.MAX_PAGE_SIZE)
+    for a in range(0, 40):
+        for b in (1, 7, 8, 16):
+            assert page_bounds.cdiv(a, b) == common.cdiv(a, b) == -(-a // b)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer
 from pallas_kernels.kv_quant import QuantizedPages
 
 
@@ -32,7 +34,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = [c.token_ids for c in o.outputs]
-    engine.kv.check_invariants()
+    check_manager_invariants(engine.kv)
     assert engine.kv.stats().pages_in_use == 0
     return out
 
@@ -90,12 +92,13 @@ def test_quantized_kv_close_to_float_kv(tiny_config, tiny_params):
 
 _TP_CHILD = """
 import json
-from paged_jax import quant
+from paged_jax.model import quant
 from paged_jax.config import load_model_config
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.model.init import init_params
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer
 config = load_model_config("tiny")
 params = quant.quantize_params(init_params(config, seed=0), "int8")
 out = {}

@@ -4,7 +4,7 @@ The model is a simulated device: every page's token slots. Each step applies wha
 (copy ops, then the step's writes into fresh or private pages) and then checks, for every running
 request, that reading its block table gives back exactly its tokens. So a prefix hit on a wrong or
 evicted page, a missed copy-on-write, or a page handed out while still in use shows up as wrong KV, not
-just as a bookkeeping mismatch. ``check_invariants()`` runs after every step as well.
+just as a bookkeeping mismatch. ``check_manager_invariants`` runs after every step as well.
 
 A small vocabulary and a few shared prefixes make identical blocks (hits, duplicates) common; a pool of
 15 usable pages makes evictions, failed allocations and preemptions common.
@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache.invariants import check_manager_invariants
 
 PS = 8
 NUM_PAGES = 16
@@ -195,7 +196,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         m = self.m
-        m.check_invariants()
+        check_manager_invariants(m)
         in_use: set[int] = set()
         for rid, tokens in self.tokens.items():
             table = m.page_ids(rid)
@@ -209,7 +210,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.m.free(rid)
         assert self.m.num_free_pages() == NUM_PAGES - 1
         assert self.m.stats().pages_in_use == 0
-        self.m.check_invariants()
+        check_manager_invariants(self.m)
 
 
 KVCacheMachine.TestCase.settings = settings(

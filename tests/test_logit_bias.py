@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.engine import EngineConfig, LLMEngine
-from paged_jax.logit_bias import apply_logit_bias, fill_logit_bias
-from paged_jax.sampler import SamplingMeta, empty_meta, sample
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer
+from paged_jax.worker.logit_bias import apply_logit_bias, fill_logit_bias
+from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
 
 
 def test_apply_logit_bias_adds_at_the_ids_and_nowhere_else():

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paged_jax.engine.load import load_model
 from paged_jax.model.attention import DenseMeta, dense_attention
 from paged_jax.model.init import count_params, init_params, param_bytes
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.reference import _greedy, full_logits, greedy_generate
-from paged_jax.model.weights import load_model
 
 
 def _forward(config, params, tokens, positions, segments):

@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.load import load_model
 from paged_jax.model.families import causal_lm
 from paged_jax.model.reference import full_logits
-from paged_jax.model.weights import load_model
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer
 
 DATA = Path(__file__).parent / "data"
 HF_VARIANTS = ("gqa", "mqa", "tied", "llama3_rope", "head_dim128", "qwen2", "sharded")

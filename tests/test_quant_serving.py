@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from paged_jax.engine import EngineConfig, LLMEngine
-from paged_jax.model.weights import load_model
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.load import load_model
 from paged_jax.sampling_params import SamplingParams
 from serve.client import Client
 from serve.config import ServingConfig
@@ -51,7 +52,7 @@ def test_batch_cli_with_quantization(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "paged_jax.batch",
+        "paged_jax.offline.batch",
         "--input",
         str(tmp_path / "in.jsonl"),
         "--output",

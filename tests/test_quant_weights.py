@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import quant
-from paged_jax.llm import LLM
+from paged_jax.engine.load import load_model
+from paged_jax.model import quant
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.llama import LlamaForCausalLM
-from paged_jax.model.weights import load_model
+from paged_jax.offline.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from serve.main import main
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.sampler import (
+from paged_jax.worker.sampler import (
     BLOCK,
     FILTER_CANDIDATES,
     SamplingMeta,
@@ -109,7 +109,7 @@ def test_penalties_follow_vllm_semantics():
     m["history"] = np.full((1, 8), -1, np.int32)
     m["history"][0, :5] = [0, 1, 2, 2, 2]  # prompt [0, 1], output [2, 2, 2]
     m["num_prompt"][:] = 2
-    from paged_jax.sampler import _apply_penalties
+    from paged_jax.worker.sampler import _apply_penalties
 
     got = np.asarray(_apply_penalties(jnp.asarray(logits), SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()})))
     # repetition: positive logits divided, negative multiplied (prompt and output); presence and frequency:
@@ -184,7 +184,7 @@ def test_sort_free_filter_equals_the_sort_based_reference(vocab, scale):
     """`filter_mask` (the top-score list, bisection below it where needed) keeps exactly the tokens the
     sort-based filter keeps, on random logits with every combination of top-k, top-p and min-p, off values
     included."""
-    from paged_jax.sampler import filter_mask
+    from paged_jax.worker.sampler import filter_mask
 
     rows = 48
     rng = np.random.default_rng(vocab)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler
-from paged_jax.sequence import FinishReason, TokenSequence
+from paged_jax.sched.scheduler import Scheduler
+from paged_jax.sched.sequence import FinishReason, TokenSequence
 
 
 def request(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 40) -> tuple[TokenSequence, list[TokenSequence]]:
@@ -36,7 +37,7 @@ def test_children_of_a_running_leader_keep_their_slots():
         if not (sched.waiting or sched.running):
             break
     assert most == 8 and not (sched.waiting or sched.running)
-    kv.check_invariants()
+    check_manager_invariants(kv)
     assert kv.num_free_pages() == 399
 
 
@@ -68,7 +69,7 @@ def test_admission_in_arrival_order_and_a_long_prompt_in_chunks():
     assert entries(second) == [("a#0", 16, 4, [1, 2, 3]), ("b#0", 0, 5, [4])]
     assert rows(second) == [("a#0", 0), ("b#0", 1)] and second.num_tokens == 9
     assert kv.num_computed_tokens("a#0") == 20 and kv.num_computed_tokens("b#0") == 5
-    kv.check_invariants()
+    check_manager_invariants(kv)
 
 
 def test_chunk_size_caps_one_sequence_per_step():
@@ -97,7 +98,7 @@ def test_out_of_pages_preempts_the_most_recently_admitted():
     assert entries(out) == [("a#0", 8, 1, [1, 4]), ("b#0", 8, 1, [2, 3])]
     assert out.preempted == [c] and c.num_preemptions == 1 and sched.num_preemptions == 1
     assert list(sched.waiting) == [c] and "c#0" not in kv and [s.seq_id for s in sched.running] == ["a#0", "b#0"]
-    kv.check_invariants()
+    check_manager_invariants(kv)
 
 
 def test_admission_keeps_the_watermark_free_while_others_run():
@@ -133,4 +134,4 @@ def test_forked_samples_share_the_prompt_then_copy_on_write():
     second = sched.schedule()
     assert entries(second) == [("r#0", 10, 1, [1, 3]), ("r#1", 10, 1, [1, 4]), ("r#2", 10, 1, [1, 2])]
     assert second.copy_ops == [(2, 3), (2, 4)] and rows(second) == [("r#0", 0), ("r#1", 1), ("r#2", 2)]
-    kv.check_invariants()
+    check_manager_invariants(kv)

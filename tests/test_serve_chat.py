@@ -10,12 +10,13 @@ import grpc
 import pytest
 from test_serve_support import LIMITS, run_offline
 
-from paged_jax.chat_template import apply_chat_template, template_from_text
 from paged_jax.config import load_model_config
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.model.init import init_params
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer, load_tokenizer
+from paged_jax.tokenization.chat_template import apply_chat_template, template_from_text
+from paged_jax.tokenization.tokenizer import ByteTokenizer, load_tokenizer
 from serve import convert
 from serve.client import Client, build_request, chat_input
 from serve.config import ServingConfig

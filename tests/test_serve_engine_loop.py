@@ -7,7 +7,8 @@ import time
 
 from test_serve_support import shared
 
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
 from serve.engine_loop import EngineLoop
 

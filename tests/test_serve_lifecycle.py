@@ -18,7 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from test_serve_support import PROMPTS, shared
 
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
 from serve.client import Client
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop

@@ -32,8 +32,9 @@ from test_serve_support import (
     wait_until,
 )
 
-from paged_jax.chat_template import apply_chat_template, template_from_text
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.tokenization.chat_template import apply_chat_template, template_from_text
 from serve.client import Client
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop

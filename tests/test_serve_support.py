@@ -7,8 +7,9 @@ import functools
 import time
 from dataclasses import dataclass
 
-from paged_jax.engine import EngineConfig, LLMEngine
-from paged_jax.model.weights import load_model
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.load import load_model
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from serve.client import Client

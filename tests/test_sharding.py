@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 from mesh_child import CHILD, NUM_DEVICES, run_mesh_child
 
-from paged_jax.batch import run_batch
 from paged_jax.config import ModelConfig
-from paged_jax.dp import LeastLoadedRouter
-from paged_jax.engine import EngineConfig, LLMEngine
-from paged_jax.model.weights import load_model
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.data_parallel import LeastLoadedRouter
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.load import load_model
+from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.offline.batch import run_batch
 
 main_only = pytest.mark.skipif(CHILD, reason="runs in the parent process")
 
@@ -59,7 +61,7 @@ def test_expanded_kv_heads_compute_the_same_function():
     from paged_jax.model.attention import DenseMeta
     from paged_jax.model.init import init_params
     from paged_jax.model.llama import LlamaForCausalLM
-    from paged_jax.sharding import expand_kv_heads, kv_replication
+    from paged_jax.worker.sharding import expand_kv_heads, kv_replication
 
     config = small_config(2)
     params = init_params(config, seed=3)
@@ -80,7 +82,7 @@ def test_expanded_kv_heads_compute_the_same_function():
 
 @main_only
 def test_tp_degrees_that_cannot_split_the_model_are_rejected():
-    from paged_jax.sharding import dp_device_groups, kv_replication
+    from paged_jax.worker.sharding import dp_device_groups, kv_replication
 
     with pytest.raises(ValueError, match="num_heads"):
         kv_replication(small_config(2), 16)
@@ -119,7 +121,7 @@ def batch_cmd(inp: Path, out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "paged_jax.batch",
+        "paged_jax.offline.batch",
         "--input",
         str(inp),
         "--output",
@@ -219,12 +221,12 @@ if not CHILD:
 else:
     import jax
 
-    from paged_jax.dp import DataParallelEngine
+    from paged_jax.engine.data_parallel import DataParallelEngine
     from paged_jax.model.init import init_params
-    from paged_jax.runner import PagedMeta, step_functions
-    from paged_jax.sampler import sample
     from paged_jax.sampling_params import SamplingParams
-    from paged_jax.tokenizer import ByteTokenizer
+    from paged_jax.tokenization.tokenizer import ByteTokenizer
+    from paged_jax.worker.runner import PagedMeta, step_functions
+    from paged_jax.worker.sampler import sample
 
     CONFIGS = {kv: small_config(kv) for kv in (8, 2)}
     PARAMS = {kv: init_params(cfg, seed=kv) for kv, cfg in CONFIGS.items()}
@@ -254,7 +256,7 @@ else:
                     results[out.request_id] = ([c.token_ids for c in out.outputs], lps)
             step += 1
         for replica in getattr(engine, "replicas", [engine]):
-            replica.kv.check_invariants()
+            check_manager_invariants(replica.kv)
             assert replica.kv.stats().pages_in_use == 0
         return results
 

@@ -17,10 +17,19 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenizer import ByteTokenizer
-from paged_jax.warmup import GREEDY, WarmupPlan, jobs, or_closure, plan_for_requests, serving_plans, token_buckets
+from paged_jax.tokenization.tokenizer import ByteTokenizer
+from paged_jax.worker.warmup import (
+    GREEDY,
+    WarmupPlan,
+    jobs,
+    or_closure,
+    plan_for_requests,
+    serving_plans,
+    token_buckets,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -71,7 +80,7 @@ def test_steady_state_compiles_nothing_and_a_missed_shape_is_a_warning(tiny_conf
         engine.step()
     assert engine.stats().compile_count == stats.compile_count  # the plan held every shape the run used
     assert engine.stats().step_padding_tokens > 0 and engine.stats().step_tokens == 4 * 40 + 4 * 7
-    with caplog.at_level(logging.WARNING, logger="paged_jax.executables"):
+    with caplog.at_level(logging.WARNING, logger="paged_jax.worker.executables"):
         engine.add_request("hot", list(range(3, 20)), SamplingParams(max_tokens=2, temperature=0.9, logprobs=1))
         while engine.has_unfinished():
             engine.step()
@@ -186,7 +195,7 @@ def test_server_is_not_serving_until_its_decode_shapes_are_compiled():
             while client.health() != SERVING:
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
-            assert any("paged_jax.warmup: warm-up:" in x for x in lines)
+            assert any("paged_jax.worker.warmup: warm-up:" in x for x in lines)
             final = client.generate("hello", max_tokens=3, temperature=0.0)
             assert final.usage.completion_tokens == 3
         proc.send_signal(signal.SIGTERM)
@@ -205,7 +214,7 @@ def test_plan_token_buckets_are_clamped_to_the_runner(tiny_config, tiny_params, 
 
 
 def test_cpu_kv_budget_defaults_to_4_gib_capped_by_memory_and_by_what_the_engine_can_hold():
-    from paged_jax.kv_budget import cpu_kv_budget
+    from paged_jax.worker.kv_budget import cpu_kv_budget
 
     gib = 2**30
     per_token = 46_080  # SmolLM2-135M in float32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes

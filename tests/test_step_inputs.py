@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax.lookahead import PLACEHOLDER, PendingToken
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import SampleRow, ScheduledSeq, SchedulerOutput
-from paged_jax.sequence import TokenSequence
-from paged_jax.step_inputs import build_sampling_inputs, build_step_inputs
+from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
+from paged_jax.sched.sequence import PLACEHOLDER, PendingToken, TokenSequence
+from paged_jax.worker.step_inputs import build_sampling_inputs, build_step_inputs
 
 PS = 8  # page size
 

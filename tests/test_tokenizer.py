@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from paged_jax.config import load_model_config
-from paged_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from paged_jax.tokenization.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 TOKENIZER_DATA = Path(__file__).resolve().parent / "data" / "tokenizers"
 

@@ -14,10 +14,12 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from paged_jax.config import load_model_config
-from paged_jax.model.fuse import fuse_params, unfuse_params
-from paged_jax.model.hf_import import WeightsError, load_hf_params
+from paged_jax.engine.load import load_model
 from paged_jax.model.init import init_params
-from paged_jax.model.weights import load_checkpoint, load_model, param_partition_specs, save_checkpoint
+from paged_jax.model.loader.checkpoint import load_checkpoint, save_checkpoint
+from paged_jax.model.loader.fuse import fuse_params, unfuse_params
+from paged_jax.model.loader.hf import WeightsError, load_hf_params
+from paged_jax.model.partition import param_partition_specs
 
 GQA = Path(__file__).parent / "data" / "hf_gqa"
 
@@ -153,7 +155,7 @@ def test_a_config_too_big_for_the_machine_is_refused_naming_the_field(tmp_path):
     import json
 
     from paged_jax.config import ConfigError
-    from paged_jax.model.budget import check_fits
+    from paged_jax.model.loader.budget import check_fits
 
     d = tmp_path / "huge"
     shutil.copytree(GQA, d)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax.model.weights import load_model
+from paged_jax.engine.load import load_model
 from serve.main import COMMANDS, main
 
 GQA = Path(__file__).parent / "data" / "hf_gqa"

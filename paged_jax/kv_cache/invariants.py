@@ -1,17 +1,15 @@
 """Full consistency check of a ``KVCacheManager`` (O(pages + table entries); tests and debugging).
 
+Called from outside the manager (the engine's `check_invariants`, tests), so the manager never imports it.
+
 Raises ``RuntimeError`` (not ``assert``, which ``python -O`` strips) naming the first broken invariant.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from paged_jax.kv_cache.manager import KVCacheManager
+from paged_jax.kv_cache.page_bounds import cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE
-from pallas_kernels.common import cdiv
-
-if TYPE_CHECKING:
-    from paged_jax.kv_cache.manager import KVCacheManager
 
 
 def _fail(msg: str) -> None:

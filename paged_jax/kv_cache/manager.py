@@ -25,10 +25,9 @@ from typing import NamedTuple
 import numpy as np
 
 from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
-from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.kv_cache.page_bounds import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE, Page, PagePool
 from paged_jax.kv_cache.stats import KVCacheStats
-from pallas_kernels.common import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
 
 
 class PageCopy(NamedTuple):
@@ -294,10 +293,6 @@ class KVCacheManager:
             prefix_hit_rate=hits / queries if queries else 0.0,
             evictions=pool.num_evictions,
         )
-
-    def check_invariants(self) -> None:
-        """Verify every invariant of pool, free list, cache map and tables; raises ``RuntimeError``."""
-        check_manager_invariants(self)
 
     # ---------------------------------------------------------------------------------------- internal
 

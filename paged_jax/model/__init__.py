@@ -1,31 +1,5 @@
-"""The decoder families (`families.causal_lm` picks one by `model_type`), the attention seam, and where
-parameters come from."""
+"""The model definitions: decoder families (`families.causal_lm` picks one by `model_type`), their layers,
+the attention seam (`attention`), parameter shapes and initialization (`init`), partitioning (`partition`)
+and weight quantization (`quant`). Where parameters come from is `paged_jax.model.loader`.
 
-from paged_jax.model.attention import AttentionFn, DenseMeta, dense_attention
-from paged_jax.model.families import FAMILIES, causal_lm
-from paged_jax.model.llama import LlamaForCausalLM
-from paged_jax.model.weights import (
-    WeightsError,
-    init_params,
-    load_checkpoint,
-    load_hf_params,
-    load_model,
-    param_partition_specs,
-    save_checkpoint,
-)
-
-__all__ = [
-    "FAMILIES",
-    "AttentionFn",
-    "DenseMeta",
-    "LlamaForCausalLM",
-    "WeightsError",
-    "causal_lm",
-    "dense_attention",
-    "init_params",
-    "load_checkpoint",
-    "load_hf_params",
-    "load_model",
-    "param_partition_specs",
-    "save_checkpoint",
-]
+Nothing is re-exported here, so importing one submodule (the GGUF reader, say) loads only what it needs."""

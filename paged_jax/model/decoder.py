@@ -5,7 +5,7 @@ built (`make_layer`), which RMSNorm the final norm is, and whether embeddings ar
 (embedding, RoPE tables, the layer loop over KV caches, the final norm, tied or separate LM head, the final
 logit soft cap) is here. Parameter names follow `paged_jax.model.llama` (fused qkv_proj and gate_up_proj,
 o_proj, down_proj, input_layernorm, ...) so the HF import (one kernel per projection, fused at load by
-`paged_jax.model.fuse`), the init and the tensor-parallel specs treat every family alike.
+`paged_jax.model.loader.fuse`), the init and the tensor-parallel specs treat every family alike.
 
 Per layer, `Attention` passes its sliding window (`ModelConfig.layer_sliding_window`) and the attention
 logit soft cap to the `AttentionFn`, so both reach the paged kernels and the dense reference alike.
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import quant
 from paged_jax.config import ModelConfig, RopeScaling
+from paged_jax.model import quant
 from paged_jax.model.attention import AttentionFn, dense_attention
 from paged_jax.model.layers import (
     RMSNorm,
@@ -92,7 +92,7 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (`silu`) or GeGLU (`gelu_tanh`). x: [T, H] -> [T, H]; gate and up
-    fused as `gate_up_proj` [H, 2, I] (one matmul, `paged_jax.model.fuse`), down_proj [I, H]."""
+    fused as `gate_up_proj` [H, 2, I] (one matmul, `paged_jax.model.loader.fuse`), down_proj [I, H]."""
 
     config: ModelConfig
     activation: str = "silu"

@@ -16,13 +16,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import quant
 from paged_jax.config import ModelConfig, RopeScaling
-from paged_jax.model.fuse import split_qkv
+from paged_jax.model import quant
 
 Initializer = nn.initializers.Initializer
 INIT_STD = 0.02  # HF `initializer_range`
 kernel_init: Initializer = nn.initializers.normal(INIT_STD)
+
+
+# The fused q/k/v layout (per KV head: its G query heads, then K, then V; `paged_jax.model.loader.fuse`
+# says why), used by the projection below and by the loaders that build it.
+def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, group: int) -> jax.Array:
+    """[..., Hq, D], [..., Hkv, D], [..., Hkv, D] -> [..., Hkv, group + 2, D] (per-KV-head groups)."""
+    *lead, hkv, d = k.shape
+    q = q.reshape(*lead, hkv, group, d)
+    return jnp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+
+
+def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The inverse of `fuse_qkv`: [..., Hkv, G + 2, D] -> q [..., Hkv * G, D], k and v [..., Hkv, D]."""
+    *lead, hkv, g2, d = qkv.shape
+    return qkv[..., : g2 - 2, :].reshape(*lead, hkv * (g2 - 2), d), qkv[..., g2 - 2, :], qkv[..., g2 - 1, :]
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +88,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def qkv_projection(x: jax.Array, attn: dict, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T, Hq, D], k and v [T, Hkv, D] from x [T, H]: one matmul with the fused `qkv_proj` [H, Hkv, G + 2, D]
-    (layout: `paged_jax.model.fuse`), its bias added when the model has one."""
+    (layout: `paged_jax.model.loader.fuse`), its bias added when the model has one."""
     qkv = quant.dot(x, attn["qkv_proj"])  # [T, Hkv, G + 2, D]
     if config.attention_bias:
         qkv = qkv + attn["qkv_bias"]

@@ -12,7 +12,7 @@ Parameter tree (`{"params": ...}`), kernels stored [in, ...out] so no transpose 
     lm_head                           [H, V]         (absent when embeddings are tied)
 
 q/k/v and gate/up are fused, one matmul each (G = Hq / Hkv query heads per KV head, grouped per KV head so
-tensor parallelism keeps whole groups): `paged_jax.model.fuse` explains the layout and converts from the
+tensor parallelism keeps whole groups): `paged_jax.model.loader.fuse` explains the layout and converts from the
 one-kernel-per-projection layout that importers produce.
 
 The blocks are `paged_jax.model.decoder`'s (every family shares them): Llama is the plain pre-norm layer with a

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from paged_jax.config import ModelConfig
 from paged_jax.model.layers import kernel_init
 
-TP_AXIS = "tp"  # the mesh axis of paged_jax.sharding
+TP_AXIS = "tp"  # the mesh axis of paged_jax.worker.sharding
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:

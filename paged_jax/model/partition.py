@@ -1,10 +1,10 @@
-"""Tensor-parallel layout of the parameters (used by `paged_jax/sharding.py`).
+"""Tensor-parallel layout of the parameters (used by `paged_jax/worker/sharding.py`).
 
 Attention is split by heads (the fused q/k/v by KV-head groups, o on its input head axis), the MLP by the
 intermediate dimension (gate/up by columns, down by rows), the embedding and LM head by vocab,
 norms replicated; MoE experts like the MLP, each expert split by its intermediate dimension (the router
 replicated). The TP degree must divide num_heads, intermediate and vocab, and the number of KV heads
-in `params`: when it exceeds the model's KV heads, `paged_jax.sharding.expand_kv_heads` first repeats them
+in `params`: when it exceeds the model's KV heads, `paged_jax.worker.sharding.expand_kv_heads` first repeats them
 (`sharding.kv_replication` checks all of this).
 """
 
@@ -16,7 +16,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from paged_jax.config import ModelConfig
-from paged_jax.quant import QuantizedWeight
+from paged_jax.model.quant import QuantizedWeight
 
 _SPECS: dict[str, Any] = {
     "qkv_proj": lambda tp: P(None, tp, None, None),  # [H, Hkv, G + 2, D]: whole (q, k, v) groups per shard

@@ -2,19 +2,23 @@
 //
 // Why a C++ kernel: on CPU the XLA formulation (pallas_kernels/xla_paged.py) must gather pages into a
 // contiguous buffer before each batched dot (XLA cannot fuse a gather into a dot), and the dots over tiny
-// per-(sequence, KV head) matrices then re-read that copy twice; a decode step of a small model spends 40-50%
-// of its time there. Here each work item (one sequence, one KV head, a block of its query tokens) walks its
-// pages through the block table and folds each page's K and V into an online softmax while the page is in L1.
+// per-(sequence, KV head) matrices then re-read that copy twice. Here each work item (one sequence, one KV head,
+// a block of its query tokens, a range of its keys) walks its pages through the block table: decode items as
+// register tiles over the pages in place (decode.h), prefill items as blocked matrix products over K/V widened
+// once per block (prefill.h). The instruction set is the build's (simd.h).
 //
 // Semantics are those of pallas_kernels.common (the reference every backend is tested against):
 //   q        [T, Hq, D]             float32 or bfloat16; query head h*G + g uses KV head h (G = Hq / Hkv)
-//   kv_pages [P, Hkv, S, 2D]        same dtype as q; K then V of one slot along the last axis
+//   kv_pages [P, Hkv, S, 2D]        q's dtype, or int8 / float8_e4m3fn with
+//   scales   [P, Hkv * 2 * S] f32   (PagedAttentionQuantized only) the scale of K (kv = 0) or V (kv = 1) of head
+//                                   h in slot s at [p, (2h + kv) * S + s] (pallas_kernels/kv_quant.py)
 //   kv_lens  [N] i32, block_tables [N, MB] i32, cu_q_lens [N + 1] i32, num_seqs [1] i32
-//   out      [T, Hq, D]             query i of sequence s sits at position kv_lens[s] - q_len + i and sees keys
-//                                   p <= that position (and p > position - window with a sliding window);
-//                                   rows of padding tokens (t >= cu_q_lens[num_seqs]) are zeros.
-// Scores are accumulated in float32: s = (q . k) * sm_scale, then soft_cap * tanh(s / soft_cap) if soft_cap > 0.
-// Slots past kv_len and pages past a sequence's last block are never read (they may hold anything, NaN too).
+//   out      [T, Hq, D]             q's dtype. Query i of sequence s sits at position kv_lens[s] - q_len + i and
+//                                   sees keys p <= that position (and p > position - window with a sliding
+//                                   window); rows of padding tokens (t >= cu_q_lens[num_seqs]) are zeros.
+// Scores are accumulated in float32: s = (q . k) * k_scale * sm_scale, then soft_cap * tanh(s / soft_cap) if
+// soft_cap > 0; probabilities multiply V * v_scale. Slots past kv_len and pages past a sequence's last block are
+// never read (they may hold anything, NaN too); a NaN in a visible key or a query makes that row NaN.
 
 #include <algorithm>
 #include <atomic>
@@ -26,174 +30,91 @@
 #include <mutex>
 #include <vector>
 
+#include "decode.h"
+#include "prefill.h"
+#include "problem.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace pja {
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, uint16_t* out) {  // round to nearest even, as XLA's convert
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *out = static_cast<uint16_t>((bits >> 16) | 0x40u);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *out = static_cast<uint16_t>(bits >> 16);
-}
-
-struct Problem {
-  int64_t num_tokens, num_q_heads, head_dim, num_pages, num_kv_heads, page_size, max_seqs, max_blocks;
-  int64_t group;
-  float sm_scale, soft_cap;
-  int64_t window;  // 0: none
-  const int32_t* kv_lens;
-  const int32_t* tables;
-  const int32_t* cu_q_lens;
-  int32_t num_seqs;
-};
-
-// One work item: sequence `seq`, KV head `head`, its query tokens [t0, t1) (absolute token indices).
-struct Item {
-  int32_t seq, head, t0, t1;
-};
-
-// Query tokens per item: decode items hold one token; prefill rows are cut so that their accumulators
-// (rows x head_dim floats) stay in L1/L2 and the items spread over the threads.
+// Query tokens per prefill item: their rows (tokens x group) are the M of the item's matrix products; the items
+// still spread over the threads.
 constexpr int32_t kTokensPerItem = 32;
-// How many pages ahead of the one being computed are requested from memory (see run_item).
-constexpr int64_t kPrefetchPages = 4;
+// A sequence's keys are split across threads only when there are fewer than kItemsPerThread items per thread,
+// and into parts of at least kMinPartKeys keys (a part's merge costs a few rows of head_dim).
+constexpr int64_t kItemsPerThread = 2;
+constexpr int64_t kMinPartKeys = 512;
 
-// exp(x) for x <= 0 to about 2 ulp, branch-free so that loops over it vectorize (std::exp does not without
-// -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n by the
-// exponent bits. Below -87 the result is 0 (the exact value is below float32's normal range).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187045e-06f, x));
-  float y = 1.0f / 720.0f;
-  y = std::fma(y, r, 1.0f / 120.0f);
-  y = std::fma(y, r, 1.0f / 24.0f);
-  y = std::fma(y, r, 1.0f / 6.0f);
-  y = std::fma(y, r, 0.5f);
-  y = std::fma(y, r, 1.0f);
-  y = std::fma(y, r, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
-
-template <typename T>
-void to_floats(const T* src, int64_t n, float* dst) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
-
-template <typename T>
-void run_item(const Problem& p, const T* q, const T* kv, T* out, const Item& it, std::vector<float>& scratch) {
-  const int64_t D = p.head_dim, G = p.group, S = p.page_size;
+template <typename TQ, typename T>
+void run_item(const Problem& p, const TQ* q, const T* kv, TQ* out, const Item& it, float* partials) {
+  const int64_t D = p.head_dim, G = p.group;
+  const int64_t tokens = it.t1 - it.t0, R = tokens * G;
   const int32_t len = p.kv_lens[it.seq];
   const int32_t q_len = p.cu_q_lens[it.seq + 1] - p.cu_q_lens[it.seq];
-  const int64_t tokens = it.t1 - it.t0;
-  const int64_t rows = tokens * G;  // row t * G + g: query token it.t0 + t, query head it.head * G + g
-  // scratch: q rows | acc rows | m | l | one page's scores (G x S) | one K or V row in float32
-  scratch.resize(static_cast<size_t>(rows * D * 2 + rows * 2 + G * S + D));
-  float* qf = scratch.data();
-  float* acc = qf + rows * D;
-  float* m = acc + rows * D;
-  float* l = m + rows;
-  float* sc = l + rows;
-  float* row = sc + G * S;
-  for (int64_t t = 0; t < tokens; ++t) {
-    to_floats(q + ((it.t0 + t) * p.num_q_heads + it.head * G) * D, G * D, qf + t * G * D);
-  }
-  std::fill(acc, acc + rows * D, 0.0f);
-  std::fill(m, m + rows, -INFINITY);
-  std::fill(l, l + rows, 0.0f);
-  // Positions of the item's first and last query tokens, and the keys any of them can see: [lo, hi].
   const int64_t pos0 = (len - q_len) + (it.t0 - p.cu_q_lens[it.seq]);
-  const int64_t pos1 = pos0 + tokens - 1;
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
-  const int64_t hi = std::min<int64_t>(pos1, len - 1);
-  const int32_t* table = p.tables + static_cast<int64_t>(it.seq) * p.max_blocks;
-  for (int64_t blk = lo / S; blk <= hi / S && blk < p.max_blocks; ++blk) {
-    const int64_t page = table[blk];
-    if (page < 0 || page >= p.num_pages) continue;  // a corrupt table never reads out of bounds
-    const T* base = kv + (page * p.num_kv_heads + it.head) * S * 2 * D;
-    // Pages are scattered, so the hardware prefetcher cannot see the next one coming: ask for it now, while
-    // this one is computed (decode is bound by memory latency, not bandwidth, with one stream per thread).
-    for (int64_t ahead = (blk == lo / S ? 1 : kPrefetchPages); ahead <= kPrefetchPages; ++ahead) {
-      if (blk + ahead > hi / S || blk + ahead >= p.max_blocks) break;
-      const int64_t next = table[blk + ahead];
-      if (next < 0 || next >= p.num_pages) continue;
-      const char* np = reinterpret_cast<const char*>(kv + (next * p.num_kv_heads + it.head) * S * 2 * D);
-      for (int64_t b = 0; b < static_cast<int64_t>(S * 2 * D * sizeof(T)); b += 64) __builtin_prefetch(np + b);
-    }
-    const int64_t k0 = blk * S;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t pos = pos0 + t;
-      // This token's visible slots of the page: [j0, j1) (the same for its G query heads).
-      const int64_t j0 = std::max<int64_t>(0, (p.window > 0 ? pos - p.window + 1 : 0) - k0);
-      const int64_t j1 = std::min<int64_t>(S, std::min<int64_t>(pos, len - 1) - k0 + 1);
-      if (j0 >= j1) continue;
-      const float* qt = qf + t * G * D;
-      for (int64_t j = j0; j < j1; ++j) {
-        to_floats(base + j * 2 * D, D, row);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qr = qt + g * D;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * row[d];
-          float x = dot * p.sm_scale;
-          if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
-          sc[g * S + j] = x;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = t * G + g;
-        float* s = sc + g * S;
-        float page_max = -INFINITY;
-        for (int64_t j = j0; j < j1; ++j) page_max = std::max(page_max, s[j]);
-        const float m_new = std::max(m[r], page_max);
-        const float alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible page
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = j0; j < j1; ++j) {
-          s[j] = exp_nonpositive(s[j] - m_new);
-          sum += s[j];
-        }
-        l[r] = l[r] * alpha + sum;
-        m[r] = m_new;
-        float* a = acc + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-      }
-      for (int64_t j = j0; j < j1; ++j) {
-        to_floats(base + j * 2 * D + D, D, row);
-        for (int64_t g = 0; g < G; ++g) {
-          const float e = sc[g * S + j];
-          float* a = acc + (t * G + g) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += e * row[d];
-        }
-      }
-    }
+  const bool decode = tokens == 1;
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<int32_t> rowpos;
+  // scratch: q rows [R, D] | m [R] | l [R] | acc [R, D] | the item kind's own
+  const int64_t own = decode ? decode_scratch(G) : prefill_scratch(R, D);
+  scratch.resize(static_cast<size_t>(2 * R * D + 2 * R + own));
+  float* qf = scratch.data();
+  const RowState st{qf + R * D, qf + R * D + R, qf + R * D + 2 * R};
+  float* work = st.acc + R * D;
+  const TQ* qsrc = q + (it.t0 * p.num_q_heads + it.head * G) * D;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < G * D; ++i) qf[t * G * D + i] = to_float(qsrc[t * p.num_q_heads * D + i]);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = it.t0 + r / G, g = r % G;
-    T* dst = out + (t * p.num_q_heads + it.head * G + g) * D;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) from_float(acc[r * D + d] * inv, dst + d);
+  std::fill(st.m, st.m + R, -INFINITY);
+  std::fill(st.l, st.l + R, 0.0f);
+  std::fill(st.acc, st.acc + R * D, 0.0f);
+  const KvRows<T> rows(p, kv, it.seq, it.head);
+  if (decode) {
+    const uint16_t* qb = nullptr;  // the bfloat16 query itself, for vdpbf16ps on bfloat16 pages
+    if constexpr (std::is_same_v<TQ, uint16_t>) qb = qsrc;
+    decode_item(p, rows, qf, qb, it.lo, it.hi, st, work);
+  } else {
+    rowpos.resize(static_cast<size_t>(round_up(R, W)));
+    prefill_item(p, rows, qf, R, pos0, it.lo, it.hi, st, work, rowpos.data());
+  }
+  if (it.partial >= 0) {  // merged by merge_parts
+    float* dst = partials + it.partial;
+    std::copy(st.m, st.m + R * (D + 2), dst);  // m | l | acc are contiguous
+    return;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    TQ* o = out + ((it.t0 + r / G) * p.num_q_heads + it.head * G + r % G) * D;
+    const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : (st.l[r] == 0.0f ? 0.0f : st.l[r]);  // NaN stays NaN
+    for (int64_t d = 0; d < D; ++d) from_float(st.acc[r * D + d] * inv, o + d);
+  }
+}
+
+// The parts [first, first + count) of one item's keys, each a softmax state of R rows, combined into its output.
+template <typename TQ>
+void merge_parts(const Problem& p, const Item& it, int64_t count, const float* partials, TQ* out) {
+  const int64_t D = p.head_dim, G = p.group, R = (it.t1 - it.t0) * G;
+  const float* base = partials + it.partial;  // the parts' states follow each other
+  std::vector<float> acc(static_cast<size_t>(D));
+  for (int64_t r = 0; r < R; ++r) {
+    float m = -INFINITY;
+    for (int64_t k = 0; k < count; ++k) m = std::max(m, base[k * R * (D + 2) + r]);
+    float l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k = 0; k < count; ++k) {
+      const float* part = base + k * R * (D + 2);
+      const float mk = part[r], lk = part[R + r];
+      if (lk == 0.0f && mk == -INFINITY) continue;  // a part whose pages were all absent
+      const float w = exp_nonpositive(mk - m);
+      l += lk * w;
+      for (int64_t d = 0; d < D; ++d) acc[d] += part[2 * R + r * D + d] * w;
+    }
+    TQ* o = out + ((it.t0 + r / G) * p.num_q_heads + it.head * G + r % G) * D;
+    const float inv = l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : l);
+    for (int64_t d = 0; d < D; ++d) from_float(acc[d] * inv, o + d);
   }
 }
 
@@ -230,38 +151,75 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
   state->cv.wait(lock, [&] { return state->active.load() == 0; });
 }
 
-template <typename T>
-void run(ffi::ThreadPool& pool, const Problem& p, const T* q, const T* kv, T* out) {
-  std::memset(out, 0, sizeof(T) * p.num_tokens * p.num_q_heads * p.head_dim);
+// The work items: sequence x block of kTokensPerItem query tokens (decode: one) x KV head, each over the keys its
+// tokens see. With fewer than kItemsPerThread items per thread (batch 1, few KV heads), long key ranges are cut
+// into parts that run on different threads; `groups` gets (first part, part count) of every cut item.
+std::vector<Item> make_items(const Problem& p, int64_t threads, std::vector<std::pair<int64_t, int64_t>>& groups) {
   std::vector<Item> items;
   const int32_t n = std::min<int32_t>(p.num_seqs, static_cast<int32_t>(p.max_seqs));
   for (int32_t s = 0; s < n; ++s) {
     const int32_t t0 = std::max(0, p.cu_q_lens[s]);
     const int32_t t1 = std::min<int32_t>(p.cu_q_lens[s + 1], static_cast<int32_t>(p.num_tokens));
+    const int32_t len = p.kv_lens[s], q_len = p.cu_q_lens[s + 1] - p.cu_q_lens[s];
     for (int32_t a = t0; a < t1; a += kTokensPerItem) {
-      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
-        items.push_back({s, h, a, std::min(t1, a + kTokensPerItem)});
-      }
+      const int32_t b = std::min(t1, a + kTokensPerItem);
+      const int64_t pos0 = (len - q_len) + (a - p.cu_q_lens[s]), pos1 = pos0 + (b - a) - 1;
+      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
+      const int64_t hi = std::min<int64_t>(pos1, len - 1);
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, a, b, lo, hi, -1});
     }
   }
-  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
-    thread_local std::vector<float> scratch;
-    run_item(p, q, kv, out, items[i], scratch);
-  });
+  const int64_t want = kItemsPerThread * threads;
+  if (threads < 2 || items.empty() || static_cast<int64_t>(items.size()) >= want) return items;
+  const int64_t parts = (want + static_cast<int64_t>(items.size()) - 1) / static_cast<int64_t>(items.size());
+  std::vector<Item> cut;
+  int64_t offset = 0;
+  for (const Item& it : items) {
+    const int64_t span = it.hi - it.lo + 1;
+    const int64_t k = std::min(parts, span / kMinPartKeys);
+    if (k < 2) {
+      cut.push_back(it);
+      continue;
+    }
+    groups.emplace_back(static_cast<int64_t>(cut.size()), k);
+    for (int64_t i = 0; i < k; ++i) {
+      Item part = it;
+      part.lo = it.lo + round_up(span * i / k, kPrefillBlock);
+      part.hi = i + 1 == k ? it.hi : it.lo + round_up(span * (i + 1) / k, kPrefillBlock) - 1;
+      part.partial = offset;
+      offset += (it.t1 - it.t0) * p.group * (p.head_dim + 2);
+      cut.push_back(part);
+    }
+  }
+  return cut;
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_pages, ffi::Buffer<ffi::S32> kv_lens,
-                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                float sm_scale, float soft_cap, int64_t sliding_window, ffi::Result<ffi::AnyBuffer> out) {
+template <typename TQ, typename T>
+void run(ffi::ThreadPool& pool, const Problem& p, const TQ* q, const T* kv, TQ* out) {
+  std::memset(out, 0, sizeof(TQ) * p.num_tokens * p.num_q_heads * p.head_dim);
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  const std::vector<Item> items = make_items(p, pool.num_threads(), groups);
+  int64_t partial_floats = 0;
+  for (const Item& it : items) {
+    if (it.partial >= 0) partial_floats += (it.t1 - it.t0) * p.group * (p.head_dim + 2);
+  }
+  std::vector<float> partials(static_cast<size_t>(partial_floats));
+  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    run_item(p, q, kv, out, items[i], partials.data());
+  });
+  for (const auto& [first, count] : groups) merge_parts(p, items[first], count, partials.data(), out);
+}
+
+// Problem fields from the operands; an error names what disagrees.
+ffi::Error make_problem(ffi::AnyBuffer& q, ffi::AnyBuffer& kv_pages, ffi::Buffer<ffi::S32>& kv_lens,
+                        ffi::Buffer<ffi::S32>& block_tables, ffi::Buffer<ffi::S32>& cu_q_lens,
+                        ffi::Buffer<ffi::S32>& num_seqs, float sm_scale, float soft_cap, int64_t sliding_window,
+                        Problem& p) {
   auto qd = q.dimensions();
   auto kd = kv_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || kd[3] != 2 * qd[2] || qd[1] % kd[1] != 0) {
     return ffi::Error::InvalidArgument("paged_attention: q [T, Hq, D] and kv_pages [P, Hkv, S, 2D] disagree");
   }
-  if (q.element_type() != kv_pages.element_type() || out->element_type() != q.element_type()) {
-    return ffi::Error::InvalidArgument("paged_attention: q, kv_pages and out must share one dtype");
-  }
-  Problem p;
   p.num_tokens = qd[0];
   p.num_q_heads = qd[1];
   p.head_dim = qd[2];
@@ -278,6 +236,38 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
   p.tables = block_tables.typed_data();
   p.cu_q_lens = cu_q_lens.typed_data();
   p.num_seqs = num_seqs.typed_data()[0];
+  p.scales = nullptr;
+  return ffi::Error::Success();
+}
+
+template <typename TQ>
+ffi::Error dispatch_pages(ffi::ThreadPool& pool, const Problem& p, ffi::AnyBuffer& q, ffi::AnyBuffer& kv_pages,
+                          ffi::AnyBuffer& out) {
+  const TQ* qp = static_cast<const TQ*>(q.untyped_data());
+  TQ* op = static_cast<TQ*>(out.untyped_data());
+  const void* kv = kv_pages.untyped_data();
+  switch (kv_pages.element_type()) {
+    case ffi::S8:
+      run(pool, p, qp, static_cast<const int8_t*>(kv), op);
+      return ffi::Error::Success();
+    case ffi::F8E4M3FN:
+      run(pool, p, qp, static_cast<const Fp8*>(kv), op);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("paged_attention: quantized kv_pages must be int8 or float8_e4m3fn");
+  }
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_pages, ffi::Buffer<ffi::S32> kv_lens,
+                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                float sm_scale, float soft_cap, int64_t sliding_window, ffi::Result<ffi::AnyBuffer> out) {
+  Problem p;
+  ffi::Error err =
+      make_problem(q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, soft_cap, sliding_window, p);
+  if (err.failure()) return err;
+  if (q.element_type() != kv_pages.element_type() || out->element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("paged_attention: q, kv_pages and out must share one dtype");
+  }
   switch (q.element_type()) {
     case ffi::F32:
       run(pool, p, static_cast<const float*>(q.untyped_data()), static_cast<const float*>(kv_pages.untyped_data()),
@@ -292,13 +282,65 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
   }
 }
 
-}  // namespace
+ffi::Error ImplQuantized(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_pages, ffi::Buffer<ffi::F32> scales,
+                         ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
+                         ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                         float soft_cap, int64_t sliding_window, ffi::Result<ffi::AnyBuffer> out) {
+  Problem p;
+  ffi::Error err =
+      make_problem(q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, soft_cap, sliding_window, p);
+  if (err.failure()) return err;
+  auto sd = scales.dimensions();
+  if (sd.size() != 2 || sd[0] != p.num_pages || sd[1] != p.num_kv_heads * 2 * p.page_size) {
+    return ffi::Error::InvalidArgument("paged_attention: scales must be [P, Hkv * 2 * S]");
+  }
+  p.scales = scales.typed_data();
+  if (out->element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("paged_attention: q and out must share one dtype");
+  }
+  switch (q.element_type()) {
+    case ffi::F32:
+      return dispatch_pages<float>(pool, p, q, kv_pages, *out);
+    case ffi::BF16:
+      return dispatch_pages<uint16_t>(pool, p, q, kv_pages, *out);
+    default:
+      return ffi::Error::InvalidArgument("paged_attention: q must be float32 or bfloat16");
+  }
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, Impl,
+}  // namespace
+}  // namespace pja
+
+// The instruction-set path this library was built for ("avx512+bf16", "avx512", "avx2" or "generic").
+extern "C" const char* PagedAttentionIsa() {
+  return pja::kHasBf16Dot ? "avx512+bf16" : pja::kIsa;
+}
+
+// exp_nonpositive on n floats (tests pin its accuracy and its edges: below -87 and -inf give 0, NaN gives NaN).
+extern "C" void PagedAttentionExp(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = pja::exp_nonpositive(x[i]);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, pja::Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()         // q
                                   .Arg<ffi::AnyBuffer>()         // kv_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionQuantized, pja::ImplQuantized,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // kv_pages (int8 / float8_e4m3fn)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens

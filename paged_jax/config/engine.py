@@ -1,0 +1,59 @@
+"""The engine's options (`EngineConfig`): names and defaults follow vLLM where one exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paged_jax.config import KV_DTYPE_CHOICES
+from paged_jax.sampling_params import MAX_LOGIT_BIAS
+from pallas_kernels.common import BACKENDS
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine options; names and defaults follow vLLM where one exists."""
+
+    page_size: int = 16  # token slots per KV page
+    num_pages: int | None = None  # explicit KV pages (page 0 is the null page); overrides the budgets below
+    kv_cache_memory_fraction: float = 0.9  # of free accelerator memory, for KV pages
+    cpu_kv_cache_bytes: int | None = None  # KV budget on CPU; None: 4 GiB, capped (see paged_jax.worker.kv_budget)
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 512  # token budget per step
+    max_model_len: int | None = None  # prompt + output tokens; default min(model max, 8192)
+    chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # one of pallas_kernels.common.BACKENDS (auto | xla | pallas | ...)
+    kv_dtype: str | None = None  # default: the model dtype; int8 / fp8_e4m3: quantized pages (paged_jax.model.quant)
+    seed: int = 0  # seeds requests that do not set their own
+    max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)
+    warmup: bool = True  # compile every step shape at start-up (or call `warmup(plan)` later with False)
+    watermark: float = 0.01  # fraction of pages admission keeps free while requests run
+    async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
+    # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
+    reserve_full_length: bool = False
+    max_logit_bias: int = MAX_LOGIT_BIAS  # most `logit_bias` entries per request (the sampler's fixed bias width)
+    tensor_parallel_size: int = 1  # chips per engine (weights by heads/columns/vocab, KV pages by KV heads)
+    data_parallel_size: int = 1  # engine replicas on disjoint device groups (`engine.data_parallel.make_engine`)
+    # SamplingParams fields a request gets when it leaves them unset (the model's generation_config.json;
+    # see paged_jax.config.generation_defaults). Applied by LLM, batch and gRPC where "unset" is known.
+    sampling_defaults: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {self.attention_backend!r}")
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_n",
+            "max_logit_bias",
+            "tensor_parallel_size",
+            "data_parallel_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
+        if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes <= 0:
+            raise ValueError("cpu_kv_cache_bytes: must be positive (or None for the default)")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv_dtype: must be one of {KV_DTYPE_CHOICES}, got {self.kv_dtype!r}")

@@ -1,0 +1,308 @@
+"""The synchronous engine core: `add_request`, `step`, `abort`, `has_unfinished` (the `Engine` protocol).
+
+Serving and the batch script both drive this loop. Each `step` schedules one batch (`paged_jax.sched.scheduler`),
+runs it on the device (`paged_jax.worker.runner`), appends the sampled tokens, hands each to the output processor
+(`paged_jax.engine.output_processor`: stop checks, detokenization, outputs) and frees the pages of every sequence
+that finished. Every page a request holds goes back when it finishes, is aborted, or fails. With
+`async_scheduling` the step looks one step ahead (`paged_jax.engine.lookahead`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import jax
+
+from paged_jax.config import ModelConfig
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.lookahead import Launched, Lookahead
+from paged_jax.engine.output_processor import OutputProcessor, RequestState
+from paged_jax.engine.protocol import EngineStats
+from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.model import quant
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.sched.output import SchedulerOutput
+from paged_jax.sched.scheduler import Scheduler
+from paged_jax.sched.sequence import FinishReason, TokenSequence
+from paged_jax.tokenization.tokenizer import Tokenizer
+from paged_jax.worker import sharding
+from paged_jax.worker.kv_budget import kv_capacity_pages
+from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
+from paged_jax.worker.runner import ModelRunner, StepResult
+from paged_jax.worker.warmup import WarmupPlan, run_warmup
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LLMEngine"]
+
+
+class LLMEngine:
+    """One engine: one scheduler and KV manager over one device, or over a tensor-parallel group.
+
+    `devices`: the group this engine runs on (`tensor_parallel_size` of them); default: the default device
+    when TP is 1 (the single-device path), else the first `tensor_parallel_size` local devices. For
+    several replicas use `paged_jax.engine.data_parallel.make_engine`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        tokenizer: Tokenizer,
+        engine_config: EngineConfig | None = None,
+        devices: Sequence[jax.Device] | None = None,
+    ):
+        ec = engine_config or EngineConfig()
+        ec.validate()
+        if ec.data_parallel_size != 1:
+            raise ValueError(
+                "data_parallel_size: one LLMEngine is one replica; use paged_jax.engine.data_parallel.make_engine"
+            )
+        # Every EOS the model's files name ends generation (e.g. Llama-3-Instruct's <|eot_id|> and <|end_of_text|>).
+        eos = tuple(dict.fromkeys((*config.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
+        config = config.replace(eos_token_ids=eos) if eos != tuple(config.eos_token_ids) else config
+        self.config, self.tokenizer, self.engine_config = config, tokenizer, ec
+        self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 8192)
+        kv_dtype = quant.kv_cache_dtype(ec.kv_dtype, config.dtype)
+        tp = ec.tensor_parallel_size
+        mesh, run_config = None, config
+        if devices is not None or tp > 1:
+            devices = list(devices) if devices is not None else sharding.dp_device_groups(1, tp)[0]
+            if len(devices) != tp:
+                raise ValueError(f"devices: tensor_parallel_size is {tp} but {len(devices)} devices were given")
+            mesh = sharding.make_mesh(devices)
+            run_config, params = sharding.shard_params(config, params, mesh)
+        self.mesh = mesh
+        self.num_pages = kv_capacity_pages(
+            run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
+        )
+        self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=ec.max_num_seqs,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+            chunk_size=ec.chunk_size,
+            enable_prefix_caching=ec.enable_prefix_caching,
+            reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
+            watermark=ec.watermark,
+        )
+        self.runner = ModelRunner(
+            run_config,
+            params,
+            num_pages=self.num_pages,
+            page_size=ec.page_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=ec.max_num_seqs,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+            attention_backend=ec.attention_backend,
+            kv_dtype=ec.kv_dtype,
+            mesh=mesh,
+            max_logit_bias=ec.max_logit_bias,
+        )
+        self.outputs = OutputProcessor(
+            tokenizer,
+            vocab_size=config.vocab_size,
+            eos_token_ids=config.eos_token_ids,
+            max_model_len=self.max_model_len,
+            max_n=self.max_n,
+            seed=ec.seed,
+            max_logit_bias=ec.max_logit_bias,
+        )
+        self.lookahead = Lookahead()
+        self.kv_cache_bytes = quant.kv_bytes_per_token(config, kv_dtype) * self.num_pages * ec.page_size
+        self.kv_token_gain = quant.kv_token_gain(config, kv_dtype)  # tokens per byte vs bfloat16 pages
+        log.info(
+            "KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d; "
+            "%s pages: %.2fx the tokens of bfloat16 in the same bytes)",
+            self.num_pages - 1,
+            ec.page_size,
+            (self.num_pages - 1) * ec.page_size,
+            self.kv_cache_bytes / 2**20,
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            kv_dtype.name,
+            self.kv_token_gain,
+        )
+        self.num_steps = 0
+        self.num_launched = 0  # steps dispatched to the device (the engine loop's progress signal)
+        self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
+        if ec.warmup:
+            self.warmup()
+
+    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up", cancel=None) -> int:
+        """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.worker.warmup`. Safe
+        to call from another thread while steps run (it only compiles); `cancel` (a threading.Event) stops it."""
+        lookahead = self.engine_config.async_scheduling
+        return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, what=what, cancel=cancel)
+
+    @property
+    def max_n(self) -> int:
+        """The most samples one request may ask for: every sample of a request must run in the same batch
+        once its prompt completes, so `n` above `max_num_seqs` could never be scheduled."""
+        return min(self.engine_config.max_n, self.engine_config.max_num_seqs)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError naming the field when the request is invalid or can never fit."""
+        params = params if params is not None else SamplingParams(**self.engine_config.sampling_defaults)
+        req = self.outputs.add_request(request_id, prompt, params, cache_salt, arrival_time, self._check_fits)
+        self.scheduler.add(req.seqs[0], req.seqs[1:])
+
+    def _check_fits(self, total_tokens: int) -> None:
+        if not self.kv.can_ever_fit(total_tokens):
+            raise ValueError(
+                f"prompt: {total_tokens} tokens need {self.kv.pages_needed(total_tokens)} KV pages but "
+                f"the cache has {self.num_pages - 1}"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and return every page it holds; None if it is unknown or already done."""
+        return self._end(request_id, FinishReason.ABORT)
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        out = self._end(request_id, FinishReason.ERROR)
+        if out is not None:
+            out.error = message
+        return out
+
+    def _end(self, request_id: str, reason: FinishReason) -> RequestOutput | None:
+        req = self.outputs.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.remove(seq, reason)
+                seq.finish_time = time.monotonic()
+        return self.outputs.output(req, final=True)
+
+    def check_invariants(self) -> None:
+        """The KV manager's invariants (raises RuntimeError naming the broken one)."""
+        check_manager_invariants(self.kv)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.outputs.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            **asdict(self.kv.stats()),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            **self.runner.compile_stats.as_dict(),
+            step_tokens=self.runner.real_tokens,
+            step_padding_tokens=self.runner.padded_tokens,
+            kv_cache_tokens=(self.num_pages - 1) * self.engine_config.page_size,
+            kv_cache_token_gain=round(self.kv_token_gain, 3),
+        )
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that produced tokens or finished.
+
+        With `async_scheduling` (the default) the engine dispatches step n+1 before it waits for step n's
+        samples (`paged_jax.engine.lookahead`); the outputs returned are then step n's.
+        """
+        if not self.engine_config.async_scheduling:
+            launched = self.launch_step()
+            return [] if launched is None else self.finish_step(launched)
+        prev = self.lookahead.take()
+        if prev is not None:
+            self.lookahead.mark_pending(prev, self._is_live, self.outputs.is_last_token)
+        self.lookahead.inflight = self.launch_step(prev)
+        return [] if prev is None else self.finish_step(prev)
+
+    def _is_live(self, seq: TokenSequence) -> bool:
+        return not seq.finished and seq.request_id in self.outputs.requests
+
+    def launch_step(self, prev: Launched | None = None) -> Launched | None:
+        """First half of `step`: schedule and dispatch to the device without waiting (None: nothing to run).
+
+        Every launched step must be passed to `finish_step` before the next `launch_step`. Data parallelism
+        launches every replica's step before finishing any, so the replicas' devices run together.
+        """
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return None
+        out = self.runner.launch(sched, None if prev is None else prev.samples)
+        self.num_launched += 1
+        return Launched(sched, out.samples, time.perf_counter() - t0, out.prompt_logprobs)
+
+    def finish_step(self, launched: Launched) -> list[RequestOutput]:
+        """Second half of `step`: wait for the samples, append tokens, apply stops, free finished requests."""
+        t0 = time.perf_counter()
+        sched = launched.sched
+        device0 = self.runner.device_seconds
+        result = self.runner.collect(
+            launched.samples, len(sched.sample_rows), launched.prompt_logprobs, num_prompt_rows(sched)
+        )
+        touched: dict[str, RequestState] = {}
+        outputs = []
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(sched, result.prompt_logprobs)
+        for r, (seq, _) in enumerate(sched.sample_rows):
+            req = self.outputs.requests.get(seq.request_id)
+            if req is None or seq.finished:
+                continue  # finished, aborted or failed while this step was in flight (or earlier in this loop)
+            try:
+                self._append(req, seq, result, r)
+            except Exception as e:  # one request's failure (e.g. its tokenizer) ends that request alone
+                log.exception("request %s failed", req.request_id)
+                touched.pop(req.request_id, None)
+                outputs.append(self.fail(req.request_id, f"{type(e).__name__}: {e}"))
+                continue
+            touched[req.request_id] = req
+        for req in touched.values():
+            done = req.finished
+            outputs.append(self.outputs.output(req, final=done))
+            if done:
+                del self.outputs.requests[req.request_id]
+        self.num_steps += 1
+        self.host_seconds += launched.host_seconds + time.perf_counter() - t0 - (self.runner.device_seconds - device0)
+        return outputs
+
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, values: PromptLogprobs) -> None:
+        """Hand each request its rows of the step's prompt logprobs (in scheduling order)."""
+        row = 0
+        for item in sched.scheduled:
+            positions = item.prompt_logprob_positions
+            req = self.outputs.requests.get(item.seq.request_id)
+            if positions and req is not None:
+                self.outputs.add_prompt_logprobs(req, positions, values, row)
+            row += len(positions)
+
+    def _append(self, req: RequestState, seq: TokenSequence, result: StepResult, row: int) -> None:
+        """Sample `row` of `result` is `seq`'s next token (or its pending one): append it, check it, and free
+        the sequence's pages if it ended. A prompt-only request (`max_tokens=0`) drops it and ends."""
+        token = int(result.tokens[row])
+        if not self.lookahead.resolve(seq, token, self.kv):
+            seq.append_token(token)
+        if seq.params.max_tokens == 0:
+            seq.drop_last_token()
+            self.scheduler.remove(seq, self.outputs.finish_prompt_only(seq))
+            return
+        k = seq.params.logprobs
+        reason = self.outputs.check_token(req, seq, token, None if k is None else result.logprobs_of(row, k))
+        if reason is not None:
+            self.scheduler.remove(seq, reason)

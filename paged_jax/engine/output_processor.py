@@ -1,0 +1,234 @@
+"""What happens to a request off the device: validation, its sequences, each sampled token's stop checks,
+incremental detokenization and logprobs, and the `RequestOutput`s handed back.
+
+The engine (`paged_jax.engine.llm_engine`) runs the step loop: it appends each sampled token to its sequence and asks
+`OutputProcessor.check_token` whether that token ends the sequence; it then frees the pages of a sequence
+that finished (the scheduler's `remove`). Nothing here touches the device, the scheduler or the KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from paged_jax.sched.sequence import FinishReason, TokenSequence
+from paged_jax.tokenization.detokenizer import Detokenizer
+from paged_jax.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from paged_jax.worker.prompt_logprobs import PromptLogprobs
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One request in flight: its prompt, its `n` sequences and their detokenizers (one per sample)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[TokenSequence]
+    detoks: list[Detokenizer]
+    arrival_time: float
+    # `prompt_logprobs` requests: entry i for prompt token i (None first), filled as the prompt's steps complete
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = field(default=False)  # already on an output (then again only on the final one)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class OutputProcessor:
+    """The requests an engine holds, keyed by request id, and everything about them that is not scheduling.
+
+    `eos_token_ids` end generation (unless `ignore_eos`); `max_model_len` bounds prompt + output; `seed`
+    seeds the requests that do not set their own (so a run is reproducible)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        max_model_len: int,
+        max_n: int,
+        seed: int,
+        max_logit_bias: int = MAX_LOGIT_BIAS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_n = max_n
+        self.max_logit_bias = max_logit_bias
+        self.requests: dict[str, RequestState] = {}
+        self._rng = np.random.default_rng(seed)
+
+    # -- new requests ---------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        arrival_time: float | None,
+        check_fits: Callable[[int], None],
+    ) -> RequestState:
+        """Validate and register a request; returns it with its sequences (not yet scheduled).
+
+        Raises ValueError naming the field when the request is invalid; `check_fits(total_tokens)` raises
+        when prompt + max_tokens can never fit the KV cache (checked last, after every field)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        params.validate(self.vocab_size, self.max_n, self.max_logit_bias)
+        text, ids = self._prompt_ids(prompt)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        check_fits(total)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [
+            TokenSequence(f"{request_id}#{i}", request_id, i, list(ids), params, seed, cache_salt, arrival_time=now)
+            for i in range(params.n)
+        ]
+        detoks = [
+            Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.spaces_between_special_tokens)
+            for _ in seqs
+        ]
+        req = RequestState(request_id, text, list(ids), params, seqs, detoks, now)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self.requests[request_id] = req
+        return req
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids), validated."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        bad = next(
+            (
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size
+            ),
+            None,
+        )
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {self.vocab_size})")
+        return None, [int(t) for t in ids]
+
+    # -- each sampled token ---------------------------------------------------------------------------
+    def check_token(
+        self, req: RequestState, seq: TokenSequence, token: int, logprobs: tuple[float, list[tuple[int, float]]] | None
+    ) -> FinishReason | None:
+        """Record `token`, already appended to `seq`: its `logprobs` (its own and the requested top (id, logprob)
+        pairs, when the request asked), the first-token time, its text; return why it ends the sequence (EOS, a
+        stop id, a stop string, the length), or None. Sets `stop_reason` and `finish_time` when it ends; freeing
+        the pages is the caller's."""
+        p = seq.params
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        n_out = len(seq.output_token_ids)
+        reason, stop_reason = None, None
+        if not p.ignore_eos and token in self.eos_token_ids and n_out >= p.min_tokens:
+            reason = FinishReason.EOS
+        elif token in p.stop_token_ids and n_out >= p.min_tokens:
+            reason, stop_reason = FinishReason.STOP, token
+        else:
+            detok = req.detoks[seq.index]
+            if p.detokenize:
+                detok.add([token], check_stop=n_out >= p.min_tokens)
+            if detok.stopped_on is not None:
+                reason, stop_reason = FinishReason.STOP_STRING, detok.stopped_on
+            elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            seq.finish_time = now
+        return reason
+
+    def add_prompt_logprobs(self, req: RequestState, positions: range, values: PromptLogprobs, first_row: int) -> None:
+        """Record rows [first_row, first_row + len(positions)) of a step's prompt logprobs: position p's row is
+        the logprob of prompt token p + 1 (positions come in order, each once)."""
+        assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == positions.start + 1, positions
+        k = req.params.prompt_logprobs
+        ids = req.prompt_token_ids
+        req.prompt_logprobs.extend(values.entry(first_row + i, ids[p + 1], k) for i, p in enumerate(positions))
+
+    def finish_prompt_only(self, seq: TokenSequence) -> FinishReason:
+        """A `max_tokens=0` sequence whose prompt is computed: it ends by length, with no tokens."""
+        seq.finish_time = time.monotonic()
+        return FinishReason.LENGTH
+
+    def is_last_token(self, seq: TokenSequence) -> bool:
+        """Whether the token `seq` just got is its last for length alone (max_tokens or max_model_len)."""
+        return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+
+    # -- outputs --------------------------------------------------------------------------------------
+    def output(self, req: RequestState, final: bool) -> RequestOutput:
+        """This step's output of `req`: what each sample added since the last output (the cost of a step is
+        that of its new tokens, not of the whole output), plus the whole output when `final`."""
+        completions = []
+        for seq, detok in zip(req.seqs, req.detoks, strict=True):
+            sent, seq.num_sent_tokens = seq.num_sent_tokens, len(seq.output_token_ids)
+            new_ids = seq.output_token_ids[sent:]
+            new_logprobs = None
+            if seq.params.logprobs is not None:
+                new_logprobs = [
+                    TokenLogprob(t, lp, top) for t, (lp, top) in zip(new_ids, seq.output_logprobs[sent:], strict=True)
+                ]
+            new_text = detok.take_delta(final=seq.finished)  # first: a finished sample's pending text is flushed
+            c = CompletionOutput(
+                index=seq.index,
+                token_ids=[],
+                text="",
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason,
+                new_token_ids=new_ids,
+                new_text=new_text,
+                new_logprobs=new_logprobs,
+            )
+            if final:
+                c.token_ids, c.text = list(seq.output_token_ids), detok.text
+                if seq.params.logprobs is not None:
+                    c.logprobs = [
+                        TokenLogprob(t, lp, top)
+                        for t, (lp, top) in zip(seq.output_token_ids, seq.output_logprobs, strict=True)
+                    ]
+            completions.append(c)
+        lead = req.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_token_time=min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
+            finish_time=max((s.finish_time for s in req.seqs if s.finish_time), default=None) if final else None,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
+            num_cached_prompt_tokens=lead.num_cached_prompt,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, final, metrics)
+        complete = req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_token_ids)
+        if complete and (final or not req.prompt_logprobs_sent):
+            out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return out

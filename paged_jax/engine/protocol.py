@@ -1,0 +1,114 @@
+"""What an engine is to the code that drives it: the `Engine` protocol and its `EngineStats`.
+
+`LLMEngine` (one replica) and `DataParallelEngine` (several behind a router) both implement `Engine`; the batch
+script, the server's engine loop, its metrics and its servicer are written against it. What drives an engine
+calls `add_request` and then `step` until `has_unfinished` is False; `abort`/`fail` end one request at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from paged_jax.config import ModelConfig
+from paged_jax.config.engine import EngineConfig
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.tokenization.tokenizer import Tokenizer
+from paged_jax.worker.warmup import WarmupPlan
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of an engine. Pages: see `paged_jax.kv_cache.KVCacheStats` (page 0 not counted); counters
+    are cumulative since start-up."""
+
+    pages_total: int
+    pages_free: int
+    pages_cached_free: int
+    pages_in_use: int
+    slot_utilization: float  # live token slots / slots of the pages in use (1.0 when none are in use)
+    prefix_queries: int  # prompt tokens looked up at admission
+    prefix_hits: int  # of those, tokens served from the prefix cache
+    prefix_hit_rate: float
+    evictions: int
+    num_preemptions: int
+    num_waiting: int  # sequences in the scheduler's waiting queue
+    num_running: int
+    compile_count: int  # step executables compiled (persistent-cache loads included)
+    compile_seconds: float
+    compile_cache_hits: int
+    compiles_after_warmup: int
+    step_tokens: int  # tokens of scheduled work, summed over steps
+    step_padding_tokens: int  # padding added to reach each step's token bucket (waste = this / step_tokens)
+    kv_cache_tokens: int = 0  # token slots of the KV pages (page 0 not counted)
+    kv_cache_token_gain: float = 1.0  # tokens per KV byte relative to bfloat16 pages (int8 pages: ~1.94)
+    replicas: tuple[EngineStats, ...] = ()  # each replica's own (data parallelism only)
+
+    @property
+    def pages_in_use_ratio(self) -> float:
+        """Pages in use / usable pages."""
+        return self.pages_in_use / max(1, self.pages_total)
+
+    @classmethod
+    def combine(cls, per: Sequence[EngineStats]) -> EngineStats:
+        """Replicas' stats as one: counts summed, rates recomputed from the sums, `replicas` = `per`."""
+        sums = {f.name: sum(getattr(s, f.name) for s in per) for f in dataclasses.fields(cls) if f.name != "replicas"}
+        queries, in_use = sums["prefix_queries"], sums["pages_in_use"]
+        sums["prefix_hit_rate"] = sums["prefix_hits"] / queries if queries else 0.0
+        sums["slot_utilization"] = sum(s.slot_utilization * s.pages_in_use for s in per) / in_use if in_use else 1.0
+        sums["kv_cache_token_gain"] = per[0].kv_cache_token_gain if per else 1.0  # the same pages everywhere
+        return cls(**sums, replicas=tuple(per))
+
+
+class Engine(Protocol):
+    """The surface the batch script and the server drive (see the module docstring)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    engine_config: EngineConfig
+    max_model_len: int
+    num_pages: int  # KV pages of one replica, the null page included (a request must fit one replica)
+    num_steps: int
+    num_launched: int  # steps dispatched to the device (the engine loop's progress signal)
+
+    @property
+    def max_n(self) -> int: ...  # the most samples one request may ask for
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def check_invariants(self) -> None: ...
+
+    def warmup(
+        self,
+        plan: WarmupPlan | None = None,
+        progress: bool = True,
+        what: str = "warm-up",
+        cancel: threading.Event | None = None,
+    ) -> int: ...

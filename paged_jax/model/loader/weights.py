@@ -1,0 +1,79 @@
+"""Where parameters come from: one entry point (`load_weights`) over the sources.
+
+- a Hugging Face directory (`config.json` + safetensors): `load_hf_params`;
+- a GGUF file, or the name of a model shipped as one (`named.NAMED_MODELS`): `load_gguf`;
+- an orbax checkpoint written by `save_checkpoint` (config JSON stored beside);
+- a config name or JSON path: random weights from a seed (`init_params`).
+
+The tokenizer is not loaded here (tokenization sits above the model in the import order): the result says
+where it is described, and `paged_jax.engine.load.load_model` builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from paged_jax.config import ModelConfig, load_model_config
+from paged_jax.model import quant
+from paged_jax.model.init import Params, init_params
+from paged_jax.model.loader.budget import check_fits
+from paged_jax.model.loader.checkpoint import is_checkpoint, load_checkpoint
+from paged_jax.model.loader.gguf import load_gguf
+from paged_jax.model.loader.gguf_file import GGUFFile, is_gguf
+from paged_jax.model.loader.hf import load_hf_params
+from paged_jax.model.loader.named import named_model_path
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedWeights:
+    """A model's config and parameters, and where its tokenizer is described."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer_dir: Path | None  # a directory holding tokenizer files (HF, checkpoint); None: none
+    gguf: GGUFFile | None = None  # a GGUF file's metadata (its tokenizer, when it has a vocabulary)
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A named model's GGUF path, else `model` as a path."""
+    return named_model_path(str(model)) or Path(model)
+
+
+def load_weights(
+    model: str | Path, dtype: str | None = None, seed: int = 0, quantization: str | None = None
+) -> LoadedWeights:
+    """Config and parameters for a GGUF file or named model, an HF directory, an orbax checkpoint, or a config
+    name/JSON.
+
+    `dtype` ("float32" | "bfloat16") overrides the config's parameter/activation dtype (GGUF: float32
+    unless given, since dequantized values are exact in float32). A config whose parameters could not fit
+    this machine is refused (ConfigError naming the field) before any allocation. `quantization` ("int8" |
+    "fp8") quantizes the weights after loading (`paged_jax.model.quant`); a quantized checkpoint loads quantized.
+    """
+    loaded = _load(model, dtype, seed)
+    if quantization is not None and quant.scheme_of(loaded.params) is None:
+        params = quant.quantize_params(loaded.params, quantization)
+        return LoadedWeights(loaded.config, params, loaded.tokenizer_dir, loaded.gguf)
+    return loaded
+
+
+def _load(model: str | Path, dtype: str | None, seed: int) -> LoadedWeights:
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        name = str(model) if named_model_path(str(model)) else None
+        config, params, gguf = load_gguf(path, dtype=dtype, name=name)
+        return LoadedWeights(config, params, None, gguf)
+    if path.is_dir() and is_checkpoint(path):
+        config, params = load_checkpoint(path, dtype)
+        return LoadedWeights(config, params, path)
+    config = load_model_config(model)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    check_fits(config)
+    if path.is_dir():
+        return LoadedWeights(config, load_hf_params(path, config), path)
+    return LoadedWeights(config, init_params(config, seed), None)
+
+
+__all__ = ["LoadedWeights", "load_weights", "resolve_model_path"]

@@ -1,0 +1,264 @@
+"""Resumable batch generation: JSONL in, JSONL out, nothing lost.
+
+Input lines: `{"id": ..., "prompt": "..."}`, `{"id": ..., "prompt_token_ids": [...]}` or
+`{"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}` (rendered with the model's chat
+template; optional `add_generation_prompt`, `tools`, `chat_template_kwargs`), plus any `SamplingParams`
+field (`max_tokens`, `temperature`, ...) and an optional `cache_salt`. Fields a line leaves unset take the
+model's generation defaults (`generation_config.json`), then SamplingParams' own.
+Each finished request is appended to the output as one line with a single `write` on an O_APPEND
+descriptor, so `kill -9` loses at most the requests in flight and never leaves half a line (a torn
+tail from a crash in the middle of a write is cut off on the next start). A re-run with the same
+output skips ids already written; a run holds an exclusive lock on the output for its whole length, so
+a second run on the same output is refused instead of duplicating lines. Ids keep their JSON type
+(`1` and `"1"` are different requests). Any line that cannot be run (not UTF-8, not JSON, a bad field,
+refused or failed by the engine) goes to the errors file with its line number, alone: the rest of
+the job goes on, and a re-run retries it without repeating error lines already recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from paged_jax.engine.args import add_engine_args, build_engine
+from paged_jax.engine.protocol import Engine
+from paged_jax.offline import multihost
+from paged_jax.offline.lines import BatchItem, Chat, parse_line
+from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids, result_line
+from paged_jax.offline.plan import plan_for_input
+
+
+@dataclass(slots=True)
+class BatchSummary:
+    requests: int = 0
+    skipped: int = 0  # already in the output from an earlier run
+    errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    seconds: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    prefix_hit_rate: float = 0.0
+    startup_seconds: float = 0.0  # model load, engine construction and warm-up, before the first request
+    compile: dict = field(default_factory=dict)  # the engine's compile and padding counters (see EngineStats)
+
+    def lines(self) -> list[str]:
+        tps = self.generated_tokens / self.seconds if self.seconds else 0.0
+        p50, p99 = (np.percentile(self.ttfts, [50, 99]) * 1e3) if self.ttfts else (0.0, 0.0)
+        return [
+            f"requests           {self.requests} done, {self.skipped} skipped (already written), {self.errors} errors",
+            f"tokens             {self.prompt_tokens} prompt ({self.cached_prompt_tokens} from prefix cache), "
+            f"{self.generated_tokens} generated",
+            f"throughput         {tps:.1f} generated tokens/s, {self.requests / max(self.seconds, 1e-9):.2f} req/s "
+            f"over {self.seconds:.2f}s",
+            f"time to first tok  p50 {p50:.1f} ms, p99 {p99:.1f} ms",
+            f"prefix cache       hit rate {self.prefix_hit_rate:.1%}; preemptions {self.preemptions}",
+            *self.startup_lines(),
+        ]
+
+    def startup_lines(self) -> list[str]:
+        c = self.compile
+        if not c:
+            return []
+        waste = c["step_padding_tokens"] / c["step_tokens"] if c["step_tokens"] else 0.0
+        return [
+            f"start-up           {self.startup_seconds:.1f}s: {c['compile_count']} executables compiled in "
+            f"{c['compile_seconds']:.1f} compile-s ({c['compile_cache_hits']} from the persistent cache), "
+            f"{c['compiles_after_warmup']} after warm-up",
+            f"padding            {waste:.1%} of step tokens ({c['step_padding_tokens']} padding / "
+            f"{c['step_tokens']} real)",
+        ]
+
+
+def read_items(
+    path: Path,
+    errors: LineWriter,
+    summary: BatchSummary,
+    skip: set[str],
+    shard: tuple[int, int] = (0, 1),
+    defaults: dict | None = None,
+) -> Iterator[BatchItem]:
+    """Valid items of this shard (`index, count`: every count-th line) not already done."""
+    index, count = shard
+    seen: set[str] = set()
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 fails alone, in parse_line
+        for lineno, line in enumerate(f, 1):
+            if (lineno - 1) % count != index or not line.strip():
+                continue
+            try:
+                item = parse_line(line, lineno, defaults)
+                if item.key in seen:
+                    raise ValueError(f"id: {item.id!r} appears twice in the input")
+                seen.add(item.key)
+            except (ValueError, RecursionError) as e:
+                errors.write({"line": lineno, "error": str(e)})
+                summary.errors += 1
+                continue
+            if item.key in skip:
+                summary.skipped += 1
+                continue
+            yield item
+
+
+def run_batch(
+    engine: Engine,
+    input_path: Path,
+    output_path: Path,
+    errors_path: Path | None = None,
+    progress: bool = True,
+    shard: tuple[int, int] = (0, 1),
+) -> BatchSummary:
+    """Generate for every line of `input_path` not yet in `output_path`."""
+    errors_path = errors_path or output_path.with_name(output_path.stem + ".errors.jsonl")
+    summary = BatchSummary()
+    out = LineWriter(output_path)
+    try:
+        out.lock()  # before reading what is done: a second run must not resume from the same state
+    except OutputLockedError:
+        out.close()
+        raise
+    done = completed_ids(output_path)
+    errors = LineWriter(errors_path, skip_written=True)
+    ec = engine.engine_config
+    window = 4 * ec.max_num_seqs * ec.data_parallel_size  # requests queued ahead of the engine(s)
+    items = read_items(input_path, errors, summary, done, shard, ec.sampling_defaults)
+    in_flight: dict[str, BatchItem] = {}  # engine request id -> item
+    bar = tqdm(disable=not progress, desc="generate", unit="req")
+    t0 = time.monotonic()
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and len(in_flight) < window:
+                item = next(items, None)
+                if item is None:
+                    exhausted = True
+                    break
+                try:
+                    prompt = item.prompt.prompt_ids(engine.tokenizer) if isinstance(item.prompt, Chat) else item.prompt
+                    engine.add_request(item.key, prompt, item.params, item.cache_salt)
+                except Exception as e:  # noqa: BLE001 - this line fails alone (ValueError names the field)
+                    errors.write({"line": item.lineno, "id": item.id, "error": str(e)})
+                    summary.errors += 1
+                    continue
+                in_flight[item.key] = item
+            if not in_flight:
+                break
+            for res in engine.step():
+                if not res.finished:
+                    continue
+                item = in_flight.pop(res.request_id)
+                if res.error is not None:  # failed inside the engine: not done, so a re-run retries it
+                    errors.write({"line": item.lineno, "id": item.id, "error": f"engine: {res.error}"})
+                    summary.errors += 1
+                    continue
+                out.write(result_line(res, item.id))
+                summary.requests += 1
+                summary.prompt_tokens += res.metrics.num_prompt_tokens
+                summary.generated_tokens += res.metrics.num_generated_tokens
+                summary.cached_prompt_tokens += res.metrics.num_cached_prompt_tokens
+                if res.metrics.time_to_first_token is not None:
+                    summary.ttfts.append(res.metrics.time_to_first_token)
+                bar.update(1)
+                elapsed = time.monotonic() - t0
+                bar.set_postfix(
+                    tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}",
+                    kv=f"{engine.stats().slot_utilization:.0%}",
+                    refresh=False,
+                )
+    finally:
+        for rid in list(in_flight):
+            engine.abort(rid)
+        bar.close()
+        out.close()
+        errors.close()
+    summary.seconds = time.monotonic() - t0
+    stats = engine.stats()
+    summary.preemptions = stats.num_preemptions
+    summary.prefix_hit_rate = stats.prefix_hit_rate
+    summary.compile = {
+        k: getattr(stats, k)
+        for k in (
+            "compile_count",
+            "compile_seconds",
+            "compile_cache_hits",
+            "compiles_after_warmup",
+            "step_tokens",
+            "step_padding_tokens",
+        )
+    }
+    return summary
+
+
+def add_args(parser) -> None:
+    """Flags of `paged-jax generate`."""
+    parser.add_argument("--input", required=True, type=Path, help="JSONL prompts")
+    parser.add_argument("--output", required=True, type=Path, help="JSONL results (appended; re-runs resume)")
+    parser.add_argument("--errors", type=Path, default=None, help="JSONL of rejected lines (default: beside output)")
+    parser.add_argument("--no-progress", action="store_true")
+    g = parser.add_argument_group("multi-host (each process takes every count-th line; process 0 merges)")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (on a TPU slice it finds the other hosts itself)",
+    )
+    g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (implies --distributed)")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+    add_engine_args(parser)
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.input.exists():
+        raise SystemExit(f"--input: {args.input} does not exist")
+    if args.distributed or args.coordinator_address:
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    count, index = jax.process_count(), jax.process_index()
+    t0 = time.monotonic()
+    engine = build_engine(args, warmup=False)
+    if not args.no_warmup:  # only the shapes this input can reach
+        written = args.output if count == 1 else multihost.part_path(args.output, index, count)
+        engine.warmup(
+            plan_for_input(engine, args.input, written, (index, count)), progress=not args.no_progress and index == 0
+        )
+    try:
+        return _run(engine, args, count, index, time.monotonic() - t0)
+    except OutputLockedError as e:
+        raise SystemExit(f"paged-jax generate: {e}") from None
+
+
+def _run(engine, args, count: int, index: int, startup: float) -> int:
+    if count == 1:
+        summary = run_batch(engine, args.input, args.output, args.errors, progress=not args.no_progress)
+        summary.startup_seconds = startup
+        print("\n".join(["", f"paged-jax generate: {args.input} -> {args.output}", *summary.lines()]))
+        return 0
+    errors = args.errors or args.output.with_name(args.output.stem + ".errors.jsonl")
+    out_part, err_part = (multihost.part_path(p, index, count) for p in (args.output, errors))
+    summary = run_batch(
+        engine, args.input, out_part, err_part, progress=not args.no_progress and index == 0, shard=(index, count)
+    )
+    summary.startup_seconds = startup
+    print(
+        "\n".join(["", f"paged-jax generate [process {index}/{count}]: {args.input} -> {out_part}", *summary.lines()])
+    )
+    added = multihost.merge_parts(args.output, errors, count)
+    if added is not None:
+        print(f"merged {count} parts into {args.output} ({added} new lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m paged_jax.offline.batch", description=__doc__)
+    add_args(ap)
+    raise SystemExit(run(ap.parse_args()))

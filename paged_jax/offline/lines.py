@@ -1,0 +1,124 @@
+"""The batch job's input line schema: one JSONL line -> a validated `BatchItem`, or a ValueError naming the
+field (the format is described in `paged_jax.offline.batch`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.tokenization.chat_template import apply_chat_template, validate_conversation
+
+PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
+
+
+@dataclass(slots=True)
+class Chat:
+    """A line's conversation, rendered with the engine's tokenizer when it is queued."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+    tools: list | None = None
+    kwargs: dict = field(default_factory=dict)
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        _, ids = apply_chat_template(
+            tokenizer,
+            self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            tools=self.tools,
+            template_kwargs=self.kwargs,
+        )
+        return ids
+
+
+def id_key(rid: str | int) -> str:
+    """The engine request id and resume key of an input id: its JSON text, so `1` and `"1"` stay apart."""
+    return json.dumps(rid)
+
+
+@dataclass(slots=True)
+class BatchItem:
+    id: str | int  # as given in the input (or "line-N")
+    prompt: str | list[int] | Chat
+    params: SamplingParams
+    cache_salt: str | None
+    lineno: int
+
+    @property
+    def key(self) -> str:
+        return id_key(self.id)
+
+
+def _parse_chat(obj: dict) -> Chat:
+    messages = validate_conversation(obj.pop("messages"), "messages")
+    add_prompt = obj.pop("add_generation_prompt", True)
+    if not isinstance(add_prompt, bool):
+        raise ValueError("add_generation_prompt: must be a boolean")
+    tools = obj.pop("tools", None)
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("tools: must be a list")
+    kwargs = obj.pop("chat_template_kwargs", None)
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs: must be an object")
+    return Chat(messages, add_prompt, tools, kwargs)
+
+
+def _check_unicode(obj: dict) -> None:
+    """Refuse strings that cannot be written as UTF-8 (lone surrogates such as "\\ud800"), naming the field."""
+    for key, value in obj.items():
+        try:
+            json.dumps({key: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            name = key if key.isascii() else ascii(key)
+            raise ValueError(f"{name}: not valid Unicode (a lone surrogate)") from None
+
+
+def parse_line(line: str | bytes, lineno: int, defaults: dict | None = None) -> BatchItem:
+    """One input line -> a validated item; `defaults` fill sampling fields it leaves unset. Raises ValueError
+    naming the field."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not valid UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from e
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+    if not isinstance(obj, dict):
+        raise ValueError("each line must be a JSON object")
+    _check_unicode(obj)
+    rid = obj.pop("id", f"line-{lineno}")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
+        raise ValueError(f"id: must be a non-empty string or integer, got {rid!r}")
+    if sum(name in obj for name in PROMPT_FIELDS) != 1:
+        raise ValueError("prompt: give exactly one of 'prompt', 'prompt_token_ids' and 'messages'")
+    chat_only = sorted({"add_generation_prompt", "tools", "chat_template_kwargs"} & set(obj))
+    if chat_only and "messages" not in obj:
+        raise ValueError(f"{chat_only[0]}: only with 'messages'")
+    prompt = obj.pop("prompt", None)
+    if "messages" in obj:
+        prompt = _parse_chat(obj)
+    elif prompt is None:
+        prompt = obj.pop("prompt_token_ids")
+        if not isinstance(prompt, list):
+            raise ValueError("prompt_token_ids: must be a list of integers")
+    elif not isinstance(prompt, str):
+        raise ValueError("prompt: must be a string")
+    salt = obj.pop("cache_salt", None)
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError("cache_salt: must be a string")
+    unknown = sorted(set(obj) - PARAM_FIELDS)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown field")
+    try:
+        params = SamplingParams(**{**(defaults or {}), **obj}).validate()
+    except TypeError as e:
+        raise ValueError(str(e)) from e
+    return BatchItem(rid, prompt, params, salt, lineno)

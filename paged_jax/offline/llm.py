@@ -1,0 +1,140 @@
+"""The offline API, familiar to vLLM users: `LLM(model=...).generate(prompts, SamplingParams(...))` and
+`LLM.chat(messages, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from argparse import Namespace
+from collections.abc import Iterable, Mapping, Sequence
+
+from tqdm.auto import tqdm
+
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.args import apply_model_text_args
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.load import load_model
+from paged_jax.engine.protocol import EngineStats
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.tokenization.chat_template import Conversation, apply_chat_template, template_from_text
+
+Prompt = str | Mapping[str, Sequence[int]]  # text, or {"prompt_token_ids": [...]}
+
+
+def prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+
+class LLM:
+    """Load a model and generate offline with continuous batching over the paged KV cache.
+
+    `model` is a Hugging Face directory, an orbax checkpoint written by `paged-jax convert`, or a
+    config name from `configs/` (random weights from `seed`). `chat_template` is a jinja2 file used
+    instead of the model's; `generation_config` "auto" takes the sampling defaults of the model's
+    `generation_config.json` (used when `sampling_params` is None), "none" turns them off. Other keywords
+    are `EngineConfig` fields.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        dtype: str | None = None,
+        seed: int = 0,
+        quantization: str | None = None,
+        chat_template: str | None = None,
+        generation_config: str = "auto",
+        **engine_options,
+    ) -> None:
+        config, params, tokenizer = load_model(model, dtype=dtype, seed=seed, quantization=quantization)
+        ec = EngineConfig(seed=seed, **engine_options)
+        apply_model_text_args(
+            Namespace(model=model, chat_template=chat_template, generation_config=generation_config), tokenizer, ec
+        )
+        self.engine = LLMEngine(config, params, tokenizer, ec)
+        self.config, self.tokenizer = config, tokenizer
+        self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (what `sampling_params=None` uses)."""
+        return SamplingParams(**self.engine.engine_config.sampling_defaults)
+
+    def generate(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError("sampling_params: need one per prompt or a single one")
+        order: dict[str, int] = {}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")
+        try:  # all or nothing: an invalid prompt (or an interrupt) withdraws the ones queued before it
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(rid, prompt_input(prompt), params)
+                order[rid] = i
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of them.
+
+        Each conversation is rendered with the model's chat template (`chat_template`: template text used
+        instead), then tokenized without adding special tokens again. Raises ValueError naming the message
+        at fault, or saying how to give a template when the model has none.
+        """
+        if isinstance(messages, (str, Mapping)) or not messages:
+            raise ValueError("messages: must be a non-empty list of messages, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        template = template_from_text(chat_template) if chat_template is not None else None
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            field = "messages" if len(conversations) == 1 else f"messages[{i}]"
+            _, ids = apply_chat_template(
+                self.tokenizer,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template=template,
+                field=field,
+                template_kwargs=chat_template_kwargs,
+            )
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()

@@ -1,0 +1,46 @@
+"""The scheduler's output: everything the runner needs for one step and nothing more.
+
+Each scheduled sequence's token range and its page ids, the rows that sample, the pages to copy first. The
+runner never talks to the KV manager; this record is the whole contract between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from paged_jax.kv_cache import PageCopy
+from paged_jax.sched.sequence import TokenSequence
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """`num_new` tokens of `seq` at positions [start, start + num_new) are computed this step."""
+
+    seq: TokenSequence
+    start: int
+    num_new: int
+    page_ids: list[int]  # the sequence's block table after this step's allocation: logical block i -> page
+    # prompt positions p whose logits give the logprob of prompt token p + 1 this step (`prompt_logprobs`)
+    prompt_logprob_positions: range = range(0)
+
+
+class SampleRow(NamedTuple):
+    """One row of the step's samples: `seq` draws its next token from the logits of the last token of
+    `scheduled[index]` (its own entry, or its leader's on the step a shared prompt completes)."""
+
+    seq: TokenSequence
+    index: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    sample_rows: list[SampleRow] = field(default_factory=list)  # row r of the step's samples
+    copy_ops: list[PageCopy] = field(default_factory=list)  # copy-on-write, before the step writes
+    preempted: list[TokenSequence] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled

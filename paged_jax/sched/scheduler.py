@@ -1,0 +1,160 @@
+"""Who gets to run this step? Continuous batching with one token budget per step.
+
+Running sequences go first (decodes and unfinished prompt chunks), in admission order; when one
+cannot get a page, the most recently admitted running sequence is preempted (its pages freed, its
+full blocks left in the prefix cache) and later recomputed. Waiting sequences are then admitted in
+arrival order while the token budget, the sequence limit and the pages last; their cached prefix
+blocks are skipped. A prompt longer than the budget (or the chunk size) is prefilled in chunks.
+
+The output (`paged_jax.sched.output`) is everything the runner needs and nothing more. How many
+of a sequence's tokens are computed is the KV manager's to know (`num_computed_tokens`); a waiting sequence
+holds no pages and has none computed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from paged_jax.kv_cache import KVCacheManager
+from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
+from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunk_size: int | None = None,
+        enable_prefix_caching: bool = True,
+        reserve_tokens: int | None = None,
+        watermark: float = 0.01,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_size = chunk_size or max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        # Benchmark baseline only: admit a sequence only if `reserve_tokens` slots per running sequence fit in
+        # the pool, as a contiguous-reservation engine (one max_model_len region per request) would.
+        self.reserve_tokens = reserve_tokens
+        # Admission leaves this many pages free while others run (vLLM's watermark, 1% by default).
+        self.watermark_pages = int(watermark * (kv.num_pages - 1))
+        self.waiting: deque[TokenSequence] = deque()
+        self.running: list[TokenSequence] = []
+        self.num_preemptions = 0
+
+    # -- membership -----------------------------------------------------------------------------
+    def add(self, leader: TokenSequence, children: list[TokenSequence]) -> None:
+        """Queue a request: its leader waits; its other samples are forked when the prompt completes."""
+        leader.forked_children = children
+        self.waiting.append(leader)
+
+    def remove(self, seq: TokenSequence, reason: FinishReason) -> None:
+        """Finish or abort `seq`: leave every queue and return every page it holds."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq.seq_id)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        for child in seq.forked_children:  # samples that never forked end with their leader
+            child.status, child.finish_reason = Status.FINISHED, reason
+        seq.forked_children = []
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        for seq in list(self.running):  # a snapshot: children forked during this step join the list
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING or (seq.pending is not None and seq.pending.is_last):
+                continue  # preempted earlier in this loop, or its pending token is its last
+            num_new = min(seq.num_tokens - self.kv.num_computed_tokens(seq.seq_id), budget, self.chunk_size)
+            cache = seq.pending is None  # a placeholder (lookahead) must not be hashed; cached once its id is known
+            copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache)
+            while copies is None:  # out of pages: preempt the most recently admitted unscheduled one
+                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache)
+            if copies is None:
+                continue
+            out.copy_ops.extend(copies)
+            self._schedule(seq, num_new, out, scheduled)
+            budget -= num_new
+        if not out.preempted:
+            self._admit_waiting(out, budget, scheduled)
+        out.num_tokens = sum(s.num_new for s in out.scheduled)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
+        # Slots already promised: every running sequence, plus the children each running leader will fork
+        # when its prompt completes (they join `running` then, without passing admission again).
+        promised = len(self.running) + sum(len(s.forked_children) for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            wanted = promised + 1 + len(seq.forked_children)
+            if wanted > self.max_num_seqs:
+                break
+            if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
+                break
+            tokens = seq.all_token_ids
+            # Cached tokens have no logits: a request still owing prompt logprobs computes its whole prompt.
+            read_cache = self.enable_prefix_caching and not seq.needs_prompt_logprobs
+            cached = self.kv.lookup_prefix(tokens, seq.cache_salt) if read_cache else 0
+            num_new = min(len(tokens) - cached, budget, self.chunk_size)
+            new_pages = self.kv.pages_needed(cached + num_new) - cached // self.kv.page_size
+            if self.running and self.kv.num_free_pages() - new_pages < self.watermark_pages:
+                break  # keep a few pages for the running sequences to grow into (fewer preemptions)
+            got = self.kv.admit(seq.seq_id, tokens, num_new, seq.cache_salt, read_cache=read_cache)
+            if got is None:
+                break
+            assert got == cached, (got, cached)
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt = min(got, len(seq.prompt_token_ids))
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            promised = wanted
+            self._schedule(seq, num_new, out, scheduled)
+            budget -= num_new
+
+    def _schedule(self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str]) -> None:
+        """Record `num_new` tokens of `seq`, already allocated (so its computed count already includes them)."""
+        scheduled.add(seq.seq_id)
+        end = self.kv.num_computed_tokens(seq.seq_id)
+        item = ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id))
+        if seq.needs_prompt_logprobs:
+            assert item.start <= seq.prompt_logprobs_done, (item.start, seq.prompt_logprobs_done)
+            stop = min(end, len(seq.prompt_token_ids) - 1)
+            if stop > seq.prompt_logprobs_done:
+                item.prompt_logprob_positions = range(seq.prompt_logprobs_done, stop)
+                seq.prompt_logprobs_done = stop
+        out.scheduled.append(item)
+        if end < seq.num_tokens:  # a prompt chunk short of the last token samples nothing
+            return
+        index = len(out.scheduled) - 1
+        out.sample_rows.append(SampleRow(seq, index))
+        for child in seq.forked_children:  # the prompt completes now: children share its pages
+            self.kv.fork(seq.seq_id, child.seq_id)
+            child.num_cached_prompt = seq.num_cached_prompt
+            child.status = Status.RUNNING
+            scheduled.add(child.seq_id)
+            self.running.append(child)
+            out.sample_rows.append(SampleRow(child, index))
+        seq.forked_children = []
+
+    def _preempt(self, victim: TokenSequence, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim.seq_id)
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)

@@ -1,0 +1,111 @@
+"""How many KV pages does an engine get? (`kv_capacity_pages`, from the device's free memory or the CPU budget.)
+
+An accelerator reports its free memory, and the engine takes a fraction of it. The CPU shares memory with
+everything else on the machine, so the budget is set the way vLLM-CPU users expect: 4 GiB by default
+(`VLLM_CPU_KVCACHE_SPACE`'s default), or what the user gives, then capped
+
+- at half of the memory the machine has available now (so the default never pushes a small machine into
+  swap), and
+- at what the engine can ever hold at once: `max_num_seqs` sequences of `max_model_len` tokens (more pages
+  than that only keep finished prompts for the prefix cache, and cost start-up time to allocate and zero).
+
+The budget and the reason for it are logged at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import jax
+
+from paged_jax.config import ModelConfig
+from paged_jax.config.engine import EngineConfig
+from paged_jax.model.quant import kv_bytes_per_token
+from pallas_kernels.common import cdiv
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
+AVAILABLE_FRACTION = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    bytes: int
+    reason: str
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else free physical pages; None when neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_kv_budget(
+    requested: int | None,
+    bytes_per_token: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int = 1,
+    available: int | None = None,
+) -> KVBudget:
+    """The CPU KV budget: `requested` bytes (None: the 4 GiB default), capped as the module docstring says
+    (`max_model_len` rounded up to whole pages, plus the null page)."""
+    gib = 2**30
+    if requested is not None:
+        budget = KVBudget(requested, f"{requested / gib:.2f} GiB as requested")
+    else:
+        budget = KVBudget(DEFAULT_CPU_KV_CACHE_BYTES, f"the default {DEFAULT_CPU_KV_CACHE_BYTES / gib:.0f} GiB")
+    available = available_memory_bytes() if available is None else available
+    if available is not None and budget.bytes > available * AVAILABLE_FRACTION:
+        budget = KVBudget(
+            int(available * AVAILABLE_FRACTION),
+            f"{budget.reason}, capped at half of the {available / gib:.1f} GiB available",
+        )
+    most = bytes_per_token * page_size * (max_num_seqs * cdiv(max_model_len, page_size) + 1)
+    if budget.bytes > most:
+        budget = KVBudget(
+            most, f"{budget.reason}, capped at what {max_num_seqs} sequences of {max_model_len} tokens can hold"
+        )
+    return budget
+
+
+def kv_capacity_pages(
+    config: ModelConfig,
+    ec: EngineConfig,
+    kv_dtype,
+    device: jax.Device | None = None,
+    kv_shards: int = 1,
+    max_model_len: int = 8192,
+) -> int:
+    """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
+    scales of quantized pages, `paged_jax.model.quant.kv_bytes_per_token`).
+
+    With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
+    the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
+    """
+    if ec.num_pages is not None:
+        return ec.num_pages
+    per_page = kv_bytes_per_token(config, kv_dtype) * ec.page_size // kv_shards
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
+    else:
+        cpu = cpu_kv_budget(
+            ec.cpu_kv_cache_bytes, per_page // ec.page_size, ec.max_num_seqs, max_model_len, ec.page_size
+        )
+        log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30, cpu.reason)
+        budget = cpu.bytes
+    return max(2, budget // per_page)

@@ -1,0 +1,488 @@
+"""Where does a step run? The bucket choice, the jitted device step and its executables.
+
+The KV cache is one page array per layer, `[num_pages, num_kv_heads, page_size, 2 * head_dim]`
+(K then V of a head along the last axis; see `pallas_kernels.common`), donated to every step so it is
+updated in place.
+Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
+bucket `S`, built from the scheduler's output by `paged_jax.worker.step_inputs` (the runner never reads the KV
+manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for
+the rows that sample (and its final hidden states, from which a step with prompt-logprob positions computes
+theirs, `paged_jax.worker.prompt_logprobs`); sampling is a second jitted call on device; the host receives only the
+sampled ids (and requested logprobs).
+
+Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
+KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,
+`cu_q_lens`), the rows of the LM head and sampling. Padding sequences cost the XLA attention nothing (its
+loops have runtime trip counts, `pallas_kernels.xla_paged`). Measured with `scripts/bench_seq_bucket.py`
+(SmolLM2-135M's shapes with 4 layers, 2 shared CPU cores, S = 32 against the smallest S that holds the step):
+with its 49,152-token vocabulary a prefill or mixed step of 64-256 tokens took 1.03-1.11x as long, decode
+1.00-1.11x (noise between identical runs: about 5%); with a 512-token vocabulary (the LM head taken out)
+0.80-1.01x. So only the LM head's rows (and sampling) pay for a larger `S`, and by its share of the step
+(less with 30 layers than with 4). `S` is therefore not a free dimension: it is derived from `T`,
+`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens; decode steps get the S
+they need), raised only when one step samples more rows than that (`n` > 1 samples of a short prompt).
+Every step shape is then one executable per token bucket, not one per (T, S) pair: a third of them for
+`make run` (5 instead of 15). Splitting the LM head's rows from the attention metadata (as tpu-inference does)
+would win back the prefill steps' few percent at the cost of more, if cheaper, executables. The sampler's
+output ids are padded to the largest `S`, so the lookahead's on-device merge of the previous step's ids is
+one executable per `T` as well.
+
+Executables are compiled ahead of time (`paged_jax.worker.executables`): warm-up compiles the shapes a run can
+reach on a thread pool (`paged_jax.worker.warmup` says which); a shape first needed after warm-up is compiled
+then, counted, and logged as a warning with its shape.
+
+With a device mesh (tensor parallelism, or a data-parallel replica on devices other than the default) the
+same step runs with its operands pinned to the mesh; see `paged_jax.worker.sharding` for the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from paged_jax.config import ModelConfig
+from paged_jax.kv_cache import PageCopy
+from paged_jax.model import quant
+from paged_jax.model.families import causal_lm
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from paged_jax.sched.output import SchedulerOutput
+from paged_jax.worker import sharding
+from paged_jax.worker.executables import CompileStats, Executables
+from paged_jax.worker.pending import merge_pending, merge_pending_history
+from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, make_prompt_logprobs
+from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
+from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
+from pallas_kernels import kv_quant
+from pallas_kernels.common import cdiv, kv_pages_shape
+
+log = logging.getLogger(__name__)
+
+
+@flax.struct.dataclass
+class PagedMeta:
+    """Per-step attention metadata shared by all layers (see `pallas_kernels.ragged_paged_attention`)."""
+
+    slot_mapping: jax.Array  # [T] i32 physical slot of each new token; -1 for padding tokens
+    kv_lens: jax.Array  # [S] i32 keys per sequence after this step (0 for padding sequences)
+    block_tables: jax.Array  # [S, max_blocks] i32 physical page of each logical block (0 = null page)
+    cu_q_lens: jax.Array  # [S + 1] i32 cumulative query counts
+    num_seqs: jax.Array  # [1] i32
+
+
+def paged_attention(
+    q,
+    k,
+    v,
+    kv_pages,
+    meta: PagedMeta,
+    *,
+    sm_scale: float,
+    backend: str,
+    sliding_window: int | None,
+    soft_cap: float | None = None,
+):
+    """The model's `AttentionFn` over paged KV: write this step's K/V into pages, then attend.
+
+    The model passes each layer's `sliding_window` and `soft_cap` (the config's window is only the default)."""
+    kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping)
+    out = pallas_kernels.ragged_paged_attention(
+        q,
+        kv_pages,
+        meta.kv_lens,
+        meta.block_tables,
+        meta.cu_q_lens,
+        meta.num_seqs,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        backend=backend,
+    )
+    return out, kv_pages
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from `lo` up to the first one >= `hi`."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return out
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@functools.cache
+def step_functions(
+    config: ModelConfig,
+    backend: str,
+    mesh: jax.sharding.Mesh | None = None,
+    quantized_kv: bool = False,
+    weights: tuple[str, bool, bool] | None = None,
+):
+    """The model and its jitted forward step, shared by every runner with the same config, backend and
+    mesh (so engines in one process share compilations).
+
+    forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S])
+        -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated.
+    With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
+    params by their partition specs, KV pages by KV heads, metadata and logits replicated.
+    """
+    attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
+    if mesh is not None:
+        attn = sharding.shard_attention(attn, mesh, quantized_kv)
+    model = causal_lm(config, attn, mesh)
+
+    def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
+        hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta)
+        logits = model.apply(params, hidden[logits_indices], method="compute_logits")
+        return logits, tuple(kv_caches), hidden
+
+    if mesh is None:
+        return model, jax.jit(forward, donate_argnums=(1,))
+    return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh, quantized_kv, weights))
+
+
+@functools.cache
+def prompt_logprobs_function(
+    config: ModelConfig,
+    backend: str,
+    mesh: jax.sharding.Mesh | None = None,
+    quantized_kv: bool = False,
+    weights: tuple[str, bool, bool] | None = None,
+):
+    """The jitted prompt-logprob step (`paged_jax.worker.prompt_logprobs`) of `step_functions`' model."""
+    model, _ = step_functions(config, backend, mesh, quantized_kv, weights)
+    return make_prompt_logprobs(model, None if mesh is None else sharding.logits_shardings(config, mesh, weights))
+
+
+def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
+    """One layer's zeroed cache: a page array, or `QuantizedPages` (values and scales) for int8 / fp8."""
+    device = None if mesh is None else sharding.kv_sharding(mesh)
+    if kv_quant.is_quantized_dtype(kv_dtype):
+        scales_device = None if mesh is None else sharding.kv_scales_sharding(mesh)
+        return kv_quant.allocate(
+            num_pages, config.num_kv_heads, page_size, config.head_dim, kv_dtype, device, scales_device
+        )
+    shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
+    return jnp.zeros(shape, kv_dtype, device=device)
+
+
+def _copy_all_pages(kv_caches, src, dst):
+    return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
+
+
+_copy_pages = jax.jit(_copy_all_pages, donate_argnums=(0,))
+
+
+@functools.cache
+def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int, quantized_kv: bool = False):
+    """`_copy_pages` with the pages kept in their mesh layout (so donation stays in place)."""
+    kv = (sharding.kv_cache_sharding(mesh, quantized_kv),) * num_layers
+    return jax.jit(_copy_all_pages, donate_argnums=(0,), out_shardings=kv)
+
+
+@partial(jax.jit, static_argnames=("width", "do_sample", "do_filter", "do_penalty", "want_logprobs"))
+def _sample_rows(
+    logits: jax.Array,
+    meta: SamplingMeta,
+    *,
+    width: int,
+    do_sample: bool,
+    do_filter: bool,
+    do_penalty: bool,
+    want_logprobs: bool,
+) -> SamplerOutput:
+    """`sample`, with the ids padded to `width` rows so that the next step's merge has one shape per `T`."""
+    out = sample(
+        logits, meta, do_sample=do_sample, do_filter=do_filter, do_penalty=do_penalty, want_logprobs=want_logprobs
+    )
+    return out._replace(tokens=jnp.pad(out.tokens, (0, width - out.tokens.shape[0])))
+
+
+EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
+
+Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
+
+
+def _fingerprint(tree) -> str:
+    """Shapes, dtypes and shardings of a pytree's leaves: part of an executable's key."""
+    leaves = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in jax.tree.leaves(tree)]
+    return hashlib.sha1(repr((jax.tree.structure(tree), leaves)).encode()).hexdigest()
+
+
+class StepOnDevice(NamedTuple):
+    """A launched step's outputs, still on the device."""
+
+    samples: SamplerOutput
+    prompt_logprobs: PromptLogprobs | None  # when the step has prompt-logprob positions
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Host copies of one step's samples; row r belongs to `SchedulerOutput.sample_rows[r]`."""
+
+    tokens: np.ndarray  # [R] i32
+    logprob: np.ndarray  # [R] f32
+    top_ids: np.ndarray  # [R, K] i32
+    top_logprobs: np.ndarray  # [R, K] f32
+    prompt_logprobs: PromptLogprobs | None = None  # numpy, [P] rows: the step's prompt-logprob positions in order
+
+    def logprobs_of(self, row: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """Row `row`'s token logprob and its `k` most likely (id, logprob) alternatives."""
+        top = [(int(i), float(v)) for i, v in zip(self.top_ids[row, :k], self.top_logprobs[row, :k], strict=True)]
+        return float(self.logprob[row]), top
+
+
+class ModelRunner:
+    """Owns the parameters, the KV page arrays and the compiled step functions.
+
+    `mesh`: None for the default device; otherwise `params` must already be placed on it
+    (`sharding.shard_params`, which also gives the `config` to pass here) and the pages are created on it.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        attention_backend: str = "auto",
+        kv_dtype: str | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        max_logit_bias: int = MAX_LOGIT_BIAS,
+    ) -> None:
+        self.config = config
+        self.params = params
+        self.mesh = mesh
+        self.page_size = page_size
+        self.max_blocks = cdiv(max_model_len, page_size)
+        self.max_num_seqs = max_num_seqs
+        self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
+        self.seq_buckets = pow2_buckets(8, max_num_seqs)
+        # Sampling arrays whose size a request chooses have one fixed width each, compiled at warm-up: the ban
+        # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
+        self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
+        self.history_len = pow2_buckets(64, max_model_len)[-1]
+        self.logit_bias_width = (
+            max_logit_bias  # bias columns of a step with a biased row (`paged_jax.worker.logit_bias`)
+        )
+        self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
+        self.kv_caches = tuple(
+            _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
+        )
+        # Lowering sees only these (a background compile never touches pages a running step donated).
+        self._kv_specs = jax.tree.map(
+            lambda kv: jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding), self.kv_caches
+        )
+        self._rep = None if mesh is None else sharding.replicated(mesh)
+        quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
+        self.model, self._forward = step_functions(
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+        )
+        self._prompt_logprobs = prompt_logprobs_function(
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+        )
+        on = None if mesh is None else sharding.replicated(mesh)
+        self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
+        self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers, quantized_kv)
+        # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
+        self._key = (
+            self._forward,
+            self._prompt_logprobs,
+            self._copy,
+            mesh,
+            self.max_blocks,
+            _fingerprint(params),
+            _fingerprint(self._kv_specs),
+        )
+        self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
+        self.compile_stats = CompileStats()
+        self.warm = False  # warm-up is over: a compile now stalls a step and is logged as a warning
+        self.real_tokens = 0  # tokens of scheduled work, summed over steps
+        self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
+
+    # -- host side ----------------------------------------------------------------------------------
+    def copy_pages(self, ops: list[PageCopy]) -> None:
+        """Run the KV manager's copy-on-write instructions on every layer, in place."""
+        n = bucket_for(len(ops), pow2_buckets(8, max(8, len(ops))))
+        src = np.zeros(n, np.int32)
+        dst = np.zeros(n, np.int32)
+        src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
+        self.kv_caches = self._executable(self.copy_job(n))(self.kv_caches, src, dst)
+
+    def seq_bucket(self, t: int, rows: int = 0) -> int:
+        """The sequence bucket of a step of token bucket `t` with `rows` sequences or sample rows (see the module
+        docstring): `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
+        return bucket_for(max(min(t, self.max_num_seqs), rows), self.seq_buckets)
+
+    def launch(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> StepOnDevice:
+        """Dispatch one step (copies, forward, prompt logprobs, sampling) without waiting; returns its outputs on
+        device.
+
+        `prev_samples`: the previous step's samples, still on the device, for tokens scheduled before their
+        ids reached the host (the engine's one-step lookahead); they are merged in on the device.
+        """
+        if sched.copy_ops:
+            self.copy_pages(sched.copy_ops)
+        t = bucket_for(sched.num_tokens, self.token_buckets)
+        s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
+        step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
+        sampling = build_sampling_inputs(
+            sched.sample_rows,
+            s,
+            self.suppress_width,
+            self.history_len,
+            self.config.eos_token_ids,
+            self.logit_bias_width,
+        )
+        self.real_tokens += sched.num_tokens
+        self.padded_tokens += t - sched.num_tokens
+        token_ids = step.token_ids
+        if step.has_pending:
+            token_ids = self._executable(self.merge_job(t))(token_ids, step.prev_rows, prev_samples.tokens)
+        meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
+        forward = self._executable(self.forward_job(t, s))
+        logits, self.kv_caches, hidden = forward(
+            self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices
+        )
+        prompt = None
+        rows = build_prompt_rows(sched, t)
+        if rows is not None:
+            job = self.prompt_logprobs_job(t)
+            prompt = self._executable(job)(self.params, hidden, rows.rows, rows.targets, rows.num_rows)
+        m = self._with_history(sampling, prev_samples)
+        job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags, m.logit_bias.shape[1])
+        return StepOnDevice(self._executable(job)(logits, m), prompt)
+
+    def _with_history(self, sampling: SamplingInputs, prev_samples: SamplerOutput | None) -> SamplingMeta:
+        """The sampling meta, with a penalized step's history always made on the device by one merge (the
+        lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
+        m = sampling.meta
+        if not sampling.flags[2]:  # do_penalty
+            return m
+        prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
+        history = self._executable(self.history_job(len(sampling.pending_rows)))(
+            m.history, sampling.pending_rows, sampling.pending_cols, prev
+        )
+        return m._replace(history=history)
+
+    def collect(
+        self,
+        out: SamplerOutput,
+        num_rows: int,
+        prompt_logprobs: PromptLogprobs | None = None,
+        num_prompt_rows: int = 0,
+    ) -> StepResult:
+        """Wait for a launched step and copy its first `num_rows` samples (and `num_prompt_rows` prompt-logprob
+        rows) to the host."""
+        t0 = time.perf_counter()
+        host, prompt = jax.device_get((out, prompt_logprobs))
+        self.device_seconds += time.perf_counter() - t0
+        r = num_rows
+        if prompt is not None:
+            prompt = PromptLogprobs(*(a[:num_prompt_rows] for a in prompt))
+        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r], prompt)
+
+    # -- executables --------------------------------------------------------------------------------
+    def _executable(self, job: Job) -> jax.stages.Compiled:
+        key, lower, describe = job
+        return EXECUTABLES.get(key, lower, self.compile_stats, warm=self.warm, describe=describe)
+
+    def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
+
+    def forward_job(self, t: int, s: int) -> Job:
+        """The forward step of `t` tokens and `s` sequences."""
+
+        def lower() -> jax.stages.Lowered:
+            i32 = self._spec
+            meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
+            return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s))
+
+        return ("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}"
+
+    def sample_job(
+        self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags, logit_bias_width: int = 0
+    ) -> Job:
+        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs)
+        and bias columns. The argument specs are built only when the executable is compiled (this runs every
+        step)."""
+        names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
+
+        def lower() -> jax.stages.Lowered:
+            shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len, logit_bias_width).items()}
+            dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
+            meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
+            logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
+            width = self.seq_buckets[-1]
+            return _sample_rows.lower(logits, meta, width=width, **dict(zip(names, flags, strict=True)))
+
+        return (
+            ("sample", self._key, s, suppress_width, history_len, flags, logit_bias_width),
+            lower,
+            f"sample rows={s} suppress={suppress_width} history={history_len} logit_bias={logit_bias_width} "
+            + " ".join(n for n, on in zip(names, flags, strict=True) if on),
+        )
+
+    def prompt_logprobs_job(self, t: int) -> Job:
+        """Prompt logprobs of up to `t` rows of a `t`-token step (`paged_jax.worker.prompt_logprobs`)."""
+
+        def lower() -> jax.stages.Lowered:
+            hidden = self._spec(t, self.config.hidden_size, dtype=jnp.dtype(self.config.dtype))
+            i32 = self._spec
+            return self._prompt_logprobs.lower(self.params, hidden, i32(t), i32(t), i32(1))
+
+        return ("prompt_logprobs", self._key, t), lower, f"prompt logprobs tokens={t}"
+
+    def merge_job(self, t: int) -> Job:
+        """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
+        i32 = self._spec
+        return (
+            ("merge", self._key, t),
+            lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])),
+            f"merge tokens={t}",
+        )
+
+    def history_job(self, s: int) -> Job:
+        """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
+        i32 = self._spec
+        return (
+            ("history", self._key, s),
+            lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
+            f"history rows={s} length={self.history_len}",
+        )
+
+    def copy_job(self, n: int) -> Job:
+        """Copy-on-write of `n` pages on every layer."""
+        return (
+            ("copy", self._key, n),
+            lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
+            f"copy pages={n}",
+        )
+
+    def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:
+        """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
+        `cancel` (a threading.Event): stop starting compiles once set."""
+        return len(
+            EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers, progress, cancel)
+        )

@@ -1,0 +1,169 @@
+"""Which step shapes does a run compile before its first step, and how?
+
+A `WarmupPlan` names the shapes: every token bucket up to the most tokens one step of the run can hold (each
+with its sequence bucket, see `paged_jax.worker.runner`), the sampler variants its requests can combine (each
+also with logit-bias columns when requests may bias), the prompt-logprob step of each token bucket when
+requests may ask for prompt logprobs, and the lookahead's merge. Compiling more than a run reaches is time the
+user waits for nothing (on TPU tens of seconds a shape), so:
+
+- the batch job knows every prompt and `max_tokens` before it starts (`plan_for_requests`);
+- the server compiles its decode buckets with the common sampler variants first (`serving_plans`), reports
+  NOT_SERVING until they are ready, and compiles the rest in the background;
+- an engine built with `warmup=True` and no plan compiles everything (`WarmupPlan()`).
+
+`run_warmup` compiles a plan's shapes on a thread pool with a progress bar and logs what it cost, including how many
+compiles the persistent compilation cache served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import jax
+from tqdm.auto import tqdm
+
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker.executables import persistent_cache_summary
+from paged_jax.worker.runner import Job, ModelRunner, SamplerFlags, bucket_for
+
+log = logging.getLogger(__name__)
+
+GREEDY: SamplerFlags = (False, False, False, False)
+COMMON_SAMPLERS: tuple[SamplerFlags, ...] = (GREEDY, (True, False, False, False), (True, True, False, False))
+ALL_SAMPLERS: tuple[SamplerFlags, ...] = tuple(
+    (s, f, p, lp) for s, f, _, _ in COMMON_SAMPLERS for p in (False, True) for lp in (False, True)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupPlan:
+    """The shapes to compile. `max_step_tokens`: the most tokens one step can hold (None: the token budget);
+    every token bucket up to the one holding it is compiled, since a mixed step can have any size below."""
+
+    max_step_tokens: int | None = None
+    sampler_flags: tuple[SamplerFlags, ...] = ALL_SAMPLERS
+    lookahead: bool = True  # the merge of the previous step's ids (async scheduling)
+    copies: bool = True  # copy-on-write of pages (requests with n > 1)
+    logit_bias: bool = True  # every sampler variant also with bias columns (requests with logit_bias)
+    prompt_logprobs: bool = True  # the prompt-logprob step of every token bucket (requests with prompt_logprobs)
+
+
+def request_flags(params: SamplingParams) -> SamplerFlags:
+    """The sampler variant a step holding only this request uses."""
+    hot = params.temperature > 0
+    return (hot, hot and params.uses_filters, params.uses_penalties, params.logprobs is not None)
+
+
+def or_closure(flags: Iterable[SamplerFlags]) -> tuple[SamplerFlags, ...]:
+    """Every variant a step can use: the element-wise OR of any non-empty subset of the requests' variants."""
+    out = set(flags)
+    while True:
+        new = {tuple(a or b for a, b in zip(x, y, strict=True)) for x in out for y in out} - out
+        if not new:
+            return tuple(sorted(out))
+        out |= new
+
+
+def plan_for_requests(
+    requests: Iterable[tuple[int, SamplingParams]], max_num_batched_tokens: int, lookahead: bool = True
+) -> WarmupPlan:
+    """The plan of a batch job: `requests` are (prompt tokens, params) of every request it will run.
+
+    A step holds at most the token budget, and never more tokens than the requests have in all (prompts,
+    plus outputs recomputed after a preemption)."""
+    total, flags, copies, bias, prompt = 0, set(), False, False, False
+    for prompt_tokens, params in requests:
+        total += params.n * (prompt_tokens + params.max_tokens)
+        flags.add(request_flags(params))
+        copies |= params.n > 1
+        bias |= bool(params.logit_bias)
+        prompt |= params.prompt_logprobs is not None
+    return WarmupPlan(
+        min(total, max_num_batched_tokens), or_closure(flags) if flags else (GREEDY,), lookahead, copies, bias, prompt
+    )
+
+
+def serving_plans(max_num_seqs: int, lookahead: bool = True) -> tuple[WarmupPlan, WarmupPlan]:
+    """The server's plans: decode steps (at most `max_num_seqs` tokens) with the common sampler variants, which
+    it compiles before it reports SERVING; then everything, compiled in the background."""
+    first = WarmupPlan(max_num_seqs, COMMON_SAMPLERS, lookahead, False, logit_bias=False, prompt_logprobs=False)
+    return first, WarmupPlan(lookahead=lookahead)
+
+
+def token_buckets(runner: ModelRunner, plan: WarmupPlan) -> list[int]:
+    limit = min(plan.max_step_tokens or runner.token_buckets[-1], runner.token_buckets[-1])
+    top = bucket_for(max(1, limit), runner.token_buckets)
+    return [t for t in runner.token_buckets if t <= top]
+
+
+def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
+    """The plan's executables: forward steps first (the long compiles), then sampling (with the penalties'
+    history merge where a variant has penalties), prompt logprobs, the lookahead's merges, copies."""
+    buckets = token_buckets(runner, plan)
+    out = [runner.forward_job(t, runner.seq_bucket(t)) for t in buckets]
+    bias_widths = (0, runner.logit_bias_width) if plan.logit_bias else (0,)
+    for s in sorted({runner.seq_bucket(t) for t in buckets}):
+        out += [
+            runner.sample_job(s, runner.suppress_width, runner.history_len if flags[2] else 1, flags, width)
+            for flags in plan.sampler_flags
+            for width in bias_widths
+        ]
+        if any(flags[2] for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
+            out.append(runner.history_job(s))
+    if plan.prompt_logprobs:
+        out += [runner.prompt_logprobs_job(t) for t in buckets]
+    if plan.lookahead:
+        out += [runner.merge_job(t) for t in buckets]
+    if plan.copies:
+        out.append(runner.copy_job(8))
+    return out
+
+
+def default_workers() -> int:
+    """One compile thread per CPU this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def run_warmup(
+    runner: ModelRunner,
+    plan: WarmupPlan,
+    progress: bool = True,
+    workers: int | None = None,
+    what: str = "warm-up",
+    cancel: threading.Event | None = None,
+) -> int:
+    """Compile the plan's executables in parallel; returns how many were compiled (not already in the process).
+    Afterwards a compile a step needs (a shape no plan named) is logged as a warning."""
+    todo = jobs(runner, plan)
+    workers = workers or default_workers()
+    before = runner.compile_stats.count, runner.compile_stats.seconds, runner.compile_stats.cache_hits
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(todo), desc=what, unit="shape", disable=not progress, leave=False)
+    try:
+        new = runner.compile(todo, workers, progress=lambda _: bar.update(1), cancel=cancel)
+    finally:
+        bar.close()
+    runner.warm = True
+    stats = runner.compile_stats
+    cache = persistent_cache_summary()
+    cache_dir = jax.config.jax_compilation_cache_dir
+    log.info(
+        "%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling; %d loaded from "
+        "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA)",
+        what,
+        new,
+        token_buckets(runner, plan),
+        time.perf_counter() - t0,
+        workers,
+        stats.seconds - before[1],
+        stats.cache_hits - before[2],
+        f" ({cache_dir})" if cache_dir else " (off)",
+        cache["hits"],
+        cache["compiled"],
+    )
+    return new

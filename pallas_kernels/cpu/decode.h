@@ -1,0 +1,188 @@
+// Decode work items (one query token, the `group` query heads of one KV head) as register tiles.
+//
+// Memory-bound: every K/V byte is used `group` times. The keys are walked in blocks of kDecodeBlock positions:
+//   scores  a tile of kDecodeHeads query heads x 4 keys accumulates in registers over head_dim (K rows read in
+//           place from their pages; bfloat16 pages use vdpbf16ps where the CPU has it), the four dots of a
+//           head finished together (hsum4);
+//   softmax one online-softmax step per block and head, vectorized over the block's keys;
+//   values  a tile of kDecodeHeads heads x kDecodeChunk vectors of head_dim accumulates p * V over the block's
+//           keys in registers, loaded and stored once per block.
+// The pages of the blocks two ahead are prefetched while a block is computed.
+
+#pragma once
+
+#include <type_traits>
+
+#include "problem.h"
+
+namespace pja {
+
+constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W)
+constexpr int kDecodeHeads = W == 16 ? 4 : 2;
+constexpr int kDecodeChunk = 4;  // vectors of head_dim per value tile
+#ifndef PJA_AHEAD
+#define PJA_AHEAD 2
+#endif
+constexpr int kPrefetchBlocks = PJA_AHEAD;
+
+// dots[g * stride + i] = q[g] . k_i for g < NG and the 4 key rows k_i (q rows [NG, D] float32; qb the same rows
+// in bfloat16 when T is bfloat16).
+template <int NG, typename T>
+inline void dot_tile(const float* q, const uint16_t* qb, int64_t D, const T* const* k, float* dots, int64_t stride) {
+  vf acc[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = vf{};
+  int64_t d = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {  // 32 bfloat16 pairs per instruction, no widening of K
+    for (; d + 32 <= D; d += 32) {
+      __m512bh kv[4];
+      for (int i = 0; i < 4; ++i) kv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[i] + d));
+      for (int g = 0; g < NG; ++g) {
+        const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qb + g * D + d));
+        for (int i = 0; i < 4; ++i) {
+          acc[g][i] = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[g][i]), qv, kv[i]));
+        }
+      }
+    }
+  }
+#endif
+  (void)qb;
+  for (; d + W <= D; d += W) {
+    vf kv[4];
+    for (int i = 0; i < 4; ++i) kv[i] = load(k[i] + d);
+    for (int g = 0; g < NG; ++g) {
+      const vf qv = load(q + g * D + d);
+      for (int i = 0; i < 4; ++i) acc[g][i] += qv * kv[i];
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    float o[4];
+    hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], o);
+    for (int64_t t = d; t < D; ++t)
+      for (int i = 0; i < 4; ++i) o[i] += q[g * D + t] * to_float(k[i][t]);
+    for (int i = 0; i < 4; ++i) dots[g * stride + i] = o[i];
+  }
+}
+
+// acc[g, d0 : d0 + DC * W] = alpha[g] * acc[g, ...] + sum_i p[g * stride + i] * v_i[d0 : ...] for g < NG.
+template <int NG, int DC, typename T>
+inline void value_tile(const float* p, int64_t stride, const T* const* v, int64_t n, const float* alpha, float* acc,
+                       int64_t D, int64_t d0) {
+  vf a[NG][DC];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c) a[g][c] = load(acc + g * D + d0 + c * W) * alpha[g];
+  for (int64_t i = 0; i < n; ++i) {
+    vf vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = load(v[i] + d0 + c * W);
+    for (int g = 0; g < NG; ++g) {
+      const vf pb = splat(p[g * stride + i]);
+      for (int c = 0; c < DC; ++c) a[g][c] += pb * vv[c];
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c) store(acc + g * D + d0 + c * W, a[g][c]);
+}
+
+template <int NG, typename T>
+void value_heads(const float* p, int64_t stride, const T* const* v, int64_t n, const float* alpha, float* acc,
+                 int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + kDecodeChunk * W <= D; d0 += kDecodeChunk * W) value_tile<NG, kDecodeChunk>(p, stride, v, n, alpha, acc, D, d0);
+  for (; d0 + W <= D; d0 += W) value_tile<NG, 1>(p, stride, v, n, alpha, acc, D, d0);
+  for (; d0 < D; ++d0) {  // head_dim not a multiple of W
+    for (int g = 0; g < NG; ++g) {
+      float s = acc[g * D + d0] * alpha[g];
+      for (int64_t i = 0; i < n; ++i) s += p[g * stride + i] * to_float(v[i][d0]);
+      acc[g * D + d0] = s;
+    }
+  }
+}
+
+// Runs `fn.template operator()<NG>(g0)` over the heads [0, G) in tiles of kDecodeHeads (the last one smaller).
+template <typename Fn>
+inline void for_head_tiles(int64_t G, const Fn& fn) {
+  int64_t g0 = 0;
+  for (; g0 + kDecodeHeads <= G; g0 += kDecodeHeads) fn.template operator()<kDecodeHeads>(g0);
+  switch (G - g0) {
+    case 1: fn.template operator()<1>(g0); break;
+    case 2: if constexpr (kDecodeHeads > 2) fn.template operator()<2>(g0); break;
+    case 3: if constexpr (kDecodeHeads > 3) fn.template operator()<3>(g0); break;
+    default: break;
+  }
+}
+
+// Folds the keys [lo, hi] of one sequence and KV head into the state of the item's G rows.
+// q [G, D] float32 (qb: the same in bfloat16 for bfloat16 pages); sc: scratch of decode_scratch(G) floats.
+inline int64_t decode_scratch(int64_t G) { return G * kDecodeBlock + G; }
+
+template <typename T>
+void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const uint16_t* qb, int64_t lo, int64_t hi,
+                 const RowState& st, float* sc) {
+  const int64_t G = p.group, D = p.head_dim, B = kDecodeBlock;
+  const T* krow[kDecodeBlock];
+  const T* vrow[kDecodeBlock];
+  alignas(64) float kscale[kDecodeBlock];
+  alignas(64) float vscale[kDecodeBlock];
+  float* alpha = sc + G * B;
+  const int64_t first = lo / B * B;
+  for (int64_t b = 1; b <= kPrefetchBlocks; ++b) kv.prefetch(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
+  for (int64_t b_lo = lo; b_lo <= hi;) {
+    const int64_t b_hi = std::min(hi + 1, (b_lo / B + 1) * B);
+    const int64_t ahead = (b_lo / B + kPrefetchBlocks) * B;
+    if (b_lo != lo) kv.prefetch(std::max(lo, ahead), std::min(hi + 1, ahead + B));
+    // The block's keys whose page exists, compacted.
+    int64_t n = 0;
+    for (int64_t pos = b_lo; pos < b_hi;) {
+      const int64_t stop = kv.run_end(pos, b_hi);
+      const int64_t pg = kv.page(pos);
+      for (; pg >= 0 && pos < stop; ++pos, ++n) {
+        krow[n] = kv.row(pg, pos);
+        vrow[n] = krow[n] + D;
+        kscale[n] = p.sm_scale * kv.scale(pg, pos, 0);
+        vscale[n] = kv.scale(pg, pos, 1);
+      }
+      pos = stop;
+    }
+    if (n == 0) {
+      b_lo = b_hi;
+      continue;
+    }
+    for (int64_t i = n; i < B; ++i) kscale[i] = vscale[i] = 0.0f;
+    // Scores: tiles of heads x 4 keys (a short last tile repeats its last key; the extra dots are masked).
+    for (int64_t j = 0; j < n; j += 4) {
+      const T* k4[4];
+      for (int i = 0; i < 4; ++i) k4[i] = krow[std::min<int64_t>(j + i, n - 1)];
+      for_head_tiles(G, [&]<int NG>(int64_t g0) { dot_tile<NG>(q + g0 * D, qb + g0 * D, D, k4, sc + g0 * B + j, B); });
+    }
+    // One online-softmax step per head; the vector lanes are the block's keys, keys >= n are masked.
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = sc + g * B;
+      vf mx = splat(-INFINITY);
+      for (int64_t i = 0; i < B; i += W) {
+        vf x = load(s + i) * load(kscale + i);
+        if (p.soft_cap > 0.0f) x = soft_cap(x, p.soft_cap);
+        vi lane;
+        for (int w = 0; w < W; ++w) lane[w] = static_cast<int32_t>(i + w);
+        x = (lane < static_cast<int32_t>(n)) ? x : splat(-INFINITY);
+        store(s + i, x);
+        mx = (x > mx) ? x : mx;
+      }
+      const float m_old = st.m[g];
+      const float m_new = std::max(m_old, hmax(mx));
+      alpha[g] = exp_nonpositive(m_old - m_new);  // 0 on the first block (m_old = -inf)
+      vf sum = vf{};
+      for (int64_t i = 0; i < B; i += W) {
+        const vf e = exp_nonpositive(load(s + i) - m_new);
+        sum += e;
+        store(s + i, e * load(vscale + i));
+      }
+      st.l[g] = st.l[g] * alpha[g] + hsum(sum);
+      st.m[g] = m_new;
+    }
+    for_head_tiles(G, [&]<int NG>(int64_t g0) { value_heads<NG>(sc + g0 * B, B, vrow, n, alpha + g0, st.acc + g0 * D, D); });
+    b_lo = b_hi;
+  }
+}
+
+}  // namespace pja
