@@ -29,6 +29,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (default: off)")
     g.add_argument("--metrics-host", default="127.0.0.1")
+    g.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="require the bearer token on HTTP /metrics and on the metrics port too (default: they are open)",
+    )
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS)")
     g.add_argument("--tls-key", default=None)
     g.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
@@ -72,6 +77,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        metrics_auth=args.metrics_auth,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         auth_token=token,

@@ -46,6 +46,9 @@ class ServingConfig:
     tls_key_file: str | None = None
     auth_token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
     auth_exempt_health: bool = True  # health checks need no token (load balancers)
+    # Metrics (HTTP /metrics and the metrics port) are unauthenticated unless this is set: then they need the
+    # bearer token too (and the metrics port serves TLS when TLS is configured).
+    metrics_auth: bool = False
     max_queued_requests: int = 256  # accepted but not yet started; beyond it RESOURCE_EXHAUSTED
     # GetStats(check_invariants=true) walks every KV page on the engine thread (149 ms at 230k pages), stalling
     # every stream: an operator's debugging tool, refused (PERMISSION_DENIED) unless turned on.
@@ -66,6 +69,8 @@ class ServingConfig:
             raise ValueError("max_queued_requests: must be >= 1 (0 would refuse every request)")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError("http_port: must be in [0, 65536)")
+        if self.metrics_auth and self.auth_token is None:
+            raise ValueError("metrics_auth: needs a bearer token (--auth-token-file or PAGED_JAX_AUTH_TOKEN)")
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s: must be >= 0")
         self.limits.validate()
@@ -81,6 +86,11 @@ class ServingConfig:
             out.append(
                 f"auth: the bearer token travels in clear text: {self.host} is not a loopback address and TLS "
                 "is off (--tls-cert/--tls-key)"
+            )
+        if self.metrics_port is not None and not self.metrics_auth and not is_loopback(self.metrics_host):
+            out.append(
+                f"metrics: the metrics port on {self.metrics_host} is unauthenticated and not on loopback "
+                "(--metrics-auth requires the bearer token there)"
             )
         return out
 

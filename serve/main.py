@@ -216,9 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that are the input's fault (a model file, a config field); their messages name the field."""
+    from paged_jax.config import ConfigError
+    from paged_jax.config.model_files import ModelFileError
+    from paged_jax.model.loader.gguf_bounds import GGUFError
+    from paged_jax.model.loader.hf import WeightsError
+    from paged_jax.tokenization.chat_template import ChatTemplateError
+
+    return (ConfigError, WeightsError, GGUFError, ModelFileError, ChatTemplateError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; a model or config error is one clean line on stderr and exit status 2, not a traceback."""
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command].run(args)
+    try:
+        return COMMANDS[args.command].run(args)
+    except ValueError as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"paged-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

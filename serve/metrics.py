@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hmac
+import ssl
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from paged_jax.engine.protocol import Engine, EngineStats
 from paged_jax.outputs import RequestOutput
@@ -74,6 +80,27 @@ class Metrics:
             buckets=_PADDING_BUCKETS,
             registry=r,
         )
+        self.spec_draft_tokens = Counter(
+            "paged_jax_spec_draft_tokens", "Speculative decoding: draft tokens scored by verify steps", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "paged_jax_spec_accepted_tokens", "Speculative decoding: draft tokens kept", registry=r
+        )
+        self.spec_drafts = Counter(
+            "paged_jax_spec_drafts", "Speculative decoding: sequences verified with drafts", registry=r
+        )
+        self.spec_acceptance_rate = Gauge(
+            "paged_jax_spec_acceptance_rate", "Speculative decoding: drafts kept / drafts scored", registry=r
+        )
+        self.spec_mean_accepted_length = Gauge(
+            "paged_jax_spec_mean_accepted_length", "Speculative decoding: drafts kept per verified sequence", registry=r
+        )
+        self.spec_position_acceptance = Gauge(
+            "paged_jax_spec_position_acceptance_rate",
+            "Speculative decoding: per draft position, the share of runs reaching it that kept it",
+            ["position"],
+            registry=r,
+        )
         self._preemptions_seen = 0
         self._seen: dict[str, float] = {}  # last value of each engine counter mirrored by a Counter
         self.queued_fn = lambda: 0
@@ -101,8 +128,16 @@ class Metrics:
             ("compiles_after_warmup", self.compiles_after_warmup),
             ("step_tokens", self.step_tokens),
             ("step_padding_tokens", self.step_padding_tokens),
+            ("spec_drafts", self.spec_drafts),
+            ("spec_draft_tokens", self.spec_draft_tokens),
+            ("spec_accepted_tokens", self.spec_accepted_tokens),
         ):
             counter.inc(self._advance(key, s, commit=True))
+        if s.spec_drafts:
+            self.spec_acceptance_rate.set(s.spec_acceptance_rate)
+            self.spec_mean_accepted_length.set(s.spec_mean_accepted_length)
+            for j, rate in enumerate(s.spec_acceptance_per_position):
+                self.spec_position_acceptance.labels(position=str(j)).set(rate)
 
     def _advance(self, key: str, stats: EngineStats, commit: bool = False) -> float:
         """How much engine counter `key` grew since it was last committed."""
@@ -121,9 +156,21 @@ class Metrics:
         if m.time_per_output_token is not None:
             self.tpot.observe(m.time_per_output_token)
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint; returns the bound port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, token: str | None = None, tls: tuple[str, str] | None = None) -> int:
+        """Start the HTTP endpoint; returns the bound port.
+
+        `token`: every scrape must send `Authorization: Bearer <token>` (401 otherwise); `tls`: (certificate
+        chain, key) PEM files, so that the token does not travel in clear text.
+        """
+        if token is None:
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        else:
+            server = make_server(host, port, _bearer(make_wsgi_app(self.registry), token), ThreadingWSGIServer, _Quiet)
+            if tls is not None:
+                context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+                context.load_cert_chain(*tls)
+                server.socket = context.wrap_socket(server.socket, server_side=True)
+            threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._http = server
         return server.server_address[1]
 
@@ -132,3 +179,22 @@ class Metrics:
         if http is not None:
             http.shutdown()
             http.server_close()
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # scrapes are not worth a log line each
+        pass
+
+
+def _bearer(app: Callable, token: str) -> Callable:
+    """A WSGI app that answers 401 unless the request carries `Authorization: Bearer <token>`."""
+    expected = token.encode()
+
+    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        scheme, _, got = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if hmac.compare_digest(got.strip().encode(), expected) and scheme.lower() == "bearer":
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"authorization: a valid 'Bearer <token>' is required\n"]
+
+    return guarded

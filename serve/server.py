@@ -195,8 +195,11 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     loop = EngineLoop(engine, on_step=metrics.on_step).start()
     metrics.engine_alive.set(1)
     if config.metrics_port is not None:
-        port = metrics.serve(config.metrics_host, config.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
+        token = config.auth_token if config.metrics_auth else None
+        tls = (config.tls_cert_file, config.tls_key_file) if token is not None and config.tls else None
+        port = metrics.serve(config.metrics_host, config.metrics_port, token=token, tls=tls)
+        scheme = "https" if tls else "http"
+        log.info("metrics on %s://%s:%d/metrics (auth %s)", scheme, config.metrics_host, port, token is not None)
     server = GrpcServer(loop, config, metrics)
     port = await server.start(serving=not warm_up)
     print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)

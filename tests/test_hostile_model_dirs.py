@@ -124,3 +124,23 @@ def test_json_reads_are_capped_and_bounded(tmp_path: Path) -> None:
         read_json(deep)
     with pytest.raises(ConfigError, match="config.json: .*nested too deeply"):
         load_model_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "break_it,needle",
+    [
+        (lambda d: (d / "config.json").write_text('{"hidden_size": "wide"}'), "config.json"),
+        (lambda d: (d / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"{}"), "model.safetensors: not a"),
+    ],
+    ids=["config-field", "config-json", "safetensors-header"],
+)
+def test_cli_prints_one_clean_error_line(tmp_path: Path, capsys, break_it, needle: str) -> None:
+    """Issue 25.14: config and safetensors errors reached users as raw tracebacks."""
+    from serve.main import main
+
+    d = _model_dir(tmp_path)
+    break_it(d)
+    assert main(["info", "--model", str(d)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("paged-jax info: error: ") and needle in err and "\n" not in err, err

@@ -6,6 +6,7 @@ import datetime
 import ipaddress
 import re
 import threading
+import urllib.error
 import urllib.request
 
 import grpc
@@ -15,6 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from test_serve_support import GREEDY, PROMPTS, SAMPLED, shared, start_server, stop_case, wait_idle, wait_until
 
 from serve.client import Client
+from serve.config import ServingConfig
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -231,6 +233,25 @@ def test_metrics_endpoint():
         assert name in body, name
     assert 'paged_jax_requests_total{method="Generate",status="OK"}' in body
     metrics.close()
+
+
+def test_metrics_port_auth():
+    """Issue 25.14: the metrics port was always open; with metrics_auth it needs the bearer token."""
+    with pytest.raises(ValueError, match="^metrics_auth: needs a bearer token"):
+        ServingConfig(metrics_auth=True).validate()
+    assert any(w.startswith("metrics:") for w in ServingConfig(metrics_port=9090, metrics_host="0.0.0.0").warnings())
+    metrics = shared().metrics
+    port = metrics.serve("127.0.0.1", 0, token="sesame")
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sesame"}):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+            assert e.value.code == 401
+        good = urllib.request.Request(url, headers={"Authorization": "Bearer sesame"})
+        assert "paged_jax_requests_total" in urllib.request.urlopen(good, timeout=5).read().decode()
+    finally:
+        metrics.close()
 
 
 def test_auth_on_and_off(server):

@@ -7,6 +7,7 @@ checked against the offline engine's, and pages and invariants through gRPC's Ge
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -344,6 +345,17 @@ def test_auth_and_draining(fronts):
             assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
             with urllib.request.urlopen(http.base_url.removesuffix("/v1") + "/health") as r:
                 assert r.status == 200  # health needs no token
+            with urllib.request.urlopen(http.base_url.removesuffix("/v1") + "/metrics") as r:
+                assert r.status == 200  # nor metrics, unless metrics_auth
+            http.server.front.config = dataclasses.replace(http.server.front.config, metrics_auth=True)
+            with pytest.raises(urllib.error.HTTPError) as he:
+                urllib.request.urlopen(http.base_url.removesuffix("/v1") + "/metrics")
+            assert he.value.code == 401
+            metrics = urllib.request.Request(
+                http.base_url.removesuffix("/v1") + "/metrics", headers={"Authorization": "Bearer sesame"}
+            )
+            with urllib.request.urlopen(metrics) as r:
+                assert r.status == 200 and b"paged_jax_requests_total" in r.read()
             http.server.front.draining = True
             e = _status(lambda: good.completions.create(model="tiny", prompt="hi", max_tokens=2))
             assert e.status_code == 503 and isinstance(e, openai.InternalServerError)

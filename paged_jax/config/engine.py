@@ -37,6 +37,9 @@ class EngineConfig:
     # SamplingParams fields a request gets when it leaves them unset (the model's generation_config.json;
     # see paged_jax.config.generation_defaults). Applied by LLM, batch and gRPC where "unset" is known.
     sampling_defaults: dict = field(default_factory=dict)
+    # Speculative decoding (paged_jax.spec.SpeculativeConfig fields, vLLM's names), e.g. {"method": "ngram",
+    # "num_speculative_tokens": 3}; None: off. Validated when the engine starts.
+    speculative_config: dict | None = None
 
     def validate(self) -> None:
         if self.attention_backend not in BACKENDS:

@@ -74,7 +74,8 @@ def _hf_window_pattern(hf: dict[str, Any], default: int) -> int:
     """Gemma's `sliding_window_pattern` N (layer i global iff (i + 1) % N == 0), from `layer_types` when given."""
     types = hf.get("layer_types")
     if not types:
-        return int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or default)
+        value = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or default
+        return _num(int, {"sliding_window_pattern": value}, "sliding_window_pattern")
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     n = full[0] + 1 if full else len(types) + 1
     expected = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(len(types))]
@@ -88,7 +89,7 @@ def _hf_family_fields(hf: dict[str, Any], kind: str) -> dict[str, Any]:
     rope_params = hf.get("rope_parameters") or {}
     theta, scaling = _hf_rope(hf.get("rope_scaling") or rope_params, hf.get("rope_theta", 10000.0))
     if "rope_theta" in hf:
-        theta = float(hf["rope_theta"])
+        theta = _num(float, hf, "rope_theta")
     out: dict[str, Any] = dict(rope_theta=theta, rope_scaling=scaling, model_type=HF_MODEL_TYPES[kind])
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if kind in ("gemma2", "gemma3_text"):
@@ -114,7 +115,7 @@ def _hf_family_fields(hf: dict[str, Any], kind: str) -> dict[str, Any]:
                 if local is not None:
                     raise ConfigError("rope_parameters.sliding_attention: scaled local RoPE is not supported")
             else:
-                out["rope_local_theta"] = float(hf.get("rope_local_base_freq", 10000.0))
+                out["rope_local_theta"] = _num(float, hf, "rope_local_base_freq", 10000.0)
         return out
     if act != "silu":
         raise ConfigError(f"hidden_act: only 'silu' (SwiGLU) is supported, got {act!r}")
@@ -133,20 +134,35 @@ def _hf_family_fields(hf: dict[str, Any], kind: str) -> dict[str, Any]:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
     if kind == "mixtral":
-        out.update(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]))
+        out.update(
+            num_experts=_num(int, hf, "num_local_experts"), num_experts_per_tok=_num(int, hf, "num_experts_per_tok")
+        )
     elif kind == "qwen3_moe":
-        if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        if _num(int, hf, "decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise ConfigError(
                 "decoder_sparse_step: only Qwen3-MoE with every layer sparse is supported "
                 "(decoder_sparse_step 1, no mlp_only_layers)"
             )
         out.update(
-            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
-            num_experts_per_tok=int(hf["num_experts_per_tok"]),
+            num_experts=_num(int, hf, "num_experts") if hf.get("num_experts") else _num(int, hf, "num_local_experts"),
+            num_experts_per_tok=_num(int, hf, "num_experts_per_tok"),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            intermediate_size=int(hf["moe_intermediate_size"]),
+            intermediate_size=_num(int, hf, "moe_intermediate_size"),
         )
     return out
+
+
+def _num(cast: type[int] | type[float], hf: dict[str, Any], key: str, default: Any = ...) -> Any:
+    """`cast(hf[key])` (or of `default` when absent); a missing or non-numeric value is a ConfigError naming `key`."""
+    if key not in hf and default is ...:
+        raise ConfigError(f"{key}: missing from config.json")
+    value = hf.get(key, default)
+    try:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise TypeError
+        return cast(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key}: must be a number, got {str(value)[:60]!r}") from None
 
 
 def from_hf_config(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
@@ -157,20 +173,22 @@ def from_hf_config(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     kind = _hf_model_type(hf)
     eos = hf.get("eos_token_id", 1 if kind in ("gemma2", "gemma3_text") else 2)
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    num_heads = int(hf["num_attention_heads"])
+    num_heads = _num(int, hf, "num_attention_heads")
+    if num_heads < 1:
+        raise ConfigError(f"num_attention_heads: must be >= 1, got {num_heads}")
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     dtype = {"float16": "bfloat16"}.get(dtype, dtype)
     fields: dict[str, Any] = dict(
         name=name,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=_num(int, hf, "vocab_size"),
+        hidden_size=_num(int, hf, "hidden_size"),
+        intermediate_size=_num(int, hf, "intermediate_size"),
+        num_layers=_num(int, hf, "num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        num_kv_heads=_num(int, hf, "num_key_value_heads") if hf.get("num_key_value_heads") else num_heads,
+        head_dim=_num(int, hf, "head_dim") if hf.get("head_dim") else _num(int, hf, "hidden_size") // num_heads,
+        max_position_embeddings=_num(int, hf, "max_position_embeddings", 4096),
+        rms_norm_eps=_num(float, hf, "rms_norm_eps", 1e-5),
         dtype=dtype if dtype in DTYPES else "float32",
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 
 import jax
@@ -64,6 +65,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="wait for each step's tokens before scheduling the next (no one-step lookahead)",
     )
+    g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s fields: e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+        "(paged_jax.spec.SpeculativeConfig; README: speculative decoding)",
+    )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="chips per engine replica")
     g.add_argument(
         "--data-parallel-size",
@@ -122,7 +131,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_dtype=args.kv_dtype,
         watermark=args.watermark,
         async_scheduling=not args.no_async_scheduling,
+        speculative_config=args.speculative_config,
     )
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object from the command line (argparse reports the error as a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def build_engine(args: argparse.Namespace, warmup: bool | None = None):

@@ -4,7 +4,8 @@ Serving and the batch script both drive this loop. Each `step` schedules one bat
 runs it on the device (`paged_jax.worker.runner`), appends the sampled tokens, hands each to the output processor
 (`paged_jax.engine.output_processor`: stop checks, detokenization, outputs) and frees the pages of every sequence
 that finished. Every page a request holds goes back when it finishes, is aborted, or fails. With
-`async_scheduling` the step looks one step ahead (`paged_jax.engine.lookahead`).
+`async_scheduling` the step looks one step ahead (`paged_jax.engine.lookahead`). With a `speculative_config` a
+step also verifies drafts (`paged_jax.spec`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
+from paged_jax.spec.decoder import SpecDecoder
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.kv_budget import kv_capacity_pages
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
 from paged_jax.worker.runner import ModelRunner, StepResult
+from paged_jax.worker.spec_verify import REJECTED
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,12 @@ class LLMEngine:
             mesh = sharding.make_mesh(devices)
             run_config, params = sharding.shard_params(config, params, mesh)
         self.mesh = mesh
+        self.spec: SpecDecoder | None = None
+        spec_config = None
+        if ec.speculative_config is not None:
+            from paged_jax.spec.setup import make_spec_decoder, parse_spec_config
+
+            spec_config = parse_spec_config(ec.speculative_config)
         self.num_pages = kv_capacity_pages(
             run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
         )
@@ -103,7 +112,10 @@ class LLMEngine:
             kv_dtype=ec.kv_dtype,
             mesh=mesh,
             max_logit_bias=ec.max_logit_bias,
+            num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
         )
+        if spec_config is not None:
+            self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len)
         self.outputs = OutputProcessor(
             tokenizer,
             vocab_size=config.vocab_size,
@@ -184,7 +196,7 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.finished:
-                self.scheduler.remove(seq, reason)
+                self._remove(seq, reason)
                 seq.finish_time = time.monotonic()
         return self.outputs.output(req, final=True)
 
@@ -204,7 +216,9 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
+        spec = {} if self.spec is None else self.spec.stats.as_dict()
         return EngineStats(
+            **spec,
             **asdict(self.kv.stats()),
             num_preemptions=self.scheduler.num_preemptions,
             num_waiting=self.num_waiting,
@@ -227,10 +241,14 @@ class LLMEngine:
             launched = self.launch_step()
             return [] if launched is None else self.finish_step(launched)
         prev = self.lookahead.take()
+        outputs = []
+        spec = self.spec
+        if prev is not None and spec is not None and spec.needs_sync(prev.sched, self.scheduler.running, self.kv):
+            outputs, prev = self.finish_step(prev), None  # speculating: the next step's drafts need these tokens
         if prev is not None:
             self.lookahead.mark_pending(prev, self._is_live, self.outputs.is_last_token)
         self.lookahead.inflight = self.launch_step(prev)
-        return [] if prev is None else self.finish_step(prev)
+        return outputs if prev is None else self.finish_step(prev)
 
     def _is_live(self, seq: TokenSequence) -> bool:
         return not seq.finished and seq.request_id in self.outputs.requests
@@ -242,6 +260,8 @@ class LLMEngine:
         launches every replica's step before finishing any, so the replicas' devices run together.
         """
         t0 = time.perf_counter()
+        if self.spec is not None and prev is None:  # every token is on the host: propose drafts
+            self.spec.propose(self.scheduler.running, self.kv)
         sched = self.scheduler.schedule()
         if sched.empty:
             return None
@@ -261,10 +281,12 @@ class LLMEngine:
         outputs = []
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(sched, result.prompt_logprobs)
-        for r, (seq, _) in enumerate(sched.sample_rows):
+        for r, row in enumerate(sched.sample_rows):
+            seq = row.seq
             req = self.outputs.requests.get(seq.request_id)
-            if req is None or seq.finished:
-                continue  # finished, aborted or failed while this step was in flight (or earlier in this loop)
+            if req is None or seq.finished or result.tokens[r] == REJECTED:
+                continue  # finished, aborted or failed while this step was in flight (or earlier in this loop); or a
+                # row after a rejected draft
             try:
                 self._append(req, seq, result, r)
             except Exception as e:  # one request's failure (e.g. its tokenizer) ends that request alone
@@ -273,6 +295,8 @@ class LLMEngine:
                 outputs.append(self.fail(req.request_id, f"{type(e).__name__}: {e}"))
                 continue
             touched[req.request_id] = req
+        if self.spec is not None:
+            self.spec.settle(sched, result.tokens, self.kv)
         for req in touched.values():
             done = req.finished
             outputs.append(self.outputs.output(req, final=done))
@@ -305,4 +329,10 @@ class LLMEngine:
         k = seq.params.logprobs
         reason = self.outputs.check_token(req, seq, token, None if k is None else result.logprobs_of(row, k))
         if reason is not None:
-            self.scheduler.remove(seq, reason)
+            self._remove(seq, reason)
+
+    def _remove(self, seq: TokenSequence, reason: FinishReason) -> None:
+        """End `seq`: its pages back to the pool, its speculation record (and draft KV) dropped."""
+        self.scheduler.remove(seq, reason)
+        if self.spec is not None:
+            self.spec.release(seq)

@@ -46,6 +46,14 @@ class EngineStats:
     step_padding_tokens: int  # padding added to reach each step's token bucket (waste = this / step_tokens)
     kv_cache_tokens: int = 0  # token slots of the KV pages (page 0 not counted)
     kv_cache_token_gain: float = 1.0  # tokens per KV byte relative to bfloat16 pages (int8 pages: ~1.94)
+    # Speculative decoding (paged_jax.spec.SpecStats): runs verified, drafts scored, drafts kept, their ratio, kept
+    # per run, and per draft position the share kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    spec_acceptance_per_position: tuple[float, ...] = ()
     replicas: tuple[EngineStats, ...] = ()  # each replica's own (data parallelism only)
 
     @property
@@ -56,11 +64,15 @@ class EngineStats:
     @classmethod
     def combine(cls, per: Sequence[EngineStats]) -> EngineStats:
         """Replicas' stats as one: counts summed, rates recomputed from the sums, `replicas` = `per`."""
-        sums = {f.name: sum(getattr(s, f.name) for s in per) for f in dataclasses.fields(cls) if f.name != "replicas"}
+        skip = ("replicas", "spec_acceptance_per_position")
+        sums = {f.name: sum(getattr(s, f.name) for s in per) for f in dataclasses.fields(cls) if f.name not in skip}
         queries, in_use = sums["prefix_queries"], sums["pages_in_use"]
         sums["prefix_hit_rate"] = sums["prefix_hits"] / queries if queries else 0.0
         sums["slot_utilization"] = sum(s.slot_utilization * s.pages_in_use for s in per) / in_use if in_use else 1.0
         sums["kv_cache_token_gain"] = per[0].kv_cache_token_gain if per else 1.0  # the same pages everywhere
+        drafts, tokens = sums["spec_drafts"], sums["spec_draft_tokens"]
+        sums["spec_acceptance_rate"] = sums["spec_accepted_tokens"] / tokens if tokens else 0.0
+        sums["spec_mean_accepted_length"] = sums["spec_accepted_tokens"] / drafts if drafts else 0.0
         return cls(**sums, replicas=tuple(per))
 
 

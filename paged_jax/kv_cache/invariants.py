@@ -36,8 +36,9 @@ def check_manager_invariants(m: KVCacheManager) -> None:
             _fail(f"request {rid!r} holds the null page: {ids}")
         if len(set(ids)) != len(ids):
             _fail(f"request {rid!r} holds a page twice: {ids}")
-        if len(ids) != cdiv(st.num_computed, ps):
-            _fail(f"request {rid!r} has {len(ids)} pages for {st.num_computed} computed tokens")
+        written = st.num_computed + st.num_draft  # draft slots are held until the step's drafts are settled
+        if len(ids) != cdiv(written, ps):
+            _fail(f"request {rid!r} has {len(ids)} pages for {st.num_computed} computed tokens + {st.num_draft} drafts")
         num_full = st.num_computed // ps
         if st.num_cached_blocks != num_full:
             _fail(f"request {rid!r}: {st.num_cached_blocks} blocks offered to the cache, {num_full} full")
@@ -48,7 +49,7 @@ def check_manager_invariants(m: KVCacheManager) -> None:
             if b.block_hash is not None and (i >= num_full or b.block_hash != st.block_hashes[i]):
                 _fail(f"request {rid!r} block {i} (page {b.page_id}) is cached under a hash not its own")
         full_pages.update(ids[:num_full])
-        fill = st.num_computed % ps
+        fill = written % ps
         if fill:
             if partial_fill.setdefault(ids[-1], fill) != fill:
                 _fail(f"page {ids[-1]} is shared by requests that disagree on how full it is")

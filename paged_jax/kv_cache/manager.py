@@ -10,6 +10,10 @@ page_size)``. So only the last page can be partially filled, and it is the only 
 write into; a prefix-cache hit always covers whole pages. That is why copy-on-write only ever concerns
 the last page, and only after a ``fork``.
 
+Speculative decoding (``paged_jax.spec``) reserves slots past ``num_computed`` for a step's draft tokens
+(``allocate_slots(num_draft=k)``); those slots hold unverified KV until ``accept_drafts`` keeps the accepted
+ones and returns the pages only the rejected ones needed. A block is never hashed while it holds a draft.
+
 Full blocks enter the prefix cache as soon as they are scheduled (``admit``/``allocate_slots``), not
 after the step ran. This is sound because the step writes every new K/V of a layer into its page before
 that layer's attention reads any page, so a request admitted later in the same step that hits such a page
@@ -51,6 +55,9 @@ class RequestPages:
     """Blocks ``[0, num_cached_blocks)`` have been offered to the prefix cache (== num_computed // size, but
     while an ``allocate_slots(cache=False)`` awaits its ``cache_blocks``)."""
     cache_salt: str | None
+    num_draft: int = 0
+    """Slots past ``num_computed`` written with unverified draft tokens this step (speculative decoding); the
+    table covers them: ``len(pages) == ceil((num_computed + num_draft) / page_size)``."""
 
 
 class KVCacheManager:
@@ -185,7 +192,7 @@ class KVCacheManager:
         return cached
 
     def allocate_slots(
-        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, cache: bool = True
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, cache: bool = True, num_draft: int = 0
     ) -> list[PageCopy] | None:
         """A running request computes positions ``[num_computed, num_computed + num_new_tokens)`` now.
 
@@ -198,21 +205,26 @@ class KVCacheManager:
         ``cache=False`` defers the prefix caching: the engine's one-step lookahead schedules a token whose id
         the device has not returned yet (``token_ids`` holds a placeholder there), and calls
         ``cache_blocks`` once the id is known.
+
+        ``num_draft``: slots for that many draft tokens after the new ones (speculative decoding), allocated
+        with them but not counted as computed and never hashed; the step's ``accept_drafts`` settles them.
         """
         state = self._get(request_id)
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_new_tokens < 0 or num_draft < 0:
+            raise ValueError(f"num_new_tokens and num_draft must be >= 0, got {num_new_tokens}, {num_draft}")
+        if state.num_draft:
+            raise ValueError(f"request {request_id!r}: the previous step's drafts were not settled (accept_drafts)")
         ps = self.page_size
         start = state.num_computed
         total = start + num_new_tokens
         if len(token_ids) < total:
             raise ValueError(f"request {request_id!r}: {total} tokens to compute, {len(token_ids)} given")
         pages = state.pages
-        need = cdiv(total, ps)
+        need = cdiv(total + num_draft, ps)
         if need > self.num_pages - 1:
             raise ValueError(f"request {request_id!r} needs {need} pages, the pool has {self.num_pages - 1}")
         num_new_pages = need - len(pages)
-        cow = num_new_tokens > 0 and start % ps != 0 and pages[start // ps].ref_cnt > 1
+        cow = num_new_tokens + num_draft > 0 and start % ps != 0 and pages[start // ps].ref_cnt > 1
         if num_new_pages + cow > self.pool.free_queue.num_free:
             return None
         copies: list[PageCopy] = []
@@ -226,9 +238,30 @@ class KVCacheManager:
         if num_new_pages > 0:
             pages.extend(self.pool.allocate(num_new_pages))
         state.num_computed = total
+        state.num_draft = num_draft
         if cache and total // ps > state.num_cached_blocks:
             self._cache_full_blocks(state, token_ids)
         return copies
+
+    def accept_drafts(self, request_id: str, num_accepted: int, token_ids: Sequence[int]) -> None:
+        """Settle the drafts of the last ``allocate_slots``: the first ``num_accepted`` become computed tokens
+        (``token_ids`` holds them now), the rest are rolled back. Pages only the rejected drafts needed go back
+        to the free list; the blocks the accepted ones completed enter the prefix cache."""
+        state = self._get(request_id)
+        if not 0 <= num_accepted <= state.num_draft:
+            raise ValueError(f"request {request_id!r}: {num_accepted} drafts accepted of {state.num_draft}")
+        computed = state.num_computed + num_accepted
+        if len(token_ids) < computed:
+            raise ValueError(f"request {request_id!r}: {computed} tokens computed, {len(token_ids)} given")
+        state.num_computed, state.num_draft = computed, 0
+        keep = cdiv(computed, self.page_size)
+        while len(state.pages) > keep:  # fresh pages of this step: refcount 1, never hashed
+            self.pool.release(state.pages.pop())
+        self._cache_full_blocks(state, token_ids)
+
+    def num_draft_slots(self, request_id: str) -> int:
+        """Draft slots reserved by the last ``allocate_slots`` and not yet settled."""
+        return self._get(request_id).num_draft
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Offer the request's full blocks not yet cached to the prefix cache (see ``allocate_slots``)."""
@@ -240,6 +273,8 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every page of the parent (refcount +1 each); writes later copy on write."""
         parent = self._get(parent_id)
+        if parent.num_draft:
+            raise ValueError(f"fork of {parent_id!r} while it holds unsettled drafts")
         if child_id in self.requests:
             raise ValueError(f"fork target {child_id!r} already exists")
         for page in parent.pages:
@@ -277,7 +312,7 @@ class KVCacheManager:
         empty_slots = 0
         seen: set[int] = set()
         for state in self.requests.values():
-            fill = state.num_computed % ps
+            fill = (state.num_computed + state.num_draft) % ps
             if fill and state.pages[-1].page_id not in seen:
                 seen.add(state.pages[-1].page_id)
                 empty_slots += ps - fill

@@ -34,6 +34,15 @@ from paged_jax.offline.lines import BatchItem, Chat, parse_line
 from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids, result_line
 from paged_jax.offline.plan import plan_for_input
 
+_SPEC_STATS = (
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_acceptance_rate",
+    "spec_mean_accepted_length",
+    "spec_acceptance_per_position",
+)
+
 
 @dataclass(slots=True)
 class BatchSummary:
@@ -49,6 +58,7 @@ class BatchSummary:
     prefix_hit_rate: float = 0.0
     startup_seconds: float = 0.0  # model load, engine construction and warm-up, before the first request
     compile: dict = field(default_factory=dict)  # the engine's compile and padding counters (see EngineStats)
+    spec: dict = field(default_factory=dict)  # speculative decoding's counters (EngineStats.spec_*), when on
 
     def lines(self) -> list[str]:
         tps = self.generated_tokens / self.seconds if self.seconds else 0.0
@@ -61,7 +71,19 @@ class BatchSummary:
             f"over {self.seconds:.2f}s",
             f"time to first tok  p50 {p50:.1f} ms, p99 {p99:.1f} ms",
             f"prefix cache       hit rate {self.prefix_hit_rate:.1%}; preemptions {self.preemptions}",
+            *self.spec_lines(),
             *self.startup_lines(),
+        ]
+
+    def spec_lines(self) -> list[str]:
+        s = self.spec
+        if not s or not s["spec_drafts"]:
+            return []
+        per = ", ".join(f"{rate:.0%}" for rate in s["spec_acceptance_per_position"])
+        return [
+            f"speculation        {s['spec_accepted_tokens']} of {s['spec_draft_tokens']} drafts kept "
+            f"({s['spec_acceptance_rate']:.1%}), {s['spec_mean_accepted_length']:.2f} per verified sequence; "
+            f"by position {per}"
         ]
 
     def startup_lines(self) -> list[str]:
@@ -183,6 +205,8 @@ def run_batch(
     stats = engine.stats()
     summary.preemptions = stats.num_preemptions
     summary.prefix_hit_rate = stats.prefix_hit_rate
+    if engine.engine_config.speculative_config is not None:
+        summary.spec = {k: getattr(stats, k) for k in _SPEC_STATS}
     summary.compile = {
         k: getattr(stats, k)
         for k in (

@@ -21,16 +21,26 @@ class ScheduledSeq:
     start: int
     num_new: int
     page_ids: list[int]  # the sequence's block table after this step's allocation: logical block i -> page
+    draft: list[int] = field(default_factory=list)  # unverified draft tokens at [start + num_new, ... + len(draft))
     # prompt positions p whose logits give the logprob of prompt token p + 1 this step (`prompt_logprobs`)
     prompt_logprob_positions: range = range(0)
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens this entry puts in the step: its new tokens and its drafts."""
+        return self.num_new + len(self.draft)
 
 
 class SampleRow(NamedTuple):
     """One row of the step's samples: `seq` draws its next token from the logits of the last token of
-    `scheduled[index]` (its own entry, or its leader's on the step a shared prompt completes)."""
+    `scheduled[index]` (its own entry, or its leader's on the step a shared prompt completes).
+
+    With drafts, that entry has 1 + k rows: row `draft_prefix` = d[:j] draws the token after the last real token
+    and the first j drafts, from the logits of the j-th draft's position (and is used only if d[:j] is accepted)."""
 
     seq: TokenSequence
     index: int
+    draft_prefix: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

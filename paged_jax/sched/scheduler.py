@@ -6,6 +6,11 @@ full blocks left in the prefix cache) and later recomputed. Waiting sequences ar
 arrival order while the token budget, the sequence limit and the pages last; their cached prefix
 blocks are skipped. A prompt longer than the budget (or the chunk size) is prefilled in chunks.
 
+Speculative decoding (`paged_jax.spec`): a decoding sequence may carry draft tokens (`draft_token_ids`, set by
+the engine's proposer before the step); they are scheduled after its last token inside the same token budget,
+with KV slots reserved for them, and dropped (never preempting anyone) when the budget or the pages run short.
+Each scheduled draft adds one sample row, so the step scores 1 + k positions of that sequence.
+
 The output (`paged_jax.sched.output`) is everything the runner needs and nothing more. How many
 of a sequence's tokens are computed is the KV manager's to know (`num_computed_tokens`); a waiting sequence
 holds no pages and has none computed.
@@ -76,7 +81,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or its pending token is its last
             num_new = min(seq.num_tokens - self.kv.num_computed_tokens(seq.seq_id), budget, self.chunk_size)
             cache = seq.pending is None  # a placeholder (lookahead) must not be hashed; cached once its id is known
-            copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache)
+            draft = self._drafts(seq, num_new, budget)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache, len(draft))
+            if copies is None and draft:  # out of pages: drafts go first, before anyone is preempted
+                draft = []
+                copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache)
             while copies is None:  # out of pages: preempt the most recently admitted unscheduled one
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
                 self._preempt(victim, out)
@@ -86,12 +95,20 @@ class Scheduler:
             if copies is None:
                 continue
             out.copy_ops.extend(copies)
-            self._schedule(seq, num_new, out, scheduled)
-            budget -= num_new
+            self._schedule(seq, num_new, out, scheduled, draft)
+            budget -= num_new + len(draft)
         if not out.preempted:
             self._admit_waiting(out, budget, scheduled)
-        out.num_tokens = sum(s.num_new for s in out.scheduled)
+        out.num_tokens = sum(s.num_scheduled for s in out.scheduled)
         return out
+
+    def _drafts(self, seq: TokenSequence, num_new: int, budget: int) -> list[int]:
+        """The draft tokens `seq` runs this step (taken from it: a draft is for one step): those that fit the
+        budget after its `num_new` tokens, and only when those end its known tokens (it samples this step)."""
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        if not draft or seq.pending is not None or self.kv.num_computed_tokens(seq.seq_id) + num_new < seq.num_tokens:
+            return []
+        return draft[: max(0, budget - num_new)]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
         # Slots already promised: every running sequence, plus the children each running leader will fork
@@ -125,11 +142,14 @@ class Scheduler:
             self._schedule(seq, num_new, out, scheduled)
             budget -= num_new
 
-    def _schedule(self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str]) -> None:
-        """Record `num_new` tokens of `seq`, already allocated (so its computed count already includes them)."""
+    def _schedule(
+        self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str], draft: list[int] = ()
+    ) -> None:
+        """Record `num_new` tokens (and `draft`) of `seq`, already allocated (so its computed count already
+        includes the new tokens)."""
         scheduled.add(seq.seq_id)
         end = self.kv.num_computed_tokens(seq.seq_id)
-        item = ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id))
+        item = ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id), list(draft))
         if seq.needs_prompt_logprobs:
             assert item.start <= seq.prompt_logprobs_done, (item.start, seq.prompt_logprobs_done)
             stop = min(end, len(seq.prompt_token_ids) - 1)
@@ -141,6 +161,7 @@ class Scheduler:
             return
         index = len(out.scheduled) - 1
         out.sample_rows.append(SampleRow(seq, index))
+        out.sample_rows.extend(SampleRow(seq, index, tuple(draft[:j])) for j in range(1, len(draft) + 1))
         for child in seq.forked_children:  # the prompt completes now: children share its pages
             self.kv.fork(seq.seq_id, child.seq_id)
             child.num_cached_prompt = seq.num_cached_prompt
@@ -151,6 +172,7 @@ class Scheduler:
         seq.forked_children = []
 
     def _preempt(self, victim: TokenSequence, out: SchedulerOutput) -> None:
+        victim.draft_token_ids = []
         self.running.remove(victim)
         self.kv.free(victim.seq_id)
         victim.status = Status.WAITING

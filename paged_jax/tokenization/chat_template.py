@@ -1,6 +1,8 @@
 """Chat templates: where a model's template comes from, and how it turns messages into a prompt.
 
-Rendering follows transformers' `apply_chat_template`: jinja2's immutable sandbox with `trim_blocks` and
+Rendering follows transformers' `apply_chat_template`: jinja2's immutable sandbox (bounded in time, output and
+the size of what the template builds: `template_sandbox`; `chat_template_kwargs` cannot shadow its
+functions) with `trim_blocks` and
 `lstrip_blocks`, the `loopcontrols` extension and `{% generation %}` blocks, a `tojson` filter that keeps
 non-ASCII text, `raise_exception(message)` and `strftime_now(format)`; the template sees `messages`,
 `add_generation_prompt`, `tools`, the tokenizer's special token strings (`bos_token`, `eos_token`, ...) and
@@ -23,7 +25,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from paged_jax.config.model_files import model_file, read_json_object, read_text
+from paged_jax.tokenization.template_sandbox import BoundedSandbox, RenderLimits, compile_template, render_bounded
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 NO_TEMPLATE = "the model has no chat template; give one with --chat-template FILE (or chat_template= in LLM.chat)"
@@ -144,11 +149,9 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=16)
 def _compile(template: str):
-    """The compiled template, in the sandbox transformers uses (cached: templates are long, requests many)."""
-    import jinja2
+    """The compiled template, in the bounded sandbox (`template_sandbox`; cached: templates are long, requests many)."""
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationBlocks(Extension):
         """`{% generation %}...{% endgeneration %}` marks the assistant's text for training masks; here it
@@ -164,16 +167,17 @@ def _compile(template: str):
         def _render(self, caller):
             return caller()
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, loopcontrols]
-    )
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, loopcontrols])
     env.filters["tojson"] = _tojson
+    env.bound_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(template)
+        return compile_template(env, template)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat_template: not a valid jinja2 template (line {e.lineno}: {e.message})") from e
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat_template: cannot be compiled ({e})") from e
 
 
 def render(
@@ -186,8 +190,12 @@ def render(
     template_name: str | None = None,
     field: str = "messages",
     template_kwargs: Mapping[str, Any] | None = None,
+    limits: RenderLimits | None = None,
 ) -> str:
-    """The prompt text of one conversation. Raises ChatTemplateError naming `field` (or `chat_template`)."""
+    """The prompt text of one conversation. Raises ChatTemplateError naming `field` (or `chat_template`).
+
+    `limits` bound the render (time, output and value sizes; `template_sandbox.RenderLimits`).
+    """
     if template is None:
         raise ChatTemplateError(f"{field}: {NO_TEMPLATE}")
     kwargs = dict(template_kwargs or {})
@@ -196,16 +204,19 @@ def render(
         raise ChatTemplateError(f"chat_template_kwargs: {reserved[0]} has its own argument")
     conversation = validate_conversation(messages, field)
     compiled = _compile(template.select(template_name, tools))
-    import jinja2
-
+    shadowed = sorted(k for k in kwargs if k in compiled.environment.globals)  # namespace, range, raise_exception...
+    if shadowed:
+        raise ChatTemplateError(f"chat_template_kwargs: {shadowed[0]} is a template function and cannot be set")
+    variables = {
+        "messages": conversation,
+        "add_generation_prompt": add_generation_prompt,
+        "tools": list(tools) if tools is not None else None,
+        **special_tokens,
+        **kwargs,
+    }
     try:
-        return compiled.render(
-            messages=conversation,
-            add_generation_prompt=add_generation_prompt,
-            tools=list(tools) if tools is not None else None,
-            **{**special_tokens, **kwargs},
-        )
-    except jinja2.TemplateError as e:  # raise_exception() in the template, or the sandbox refused something
+        return render_bounded(compiled, variables, limits or RenderLimits())
+    except jinja2.TemplateError as e:  # raise_exception(), the sandbox, a render limit, or the template's own bug
         raise ChatTemplateError(f"{field}: the chat template refused this conversation: {e}") from e
 
 

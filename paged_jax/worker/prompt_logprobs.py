@@ -74,7 +74,7 @@ def build_prompt_rows(sched: SchedulerOutput, t: int) -> PromptRows | None:
             rows[r : r + k] = np.arange(first, first + k, dtype=np.int32)
             targets[r : r + k] = item.seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
             r += k
-        off += item.num_new
+        off += item.num_scheduled  # its new tokens and its drafts
     return PromptRows(rows, targets, np.array([n], np.int32))
 
 

@@ -63,6 +63,7 @@ from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.pending import merge_pending, merge_pending_history
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, make_prompt_logprobs
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
+from paged_jax.worker.spec_verify import VerifyRows, mask_rejected, verify_rows
 from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
 from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv, kv_pages_shape
@@ -201,6 +202,7 @@ def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int, quantized_kv: bool 
 def _sample_rows(
     logits: jax.Array,
     meta: SamplingMeta,
+    verify: VerifyRows | None = None,
     *,
     width: int,
     do_sample: bool,
@@ -208,11 +210,13 @@ def _sample_rows(
     do_penalty: bool,
     want_logprobs: bool,
 ) -> SamplerOutput:
-    """`sample`, with the ids padded to `width` rows so that the next step's merge has one shape per `T`."""
+    """`sample`, with the ids padded to `width` rows so that the next step's merge has one shape per `T`. With
+    `verify` (an engine that speculates, every step) rows whose drafts were rejected read `REJECTED`."""
     out = sample(
         logits, meta, do_sample=do_sample, do_filter=do_filter, do_penalty=do_penalty, want_logprobs=want_logprobs
     )
-    return out._replace(tokens=jnp.pad(out.tokens, (0, width - out.tokens.shape[0])))
+    tokens = out.tokens if verify is None else mask_rejected(out.tokens, verify.next_draft, verify.row_start)
+    return out._replace(tokens=jnp.pad(tokens, (0, width - tokens.shape[0])))
 
 
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
@@ -254,6 +258,8 @@ class ModelRunner:
 
     `mesh`: None for the default device; otherwise `params` must already be placed on it
     (`sharding.shard_params`, which also gives the `config` to pass here) and the pages are created on it.
+    `num_speculative_tokens` > 0: steps may verify that many drafts per sequence (`paged_jax.spec`): the sequence
+    buckets then reach the sample rows of a full verify step, and the sampler marks the rejected rows.
     """
 
     def __init__(
@@ -270,6 +276,7 @@ class ModelRunner:
         kv_dtype: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
         max_logit_bias: int = MAX_LOGIT_BIAS,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.config = config
         self.params = params
@@ -278,7 +285,9 @@ class ModelRunner:
         self.max_blocks = cdiv(max_model_len, page_size)
         self.max_num_seqs = max_num_seqs
         self.token_buckets = pow2_buckets(16, max_num_batched_tokens)
-        self.seq_buckets = pow2_buckets(8, max_num_seqs)
+        self.num_speculative_tokens = num_speculative_tokens
+        max_rows = min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
+        self.seq_buckets = pow2_buckets(8, max(max_num_seqs, max_rows))
         # Sampling arrays whose size a request chooses have one fixed width each, compiled at warm-up: the ban
         # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
         self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
@@ -335,6 +344,13 @@ class ModelRunner:
         docstring): `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
         return bucket_for(max(min(t, self.max_num_seqs), rows), self.seq_buckets)
 
+    def step_seq_buckets(self, t: int) -> list[int]:
+        """The sequence buckets a step of token bucket `t` can use (warm-up compiles each): `seq_bucket(t)`, and
+        with speculation those up to one holding the sample rows of a full verify step (each row is a token)."""
+        lo = self.seq_bucket(t)
+        hi = self.seq_bucket(t, min(t, self.max_num_seqs * (1 + self.num_speculative_tokens)))
+        return [s for s in self.seq_buckets if lo <= s <= hi]
+
     def launch(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> StepOnDevice:
         """Dispatch one step (copies, forward, prompt logprobs, sampling) without waiting; returns its outputs on
         device.
@@ -355,6 +371,7 @@ class ModelRunner:
             self.config.eos_token_ids,
             self.logit_bias_width,
         )
+        verify = verify_rows(sched, s) if self.num_speculative_tokens else None
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
         token_ids = step.token_ids
@@ -372,7 +389,7 @@ class ModelRunner:
             prompt = self._executable(job)(self.params, hidden, rows.rows, rows.targets, rows.num_rows)
         m = self._with_history(sampling, prev_samples)
         job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags, m.logit_bias.shape[1])
-        return StepOnDevice(self._executable(job)(logits, m), prompt)
+        return StepOnDevice(self._executable(job)(logits, m, verify), prompt)
 
     def _with_history(self, sampling: SamplingInputs, prev_samples: SamplerOutput | None) -> SamplingMeta:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the
@@ -428,6 +445,7 @@ class ModelRunner:
         and bias columns. The argument specs are built only when the executable is compiled (this runs every
         step)."""
         names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
+        verify = self.num_speculative_tokens > 0
 
         def lower() -> jax.stages.Lowered:
             shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len, logit_bias_width).items()}
@@ -435,10 +453,21 @@ class ModelRunner:
             meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
             logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
             width = self.seq_buckets[-1]
-            return _sample_rows.lower(logits, meta, width=width, **dict(zip(names, flags, strict=True)))
+            rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None
+            return _sample_rows.lower(logits, meta, rows, width=width, **dict(zip(names, flags, strict=True)))
 
         return (
-            ("sample", self._key, s, suppress_width, history_len, flags, logit_bias_width),
+            (
+                "sample",
+                self._key,
+                s,
+                suppress_width,
+                history_len,
+                flags,
+                self.seq_buckets[-1],
+                verify,
+                logit_bias_width,
+            ),
             lower,
             f"sample rows={s} suppress={suppress_width} history={history_len} logit_bias={logit_bias_width} "
             + " ".join(n for n, on in zip(names, flags, strict=True) if on),
@@ -458,7 +487,7 @@ class ModelRunner:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
         i32 = self._spec
         return (
-            ("merge", self._key, t),
+            ("merge", self._key, t, self.seq_buckets[-1]),
             lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])),
             f"merge tokens={t}",
         )
@@ -467,7 +496,7 @@ class ModelRunner:
         """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
         i32 = self._spec
         return (
-            ("history", self._key, s),
+            ("history", self._key, s, self.seq_buckets[-1]),
             lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
             f"history rows={s} length={self.history_len}",
         )

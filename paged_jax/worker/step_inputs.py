@@ -4,6 +4,9 @@ The runner picks the token bucket `T` and the sequence bucket `S` (`paged_jax.wo
 arrays. Padding is inert: padding tokens write nowhere (slot -1) and sit past `cu_q_lens[num_seqs]`, padding
 sequences have no keys and point every block at the null page 0, padding sample rows are greedy and ignored.
 
+A sequence with draft tokens (speculative decoding) puts them after its new tokens, and its 1 + k sample rows
+read the logits of its last real token and of each draft.
+
 A token whose id is still on the device (the one-step lookahead, `paged_jax.engine.lookahead`) is a 0 in `token_ids`
 with the row of the previous step's samples that holds it in `prev_rows`; the runner merges it in on the device.
 """
@@ -57,7 +60,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
     prev_rows = np.full(t, -1, np.int32)
     off = 0
     for i, item in enumerate(sched.scheduled):
-        seq, start, n = item.seq, item.start, item.num_new
+        seq, start, n = item.seq, item.start, item.num_scheduled
         tables[i, : len(item.page_ids)] = item.page_ids
         if n == 1:
             if seq.pending is not None and start == seq.num_tokens - 1:
@@ -65,7 +68,8 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
             else:
                 token_ids[off] = seq.all_token_ids[start]
         else:
-            token_ids[off : off + n] = seq.all_token_ids[start : start + n]
+            token_ids[off : off + item.num_new] = seq.all_token_ids[start : start + item.num_new]
+            token_ids[off + item.num_new : off + n] = item.draft
         pos = np.arange(start, start + n, dtype=np.int32)
         positions[off : off + n] = pos
         slots[off : off + n] = tables[i, pos // page_size] * page_size + pos % page_size
@@ -75,7 +79,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
     cu[len(sched.scheduled) + 1 :] = off
     logits_indices = np.zeros(s, np.int32)
     for r, row in enumerate(sched.sample_rows):
-        logits_indices[r] = cu[row.index + 1] - 1
+        logits_indices[r] = cu[row.index + 1] - 1 - len(sched.scheduled[row.index].draft) + len(row.draft_prefix)
     num_seqs = np.array([len(sched.scheduled)], np.int32)
     return StepInputs(token_ids, positions, slots, kv_lens, tables, cu, num_seqs, logits_indices, prev_rows)
 
@@ -109,8 +113,9 @@ def build_sampling_inputs(
     pending_rows = np.full(s, -1, np.int32)
     pending_cols = np.zeros(s, np.int32)
     do_sample = do_filter = want_logprobs = False
-    for r, (seq, _) in enumerate(rows):
+    for r, (seq, _, draft_prefix) in enumerate(rows):
         p = seq.params
+        n_out = len(seq.output_token_ids) + len(draft_prefix)  # output index of the token this row draws
         m.temperature[r] = p.temperature
         if p.temperature > 0:
             do_sample = True
@@ -123,15 +128,15 @@ def build_sampling_inputs(
             fill_logit_bias(m.logit_bias_ids[r], m.logit_bias[r], p.logit_bias)
         seed = (seq.seed + seq.index) % 2**64
         m.seed[r] = (seed & 0xFFFFFFFF, seed >> 32)
-        m.step[r] = len(seq.output_token_ids)
-        if len(seq.output_token_ids) < p.min_tokens:
+        m.step[r] = n_out
+        if n_out < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             m.suppress[r, : len(banned)] = banned
         if p.uses_penalties:
             m.repetition_penalty[r] = p.repetition_penalty
             m.presence_penalty[r] = p.presence_penalty
             m.frequency_penalty[r] = p.frequency_penalty
-            toks = seq.all_token_ids
+            toks = seq.all_token_ids + list(draft_prefix) if draft_prefix else seq.all_token_ids
             m.history[r, : len(toks)] = toks  # a placeholder (-1) is padding until merged on device
             m.num_prompt[r] = len(seq.prompt_token_ids)
             if seq.pending is not None:

@@ -105,9 +105,10 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     """The plan's executables: forward steps first (the long compiles), then sampling (with the penalties'
     history merge where a variant has penalties), prompt logprobs, the lookahead's merges, copies."""
     buckets = token_buckets(runner, plan)
-    out = [runner.forward_job(t, runner.seq_bucket(t)) for t in buckets]
+    shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t)]
+    out = [runner.forward_job(t, s) for t, s in shapes]
     bias_widths = (0, runner.logit_bias_width) if plan.logit_bias else (0,)
-    for s in sorted({runner.seq_bucket(t) for t in buckets}):
+    for s in sorted({s for _, s in shapes}):
         out += [
             runner.sample_job(s, runner.suppress_width, runner.history_len if flags[2] else 1, flags, width)
             for flags in plan.sampler_flags

@@ -1,7 +1,7 @@
 """The ASGI app (FastAPI): the OpenAI routes, `/health`, `/metrics`, and errors in OpenAI's shape.
 
-Auth (when a token is configured) covers `/v1/*`; `/health` and `/metrics` follow the gRPC rule for health
-checks (`auth_exempt_health`, on by default) so load balancers and scrapers need no token.
+Auth (when a token is configured) covers `/v1/*`; `/health` follows the gRPC rule for health checks
+(`auth_exempt_health`, on by default) so load balancers need no token; `/metrics` too unless `metrics_auth`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def create_app(front: OpenAIFront) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        front.check_auth(request, exempt=True)
+        front.check_auth(request, exempt=not front.config.metrics_auth)
         return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

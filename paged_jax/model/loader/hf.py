@@ -10,7 +10,8 @@ Shard paths must stay inside the model directory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +63,24 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+@contextmanager
+def _open_safetensors(f: Path) -> Iterator[Any]:
+    """`safe_open(f)`; a corrupt or unreadable file is a `WeightsError` naming it (not a bare SafetensorError)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(f), framework="flax")
+    except (SafetensorError, OSError) as e:
+        raise WeightsError(f"{f.name}: not a readable safetensors file ({e})") from None
+    with handle:
+        yield handle
+
+
 def _headers(files: list[Path]) -> dict[Path, list[tuple[str, tuple[int, ...], str]]]:
     """(name, shape, dtype) of every tensor, per file, from the headers alone (no tensor data is read)."""
-    from safetensors import safe_open
-
     out = {}
     for f in files:
-        with safe_open(str(f), framework="flax") as handle:
+        with _open_safetensors(f) as handle:
             out[f] = [
                 (name, tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
                 for name in handle.keys()
@@ -258,11 +270,9 @@ def _dtype_name(stored: str) -> str:
 
 def _read(wanted: dict[Path, list[str]], rules: Rules, dtype: jnp.dtype) -> dict:
     """Read the checked tensors one at a time into our tree (each freed on the host before the next)."""
-    from safetensors import safe_open
-
     params: dict = {}
     for f, names in wanted.items():
-        with safe_open(str(f), framework="flax") as handle:
+        with _open_safetensors(f) as handle:
             for name in names:
                 path, transform = rules[name]
                 _set(params, path, jnp.asarray(transform(handle.get_tensor(name)), dtype=dtype))

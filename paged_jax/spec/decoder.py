@@ -1,0 +1,139 @@
+"""The engine's side of speculative decoding: who speculates, their drafts before each step, the KV and the
+metrics after it.
+
+Each step (all tokens on the host): `propose` asks the proposer for drafts for every running, decoding sequence
+that is speculating, at most k and never past its `max_tokens` or the model length, and leaves them on the
+sequence for the scheduler. After the step, `settle` counts what each verified sequence kept (the engine has
+appended the kept tokens) and rolls its KV back to them (`KVCacheManager.accept_drafts`).
+
+Speculation is per sequence and pauses where it does not pay (`SpeculativeConfig`): after `probe_tokens` drafts
+whose acceptance rate is below `min_acceptance_rate`, or `max_misses` steps in a row with no draft, the sequence
+decodes plainly for `pause_tokens` output tokens (doubling, up to 16x, each time it pauses again) and then probes
+again. While no running sequence speculates the engine keeps its one-step lookahead; a batch with a speculating
+sequence runs without it (its drafts depend on the tokens the previous step accepts), see `needs_sync`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from paged_jax.spec.config import SpeculativeConfig
+from paged_jax.spec.proposer import DraftRequest, Proposer
+from paged_jax.spec.stats import SpecStats
+from paged_jax.worker.spec_verify import REJECTED
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from paged_jax.kv_cache import KVCacheManager
+    from paged_jax.sched.output import SchedulerOutput
+    from paged_jax.sched.sequence import TokenSequence
+
+MAX_PAUSE_FACTOR = 16
+
+
+@dataclass(slots=True)
+class SeqSpec:
+    """One sequence's speculation record."""
+
+    proposed: int = 0  # drafts scored since the last pause
+    accepted: int = 0
+    misses: int = 0  # steps in a row without a draft
+    pauses: int = 0
+    resume_at: int = 0  # output length from which it speculates again
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.seqs: dict[str, SeqSpec] = {}
+        self.stats = SpecStats()
+
+    def _state(self, seq: TokenSequence) -> SeqSpec:
+        state = self.seqs.get(seq.seq_id)
+        if state is None:
+            state = self.seqs[seq.seq_id] = SeqSpec()
+        return state
+
+    def is_speculating(self, seq: TokenSequence) -> bool:
+        state = self.seqs.get(seq.seq_id)
+        return state is None or len(seq.output_token_ids) >= state.resume_at
+
+    def _room(self, seq: TokenSequence) -> int:
+        """Drafts that can still be useful: the step yields drafts + 1 tokens, within max_tokens and the model."""
+        left = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
+        return min(self.config.num_speculative_tokens, left - 1)
+
+    def needs_sync(self, inflight: SchedulerOutput, running: list[TokenSequence], kv: KVCacheManager) -> bool:
+        """Whether the engine must collect the in-flight step before scheduling the next: it verified drafts (the
+        KV of its sequences is settled only then), or a decoding sequence speculates (its drafts need its tokens)."""
+        if any(item.draft for item in inflight.scheduled):
+            return True
+        return any(self._decoding(seq, kv) and self.is_speculating(seq) for seq in running)
+
+    @staticmethod
+    def _decoding(seq: TokenSequence, kv: KVCacheManager) -> bool:
+        """Its prompt is computed: the next step computes its last token (and samples)."""
+        return seq.seq_id in kv and kv.num_computed_tokens(seq.seq_id) >= seq.num_tokens - 1
+
+    def propose(self, running: list[TokenSequence], kv: KVCacheManager) -> None:
+        """Set `draft_token_ids` of every running sequence (empty where it does not speculate this step)."""
+        requests = []
+        for seq in running:
+            seq.draft_token_ids = []
+            if seq.pending is not None or not self._decoding(seq, kv):
+                continue  # its last token is on the device, or it is still prefilling
+            room = self._room(seq)
+            if room >= 1 and self.is_speculating(seq):
+                requests.append(DraftRequest(seq, room))
+        if not requests:
+            return
+        for request, draft in zip(requests, self.proposer.propose(requests), strict=True):
+            seq = request.seq
+            if draft:
+                seq.draft_token_ids = list(draft)
+                continue
+            state = self._state(seq)
+            state.misses += 1
+            if state.misses >= self.config.max_misses:
+                self._pause(seq, state)
+
+    def settle(self, sched: SchedulerOutput, tokens: np.ndarray, kv: KVCacheManager) -> None:
+        """After the engine appended the kept tokens of `sched` (`tokens` [R]: REJECTED where not kept): count each
+        verified sequence's kept drafts and roll its KV back to them."""
+        first_row: dict[int, int] = {}
+        for r, row in enumerate(sched.sample_rows):
+            if not row.draft_prefix:
+                first_row.setdefault(row.index, r)
+        for index, item in enumerate(sched.scheduled):
+            if not item.draft:
+                continue
+            r0, k = first_row[index], len(item.draft)
+            kept = 0
+            while kept < k and tokens[r0 + kept + 1] != REJECTED:
+                kept += 1
+            seq = item.seq
+            self.stats.record(k, kept)
+            state = self._state(seq)
+            state.misses = 0
+            state.proposed += k
+            state.accepted += kept
+            if not seq.finished and seq.seq_id in kv:
+                kv.accept_drafts(seq.seq_id, kept, seq.all_token_ids)
+                cfg = self.config
+                if state.proposed >= cfg.probe_tokens and state.accepted < cfg.min_acceptance_rate * state.proposed:
+                    self._pause(seq, state)
+
+    def _pause(self, seq: TokenSequence, state: SeqSpec) -> None:
+        factor = min(2**state.pauses, MAX_PAUSE_FACTOR)
+        state.pauses += 1
+        state.resume_at = len(seq.output_token_ids) + self.config.pause_tokens * factor
+        state.proposed = state.accepted = state.misses = 0
+
+    def release(self, seq: TokenSequence) -> None:
+        """Forget a sequence that left the engine."""
+        self.seqs.pop(seq.seq_id, None)
+        self.proposer.release(seq.seq_id)

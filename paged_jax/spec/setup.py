@@ -1,0 +1,30 @@
+"""Building an engine's speculative decoder from its `speculative_config`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from paged_jax.spec.config import SpeculativeConfig
+from paged_jax.spec.decoder import SpecDecoder
+from paged_jax.spec.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from paged_jax.config import ModelConfig
+    from paged_jax.config.engine import EngineConfig
+
+
+def parse_spec_config(value: Mapping | str | SpeculativeConfig) -> SpeculativeConfig:
+    """The validated config (ValueError naming the `speculative_config.<field>` at fault)."""
+    return SpeculativeConfig.from_dict(value)
+
+
+def make_spec_decoder(
+    spec: SpeculativeConfig, target: ModelConfig, ec: EngineConfig, max_model_len: int
+) -> SpecDecoder:
+    """The decoder with its proposer; a draft model is loaded and checked against the target here."""
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+    else:
+        raise ValueError('speculative_config.method: "draft_model" is not in this build yet (use "ngram")')
+    return SpecDecoder(spec, proposer, max_model_len)
