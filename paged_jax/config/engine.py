@@ -37,6 +37,9 @@ class EngineConfig:
     # SamplingParams fields a request gets when it leaves them unset (the model's generation_config.json;
     # see paged_jax.config.generation_defaults). Applied by LLM, batch and gRPC where "unset" is known.
     sampling_defaults: dict = field(default_factory=dict)
+    # Structured outputs (paged_jax.structured): bounds on one request's constraint, against hostile schemas.
+    structured_max_grammar_bytes: int = 64 * 1024  # size of the schema / regex / grammar / choices text
+    structured_compile_timeout_s: float = 5.0  # wall time to compile one grammar; slower ones are refused
     # Speculative decoding (paged_jax.spec.SpeculativeConfig fields, vLLM's names), e.g. {"method": "ngram",
     # "num_speculative_tokens": 3}; None: off. Validated when the engine starts.
     speculative_config: dict | None = None
@@ -58,5 +61,7 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes <= 0:
             raise ValueError("cpu_kv_cache_bytes: must be positive (or None for the default)")
+        if self.structured_max_grammar_bytes < 1 or not self.structured_compile_timeout_s > 0:
+            raise ValueError("structured_max_grammar_bytes, structured_compile_timeout_s: must be positive")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_CHOICES:
             raise ValueError(f"kv_dtype: must be one of {KV_DTYPE_CHOICES}, got {self.kv_dtype!r}")

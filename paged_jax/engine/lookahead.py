@@ -28,6 +28,7 @@ from paged_jax.kv_cache import KVCacheManager
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.sequence import PLACEHOLDER, PendingToken, Status, TokenSequence
 from paged_jax.worker.prompt_logprobs import PromptLogprobs
+from paged_jax.worker.runner import ForwardLaunched
 from paged_jax.worker.sampler import SamplerOutput
 
 
@@ -35,9 +36,10 @@ class Launched(NamedTuple):
     """A step dispatched to the device and not yet collected."""
 
     sched: SchedulerOutput
-    samples: SamplerOutput  # on device
+    samples: SamplerOutput | None  # on device; None while a structured-output step's sampling waits for masks
     host_seconds: float  # host time spent launching
     prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
+    forward: ForwardLaunched | None = None  # the forward half, while `samples` is None
 
 
 class Lookahead:

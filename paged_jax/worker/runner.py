@@ -44,7 +44,6 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -58,6 +57,7 @@ from paged_jax.model import quant
 from paged_jax.model.families import causal_lm
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
+from paged_jax.structured.bitmask import all_allowed, mask_words
 from paged_jax.worker import sharding
 from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.pending import merge_pending, merge_pending_history
@@ -202,6 +202,7 @@ def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int, quantized_kv: bool 
 def _sample_rows(
     logits: jax.Array,
     meta: SamplingMeta,
+    bitmask: jax.Array,
     verify: VerifyRows | None = None,
     *,
     width: int,
@@ -213,7 +214,13 @@ def _sample_rows(
     """`sample`, with the ids padded to `width` rows so that the next step's merge has one shape per `T`. With
     `verify` (an engine that speculates, every step) rows whose drafts were rejected read `REJECTED`."""
     out = sample(
-        logits, meta, do_sample=do_sample, do_filter=do_filter, do_penalty=do_penalty, want_logprobs=want_logprobs
+        logits,
+        meta,
+        bitmask,
+        do_sample=do_sample,
+        do_filter=do_filter,
+        do_penalty=do_penalty,
+        want_logprobs=want_logprobs,
     )
     tokens = out.tokens if verify is None else mask_rejected(out.tokens, verify.next_draft, verify.row_start)
     return out._replace(tokens=jnp.pad(tokens, (0, width - tokens.shape[0])))
@@ -230,11 +237,16 @@ def _fingerprint(tree) -> str:
     return hashlib.sha1(repr((jax.tree.structure(tree), leaves)).encode()).hexdigest()
 
 
-class StepOnDevice(NamedTuple):
-    """A launched step's outputs, still on the device."""
+@dataclass(slots=True)
+class ForwardLaunched:
+    """A forward step on the device whose sampling is not dispatched yet (`ModelRunner.launch_sample`)."""
 
-    samples: SamplerOutput
-    prompt_logprobs: PromptLogprobs | None  # when the step has prompt-logprob positions
+    logits: jax.Array  # [S, V] f32, on device
+    meta: SamplingMeta  # the sampler's inputs (history merged)
+    flags: SamplerFlags
+    s: int  # the sequence bucket
+    verify: VerifyRows | None  # speculation: where each sequence's rows start and its next draft
+    prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
 
 
 @dataclass(slots=True)
@@ -313,6 +325,7 @@ class ModelRunner:
         )
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
+        self._allow_all: dict[int, jax.Array] = {}  # the sampler's bitmask when no row is constrained, per S
         self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers, quantized_kv)
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (
@@ -321,6 +334,7 @@ class ModelRunner:
             self._copy,
             mesh,
             self.max_blocks,
+            self.seq_buckets[-1],  # the width of the sampler's padded ids and of the lookahead's merge input
             _fingerprint(params),
             _fingerprint(self._kv_specs),
         )
@@ -351,13 +365,20 @@ class ModelRunner:
         hi = self.seq_bucket(t, min(t, self.max_num_seqs * (1 + self.num_speculative_tokens)))
         return [s for s in self.seq_buckets if lo <= s <= hi]
 
-    def launch(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> StepOnDevice:
-        """Dispatch one step (copies, forward, prompt logprobs, sampling) without waiting; returns its outputs on
-        device.
+    def launch(
+        self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None, bitmask: np.ndarray | None = None
+    ) -> SamplerOutput:
+        """Dispatch one step (copies, forward, sampling) without waiting; returns the samples on device.
 
         `prev_samples`: the previous step's samples, still on the device, for tokens scheduled before their
-        ids reached the host (the engine's one-step lookahead); they are merged in on the device.
+        ids reached the host (the engine's one-step lookahead); they are merged in on the device. `bitmask`:
+        the structured-output rows' allowed tokens (see `launch_sample`).
         """
+        return self.launch_sample(self.launch_forward(sched, prev_samples), bitmask)
+
+    def launch_forward(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> ForwardLaunched:
+        """The first half of `launch`: copies and the forward step, dispatched without waiting. The engine fills
+        structured-output masks on the host while the device runs it, then calls `launch_sample`."""
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
         t = bucket_for(sched.num_tokens, self.token_buckets)
@@ -388,8 +409,28 @@ class ModelRunner:
             job = self.prompt_logprobs_job(t)
             prompt = self._executable(job)(self.params, hidden, rows.rows, rows.targets, rows.num_rows)
         m = self._with_history(sampling, prev_samples)
-        job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags, m.logit_bias.shape[1])
-        return StepOnDevice(self._executable(job)(logits, m, verify), prompt)
+        return ForwardLaunched(logits, m, sampling.flags, s, verify, prompt)
+
+    def launch_sample(self, fwd: ForwardLaunched, bitmask: np.ndarray | None = None) -> SamplerOutput:
+        """Dispatch the sampling of a launched forward step. `bitmask`: int32 [R, ceil(V / 32)] for the step's
+        first R sample rows (`paged_jax.structured.bitmask`), None when no row is constrained (a device-resident
+        all-ones mask is used: nothing crosses to the device)."""
+        m = fwd.meta
+        job = self.sample_job(fwd.s, m.suppress.shape[1], m.history.shape[1], fwd.flags, m.logit_bias.shape[1])
+        return self._executable(job)(fwd.logits, m, self._bitmask(fwd.s, bitmask), fwd.verify)
+
+    def _bitmask(self, s: int, bitmask: np.ndarray | None) -> jax.Array | np.ndarray:
+        """The sampler's bitmask operand for `s` rows: `bitmask` padded with all-ones rows, or the cached
+        device all-ones mask."""
+        if bitmask is None:
+            if s not in self._allow_all:
+                self._allow_all[s] = jnp.asarray(all_allowed(s, self.config.vocab_size), device=self._rep)
+            return self._allow_all[s]
+        if bitmask.shape[0] == s:
+            return bitmask
+        full = all_allowed(s, self.config.vocab_size)
+        full[: bitmask.shape[0]] = bitmask
+        return full
 
     def _with_history(self, sampling: SamplingInputs, prev_samples: SamplerOutput | None) -> SamplingMeta:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the
@@ -452,9 +493,10 @@ class ModelRunner:
             dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
             meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
             logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
+            bitmask = self._spec(s, mask_words(self.config.vocab_size))
             width = self.seq_buckets[-1]
             rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None
-            return _sample_rows.lower(logits, meta, rows, width=width, **dict(zip(names, flags, strict=True)))
+            return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **dict(zip(names, flags, strict=True)))
 
         return (
             (

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.sampling_params import MAX_LOGPROBS
+from paged_jax.structured.bitmask import apply_bitmask
 from paged_jax.worker.logit_bias import apply_logit_bias
 from pallas_kernels.common import MASK_VALUE as MASK
 
@@ -250,21 +251,35 @@ def chosen_logprob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("do_sample", "do_filter", "do_penalty", "want_logprobs"))
 def sample(
-    logits: jax.Array, meta: SamplingMeta, *, do_sample: bool, do_filter: bool, do_penalty: bool, want_logprobs: bool
+    logits: jax.Array,
+    meta: SamplingMeta,
+    bitmask: jax.Array | None = None,
+    *,
+    do_sample: bool,
+    do_filter: bool,
+    do_penalty: bool,
+    want_logprobs: bool,
 ) -> SamplerOutput:
     """Pick one token per row. `logits` [S, V] float32. The static flags select the cheapest variant.
 
     Scores are the logits plus the logit bias (when `meta` has bias columns), then penalties. Greedy rows
     (temperature < `MIN_TEMPERATURE`) take the first highest score after the ban list. Sampled rows draw from
     softmax(scores / temperature) restricted to what the filters keep (`categorical` with `row_uniforms`).
-    Logprobs are those of the raw logits (vLLM's default).
+    `bitmask` (int32 [S, ceil(V / 32)], `paged_jax.structured.bitmask`): the tokens a structured-output row may
+    take; everything downstream (bias, penalties, greedy, filters, the draw, logprobs) sees the masked
+    distribution, so a disallowed token is never chosen. Logprobs are otherwise those of the raw logits (no
+    bias, penalties or temperature: vLLM's default).
     """
     logits = logits.astype(jnp.float32)
     num_rows, vocab = logits.shape
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
     x = logits
     if meta.logit_bias_ids.shape[1]:
         x = apply_logit_bias(x, meta.logit_bias_ids, meta.logit_bias)
     x = _apply_penalties(x, meta) if do_penalty else x
+    if bitmask is not None and do_penalty:  # a penalty can lift a masked score (MASK / a repetition penalty)
+        x = apply_bitmask(x, bitmask)
     suppress = jnp.where(meta.suppress >= 0, meta.suppress, vocab)
     rows = jnp.arange(num_rows)[:, None]
     x = x.at[rows, suppress].set(MASK, mode="drop")
@@ -274,6 +289,8 @@ def sample(
         # Masked again after scaling: MASK / a huge temperature is close to 0, which would let a suppressed
         # token (EOS under min_tokens) back in.
         y = (x / temp[:, None]).at[rows, suppress].set(MASK, mode="drop")
+        if bitmask is not None:  # likewise a token the bitmask masked (its score is exactly MASK)
+            y = jnp.where(x == MASK, MASK, y)
         tokens = first_argmax(y)  # the greedy rows' pick: their y is x (divided by 1)
         weights = jnp.exp(y - jnp.max(y, axis=-1, keepdims=True))  # a suppressed token's is exactly 0
         if do_filter:
