@@ -38,8 +38,8 @@ class Launched(NamedTuple):
     sched: SchedulerOutput
     samples: SamplerOutput | None  # on device; None while a structured-output step's sampling waits for masks
     host_seconds: float  # host time spent launching
-    prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
     forward: ForwardLaunched | None = None  # the forward half, while `samples` is None
+    prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
 
 
 class Lookahead:
