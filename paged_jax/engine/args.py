@@ -81,7 +81,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="engine replicas on disjoint groups of this host's chips",
     )
+    add_lora_args(parser)
     add_model_text_args(parser)
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters (paged_jax.lora), vLLM's flags."""
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters beside the base model")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters (PEFT directories) served as their own model names; implies --enable-lora",
+    )
+    g.add_argument("--max-loras", type=int, default=1, help="adapters resident on the device at once")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    g.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept loaded on the host (default: max-loras)"
+    )
+    g.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
 
 
 def add_model_text_args(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +155,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_dtype=args.kv_dtype,
         watermark=args.watermark,
         async_scheduling=not args.no_async_scheduling,
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         speculative_config=args.speculative_config,
     )
 

@@ -33,6 +33,10 @@ then, counted, and logged as a warning with its shape.
 
 With a device mesh (tensor parallelism, or a data-parallel replica on devices other than the default) the
 same step runs with its operands pinned to the mesh; see `paged_jax.worker.sharding` for the layout.
+
+With LoRA on (`LoraShape`), the runner owns the adapters' stacked device arrays (`paged_jax.lora.weights`): the
+scheduler's `lora_loads` are written into their slots before the step (one executable for every slot), and the
+forward step takes the arrays and each token's slot id; its shapes do not depend on which adapters run.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ import numpy as np
 import pallas_kernels
 from paged_jax.config import ModelConfig
 from paged_jax.kv_cache import PageCopy
+from paged_jax.lora import weights as lora_weights
+from paged_jax.lora.delta import LoraBatch
+from paged_jax.lora.registry import SlotLoad
 from paged_jax.model import quant
 from paged_jax.model.families import causal_lm
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
@@ -128,6 +135,18 @@ def bucket_for(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclass(frozen=True, slots=True)
+class LoraShape:
+    """The LoRA device arrays' static shape: `max_loras` slots (plus slot 0, none) of rank `max_rank`."""
+
+    max_loras: int
+    max_rank: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_loras + 1
+
+
 @functools.cache
 def step_functions(
     config: ModelConfig,
@@ -135,28 +154,54 @@ def step_functions(
     mesh: jax.sharding.Mesh | None = None,
     quantized_kv: bool = False,
     weights: tuple[str, bool, bool] | None = None,
+    lora: LoraShape | None = None,
 ):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
 
-    forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S])
-        -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated.
+    forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S], lora)
+        -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated; `lora` a
+        `LoraBatch`, or None when off.
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
-    params by their partition specs, KV pages by KV heads, metadata and logits replicated.
+    params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
+    like their base weights (`paged_jax.lora.weights`).
     """
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh, quantized_kv)
     model = causal_lm(config, attn, mesh)
 
-    def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
-        hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta)
+    def forward(
+        params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices, lora: LoraBatch | None = None
+    ):
+        hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta, lora)
         logits = model.apply(params, hidden[logits_indices], method="compute_logits")
         return logits, tuple(kv_caches), hidden
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
-    return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh, quantized_kv, weights))
+    shardings = sharding.step_shardings(config, mesh, quantized_kv, weights)
+    rep = sharding.replicated(mesh)
+    lora_in = None if lora is None else LoraBatch(_lora_shardings(config, mesh, lora), rep)
+    shardings["in_shardings"] = (*shardings["in_shardings"], lora_in)
+    return model, jax.jit(forward, donate_argnums=(1,), **shardings)
+
+
+def _lora_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraShape) -> lora_weights.LoraWeights:
+    specs = lora_weights.partition_specs(config, lora.num_slots, lora.max_rank, sharding.TP)
+    return jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(mesh, spec),
+        specs,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
+
+
+@functools.cache
+def _lora_writer(config: ModelConfig, mesh: jax.sharding.Mesh | None, lora: LoraShape):
+    """`paged_jax.lora.weights.write_slot` jitted with the arrays donated (kept in their mesh layout)."""
+    if mesh is None:
+        return jax.jit(lora_weights.write_slot, donate_argnums=(0,))
+    return jax.jit(lora_weights.write_slot, donate_argnums=(0,), out_shardings=_lora_shardings(config, mesh, lora))
 
 
 @functools.cache
@@ -226,6 +271,10 @@ def _sample_rows(
     return out._replace(tokens=jnp.pad(tokens, (0, width - tokens.shape[0])))
 
 
+def _drop_axis(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return shape[:axis] + shape[axis + 1 :]
+
+
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
 
 Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
@@ -288,9 +337,11 @@ class ModelRunner:
         kv_dtype: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
         max_logit_bias: int = MAX_LOGIT_BIAS,
+        lora: LoraShape | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
         self.config = config
+        self.lora = lora
         self.params = params
         self.mesh = mesh
         self.page_size = page_size
@@ -318,11 +369,16 @@ class ModelRunner:
         self._rep = None if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
         self.model, self._forward = step_functions(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora
         )
         self._prompt_logprobs = prompt_logprobs_function(
             config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
         )
+        self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
+        if lora is not None:
+            shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
+            self.lora_weights = lora_weights.allocate(config, lora.num_slots, lora.max_rank, shardings)
+            self._lora_write = _lora_writer(config, mesh, lora)
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
         self._allow_all: dict[int, jax.Array] = {}  # the sampler's bitmask when no row is constrained, per S
@@ -337,6 +393,7 @@ class ModelRunner:
             self.seq_buckets[-1],  # the width of the sampler's padded ids and of the lookahead's merge input
             _fingerprint(params),
             _fingerprint(self._kv_specs),
+            lora,
         )
         self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
         self.compile_stats = CompileStats()
@@ -352,6 +409,12 @@ class ModelRunner:
         dst = np.zeros(n, np.int32)
         src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
         self.kv_caches = self._executable(self.copy_job(n))(self.kv_caches, src, dst)
+
+    def load_lora(self, load: SlotLoad) -> None:
+        """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
+        layers, scaling = lora_weights.slot_arrays(load.adapter, self.config, self.lora.max_rank)
+        write = self._executable(self.lora_write_job())
+        self.lora_weights = write(self.lora_weights, np.int32(load.slot), layers, scaling)
 
     def seq_bucket(self, t: int, rows: int = 0) -> int:
         """The sequence bucket of a step of token bucket `t` with `rows` sequences or sample rows (see the module
@@ -381,6 +444,8 @@ class ModelRunner:
         structured-output masks on the host while the device runs it, then calls `launch_sample`."""
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
+        for load in sched.lora_loads:
+            self.load_lora(load)
         t = bucket_for(sched.num_tokens, self.token_buckets)
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
@@ -400,8 +465,9 @@ class ModelRunner:
             token_ids = self._executable(self.merge_job(t))(token_ids, step.prev_rows, prev_samples.tokens)
         meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
         forward = self._executable(self.forward_job(t, s))
+        lora = None if self.lora is None else LoraBatch(self.lora_weights, step.lora_slots)
         logits, self.kv_caches, hidden = forward(
-            self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices
+            self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
         prompt = None
         rows = build_prompt_rows(sched, t)
@@ -475,7 +541,8 @@ class ModelRunner:
         def lower() -> jax.stages.Lowered:
             i32 = self._spec
             meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
-            return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s))
+            lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
+            return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
         return ("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}"
 
@@ -542,6 +609,26 @@ class ModelRunner:
             lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
             f"history rows={s} length={self.history_len}",
         )
+
+    def _lora_specs(self) -> lora_weights.LoraWeights:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.lora_weights)
+
+    def lora_write_job(self) -> Job:
+        """Writing one adapter into one LoRA slot (the slot a traced scalar: one executable for all)."""
+
+        def lower() -> jax.stages.Lowered:
+            one = lora_weights.abstract_weights(self.config, 1, self.lora.max_rank)
+            layers = tuple(
+                {
+                    k: self._spec(*_drop_axis(x.shape, lora_weights.slot_axis(k, x.ndim)), dtype=x.dtype)
+                    for k, x in layer.items()
+                }
+                for layer in one.layers
+            )
+            scaling = self._spec(dtype=jnp.float32)
+            return self._lora_write.lower(self._lora_specs(), self._spec(), layers, scaling)
+
+        return ("lora_write", self._key), lower, "lora slot write"
 
     def copy_job(self, n: int) -> Job:
         """Copy-on-write of `n` pages on every layer."""
