@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -205,7 +206,14 @@ def _sample_rows(
 
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
 
-Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
+
+class Job(NamedTuple):
+    """One executable to compile: its cache key, how to lower it (argument specs built only then), and its
+    shape in words for the log."""
+
+    key: Hashable
+    lower: Callable[[], jax.stages.Lowered]
+    describe: str
 
 
 def _fingerprint(tree) -> str:
@@ -352,7 +360,7 @@ class ModelRunner:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the
         lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
         m = sampling.meta
-        if not sampling.flags[2]:  # do_penalty
+        if not sampling.flags.do_penalty:
             return m
         prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
         history = self._executable(self.history_job(len(sampling.pending_rows)))(
@@ -370,8 +378,7 @@ class ModelRunner:
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
-        key, lower, describe = job
-        return EXECUTABLES.get(key, lower, self.compile_stats, warm=self.warm, describe=describe)
+        return EXECUTABLES.get(job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe)
 
     def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
@@ -384,12 +391,11 @@ class ModelRunner:
             meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
             return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s))
 
-        return ("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}"
+        return Job(("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}")
 
     def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
         """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs).
         The argument specs are built only when the executable is compiled (this runs every step)."""
-        names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
         verify = self.num_speculative_tokens > 0
 
         def lower() -> jax.stages.Lowered:
@@ -399,19 +405,19 @@ class ModelRunner:
             logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
             width = self.seq_buckets[-1]
             rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None
-            return _sample_rows.lower(logits, meta, rows, width=width, **dict(zip(names, flags, strict=True)))
+            return _sample_rows.lower(logits, meta, rows, width=width, **SamplerFlags(*flags)._asdict())
 
-        return (
+        return Job(
             ("sample", self._key, s, suppress_width, history_len, flags, self.seq_buckets[-1], verify),
             lower,
             f"sample rows={s} suppress={suppress_width} history={history_len} "
-            + " ".join(n for n, on in zip(names, flags, strict=True) if on),
+            + " ".join(n for n, on in SamplerFlags(*flags)._asdict().items() if on),
         )
 
     def merge_job(self, t: int) -> Job:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
         i32 = self._spec
-        return (
+        return Job(
             ("merge", self._key, t, self.seq_buckets[-1]),
             lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])),
             f"merge tokens={t}",
@@ -420,7 +426,7 @@ class ModelRunner:
     def history_job(self, s: int) -> Job:
         """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
         i32 = self._spec
-        return (
+        return Job(
             ("history", self._key, s, self.seq_buckets[-1]),
             lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
             f"history rows={s} length={self.history_len}",
@@ -428,7 +434,7 @@ class ModelRunner:
 
     def copy_job(self, n: int) -> Job:
         """Copy-on-write of `n` pages on every layer."""
-        return (
+        return Job(
             ("copy", self._key, n),
             lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
             f"copy pages={n}",
@@ -438,5 +444,7 @@ class ModelRunner:
         """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
         `cancel` (a threading.Event): stop starting compiles once set."""
         return len(
-            EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers, progress, cancel)
+            EXECUTABLES.compile_all(
+                ((job.key, job.lower) for job in jobs), self.compile_stats, workers, progress, cancel
+            )
         )

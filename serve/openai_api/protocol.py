@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
 from paged_jax.errors import FieldNames
-from serve.convert import RequestError, invalid
+
+from ..convert import RequestError, invalid
 
 Kind = Literal["completion", "chat"]
 _UINT32 = 2**32
