@@ -9,22 +9,13 @@ manager: the scheduler's output carries each sequence's page ids); the forward p
 the rows that sample; sampling is a second jitted call on device; the host receives only the sampled ids (and
 requested logprobs).
 
-Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
-KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,
-`cu_q_lens`), the rows of the LM head and sampling. Padding sequences cost the XLA attention nothing (its
-loops have runtime trip counts, `pallas_kernels.xla_paged`). Measured with `scripts/bench_seq_bucket.py`
-(SmolLM2-135M's shapes with 4 layers, 2 shared CPU cores, S = 32 against the smallest S that holds the step):
-with its 49,152-token vocabulary a prefill or mixed step of 64-256 tokens took 1.03-1.11x as long, decode
-1.00-1.11x (noise between identical runs: about 5%); with a 512-token vocabulary (the LM head taken out)
-0.80-1.01x. So only the LM head's rows (and sampling) pay for a larger `S`, and by its share of the step
-(less with 30 layers than with 4). `S` is therefore not a free dimension: it is derived from `T`,
-`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens; decode steps get the S
-they need), raised only when one step samples more rows than that (`n` > 1 samples of a short prompt).
-Every step shape is then one executable per token bucket, not one per (T, S) pair: a third of them for
-`make run` (5 instead of 15). Splitting the LM head's rows from the attention metadata (as tpu-inference does)
-would win back the prefill steps' few percent at the cost of more, if cheaper, executables. The sampler's
-output ids are padded to the largest `S`, so the lookahead's on-device merge of the previous step's ids is
-one executable per `T` as well.
+Which parts need the sequence bucket: the token-level work (embedding, projections, RoPE, the KV write, the
+MLP) depends on `T` alone; `S` sizes the attention metadata, the LM head's rows and sampling, and only the
+last two cost anything when padded (README: "Sequence buckets"). So `S` is derived from `T`,
+`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens), raised only when one step
+samples more rows than that (`n` > 1 samples of a short prompt): one executable per token bucket, not one per
+(T, S) pair. The sampler's output ids are padded to the largest `S`, so the lookahead's on-device merge of
+the previous step's ids is one executable per `T` as well.
 
 Executables are compiled ahead of time (`paged_jax.worker.executables`): warm-up compiles the shapes a run can
 reach on a thread pool (`paged_jax.worker.warmup` says which); a shape first needed after warm-up is compiled
