@@ -16,7 +16,11 @@ setup(
     package_dir={"paged_jax.serve": "serve", "paged_jax.configs": "configs"},
     package_data={
         "paged_jax.configs": ["*.json"],
-        "pallas_kernels": ["cpu/*.cc", "cpu/*.h"],  # the CPU kernel's source, built on first use
+        "pallas_kernels": [
+            "cpu/*.cc",
+            "cpu/*.h",
+            "h200.txtpb",
+        ],  # the CPU kernel's source (built on first use); the H200 target
         "paged_jax.serve.proto.paged_jax.v1": ["*.proto", "*.pyi"],
     },
 )

@@ -252,7 +252,7 @@ def test_invalid_completion_fields_are_400_naming_the_param(oai, kwargs, param):
         (dict(max_completion_tokens=5000), "max_completion_tokens"),
         (dict(top_logprobs=2), "top_logprobs"),
         (dict(logprobs=True, top_logprobs=25), "top_logprobs"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "xml"}), "response_format.type"),
     ],
 )
 def test_invalid_chat_fields_are_400_naming_the_param(oai, kwargs, param):

@@ -42,7 +42,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     for flag in ENGINE_FLAGS:
         flag.add_to(g)
+    add_lora_args(parser)
     add_model_text_args(parser)
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters (paged_jax.lora), vLLM's flags."""
+    g = parser.add_argument_group("LoRA adapters")
+    LORA_FLAGS[0].add_to(g)
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters (PEFT directories) served as their own model names; implies --enable-lora",
+    )
+    for flag in LORA_FLAGS[1:]:
+        flag.add_to(g)
+    g.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
 
 
 def add_model_text_args(parser: argparse.ArgumentParser) -> None:
@@ -86,8 +107,10 @@ def apply_model_text(
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the flags of `add_engine_args` describe."""
-    return EngineConfig(**{flag.field: flag.value(args) for flag in ENGINE_FLAGS})
+    """The EngineConfig the flags of `add_engine_args` describe (`--lora-modules` implies `--enable-lora`)."""
+    fields = {flag.field: flag.value(args) for flag in (*ENGINE_FLAGS, *LORA_FLAGS)}
+    fields["enable_lora"] = fields["enable_lora"] or bool(args.lora_modules)
+    return EngineConfig(**fields)
 
 
 def _json_object(text: str) -> dict:
@@ -130,6 +153,7 @@ class EngineFlag:
         default = _FIELDS[self.field].default
         if self.negate:
             assert default is True, f"{self.field}: a --no- switch needs a field that defaults to True"
+        if self.negate or default is False:  # a switch: --no-<x> turns a True field off, --<x> a False one on
             group.add_argument(self.flag, action="store_true", help=self.help)
             return
         names = (self.flag, self.short) if self.short else (self.flag,)
@@ -160,6 +184,12 @@ def _scalar_type(name: str) -> type:
     return kinds[0]
 
 
+LORA_FLAGS = (
+    EngineFlag("enable_lora", "serve PEFT LoRA adapters beside the base model"),
+    EngineFlag("max_loras", "adapters resident on the device at once"),
+    EngineFlag("max_lora_rank", "the largest adapter rank"),
+    EngineFlag("max_cpu_loras", "adapters kept loaded on the host (default: max-loras)"),
+)
 ENGINE_FLAGS = (
     EngineFlag("seed", "random weights and unseeded requests"),
     EngineFlag("page_size"),

@@ -46,6 +46,7 @@ class StepInputs:
     num_seqs: np.ndarray  # [1] i32 real sequences
     logits_indices: np.ndarray  # [S] i32 the flat token whose logits sample row r draws from
     prev_rows: np.ndarray  # [T] i32 row of the previous step's samples holding the token's id; -1: on the host
+    lora_slots: np.ndarray  # [T] i32 the LoRA device slot of each token's sequence (0: none, and padding)
 
     @property
     def has_pending(self) -> bool:
@@ -67,6 +68,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
     tables = np.zeros((s, max_blocks), np.int32)
     cu = np.zeros(s + 1, np.int32)
     prev_rows = np.full(t, -1, np.int32)
+    lora_slots = np.zeros(t, np.int32)
     off = 0
     for i, item in enumerate(sched.scheduled):
         seq, start, n = item.seq, item.start, item.num_scheduled
@@ -82,6 +84,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
         pos = np.arange(start, start + n, dtype=np.int32)
         positions[off : off + n] = pos
         slots[off : off + n] = tables[i, pos // page_size] * page_size + pos % page_size
+        lora_slots[off : off + n] = seq.lora_slot
         off += n
         kv_lens[i] = start + n
         cu[i + 1] = off
@@ -90,7 +93,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
     for r, row in enumerate(sched.sample_rows):
         logits_indices[r] = cu[row.index + 1] - 1 - len(sched.scheduled[row.index].draft) + len(row.draft_prefix)
     num_seqs = np.array([len(sched.scheduled)], np.int32)
-    return StepInputs(token_ids, positions, slots, kv_lens, tables, cu, num_seqs, logits_indices, prev_rows)
+    return StepInputs(token_ids, positions, slots, kv_lens, tables, cu, num_seqs, logits_indices, prev_rows, lora_slots)
 
 
 @dataclass(slots=True)

@@ -114,6 +114,8 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
         out += [runner.merge_job(t) for t in buckets]
     if plan.copies:
         out.append(runner.copy_job(8))
+    if runner.lora is not None:
+        out.append(runner.lora_write_job())
     return out
 
 

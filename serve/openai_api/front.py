@@ -87,7 +87,7 @@ class OpenAIFront:
         try:
             return [self.inputs.process(g) for g in req.generates]
         except FieldError as e:
-            raise convert.field_error(e, field_names(req.kind, req.max_tokens_name)) from None
+            raise convert.field_error(e, field_names(req.kind, req.max_tokens_name, req.structured_param)) from None
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
@@ -115,7 +115,7 @@ class OpenAIFront:
                 )
             builder = ResponseBuilder(kind, rid, self.model_name, self.tokenizer, req.logprobs)
             n = parsed[0].params.n
-            names = field_names(kind, req.max_tokens_name)
+            names = field_names(kind, req.max_tokens_name, req.structured_param)
             firsts = await self._unless_disconnected(
                 request, streams, asyncio.gather(*(self._get(s, names) for s in streams))
             )
@@ -191,7 +191,7 @@ class OpenAIFront:
             while len(finished) < len(streams):
                 i, event = await merged.get()
                 if event.code is not None:
-                    raise _event_error(event, field_names(req.kind, req.max_tokens_name))
+                    raise _event_error(event, field_names(req.kind, req.max_tokens_name, req.structured_param))
                 out = event.output
                 for c in out.outputs:
                     index = i * n + c.index
