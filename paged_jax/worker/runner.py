@@ -556,7 +556,7 @@ class ModelRunner:
             scaling = self._spec(dtype=jnp.float32)
             return self._lora_write.lower(self._lora_specs(), self._spec(), layers, scaling)
 
-        return ("lora_write", self._key), lower, "lora slot write"
+        return Job(("lora_write", self._key), lower, "lora slot write")
 
     def copy_job(self, n: int) -> Job:
         """Copy-on-write of `n` pages on every layer."""
