@@ -74,6 +74,7 @@ def test_steady_state_compiles_nothing_and_a_missed_shape_is_a_warning(tiny_conf
     engine.warmup(plan, progress=False)
     stats = engine.stats()
     assert stats.compile_count == len(jobs(engine.runner, plan)) and stats.compiles_after_warmup == 0
+    assert 0 < stats.compile_lower_seconds < stats.compile_seconds  # each executable timed: lowering, then XLA
     for i in range(4):
         engine.add_request(f"g{i}", list(range(3 + i, 43 + i)), SamplingParams(max_tokens=8, temperature=0.0))
     while engine.has_unfinished():
@@ -148,6 +149,7 @@ def test_a_second_process_with_the_same_shapes_compiles_nothing(tmp_path):
     assert compiled == 0 and hits > 0  # every executable of the second process came from the cache
     assert [(d["id"], d["token_ids"]) for d in first] == [(d["id"], d["token_ids"]) for d in second]
     assert "start-up" in second_log and "0 after warm-up" in second_log
+    assert re.search(r"[\d.]+ lowering, [\d.]+ XLA compile or cache lookup", second_log)
 
 
 def test_server_is_not_serving_until_its_decode_shapes_are_compiled():

@@ -41,7 +41,8 @@ class CompileStats:
     counted). `seconds` is summed over threads, so with parallel warm-up it can exceed the wall time."""
 
     count: int = 0  # executables compiled or loaded from the persistent cache
-    seconds: float = 0.0
+    seconds: float = 0.0  # lowering plus compiling (or looking up and loading)
+    lower_seconds: float = 0.0  # of `seconds`, tracing and lowering to StableHLO (paid on a cache hit too)
     cache_hits: int = 0  # of `count`, loaded from the persistent compilation cache
     after_warmup: int = 0  # of `count`, needed by a step after warm-up (each one logged as a warning)
 
@@ -49,6 +50,7 @@ class CompileStats:
         return {
             "compile_count": self.count,
             "compile_seconds": self.seconds,
+            "compile_lower_seconds": self.lower_seconds,
             "compile_cache_hits": self.cache_hits,
             "compiles_after_warmup": self.after_warmup,
         }
@@ -208,7 +210,9 @@ class Executables:
             return
         t0, hits0 = time.perf_counter(), PROCESS.thread_hits()
         try:
-            compiled = lower().compile()
+            lowered = lower()
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
         except BaseException as e:
             self._fail(key, future, e)
             return
@@ -218,5 +222,6 @@ class Executables:
             del self._pending[key]
             stats.count += 1
             stats.seconds += seconds
+            stats.lower_seconds += t1 - t0
             stats.cache_hits += min(hits, 1)
         future.set_result(compiled)
