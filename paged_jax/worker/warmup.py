@@ -144,7 +144,7 @@ def run_warmup(
     log.info(
         "%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling (%.1f s of it "
         "lowering); %d loaded from "
-        "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA)",
+        "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA, %d cache entries rejected)",
         what,
         new,
         token_buckets(runner, plan),
@@ -156,5 +156,6 @@ def run_warmup(
         f" ({cache_dir})" if cache_dir else " (off)",
         cache["hits"],
         cache["compiled"],
+        cache["rejected"],
     )
     return new
