@@ -150,6 +150,7 @@ def _rejected(log: str) -> int:
     return int(m.group(3))
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_a_second_process_with_the_same_shapes_compiles_nothing(tmp_path):
     cache = tmp_path / "xla-cache"
     first_log, first = _generate(tmp_path, cache, "first")
@@ -164,6 +165,7 @@ def test_a_second_process_with_the_same_shapes_compiles_nothing(tmp_path):
     assert _rejected(second_log) == 0
 
 
+@pytest.mark.slow  # two fresh processes (start-up and compiles)
 def test_cache_entries_that_cannot_be_loaded_are_counted_and_logged(tmp_path):
     """An entry XLA refuses (as XLA:CPU does on some hosts) must not pass for an ordinary miss: corrupt ones
     take the same path (JAX warns, then compiles again)."""
@@ -179,6 +181,7 @@ def test_cache_entries_that_cannot_be_loaded_are_counted_and_logged(tmp_path):
     assert [d["token_ids"] for d in first] == [d["token_ids"] for d in again]
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_server_is_not_serving_until_its_decode_shapes_are_compiled():
     from serve.client import Client
 
