@@ -8,12 +8,15 @@ import json
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 from lora_adapters import GREEDY, TINY, lora_engine, make_tiny_adapters, prompts, serve
 
+from serve.client import Client
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.openai_api.server import HttpServerThread
+from serve.server import ServerThread
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +25,34 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def http(adapters):
+def loop(adapters):
     loop = EngineLoop(lora_engine())
     loop.adapters.add("a", adapters["all"].lora_path)
     loop.start()
+    yield loop
+    loop.stop()
+
+
+@pytest.fixture(scope="module")
+def http(loop):
     server = HttpServerThread(loop, ServingConfig(port=0, http_port=0, enable_lora_runtime_updates=True)).start()
     yield server
     server.stop()
-    loop.stop()
+
+
+def test_grpc_lora_name_runs_the_adapter_and_unknown_is_not_found(loop, adapters):
+    p = prompts(1, seed=12)[0]
+    want = serve(lora_engine(), [("a", p, GREEDY, adapters["all"])])
+    server = ServerThread(loop, ServingConfig(port=0)).start()
+    try:
+        client = Client(server.target)
+        got = client.generate(p, lora_name="a", max_tokens=10, temperature=0.0)
+        assert list(got.completions[0].token_ids) == want["a"][0][0]
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(p, lora_name="nope", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'nope' is not served here" in err.value.details()
+    finally:
+        server.stop()
 
 
 def post(http, path: str, body: dict) -> tuple[int, dict]:
