@@ -31,7 +31,8 @@ from paged_jax.lora.named import ServedAdapters
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
-from serve.convert import RequestError, internal_error
+
+from .convert import RequestError, internal_error
 
 log = logging.getLogger(__name__)
 

@@ -148,6 +148,7 @@ def comparable(path: Path) -> dict[str, tuple]:
     return out
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 @main_only
 def test_batch_over_two_processes_matches_one(tmp_path):
     """Two real processes (jax.distributed over gloo on localhost) each take half the lines; process 0

@@ -9,22 +9,13 @@ manager: the scheduler's output carries each sequence's page ids); the forward p
 the rows that sample; sampling is a second jitted call on device; the host receives only the sampled ids (and
 requested logprobs).
 
-Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
-KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,
-`cu_q_lens`), the rows of the LM head and sampling. Padding sequences cost the XLA attention nothing (its
-loops have runtime trip counts, `pallas_kernels.xla_paged`). Measured with `scripts/bench_seq_bucket.py`
-(SmolLM2-135M's shapes with 4 layers, 2 shared CPU cores, S = 32 against the smallest S that holds the step):
-with its 49,152-token vocabulary a prefill or mixed step of 64-256 tokens took 1.03-1.11x as long, decode
-1.00-1.11x (noise between identical runs: about 5%); with a 512-token vocabulary (the LM head taken out)
-0.80-1.01x. So only the LM head's rows (and sampling) pay for a larger `S`, and by its share of the step
-(less with 30 layers than with 4). `S` is therefore not a free dimension: it is derived from `T`,
-`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens; decode steps get the S
-they need), raised only when one step samples more rows than that (`n` > 1 samples of a short prompt).
-Every step shape is then one executable per token bucket, not one per (T, S) pair: a third of them for
-`make run` (5 instead of 15). Splitting the LM head's rows from the attention metadata (as tpu-inference does)
-would win back the prefill steps' few percent at the cost of more, if cheaper, executables. The sampler's
-output ids are padded to the largest `S`, so the lookahead's on-device merge of the previous step's ids is
-one executable per `T` as well.
+Which parts need the sequence bucket: the token-level work (embedding, projections, RoPE, the KV write, the
+MLP) depends on `T` alone; `S` sizes the attention metadata, the LM head's rows and sampling, and only the
+last two cost anything when padded (README: "Sequence buckets"). So `S` is derived from `T`,
+`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens), raised only when one step
+samples more rows than that (`n` > 1 samples of a short prompt): one executable per token bucket, not one per
+(T, S) pair. The sampler's output ids are padded to the largest `S`, so the lookahead's on-device merge of
+the previous step's ids is one executable per `T` as well.
 
 Executables are compiled ahead of time (`paged_jax.worker.executables`): warm-up compiles the shapes a run can
 reach on a thread pool (`paged_jax.worker.warmup` says which); a shape first needed after warm-up is compiled
@@ -47,6 +38,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -261,7 +253,14 @@ def _drop_axis(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
 
-Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
+
+class Job(NamedTuple):
+    """One executable to compile: its cache key, how to lower it (argument specs built only then), and its
+    shape in words for the log."""
+
+    key: Hashable
+    lower: Callable[[], jax.stages.Lowered]
+    describe: str
 
 
 def _fingerprint(tree) -> str:
@@ -465,7 +464,7 @@ class ModelRunner:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the
         lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
         m = sampling.meta
-        if not sampling.flags[2]:  # do_penalty
+        if not sampling.flags.do_penalty:
             return m
         prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
         history = self._executable(self.history_job(len(sampling.pending_rows)))(
@@ -483,8 +482,7 @@ class ModelRunner:
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
-        key, lower, describe = job
-        return EXECUTABLES.get(key, lower, self.compile_stats, warm=self.warm, describe=describe)
+        return EXECUTABLES.get(job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe)
 
     def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
@@ -498,12 +496,11 @@ class ModelRunner:
             lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
             return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
-        return ("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}"
+        return Job(("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}")
 
     def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
         """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs).
         The argument specs are built only when the executable is compiled (this runs every step)."""
-        names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
         verify = self.num_speculative_tokens > 0
 
         def lower() -> jax.stages.Lowered:
@@ -514,19 +511,19 @@ class ModelRunner:
             bitmask = self._spec(s, mask_words(self.config.vocab_size))
             width = self.seq_buckets[-1]
             rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None
-            return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **dict(zip(names, flags, strict=True)))
+            return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **SamplerFlags(*flags)._asdict())
 
-        return (
+        return Job(
             ("sample", self._key, s, suppress_width, history_len, flags, self.seq_buckets[-1], verify),
             lower,
             f"sample rows={s} suppress={suppress_width} history={history_len} "
-            + " ".join(n for n, on in zip(names, flags, strict=True) if on),
+            + " ".join(n for n, on in SamplerFlags(*flags)._asdict().items() if on),
         )
 
     def merge_job(self, t: int) -> Job:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
         i32 = self._spec
-        return (
+        return Job(
             ("merge", self._key, t, self.seq_buckets[-1]),
             lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])),
             f"merge tokens={t}",
@@ -535,7 +532,7 @@ class ModelRunner:
     def history_job(self, s: int) -> Job:
         """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
         i32 = self._spec
-        return (
+        return Job(
             ("history", self._key, s, self.seq_buckets[-1]),
             lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
             f"history rows={s} length={self.history_len}",
@@ -559,11 +556,11 @@ class ModelRunner:
             scaling = self._spec(dtype=jnp.float32)
             return self._lora_write.lower(self._lora_specs(), self._spec(), layers, scaling)
 
-        return ("lora_write", self._key), lower, "lora slot write"
+        return Job(("lora_write", self._key), lower, "lora slot write")
 
     def copy_job(self, n: int) -> Job:
         """Copy-on-write of `n` pages on every layer."""
-        return (
+        return Job(
             ("copy", self._key, n),
             lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
             f"copy pages={n}",
@@ -573,5 +570,7 @@ class ModelRunner:
         """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
         `cancel` (a threading.Event): stop starting compiles once set."""
         return len(
-            EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers, progress, cancel)
+            EXECUTABLES.compile_all(
+                ((job.key, job.lower) for job in jobs), self.compile_stats, workers, progress, cancel
+            )
         )

@@ -14,13 +14,23 @@ with the row of the previous step's samples that holds it in `prev_rows`; the ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from paged_jax.sched.output import SampleRow, SchedulerOutput
 from paged_jax.worker.sampler import SamplingMeta, empty_meta
 
-SamplerFlags = tuple[bool, bool, bool, bool]  # do_sample, do_filter, do_penalty, want_logprobs
+
+class SamplerFlags(NamedTuple):
+    """Which compiled variant of the sampler a step needs (its static arguments): rows that sample (not all
+    greedy), rows with top-k/top-p/min-p, rows with penalties (the token history is carried), rows that want
+    logprobs."""
+
+    do_sample: bool
+    do_filter: bool
+    do_penalty: bool
+    want_logprobs: bool
 
 
 @dataclass(slots=True)
@@ -132,4 +142,4 @@ def build_sampling_inputs(
             m.num_prompt[r] = len(seq.prompt_token_ids)
             if seq.pending is not None:
                 pending_rows[r], pending_cols[r] = seq.pending.row, len(toks) - 1
-    return SamplingInputs(m, (do_sample, do_filter, penalized, want_logprobs), pending_rows, pending_cols)
+    return SamplingInputs(m, SamplerFlags(do_sample, do_filter, penalized, want_logprobs), pending_rows, pending_cols)
