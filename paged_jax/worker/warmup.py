@@ -148,7 +148,8 @@ def run_warmup(
     Afterwards a compile a step needs (a shape no plan named) is logged as a warning."""
     todo = jobs(runner, plan)
     workers = workers or default_workers()
-    before = runner.compile_stats.count, runner.compile_stats.seconds, runner.compile_stats.cache_hits
+    stats = runner.compile_stats
+    before = stats.count, stats.seconds, stats.cache_hits, stats.lower_seconds
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=what, unit="shape", disable=not progress, leave=False)
     try:
@@ -156,21 +157,23 @@ def run_warmup(
     finally:
         bar.close()
     runner.warm = True
-    stats = runner.compile_stats
     cache = persistent_cache_summary()
     cache_dir = jax.config.jax_compilation_cache_dir
     log.info(
-        "%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling; %d loaded from "
-        "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA)",
+        "%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling (%.1f s of it "
+        "lowering); %d loaded from "
+        "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA, %d cache entries rejected)",
         what,
         new,
         token_buckets(runner, plan),
         time.perf_counter() - t0,
         workers,
         stats.seconds - before[1],
+        stats.lower_seconds - before[3],
         stats.cache_hits - before[2],
         f" ({cache_dir})" if cache_dir else " (off)",
         cache["hits"],
         cache["compiled"],
+        cache["rejected"],
     )
     return new
