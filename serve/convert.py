@@ -26,8 +26,9 @@ from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
-from serve.config import ServingLimits
-from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+from .config import ServingLimits
+from .proto.paged_jax.v1 import generate_pb2 as pb
 
 FINISH_REASONS = {
     "eos": pb.FINISH_REASON_EOS,
@@ -96,6 +97,7 @@ class ParsedRequest:
     params: SamplingParams
     cache_salt: str | None
     output_mode: int
+    lora_name: str | None = None  # a served LoRA adapter (the servicer resolves it: NOT_FOUND when unknown)
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -226,7 +228,8 @@ def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedReq
         p = inputs.process(request)
     except FieldError as e:
         raise field_error(e, GRPC_FIELDS) from None
-    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode)
+    lora = req.lora_name if req.HasField("lora_name") else None
+    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode, lora)
 
 
 def _json_field(field: str, text: str, kind: type) -> Any:

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import itertools
-from argparse import Namespace
 from collections.abc import Iterable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
 from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.args import apply_model_text_args
+from paged_jax.engine.args import apply_model_text
 from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
@@ -58,9 +57,7 @@ class LLM:
     ) -> None:
         config, params, tokenizer = load_model(model, dtype=dtype, seed=seed, quantization=quantization)
         ec = EngineConfig(seed=seed, **engine_options)
-        apply_model_text_args(
-            Namespace(model=model, chat_template=chat_template, generation_config=generation_config), tokenizer, ec
-        )
+        apply_model_text(model, tokenizer, chat_template, generation_config, ec)
         self.engine = LLMEngine(config, params, tokenizer, ec)
         self.config, self.tokenizer = config, tokenizer
         self._ids = itertools.count()

@@ -6,25 +6,17 @@ updated in place.
 Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
 bucket `S`, built from the scheduler's output by `paged_jax.worker.step_inputs` (the runner never reads the KV
 manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for
-the rows that sample; sampling is a second jitted call on device; the host receives only the sampled ids (and
-requested logprobs).
+the rows that sample (and its final hidden states, from which a step with prompt-logprob positions computes
+theirs, `paged_jax.worker.prompt_logprobs`); sampling is a second jitted call on device; the host receives only the
+sampled ids (and requested logprobs).
 
-Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
-KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,
-`cu_q_lens`), the rows of the LM head and sampling. Padding sequences cost the XLA attention nothing (its
-loops have runtime trip counts, `pallas_kernels.xla_paged`). Measured with `scripts/bench_seq_bucket.py`
-(SmolLM2-135M's shapes with 4 layers, 2 shared CPU cores, S = 32 against the smallest S that holds the step):
-with its 49,152-token vocabulary a prefill or mixed step of 64-256 tokens took 1.03-1.11x as long, decode
-1.00-1.11x (noise between identical runs: about 5%); with a 512-token vocabulary (the LM head taken out)
-0.80-1.01x. So only the LM head's rows (and sampling) pay for a larger `S`, and by its share of the step
-(less with 30 layers than with 4). `S` is therefore not a free dimension: it is derived from `T`,
-`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens; decode steps get the S
-they need), raised only when one step samples more rows than that (`n` > 1 samples of a short prompt).
-Every step shape is then one executable per token bucket, not one per (T, S) pair: a third of them for
-`make run` (5 instead of 15). Splitting the LM head's rows from the attention metadata (as tpu-inference does)
-would win back the prefill steps' few percent at the cost of more, if cheaper, executables. The sampler's
-output ids are padded to the largest `S`, so the lookahead's on-device merge of the previous step's ids is
-one executable per `T` as well.
+Which parts need the sequence bucket: the token-level work (embedding, projections, RoPE, the KV write, the
+MLP) depends on `T` alone; `S` sizes the attention metadata, the LM head's rows and sampling, and only the
+last two cost anything when padded (README: "Sequence buckets"). So `S` is derived from `T`,
+`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens), raised only when one step
+samples more rows than that (`n` > 1 samples of a short prompt): one executable per token bucket, not one per
+(T, S) pair. The sampler's output ids are padded to the largest `S`, so the lookahead's on-device merge of
+the previous step's ids is one executable per `T` as well.
 
 Executables are compiled ahead of time (`paged_jax.worker.executables`): warm-up compiles the shapes a run can
 reach on a thread pool (`paged_jax.worker.warmup` says which); a shape first needed after warm-up is compiled
@@ -47,6 +39,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -61,12 +54,13 @@ from paged_jax.lora.delta import LoraBatch
 from paged_jax.lora.registry import SlotLoad
 from paged_jax.model import quant
 from paged_jax.model.families import causal_lm
-from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.structured.bitmask import all_allowed, mask_words
 from paged_jax.worker import sharding
 from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.pending import merge_pending, merge_pending_history
+from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, make_prompt_logprobs
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import VerifyRows, mask_rejected, verify_rows
 from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
@@ -158,7 +152,8 @@ def step_functions(
     mesh (so engines in one process share compilations).
 
     forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S], lora)
-        -> (logits [S, V] f32, kv_caches), with kv_caches donated; `lora` a `LoraBatch`, or None when off.
+        -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated; `lora` a
+        `LoraBatch`, or None when off.
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
     params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
     like their base weights (`paged_jax.lora.weights`).
@@ -173,7 +168,7 @@ def step_functions(
     ):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta, lora)
         logits = model.apply(params, hidden[logits_indices], method="compute_logits")
-        return logits, tuple(kv_caches)
+        return logits, tuple(kv_caches), hidden
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
@@ -199,6 +194,19 @@ def _lora_writer(config: ModelConfig, mesh: jax.sharding.Mesh | None, lora: Lora
     if mesh is None:
         return jax.jit(lora_weights.write_slot, donate_argnums=(0,))
     return jax.jit(lora_weights.write_slot, donate_argnums=(0,), out_shardings=_lora_shardings(config, mesh, lora))
+
+
+@functools.cache
+def prompt_logprobs_function(
+    config: ModelConfig,
+    backend: str,
+    mesh: jax.sharding.Mesh | None = None,
+    quantized_kv: bool = False,
+    weights: tuple[str, bool, bool] | None = None,
+):
+    """The jitted prompt-logprob step (`paged_jax.worker.prompt_logprobs`) of `step_functions`' model."""
+    model, _ = step_functions(config, backend, mesh, quantized_kv, weights)
+    return make_prompt_logprobs(model, None if mesh is None else sharding.logits_shardings(config, mesh, weights))
 
 
 def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
@@ -261,7 +269,14 @@ def _drop_axis(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
 
-Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
+
+class Job(NamedTuple):
+    """One executable to compile: its cache key, how to lower it (argument specs built only then), and its
+    shape in words for the log."""
+
+    key: Hashable
+    lower: Callable[[], jax.stages.Lowered]
+    describe: str
 
 
 def _fingerprint(tree) -> str:
@@ -279,6 +294,7 @@ class ForwardLaunched:
     flags: SamplerFlags
     s: int  # the sequence bucket
     verify: VerifyRows | None  # speculation: where each sequence's rows start and its next draft
+    prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
 
 
 @dataclass(slots=True)
@@ -289,6 +305,7 @@ class StepResult:
     logprob: np.ndarray  # [R] f32
     top_ids: np.ndarray  # [R, K] i32
     top_logprobs: np.ndarray  # [R, K] f32
+    prompt_logprobs: PromptLogprobs | None = None  # numpy, [P] rows: the step's prompt-logprob positions in order
 
     def logprobs_of(self, row: int, k: int) -> tuple[float, list[tuple[int, float]]]:
         """Row `row`'s token logprob and its `k` most likely (id, logprob) alternatives."""
@@ -318,6 +335,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_dtype: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        max_logit_bias: int = MAX_LOGIT_BIAS,
         lora: LoraShape | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
@@ -339,6 +357,9 @@ class ModelRunner:
         # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
         self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
         self.history_len = pow2_buckets(64, max_model_len)[-1]
+        self.logit_bias_width = (
+            max_logit_bias  # bias columns of a step with a biased row (`paged_jax.worker.logit_bias`)
+        )
         self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
         self.kv_caches = tuple(
             _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
@@ -352,6 +373,9 @@ class ModelRunner:
         self.model, self._forward = step_functions(
             config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora
         )
+        self._prompt_logprobs = prompt_logprobs_function(
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+        )
         self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
         if lora is not None:
             shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
@@ -364,6 +388,7 @@ class ModelRunner:
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (
             self._forward,
+            self._prompt_logprobs,
             self._copy,
             mesh,
             self.max_blocks,
@@ -436,7 +461,12 @@ class ModelRunner:
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
         sampling = build_sampling_inputs(
-            sched.sample_rows, s, self.suppress_width, self.history_len, self.config.eos_token_ids
+            sched.sample_rows,
+            s,
+            self.suppress_width,
+            self.history_len,
+            self.config.eos_token_ids,
+            self.logit_bias_width,
         )
         verify = verify_rows(sched, s) if self.num_speculative_tokens else None
         self.real_tokens += sched.num_tokens
@@ -447,17 +477,23 @@ class ModelRunner:
         meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
         forward = self._executable(self.forward_job(t, s))
         lora = None if self.lora is None else LoraBatch(self.lora_weights, step.lora_slots)
-        logits, self.kv_caches = forward(
+        logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
-        return ForwardLaunched(logits, self._with_history(sampling, prev_samples), sampling.flags, s, verify)
+        prompt = None
+        rows = build_prompt_rows(sched, t)
+        if rows is not None:
+            job = self.prompt_logprobs_job(t)
+            prompt = self._executable(job)(self.params, hidden, rows.rows, rows.targets, rows.num_rows)
+        m = self._with_history(sampling, prev_samples)
+        return ForwardLaunched(logits, m, sampling.flags, s, verify, prompt)
 
     def launch_sample(self, fwd: ForwardLaunched, bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Dispatch the sampling of a launched forward step. `bitmask`: int32 [R, ceil(V / 32)] for the step's
         first R sample rows (`paged_jax.structured.bitmask`), None when no row is constrained (a device-resident
         all-ones mask is used: nothing crosses to the device)."""
         m = fwd.meta
-        job = self.sample_job(fwd.s, m.suppress.shape[1], m.history.shape[1], fwd.flags)
+        job = self.sample_job(fwd.s, m.suppress.shape[1], m.history.shape[1], fwd.flags, m.logit_bias.shape[1])
         return self._executable(job)(fwd.logits, m, self._bitmask(fwd.s, bitmask), fwd.verify)
 
     def _bitmask(self, s: int, bitmask: np.ndarray | None) -> jax.Array | np.ndarray:
@@ -477,7 +513,7 @@ class ModelRunner:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the
         lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
         m = sampling.meta
-        if not sampling.flags[2]:  # do_penalty
+        if not sampling.flags.do_penalty:
             return m
         prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
         history = self._executable(self.history_job(len(sampling.pending_rows)))(
@@ -485,18 +521,26 @@ class ModelRunner:
         )
         return m._replace(history=history)
 
-    def collect(self, out: SamplerOutput, num_rows: int) -> StepResult:
-        """Wait for a launched step and copy its first `num_rows` samples to the host."""
+    def collect(
+        self,
+        out: SamplerOutput,
+        num_rows: int,
+        prompt_logprobs: PromptLogprobs | None = None,
+        num_prompt_rows: int = 0,
+    ) -> StepResult:
+        """Wait for a launched step and copy its first `num_rows` samples (and `num_prompt_rows` prompt-logprob
+        rows) to the host."""
         t0 = time.perf_counter()
-        host = jax.device_get(out)
+        host, prompt = jax.device_get((out, prompt_logprobs))
         self.device_seconds += time.perf_counter() - t0
         r = num_rows
-        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r])
+        if prompt is not None:
+            prompt = PromptLogprobs(*(a[:num_prompt_rows] for a in prompt))
+        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r], prompt)
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
-        key, lower, describe = job
-        return EXECUTABLES.get(key, lower, self.compile_stats, warm=self.warm, describe=describe)
+        return EXECUTABLES.get(job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe)
 
     def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
@@ -510,35 +554,48 @@ class ModelRunner:
             lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
             return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
-        return ("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}"
+        return Job(("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}")
 
-    def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
-        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs).
-        The argument specs are built only when the executable is compiled (this runs every step)."""
-        names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
+    def sample_job(
+        self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags, logit_bias_width: int = 0
+    ) -> Job:
+        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs)
+        and bias columns. The argument specs are built only when the executable is compiled (this runs every
+        step)."""
         verify = self.num_speculative_tokens > 0
 
         def lower() -> jax.stages.Lowered:
-            shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len).items()}
+            shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len, logit_bias_width).items()}
             dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
             meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
             logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
             bitmask = self._spec(s, mask_words(self.config.vocab_size))
             width = self.seq_buckets[-1]
             rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None
-            return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **dict(zip(names, flags, strict=True)))
+            return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **SamplerFlags(*flags)._asdict())
 
-        return (
-            ("sample", self._key, s, suppress_width, history_len, flags, self.seq_buckets[-1], verify),
+        return Job(
+            ("sample", self._key, s, suppress_width, history_len, flags, self.seq_buckets[-1], verify)
+            + (logit_bias_width,),
             lower,
-            f"sample rows={s} suppress={suppress_width} history={history_len} "
-            + " ".join(n for n, on in zip(names, flags, strict=True) if on),
+            f"sample rows={s} suppress={suppress_width} history={history_len} logit_bias={logit_bias_width} "
+            + " ".join(n for n, on in SamplerFlags(*flags)._asdict().items() if on),
         )
+
+    def prompt_logprobs_job(self, t: int) -> Job:
+        """Prompt logprobs of up to `t` rows of a `t`-token step (`paged_jax.worker.prompt_logprobs`)."""
+
+        def lower() -> jax.stages.Lowered:
+            hidden = self._spec(t, self.config.hidden_size, dtype=jnp.dtype(self.config.dtype))
+            i32 = self._spec
+            return self._prompt_logprobs.lower(self.params, hidden, i32(t), i32(t), i32(1))
+
+        return Job(("prompt_logprobs", self._key, t), lower, f"prompt logprobs tokens={t}")
 
     def merge_job(self, t: int) -> Job:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
         i32 = self._spec
-        return (
+        return Job(
             ("merge", self._key, t, self.seq_buckets[-1]),
             lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])),
             f"merge tokens={t}",
@@ -547,7 +604,7 @@ class ModelRunner:
     def history_job(self, s: int) -> Job:
         """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
         i32 = self._spec
-        return (
+        return Job(
             ("history", self._key, s, self.seq_buckets[-1]),
             lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
             f"history rows={s} length={self.history_len}",
@@ -571,11 +628,11 @@ class ModelRunner:
             scaling = self._spec(dtype=jnp.float32)
             return self._lora_write.lower(self._lora_specs(), self._spec(), layers, scaling)
 
-        return ("lora_write", self._key), lower, "lora slot write"
+        return Job(("lora_write", self._key), lower, "lora slot write")
 
     def copy_job(self, n: int) -> Job:
         """Copy-on-write of `n` pages on every layer."""
-        return (
+        return Job(
             ("copy", self._key, n),
             lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
             f"copy pages={n}",
@@ -585,5 +642,7 @@ class ModelRunner:
         """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
         `cancel` (a threading.Event): stop starting compiles once set."""
         return len(
-            EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers, progress, cancel)
+            EXECUTABLES.compile_all(
+                ((job.key, job.lower) for job in jobs), self.compile_stats, workers, progress, cancel
+            )
         )

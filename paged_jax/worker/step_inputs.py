@@ -14,13 +14,24 @@ with the row of the previous step's samples that holds it in `prev_rows`; the ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from paged_jax.sched.output import SampleRow, SchedulerOutput
+from paged_jax.worker.logit_bias import fill_logit_bias
 from paged_jax.worker.sampler import SamplingMeta, empty_meta
 
-SamplerFlags = tuple[bool, bool, bool, bool]  # do_sample, do_filter, do_penalty, want_logprobs
+
+class SamplerFlags(NamedTuple):
+    """Which compiled variant of the sampler a step needs (its static arguments): rows that sample (not all
+    greedy), rows with top-k/top-p/min-p, rows with penalties (the token history is carried), rows that want
+    logprobs."""
+
+    do_sample: bool
+    do_filter: bool
+    do_penalty: bool
+    want_logprobs: bool
 
 
 @dataclass(slots=True)
@@ -97,12 +108,21 @@ class SamplingInputs:
 
 
 def build_sampling_inputs(
-    rows: list[SampleRow], s: int, suppress_width: int, history_len: int, eos_token_ids: tuple[int, ...]
+    rows: list[SampleRow],
+    s: int,
+    suppress_width: int,
+    history_len: int,
+    eos_token_ids: tuple[int, ...],
+    logit_bias_width: int = 0,
 ) -> SamplingInputs:
     """The sampling inputs of `rows` padded to `s`. The ban list is `suppress_width` wide; a step with a
-    penalized row carries every row's token history in `history_len` columns (1 column otherwise)."""
+    penalized row carries every row's token history in `history_len` columns (1 column otherwise); a step
+    with a biased row carries `logit_bias_width` bias columns (none otherwise)."""
     penalized = any(row.seq.params.uses_penalties for row in rows)
-    m = SamplingMeta(**empty_meta(s, suppress_width, history_len if penalized else 1))
+    biased = any(row.seq.params.logit_bias for row in rows)
+    m = SamplingMeta(
+        **empty_meta(s, suppress_width, history_len if penalized else 1, logit_bias_width if biased else 0)
+    )
     pending_rows = np.full(s, -1, np.int32)
     pending_cols = np.zeros(s, np.int32)
     do_sample = do_filter = want_logprobs = False
@@ -117,6 +137,8 @@ def build_sampling_inputs(
                 m.top_k[r], m.top_p[r], m.min_p[r] = p.top_k, p.top_p, p.min_p
         if p.logprobs is not None:
             want_logprobs = True
+        if p.logit_bias:
+            fill_logit_bias(m.logit_bias_ids[r], m.logit_bias[r], p.logit_bias)
         seed = (seq.seed + seq.index) % 2**64
         m.seed[r] = (seed & 0xFFFFFFFF, seed >> 32)
         m.step[r] = n_out
@@ -132,4 +154,4 @@ def build_sampling_inputs(
             m.num_prompt[r] = len(seq.prompt_token_ids)
             if seq.pending is not None:
                 pending_rows[r], pending_cols[r] = seq.pending.row, len(toks) - 1
-    return SamplingInputs(m, (do_sample, do_filter, penalized, want_logprobs), pending_rows, pending_cols)
+    return SamplingInputs(m, SamplerFlags(do_sample, do_filter, penalized, want_logprobs), pending_rows, pending_cols)

@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
 from paged_jax.errors import FieldNames
-from serve.convert import RequestError, invalid
-from serve.openai_api.structured import structured_output
+
+from ..convert import RequestError, invalid
+from .structured import structured_output
 
 Kind = Literal["completion", "chat"]
 _UINT32 = 2**32
