@@ -276,6 +276,11 @@ def test_unknown_model_is_404_and_models_health_metrics(oai, fronts):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"{root}/v1/nothing")
     assert e.value.code == 404 and "error" in json.loads(e.value.read())
+    for method in ("GET", "HEAD", "OPTIONS", "PUT"):  # issue 25.2: 405 was mapped to UNIMPLEMENTED, then 500
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(f"{root}{route}", method=method))
+            assert e.value.code == 405 and "POST" in e.value.headers.get("allow", ""), (method, route)
 
 
 def test_raw_sse_ends_with_done(fronts):

@@ -17,7 +17,7 @@ from ..convert import RequestError
 from .errors import error_response
 from .front import OpenAIFront
 
-_HTTP_CODES = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED}
+_HTTP_CODES = {404: grpc.StatusCode.NOT_FOUND}
 
 
 def create_app(front: OpenAIFront) -> FastAPI:
@@ -29,6 +29,10 @@ def create_app(front: OpenAIFront) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 405:  # GET/HEAD/OPTIONS on a POST route: 405 with Allow, not a 500
+            message = f"{request.method} {request.url.path}: method not allowed"
+            body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "method"}}
+            return JSONResponse(body, status_code=405, headers=e.headers)
         return error_response(
             _HTTP_CODES.get(e.status_code, grpc.StatusCode.UNKNOWN), f"{request.method} {request.url.path}: {e.detail}"
         )
