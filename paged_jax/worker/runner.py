@@ -203,6 +203,7 @@ def _sample_rows(
     return out._replace(tokens=jnp.pad(tokens, (0, width - tokens.shape[0])))
 
 
+GREEDY: SamplerFlags = (False, False, False, False)
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
 
 Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
@@ -325,15 +326,29 @@ class ModelRunner:
         `prev_samples`: the previous step's samples, still on the device, for tokens scheduled before their
         ids reached the host (the engine's one-step lookahead); they are merged in on the device.
         """
+        logits, s = self._forward_step(sched, prev_samples)
+        sampling = build_sampling_inputs(
+            sched.sample_rows, s, self.suppress_width, self.history_len, self.config.eos_token_ids
+        )
+        verify = verify_rows(sched, s) if self.num_speculative_tokens else None
+        m = self._with_history(sampling, prev_samples)
+        job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags)
+        return self._executable(job)(logits, m, verify)
+
+    def launch_greedy(self, sched: SchedulerOutput) -> jax.Array:
+        """One step of `sched` taking each sample row's argmax whatever its sequence's sampling parameters (a draft
+        model's proposals, `paged_jax.spec.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
+        logits, s = self._forward_step(sched, None)
+        meta = SamplingMeta(**empty_meta(s, self.suppress_width))
+        return self._executable(self.sample_job(s, self.suppress_width, 1, GREEDY))(logits, meta, None).tokens
+
+    def _forward_step(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None) -> tuple[jax.Array, int]:
+        """Copies and the forward step of `sched`: (logits [S, V] on device, the sequence bucket S)."""
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
         t = bucket_for(sched.num_tokens, self.token_buckets)
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
-        sampling = build_sampling_inputs(
-            sched.sample_rows, s, self.suppress_width, self.history_len, self.config.eos_token_ids
-        )
-        verify = verify_rows(sched, s) if self.num_speculative_tokens else None
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
         token_ids = step.token_ids
@@ -344,9 +359,7 @@ class ModelRunner:
         logits, self.kv_caches = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices
         )
-        m = self._with_history(sampling, prev_samples)
-        job = self.sample_job(s, m.suppress.shape[1], m.history.shape[1], sampling.flags)
-        return self._executable(job)(logits, m, verify)
+        return logits, s
 
     def _with_history(self, sampling: SamplingInputs, prev_samples: SamplerOutput | None) -> SamplingMeta:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the

@@ -28,11 +28,10 @@ from tqdm.auto import tqdm
 
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.executables import persistent_cache_summary
-from paged_jax.worker.runner import Job, ModelRunner, SamplerFlags, bucket_for
+from paged_jax.worker.runner import GREEDY, Job, ModelRunner, SamplerFlags, bucket_for
 
 log = logging.getLogger(__name__)
 
-GREEDY: SamplerFlags = (False, False, False, False)
 COMMON_SAMPLERS: tuple[SamplerFlags, ...] = (GREEDY, (True, False, False, False), (True, True, False, False))
 ALL_SAMPLERS: tuple[SamplerFlags, ...] = tuple(
     (s, f, p, lp) for s, f, _, _ in COMMON_SAMPLERS for p in (False, True) for lp in (False, True)
