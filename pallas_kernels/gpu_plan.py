@@ -332,6 +332,18 @@ def range_work_list(xp, rng: GpuRange, cu_q_lens, kv_lens, num_seqs):
     )
 
 
+COMBINE_VALUES_PER_THREAD = 32  # f32 values of the running and the loaded partial each, per thread
+
+
+def combine_num_warps(rng: GpuRange, head_dim: int) -> int:
+    """Warps of the split-KV combine of one range: enough that its ``[rows, head_dim]`` f32 accumulator and the
+    partial it loads fit in registers (a prefill combine of 128 x 128 on 4 warps, and of 64 x 256 on 8, spilled)."""
+    warps = 4
+    while warps < 16 and rng.rows * head_dim > COMBINE_VALUES_PER_THREAD * 32 * warps:
+        warps *= 2
+    return warps
+
+
 def effective_splits(xp, real_items, *, num_splits: int, num_kv_heads: int, num_sms: int = H200_SMS):
     """Splits the call actually uses, at most the grid's ``num_splits``: enough that real items x KV heads x
     splits reaches twice the SM count. A device scalar in the wrapper, an int in the work model."""

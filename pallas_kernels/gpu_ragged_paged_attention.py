@@ -26,15 +26,20 @@ is computed on device from the real item count (:func:`effective_splits`), and p
 splits, splits past a short item's KV, items past the real ones) stop after their scalar loads. Programs with
 work write unnormalised partials ``(m, l, acc)`` for their real rows only; a second small Triton kernel
 (grid ``(items, KV heads)``) reads the splits that walked KV (always a prefix, :func:`item_splits_with_work`),
-combines them exactly with ``exp(m_k - max m)`` weights and stores the rows at the item's tokens.
+combines them exactly with ``2^(m_k - max m)`` weights and stores the rows at the item's tokens.
 
 **KV loop.** A KV step is ``pages_per_block`` pages gathered with one indexed load (``k_ref[pages]``). The
 table entries of the *next* step are loaded one step ahead (carried through the loop), so the gather of step
-``b + 1`` never waits on its own block-table load and Triton can pipeline it over ``num_stages``. Table indices
-outside the item's page range (past its last visible key, or before a sliding window) are clamped to the range,
-so such slots re-read a page already in L1/L2 instead of fetching a new one from HBM; they are masked out.
-Online softmax in float32 with a finite mask value; V rows outside the visible range are zeroed so stale or
-NaN slots cannot leak.
+``b + 1`` never waits on its own block-table load and Triton can pipeline it over ``num_stages`` (``cp.async``
+into shared memory on sm_90). Table indices outside the item's page range (past its last visible key, or
+before a sliding window) are clamped to the range, so such slots re-read a page already in L1/L2 instead of
+fetching a new one from HBM. The item's KV blocks are walked in up to three loops: the *interior* blocks, whose
+every key is visible to every row (at or before the item's first query, inside the last row's window), with no
+mask at all, so K and V go from the asynchronous copy straight into the MMAs; and the *boundary* blocks before
+and after them, where the causal, window and length masks apply and V slots outside the item's keys are zeroed
+(a select between load and dot, which costs a shared-memory round trip, so only there) so stale or NaN slots
+cannot leak. Online softmax in float32 with a finite mask value, in base 2: ``log2(e)`` is folded into the
+logits' scale and every exponential is one ``exp2`` (the combine's ``m`` are in the same units).
 
 **Quantized pages** (int8, fp8_e4m3; :mod:`pallas_kernels.kv_quant`): a program also gathers its KV head's
 K and V scale rows of the step's pages (``[pages_per_block, page_size]`` each, beside the values), casts the
@@ -81,6 +86,7 @@ from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's 
     GpuPlan,
     GpuRange,
     block_configs,
+    combine_num_warps,
     effective_splits,
     gpu_plan_for,
     gpu_work,
@@ -92,6 +98,8 @@ from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's 
     range_work_list,
     work_list,
 )
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 
 gpu_offsets.install()  # int8/fp8 page arrays of 2-4 GiB need 64-bit offsets (jax 0.11.2 decides by bytes)
 
@@ -163,27 +171,46 @@ def _kernel(
         def table_entries(b):  # the pages of KV step b, out-of-range slots clamped onto the item's pages
             return tables_ref[s, jnp.clip(b * ppb + page_iota, p_lo, p_hi)]
 
-        def kv_body(b, carry):
+        first_key, last_key = p_lo * page, pos0 + n - 1  # the item's keys: [first_key, last_key]
+        # Interior KV blocks: every key visible to every real row (at or before the first query, inside every
+        # row's window), so they need no mask at all; only the blocks at the two ends are masked.
+        int_hi = jnp.clip((pos0 + 1) // kv_block, b_lo, b_hi)  # blocks ending at or before the first query
+        int_lo = b_lo
+        if sliding_window is not None:  # the last row's window starts at last_key - sliding_window + 1
+            int_lo = jnp.clip((last_key - sliding_window + kv_block) // kv_block, b_lo, int_hi)
+
+        def kv_step(b, carry, masked: bool):
             m, den, acc, pages, stats = carry
             next_pages = table_entries(b + 1)  # one step ahead: the next gather's addresses are ready
             k = k_ref[pages].reshape(kv_block, d).astype(cdt)
             v = v_ref[pages].reshape(kv_block, d).astype(cdt)
+            if masked:  # stale or NaN slots outside the item's keys must not reach p @ v (0 * NaN)
+                v_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)
+                v = jnp.where((v_pos >= first_key) & (v_pos <= last_key), v, jnp.zeros_like(v))
             k_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
-            mask = row_real & (k_pos <= q_pos)
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-            logits = pltriton.dot(q, k, trans_b=True, allow_tf32=False) * sm_scale  # float32 accumulate
+            logits = pltriton.dot(q, k, trans_b=True, allow_tf32=False)  # float32 accumulate
             if quantized:  # per-key scales; zero outside the item's keys (stale slots may hold NaN scales)
-                in_range = (k_pos >= p_lo * page) & (k_pos <= pos0 + n - 1)
-                k_scale = jnp.where(in_range, ks_ref[pages].reshape(1, kv_block), 0.0)
-                v_scale = jnp.where(in_range, vs_ref[pages].reshape(1, kv_block), 0.0)
+                k_scale, v_scale = ks_ref[pages].reshape(1, kv_block), vs_ref[pages].reshape(1, kv_block)
+                if masked:
+                    in_range = (k_pos >= first_key) & (k_pos <= last_key)
+                    k_scale = jnp.where(in_range, k_scale, 0.0)
+                    v_scale = jnp.where(in_range, v_scale, 0.0)
                 logits = logits * k_scale
-            logits = jnp.where(mask, apply_soft_cap(logits, soft_cap), MASK_VALUE)
+            # Base-2 softmax: log2(e) folded into the logits' scale, so every exponential is one exp2.
+            if soft_cap is None:
+                logits = logits * (sm_scale * LOG2E)
+            else:
+                logits = apply_soft_cap(logits * sm_scale, soft_cap) * LOG2E
+            if masked:
+                mask = row_real & (k_pos <= q_pos)
+                if sliding_window is not None:
+                    mask &= k_pos > q_pos - sliding_window
+                logits = jnp.where(mask, logits, MASK_VALUE)
             m_next = jnp.maximum(m, jnp.max(logits, axis=1))
-            alpha = jnp.exp(m - m_next)
-            p = jnp.where(mask, jnp.exp(logits - m_next[:, None]), 0.0)
-            v_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)
-            v = jnp.where((v_pos >= p_lo * page) & (v_pos <= pos0 + n - 1), v, jnp.zeros_like(v))
+            alpha = jnp.exp2(m - m_next)
+            p = jnp.exp2(logits - m_next[:, None])
+            if masked:
+                p = jnp.where(mask, p, 0.0)
             pv = p * v_scale if quantized else p
             acc = alpha[:, None] * acc + pltriton.dot(pv.astype(v.dtype), v, allow_tf32=False)
             if count:  # KV steps, and distinct in-range pages gathered (the clamped slots re-read one of them)
@@ -191,14 +218,18 @@ def _kernel(
                 stats = stats + jnp.where(jnp.arange(2) == 0, 1, jnp.maximum(last - first + 1, 0))
             return m_next, alpha * den + jnp.sum(p, axis=1), acc, next_pages, stats
 
-        init = (
+        masked_step = functools.partial(kv_step, masked=True)
+        carry = (
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, d), jnp.float32),
             table_entries(b_lo),
             jnp.zeros((2,), jnp.int32) if count else None,
         )
-        m, den, acc, _, stats = jax.lax.fori_loop(b_lo, b_hi, kv_body, init)
+        if sliding_window is not None:
+            carry = jax.lax.fori_loop(b_lo, int_lo, masked_step, carry)
+        carry = jax.lax.fori_loop(int_lo, int_hi, functools.partial(kv_step, masked=False), carry)
+        m, den, acc, _, stats = jax.lax.fori_loop(int_hi, b_hi, masked_step, carry)
         if count:
             stats_ref[...] = stats
         if rng.num_splits == 1:
@@ -229,8 +260,8 @@ def _combine_kernel(
     rng: GpuRange,
     sliding_window: int | None,
 ):
-    """Flash-decoding reduction of one (item, KV head): ``exp(m_k - max m)``-weighted sum over the splits that
-    walked KV (a prefix), read and written for the real rows only, stored at the item's tokens."""
+    """Flash-decoding reduction of one (item, KV head): ``2^(m_k - max m)``-weighted sum (base-2 maxima) over the
+    splits that walked KV (a prefix), read and written for the real rows only, stored at the item's tokens."""
     qb, gp, group, d, rows = rng.q_block, plan.group_p, plan.group, plan.head_dim, rng.rows
     item, h = pl.program_id(0), pl.program_id(1)
     tok0, n, pos0 = tok0_ref[item], n_ref[item], pos0_ref[item]
@@ -250,7 +281,7 @@ def _combine_kernel(
             l_k = pltriton.load(l_ref.at[k, item, h], mask=real, other=0.0)
             acc_k = pltriton.load(acc_ref.at[k, item, h], mask=real2, other=0.0)
             m_new = jnp.maximum(m_run, m_k)
-            a, b = jnp.exp(m_run - m_new), jnp.exp(m_k - m_new)
+            a, b = jnp.exp2(m_run - m_new), jnp.exp2(m_k - m_new)  # m in base-2 units
             return m_new, a * l_run + b * l_k, a[:, None] * acc_run + b[:, None] * acc_k
 
         init = (
@@ -487,7 +518,7 @@ def _launch(
             out_specs=full2(out),
             out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
             input_output_aliases={7: 0},
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+            compiler_params=pltriton.CompilerParams(num_warps=combine_num_warps(rng, plan.head_dim), num_stages=2),
             cost_estimate=_combine_cost(plan, rng),
             interpret=interpret,
             name=f"ragged_paged_attention_gpu_{rng.name}_combine",

@@ -1,81 +1,156 @@
-"""One prepared check of the GPU paged-attention kernel on an NVIDIA GPU (made for an H200; < 5 minutes).
+"""The prepared device check of paged-jax on an NVIDIA GPU (made for an H200): <= 6 minutes, ``--quick`` <= 2.
 
-1. Copy bandwidth of the card (device-to-device copy of 4 GiB, read + write counted).
-2. Correctness: the Triton kernel against the dense reference on random mixed batches (decode, chunked
-   prefill, prefill, empty sequences, GQA/MQA, head_dim 64/128/256, several page sizes, float32 and bfloat16,
-   sliding window, soft cap, explicit and adaptive split-KV), with unused memory poisoned with NaN.
-3. Timing, each case next to the work model's estimate (``gpu_work``: max(bytes / 4.8 TB/s, FLOPs / 989
-   TFLOP/s) on H200) and the plan it ran (q-block tokens, splits, programs):
-   - decode, batch 64, 32 query / 8 KV heads, head_dim 128, context 4096, bfloat16, page 16 and 64 (1.07 GB of
-     KV), side by side with ``jax.experimental.pallas.ops.gpu.paged_attention`` and
-     ``jax.nn.dot_product_attention`` on contiguous KV;
-   - decode, batch 4 and batch 1 at context 32k (split-KV) with the adaptive splits and with one split forced;
-   - a mixed step (48 decodes + a 464-token chunk) in the plan's two launches and in one;
-   - chunked prefill, 8 sequences x 512 new tokens on 4096 context.
-   One table: microseconds, percent of measured bandwidth, the model's microseconds, ratio to each peer.
+    PYTHONPATH=. python3 -u scripts/gpu_check.py --out "$OUT"            # on the GPU machine (no .venv needed)
+    PYTHONPATH=. python3 -u scripts/gpu_check.py --out "$OUT" --quick    # the first cases of each group only
+    python scripts/gpu_check.py --dry-run                                # plan every case, run none (any machine)
 
-    .venv/bin/python scripts/gpu_check.py              # on the GPU machine
-    .venv/bin/python scripts/gpu_check.py --interpret  # correctness half only, Pallas interpreter, on CPU
+Every case is isolated: an exception is recorded as that case's result and the run goes on. Each result is
+appended to ``$OUT/gpu_check.jsonl`` as soon as it is measured (a run cut short keeps what it measured), and a
+table is printed at the end. Cases, in order (cheapest and most decisive first):
+
+- ``target``: the real device's ``target_config`` written to ``$OUT/target_config.txtpb`` (to replace the
+  hand-written ``pallas_kernels/h200.txtpb`` of the deviceless compile check), device kind and memory.
+- ``bandwidth``: a device-to-device copy of 4 GiB (read + write counted).
+- ``correct/*``: every backend (``pallas-gpu``: the Triton kernel; ``xla``: the plain-XLA path) against the
+  dense reference on random mixed batches with NaN-poisoned pages: decode, chunked prefill, split-KV, GQA/MQA,
+  head_dim 64/128/256, page sizes, bf16/f32 and int8/fp8 pages, sliding window, soft cap.
+- ``decode/*``: decode bandwidth (% of the measured copy bandwidth, and of 4.8 TB/s) at batch 1/8/64,
+  context 1k-32k, head_dim 64/128, bf16/int8/fp8 pages, beside XLA's dense attention on contiguous KV (ratio),
+  and one int8 page array over 2 GiB (the 64-bit offset case: checked against the reference on its last pages).
+- ``prefill/*``: chunked prefill TFLOP/s (useful FLOPs) beside dense attention.
+- ``sweep/*``: a block-config sweep (q rows x KV keys x warps x stages) for the tuning table's decode and
+  prefill entries; the best configs go to ``$OUT/tuned_block_configs.json``.
+- ``engine/*``: the engine end to end with random Llama-3.1-8B weights initialised on the device: TTFT, TPOT
+  and output tok/s at batch 1/32/128.
+
+Every timing row carries the work model's estimate (``pallas_kernels.gpu_plan.gpu_work``) for its plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
+import pathlib
 import sys
 import time
-import warnings
+import traceback
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import dense_reference_attention
-from pallas_kernels.common import cdiv, kv_pages_shape
-from pallas_kernels.gpu_plan import gpu_plan_for, gpu_work_detail
-from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
-from pallas_kernels.testing import assert_close, make_case, median_seconds, random_seqs
+from pallas_kernels import dense_reference_attention, kv_quant
+from pallas_kernels.common import kv_pages_shape
+from pallas_kernels.gpu_plan import TUNED_BLOCK_CONFIGS, gpu_plan_for, gpu_work_detail
 from pallas_kernels.work_model import HARDWARE
 
-# batch, q heads, kv heads, head_dim, context, page size, dtype: 1.07 GB of KV, ~250 us at 4.3 TB/s.
-DECODE = (64, 32, 8, 128, 4096, 16, jnp.bfloat16)
-LONG = (4, 32, 8, 128, 32768, 16, jnp.bfloat16)  # small batch, long context: split-KV
-CHUNKED = (8, 512)  # sequences, new tokens each (on DECODE's context)
+PEAK_BW = HARDWARE["h200"].hbm_bytes_per_s
 
 
-def bench(fn, *args, iters: int = 20) -> float:
-    """Median wall time of ``fn(*args)`` in microseconds, after a compile-and-warm-up call."""
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One isolated measurement: ``run(ctx)`` returns its result fields; ``plan()`` (no device) what it will do."""
+
+    name: str
+    quick: bool
+    run: Callable[[dict], dict]
+    plan: Callable[[], dict] = lambda: {}
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+
+
+def _median_us(fn, *args, iters: int = 20) -> float:
+    from pallas_kernels.testing import median_seconds
+
     return median_seconds(fn, *args, iters=iters) * 1e6
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a device-to-device copy (each byte read once and written once)."""
-    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
-    copy = jax.jit(lambda a: a + 0)  # read + write, no aliasing
-    us = bench(copy, x, iters=10)
-    return 2 * x.nbytes / (us * 1e-6)
+def _decode_batch(batch: int, qh: int, kvh: int, d: int, ctx: int, page: int, kv_dtype: str, extra_pages: int = 0):
+    """Random decode inputs: pages in a random physical order, every table full; K/V also contiguous."""
+    kq, kk, kv_key = jax.random.split(jax.random.key(0), 3)
+    per_seq = ctx // page
+    num_pages = batch * per_seq + 1 + extra_pages
+    perm = jax.random.permutation(jax.random.key(1), num_pages - 1)[: batch * per_seq] + 1
+    tables = perm.reshape(batch, per_seq).astype(jnp.int32)
+    k = jax.random.normal(kk, (batch, ctx, kvh, d), jnp.bfloat16)
+    v = jax.random.normal(kv_key, (batch, ctx, kvh, d), jnp.bfloat16)
+    rows = jnp.concatenate([k, v], axis=-1).reshape(batch, per_seq, page, kvh, 2 * d).transpose(0, 1, 3, 2, 4)
+    pages = jnp.zeros(kv_pages_shape(num_pages, kvh, page, d), jnp.bfloat16).at[tables].set(rows)
+    if kv_quant.is_quantized_dtype(jnp.dtype(kv_dtype)):
+        pages = kv_quant.quantize_pages(pages, jnp.dtype(kv_dtype))
+        k, v = (x.astype(jnp.bfloat16) for x in _dequantized_kv(pages, tables, d))
+    q = jax.random.normal(kq, (batch, qh, d), jnp.bfloat16)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    return q, pages, lens, tables, jnp.arange(batch + 1, dtype=jnp.int32), jnp.array([batch], jnp.int32), k, v
 
 
-def correctness(interpret: bool) -> int:
-    """Kernel vs dense reference on random batches; returns the number of failing cases."""
-    cases = [
-        # (seed, dtype, q heads, kv heads, head_dim, page, window, cap, tokens, max_seqs, max_kv)
-        (0, jnp.float32, 8, 2, 128, 16, None, None, 64, 8, 80),
-        (1, jnp.bfloat16, 32, 8, 128, 16, None, None, 64, 16, 200),
-        (2, jnp.bfloat16, 8, 1, 64, 8, None, None, 32, 8, 60),  # MQA
-        (3, jnp.float32, 8, 8, 256, 32, 20, None, 32, 8, 100),
-        (4, jnp.bfloat16, 16, 2, 64, 64, None, 30.0, 64, 8, 150),  # GQA 8
-        (5, jnp.bfloat16, 4, 4, 128, 256, 64, 20.0, 32, 8, 300),
-        (6, jnp.float32, 12, 4, 64, 128, None, None, 16, 8, 140),  # GQA 3 (padded group)
-        (7, jnp.bfloat16, 14, 2, 64, 16, None, None, 16, 8, 3000),  # GQA 7, small batch, long: adaptive splits
-        (8, jnp.bfloat16, 32, 8, 128, 64, 1000, 30.0, 8, 8, 5000),  # window + cap with splits
-    ]
-    if interpret:
-        cases = cases[:3]
-    failures = 0
-    for seed, dtype, qh, kvh, d, page, window, cap, tokens, max_seqs, max_kv in cases:
-        rng = np.random.default_rng(seed)
-        seqs = random_seqs(rng, tokens, max_seqs, max_kv)
+def _dequantized_kv(pages, tables, d):
+    """Contiguous float32 K and V ``[B, ctx, H, d]`` of the pages the tables name (gathered, then dequantized)."""
+    b, per_seq = tables.shape
+    flat = tables.reshape(-1)
+    full = kv_quant.dequantize_pages(kv_quant.QuantizedPages(pages.pages[flat], pages.scales[flat]))
+    h, page = full.shape[1], full.shape[2]
+    full = full.reshape(b, per_seq, h, page, 2 * d)
+    full = full.transpose(0, 1, 3, 2, 4).reshape(b, per_seq * page, h, 2 * d)
+    return full[..., :d], full[..., d:]
+
+
+def _model(q_shape, kv_shape, tables_shape, kv_dtype, lens, cu, n, **overrides) -> dict:
+    plan = gpu_plan_for(q_shape, kv_shape, tables_shape[0], tables_shape[1], kv_dtype, jnp.bfloat16, **overrides)
+    detail = gpu_work_detail(plan, np.asarray(lens), np.asarray(cu), int(np.asarray(n)[0]))
+    work = detail["work"]
+    return {
+        "model_us": work.seconds(HARDWARE["h200"]) * 1e6,
+        "model_kv_bytes": work.kv_bytes_read,
+        "plan": "; ".join(f"{r.name}: rows {r.rows}, kv {r.kv_block}, splits {r.num_splits}" for r in plan.ranges),
+    }
+
+
+# -- cases --------------------------------------------------------------------------------------------------
+
+
+def _target(ctx: dict) -> dict:
+    from jax._src.lib import _jax
+
+    dev = jax.devices()[0]
+    text = _jax.get_topology_for_devices(jax.devices()).target_config
+    path = ctx["out"] / "target_config.txtpb"
+    path.write_text(str(text))
+    stats = dev.memory_stats() or {}
+    return {"device": dev.device_kind, "bytes_limit": stats.get("bytes_limit"), "target_config": str(path)}
+
+
+def _bandwidth(ctx: dict) -> dict:
+    x = jnp.ones((1 << 30,), jnp.float32)
+    us = _median_us(jax.jit(lambda a: a + 0), x, iters=10)
+    ctx["bandwidth"] = 2 * x.nbytes / (us * 1e-6)
+    return {"bytes_per_s": ctx["bandwidth"], "pct_of_peak": 100 * ctx["bandwidth"] / PEAK_BW}
+
+
+CORRECT = [  # (seed, q dtype, kv dtype, q heads, kv heads, head_dim, page, window, cap, tokens, max_seqs, max_kv)
+    (0, "float32", None, 8, 2, 128, 16, None, None, 64, 8, 80),
+    (1, "bfloat16", None, 32, 8, 128, 16, None, None, 64, 16, 200),
+    (2, "bfloat16", None, 8, 1, 64, 8, None, None, 32, 8, 60),
+    (3, "float32", None, 8, 8, 256, 32, 20, None, 32, 8, 100),
+    (4, "bfloat16", None, 16, 2, 64, 64, None, 30.0, 64, 8, 150),
+    (5, "bfloat16", None, 4, 4, 128, 128, 64, 20.0, 32, 8, 300),
+    (6, "bfloat16", None, 14, 2, 64, 16, None, None, 16, 8, 3000),  # GQA 7, long: adaptive splits
+    (7, "bfloat16", None, 32, 8, 128, 64, 1000, 30.0, 8, 8, 5000),
+    (8, "bfloat16", "int8", 32, 8, 128, 16, None, None, 64, 16, 400),
+    (9, "bfloat16", "float8_e4m3fn", 9, 3, 64, 16, None, None, 64, 8, 300),
+]
+
+
+def _correct(spec, backend: str) -> Callable[[dict], dict]:
+    def run(ctx: dict) -> dict:
+        from pallas_kernels.testing import check_case, make_case, random_seqs
+
+        seed, dt, kv_dt, qh, kvh, d, page, window, cap, tokens, max_seqs, max_kv = spec
+        seqs = random_seqs(np.random.default_rng(seed), tokens, max_seqs, max_kv)
         case = make_case(
             seed,
             seqs,
@@ -85,251 +160,270 @@ def correctness(interpret: bool) -> int:
             num_kv_heads=kvh,
             head_dim=d,
             page_size=page,
-            dtype=dtype,
+            dtype=jnp.dtype(dt),
+            kv_dtype=None if kv_dt is None else jnp.dtype(kv_dt),
         )
-        opts = dict(sm_scale=d**-0.5, soft_cap=cap, sliding_window=window)
-        ref = dense_reference_attention(*case.dense_args, **opts)
-        for splits in (None, 3):  # the plan's own choice, then three splits forced
-            name = (
-                f"{jnp.dtype(dtype).name} q{qh} kv{kvh} d{d} page{page} window={window} cap={cap} "
-                f"splits={splits or 'plan'} seqs={seqs}"
-            )
-            try:
-                out = ragged_paged_attention_gpu(*case.paged_args, interpret=interpret, num_splits=splits, **opts)
-                assert_close(out, ref, dtype)
-                print(f"ok   {name}")
-            except AssertionError as e:
-                failures += 1
-                print(f"FAIL {name}\n{str(e)[:600]}")
-    return failures
+        check_case(case, backend, jnp.dtype(dt), sliding_window=window, soft_cap=cap)
+        return {"seqs": len(seqs)}
+
+    return run
 
 
-def _decode_inputs(batch: int, q_heads: int, kv_heads: int, d: int, ctx: int, page: int, dtype):
-    key = jax.random.key(0)
-    kq, kk, kv = jax.random.split(key, 3)
-    pages_per_seq = ctx // page
-    num_pages = batch * pages_per_seq + 1
-    perm = jax.random.permutation(jax.random.key(1), num_pages - 1) + 1  # random physical order
-    tables = perm.reshape(batch, pages_per_seq).astype(jnp.int32)
-    k = jax.random.normal(kk, (batch, ctx, kv_heads, d), dtype)
-    v = jax.random.normal(kv, (batch, ctx, kv_heads, d), dtype)
-    # Scatter contiguous K/V into [pages, kv_heads, page, 2 * d] through the tables.
-    kv_seq = jnp.concatenate([k, v], axis=-1).reshape(batch, pages_per_seq, page, kv_heads, 2 * d)
-    kv_pages = (
-        jnp.zeros(kv_pages_shape(num_pages, kv_heads, page, d), dtype).at[tables].set(kv_seq.transpose(0, 1, 3, 2, 4))
-    )
-    return kq, k, v, kv_pages, tables
+DECODE = [  # (batch, q heads, kv heads, head_dim, context, page, kv dtype)
+    (64, 32, 8, 128, 4096, 16, "bfloat16"),
+    (8, 32, 8, 128, 16384, 16, "bfloat16"),
+    (1, 32, 8, 128, 32768, 16, "bfloat16"),
+    (64, 32, 8, 128, 1024, 16, "bfloat16"),
+    (64, 32, 8, 64, 4096, 16, "bfloat16"),
+    (64, 32, 8, 128, 4096, 64, "bfloat16"),
+    (64, 32, 8, 128, 4096, 16, "int8"),
+    (64, 32, 8, 128, 4096, 16, "float8_e4m3fn"),
+    (8, 14, 2, 64, 32768, 16, "int8"),
+]
 
 
-def _model(q, kv_pages, lens, tables, cu, n, **overrides) -> tuple[float, str]:
-    """The work model's H200 microseconds for this call, and the plan it describes."""
-    plan = gpu_plan_for(q.shape, kv_pages.shape, tables.shape[0], tables.shape[1], kv_pages.dtype, q.dtype, **overrides)
-    detail = gpu_work_detail(plan, np.asarray(lens), np.asarray(cu), int(n[0]))
-    work = detail["work"]
-    ranges = "; ".join(
-        f"{r.name}: {r.q_block} tok x {plan.group_p} heads, kv step {r.kv_block}, splits {r.num_splits}"
-        f"{' (adaptive)' if r.adaptive_splits else ''}"
-        for r in plan.ranges
-    )
-    desc = (
-        f"{ranges}; {work.programs} programs, KV {work.kv_bytes_read / 1e6:.0f} MB (min "
-        f"{detail['kv_bytes_min'] / 1e6:.0f}), issued {work.issued_flops / 1e9:.1f} GFLOP (useful "
-        f"{work.useful_flops / 1e9:.1f})"
-    )
-    return work.seconds(HARDWARE["h200"]) * 1e6, desc
+def _decode(shape) -> Callable[[dict], dict]:
+    def run(ctx: dict) -> dict:
+        from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+        from pallas_kernels.testing import assert_close
+
+        b, qh, kvh, d, ctx_len, page, kv_dtype = shape
+        q, pages, lens, tables, cu, n, k, v = _decode_batch(b, qh, kvh, d, ctx_len, page, kv_dtype)
+        ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5))
+        dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, scale=d**-0.5)[:, 0])
+        assert_close(ours(q, pages, lens, tables, cu, n), dense(q, k, v), jnp.bfloat16)
+        us = _median_us(ours, q, pages, lens, tables, cu, n)
+        dense_us = _median_us(dense, q, k, v)
+        kv_bytes = b * ctx_len * kvh * kv_quant.bytes_per_token_head(d, jnp.dtype(kv_dtype))
+        bw = ctx.get("bandwidth", PEAK_BW)
+        values, _ = kv_quant.split(pages)
+        model = _model(q.shape, values.shape, tables.shape, values.dtype, lens, cu, n)
+        return {
+            "us": us,
+            "pct_measured_bw": 100 * kv_bytes / (us * 1e-6) / bw,
+            "pct_peak_bw": 100 * kv_bytes / (us * 1e-6) / PEAK_BW,
+            "dense_us": dense_us,
+            "ratio_to_dense": us / dense_us,
+            **model,
+        }
+
+    return run
 
 
-Row = tuple  # (case, us, fraction of bandwidth or None, model us, plan, {peer: us})
+def _big_int8(ctx: dict) -> dict:
+    """An int8 page array over 2^31 elements (2.1 GiB): the last pages must be read from the right place."""
+    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+
+    kvh, d, page = 8, 128, 16
+    per_page = kvh * page * 2 * d
+    num_pages = (2**31 + 64 * 2**20) // per_page + 1
+    rng = jax.random.key(3)
+    ka, kb = jax.random.split(rng)
+    values = jax.random.randint(ka, kv_pages_shape(num_pages, kvh, page, d), -127, 128, jnp.int32).astype(jnp.int8)
+    scales = jax.random.uniform(kb, kv_quant.scales_shape(num_pages, kvh, page), jnp.float32, 0.005, 0.02)
+    pages = kv_quant.QuantizedPages(values, scales)
+    b, ctx_len = 4, 4096
+    tables = (num_pages - 1 - jnp.arange(b * ctx_len // page, dtype=jnp.int32)).reshape(b, -1)  # the top pages
+    q = jax.random.normal(jax.random.key(4), (b, 32, d), jnp.bfloat16)
+    lens, cu, n = jnp.full((b,), ctx_len, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32), jnp.array([b], jnp.int32)
+    out = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5))(q, pages, lens, tables, cu, n)
+    k, v = _dequantized_kv(pages, tables, d)
+    ref = dense_reference_attention(q, k.astype(jnp.float32), v.astype(jnp.float32), lens, cu, n, sm_scale=d**-0.5)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+    if not err < 5e-2:
+        raise AssertionError(f"max abs error {err} on pages past element 2^31")
+    return {"elements": values.size, "max_abs_err": err}
 
 
-def _decode_rows(shape, bandwidth: float, iters: int, smoke: bool, peers: bool) -> list[Row]:
-    from jax.experimental.pallas.ops.gpu import (
-        paged_attention as jax_paged,
-    )  # deprecated module, still a peer
+def _prefill(ctx: dict) -> dict:
+    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.testing import assert_close
 
-    b, qh, kvh, d, ctx, page, dtype = shape
-    kq, k, v, kv_pages, tables = _decode_inputs(b, qh, kvh, d, ctx, page, dtype)
-    q = jax.random.normal(kq, (b, qh, d), dtype)
-    lens = jnp.full((b,), ctx, jnp.int32)
-    cu = jnp.arange(b + 1, dtype=jnp.int32)
-    n = jnp.array([b], jnp.int32)
-    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, scale=d**-0.5)[:, 0])
-    want = dense(q, k, v)
-    kv_bytes = 2 * b * ctx * kvh * d * jnp.dtype(dtype).itemsize
-    rows = []
-    variants = [("plan", {})] + ([("1 split", {"num_splits": 1})] if b * kvh < 264 else [])
-    for label, overrides in variants:
-        ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke, **overrides))
-        assert_close(ours(q, kv_pages, lens, tables, cu, n), want, dtype)
-        t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
-        model_us, desc = _model(q, kv_pages, lens, tables, cu, n, **overrides)
-        rows.append(
-            (
-                f"decode b{b} q{qh} kv{kvh} d{d} ctx{ctx} page{page} [{label}]",
-                t_ours,
-                kv_bytes / (t_ours * 1e-6) / bandwidth,
-                model_us,
-                desc,
-                {},
-            )
-        )
-    if not peers:
-        return rows
-    others = {"dense (jax.nn.dot_product_attention)": bench(dense, q, k, v, iters=iters)}
-    k_pages = kv_pages[..., :d].transpose(1, 0, 2, 3)  # [kv_heads, pages, page, d]
-    v_pages = kv_pages[..., d:].transpose(1, 0, 2, 3)
-    q_scaled = (q.astype(jnp.float32) * d**-0.5).astype(dtype)
-    for ppcb in (4, 8, 16):
-        theirs = jax.jit(
-            functools.partial(
-                jax_paged.paged_attention,
-                pages_per_compute_block=ppcb,
-                k_splits=min(16, ctx // page // ppcb),
-                interpret=smoke,
-            )
-        )
-        try:
-            # JAX's kernel does not scale the logits: scale the queries instead.
-            assert_close(theirs(q_scaled, k_pages, v_pages, tables, lens), want, dtype)
-            others[f"jax paged_attention (pages/block {ppcb})"] = bench(
-                theirs, q_scaled, k_pages, v_pages, tables, lens, iters=iters
-            )
-        except Exception as e:  # noqa: BLE001 - a peer that fails to run is reported, not fatal
-            print(f"peer jax paged_attention pages/block {ppcb} failed: {type(e).__name__}: {str(e)[:200]}")
-    rows[0][5].update(others)
-    return rows
-
-
-def _mixed_rows(bandwidth: float, iters: int, smoke: bool) -> list[Row]:
-    """A mixed step (48 decode sequences at 2048 keys + one 464-token chunk at 1000 keys, T 512, S 64): the
-    plan's two launches (prefill range + decode range) against one launch with the prefill tiling for all."""
-    if smoke:
-        seqs, tokens, max_seqs, qh, kvh, d, page = [(1, 100)] * 6 + [(26, 60)], 32, 8, 8, 2, 64, 16
-    else:
-        seqs, tokens, max_seqs, qh, kvh, d, page = [(1, 2048)] * 48 + [(464, 1000)], 512, 64, 32, 8, 128, 16
-    case = make_case(
-        11,
-        seqs,
-        num_tokens=tokens,
-        max_seqs=max_seqs,
-        num_q_heads=qh,
-        num_kv_heads=kvh,
-        head_dim=d,
-        page_size=page,
-        dtype=jnp.bfloat16,
-    )
-    args = case.paged_args
-    n = int(case.num_seqs[0])
-    kv_bytes = sum(cdiv(kv, page) * page for _, kv in seqs) * kvh * 2 * d * 2
-    rows, outs = [], []
-    for label, overrides in (("plan: 2 ranges", {}), ("1 range", {"one_range": True})):
-        fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke, **overrides))
-        outs.append(np.asarray(fn(*args)[: int(case.cu_q_lens[n])], np.float32))
-        t = bench(fn, *args, iters=iters)
-        model_us, desc = _model(
-            case.q, case.kv_pages, case.kv_lens, case.block_tables, case.cu_q_lens, case.num_seqs, **overrides
-        )
-        rows.append(
-            (
-                f"mixed {len(seqs) - 1} decode + {seqs[-1][0]} chunk [{label}]",
-                t,
-                kv_bytes / (t * 1e-6) / bandwidth,
-                model_us,
-                desc,
-                {},
-            )
-        )
-    np.testing.assert_allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2)  # the two tilings agree
-    return rows
-
-
-def timing(bandwidth: float, smoke: bool = False) -> list[Row]:
-    """Rows of (case, our us, our fraction of bandwidth, model us, plan, {peer: peer us}).
-
-    ``smoke``: tiny shapes and every kernel in the Pallas interpreter, to exercise this code path on CPU.
-    """
-    iters = 1 if smoke else 20
-    rows = []
-    if smoke:
-        rows += _decode_rows((4, 8, 2, 64, 256, 16, jnp.bfloat16), bandwidth, iters, smoke, peers=True)
-        rows += _decode_rows((2, 8, 2, 64, 1024, 16, jnp.bfloat16), bandwidth, iters, smoke, peers=False)
-    else:
-        rows += _decode_rows(DECODE, bandwidth, iters, smoke, peers=True)
-        rows += _decode_rows(DECODE[:5] + (64, DECODE[6]), bandwidth, iters, smoke, peers=False)
-        rows += _decode_rows(LONG, bandwidth, iters, smoke, peers=False)
-        rows += _decode_rows((1,) + LONG[1:], bandwidth, iters, smoke, peers=False)  # one long request
-
-    rows += _mixed_rows(bandwidth, iters, smoke)
-
-    # Chunked prefill: s sequences with `new` new tokens each on ctx keys each.
-    _, qh, kvh, d, ctx, page, dtype = (4, 8, 2, 64, 256, 16, jnp.bfloat16) if smoke else DECODE
-    s, new = (2, 32) if smoke else CHUNKED
-    kq, k, v, kv_pages, tables = _decode_inputs(s, qh, kvh, d, ctx, page, dtype)
-    q = jax.random.normal(kq, (s * new, qh, d), dtype)
-    lens = jnp.full((s,), ctx, jnp.int32)
+    s, new, ctx_len, qh, kvh, d, page = 8, 512, 4096, 32, 8, 128, 16
+    _, pages, lens, tables, _, n, k, v = _decode_batch(s, qh, kvh, d, ctx_len, page, "bfloat16")
+    q = jax.random.normal(jax.random.key(5), (s * new, qh, d), jnp.bfloat16)
     cu = jnp.arange(s + 1, dtype=jnp.int32) * new
-    n = jnp.array([s], jnp.int32)
-    ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5, interpret=smoke))
-    out = ours(q, kv_pages, lens, tables, cu, n)
-    q_pos = ctx - new + jnp.arange(new)
-    mask = (jnp.arange(ctx)[None, :] <= q_pos[:, None])[None, None]  # [1, 1, new, ctx]
+    ours = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=d**-0.5))
+    q_pos = ctx_len - new + jnp.arange(new)
+    mask = (jnp.arange(ctx_len)[None, :] <= q_pos[:, None])[None, None]
     dense = jax.jit(
         lambda q, k, v: jax.nn.dot_product_attention(q.reshape(s, new, qh, d), k, v, mask=mask, scale=d**-0.5).reshape(
             s * new, qh, d
         )
     )
-    assert_close(out, dense(q, k, v), dtype)
-    t_ours = bench(ours, q, kv_pages, lens, tables, cu, n, iters=iters)
-    model_us, desc = _model(q, kv_pages, lens, tables, cu, n)
-    rows.append(
-        (
-            f"chunked prefill {s}x{new} new on ctx{ctx} page{page}",
-            t_ours,
-            None,
-            model_us,
-            desc,
-            {"dense (jax.nn.dot_product_attention)": bench(dense, q, k, v, iters=iters)},
+    assert_close(ours(q, pages, lens, tables, cu, n), dense(q, k, v), jnp.bfloat16)
+    us, dense_us = _median_us(ours, q, pages, lens, tables, cu, n), _median_us(dense, q, k, v)
+    model = _model(q.shape, pages.shape, tables.shape, pages.dtype, lens, cu, n)
+    useful = 4 * s * qh * d * int(np.sum(q_pos + 1))
+    return {
+        "us": us,
+        "tflops": useful / (us * 1e-6) / 1e12,
+        "dense_us": dense_us,
+        "ratio_to_dense": us / dense_us,
+        **model,
+    }
+
+
+SWEEP_CONFIGS = [(keys, warps, stages) for keys in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
+
+
+def _sweep(ctx: dict) -> dict:
+    """Decode configs (KV keys x warps x stages) of the (128, 16, bf16) table entry, best written to $OUT."""
+    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+
+    b, qh, kvh, d, ctx_len, page, kv_dtype = 64, 32, 8, 128, 4096, 16, "bfloat16"
+    q, pages, lens, tables, cu, n, _, _ = _decode_batch(b, qh, kvh, d, ctx_len, page, kv_dtype)
+    results = []
+    for keys, warps, stages in SWEEP_CONFIGS:
+        cfg = {"kv_keys": keys, "warps": warps, "stages": stages}
+        fn = jax.jit(
+            functools.partial(
+                ragged_paged_attention_gpu,
+                sm_scale=d**-0.5,
+                pages_per_block=keys // page,
+                num_warps=warps,
+                num_stages=stages,
+            )
         )
+        try:
+            results.append({**cfg, "us": _median_us(fn, q, pages, lens, tables, cu, n, iters=10)})
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
+            results.append({**cfg, "error": type(e).__name__})
+    ok = [r for r in results if "us" in r]
+    best = min(ok, key=lambda r: r["us"]) if ok else None
+    (ctx["out"] / "tuned_block_configs.json").write_text(
+        json.dumps({"(128, 16, 'bfloat16') decode": best, "all": results}, indent=1)
     )
-    return rows
+    current = TUNED_BLOCK_CONFIGS[(128, 16, "bfloat16")][0]
+    return {"best": best, "table": dataclasses.asdict(current), "configs": len(results)}
 
 
-def print_table(rows) -> None:
-    print(f"\n{'case':58s} {'us':>9s} {'% bw':>6s} {'model us':>9s} {'/model':>7s}  peer: us (ours / peer)")
-    for name, us, frac, model_us, desc, peers in rows:
-        pct = f"{100 * frac:5.1f}%" if frac is not None else "   n/a"
-        print(f"{name:58s} {us:9.1f} {pct} {model_us:9.1f} {us / model_us:6.2f}x")
-        print(f"{'':58s} plan: {desc}")
-        for peer, peer_us in peers.items():
-            print(f"{'':58s} {'':9s} {'':6s}  {peer}: {peer_us:.1f} ({us / peer_us:.2f}x)")
+def _engine(batch: int) -> Callable[[dict], dict]:
+    def run(ctx: dict) -> dict:
+        from paged_jax import LLM, SamplingParams
+
+        llm = ctx.get("llm")
+        if llm is None:
+            llm = ctx["llm"] = LLM(model="llama-3.1-8b", max_num_seqs=128, max_model_len=2048)
+        prompts = [{"prompt_token_ids": list(range(1000 + i, 1512 + i))} for i in range(batch)]
+        params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:1], params, use_tqdm=False)  # compile the buckets this batch uses
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        ttft = [o.metrics.time_to_first_token for o in outs]
+        tpot = [o.metrics.time_per_output_token for o in outs]
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {
+            "ttft_ms": 1e3 * float(np.median(ttft)),
+            "tpot_ms": 1e3 * float(np.median([t for t in tpot if t is not None])),
+            "tok_per_s": tokens / wall,
+        }
+
+    return run
 
 
-def main() -> int:
+def _big_int8_plan() -> dict:
+    elements = ((2**31 + 64 * 2**20) // (8 * 16 * 256) + 1) * 8 * 16 * 256
+    assert elements > 2**31
+    return {"elements": elements}
+
+
+def _prefill_plan() -> dict:
+    s, new, ctx_len = 8, 512, 4096
+    lens, cu, n = np.full(s, ctx_len), np.arange(s + 1) * new, np.array([s])
+    return _model((s * new, 32, 128), kv_pages_shape(s * 256 + 1, 8, 16, 128), (s, 256), "bfloat16", lens, cu, n)
+
+
+def _engine_plan() -> dict:
+    from paged_jax import SamplingParams
+    from paged_jax.config import load_model_config
+
+    config = load_model_config("llama-3.1-8b")
+    SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    return {"layers": config.num_layers, "prompt_tokens": 512, "max_tokens": 128}
+
+
+def cases() -> list[Case]:
+    """Every case, in run order."""
+    out = [Case("target", True, _target), Case("bandwidth", True, _bandwidth)]
+    for i, spec in enumerate(CORRECT):
+        for backend in ("pallas-gpu", "xla"):
+            out.append(Case(f"correct/{backend}/{i}", i < 3, _correct(spec, backend), lambda s=spec: {"spec": s}))
+    for i, shape in enumerate(DECODE):
+        b, qh, kvh, d, ctx_len, page, kv_dtype = shape
+
+        def plan(shape=shape):
+            b, qh, kvh, d, ctx_len, page, kv_dtype = shape
+            lens, cu, n = np.full(b, ctx_len), np.arange(b + 1), np.array([b])
+            num_pages = b * ctx_len // page + 1
+            return _model(
+                (b, qh, d), kv_pages_shape(num_pages, kvh, page, d), (b, ctx_len // page), kv_dtype, lens, cu, n
+            )
+
+        out.append(Case(f"decode/b{b}-ctx{ctx_len}-d{d}-page{page}-{kv_dtype}", i < 2, _decode(shape), plan))
+    out.append(Case("decode/int8-over-2GiB", True, _big_int8, _big_int8_plan))
+    out.append(Case("prefill/8x512-ctx4096", True, _prefill, _prefill_plan))
+    out.append(Case("sweep/decode-128-16-bf16", False, _sweep, lambda: {"configs": len(SWEEP_CONFIGS)}))
+    for batch in (1, 32, 128):
+        out.append(Case(f"engine/llama-3.1-8b-random-b{batch}", batch == 1, _engine(batch), _engine_plan))
+    return out
+
+
+def _jsonable(x):
+    return x if isinstance(x, (int, float, str, bool, type(None))) else str(x)
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--interpret", action="store_true", help="correctness only, in the Pallas interpreter")
-    parser.add_argument(
-        "--smoke-timing",
-        action="store_true",
-        help="with --interpret: also run the timing code on tiny shapes (numbers meaningless)",
-    )
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    print(f"jax {jax.__version__}, devices: {jax.devices()}")
-    if not args.interpret and jax.default_backend() != "gpu":
-        print("no GPU here: run with --interpret for the correctness half")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/gpu_check"))
+    parser.add_argument("--quick", action="store_true", help="the first cases of each group (<= 2 minutes)")
+    parser.add_argument("--dry-run", action="store_true", help="plan every case (shapes, work model), run none")
+    parser.add_argument("--only", nargs="*", default=None, metavar="PREFIX", help="cases whose name starts so")
+    args = parser.parse_args(argv)
+    selected = [c for c in cases() if (c.quick or not args.quick)]
+    if args.only is not None:
+        selected = [c for c in selected if any(c.name.startswith(p) for p in args.only)]
+    if args.dry_run:
+        for c in selected:
+            print(f"plan {c.name}: {json.dumps({k: _jsonable(v) for k, v in c.plan().items()})}")
+        print(f"{len(selected)} case(s) planned")
+        return 0
+    if jax.default_backend() != "gpu":
+        print(f"no GPU here (backend {jax.default_backend()}): use --dry-run")
         return 2
-    t0 = time.perf_counter()
-    failures = correctness(args.interpret)
-    print(f"correctness: {failures} failure(s) ({time.perf_counter() - t0:.0f}s)")
-    if args.interpret:
-        if args.smoke_timing:
-            print_table(timing(1e9, smoke=True))
-        return 1 if failures else 0
-    bw = copy_bandwidth()
-    print(f"measured copy bandwidth: {bw / 1e12:.2f} TB/s")
-    print_table(timing(bw))
-    print(f"total {time.perf_counter() - t0:.0f}s")
-    return 1 if failures else 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "gpu_check.jsonl"
+    ctx: dict = {"out": args.out}
+    rows = []
+    t_all = time.perf_counter()
+    for c in selected:
+        t0 = time.perf_counter()
+        try:
+            result, status = c.run(ctx), "ok"
+        except Exception as e:  # noqa: BLE001 - one case's failure is its result; the run goes on
+            result, status = (
+                {"error": f"{type(e).__name__}: {str(e)[:500]}", "trace": traceback.format_exc(limit=4)},
+                "FAIL",
+            )
+        row = {"case": c.name, "status": status, "seconds": round(time.perf_counter() - t0, 2), **result}
+        with log.open("a") as f:
+            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        print(
+            f"{status:<5}{c.name:<48}{row['seconds']:>7.1f}s  "
+            + ", ".join(f"{k}={_jsonable(v)}" for k, v in result.items() if k != "trace")[:300],
+            flush=True,
+        )
+        rows.append(row)
+    print(f"\n{'case':<48}{'status':>7}{'us':>10}{'% bw':>7}{'model us':>10}{'vs dense':>9}")
+    for r in rows:
+        us, pct, model, dense = (r.get(k) for k in ("us", "pct_measured_bw", "model_us", "ratio_to_dense"))
+        fmt = lambda x, f: f"{x:{f}}" if isinstance(x, (int, float)) else "-"
+        cols = fmt(us, "10.1f") + fmt(pct, "7.1f") + fmt(model, "10.1f") + fmt(dense, "9.2f")
+        print(f"{r['case']:<48}{r['status']:>7}{cols}")
+    failed = sum(r["status"] != "ok" for r in rows)
+    print(f"{failed} failure(s), {time.perf_counter() - t_all:.0f}s; results in {log}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

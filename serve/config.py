@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from paged_jax.engine.input_processor import InputLimits
+
 
 @dataclass(slots=True)
 class ServingLimits:
@@ -31,6 +33,20 @@ class ServingLimits:
                 raise ValueError(f"{name}: must be >= 1")
         if self.default_max_tokens > self.max_tokens:
             raise ValueError("default_max_tokens: must be <= max_tokens")
+
+    def input_limits(self) -> InputLimits:
+        """The bounds the engine's input processor applies to each request (all but the message size)."""
+        return InputLimits(
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_tokens=self.max_tokens,
+            default_max_tokens=self.default_max_tokens,
+            max_n=self.max_n,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_string_chars=self.max_stop_string_chars,
+            max_stop_token_ids=self.max_stop_token_ids,
+            max_request_id_chars=self.max_request_id_chars,
+            max_cache_salt_chars=self.max_cache_salt_chars,
+        )
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +21,11 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from paged_jax.engine.input_processor import MAX_CHARS_PER_TOKEN, ChatPrompt, GenerationRequest, InputProcessor
+from paged_jax.engine.protocol import Engine
+from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenization.chat_template import ChatTemplateError, apply_chat_template
 from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 
@@ -35,7 +37,6 @@ FINISH_REASONS = {
     "abort": pb.FINISH_REASON_ABORT,
     "error": pb.FINISH_REASON_ERROR,
 }
-MAX_CHARS_PER_TOKEN = 8  # no tokenizer makes fewer tokens than characters / 8
 _OPTIONAL_SAMPLING = (
     "temperature",
     "top_k",
@@ -55,15 +56,22 @@ _OPTIONAL_SAMPLING = (
 
 
 class RequestError(Exception):
-    """A request that ends with `code` and `message` (which names the field for INVALID_ARGUMENT)."""
+    """A request that ends with `code` and `message`; for INVALID_ARGUMENT the message starts with the field at
+    fault, and `field` names it (in the front's words) when the front reports it apart (OpenAI's `param`)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.field = code, message, field
 
 
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid(message: str, field: str | None = None) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, field)
+
+
+def field_error(e: FieldError, names: FieldNames) -> RequestError:
+    """INVALID_ARGUMENT for a field the engine refused, named in a front's words (`names`)."""
+    renamed = e.renamed(names)
+    return invalid(str(renamed), renamed.field)
 
 
 def internal_error(what: str, exc_info: bool = False) -> RequestError:
@@ -155,11 +163,6 @@ def lenient_deserializer(message_type: type[Message]) -> Callable[[bytes], Messa
     return deserialize
 
 
-def max_prompt_tokens(limits: ServingLimits, max_model_len: int) -> int:
-    """The longest prompt a request may have: the limit, and room for at least one generated token."""
-    return min(limits.max_prompt_tokens or max_model_len, max_model_len - 1)
-
-
 def check_text_length(field: str, text: str, max_tokens: int) -> None:
     """Refuse text that must hold more than `max_tokens` tokens before spending time encoding it."""
     if len(text) > max_tokens * MAX_CHARS_PER_TOKEN:
@@ -173,58 +176,57 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int
     return list(ids)
 
 
-def parse_generate(
-    req: pb.GenerateRequest,
-    limits: ServingLimits,
-    tokenizer,
-    vocab_size: int,
-    max_model_len: int,
-    max_n: int,
-    defaults: Mapping[str, Any] | None = None,
-) -> ParsedRequest:
-    """Validate a GenerateRequest against the limits and the model; tokenize text input, render chat input.
+# How the gRPC messages name the engine's fields (`paged_jax.engine.input_processor`); sampling fields are
+# `sampling.<name>`.
+GRPC_FIELDS = FieldNames(
+    {
+        "prompt": "text",
+        "prompt_token_ids": "token_ids",
+        "messages": "chat.messages",
+        "tools": "chat.tools_json",
+        "chat_template_kwargs": "chat.chat_template_kwargs_json",
+        "add_generation_prompt": "chat.add_generation_prompt",
+        "chat_template": "chat_template",
+        "request_id": "request_id",
+        "cache_salt": "cache_salt",
+    },
+    prefix="sampling.",
+)
 
-    `defaults` (the model's generation_config.json) fill the sampling fields the request leaves unset.
-    """
+
+def serving_inputs(engine: Engine, limits: ServingLimits) -> InputProcessor:
+    """The input processor of a server's requests: the engine's model and generation defaults, the limits."""
+    return InputProcessor(
+        engine.tokenizer,
+        vocab_size=engine.config.vocab_size,
+        max_model_len=engine.max_model_len,
+        max_n=engine.max_n,
+        defaults=dict(engine.engine_config.sampling_defaults),
+        limits=limits.input_limits(),
+    )
+
+
+def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedRequest:
+    """A GenerateRequest as the engine's `GenerationRequest`, checked by the input processor (`serving_inputs`:
+    limits, model, generation defaults; text tokenized, chat rendered); INVALID_ARGUMENT names the field in
+    the proto's words."""
     if req.output_mode not in pb.OutputMode.values():
         raise invalid(f"output_mode: unknown value {req.output_mode}")
-    request_id = req.request_id if req.HasField("request_id") else None
-    if request_id is not None and not 0 < len(request_id) <= limits.max_request_id_chars:
-        raise invalid(f"request_id: must have 1 to {limits.max_request_id_chars} characters")
-    cache_salt = req.cache_salt if req.HasField("cache_salt") else None
-    if cache_salt is not None and len(cache_salt) > limits.max_cache_salt_chars:
-        raise invalid(f"cache_salt: longer than {limits.max_cache_salt_chars} characters")
     kind = req.WhichOneof("input")
     if kind is None:
         raise invalid("input: set text, token_ids or chat")
-    max_prompt = max_prompt_tokens(limits, max_model_len)
-    if kind == "text":
-        if not req.text:
-            raise invalid("text: must not be empty")
-        check_text_length("text", req.text, max_prompt)  # bound the input before encoding it
-        ids = tokenizer.encode(req.text)
-    elif kind == "chat":
-        ids = chat_prompt_ids(req.chat, tokenizer, max_prompt)
-    else:
-        if not req.token_ids.ids:
-            raise invalid("token_ids: must not be empty")
-        if len(req.token_ids.ids) > max_prompt:  # bound the input before looking at every id
-            raise invalid(
-                f"token_ids: the prompt has {len(req.token_ids.ids)} tokens, more than the limit of "
-                f"{max_prompt} (max_model_len {max_model_len})"
-            )
-        ids = check_token_ids("token_ids", req.token_ids.ids, vocab_size)
-    if len(ids) > max_prompt:
-        raise invalid(
-            f"{kind}: the prompt has {len(ids)} tokens, more than the limit of {max_prompt} "
-            f"(max_model_len {max_model_len})"
-        )
-    params = _sampling(req.sampling, limits, len(ids), max_model_len, defaults or {})
+    prompt = req.text if kind == "text" else chat_prompt(req.chat) if kind == "chat" else list(req.token_ids.ids)
+    request = GenerationRequest(
+        prompt,
+        sampling_fields(req.sampling),
+        request_id=req.request_id if req.HasField("request_id") else None,
+        cache_salt=req.cache_salt if req.HasField("cache_salt") else None,
+    )
     try:
-        params.validate(vocab_size, min(max_n, limits.max_n))
-    except ValueError as e:
-        raise invalid(f"sampling.{e}") from None
-    return ParsedRequest(request_id, ids, params, cache_salt, req.output_mode)
+        p = inputs.process(request)
+    except FieldError as e:
+        raise field_error(e, GRPC_FIELDS) from None
+    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode)
 
 
 def _json_field(field: str, text: str, kind: type) -> Any:
@@ -239,12 +241,10 @@ def _json_field(field: str, text: str, kind: type) -> Any:
     return value
 
 
-def chat_prompt_ids(chat: pb.ChatInput, tokenizer, max_prompt: int) -> list[int]:
-    """A conversation rendered with the model's chat template and tokenized (INVALID_ARGUMENT naming the field)."""
+def chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
+    """A ChatInput as the engine's `ChatPrompt` (its JSON fields parsed: INVALID_ARGUMENT naming them)."""
     messages = []
-    for i, m in enumerate(chat.messages):
-        if len(m.content) > max_prompt * 8:  # as for text: longer than any prompt the limit allows
-            raise invalid(f"chat.messages[{i}].content: longer than the prompt limit of {max_prompt} tokens")
+    for m in chat.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.HasField("name"):
             message["name"] = m.name
@@ -253,50 +253,20 @@ def chat_prompt_ids(chat: pb.ChatInput, tokenizer, max_prompt: int) -> list[int]
         messages.append(message)
     tools = _json_field("chat.tools_json", chat.tools_json, list)
     extra = _json_field("chat.chat_template_kwargs_json", chat.chat_template_kwargs_json, dict) or {}
-    reserved = sorted(set(extra) & {"messages", "tools", "add_generation_prompt"})
-    if reserved:
-        raise invalid(f"chat.chat_template_kwargs_json: {reserved[0]} is set by its own field")
     add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    try:
-        _, ids = apply_chat_template(
-            tokenizer,
-            messages,
-            add_generation_prompt=add_prompt,
-            tools=tools,
-            field="chat.messages",
-            template_kwargs=extra,
-        )
-    except ChatTemplateError as e:
-        message = str(e)
-        raise invalid(message if message.startswith("chat") else f"chat.{message}") from None
-    return ids
+    return ChatPrompt(messages, add_prompt, tools, extra)
 
 
-def _sampling(
-    sp: pb.SamplingParams, limits: ServingLimits, prompt_len: int, max_model_len: int, defaults: Mapping[str, Any]
-) -> SamplingParams:
-    kwargs = {name: getattr(sp, name) for name in _OPTIONAL_SAMPLING if sp.HasField(name)}
-    kwargs = {**{k: v for k, v in defaults.items() if k != "max_tokens"}, **kwargs}
-    room = max_model_len - prompt_len
+def sampling_fields(sp: pb.SamplingParams) -> dict[str, Any]:
+    """The sampling fields a request set (the proto's optional fields that are present, non-empty lists)."""
+    fields = {name: getattr(sp, name) for name in _OPTIONAL_SAMPLING if sp.HasField(name)}
     if sp.HasField("max_tokens"):
-        if sp.max_tokens > limits.max_tokens:
-            raise invalid(f"sampling.max_tokens: {sp.max_tokens} is above the limit of {limits.max_tokens}")
-        if sp.max_tokens > room:
-            raise invalid(
-                f"sampling.max_tokens: prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) "
-                f"exceeds max_model_len ({max_model_len})"
-            )
-        kwargs["max_tokens"] = sp.max_tokens
-    else:  # the model's max_new_tokens, else the server's default; never past the limit or the model's length
-        kwargs["max_tokens"] = min(defaults.get("max_tokens", limits.default_max_tokens), limits.max_tokens, room)
-    if len(sp.stop) > limits.max_stop_strings:
-        raise invalid(f"sampling.stop: more than {limits.max_stop_strings} stop strings")
-    for s in sp.stop:
-        if len(s) > limits.max_stop_string_chars:
-            raise invalid(f"sampling.stop: a stop string is longer than {limits.max_stop_string_chars} characters")
-    if len(sp.stop_token_ids) > limits.max_stop_token_ids:
-        raise invalid(f"sampling.stop_token_ids: more than {limits.max_stop_token_ids} ids")
-    return SamplingParams(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), **kwargs)
+        fields["max_tokens"] = sp.max_tokens
+    if sp.stop:
+        fields["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        fields["stop_token_ids"] = list(sp.stop_token_ids)
+    return fields
 
 
 # -- outputs ----------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from paged_jax.engine.protocol import Engine
+from paged_jax.errors import FieldError
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from serve.convert import RequestError, internal_error
@@ -40,6 +41,7 @@ class Event:
     output: RequestOutput | None = None
     code: grpc.StatusCode | None = None
     message: str = ""  # why the request was aborted (with an output) or failed (with a code)
+    field_error: FieldError | None = None  # the engine refused one field (INVALID_ARGUMENT), in its own words
 
 
 class RequestStream:
@@ -233,7 +235,8 @@ class EngineLoop:
         try:
             self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt)
         except ValueError as e:
-            self._close(rid, Event(code=grpc.StatusCode.INVALID_ARGUMENT, message=str(e)))
+            refused = e if isinstance(e, FieldError) else None
+            self._close(rid, Event(code=grpc.StatusCode.INVALID_ARGUMENT, message=str(e), field_error=refused))
         except Exception as e:  # noqa: BLE001 - this request fails alone
             error = internal_error(f"add_request failed for {rid}: {type(e).__name__}: {e}", exc_info=True)
             self.engine.abort(rid)

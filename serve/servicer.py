@@ -42,6 +42,7 @@ class GenerationServicer:
         self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
         self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
         self.sampling_defaults = dict(engine.engine_config.sampling_defaults)
+        self.inputs = convert.serving_inputs(engine, config.limits)
         self.draining = False  # set on shutdown: new generations get UNAVAILABLE
         self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="serve-cpu")
 
@@ -53,15 +54,7 @@ class GenerationServicer:
     def _parse(self, request: pb.GenerateRequest | InvalidRequest) -> ParsedRequest:
         if isinstance(request, InvalidRequest):
             raise invalid(request.message)
-        return convert.parse_generate(
-            request,
-            self.config.limits,
-            self.tokenizer,
-            self.vocab_size,
-            self.max_model_len,
-            self.max_n,
-            self.sampling_defaults,
-        )
+        return convert.parse_generate(request, self.inputs)
 
     def _submit(self, parsed: ParsedRequest) -> RequestStream:
         if self.draining:
@@ -154,7 +147,7 @@ class GenerationServicer:
                 dict.fromkeys((*engine.config.eos_token_ids, *getattr(self.tokenizer, "eos_token_ids", ())))
             ),
             bos_token_id=bos,
-            max_prompt_tokens=self._max_prompt_tokens(),
+            max_prompt_tokens=self.inputs.max_prompt_tokens,
             max_tokens_limit=lim.max_tokens,
             max_n=min(lim.max_n, self.max_n),
             max_stop_strings=lim.max_stop_strings,
@@ -169,7 +162,7 @@ class GenerationServicer:
         try:
             if isinstance(request, InvalidRequest):
                 raise invalid(request.message)
-            convert.check_text_length("text", request.text, self._max_prompt_tokens())
+            convert.check_text_length("text", request.text, self.inputs.max_prompt_tokens)
         except RequestError as e:
             await context.abort(e.code, e.message)
         add = (
@@ -201,9 +194,6 @@ class GenerationServicer:
         except RequestError as e:
             await context.abort(e.code, e.message)
         return pb.DetokenizeResponse(text=text)
-
-    def _max_prompt_tokens(self) -> int:
-        return convert.max_prompt_tokens(self.config.limits, self.max_model_len)
 
     async def GetStats(self, request, context: aio.ServicerContext) -> pb.Stats:
         check = not isinstance(request, InvalidRequest) and request.check_invariants

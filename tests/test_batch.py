@@ -19,6 +19,7 @@ from paged_jax.offline.batch import run_batch
 from paged_jax.offline.lines import parse_line
 from paged_jax.offline.multihost import _append_new
 from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids
+from paged_jax.offline.plan import plan_for_input
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,3 +240,38 @@ def test_merge_survives_torn_tails(tmp_path):
     parts = [b'{"id": "a"}\n{"id": 1}\n', b'{"id": "b"}\n{"id": "1"}\n{"id": "c", "tok']
     assert _append_new(out, parts, key=lambda line: json.dumps(json.loads(line)["id"])) == 3
     assert [r["id"] for r in read_jsonl(out)] == ["a", 1, "b", "1"]
+
+
+def test_the_warmup_plan_skips_lines_already_written(engine, tmp_path):
+    """A resumed run plans for the lines it still has to run: the output's ids are JSON keys (`"a"`), so the
+    plan compared the raw id (`a`) with them and planned the written `n=2` line's copies and budget too."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [
+        {"id": "a", "prompt": "already written", "n": 2, "temperature": 0.0, "max_tokens": 30},
+        {"id": "b", "prompt": "to do", "temperature": 0.0, "max_tokens": 3},
+    ]
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out.write_text(json.dumps({"id": "a", "text": "..."}) + "\n")
+    plan = plan_for_input(engine, inp, out)
+    assert plan.copies is False  # only `b` (n=1) is left
+    assert plan.max_step_tokens == len(engine.tokenizer.encode("to do")) + 3
+    assert plan_for_input(engine, inp, tmp_path / "none.jsonl").copies is True  # from scratch `a` is planned
+
+
+def test_planning_never_cuts_a_file_another_run_holds(engine, tmp_path):
+    """The plan is read before this run takes the output's lock: it must not repair (truncate) a torn tail
+    then, since the torn line may be one another run, holding the lock, is writing right now."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "b", "prompt": "to do", "max_tokens": 3}) + "\n")
+    data = (json.dumps({"id": "a", "text": "done"}) + "\n" + '{"id": "b", "te').encode()
+    out.write_bytes(data)
+    other = LineWriter(out)
+    other.lock()  # another run holds the output
+    try:
+        plan_for_input(engine, inp, out)
+        assert out.read_bytes() == data
+        with pytest.raises(OutputLockedError):
+            run_batch(engine, inp, out, progress=False)
+        assert out.read_bytes() == data
+    finally:
+        other.close()

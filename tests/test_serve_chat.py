@@ -12,6 +12,7 @@ from test_serve_support import LIMITS, run_offline
 
 from paged_jax.config import load_model_config
 from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.input_processor import InputProcessor
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.model.init import init_params
 from paged_jax.sampling_params import SamplingParams
@@ -128,6 +129,13 @@ def test_old_clients_keep_working(setup):
     assert list(client.stub.Tokenize(old).token_ids) == [3 + 97]
 
 
+def _inputs(tokenizer, defaults: dict | None = None) -> InputProcessor:
+    limits = LIMITS.input_limits()
+    return InputProcessor(
+        tokenizer, vocab_size=tokenizer.vocab_size, max_model_len=4096, max_n=8, defaults=defaults, limits=limits
+    )
+
+
 def test_parse_generate_with_a_real_vocabulary(real_tokenizer_dir):
     """Conversion alone (no server): Phi-3's own template gives transformers' ids; the decode fields pass through."""
     tokenizer = load_tokenizer(real_tokenizer_dir("phi-3"), load_model_config("tiny"))
@@ -137,11 +145,11 @@ def test_parse_generate_with_a_real_vocabulary(real_tokenizer_dir):
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
     )
-    parsed = convert.parse_generate(req, LIMITS, tokenizer, tokenizer.vocab_size, 4096, 8, {"top_p": 0.5})
+    parsed = convert.parse_generate(req, _inputs(tokenizer, {"top_p": 0.5}))
     assert parsed.prompt_token_ids == case["ids"]
     p = parsed.params
     assert (p.skip_special_tokens, p.spaces_between_special_tokens, p.top_p) == (False, False, 0.5)
-    text = convert.parse_generate(build_request("Hello world"), LIMITS, tokenizer, tokenizer.vocab_size, 4096, 8)
+    text = convert.parse_generate(build_request("Hello world"), _inputs(tokenizer))
     assert text.prompt_token_ids == [1, 15043, 3186] and text.params.skip_special_tokens
 
 

@@ -18,8 +18,10 @@ import jax
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.protocol import EngineStats
+from paged_jax.errors import FieldError
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import Tokenizer
@@ -88,14 +90,14 @@ class DataParallelEngine:
     def add_request(
         self,
         request_id: str,
-        prompt,
+        prompt: str | Seq[int] | ChatPrompt,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request on the least-loaded replica; ValueError as `LLMEngine.add_request`."""
+        """Queue a request on the least-loaded replica; FieldError as `LLMEngine.add_request`."""
         if request_id in self.router.owner:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise FieldError("request_id", f"{request_id!r} is already in use")
         i = self.router.pick()
         self.replicas[i].add_request(request_id, prompt, params, cache_salt, arrival_time)
         self.router.assign(request_id, i, (params or SamplingParams()).n)

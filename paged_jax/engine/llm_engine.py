@@ -19,9 +19,11 @@ import jax
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor
 from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
 from paged_jax.engine.protocol import EngineStats
+from paged_jax.errors import FieldError
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.model import quant
@@ -113,13 +115,15 @@ class LLMEngine:
         )
         if spec_config is not None:
             self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len, self.num_pages)
-        self.outputs = OutputProcessor(
+        self.inputs = InputProcessor(
             tokenizer,
             vocab_size=config.vocab_size,
-            eos_token_ids=config.eos_token_ids,
             max_model_len=self.max_model_len,
             max_n=self.max_n,
-            seed=ec.seed,
+            defaults=ec.sampling_defaults,
+        )
+        self.outputs = OutputProcessor(
+            tokenizer, eos_token_ids=config.eos_token_ids, max_model_len=self.max_model_len, seed=ec.seed
         )
         self.lookahead = Lookahead()
         self.kv_cache_bytes = quant.kv_bytes_per_token(config, kv_dtype) * self.num_pages * ec.page_size
@@ -159,21 +163,23 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrompt,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError naming the field when the request is invalid or can never fit."""
-        params = params if params is not None else SamplingParams(**self.engine_config.sampling_defaults)
-        req = self.outputs.add_request(request_id, prompt, params, cache_salt, arrival_time, self._check_fits)
+        """Queue a request (`params` None: the model's generation defaults). Raises FieldError naming the field
+        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache."""
+        request = GenerationRequest(prompt, params if params is not None else {}, cache_salt=cache_salt)
+        req = self.outputs.add_request(request_id, self.inputs.process(request), arrival_time, self._check_fits)
         self.scheduler.add(req.seqs[0], req.seqs[1:])
 
     def _check_fits(self, total_tokens: int) -> None:
         if not self.kv.can_ever_fit(total_tokens):
-            raise ValueError(
-                f"prompt: {total_tokens} tokens need {self.kv.pages_needed(total_tokens)} KV pages but "
-                f"the cache has {self.num_pages - 1}"
+            raise FieldError(
+                "prompt",
+                f"{total_tokens} tokens need {self.kv.pages_needed(total_tokens)} KV pages but "
+                f"the cache has {self.num_pages - 1}",
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:

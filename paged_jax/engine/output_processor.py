@@ -1,5 +1,6 @@
-"""What happens to a request off the device: validation, its sequences, each sampled token's stop checks,
-incremental detokenization and logprobs, and the `RequestOutput`s handed back.
+"""What happens to a request off the device: its sequences, each sampled token's stop checks, incremental
+detokenization and logprobs, and the `RequestOutput`s handed back. Requests arrive checked
+(`paged_jax.engine.input_processor`).
 
 The engine (`paged_jax.engine.llm_engine`) runs the step loop: it appends each sampled token to its sequence and asks
 `OutputProcessor.check_token` whether that token ends the sequence; it then frees the pages of a sequence
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paged_jax.engine.input_processor import ProcessedRequest
+from paged_jax.errors import FieldError
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.sched.sequence import FinishReason, TokenSequence
@@ -44,21 +47,10 @@ class OutputProcessor:
     `eos_token_ids` end generation (unless `ignore_eos`); `max_model_len` bounds prompt + output; `seed`
     seeds the requests that do not set their own (so a run is reproducible)."""
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        *,
-        vocab_size: int,
-        eos_token_ids: Sequence[int],
-        max_model_len: int,
-        max_n: int,
-        seed: int,
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int], max_model_len: int, seed: int) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
-        self.max_n = max_n
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(seed)
 
@@ -66,63 +58,35 @@ class OutputProcessor:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        cache_salt: str | None,
+        request: ProcessedRequest,
         arrival_time: float | None,
         check_fits: Callable[[int], None],
     ) -> RequestState:
-        """Validate and register a request; returns it with its sequences (not yet scheduled).
+        """Register a request the input processor accepted; returns it with its sequences (not yet scheduled).
 
-        Raises ValueError naming the field when the request is invalid; `check_fits(total_tokens)` raises
-        when prompt + max_tokens can never fit the KV cache (checked last, after every field)."""
+        Raises FieldError for a request id that is not a non-empty string or is in use; `check_fits(total_tokens)`
+        raises when prompt + max_tokens can never fit the KV cache (checked last)."""
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id: must be a non-empty string")
+            raise FieldError("request_id", "must be a non-empty string")
         if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        params.validate(self.vocab_size, self.max_n)
-        text, ids = self._prompt_ids(prompt)
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        check_fits(total)
+            raise FieldError("request_id", f"{request_id!r} is already in use")
+        params, ids = request.params, request.prompt_token_ids
+        check_fits(len(ids) + params.max_tokens)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [
-            TokenSequence(f"{request_id}#{i}", request_id, i, list(ids), params, seed, cache_salt, arrival_time=now)
+            TokenSequence(
+                f"{request_id}#{i}", request_id, i, list(ids), params, seed, request.cache_salt, arrival_time=now
+            )
             for i in range(params.n)
         ]
         detoks = [
             Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.spaces_between_special_tokens)
             for _ in seqs
         ]
-        req = RequestState(request_id, text, list(ids), params, seqs, detoks, now)
+        req = RequestState(request_id, request.prompt, list(ids), params, seqs, detoks, now)
         self.requests[request_id] = req
         return req
-
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids), validated."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt_token_ids: must not be empty")
-        bad = next(
-            (
-                t
-                for t in ids
-                if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size
-            ),
-            None,
-        )
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {self.vocab_size})")
-        return None, [int(t) for t in ids]
 
     # -- each sampled token ---------------------------------------------------------------------------
     def check_token(

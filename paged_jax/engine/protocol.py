@@ -15,6 +15,7 @@ from typing import Protocol
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import Tokenizer
@@ -99,7 +100,7 @@ class Engine(Protocol):
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrompt,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,

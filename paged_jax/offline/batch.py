@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from paged_jax.engine.args import add_engine_args, build_engine
 from paged_jax.engine.protocol import Engine
 from paged_jax.offline import multihost
-from paged_jax.offline.lines import BatchItem, Chat, parse_line
+from paged_jax.offline.lines import BatchItem, parse_line
 from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids, result_line
 from paged_jax.offline.plan import plan_for_input
 
@@ -164,8 +164,7 @@ def run_batch(
                     exhausted = True
                     break
                 try:
-                    prompt = item.prompt.prompt_ids(engine.tokenizer) if isinstance(item.prompt, Chat) else item.prompt
-                    engine.add_request(item.key, prompt, item.params, item.cache_salt)
+                    engine.add_request(item.key, item.prompt, item.params, item.cache_salt)
                 except Exception as e:  # noqa: BLE001 - this line fails alone (ValueError names the field)
                     errors.write({"line": item.lineno, "id": item.id, "error": str(e)})
                     summary.errors += 1

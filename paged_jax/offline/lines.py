@@ -3,35 +3,14 @@ field (the format is described in `paged_jax.offline.batch`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from paged_jax.engine.input_processor import ChatPrompt, sampling_params
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenization.chat_template import apply_chat_template, validate_conversation
+from paged_jax.tokenization.chat_template import validate_conversation
 
-PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
-
-
-@dataclass(slots=True)
-class Chat:
-    """A line's conversation, rendered with the engine's tokenizer when it is queued."""
-
-    messages: list[dict]
-    add_generation_prompt: bool = True
-    tools: list | None = None
-    kwargs: dict = field(default_factory=dict)
-
-    def prompt_ids(self, tokenizer) -> list[int]:
-        _, ids = apply_chat_template(
-            tokenizer,
-            self.messages,
-            add_generation_prompt=self.add_generation_prompt,
-            tools=self.tools,
-            template_kwargs=self.kwargs,
-        )
-        return ids
 
 
 def id_key(rid: str | int) -> str:
@@ -42,7 +21,7 @@ def id_key(rid: str | int) -> str:
 @dataclass(slots=True)
 class BatchItem:
     id: str | int  # as given in the input (or "line-N")
-    prompt: str | list[int] | Chat
+    prompt: str | list[int] | ChatPrompt
     params: SamplingParams
     cache_salt: str | None
     lineno: int
@@ -52,7 +31,7 @@ class BatchItem:
         return id_key(self.id)
 
 
-def _parse_chat(obj: dict) -> Chat:
+def _parse_chat(obj: dict) -> ChatPrompt:
     messages = validate_conversation(obj.pop("messages"), "messages")
     add_prompt = obj.pop("add_generation_prompt", True)
     if not isinstance(add_prompt, bool):
@@ -64,7 +43,7 @@ def _parse_chat(obj: dict) -> Chat:
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise ValueError("chat_template_kwargs: must be an object")
-    return Chat(messages, add_prompt, tools, kwargs)
+    return ChatPrompt(messages, add_prompt, tools, kwargs)
 
 
 def _check_unicode(obj: dict) -> None:
@@ -114,11 +93,4 @@ def parse_line(line: str | bytes, lineno: int, defaults: dict | None = None) -> 
     salt = obj.pop("cache_salt", None)
     if salt is not None and not isinstance(salt, str):
         raise ValueError("cache_salt: must be a string")
-    unknown = sorted(set(obj) - PARAM_FIELDS)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: unknown field")
-    try:
-        params = SamplingParams(**{**(defaults or {}), **obj}).validate()
-    except TypeError as e:
-        raise ValueError(str(e)) from e
-    return BatchItem(rid, prompt, params, salt, lineno)
+    return BatchItem(rid, prompt, sampling_params(obj, defaults), salt, lineno)

@@ -11,12 +11,14 @@ from tqdm.auto import tqdm
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.args import apply_model_text_args
+from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
 from paged_jax.engine.protocol import EngineStats
+from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenization.chat_template import Conversation, apply_chat_template, template_from_text
+from paged_jax.tokenization.chat_template import Conversation, template_from_text
 
 Prompt = str | Mapping[str, Sequence[int]]  # text, or {"prompt_token_ids": [...]}
 
@@ -26,7 +28,7 @@ def prompt_input(prompt: Prompt) -> str | list[int]:
         return prompt
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
         return list(prompt["prompt_token_ids"])
-    raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+    raise FieldError("prompt", f"expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
 
 class LLM:
@@ -72,33 +74,7 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError("sampling_params: need one per prompt or a single one")
-        order: dict[str, int] = {}
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")
-        try:  # all or nothing: an invalid prompt (or an interrupt) withdraws the ones queued before it
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, prompt_input(prompt), params)
-                order[rid] = i
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
-        except BaseException:
-            for rid in order:
-                self.engine.abort(rid)
-            raise
-        finally:
-            bar.close()
-        return [r for r in results if r is not None]
+        return self._run([prompt_input(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -115,26 +91,58 @@ class LLM:
 
         Each conversation is rendered with the model's chat template (`chat_template`: template text used
         instead), then tokenized without adding special tokens again. Raises ValueError naming the message
-        at fault, or saying how to give a template when the model has none.
+        at fault (`messages[i]...` for the i-th of several conversations), or saying how to give a template
+        when the model has none.
         """
         if isinstance(messages, (str, Mapping)) or not messages:
-            raise ValueError("messages: must be a non-empty list of messages, or a list of such lists")
+            raise FieldError("messages", "must be a non-empty list of messages, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         template = template_from_text(chat_template) if chat_template is not None else None
-        prompts = []
-        for i, conversation in enumerate(conversations):
-            field = "messages" if len(conversations) == 1 else f"messages[{i}]"
-            _, ids = apply_chat_template(
-                self.tokenizer,
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                chat_template=template,
-                field=field,
-                template_kwargs=chat_template_kwargs,
-            )
-            prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        chats = [
+            ChatPrompt(c, add_generation_prompt, tools, chat_template_kwargs or {}, template) for c in conversations
+        ]
+        several = len(chats) > 1
+        names = [FieldNames({"messages": f"messages[{i}]"}) if several else None for i in range(len(chats))]
+        return self._run(chats, sampling_params, use_tqdm, names)
+
+    def _run(
+        self,
+        prompts: list[str | list[int] | ChatPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        names: Sequence[FieldNames | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Queue every prompt (all or nothing: an invalid one, or an interrupt, withdraws the ones queued before
+        it; its FieldError in `names[i]`'s words), step until all finish, return the outputs in prompt order."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise FieldError("sampling_params", "need one per prompt or a single one")
+        order: dict[str, int] = {}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                rid = f"gen-{next(self._ids)}"
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except FieldError as e:
+                    raise e.renamed(names[i]) if names and names[i] is not None else e from None
+                order[rid] = i
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

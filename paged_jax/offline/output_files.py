@@ -16,8 +16,18 @@ class OutputLockedError(RuntimeError):
     """Another run holds the output file."""
 
 
+def written_ids(path: Path) -> set[str]:
+    """Ids of the whole lines already in the output (a torn last line is none); reads only, so it is safe
+    without the output's lock (the warm-up plan, read before the run takes it)."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    return _ids(data[: data.rfind(b"\n") + 1])
+
+
 def completed_ids(path: Path) -> set[str]:
-    """Ids already in the output; a torn last line (no newline) is cut off first."""
+    """Ids already in the output; a torn last line (no newline) is cut off first. Call it holding the
+    output's lock (`LineWriter.lock`): the torn line may be another run's write in progress."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -26,11 +36,11 @@ def completed_ids(path: Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(keep)
         data = data[:keep]
-    done = set()
-    for raw in data.splitlines():
-        if raw.strip():
-            done.add(id_key(json.loads(raw)["id"]))
-    return done
+    return _ids(data)
+
+
+def _ids(data: bytes) -> set[str]:
+    return {id_key(json.loads(raw)["id"]) for raw in data.splitlines() if raw.strip()}
 
 
 class LineWriter:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from paged_jax.offline.lines import Chat, parse_line
-from paged_jax.offline.output_files import completed_ids
+from paged_jax.engine.input_processor import ChatPrompt, chat_prompt_ids
+from paged_jax.offline.lines import parse_line
+from paged_jax.offline.output_files import written_ids
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.warmup import WarmupPlan, plan_for_requests
 
@@ -26,12 +27,12 @@ def _requests(engine, input_path: Path, skip: set[str], shard: tuple[int, int]) 
                 continue
             try:
                 item = parse_line(line, lineno, ec.sampling_defaults)
-                if item.id in skip:
+                if item.key in skip:
                     continue
                 if total >= ec.max_num_batched_tokens:
                     n = 1  # the plan is at the budget already: the length no longer matters
-                elif isinstance(item.prompt, Chat):
-                    n = len(item.prompt.prompt_ids(engine.tokenizer))
+                elif isinstance(item.prompt, ChatPrompt):
+                    n = len(chat_prompt_ids(engine.tokenizer, item.prompt))
                 elif isinstance(item.prompt, str):
                     n = len(engine.tokenizer.encode(item.prompt))
                 else:
@@ -45,7 +46,7 @@ def _requests(engine, input_path: Path, skip: set[str], shard: tuple[int, int]) 
 def plan_for_input(engine, input_path: Path, output_path: Path, shard: tuple[int, int] = (0, 1)) -> WarmupPlan:
     """The warm-up plan of `paged-jax generate` over `input_path` (lines already in `output_path` skipped)."""
     ec = engine.engine_config
-    skip = completed_ids(output_path) if output_path.exists() else set()
+    skip = written_ids(output_path)  # read only: this run does not hold the output's lock yet
     return plan_for_requests(
         _requests(engine, input_path, skip, shard), ec.max_num_batched_tokens, lookahead=ec.async_scheduling
     )

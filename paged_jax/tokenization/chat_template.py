@@ -28,6 +28,7 @@ from typing import Any
 import jinja2
 
 from paged_jax.config.model_files import model_file, read_json_object, read_text
+from paged_jax.errors import FieldError
 from paged_jax.tokenization.template_sandbox import BoundedSandbox, RenderLimits, compile_template, render_bounded
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
@@ -37,8 +38,9 @@ Message = Mapping[str, Any]
 Conversation = Sequence[Message]
 
 
-class ChatTemplateError(ValueError):
-    """A conversation the template cannot render; the message starts with the field at fault."""
+class ChatTemplateError(FieldError):
+    """A conversation the template cannot render, naming the field at fault (`messages[1].role`,
+    `chat_template`, `chat_template_kwargs`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,7 @@ class ChatTemplate:
         """The template text to use: `name` when given, else `tool_use` with tools if there is one, else default."""
         if name is not None:
             if name not in self.templates:
-                raise ChatTemplateError(f"chat_template: no template named {name!r} (have {sorted(self.templates)})")
+                raise ChatTemplateError("chat_template", f"no template named {name!r} (have {sorted(self.templates)})")
             return self.templates[name]
         if tools and "tool_use" in self.templates:
             return self.templates["tool_use"]
@@ -61,7 +63,7 @@ class ChatTemplate:
         if len(self.templates) == 1:
             return next(iter(self.templates.values()))
         raise ChatTemplateError(
-            f"chat_template: several named templates and none is 'default' (have {sorted(self.templates)})"
+            "chat_template", f"several named templates and none is 'default' (have {sorted(self.templates)})"
         )
 
 
@@ -70,7 +72,7 @@ def load_chat_template(model_dir: str | Path | None, override_file: str | Path |
     if override_file is not None:
         path = Path(override_file)
         if not path.is_file():
-            raise ValueError(f"chat_template: --chat-template {path} is not a file")
+            raise FieldError("chat_template", f"--chat-template {path} is not a file")
         return ChatTemplate({"default": read_text(path)}, f"--chat-template {path}")
     if model_dir is None:
         return None
@@ -115,18 +117,18 @@ def validate_conversation(messages: Any, field: str = "messages") -> list[dict[s
     `tool_calls` may leave it out or null); any other keys pass through to the template.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ChatTemplateError(f"{field}: must be a non-empty list of messages")
+        raise ChatTemplateError(field, "must be a non-empty list of messages")
     out = []
     for i, message in enumerate(messages):
         where = f"{field}[{i}]"
         if not isinstance(message, Mapping):
-            raise ChatTemplateError(f"{where}: must be an object with role and content")
+            raise ChatTemplateError(where, "must be an object with role and content")
         role = message.get("role")
         if role not in ROLES:
-            raise ChatTemplateError(f"{where}.role: must be one of {', '.join(ROLES)}; got {role!r}")
+            raise ChatTemplateError(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {role!r}")
         content = message.get("content")
         if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
-            raise ChatTemplateError(f"{where}.content: must be a string")
+            raise ChatTemplateError(f"{where}.content", "must be a string")
         out.append(dict(message))
     return out
 
@@ -175,9 +177,9 @@ def _compile(template: str):
     try:
         return compile_template(env, template)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat_template: not a valid jinja2 template (line {e.lineno}: {e.message})") from e
+        raise ChatTemplateError("chat_template", f"not a valid jinja2 template (line {e.lineno}: {e.message})") from e
     except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat_template: cannot be compiled ({e})") from e
+        raise ChatTemplateError("chat_template", f"cannot be compiled ({e})") from e
 
 
 def render(
@@ -197,16 +199,16 @@ def render(
     `limits` bound the render (time, output and value sizes; `template_sandbox.RenderLimits`).
     """
     if template is None:
-        raise ChatTemplateError(f"{field}: {NO_TEMPLATE}")
+        raise ChatTemplateError(field, NO_TEMPLATE)
     kwargs = dict(template_kwargs or {})
     reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools"})
     if reserved:
-        raise ChatTemplateError(f"chat_template_kwargs: {reserved[0]} has its own argument")
+        raise ChatTemplateError("chat_template_kwargs", f"{reserved[0]} has its own argument")
     conversation = validate_conversation(messages, field)
     compiled = _compile(template.select(template_name, tools))
     shadowed = sorted(k for k in kwargs if k in compiled.environment.globals)  # namespace, range, raise_exception...
     if shadowed:
-        raise ChatTemplateError(f"chat_template_kwargs: {shadowed[0]} is a template function and cannot be set")
+        raise ChatTemplateError("chat_template_kwargs", f"{shadowed[0]} is a template function and cannot be set")
     variables = {
         "messages": conversation,
         "add_generation_prompt": add_generation_prompt,
@@ -217,7 +219,7 @@ def render(
     try:
         return render_bounded(compiled, variables, limits or RenderLimits())
     except jinja2.TemplateError as e:  # raise_exception(), the sandbox, a render limit, or the template's own bug
-        raise ChatTemplateError(f"{field}: the chat template refused this conversation: {e}") from e
+        raise ChatTemplateError(field, f"the chat template refused this conversation: {e}") from e
 
 
 def apply_chat_template(
@@ -245,7 +247,7 @@ def apply_chat_template(
         template_kwargs=template_kwargs,
     )
     if not text:
-        raise ChatTemplateError(f"{field}: the chat template rendered an empty prompt")
+        raise ChatTemplateError(field, "the chat template rendered an empty prompt")
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

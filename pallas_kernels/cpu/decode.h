@@ -20,34 +20,53 @@ namespace pja {
 constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W)
 constexpr int kDecodeHeads = W == 16 ? 4 : 2;
 constexpr int kDecodeChunk = 4;  // vectors of head_dim per value tile
-#ifndef PJA_AHEAD
-#define PJA_AHEAD 2
+constexpr int kPrefetchBlocks = 2;
+
+// dots[g * stride + i] = q[g] . k_i for g < NG and the 4 key rows k_i (q rows [NG, D] float32; qb the same rows
+// in bfloat16 when T is bfloat16).
+#if defined(__AVX512BF16__)
+// bfloat16 pages on AVX-512 BF16: 32 bfloat16 pairs per vdpbf16ps, K never widened. (The tail loops come after
+// the tiles are stored: a tail that reads the tiles made GCC keep them in memory, 16 stores per iteration.)
+template <int NG>
+inline void dot_tile_bf16(const float* q, const uint16_t* qb, int64_t D, const uint16_t* const* k, float* dots,
+                          int64_t stride) {
+  __m512 acc[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m512bh kv[4];
+    for (int i = 0; i < 4; ++i) kv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[i] + d));
+    for (int g = 0; g < NG; ++g) {
+      const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qb + g * D + d));
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], qv, kv[i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    hsum4(reinterpret_cast<vf>(acc[g][0]), reinterpret_cast<vf>(acc[g][1]), reinterpret_cast<vf>(acc[g][2]),
+          reinterpret_cast<vf>(acc[g][3]), dots + g * stride);
+  }
+  for (int64_t t = d; t < D; ++t)  // head_dim not a multiple of 32
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < 4; ++i) dots[g * stride + i] += q[g * D + t] * to_float(k[i][t]);
+}
 #endif
-constexpr int kPrefetchBlocks = PJA_AHEAD;
 
 // dots[g * stride + i] = q[g] . k_i for g < NG and the 4 key rows k_i (q rows [NG, D] float32; qb the same rows
 // in bfloat16 when T is bfloat16).
 template <int NG, typename T>
 inline void dot_tile(const float* q, const uint16_t* qb, int64_t D, const T* const* k, float* dots, int64_t stride) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    dot_tile_bf16<NG>(q, qb, D, k, dots, stride);
+    return;
+  }
+#endif
+  (void)qb;
   vf acc[NG][4];
   for (int g = 0; g < NG; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = vf{};
   int64_t d = 0;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t>) {  // 32 bfloat16 pairs per instruction, no widening of K
-    for (; d + 32 <= D; d += 32) {
-      __m512bh kv[4];
-      for (int i = 0; i < 4; ++i) kv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[i] + d));
-      for (int g = 0; g < NG; ++g) {
-        const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qb + g * D + d));
-        for (int i = 0; i < 4; ++i) {
-          acc[g][i] = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[g][i]), qv, kv[i]));
-        }
-      }
-    }
-  }
-#endif
-  (void)qb;
   for (; d + W <= D; d += W) {
     vf kv[4];
     for (int i = 0; i < 4; ++i) kv[i] = load(k[i] + d);
@@ -56,13 +75,10 @@ inline void dot_tile(const float* q, const uint16_t* qb, int64_t D, const T* con
       for (int i = 0; i < 4; ++i) acc[g][i] += qv * kv[i];
     }
   }
-  for (int g = 0; g < NG; ++g) {
-    float o[4];
-    hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], o);
-    for (int64_t t = d; t < D; ++t)
-      for (int i = 0; i < 4; ++i) o[i] += q[g * D + t] * to_float(k[i][t]);
-    for (int i = 0; i < 4; ++i) dots[g * stride + i] = o[i];
-  }
+  for (int g = 0; g < NG; ++g) hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], dots + g * stride);
+  for (int64_t t = d; t < D; ++t)  // head_dim not a multiple of W (a separate loop: the tiles stay in registers)
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < 4; ++i) dots[g * stride + i] += q[g * D + t] * to_float(k[i][t]);
 }
 
 // acc[g, d0 : d0 + DC * W] = alpha[g] * acc[g, ...] + sum_i p[g * stride + i] * v_i[d0 : ...] for g < NG.
@@ -99,6 +115,65 @@ void value_heads(const float* p, int64_t stride, const T* const* v, int64_t n, c
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 pages on AVX-512 BF16: p . V by vdpbf16ps, two keys per instruction. The V rows of keys i and i + 1 are
+// interleaved (unpacklo/hi of 16-bit elements), so each accumulator pair holds head_dim in the permuted order
+// `bf16_dim` names; pp[g * stride + i / 2] = the bfloat16 pair (p[g, i], p[g, i + 1]). acc is in that order
+// throughout the item (unpermute_bf16 restores it at the end).
+constexpr bool kBf16Values = true;
+
+template <int NG, int DC>
+inline void value_tile_bf16(const uint32_t* pp, int64_t stride, const uint16_t* const* v, int64_t n, const float* alpha,
+                            float* acc, int64_t D, int64_t d0) {
+  __m512 a[NG][DC][2];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c)
+      for (int h = 0; h < 2; ++h) {
+        a[g][c][h] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d0 + c * 32 + h * 16), _mm512_set1_ps(alpha[g]));
+      }
+  for (int64_t i = 0; i < n; i += 2) {
+    const uint16_t* v0 = v[i];
+    const uint16_t* v1 = v[std::min<int64_t>(i + 1, n - 1)];  // an odd last key pairs with itself, weight 0
+    __m512bh vv[DC][2];
+    for (int c = 0; c < DC; ++c) {
+      const __m512i x = _mm512_loadu_si512(v0 + d0 + c * 32), y = _mm512_loadu_si512(v1 + d0 + c * 32);
+      vv[c][0] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
+      vv[c][1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
+    }
+    for (int g = 0; g < NG; ++g) {
+      const __m512bh pb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[g * stride + i / 2])));
+      for (int c = 0; c < DC; ++c)
+        for (int h = 0; h < 2; ++h) a[g][c][h] = _mm512_dpbf16_ps(a[g][c][h], pb, vv[c][h]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c)
+      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + g * D + d0 + c * 32 + h * 16, a[g][c][h]);
+}
+
+template <int NG>
+void value_heads_bf16(const uint32_t* pp, int64_t stride, const uint16_t* const* v, int64_t n, const float* alpha,
+                      float* acc, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) value_tile_bf16<NG, 2>(pp, stride, v, n, alpha, acc, D, d0);
+  for (; d0 < D; d0 += 32) value_tile_bf16<NG, 1>(pp, stride, v, n, alpha, acc, D, d0);
+}
+
+// Position in a 32-dim chunk of accumulator slot s (0..31): slot s = 16 h + 4 lane + k holds dim 8 lane + 4 h + k.
+inline int64_t bf16_dim(int64_t s) { return 8 * ((s % 16) / 4) + 4 * (s / 16) + s % 4; }
+
+inline void unpermute_bf16(float* acc, int64_t rows, int64_t D) {
+  float tmp[32];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      for (int64_t s = 0; s < 32; ++s) tmp[bf16_dim(s)] = acc[r * D + d0 + s];
+      std::copy(tmp, tmp + 32, acc + r * D + d0);
+    }
+}
+#else
+constexpr bool kBf16Values = false;
+#endif
+
 // Runs `fn.template operator()<NG>(g0)` over the heads [0, G) in tiles of kDecodeHeads (the last one smaller).
 template <typename Fn>
 inline void for_head_tiles(int64_t G, const Fn& fn) {
@@ -114,7 +189,7 @@ inline void for_head_tiles(int64_t G, const Fn& fn) {
 
 // Folds the keys [lo, hi] of one sequence and KV head into the state of the item's G rows.
 // q [G, D] float32 (qb: the same in bfloat16 for bfloat16 pages); sc: scratch of decode_scratch(G) floats.
-inline int64_t decode_scratch(int64_t G) { return G * kDecodeBlock + G; }
+inline int64_t decode_scratch(int64_t G) { return G * kDecodeBlock + G + G * kDecodeBlock / 2; }
 
 template <typename T>
 void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const uint16_t* qb, int64_t lo, int64_t hi,
@@ -125,6 +200,9 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
   alignas(64) float kscale[kDecodeBlock];
   alignas(64) float vscale[kDecodeBlock];
   float* alpha = sc + G * B;
+  // bfloat16 pages with AVX-512 BF16: p . V by vdpbf16ps (p rounded to bfloat16, as the XLA path does).
+  [[maybe_unused]] const bool bf16_values = kBf16Values && std::is_same_v<T, uint16_t> && D % 32 == 0;
+  [[maybe_unused]] uint32_t* pairs = reinterpret_cast<uint32_t*>(alpha + G);
   const int64_t first = lo / B * B;
   for (int64_t b = 1; b <= kPrefetchBlocks; ++b) kv.prefetch(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
   for (int64_t b_lo = lo; b_lo <= hi;) {
@@ -180,9 +258,31 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
       st.l[g] = st.l[g] * alpha[g] + hsum(sum);
       st.m[g] = m_new;
     }
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (bf16_values) {
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t i = 0; i < n; i += 2) {
+          uint16_t lo, hi = 0;
+          from_float(sc[g * B + i], &lo);
+          if (i + 1 < n) from_float(sc[g * B + i + 1], &hi);
+          pairs[g * (B / 2) + i / 2] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+      }
+      for_head_tiles(G, [&]<int NG>(int64_t g0) {
+        value_heads_bf16<NG>(pairs + g0 * (B / 2), B / 2, vrow, n, alpha + g0, st.acc + g0 * D, D);
+      });
+      b_lo = b_hi;
+      continue;
+      }
+    }
+#endif
     for_head_tiles(G, [&]<int NG>(int64_t g0) { value_heads<NG>(sc + g0 * B, B, vrow, n, alpha + g0, st.acc + g0 * D, D); });
     b_lo = b_hi;
   }
+#if defined(__AVX512BF16__)
+  if (bf16_values) unpermute_bf16(st.acc, G, D);
+#endif
 }
 
 }  // namespace pja

@@ -9,9 +9,6 @@
 
 #include "simd.h"
 
-#ifndef PJA_HINT
-#define PJA_HINT 2
-#endif
 namespace pja {
 
 struct Problem {
@@ -90,7 +87,7 @@ struct KvRows {
       if (pg >= 0) {
         const char* b = reinterpret_cast<const char*>(row(pg, pos));
         const int64_t bytes = (stop - pos) * 2 * D * static_cast<int64_t>(sizeof(T));
-        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, PJA_HINT);
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, 2);
       }
       pos = stop;
     }

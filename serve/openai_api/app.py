@@ -25,7 +25,7 @@ def create_app(front: OpenAIFront) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, e: RequestError) -> JSONResponse:
-        return error_response(e.code, e.message)
+        return error_response(e.code, e.message, param=e.field)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:

@@ -1,17 +1,15 @@
 """Failures in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with HTTP statuses.
 
-Both fronts raise the same `RequestError` (a gRPC status and a message that starts with the field);
-this is the one table from those statuses to HTTP: INVALID_ARGUMENT 400 naming the parameter,
-UNAUTHENTICATED 401, NOT_FOUND 404 (an unknown model), RESOURCE_EXHAUSTED 429 (the admission queue
-is full), UNAVAILABLE 503 (draining, or the engine loop died), anything else 500.
+Both fronts raise the same `RequestError` (a gRPC status, a message that starts with the field, and the
+field in OpenAI's words as `param`); this is the one table from those statuses to HTTP: INVALID_ARGUMENT
+400 naming the parameter, UNAUTHENTICATED 401, NOT_FOUND 404 (an unknown model), RESOURCE_EXHAUSTED 429
+(the admission queue is full), UNAVAILABLE 503 (draining, or the engine loop died), anything else 500.
 """
 
 from __future__ import annotations
 
 import grpc
 from starlette.responses import JSONResponse
-
-from serve.openai_api.protocol import Kind, param_of
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -25,19 +23,9 @@ _STATUS = {
 }
 
 
-def error_body(
-    code: grpc.StatusCode,
-    message: str,
-    kind: Kind = "completion",
-    max_tokens_name: str = "max_tokens",
-    param: str | None = None,
-) -> tuple[int, dict]:
-    """(HTTP status, body) for a request that ended with gRPC status `code`."""
+def error_body(code: grpc.StatusCode, message: str, param: str | None = None) -> tuple[int, dict]:
+    """(HTTP status, body) for a request that ended with gRPC status `code`; `param`: the parameter at fault."""
     status, error_type = _STATUS.get(code, (500, "internal_error"))
-    if param is None and status == 400:
-        param = param_of(message, max_tokens_name, kind)
-        if param is not None:  # our field names (`sampling.top_p`, `text`) spelled as the client sent them
-            message = f"{param}:{message.partition(':')[2]}"
     return status, {"error": {"message": message, "type": error_type, "param": param, "code": code.name.lower()}}
 
 

@@ -1,8 +1,9 @@
 """The OpenAI handlers: parse, submit to the shared engine loop, answer in one piece or as server-sent events.
 
 One engine, one KV cache, one admission queue: requests go through the same `EngineLoop.submit` (and its
-`max_queued_requests`) as gRPC's, are validated by the same `convert.parse_generate`, and are counted in the
-same Prometheus registry (method `OpenAI.Completions` / `OpenAI.ChatCompletions`, status as gRPC's name).
+`max_queued_requests`) as gRPC's, are checked by the engine's input processor as every front's are (its
+field names shown in OpenAI's words by `protocol.field_names`), and are counted in the same Prometheus
+registry (method `OpenAI.Completions` / `OpenAI.ChatCompletions`, status as gRPC's name).
 
 A response starts only once the engine has taken the request (its first output), so every failure the
 engine reports at admission still gets its HTTP status. Until then, and for a unary request until its end,
@@ -25,14 +26,16 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from paged_jax.engine.input_processor import ProcessedRequest
+from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import RequestOutput
 from serve import convert
 from serve.config import ServingConfig
-from serve.convert import ParsedRequest, RequestError
+from serve.convert import RequestError
 from serve.engine_loop import EngineLoop, Event, RequestStream
 from serve.metrics import Metrics
 from serve.openai_api.errors import error_body, error_response
-from serve.openai_api.protocol import Kind, OpenAIRequest, parse_body
+from serve.openai_api.protocol import Kind, OpenAIRequest, field_names, parse_body
 from serve.openai_api.responses import ResponseBuilder
 
 CPU_WORKERS = 2  # threads for JSON parsing, tokenization and chat templates, off the event loop
@@ -47,9 +50,8 @@ class OpenAIFront:
         self.loop, self.config, self.metrics = loop, config, metrics
         engine = loop.engine
         self.model_name: str = engine.config.name
-        self.tokenizer, self.vocab_size = engine.tokenizer, engine.config.vocab_size
-        self.max_model_len, self.max_n = engine.max_model_len, engine.max_n
-        self.sampling_defaults = dict(engine.engine_config.sampling_defaults)
+        self.tokenizer = engine.tokenizer
+        self.inputs = convert.serving_inputs(engine, config.limits)
         self.draining = False  # set on shutdown: new generations get 503
         self.ready: Callable[[], bool] = lambda: True  # False while the server warms up (/health 503 meanwhile)
         self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="openai-cpu")
@@ -74,25 +76,17 @@ class OpenAIFront:
         return None if self.ready() else "warming up"
 
     # -- generation ---------------------------------------------------------------------------------
-    def _convert(self, req: OpenAIRequest) -> list[ParsedRequest]:
-        """The gRPC front's validation of each prompt: limits, tokenizing or the chat template, SamplingParams."""
+    def _convert(self, req: OpenAIRequest) -> list[ProcessedRequest]:
+        """Each prompt checked by the input processor (limits, tokenizing or the chat template, SamplingParams)."""
         if req.model is not None and req.model != self.model_name:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
                 f"model: {req.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
             )
-        return [
-            convert.parse_generate(
-                g,
-                self.config.limits,
-                self.tokenizer,
-                self.vocab_size,
-                self.max_model_len,
-                self.max_n,
-                self.sampling_defaults,
-            )
-            for g in req.generates
-        ]
+        try:
+            return [self.inputs.process(g) for g in req.generates]
+        except FieldError as e:
+            raise convert.field_error(e, field_names(req.kind, req.max_tokens_name)) from None
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
@@ -120,12 +114,17 @@ class OpenAIFront:
                 )
             builder = ResponseBuilder(kind, rid, self.model_name, self.tokenizer, req.logprobs)
             n = parsed[0].params.n
-            firsts = await self._unless_disconnected(request, streams, asyncio.gather(*(self._get(s) for s in streams)))
+            names = field_names(kind, req.max_tokens_name)
+            firsts = await self._unless_disconnected(
+                request, streams, asyncio.gather(*(self._get(s, names) for s in streams))
+            )
             if req.stream:
                 body = self._sse(streams, firsts, builder, req, n)
                 return _EventStream(body, lambda: self._abort(streams))
             outs = await self._unless_disconnected(
-                request, streams, asyncio.gather(*(self._collect(s, f) for s, f in zip(streams, firsts, strict=True)))
+                request,
+                streams,
+                asyncio.gather(*(self._collect(s, f, names) for s, f in zip(streams, firsts, strict=True))),
             )
             for out in outs:
                 self.metrics.on_finished(out)
@@ -134,25 +133,22 @@ class OpenAIFront:
         except RequestError as e:
             self._abort(streams)  # a no-op for requests that have ended
             self._count(method, e.code)
-            names = dict(kind=kind, max_tokens_name=req.max_tokens_name) if req is not None else dict(kind=kind)
-            return error_response(
-                e.code, e.message, param="model" if e.code == grpc.StatusCode.NOT_FOUND else None, **names
-            )
+            return error_response(e.code, e.message, param="model" if e.code == grpc.StatusCode.NOT_FOUND else e.field)
         except Exception as e:  # noqa: BLE001 - this request fails alone, in OpenAI's shape, its pages freed
             self._abort(streams, "failed")
             error = convert.internal_error(f"{method} failed: {type(e).__name__}: {e}", exc_info=True)
             self._count(method, error.code)
             return error_response(error.code, error.message)
 
-    async def _get(self, stream: RequestStream) -> Event:
+    async def _get(self, stream: RequestStream, names: FieldNames) -> Event:
         event = await stream.get()
         if event.code is not None:
-            raise RequestError(event.code, event.message)
+            raise _event_error(event, names)
         return event
 
-    async def _collect(self, stream: RequestStream, event: Event) -> RequestOutput:
+    async def _collect(self, stream: RequestStream, event: Event, names: FieldNames) -> RequestOutput:
         while not event.output.finished:
-            event = await self._get(stream)
+            event = await self._get(stream, names)
         return event.output
 
     def _abort(self, streams: list[RequestStream], message: str = "cancelled: the client disconnected") -> None:
@@ -194,7 +190,7 @@ class OpenAIFront:
             while len(finished) < len(streams):
                 i, event = await merged.get()
                 if event.code is not None:
-                    raise RequestError(event.code, event.message)
+                    raise _event_error(event, field_names(req.kind, req.max_tokens_name))
                 out = event.output
                 for c in out.outputs:
                     index = i * n + c.index
@@ -210,11 +206,11 @@ class OpenAIFront:
                 yield _data(builder.usage_chunk(finished))
         except RequestError as e:  # after the response started: the error is the last event (as vLLM does)
             status = e.code
-            yield _data(error_body(e.code, e.message, kind=req.kind)[1])
+            yield _data(error_body(e.code, e.message, e.field)[1])
         except Exception as e:  # noqa: BLE001 - this request fails alone; the cause goes to the log
             error = convert.internal_error(f"{method} stream failed: {type(e).__name__}: {e}", exc_info=True)
             status = error.code
-            yield _data(error_body(error.code, error.message, kind=req.kind)[1])
+            yield _data(error_body(error.code, error.message)[1])
         except BaseException:  # cancelled (the client went away) or closed early
             status = grpc.StatusCode.CANCELLED
             raise
@@ -270,7 +266,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     async for part in request.stream():
         size += len(part)
         if size > limit:
-            raise convert.invalid(f"body: larger than the limit of {limit} bytes")
+            raise convert.invalid(f"body: larger than the limit of {limit} bytes", "body")
         parts.append(part)
     return b"".join(parts)
 
@@ -288,6 +284,13 @@ async def _disconnected(request: Request) -> None:
     """Returns once the client has gone away (the body is already read, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _event_error(event: Event, names: FieldNames) -> RequestError:
+    """The RequestError of a request the engine ended with an error status (a refused field in `names`' words)."""
+    if event.field_error is not None:
+        return convert.field_error(event.field_error, names)
+    return RequestError(event.code, event.message)
 
 
 def _data(obj: dict[str, Any]) -> str:

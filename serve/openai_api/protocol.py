@@ -1,23 +1,21 @@
-"""OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) as the gRPC `GenerateRequest`.
+"""OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) as the engine's `GenerationRequest`.
 
-Why a GenerateRequest: the gRPC front's validation (`convert.parse_generate`: limits, tokenizing, chat
-templates, `SamplingParams.validate`) is then the one implementation both fronts share. This module only
-checks JSON types (a protobuf field would otherwise refuse a wrong type with a nameless error), maps OpenAI's
-names onto ours, and refuses the OpenAI options we do not implement instead of silently ignoring them. A
-completions request may carry several prompts: one GenerateRequest each. `param_of` turns the field named at
-the start of any rejection (`sampling.temperature: ...`, `chat.messages[1].content: ...`) back into the OpenAI
-parameter name.
+This module checks JSON types (the engine's input processor then does every other check, the same for
+every front), maps OpenAI's names onto ours, and refuses the OpenAI options we do not implement instead of
+silently ignoring them. A completions request may carry several prompts: one GenerationRequest each.
+`field_names` says how an engine field is called here (`max_tokens` may be `max_completion_tokens`, chat's
+`logprobs` count is `top_logprobs`, token-id prompts are `prompt`); every refusal names its parameter.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from serve.convert import invalid
-from serve.proto.paged_jax.v1 import generate_pb2 as pb
+from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
+from paged_jax.errors import FieldNames
+from serve.convert import RequestError, invalid
 
 Kind = Literal["completion", "chat"]
 _UINT32 = 2**32
@@ -48,20 +46,6 @@ _UNSUPPORTED = {
         "response_format": ({"type": "text"},),
     },
 }
-# Prefixes of convert's messages -> the OpenAI parameter they are about.
-_PARAM_PREFIXES = (
-    ("sampling.", ""),
-    ("chat.messages", "messages"),
-    ("chat.tools_json", "tools"),
-    ("chat.chat_template_kwargs_json", "chat_template_kwargs"),
-    ("chat_template_kwargs", "chat_template_kwargs"),
-    ("chat.add_generation_prompt", "add_generation_prompt"),
-    ("chat", "messages"),
-    ("text", "prompt"),
-    ("token_ids", "prompt"),
-    ("messages", "messages"),
-)
-_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")
 
 
 @dataclass(slots=True)
@@ -69,7 +53,7 @@ class OpenAIRequest:
     """One parsed body: the engine request plus what only shapes the response."""
 
     kind: Kind
-    generates: list[pb.GenerateRequest]  # one per prompt (a completions request may carry several)
+    generates: list[GenerationRequest]  # one per prompt (a completions request may carry several)
     model: str | None
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
@@ -77,21 +61,16 @@ class OpenAIRequest:
     max_tokens_name: str  # which name the client used, for error messages
 
 
-def param_of(message: str, max_tokens_name: str = "max_tokens", kind: Kind = "completion") -> str | None:
-    """The OpenAI parameter a rejection message names (None when it names none)."""
-    m = _FIELD.match(message)
-    if m is None:
-        return None
-    field = m.group(1)
-    for prefix, replacement in _PARAM_PREFIXES:
-        if field == prefix or field.startswith(prefix):
-            field = replacement + field[len(prefix) :]
-            break
-    if field == "max_tokens":
-        return max_tokens_name
-    if field == "logprobs" and kind == "chat":
-        return "top_logprobs"
-    return field or None
+def field_names(kind: Kind, max_tokens_name: str = "max_tokens") -> FieldNames:
+    """The engine's field names as this request's client knows them (the table, not the message, decides)."""
+    table = {"prompt_token_ids": "prompt", "max_tokens": max_tokens_name}
+    if kind == "chat":
+        table["logprobs"] = "top_logprobs"
+    return FieldNames(table)
+
+
+def _bad(param: str, text: str) -> RequestError:
+    return invalid(f"{param}: {text}", param)
 
 
 def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
@@ -99,41 +78,28 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid(f"body: not valid JSON ({e})") from None
+        raise _bad("body", f"not valid JSON ({e})") from None
     if not isinstance(body, dict):
-        raise invalid("body: must be a JSON object")
+        raise _bad("body", "must be a JSON object")
     for name, allowed in _UNSUPPORTED[kind].items():
         value = body.get(name)
         if value is not None and value not in allowed:
-            raise invalid(f"{name}: not supported by this server" + (f" (only {allowed[0]!r})" if allowed else ""))
+            raise _bad(name, "not supported by this server" + (f" (only {allowed[0]!r})" if allowed else ""))
     model = _typed(body, "model", str)
     _typed(body, "user", str)  # accepted for compatibility; the engine has no use for it
     stream = bool(_typed(body, "stream", bool))
     options = _typed(body, "stream_options", dict)
     if options is not None and not stream:
-        raise invalid("stream_options: only allowed with stream: true")
+        raise _bad("stream_options", "only allowed with stream: true")
     include_usage = bool(_typed(options or {}, "include_usage", bool, "stream_options.include_usage"))
-    req = pb.GenerateRequest(output_mode=pb.OUTPUT_MODE_TEXT_AND_TOKENS)
     max_tokens_name = "max_tokens"
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens_name = "max_completion_tokens"
-    logprobs = _sampling(body, req.sampling, kind, max_tokens_name)
+    sampling: dict[str, Any] = {}
+    logprobs = _sampling(body, sampling, kind, max_tokens_name)
     salt = _typed(body, "cache_salt", str)
-    if salt is not None:
-        req.cache_salt = salt
-    if kind == "chat":
-        _chat(body, req.chat)
-        generates = [req]
-    else:
-        generates = []
-        for prompt in _prompts(body):
-            one = pb.GenerateRequest()
-            one.CopyFrom(req)
-            if isinstance(prompt, str):
-                one.text = prompt
-            else:
-                one.token_ids.ids.extend(prompt)
-            generates.append(one)
+    prompts = [_chat(body)] if kind == "chat" else _prompts(body)
+    generates = [GenerationRequest(p, dict(sampling), cache_salt=salt) for p in prompts]
     return OpenAIRequest(kind, generates, model, stream, include_usage, logprobs, max_tokens_name)
 
 
@@ -146,14 +112,14 @@ def _typed(body: dict, name: str, kind: type | tuple[type, ...], param: str | No
     if isinstance(value, bool) and bool not in kinds:
         value = object()  # refused below
     if not isinstance(value, kinds):
-        raise invalid(f"{param or name}: must be {_TYPE_NAMES[kinds]}")
+        raise _bad(param or name, f"must be {_TYPE_NAMES[kinds]}")
     return value
 
 
 def _uint(body: dict, name: str, bound: int = _UINT32, param: str | None = None) -> int | None:
     value = _typed(body, name, int, param)
     if value is not None and not 0 <= value < bound:
-        raise invalid(f"{param or name}: must be an integer in [0, {bound})")
+        raise _bad(param or name, f"must be an integer in [0, {bound})")
     return value
 
 
@@ -170,107 +136,104 @@ def _prompts(body: dict) -> list[str | list[int]]:
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
-            raise invalid(f"prompt: {len(prompt)} prompts, more than {MAX_PROMPTS} in one request")
+            raise _bad("prompt", f"{len(prompt)} prompts, more than {MAX_PROMPTS} in one request")
         prompts = list(prompt)
     else:
-        raise invalid("prompt: must be a string, a non-empty list of token ids, or a list of several of either")
+        raise _bad("prompt", "must be a string, a non-empty list of token ids, or a list of several of either")
     for p in prompts:
         if not isinstance(p, str) and not all(0 <= t < 2**63 for t in p):
-            raise invalid("prompt: token ids must be non-negative")
+            raise _bad("prompt", "token ids must be non-negative")
     return prompts
 
 
-def _chat(body: dict, chat: pb.ChatInput) -> None:
+def _chat(body: dict) -> ChatPrompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise invalid("messages: must be a non-empty array of messages")
+        raise _bad("messages", "must be a non-empty array of messages")
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise invalid(f"{where}: must be an object with role and content")
+            raise _bad(where, "must be an object with role and content")
         if m.get("tool_calls"):
-            raise invalid(f"{where}.tool_calls: not supported by this server")
+            raise _bad(f"{where}.tool_calls", "not supported by this server")
         role = _typed(m, "role", str, f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise invalid(
-                        f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported"
-                    )
+                    raise _bad(f"{where}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) are supported")
                 texts.append(part["text"])
             content = "".join(texts)
         if not isinstance(content, str):
-            raise invalid(f"{where}.content: must be a string or an array of text parts")
-        msg = chat.messages.add(role=role or "", content=content)
+            raise _bad(f"{where}.content", "must be a string or an array of text parts")
+        message = {"role": role or "", "content": content}
         for key in ("name", "tool_call_id"):
             value = _typed(m, key, str, f"{where}.{key}")
             if value is not None:
-                setattr(msg, key, value)
-    tools = _typed(body, "tools", list)
-    if tools:
-        chat.tools_json = json.dumps(tools)
-    kwargs = _typed(body, "chat_template_kwargs", dict)
-    if kwargs:
-        chat.chat_template_kwargs_json = json.dumps(kwargs)
+                message[key] = value
+        out.append(message)
+    tools = _typed(body, "tools", list) or None
+    kwargs = _typed(body, "chat_template_kwargs", dict) or {}
     add = _typed(body, "add_generation_prompt", bool)
-    if add is not None:
-        chat.add_generation_prompt = add
+    return ChatPrompt(out, True if add is None else add, tools, kwargs)
 
 
-def _sampling(body: dict, sp: pb.SamplingParams, kind: Kind, max_tokens_name: str) -> int | None:
-    """Copy the sampling fields; returns the number of logprob alternatives the response wants (or None)."""
+def _sampling(body: dict, sp: dict[str, Any], kind: Kind, max_tokens_name: str) -> int | None:
+    """Copy the sampling fields into `sp` (by our names); returns the number of logprob alternatives the
+    response wants (or None)."""
     for name in _FLOATS:
         value = _typed(body, name, (int, float))
         if value is not None:
-            setattr(sp, name, float(value))
+            sp[name] = float(value)
     for name in _UINTS:
         value = _uint(body, name)
         if value is not None:
-            setattr(sp, name, value)
+            sp[name] = value
     for name in _BOOLS:
         value = _typed(body, name, bool)
         if value is not None:
-            setattr(sp, name, value)
+            sp[name] = value
     top_k = _typed(body, "top_k", int)
     if top_k is not None:
         if not -1 <= top_k < 2**31:
-            raise invalid("top_k: must be -1, 0 (both disable it) or a positive integer")
-        sp.top_k = top_k
+            raise _bad("top_k", "must be -1, 0 (both disable it) or a positive integer")
+        sp["top_k"] = top_k
     max_tokens = _uint(body, max_tokens_name)
     if max_tokens is not None:
         if max_tokens < 1:
-            raise invalid(f"{max_tokens_name}: must be >= 1, got {max_tokens}")
-        sp.max_tokens = max_tokens
+            raise _bad(max_tokens_name, f"must be >= 1, got {max_tokens}")
+        sp["max_tokens"] = max_tokens
     seed = _typed(body, "seed", int)
     if seed is not None:
         if not 0 <= seed < 2**63:
-            raise invalid(f"seed: must be an integer in [0, 2^63), got {seed}")
-        sp.seed = seed
+            raise _bad("seed", f"must be an integer in [0, 2^63), got {seed}")
+        sp["seed"] = seed
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise invalid("stop: must be a string or an array of strings")
-        sp.stop.extend(stop)
+            raise _bad("stop", "must be a string or an array of strings")
+        if stop:
+            sp["stop"] = list(stop)
     stop_ids = _typed(body, "stop_token_ids", list)
     if stop_ids:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in stop_ids):
-            raise invalid("stop_token_ids: must be an array of token ids")
-        sp.stop_token_ids.extend(stop_ids)
+            raise _bad("stop_token_ids", "must be an array of token ids")
+        sp["stop_token_ids"] = list(stop_ids)
     best_of = _uint(body, "best_of")
-    if best_of is not None and best_of != (sp.n if sp.HasField("n") else 1):
-        raise invalid("best_of: only best_of == n is supported")
+    if best_of is not None and best_of != sp.get("n", 1):
+        raise _bad("best_of", "only best_of == n is supported")
     if kind == "completion":
         logprobs = _uint(body, "logprobs")
     else:
         top = _uint(body, "top_logprobs")
         wanted = _typed(body, "logprobs", bool)
         if top is not None and not wanted:
-            raise invalid("top_logprobs: needs logprobs: true")
+            raise _bad("top_logprobs", "needs logprobs: true")
         logprobs = (top or 0) if wanted else None
     if logprobs is not None:
-        sp.logprobs = logprobs
+        sp["logprobs"] = logprobs
     return logprobs

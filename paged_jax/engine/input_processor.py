@@ -1,0 +1,251 @@
+"""One validation path: every front's request is one `GenerationRequest`, checked and tokenized here.
+
+`LLM`, the batch job, gRPC and the OpenAI front each turn their input into a `GenerationRequest` (a prompt
+as text, token ids or a chat; the sampling fields the client set; a cache salt and request id) after
+checking only what their own wire format needs (JSON types, protobuf oneofs), and `InputProcessor.process`
+does every other check, once, in one order: request id and cache salt, the prompt (bounded before it is
+encoded, rendered with the chat template, every id in the vocabulary), its length, the sampling fields
+(the model's generation defaults fill what the request left unset; `InputLimits` bound them), and prompt +
+max_tokens against the model's length.
+
+A refusal is a `FieldError` naming the field in the engine's vocabulary: `request_id`, `cache_salt`,
+`prompt` (text), `prompt_token_ids`, `messages` (`messages[i].role`, `messages[i].content`), `tools`,
+`chat_template_kwargs`, `add_generation_prompt`, `chat_template`, and every `SamplingParams` field by its own
+name. A front shows it in its own words with a `FieldNames` table (`paged_jax.errors`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from paged_jax.errors import FieldError
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.tokenization.chat_template import apply_chat_template
+from paged_jax.tokenization.tokenizer import Tokenizer
+
+MAX_CHARS_PER_TOKEN = 8  # no tokenizer makes fewer tokens than characters / 8: text is bounded before encoding
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """A conversation, rendered with the model's chat template when the request is processed."""
+
+    messages: Sequence[Mapping[str, Any]]
+    add_generation_prompt: bool = True
+    tools: list | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    chat_template: Any = None  # a `ChatTemplate` overriding the tokenizer's (LLM.chat's `chat_template`)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One request as every front hands it to the engine.
+
+    `sampling`: a whole `SamplingParams` (used as given), or the fields the client set by name (the
+    model's generation defaults fill the others). Fields other capabilities add (structured output, LoRA
+    adapters, prompt logprobs, logit bias) belong in `SamplingParams` or here, checked in `process`."""
+
+    prompt: str | Sequence[int] | ChatPrompt
+    sampling: SamplingParams | Mapping[str, Any] = field(default_factory=dict)
+    request_id: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """A server's bounds on a request (None: no bound beyond the model's). `default_max_tokens`: a server's
+    max_tokens when the request and the model's defaults give none, capped by `max_tokens` and the room the
+    prompt leaves; without it an unset max_tokens is `SamplingParams`' default."""
+
+    max_prompt_tokens: int | None = None  # None: only prompt + max_tokens is bounded; 0: the model's length - 1
+    max_tokens: int | None = None
+    default_max_tokens: int | None = None
+    max_n: int | None = None
+    max_stop_strings: int | None = None
+    max_stop_string_chars: int | None = None
+    max_stop_token_ids: int | None = None
+    max_request_id_chars: int | None = None
+    max_cache_salt_chars: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A request that passed every check: its prompt as ids (and as text when it came as text)."""
+
+    request_id: str | None
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, chat: ChatPrompt) -> list[int]:
+    """A conversation rendered with the chat template (`chat.chat_template`, else the tokenizer's) and
+    tokenized. Raises ChatTemplateError (a FieldError) naming the field."""
+    _, ids = apply_chat_template(
+        tokenizer,
+        chat.messages,
+        add_generation_prompt=chat.add_generation_prompt,
+        tools=chat.tools,
+        chat_template=chat.chat_template,
+        template_kwargs=chat.template_kwargs,
+    )
+    return ids
+
+
+def sampling_params(
+    sampling: SamplingParams | Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    vocab_size: int | None = None,
+    max_n: int = 64,
+) -> SamplingParams:
+    """`sampling` as validated `SamplingParams` (a mapping: `defaults` fill the fields it leaves unset).
+    Raises FieldError naming the field."""
+    if isinstance(sampling, SamplingParams):
+        return sampling.validate(vocab_size, max_n)
+    unknown = sorted(set(sampling) - SAMPLING_FIELDS)
+    if unknown:
+        raise FieldError(unknown[0], "unknown field")
+    return SamplingParams(**{**(defaults or {}), **sampling}).validate(vocab_size, max_n)
+
+
+class InputProcessor:
+    """Checks and tokenizes requests for one model: its tokenizer, vocabulary and length, the largest `n`
+    an engine can run, the model's generation defaults, and a server's `InputLimits`."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_n: int,
+        defaults: Mapping[str, Any] | None = None,
+        limits: InputLimits | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size, self.max_model_len, self.max_n = vocab_size, max_model_len, max_n
+        self.defaults = defaults if defaults is not None else {}  # read at each request
+        self.limits = limits or InputLimits()
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt a server allows: its limit, and room for at least one generated token (None: no
+        bound of its own; prompt + max_tokens is still bounded by the model's length)."""
+        if self.limits.max_prompt_tokens is None:
+            return None
+        return min(self.limits.max_prompt_tokens or self.max_model_len, self.max_model_len - 1)
+
+    def process(self, req: GenerationRequest) -> ProcessedRequest:
+        """Every check of one request, in order; raises FieldError naming the first field at fault."""
+        lim = self.limits
+        if req.request_id is not None and lim.max_request_id_chars is not None:
+            if not 0 < len(req.request_id) <= lim.max_request_id_chars:
+                raise FieldError("request_id", f"must have 1 to {lim.max_request_id_chars} characters")
+        if req.cache_salt is not None:
+            if not isinstance(req.cache_salt, str):
+                raise FieldError("cache_salt", "must be a string")
+            if lim.max_cache_salt_chars is not None and len(req.cache_salt) > lim.max_cache_salt_chars:
+                raise FieldError("cache_salt", f"longer than {lim.max_cache_salt_chars} characters")
+        text, ids, name = self._prompt(req.prompt)
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise FieldError(
+                name,
+                f"the prompt has {len(ids)} tokens, more than the limit of {self.max_prompt_tokens} "
+                f"(max_model_len {self.max_model_len})",
+            )
+        params = self._sampling(req.sampling, len(ids))
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise FieldError(
+                "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})",
+            )
+        return ProcessedRequest(req.request_id, text, ids, params, req.cache_salt)
+
+    # -- the prompt -------------------------------------------------------------------------------------
+    def _prompt(self, prompt: str | Sequence[int] | ChatPrompt) -> tuple[str | None, list[int], str]:
+        """(text or None, ids, the prompt's field name)."""
+        limit = self.max_prompt_tokens
+        if isinstance(prompt, str):
+            if not prompt:
+                raise FieldError("prompt", "must not be empty")
+            if limit is not None and len(prompt) > limit * MAX_CHARS_PER_TOKEN:  # bound it before encoding it
+                raise FieldError("prompt", f"longer than the prompt limit of {limit} tokens")
+            return prompt, self.tokenizer.encode(prompt), "prompt"
+        if isinstance(prompt, ChatPrompt):
+            return None, self._chat(prompt, limit), "messages"
+        ids = list(prompt)
+        if not ids:
+            raise FieldError("prompt_token_ids", "must not be empty")
+        if limit is not None and len(ids) > limit:  # bound the input before looking at every id
+            raise FieldError(
+                "prompt_token_ids",
+                f"the prompt has {len(ids)} tokens, more than the limit of {limit} "
+                f"(max_model_len {self.max_model_len})",
+            )
+        bad = next((t for t in ids if not _is_token_id(t, self.vocab_size)), None)
+        if bad is not None:
+            raise FieldError("prompt_token_ids", f"{bad!r} is not a token id in [0, {self.vocab_size})")
+        return None, [int(t) for t in ids], "prompt_token_ids"
+
+    def _chat(self, chat: ChatPrompt, limit: int | None) -> list[int]:
+        for i, m in enumerate(chat.messages):  # as for text: no message longer than any prompt the limit allows
+            content = m.get("content") if isinstance(m, Mapping) else None
+            if limit is not None and isinstance(content, str) and len(content) > limit * MAX_CHARS_PER_TOKEN:
+                raise FieldError(f"messages[{i}].content", f"longer than the prompt limit of {limit} tokens")
+        return chat_prompt_ids(self.tokenizer, chat)
+
+    # -- sampling ---------------------------------------------------------------------------------------
+    def _sampling(self, sampling: SamplingParams | Mapping[str, Any], prompt_len: int) -> SamplingParams:
+        lim = self.limits
+        max_n = self.max_n if lim.max_n is None else min(self.max_n, lim.max_n)
+        if isinstance(sampling, SamplingParams):
+            return self._bounded(sampling).validate(self.vocab_size, max_n)
+        fields = dict(sampling)
+        unknown = sorted(set(fields) - SAMPLING_FIELDS)
+        if unknown:
+            raise FieldError(unknown[0], "unknown field")
+        explicit = fields.get("max_tokens")
+        if explicit is not None and lim.max_tokens is not None and _is_int(explicit) and explicit > lim.max_tokens:
+            raise FieldError("max_tokens", f"{explicit} is above the limit of {lim.max_tokens}")
+        if explicit is not None and _is_int(explicit) and explicit > self.max_model_len - prompt_len:
+            raise FieldError(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({explicit}) exceeds max_model_len ({self.max_model_len})",
+            )
+        if explicit is None and lim.default_max_tokens is not None:
+            # a server's default: the model's max_new_tokens, else its own; never past the limit or the room left
+            default = self.defaults.get("max_tokens", lim.default_max_tokens)
+            fields["max_tokens"] = min(default, lim.max_tokens or default, self.max_model_len - prompt_len)
+        params = SamplingParams(**{**self.defaults, **fields})
+        return self._bounded(params).validate(self.vocab_size, max_n)
+
+    def _bounded(self, params: SamplingParams) -> SamplingParams:
+        """The server's bounds on stop strings and stop ids (before `validate`'s own checks)."""
+        lim = self.limits
+        stop = params.stop if isinstance(params.stop, list) else []
+        if lim.max_stop_strings is not None and len(stop) > lim.max_stop_strings:
+            raise FieldError("stop", f"more than {lim.max_stop_strings} stop strings")
+        if lim.max_stop_string_chars is not None and any(
+            isinstance(s, str) and len(s) > lim.max_stop_string_chars for s in stop
+        ):
+            raise FieldError("stop", f"a stop string is longer than {lim.max_stop_string_chars} characters")
+        ids = params.stop_token_ids if isinstance(params.stop_token_ids, list) else []
+        if lim.max_stop_token_ids is not None and len(ids) > lim.max_stop_token_ids:
+            raise FieldError("stop_token_ids", f"more than {lim.max_stop_token_ids} ids")
+        return params
+
+
+def _is_token_id(t: Any, vocab_size: int) -> bool:
+    return not isinstance(t, bool) and isinstance(t, (int, np.integer)) and 0 <= t < vocab_size
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
