@@ -2,11 +2,13 @@
 
 SmolLM2-135M-Instruct in float32, greedy, batches of 1, 4 and 32 requests submitted together, on two workloads:
 `copy` (chat prompts whose answer copies or edits text in the prompt: code to rewrite, a passage to quote) and
-`chat` (plain questions). Each engine runs each batch twice and the second run is timed (the first compiles the
-shapes it needs). Prints generated tokens/s, mean per-request latency, the speed-up over plain decoding, the
-acceptance rate and drafts kept per verified sequence, and whether every output equals the plain one.
+`chat` (plain questions). Proposers: n-gram, and a draft model (the target's own checkpoint quantized w8a8).
+Each engine runs each batch twice and the second run is timed (the first compiles the shapes it needs). Prints
+generated tokens/s, mean per-request latency, the speed-up over plain decoding, the acceptance rate and drafts
+kept per verified sequence, and whether every output equals the plain one.
 
-    .venv/bin/python scripts/bench_spec.py [--methods ngram] [--batches 1,4,32] [--max-tokens 128] [--k 3]
+    .venv/bin/python scripts/bench_spec.py [--methods ngram,draft_model] [--batches 1,4,32] [--max-tokens 128]
+        [--k 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -130,12 +132,13 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="ngram", help="comma-separated: ngram")
+    ap.add_argument("--methods", default="ngram,draft_model", help="comma-separated: ngram, draft_model (w8a8 copy)")
     ap.add_argument("--batches", default="1,4,32")
     ap.add_argument("--workloads", default="copy,chat")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--sync-baseline", action="store_true", help="also plain decoding without the lookahead")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config, params, tokenizer = load_model("smollm2-135m-instruct", dtype="float32")
@@ -147,8 +150,12 @@ def main() -> None:
         "warmup": False,
     }
     engines = {"plain": LLMEngine(config, params, tokenizer, EngineConfig(**base))}
+    if args.sync_baseline:  # what the one-step lookahead is worth (a speculating batch runs without it)
+        engines["plain-sync"] = LLMEngine(config, params, tokenizer, EngineConfig(**base, async_scheduling=False))
     for method in args.methods.split(","):
         spec = {"method": method, "num_speculative_tokens": args.k}
+        if method == "draft_model":  # the target's own checkpoint, weights and activations in int8
+            spec |= {"model": "smollm2-135m-instruct", "quantization": "w8a8"}
         engines[method] = LLMEngine(config, params, tokenizer, EngineConfig(**base, speculative_config=spec))
     rows = []
     print("workload  batch  engine  tokens/s  latency_s  speedup  acceptance  kept/run  same_output")
