@@ -8,13 +8,69 @@ each front shows it in its own words (`paged_jax.engine.input_processor`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from paged_jax.errors import FieldError
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64  # the sampler's ban list has a fixed width (compiled once), so this many at most
 FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger values become inf there
+
+
+@dataclass(slots=True)
+class StructuredOutputs:
+    """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one field is set.
+
+    `json`: a JSON Schema (a dict, or its JSON text), or True for any JSON object; `regex`: the whole output
+    matches it; `choice`: the output is one of these strings; `grammar`: a Lark grammar (llguidance's dialect)
+    or a GBNF one (llama.cpp's; converted); `structural_tag`: llguidance's tool-call tags, `{"structures":
+    [{"begin", "schema", "end"}], "triggers": [...]}` (vLLM's format). The grammar is compiled against the
+    model's tokenizer when the request is added (`paged_jax.structured`); a field it refuses is an error for
+    that request only, named `structured_outputs.<field>`.
+    """
+
+    json: dict[str, Any] | str | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StructuredOutputs:
+        """From `{"json": ...}` and the like; an unknown key is a FieldError naming it."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise FieldError(f"structured_outputs.{unknown[0]}", f"unknown field (known: {', '.join(sorted(names))})")
+        return cls(**data)
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set (validate first)."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) is not None)
+
+    def validate(self) -> StructuredOutputs:
+        """Types only (the backend compiles the grammar); raises FieldError naming the field."""
+        given = [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs", f"set exactly one of json, regex, choice, grammar, structural_tag (got {given})"
+            )
+        kind = given[0]
+        value = getattr(self, kind)
+        field_name = f"structured_outputs.{kind}"
+        if kind == "json" and not (isinstance(value, (dict, str)) or value is True):
+            raise FieldError(field_name, "must be a JSON Schema (an object or its text) or true")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise FieldError(field_name, "must be a non-empty string")
+        if kind == "choice" and (
+            not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise FieldError(field_name, "must be a non-empty list of non-empty strings")
+        if kind == "structural_tag" and not isinstance(value, (dict, str)):
+            raise FieldError(field_name, "must be an object (or its JSON text)")
+        return self
 
 
 @dataclass(slots=True)
@@ -45,6 +101,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens kept as written, runs decoded alone
     detokenize: bool = True  # False: token ids only, no text (as vLLM's); stop strings then cannot be matched
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +112,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -132,4 +191,8 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise FieldError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise FieldError("structured_outputs", "must be a StructuredOutputs (or a dict of its fields)")
+            self.structured_outputs.validate()
         return self

@@ -9,9 +9,9 @@ compiler, so layout, tiling, VMEM and DMA errors in the kernels show up here. Ex
 The KV audit (``--audit``, on by default) compiles the engine's whole jitted step for every shipped config
 (tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b, smollm2-135m) x TP 1, 4, 8 (where the model shards) x a
 decode and a chunked-prefill bucket, with the KV pages sized as the engine would size them on one chip, and
-fails when the compiled HLO copies or transposes a KV page array (any instruction producing a KV-shaped
-array other than the in-place scatter) or when the temporaries that grow with the KV cache exceed 5% of one
-layer's KV pages. A failure names the config and the instruction.
+fails when the compiled HLO copies or transposes a KV page array (``paged_jax.worker.hlo_audit.kv_copies``:
+any instruction producing a KV-shaped array other than the in-place scatter) or when the temporaries that grow
+with the KV cache exceed 5% of one layer's KV pages. A failure names the config and the instruction.
 
 ``--quantized TOPOLOGY`` (default v5e:1x1) compiles the one-chip step of Llama-3.1-8B with int8 weights and int8
 (and fp8_e4m3) KV pages next to the bfloat16 ones, prints per-chip memory and KV tokens, and fails below 100k
@@ -50,6 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
+from paged_jax.worker.hlo_audit import kv_copies  # noqa: E402
 from pallas_kernels.common import kv_pages_shape  # noqa: E402
 from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu  # noqa: E402
 
@@ -197,42 +198,6 @@ def compile_step(
         "num_layers": config.num_layers,
     }
     return compiled, facts
-
-
-def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
-    """HLO instructions that produce a whole KV page array other than in place: copies, transposes, and any
-    other op with a KV-shaped result except the donated parameters, the in-place scatter (and fusions whose
-    root is one), tuples, get-tuple-element and bitcasts."""
-    short = {"bfloat16": "bf16", "float32": "f32", "int8": "s8", "float8_e4m3fn": "f8e4m3fn"}[jnp.dtype(dtype).name]
-    shape = f"{short}[{','.join(str(d) for d in local_kv_shape)}]"
-    allowed = (
-        "parameter(",
-        "scatter(",
-        "get-tuple-element(",
-        "tuple(",
-        "bitcast(",
-        "custom-call(",
-        "dynamic-update-slice(",
-        "opt-barrier(",
-    )
-    bad = []
-    for line in hlo.splitlines():
-        line = line.strip()
-        if "=" not in line:
-            continue
-        lhs, rhs = line.split("=", 1)
-        rhs = rhs.strip()
-        if not rhs.startswith(shape):
-            continue
-        op = rhs[len(shape) :].split(" ", 2)
-        opname = op[1] if len(op) > 1 else rhs
-        if opname.startswith(allowed):
-            continue
-        in_place = ("scatter", "dynamic-update-slice", "dynamic_update")
-        if opname.startswith("fusion(") and any(k in lhs for k in in_place):
-            continue  # an in-place scatter fusion (its output aliases the donated input)
-        bad.append(line[:200])
-    return bad
 
 
 AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b", "smollm2-135m")

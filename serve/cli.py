@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from serve.config import ServingConfig, ServingLimits
+from .config import ServingConfig, ServingLimits
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +55,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
+    from paged_jax.lora.named import parse_lora_modules
+
     token = os.environ.get("PAGED_JAX_AUTH_TOKEN")
     if token is not None and not token.strip():  # set but empty: a mistake, never "no auth"
         raise ValueError("PAGED_JAX_AUTH_TOKEN: is set but empty; unset it to serve without auth")
@@ -85,6 +87,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         allow_invariant_checks=args.allow_invariant_checks,
         grace_period_s=args.grace_period,
         limits=limits,
+        lora_modules=tuple(parse_lora_modules(args.lora_modules)),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     config.validate()
     return config
@@ -92,7 +96,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
 
 def run_serve(args: argparse.Namespace) -> int:
     from paged_jax.engine.args import build_engine
-    from serve.server import serve_forever
+
+    from .server import serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -137,7 +142,7 @@ def run_client(args: argparse.Namespace) -> int:
     """Stream the completion to stdout (sample i > 0 prefixed with [i]); usage and timing to stderr."""
     import grpc
 
-    from serve.client import Client, chat_input
+    from .client import Client, chat_input
 
     roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     sampling = {
@@ -179,6 +184,6 @@ def run_client(args: argparse.Namespace) -> int:
 
 
 def pb_finish_name(value: int) -> str:
-    from serve.proto.paged_jax.v1 import generate_pb2 as pb
+    from .proto.paged_jax.v1 import generate_pb2 as pb
 
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()

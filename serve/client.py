@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serve.proto.paged_jax.v1 import generate_pb2 as pb
-from serve.proto.paged_jax.v1 import generate_pb2_grpc as pb_grpc
+from .proto.paged_jax.v1 import generate_pb2 as pb
+from .proto.paged_jax.v1 import generate_pb2_grpc as pb_grpc
 
 
 def chat_input(
@@ -35,6 +35,7 @@ def build_request(
     request_id: str | None = None,
     cache_salt: str | None = None,
     output_mode: int = pb.OUTPUT_MODE_UNSPECIFIED,
+    lora_name: str | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids or a ChatInput (see `chat_input`); `sampling` keywords are
@@ -50,6 +51,8 @@ def build_request(
         req.request_id = request_id
     if cache_salt is not None:
         req.cache_salt = cache_salt
+    if lora_name is not None:
+        req.lora_name = lora_name
     return req
 
 

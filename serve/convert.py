@@ -25,9 +25,10 @@ from paged_jax.engine.input_processor import MAX_CHARS_PER_TOKEN, ChatPrompt, Ge
 from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from paged_jax.sampling_params import SamplingParams
-from serve.config import ServingLimits
-from serve.proto.paged_jax.v1 import generate_pb2 as pb
+from paged_jax.sampling_params import SamplingParams, StructuredOutputs
+
+from .config import ServingLimits
+from .proto.paged_jax.v1 import generate_pb2 as pb
 
 FINISH_REASONS = {
     "eos": pb.FINISH_REASON_EOS,
@@ -96,6 +97,7 @@ class ParsedRequest:
     params: SamplingParams
     cache_salt: str | None
     output_mode: int
+    lora_name: str | None = None  # a served LoRA adapter (the servicer resolves it: NOT_FOUND when unknown)
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -226,7 +228,8 @@ def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedReq
         p = inputs.process(request)
     except FieldError as e:
         raise field_error(e, GRPC_FIELDS) from None
-    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode)
+    lora = req.lora_name if req.HasField("lora_name") else None
+    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode, lora)
 
 
 def _json_field(field: str, text: str, kind: type) -> Any:
@@ -266,7 +269,30 @@ def sampling_fields(sp: pb.SamplingParams) -> dict[str, Any]:
         fields["stop"] = list(sp.stop)
     if sp.stop_token_ids:
         fields["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.HasField("structured_output"):
+        fields["structured_outputs"] = structured_outputs(sp.structured_output)
     return fields
+
+
+def structured_outputs(so: pb.StructuredOutput) -> StructuredOutputs:
+    """The engine's `StructuredOutputs` of a `StructuredOutput` message (INVALID_ARGUMENT naming the field for
+    what the message itself gets wrong; the engine's grammar compile checks the rest, and bounds its size)."""
+    kind = so.WhichOneof("kind")
+    field = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise invalid("sampling.structured_output: set one of json_schema, json_object, regex, choice, grammar")
+    value = getattr(so, kind)
+    if kind == "json_object":
+        if not value:
+            raise invalid(f"{field}: must be true when set", field)
+        return StructuredOutputs(json=True)
+    if kind == "json_schema":
+        return StructuredOutputs(json=_json_field(field, value, dict) or {})
+    if kind == "structural_tag":
+        return StructuredOutputs(structural_tag=_json_field(field, value, dict) or {})
+    if kind == "choice":
+        return StructuredOutputs(choice=list(value.choices))
+    return StructuredOutputs(**{kind: value})
 
 
 # -- outputs ----------------------------------------------------------------------------------------

@@ -20,13 +20,14 @@ from grpc_reflection.v1alpha import reflection
 
 from paged_jax.engine.protocol import Engine
 from paged_jax.worker.warmup import serving_plans
-from serve.auth import BearerTokenInterceptor, server_credentials
-from serve.background import BackgroundServer
-from serve.config import ServingConfig
-from serve.engine_loop import EngineLoop
-from serve.metrics import Metrics
-from serve.openai_api.server import start_http_front
-from serve.servicer import SERVICE_NAME, GenerationServicer, generic_handler
+
+from .auth import BearerTokenInterceptor, server_credentials
+from .background import BackgroundServer
+from .config import ServingConfig
+from .engine_loop import EngineLoop
+from .metrics import Metrics
+from .openai_api.server import start_http_front
+from .servicer import SERVICE_NAME, GenerationServicer, generic_handler
 
 log = logging.getLogger(__name__)
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -192,7 +193,10 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     compiled, and the rest compile in the background (`GrpcServer.start_warm_up`).
     """
     metrics = Metrics()
-    loop = EngineLoop(engine, on_step=metrics.on_step).start()
+    loop = EngineLoop(engine, on_step=metrics.on_step)
+    for name, path in config.lora_modules:
+        loop.adapters.add(name, path)
+    loop.start()
     metrics.engine_alive.set(1)
     if config.metrics_port is not None:
         token = config.auth_token if config.metrics_auth else None

@@ -5,7 +5,9 @@ runs it on the device (`paged_jax.worker.runner`), appends the sampled tokens, h
 (`paged_jax.engine.output_processor`: stop checks, detokenization, outputs) and frees the pages of every sequence
 that finished. Every page a request holds goes back when it finishes, is aborted, or fails. With
 `async_scheduling` the step looks one step ahead (`paged_jax.engine.lookahead`). With a `speculative_config` a
-step also verifies drafts (`paged_jax.spec`).
+step also verifies drafts (`paged_jax.spec`). A request with structured outputs
+gets one grammar matcher per sample when it is added (`paged_jax.structured`); each sampled token advances
+it, and each step's constrained rows get their bitmask filled while the device runs the forward pass.
 """
 
 from __future__ import annotations
@@ -26,16 +28,20 @@ from paged_jax.engine.protocol import EngineStats
 from paged_jax.errors import FieldError
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.lora.registry import AdapterCache, SlotTable
+from paged_jax.lora.request import LoRARequest
 from paged_jax.model import quant
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
 from paged_jax.spec.decoder import SpecDecoder
+from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, StructuredRows
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.kv_budget import kv_capacity_pages
-from paged_jax.worker.runner import ModelRunner, StepResult
+from paged_jax.worker.runner import LoraShape, ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
 
@@ -91,6 +97,10 @@ class LLMEngine:
             run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
         )
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
+        self.adapters, lora_slots, lora_shape = None, None, None
+        if ec.enable_lora:  # adapters are checked against the model's own shapes, slots use the run config's
+            self.adapters = AdapterCache(config, ec.max_lora_rank, ec.max_cpu_loras or ec.max_loras)
+            lora_slots, lora_shape = SlotTable(ec.max_loras), LoraShape(ec.max_loras, ec.max_lora_rank)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=ec.max_num_seqs,
@@ -99,6 +109,7 @@ class LLMEngine:
             enable_prefix_caching=ec.enable_prefix_caching,
             reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
             watermark=ec.watermark,
+            lora_slots=lora_slots,
         )
         self.runner = ModelRunner(
             run_config,
@@ -111,6 +122,7 @@ class LLMEngine:
             attention_backend=ec.attention_backend,
             kv_dtype=ec.kv_dtype,
             mesh=mesh,
+            lora=lora_shape,
             num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
         )
         if spec_config is not None:
@@ -126,6 +138,10 @@ class LLMEngine:
             tokenizer, eos_token_ids=config.eos_token_ids, max_model_len=self.max_model_len, seed=ec.seed
         )
         self.lookahead = Lookahead()
+        limits = StructuredLimits(
+            max_grammar_bytes=ec.structured_max_grammar_bytes, compile_timeout_s=ec.structured_compile_timeout_s
+        )
+        self.structured = StructuredRows(LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_ids, limits))
         self.kv_cache_bytes = quant.kv_bytes_per_token(config, kv_dtype) * self.num_pages * ec.page_size
         self.kv_token_gain = quant.kv_token_gain(config, kv_dtype)  # tokens per byte vs bfloat16 pages
         log.info(
@@ -167,11 +183,31 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (`params` None: the model's generation defaults). Raises FieldError naming the field
-        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache."""
+        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache;
+        `lora_request`: run it with that adapter (`paged_jax.lora`; a LoraError, field `lora_request`, when it
+        cannot be served)."""
+        adapter = None
+        if lora_request is not None:
+            if self.adapters is None:
+                raise FieldError("lora_request", "LoRA is not enabled on this engine (enable_lora)")
+            adapter = self.adapters.get(lora_request)
         request = GenerationRequest(prompt, params if params is not None else {}, cache_salt=cache_salt)
         req = self.outputs.add_request(request_id, self.inputs.process(request), arrival_time, self._check_fits)
+        params = req.params
+        if params.structured_outputs is not None:
+            if self.spec is not None:
+                del self.outputs.requests[request_id]
+                raise FieldError("structured_outputs", "not supported together with speculative decoding (yet)")
+            try:
+                req.matchers = self.structured.matchers(params.structured_outputs, params.n)
+            except ValueError:
+                del self.outputs.requests[request_id]
+                raise
+        for seq in req.seqs:
+            seq.lora = adapter
         self.scheduler.add(req.seqs[0], req.seqs[1:])
 
     def _check_fits(self, total_tokens: int) -> None:
@@ -249,17 +285,25 @@ class LLMEngine:
             outputs, prev = self.finish_step(prev), None  # speculating: the next step's drafts need these tokens
         if prev is not None:
             self.lookahead.mark_pending(prev, self._is_live, self.outputs.is_last_token)
-        self.lookahead.inflight = self.launch_step(prev)
-        return outputs if prev is None else self.finish_step(prev)
+        launched = self.launch_step(prev, defer_masks=True)
+        if prev is not None:
+            outputs = self.finish_step(prev)
+        if launched is not None and launched.samples is None:  # constrained rows: their masks need prev's tokens
+            launched = self.launch_sampling(launched)
+        self.lookahead.inflight = launched
+        return outputs
 
     def _is_live(self, seq: TokenSequence) -> bool:
         return not seq.finished and seq.request_id in self.outputs.requests
 
-    def launch_step(self, prev: Launched | None = None) -> Launched | None:
+    def launch_step(self, prev: Launched | None = None, defer_masks: bool = False) -> Launched | None:
         """First half of `step`: schedule and dispatch to the device without waiting (None: nothing to run).
 
         Every launched step must be passed to `finish_step` before the next `launch_step`. Data parallelism
-        launches every replica's step before finishing any, so the replicas' devices run together.
+        launches every replica's step before finishing any, so the replicas' devices run together. A step
+        with structured-output rows dispatches its forward pass, fills their masks meanwhile and then
+        dispatches its sampling; with `defer_masks` (the lookahead: the masks need `prev`'s tokens) its
+        sampling is left to `launch_sampling`, after `finish_step(prev)`.
         """
         t0 = time.perf_counter()
         if self.spec is not None and prev is None:  # every token is on the host: propose drafts
@@ -267,9 +311,31 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return None
-        samples = self.runner.launch(sched, None if prev is None else prev.samples)
+        forward = self.runner.launch_forward(sched, None if prev is None else prev.samples)
         self.num_launched += 1
-        return Launched(sched, samples, time.perf_counter() - t0)
+        launched = Launched(sched, None, time.perf_counter() - t0, forward)
+        if defer_masks and self._constrained_rows(sched):
+            return launched
+        return self.launch_sampling(launched)
+
+    def launch_sampling(self, launched: Launched) -> Launched:
+        """Fill the bitmask of `launched`'s structured-output rows (from their matchers' current state) and
+        dispatch its sampling."""
+        t0 = time.perf_counter()
+        bitmask = self.structured.bitmask(self._constrained_rows(launched.sched), len(launched.sched.sample_rows))
+        samples = self.runner.launch_sample(launched.forward, bitmask)
+        return Launched(launched.sched, samples, launched.host_seconds + time.perf_counter() - t0)
+
+    def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[Matcher, int]]:
+        """(matcher, sample row) of each live structured-output sequence `sched` samples."""
+        rows = []
+        for r, row in enumerate(sched.sample_rows):
+            seq = row.seq
+            req = self.outputs.requests.get(seq.request_id)
+            m = None if req is None or seq.finished else req.matcher(seq)
+            if m is not None:
+                rows.append((m, r))
+        return rows
 
     def finish_step(self, launched: Launched) -> list[RequestOutput]:
         """Second half of `step`: wait for the samples, append tokens, apply stops, free finished requests."""
@@ -312,6 +378,11 @@ class LLMEngine:
             seq.append_token(token)
         k = seq.params.logprobs
         reason = self.outputs.check_token(req, seq, token, None if k is None else result.logprobs_of(row, k))
+        matcher = req.matcher(seq)
+        if matcher is not None and reason is None:
+            reason = self._advance(seq, matcher, token)
+            if reason is not None:
+                seq.finish_time = time.monotonic()
         if reason is not None:
             self._remove(seq, reason)
 
@@ -320,3 +391,12 @@ class LLMEngine:
         self.scheduler.remove(seq, reason)
         if self.spec is not None:
             self.spec.release(seq)
+
+    @staticmethod
+    def _advance(seq: TokenSequence, matcher: Matcher, token: int) -> FinishReason | None:
+        """Advance `seq`'s grammar by `token`: EOS when the grammar is complete (nothing may follow), ERROR (the
+        matcher's message as the stop reason) when it refused the token or failed (a resource limit)."""
+        if not matcher.accept(token):
+            seq.stop_reason = f"structured output: {matcher.error or f'token {token} refused'}"
+            return FinishReason.ERROR
+        return FinishReason.EOS if matcher.is_stopped else None

@@ -20,6 +20,7 @@ from paged_jax.errors import FieldError
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.sched.sequence import FinishReason, TokenSequence
+from paged_jax.structured.backend import Matcher
 from paged_jax.tokenization.detokenizer import Detokenizer
 from paged_jax.tokenization.tokenizer import Tokenizer
 
@@ -35,6 +36,10 @@ class RequestState:
     seqs: list[TokenSequence]
     detoks: list[Detokenizer]
     arrival_time: float
+    matchers: list[Matcher] | None = None  # structured output: one grammar matcher per sample
+
+    def matcher(self, seq: TokenSequence) -> Matcher | None:
+        return None if self.matchers is None else self.matchers[seq.index]
 
     @property
     def finished(self) -> bool:

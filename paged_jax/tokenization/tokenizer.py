@@ -167,6 +167,10 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The `tokenizers` JSON of this tokenizer (what grammar backends build their token trie from)."""
+        return self._tok.to_str()
+
     def describe(self) -> str:
         """One line for `paged-jax info`: model type and what the post-processor adds."""
         data = json.loads(self._tok.to_str())

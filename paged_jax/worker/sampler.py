@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.sampling_params import MAX_LOGPROBS
+from paged_jax.structured.bitmask import apply_bitmask
 from pallas_kernels.common import MASK_VALUE as MASK
 
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (as in vLLM): x / t would overflow float32
@@ -236,17 +237,30 @@ def chosen_logprob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("do_sample", "do_filter", "do_penalty", "want_logprobs"))
 def sample(
-    logits: jax.Array, meta: SamplingMeta, *, do_sample: bool, do_filter: bool, do_penalty: bool, want_logprobs: bool
+    logits: jax.Array,
+    meta: SamplingMeta,
+    bitmask: jax.Array | None = None,
+    *,
+    do_sample: bool,
+    do_filter: bool,
+    do_penalty: bool,
+    want_logprobs: bool,
 ) -> SamplerOutput:
     """Pick one token per row. `logits` [S, V] float32. The static flags select the cheapest variant.
 
     Greedy rows (temperature < `MIN_TEMPERATURE`) take the first highest score after penalties and the ban list.
     Sampled rows draw from softmax(scores / temperature) restricted to what the filters keep (`categorical`
-    with `row_uniforms`).
+    with `row_uniforms`). `bitmask` (int32 [S, ceil(V / 32)], `paged_jax.structured.bitmask`): the tokens a
+    structured-output row may take; everything downstream (penalties, greedy, filters, the draw, logprobs)
+    sees the masked distribution, so a disallowed token is never chosen.
     """
     logits = logits.astype(jnp.float32)
     num_rows, vocab = logits.shape
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
     x = _apply_penalties(logits, meta) if do_penalty else logits
+    if bitmask is not None and do_penalty:  # a penalty can lift a masked score (MASK / a repetition penalty)
+        x = apply_bitmask(x, bitmask)
     suppress = jnp.where(meta.suppress >= 0, meta.suppress, vocab)
     rows = jnp.arange(num_rows)[:, None]
     x = x.at[rows, suppress].set(MASK, mode="drop")
@@ -256,6 +270,8 @@ def sample(
         # Masked again after scaling: MASK / a huge temperature is close to 0, which would let a suppressed
         # token (EOS under min_tokens) back in.
         y = (x / temp[:, None]).at[rows, suppress].set(MASK, mode="drop")
+        if bitmask is not None:  # likewise a token the bitmask masked (its score is exactly MASK)
+            y = jnp.where(x == MASK, MASK, y)
         tokens = first_argmax(y)  # the greedy rows' pick: their y is x (divided by 1)
         weights = jnp.exp(y - jnp.max(y, axis=-1, keepdims=True))  # a suppressed token's is exactly 0
         if do_filter:

@@ -13,9 +13,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serve.convert import RequestError
-from serve.openai_api.errors import error_response
-from serve.openai_api.front import OpenAIFront
+from ..convert import RequestError
+from .errors import error_response
+from .front import OpenAIFront
 
 _HTTP_CODES = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED}
 
@@ -45,6 +45,16 @@ def create_app(front: OpenAIFront) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         front.check_auth(request)
         return JSONResponse(front.models())
+
+    if front.config.enable_lora_runtime_updates:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return await front.load_adapter(request)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await front.unload_adapter(request)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

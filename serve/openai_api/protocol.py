@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
 from paged_jax.errors import FieldNames
-from serve.convert import RequestError, invalid
+
+from ..convert import RequestError, invalid
+from .structured import structured_output
 
 Kind = Literal["completion", "chat"]
 _UINT32 = 2**32
@@ -43,7 +45,6 @@ _UNSUPPORTED = {
         "prediction": (),
         "modalities": (["text"],),
         "tool_choice": ("none", "auto"),
-        "response_format": ({"type": "text"},),
     },
 }
 
@@ -59,11 +60,14 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: int | None  # alternatives per token in the response (None: no logprobs)
     max_tokens_name: str  # which name the client used, for error messages
+    structured_param: str | None = None  # the parameter that asked for structured output (response_format, ...)
 
 
-def field_names(kind: Kind, max_tokens_name: str = "max_tokens") -> FieldNames:
+def field_names(kind: Kind, max_tokens_name: str = "max_tokens", structured_param: str | None = None) -> FieldNames:
     """The engine's field names as this request's client knows them (the table, not the message, decides)."""
     table = {"prompt_token_ids": "prompt", "max_tokens": max_tokens_name}
+    if structured_param is not None:  # the engine's `structured_outputs.<kind>` (a grammar it refused)
+        table["structured_outputs"] = structured_param
     if kind == "chat":
         table["logprobs"] = "top_logprobs"
     return FieldNames(table)
@@ -97,10 +101,13 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
         max_tokens_name = "max_completion_tokens"
     sampling: dict[str, Any] = {}
     logprobs = _sampling(body, sampling, kind, max_tokens_name)
+    constraint, structured_param = structured_output(body)
+    if constraint is not None:
+        sampling["structured_outputs"] = constraint
     salt = _typed(body, "cache_salt", str)
     prompts = [_chat(body)] if kind == "chat" else _prompts(body)
     generates = [GenerationRequest(p, dict(sampling), cache_salt=salt) for p in prompts]
-    return OpenAIRequest(kind, generates, model, stream, include_usage, logprobs, max_tokens_name)
+    return OpenAIRequest(kind, generates, model, stream, include_usage, logprobs, max_tokens_name, structured_param)
 
 
 def _typed(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:

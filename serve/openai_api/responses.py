@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from serve.openai_api.protocol import Kind
+
+from .protocol import Kind
 
 FINISH_REASONS = {
     "eos": "stop",

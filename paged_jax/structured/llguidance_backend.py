@@ -1,0 +1,194 @@
+"""The llguidance grammar backend: JSON Schema, regex, choice, Lark / GBNF grammars and structural tags.
+
+llguidance (guidance-ai's Rust library, numpy API) builds its token trie from the model's own tokenizer: the
+`tokenizer.json` of an HF directory, or the one rebuilt from GGUF metadata (both are `HFTokenizer`s); the
+byte tokenizer of the `tiny` config is described token by token. A compiled grammar costs about a millisecond;
+a mask is computed lazily over the token trie, and `fill` computes a step's rows in parallel on llguidance's
+own threads (`LLExecutor`), with the GIL released.
+
+JSON is generated compactly (`", "` and `": "` between items, no free whitespace elsewhere): a model left free
+whitespace can emit it forever and never close the object. Hostile constraints are bounded by
+`StructuredLimits`: the text's size before anything is compiled, llguidance's fuel limits while compiling and
+per mask, and a wall-clock timeout on the compile (run on a worker thread; the request is refused when it
+passes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from paged_jax.sampling_params import StructuredOutputs
+from paged_jax.structured.backend import GrammarError, StructuredLimits
+from paged_jax.tokenization.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_JSON_OBJECT = {"type": "object"}  # `json=True` (OpenAI's json_object)
+
+
+class LLGuidanceMatcher:
+    """`paged_jax.structured.backend.Matcher` over an `llguidance.LLMatcher`."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        return self._m.consume_token(int(token))
+
+    def fork(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._m.deep_copy())
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error() if self._m.is_error() else ""
+
+
+def _byte_tokenizer_wrapper(tok: ByteTokenizer, vocab_size: int) -> llguidance.TokenizerWrapper:
+    """The byte tokenizer token by token over `vocab_size` ids: byte b is token offset + b; every other id
+    (pad, BOS, EOS, unused, padding) is a named special token that no grammar text matches."""
+
+    class _Tokens:
+        eos_token_id = tok.eos_token_ids[0]
+        bos_token_id = tok.bos_token_id
+        tokens = [b"<|special_%d|>" % i for i in range(vocab_size)]
+        special_token_ids = [i for i in range(vocab_size) if not tok.offset <= i < tok.offset + 256]
+
+        def __call__(self, data: bytes) -> list[int]:
+            return [tok.offset + b for b in data]
+
+    wrapper = _Tokens()
+    for b in range(256):
+        wrapper.tokens[tok.offset + b] = bytes([b])
+    return llguidance.TokenizerWrapper(wrapper)
+
+
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's tokenizer, over `vocab_size` ids (the model's logits width: ids past the
+    tokenizer's own vocabulary are never allowed). About 0.4 s for a 49k vocabulary: build it once."""
+    eos = [int(e) for e in eos_token_ids]
+    if isinstance(tokenizer, HFTokenizer):
+        return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
+    if isinstance(tokenizer, ByteTokenizer):
+        return llguidance.LLTokenizer(_byte_tokenizer_wrapper(tokenizer, vocab_size), eos_token=eos)
+    raise TypeError(f"structured outputs: no grammar vocabulary for a {type(tokenizer).__name__}")
+
+
+def _structural_tag_grammar(value: dict[str, Any] | str) -> str:
+    """vLLM's structural tag (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`) as a
+    llguidance grammar: free text, and wherever a trigger appears, begin + JSON per schema + end."""
+    data = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(data, dict):
+        raise ValueError("must be an object with 'structures' and 'triggers'")
+    structures, triggers = data.get("structures"), data.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise ValueError("needs non-empty 'structures' and 'triggers' lists")
+    tags = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end", ""), str):
+            raise ValueError(f"structures[{i}]: needs 'begin' and 'end' strings and a 'schema'")
+        trigger = next((t for t in triggers if isinstance(t, str) and t and s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structures[{i}]: its begin {s['begin']!r} starts with none of the triggers")
+        schema = s.get("schema", ANY_JSON_OBJECT)
+        schema = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s.get("end", "")))
+    return llguidance.StructTag.to_grammar(tags)
+
+
+def grammar_text(spec: StructuredOutputs) -> tuple[str, int]:
+    """(llguidance grammar, size in bytes of the user's constraint) for `spec` (validated). Raises ValueError
+    with the reason for text llguidance cannot even read (a JSON syntax error, GBNF it cannot convert)."""
+    kind, value = spec.kind, getattr(spec, spec.kind)
+    if kind == "json":
+        schema = ANY_JSON_OBJECT if value is True else json.loads(value) if isinstance(value, str) else value
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON Schema must be an object")
+        text = json.dumps(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS), len(text)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value), len(value.encode())
+    if kind == "choice":
+        return llguidance.grammar_from("choice", list(value)), sum(len(c.encode()) for c in value)
+    if kind == "grammar":
+        return llguidance.grammar_from("grammar", value), len(value.encode())  # Lark, or GBNF converted
+    text = value if isinstance(value, str) else json.dumps(value)
+    return _structural_tag_grammar(value), len(text.encode())
+
+
+class LLGuidanceBackend:
+    """`paged_jax.structured.backend.GrammarBackend` with llguidance, for one model's tokenizer."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        limits: StructuredLimits | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.limits = limits or StructuredLimits()
+        self._tokenizer, self._eos = tokenizer, tuple(eos_token_ids)
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._parser_limits = llguidance.LLParserLimits(
+            max_grammar_size=self.limits.max_grammar_size,
+            initial_lexer_fuel=self.limits.initial_lexer_fuel,
+            step_lexer_fuel=self.limits.step_lexer_fuel,
+            verbose_errors=False,  # an error names the problem, not the grammar and parser state
+        )
+        self._executor = llguidance.LLExecutor(num_threads)
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """Built on first use (most engines never see a constrained request)."""
+        with self._lock:
+            if self._ll is None:
+                self._ll = ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
+            return self._ll
+
+    def matcher(self, spec: StructuredOutputs) -> LLGuidanceMatcher:
+        field = f"structured_outputs.{spec.kind}"
+        try:
+            grammar, size = grammar_text(spec)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(field, str(e).strip()) from None
+        if size > self.limits.max_grammar_bytes:
+            raise GrammarError(field, f"{size} bytes, more than the server's limit of {self.limits.max_grammar_bytes}")
+        tok = self.ll_tokenizer
+        job = self._compiler.submit(self._compile, grammar, tok)
+        try:
+            m = job.result(timeout=self.limits.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise GrammarError(
+                field, f"did not compile within the server's limit of {self.limits.compile_timeout_s} s"
+            ) from None
+        if m.is_error():
+            raise GrammarError(field, _first_line(m.get_error()))
+        return LLGuidanceMatcher(m)
+
+    def _compile(self, grammar: str, tok: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._parser_limits)
+
+    def fill(self, rows: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray) -> None:
+        if rows:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m._m, r) for m, r in rows], bitmask)
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without its trailing context (the grammar source, the parser state)."""
+    return error.strip().split("\n<state>")[0].strip()
