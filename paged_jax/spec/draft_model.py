@@ -70,7 +70,7 @@ class DraftModelProposer:
         )
         self.drafts: dict[str, list[int]] = {}  # seq id -> the drafts its draft slots hold
         if ec.warmup:  # its forward steps and the greedy sampler: no lookahead, no copy-on-write
-            run_warmup(self.runner, WarmupPlan(sampler_flags=(GREEDY,), lookahead=False, copies=False), what="draft")
+            run_warmup(self.runner, WarmupPlan(sampler_flags=(GREEDY,), lookahead=False, copies=False, logit_bias=False, prompt_logprobs=False), what="draft")
 
     @classmethod
     def load(
