@@ -23,6 +23,7 @@ from paged_jax.spec.ngram import NgramProposer
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import REJECTED, mask_rejected
+from paged_jax.worker.step_inputs import SamplerFlags
 from paged_jax.worker.warmup import GREEDY, WarmupPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -318,7 +319,9 @@ def test_bad_configs_name_the_field(tiny_config, tiny_params, config, field):
 def test_no_recompilation_in_steady_state(tiny_config, tiny_params):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
     engine = make_engine(tiny_config, tiny_params, spec, num_pages=24)
-    engine.warmup(WarmupPlan(sampler_flags=(GREEDY, (True, False, False, False)), copies=False), progress=False)
+    engine.warmup(
+        WarmupPlan(sampler_flags=(GREEDY, SamplerFlags(True, False, False, False)), copies=False), progress=False
+    )
     compiled = engine.runner.compile_stats.count
     prompts, params = workload(3, 12)
     params = [SamplingParams(temperature=0.8 if i % 2 else 0.0, max_tokens=p.max_tokens) for i, p in enumerate(params)]

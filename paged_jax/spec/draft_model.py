@@ -16,6 +16,7 @@ sampled requests too (`paged_jax.spec`).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import jax
@@ -69,8 +70,9 @@ class DraftModelProposer:
             attention_backend=ec.attention_backend,
         )
         self.drafts: dict[str, list[int]] = {}  # seq id -> the drafts its draft slots hold
-        if ec.warmup:  # its forward steps and the greedy sampler: no lookahead, no copy-on-write
-            run_warmup(self.runner, WarmupPlan(sampler_flags=(GREEDY,), lookahead=False, copies=False, logit_bias=False, prompt_logprobs=False), what="draft")
+        if ec.warmup:  # its forward steps and the greedy sampler: no lookahead, copies, bias or prompt logprobs
+            plan = WarmupPlan(sampler_flags=(GREEDY,), lookahead=False, copies=False, logit_bias=False)
+            run_warmup(self.runner, replace(plan, prompt_logprobs=False), what="draft")
 
     @classmethod
     def load(
