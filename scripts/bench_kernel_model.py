@@ -117,7 +117,7 @@ def tpu_case(case: Case, generation: str) -> KernelWork:
 def gpu_case(case: Case, previous: bool = False) -> KernelWork | None:
     """The GPU kernel's work for the case (None when its plan module is not available)."""
     try:
-        from pallas_kernels.gpu_plan import case_work
+        from pallas_kernels.gpu_work_model import case_work
     except ImportError:
         return None
     lens, cu = case.batch()

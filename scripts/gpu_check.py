@@ -44,7 +44,9 @@ import numpy as np
 
 from pallas_kernels import dense_reference_attention, kv_quant
 from pallas_kernels.common import kv_pages_shape
-from pallas_kernels.gpu_plan import TUNED_BLOCK_CONFIGS, gpu_plan_for, gpu_work_detail
+from pallas_kernels.gpu_plan import gpu_plan_for
+from pallas_kernels.gpu_tuned_block_sizes import TUNED_BLOCK_CONFIGS
+from pallas_kernels.gpu_work_model import gpu_work_detail
 from pallas_kernels.work_model import HARDWARE
 
 PEAK_BW = HARDWARE["h200"].hbm_bytes_per_s

@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from serve.config import ServingConfig, ServingLimits
+from .config import ServingConfig, ServingLimits
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +92,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
 
 def run_serve(args: argparse.Namespace) -> int:
     from paged_jax.engine.args import build_engine
-    from serve.server import serve_forever
+
+    from .server import serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -137,7 +138,7 @@ def run_client(args: argparse.Namespace) -> int:
     """Stream the completion to stdout (sample i > 0 prefixed with [i]); usage and timing to stderr."""
     import grpc
 
-    from serve.client import Client, chat_input
+    from .client import Client, chat_input
 
     roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     sampling = {
@@ -179,6 +180,6 @@ def run_client(args: argparse.Namespace) -> int:
 
 
 def pb_finish_name(value: int) -> str:
-    from serve.proto.paged_jax.v1 import generate_pb2 as pb
+    from .proto.paged_jax.v1 import generate_pb2 as pb
 
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()

@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serve.proto.paged_jax.v1 import generate_pb2 as pb
-from serve.proto.paged_jax.v1 import generate_pb2_grpc as pb_grpc
+from .proto.paged_jax.v1 import generate_pb2 as pb
+from .proto.paged_jax.v1 import generate_pb2_grpc as pb_grpc
 
 
 def chat_input(

@@ -1,7 +1,8 @@
 """Regenerate the Python code for `serve/proto/**/*.proto`: `python -m serve.codegen [--out DIR]`.
 
-protoc runs with the repository root as its include path, so generated modules import each other as
-`serve.proto.paged_jax.v1.*` and never shadow the `paged_jax` package. The generated `*_pb2.py`,
+protoc runs with the repository root as its include path (so the generated modules never shadow the
+`paged_jax` package); the gRPC module's import of its messages is then made relative, since `serve/` installs
+as `paged_jax.serve`. The generated `*_pb2.py`,
 `*_pb2_grpc.py` and `*_pb2.pyi` files are committed; `tests/test_serve_proto.py` regenerates them into
 a temporary directory and fails when the committed ones drift from the `.proto`.
 """
@@ -48,7 +49,21 @@ def generate(out: Path = ROOT) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    for path in generated_files(out):
+        if path.name.endswith("_pb2_grpc.py"):  # its own proto's module, relatively: serve installs as paged_jax.serve
+            path.write_text(_relative(path.read_text()))
     return generated_files(out)
+
+
+def _relative(code: str) -> str:
+    """`from serve.proto.<pkg> import x_pb2 as ...` (protoc's absolute import) as `from . import x_pb2 as ...`."""
+    lines = []
+    for line in code.splitlines(keepends=True):
+        head, sep, rest = line.partition(" import ")
+        if sep and head.startswith("from serve.proto.") and rest.split(" ")[0].endswith("_pb2"):
+            line = f"from . import {rest}"
+        lines.append(line)
+    return "".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,9 @@ from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.tokenization.tool_calls import history_tool_calls
-from serve.config import ServingLimits
-from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+from .config import ServingLimits
+from .proto.paged_jax.v1 import generate_pb2 as pb
 
 FINISH_REASONS = {
     "eos": pb.FINISH_REASON_EOS,

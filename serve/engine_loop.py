@@ -29,7 +29,8 @@ from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
-from serve.convert import RequestError, internal_error
+
+from .convert import RequestError, internal_error
 
 log = logging.getLogger(__name__)
 

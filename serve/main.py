@@ -141,6 +141,7 @@ def run_info(args: argparse.Namespace) -> int:
     from paged_jax.engine.args import apply_model_text_args
     from paged_jax.engine.load import load_model
     from paged_jax.model.init import count_params, param_bytes
+    from paged_jax.model.quant import kv_bytes_per_token
 
     start = time.perf_counter()
     if args.no_weights:
@@ -160,7 +161,7 @@ def run_info(args: argparse.Namespace) -> int:
     )
     print(f"parameters: {n:,}")
     print(f"memory: {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB)")
-    kv = config.kv_bytes_per_token(jax.numpy.dtype(config.dtype).itemsize)
+    kv = kv_bytes_per_token(config, config.dtype)  # unquantized pages in the model's dtype
     print(f"kv cache: {kv:,} bytes per token")
     print("\n".join(text_info_lines(tokenizer, defaults)))
     print(f"loaded in {elapsed:.1f} s on {jax.devices()[0].platform}")
@@ -180,7 +181,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _serve_cli():
-    from serve import cli  # imported on use: `generate` and `info` need neither grpc nor the server
+    from . import cli  # imported on use: `generate` and `info` need neither grpc nor the server
 
     return cli
 

@@ -20,13 +20,14 @@ from grpc_reflection.v1alpha import reflection
 
 from paged_jax.engine.protocol import Engine
 from paged_jax.worker.warmup import serving_plans
-from serve.auth import BearerTokenInterceptor, server_credentials
-from serve.background import BackgroundServer
-from serve.config import ServingConfig
-from serve.engine_loop import EngineLoop
-from serve.metrics import Metrics
-from serve.openai_api.server import start_http_front
-from serve.servicer import SERVICE_NAME, GenerationServicer, generic_handler
+
+from .auth import BearerTokenInterceptor, server_credentials
+from .background import BackgroundServer
+from .config import ServingConfig
+from .engine_loop import EngineLoop
+from .metrics import Metrics
+from .openai_api.server import start_http_front
+from .servicer import SERVICE_NAME, GenerationServicer, generic_handler
 
 log = logging.getLogger(__name__)
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -22,12 +22,13 @@ import grpc
 from grpc import aio
 
 from paged_jax.engine.protocol import Engine
-from serve import convert
-from serve.config import ServingConfig
-from serve.convert import InvalidRequest, ParsedRequest, RequestError, invalid
-from serve.engine_loop import EngineLoop, Event, RequestStream
-from serve.metrics import Metrics
-from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+from . import convert
+from .config import ServingConfig
+from .convert import InvalidRequest, ParsedRequest, RequestError, invalid
+from .engine_loop import EngineLoop, Event, RequestStream
+from .metrics import Metrics
+from .proto.paged_jax.v1 import generate_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name

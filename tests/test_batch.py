@@ -105,6 +105,7 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_tail(engine, tmp_path):
     assert all(by_id[r["id"]] == r["token_ids"] for r in final)  # greedy: the same tokens either way
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_kill_9_loses_nothing(tmp_path):
     ids = write_input(tmp_path / "in.jsonl", 60, bad_lines=False)
     out_path = tmp_path / "out.jsonl"

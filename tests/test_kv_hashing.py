@@ -31,9 +31,9 @@ def test_chaining_and_extra_keys_change_the_hash() -> None:
 def test_extend_salts_only_the_first_block_and_is_incremental() -> None:
     hasher = BlockHasher(8)
     tokens = list(range(40))
-    full = hasher.extend([], tokens, 5, "t")
-    part = hasher.extend([], tokens, 2, "t")
-    assert hasher.extend(part, tokens, 5, "t") == full
+    full = hasher.extend([], tokens, 5, ("t",))
+    part = hasher.extend([], tokens, 2, ("t",))
+    assert hasher.extend(part, tokens, 5, ("t",)) == full
     assert full[0] == hasher.hash_block(None, tokens[:8], ("t",))
     assert full[1] == hasher.hash_block(full[0], tokens[8:16])
     assert hasher.extend([], tokens, 5)[1:] != full[1:]  # the salt reaches later blocks through the chain

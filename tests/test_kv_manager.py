@@ -126,11 +126,11 @@ def test_fully_cached_prompt_recomputes_last_token(m: KVCacheManager) -> None:
 
 
 def test_cache_salt_separates_tenants(m: KVCacheManager) -> None:
-    m.admit("a", toks(17), 17, cache_salt="tenant-1")
+    m.admit("a", toks(17), 17, extra_keys=("tenant-1",))
     assert m.lookup_prefix(toks(17)) == 0
-    assert m.lookup_prefix(toks(17), cache_salt="tenant-2") == 0
-    assert m.lookup_prefix(toks(17), cache_salt="tenant-1") == 16
-    assert m.admit("b", toks(17), 1, cache_salt="tenant-1") == 16
+    assert m.lookup_prefix(toks(17), extra_keys=("tenant-2",)) == 0
+    assert m.lookup_prefix(toks(17), extra_keys=("tenant-1",)) == 16
+    assert m.admit("b", toks(17), 1, extra_keys=("tenant-1",)) == 16
     assert m.page_ids("b") == [1, 2, 4]
     check_manager_invariants(m)
 

@@ -115,6 +115,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_tensor_parallel_quantized_weights_and_kv():
     """TP 2 on two host devices (a child process: the device count is fixed at JAX start-up): int8 weights are
     sharded with their scales, int8 pages with theirs, and the greedy tokens equal TP 1's."""

@@ -61,10 +61,11 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _admit(self, rid: str, tokens: list[int], chunk: int, salt: str | None) -> None:
         m = self.m
-        expected = m.lookup_prefix(tokens, salt)
+        keys = () if salt is None else (salt,)
+        expected = m.lookup_prefix(tokens, keys)
         assert expected % PS == 0 and expected < len(tokens)
         before = self._snapshot()
-        cached = m.admit(rid, tokens, chunk, salt)
+        cached = m.admit(rid, tokens, chunk, keys)
         if cached is None:
             assert self._snapshot() == before
             self.waiting[rid] = tokens
@@ -187,7 +188,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def lookup(self, prefix: list[int], tail: list[int], salt: str | None) -> None:
         tokens = prefix + tail
         before = self._snapshot()
-        hit = self.m.lookup_prefix(tokens, salt)
+        hit = self.m.lookup_prefix(tokens, () if salt is None else (salt,))
         assert self._snapshot() == before
         assert hit % PS == 0 and hit <= max(len(tokens) - 1, 0)
 

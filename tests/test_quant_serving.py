@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
@@ -43,6 +45,7 @@ def offline(prompt: str, max_tokens: int) -> list[int]:
     raise AssertionError("no output")
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_batch_cli_with_quantization(tmp_path):
     lines = [
         json.dumps({"id": f"q{i}", "prompt": p, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})

@@ -171,6 +171,7 @@ def _start_subprocess(grace: float) -> tuple[subprocess.Popen, str]:
     raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_sigterm_drains_then_aborts_and_exits_zero():
     proc, target = _start_subprocess(grace=2.0)
     try:
@@ -200,6 +201,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero():
             proc.wait()
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_sigterm_during_warmup_exits_zero():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PAGED_JAX_COMPILE_CACHE="off")
     proc = subprocess.Popen(

@@ -422,6 +422,7 @@ def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
         loop.stop()
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
     """`python -m serve serve --http-port 0`: the HTTP front in the serving process; SIGTERM turns /health 503,
     refuses new work 503, ends an open stream with finish_reason `abort` after the grace period, exits 0."""

@@ -148,6 +148,7 @@ def comparable(path: Path) -> dict[str, tuple]:
     return out
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 @main_only
 def test_batch_over_two_processes_matches_one(tmp_path):
     """Two real processes (jax.distributed over gloo on localhost) each take half the lines; process 0
@@ -272,7 +273,7 @@ else:
         kv_lens[0], cu[0] = n, 0
         meta = PagedMeta(slots, kv_lens, tables, cu, np.array([1], np.int32))
         logits, runner.kv_caches = runner._forward(
-            runner.params, runner.kv_caches, tokens, positions, meta, np.arange(s, dtype=np.int32)
+            runner.params, runner.kv_caches, tokens, positions, meta, np.arange(s, dtype=np.int32), None
         )
         return np.asarray(logits)
 

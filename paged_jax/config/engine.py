@@ -32,6 +32,11 @@ class EngineConfig:
     reserve_full_length: bool = False
     tensor_parallel_size: int = 1  # chips per engine (weights by heads/columns/vocab, KV pages by KV heads)
     data_parallel_size: int = 1  # engine replicas on disjoint device groups (`engine.data_parallel.make_engine`)
+    # LoRA (paged_jax.lora), vLLM's names: adapters batched with the base model and with each other.
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident on the device at once (one slot each; slot 0 is "none")
+    max_lora_rank: int = 16  # the largest adapter rank; every slot is padded to it
+    max_cpu_loras: int | None = None  # adapters kept loaded on the host for reuse (None: max_loras)
     # SamplingParams fields a request gets when it leaves them unset (the model's generation_config.json;
     # see paged_jax.config.generation_defaults). Applied by LLM, batch and gRPC where "unset" is known.
     sampling_defaults: dict = field(default_factory=dict)
@@ -45,13 +50,23 @@ class EngineConfig:
     def validate(self) -> None:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {self.attention_backend!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size", "data_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_n",
+            "tensor_parallel_size",
+            "data_parallel_size",
+            "max_loras",
+            "max_lora_rank",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes <= 0:
             raise ValueError("cpu_kv_cache_bytes: must be positive (or None for the default)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
         if self.structured_max_grammar_bytes < 1 or not self.structured_compile_timeout_s > 0:
             raise ValueError("structured_max_grammar_bytes, structured_compile_timeout_s: must be positive")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_CHOICES:

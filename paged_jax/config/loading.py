@@ -8,7 +8,9 @@ from paged_jax.config.hf import from_hf_config
 from paged_jax.config.model import ConfigError, ModelConfig, config_from_dict
 from paged_jax.config.model_files import ModelFileError, read_json_object
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+_PACKAGE = Path(__file__).resolve().parents[1]
+# A wheel installs the configs inside the package (paged_jax/configs); a checkout keeps them beside it.
+CONFIG_DIR = _PACKAGE / "configs" if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent / "configs"
 
 
 def available_configs() -> list[str]:

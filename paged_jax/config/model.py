@@ -239,10 +239,6 @@ class ModelConfig:
             )
         return ", ".join(parts)
 
-    def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
-        """Bytes of K and V for one token across all layers: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
-
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -35,53 +40,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="quantize the weights at load: int8 / fp8, per-output-channel scales (paged_jax.model.quant)",
     )
-    g.add_argument("--seed", type=int, default=0, help="random weights and unseeded requests")
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
-    g.add_argument(
-        "--cpu-kv-cache-gib",
-        type=float,
-        default=None,
-        help="KV budget on CPU (default: 4 GiB, capped at half the available memory and at "
-        "max-num-seqs x max-model-len tokens)",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--chunk-size", type=int, default=None, help="max prompt tokens of one sequence per step")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--attention-backend", choices=BACKENDS, default="auto")
-    g.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily instead of at start-up")
-    g.add_argument(
-        "--kv-dtype",
-        choices=KV_DTYPE_CHOICES,
-        default=None,
-        help="KV page dtype (default: model); int8 / fp8_e4m3 store quantized pages with per-token scales",
-    )
-    g.add_argument("--watermark", type=float, default=0.01, help="fraction of pages admission keeps free")
-    g.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="wait for each step's tokens before scheduling the next (no one-step lookahead)",
-    )
-    g.add_argument(
-        "--speculative-config",
-        type=_json_object,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, vLLM\'s fields: e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-        "(paged_jax.spec.SpeculativeConfig; README: speculative decoding)",
-    )
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="chips per engine replica")
-    g.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=int,
-        default=1,
-        help="engine replicas on disjoint groups of this host's chips",
-    )
+    for flag in ENGINE_FLAGS:
+        flag.add_to(g)
+    add_lora_args(parser)
     add_model_text_args(parser)
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters (paged_jax.lora), vLLM's flags."""
+    g = parser.add_argument_group("LoRA adapters")
+    LORA_FLAGS[0].add_to(g)
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters (PEFT directories) served as their own model names; implies --enable-lora",
+    )
+    for flag in LORA_FLAGS[1:]:
+        flag.add_to(g)
+    g.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
 
 
 def add_model_text_args(parser: argparse.ArgumentParser) -> None:
@@ -103,36 +85,32 @@ def add_model_text_args(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_model_text_args(args: argparse.Namespace, tokenizer, ec: EngineConfig | None = None) -> dict:
-    """Install `--chat-template` on the tokenizer; return the generation defaults (also set on `ec`)."""
-    if args.chat_template is not None:
-        tokenizer.chat_template = load_chat_template(None, args.chat_template)
-    defaults = load_generation_defaults(args.model, args.generation_config)
+    """`apply_model_text` with the flags of `add_model_text_args`."""
+    return apply_model_text(args.model, tokenizer, args.chat_template, args.generation_config, ec)
+
+
+def apply_model_text(
+    model: str,
+    tokenizer,
+    chat_template: str | None = None,
+    generation_config: str = "auto",
+    ec: EngineConfig | None = None,
+) -> dict:
+    """Install the `chat_template` file (when given) on the tokenizer; return `model`'s generation defaults
+    (`generation_config`: "auto", "none" or a directory), also set on `ec`."""
+    if chat_template is not None:
+        tokenizer.chat_template = load_chat_template(None, chat_template)
+    defaults = load_generation_defaults(model, generation_config)
     if ec is not None:
         ec.sampling_defaults = dict(defaults)
     return defaults
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        cpu_kv_cache_bytes=None if args.cpu_kv_cache_gib is None else int(args.cpu_kv_cache_gib * 2**30),
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        chunk_size=args.chunk_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-        warmup=not args.no_warmup,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        kv_dtype=args.kv_dtype,
-        watermark=args.watermark,
-        async_scheduling=not args.no_async_scheduling,
-        speculative_config=args.speculative_config,
-    )
+    """The EngineConfig the flags of `add_engine_args` describe (`--lora-modules` implies `--enable-lora`)."""
+    fields = {flag.field: flag.value(args) for flag in (*ENGINE_FLAGS, *LORA_FLAGS)}
+    fields["enable_lora"] = fields["enable_lora"] or bool(args.lora_modules)
+    return EngineConfig(**fields)
 
 
 def _json_object(text: str) -> dict:
@@ -144,6 +122,115 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFlag:
+    """The command-line flag of one `EngineConfig` field: `--<field>` (or `name`), typed and defaulted by the
+    field itself, so a default is stated once. `negate`: a `--no-...` switch for a field that defaults to
+    True; `scale`: the flag's unit in the field's (GiB -> bytes); `parse`: a type the field's annotation
+    does not give (JSON)."""
+
+    field: str
+    help: str | None = None
+    name: str | None = None
+    short: str | None = None
+    choices: tuple[str, ...] | None = None
+    negate: bool = False
+    scale: int | None = None
+    parse: Callable[[str], Any] | None = None
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return self.name or "--" + self.field.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def add_to(self, group) -> None:
+        default = _FIELDS[self.field].default
+        if self.negate:
+            assert default is True, f"{self.field}: a --no- switch needs a field that defaults to True"
+        if self.negate or default is False:  # a switch: --no-<x> turns a True field off, --<x> a False one on
+            group.add_argument(self.flag, action="store_true", help=self.help)
+            return
+        names = (self.flag, self.short) if self.short else (self.flag,)
+        parse = self.parse or _scalar_type(self.field)
+        if self.scale is not None:
+            parse = float
+        group.add_argument(
+            *names, type=parse, default=default, choices=self.choices, metavar=self.metavar, help=self.help
+        )
+
+    def value(self, args: argparse.Namespace) -> Any:
+        value = getattr(args, self.dest)
+        if self.negate:
+            return not value
+        if self.scale is not None and value is not None:
+            return int(value * self.scale)
+        return value
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+_HINTS = typing.get_type_hints(EngineConfig)
+
+
+def _scalar_type(name: str) -> type:
+    """int / float / str of a field annotated `T` or `T | None`."""
+    hint = _HINTS[name]
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
+    return kinds[0]
+
+
+LORA_FLAGS = (
+    EngineFlag("enable_lora", "serve PEFT LoRA adapters beside the base model"),
+    EngineFlag("max_loras", "adapters resident on the device at once"),
+    EngineFlag("max_lora_rank", "the largest adapter rank"),
+    EngineFlag("max_cpu_loras", "adapters kept loaded on the host (default: max-loras)"),
+)
+ENGINE_FLAGS = (
+    EngineFlag("seed", "random weights and unseeded requests"),
+    EngineFlag("page_size"),
+    EngineFlag("num_pages", "KV pages (default: from the memory budget)"),
+    EngineFlag("kv_cache_memory_fraction"),
+    EngineFlag(
+        "cpu_kv_cache_bytes",
+        "KV budget on CPU (default: 4 GiB, capped at half the available memory and at "
+        "max-num-seqs x max-model-len tokens)",
+        name="--cpu-kv-cache-gib",
+        scale=2**30,
+    ),
+    EngineFlag("max_num_seqs"),
+    EngineFlag("max_num_batched_tokens"),
+    EngineFlag("max_model_len"),
+    EngineFlag("chunk_size", "max prompt tokens of one sequence per step"),
+    EngineFlag("enable_prefix_caching", name="--no-prefix-caching", negate=True),
+    EngineFlag("attention_backend", choices=BACKENDS),
+    EngineFlag("warmup", "compile step shapes lazily instead of at start-up", name="--no-warmup", negate=True),
+    EngineFlag(
+        "kv_dtype",
+        "KV page dtype (default: model); int8 / fp8_e4m3 store quantized pages with per-token scales",
+        choices=KV_DTYPE_CHOICES,
+    ),
+    EngineFlag("watermark", "fraction of pages admission keeps free"),
+    EngineFlag(
+        "async_scheduling",
+        "wait for each step's tokens before scheduling the next (no one-step lookahead)",
+        name="--no-async-scheduling",
+        negate=True,
+    ),
+    EngineFlag(
+        "speculative_config",
+        'speculative decoding, vLLM\'s fields: e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+        "(paged_jax.spec.SpeculativeConfig; README: speculative decoding)",
+        parse=_json_object,
+        metavar="JSON",
+    ),
+    EngineFlag("tensor_parallel_size", "chips per engine replica", short="-tp"),
+    EngineFlag("data_parallel_size", "engine replicas on disjoint groups of this host's chips", short="-dp"),
+)
 
 
 def build_engine(args: argparse.Namespace, warmup: bool | None = None):

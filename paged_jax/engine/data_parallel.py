@@ -22,6 +22,7 @@ from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.protocol import EngineStats
 from paged_jax.errors import FieldError
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import Tokenizer
@@ -94,12 +95,13 @@ class DataParallelEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request on the least-loaded replica; FieldError as `LLMEngine.add_request`."""
         if request_id in self.router.owner:
             raise FieldError("request_id", f"{request_id!r} is already in use")
         i = self.router.pick()
-        self.replicas[i].add_request(request_id, prompt, params, cache_salt, arrival_time)
+        self.replicas[i].add_request(request_id, prompt, params, cache_salt, arrival_time, lora_request)
         self.router.assign(request_id, i, (params or SamplingParams()).n)
 
     def step(self) -> list[RequestOutput]:

@@ -28,6 +28,8 @@ from paged_jax.engine.protocol import EngineStats
 from paged_jax.errors import FieldError
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.lora.registry import AdapterCache, SlotTable
+from paged_jax.lora.request import LoRARequest
 from paged_jax.model import quant
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -39,7 +41,7 @@ from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, S
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.kv_budget import kv_capacity_pages
-from paged_jax.worker.runner import ModelRunner, StepResult
+from paged_jax.worker.runner import LoraShape, ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
 
@@ -95,6 +97,10 @@ class LLMEngine:
             run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
         )
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
+        self.adapters, lora_slots, lora_shape = None, None, None
+        if ec.enable_lora:  # adapters are checked against the model's own shapes, slots use the run config's
+            self.adapters = AdapterCache(config, ec.max_lora_rank, ec.max_cpu_loras or ec.max_loras)
+            lora_slots, lora_shape = SlotTable(ec.max_loras), LoraShape(ec.max_loras, ec.max_lora_rank)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=ec.max_num_seqs,
@@ -103,6 +109,7 @@ class LLMEngine:
             enable_prefix_caching=ec.enable_prefix_caching,
             reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
             watermark=ec.watermark,
+            lora_slots=lora_slots,
         )
         self.runner = ModelRunner(
             run_config,
@@ -115,6 +122,7 @@ class LLMEngine:
             attention_backend=ec.attention_backend,
             kv_dtype=ec.kv_dtype,
             mesh=mesh,
+            lora=lora_shape,
             num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
         )
         if spec_config is not None:
@@ -175,9 +183,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (`params` None: the model's generation defaults). Raises FieldError naming the field
-        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache."""
+        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache;
+        `lora_request`: run it with that adapter (`paged_jax.lora`; a LoraError, field `lora_request`, when it
+        cannot be served)."""
+        adapter = None
+        if lora_request is not None:
+            if self.adapters is None:
+                raise FieldError("lora_request", "LoRA is not enabled on this engine (enable_lora)")
+            adapter = self.adapters.get(lora_request)
         request = GenerationRequest(prompt, params if params is not None else {}, cache_salt=cache_salt)
         req = self.outputs.add_request(request_id, self.inputs.process(request), arrival_time, self._check_fits)
         params = req.params
@@ -190,6 +206,8 @@ class LLMEngine:
             except ValueError:
                 del self.outputs.requests[request_id]
                 raise
+        for seq in req.seqs:
+            seq.lora = adapter
         self.scheduler.add(req.seqs[0], req.seqs[1:])
 
     def _check_fits(self, total_tokens: int) -> None:

@@ -16,6 +16,7 @@ from typing import Protocol
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.input_processor import ChatPrompt
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import Tokenizer
@@ -104,6 +105,7 @@ class Engine(Protocol):
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...

@@ -3,7 +3,7 @@
 A full block of ``page_size`` tokens is identified by ``hash(parent_hash, block_token_ids, extra_keys)``:
 the parent hash makes the hash name the whole prefix up to and including the block, so two requests share
 a page only when every earlier token matches too. ``extra_keys`` carries anything else that changes the
-KV of the same tokens (a per-tenant cache salt on the first block, later an adapter id).
+KV of the same tokens (a per-tenant cache salt, a LoRA adapter's digest), given for the first block.
 
 The hash is xxh3-128 over a canonical, unambiguous byte encoding (tag bytes and length prefixes, tokens as
 little-endian int64). Python's ``hash()`` of a tuple is randomized per process for strings and far too
@@ -56,19 +56,18 @@ class BlockHasher:
         hashes: list[BlockHash],
         token_ids: Sequence[int],
         num_blocks: int,
-        cache_salt: str | None = None,
+        extra_keys: tuple[str, ...] = (),
     ) -> list[BlockHash]:
         """Append to ``hashes`` (in place) the chained hashes of blocks ``len(hashes)..num_blocks-1``.
 
-        The salt goes into the first block's extra keys only: through the chain it then separates every
-        later block as well, at no extra cost per block.
+        ``extra_keys`` (salt, adapter) go into the first block's hash only: through the chain they then separate
+        every later block as well, at no extra cost per block.
         """
         ps = self.page_size
         if num_blocks * ps > len(token_ids):
             raise ValueError(f"{num_blocks} full blocks need {num_blocks * ps} tokens, got {len(token_ids)}")
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            extra = (cache_salt,) if (i == 0 and cache_salt is not None) else ()
-            parent = self.hash_block(parent, token_ids[i * ps : (i + 1) * ps], extra)
+            parent = self.hash_block(parent, token_ids[i * ps : (i + 1) * ps], extra_keys if i == 0 else ())
             hashes.append(parent)
         return hashes

@@ -54,7 +54,8 @@ class RequestPages:
     num_cached_blocks: int
     """Blocks ``[0, num_cached_blocks)`` have been offered to the prefix cache (== num_computed // size, but
     while an ``allocate_slots(cache=False)`` awaits its ``cache_blocks``)."""
-    cache_salt: str | None
+    extra_keys: tuple[str, ...]
+    """The first block's extra hash keys (cache salt, adapter): ``paged_jax.kv_cache.hashing``."""
     num_draft: int = 0
     """Slots past ``num_computed`` written with unverified draft tokens this step (speculative decoding); the
     table covers them: ``len(pages) == ceil((num_computed + num_draft) / page_size)``."""
@@ -99,13 +100,13 @@ class KVCacheManager:
         """Whether a request of ``num_tokens`` tokens fits in an otherwise empty pool."""
         return self.pages_needed(num_tokens) <= self.num_pages - 1
 
-    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+    def lookup_prefix(self, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> int:
         """Leading tokens whose full blocks are cached (a multiple of page_size). Pure: changes nothing.
 
         Capped so that at least the last token is left to compute (its logits are needed). Not counted in
         the stats: the scheduler may look up a waiting request every step until it fits; ``admit`` counts.
         """
-        return len(self._find_hits(token_ids, cache_salt, [])) * self.page_size
+        return len(self._find_hits(token_ids, extra_keys, [])) * self.page_size
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -139,7 +140,7 @@ class KVCacheManager:
     # ---------------------------------------------------------------------------------------- mutation
 
     def admit(
-        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, cache_salt: str | None = None
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, extra_keys: tuple[str, ...] = ()
     ) -> int | None:
         """Admit a waiting (new or preempted) request: take its prefix hits, allocate for new tokens.
 
@@ -160,7 +161,7 @@ class KVCacheManager:
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         hashes: list[BlockHash] = []
-        hits = self._find_hits(token_ids, cache_salt, hashes)
+        hits = self._find_hits(token_ids, extra_keys, hashes)
         num_hits = len(hits)
         cached = num_hits * self.page_size
         total = cached + min(num_new_tokens, len(token_ids) - cached)
@@ -175,7 +176,7 @@ class KVCacheManager:
             self.pool.touch(page)
         pages = hits  # the table starts with the hit pages
         pages.extend(self.pool.allocate(need - num_hits))
-        state = RequestPages(pages, total, hashes, num_hits, cache_salt)
+        state = RequestPages(pages, total, hashes, num_hits, extra_keys)
         self.requests[request_id] = state
         self._cache_full_blocks(state, token_ids)
         self._prefix_queries += len(token_ids)
@@ -275,7 +276,7 @@ class KVCacheManager:
             parent.num_computed,
             list(parent.block_hashes),
             parent.num_cached_blocks,
-            parent.cache_salt,
+            parent.extra_keys,
         )
 
     def free(self, request_id: str) -> None:
@@ -328,7 +329,7 @@ class KVCacheManager:
             raise KeyError(f"unknown request {request_id!r}")
         return state
 
-    def _find_hits(self, token_ids: Sequence[int], cache_salt: str | None, hashes: list[BlockHash]) -> list[Page]:
+    def _find_hits(self, token_ids: Sequence[int], extra_keys: tuple[str, ...], hashes: list[BlockHash]) -> list[Page]:
         """Cached pages of the leading full blocks, stopping at the first miss; fills ``hashes`` on the way.
 
         At most ``(len - 1) // page_size`` blocks, so the last token is always left to compute.
@@ -338,7 +339,7 @@ class KVCacheManager:
             return hits
         lookup = self.pool.cached.get
         for i in range((len(token_ids) - 1) // self.page_size):
-            self.hasher.extend(hashes, token_ids, i + 1, cache_salt)
+            self.hasher.extend(hashes, token_ids, i + 1, extra_keys)
             page = lookup(hashes[i])
             if page is None:
                 break
@@ -351,7 +352,7 @@ class KVCacheManager:
         if num_full <= state.num_cached_blocks:
             return
         if self.enable_prefix_caching:
-            self.hasher.extend(state.block_hashes, token_ids, num_full, state.cache_salt)
+            self.hasher.extend(state.block_hashes, token_ids, num_full, state.extra_keys)
             for i in range(state.num_cached_blocks, num_full):
                 self.pool.cache(state.pages[i], state.block_hashes[i])
         state.num_cached_blocks = num_full

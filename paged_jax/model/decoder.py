@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.config import ModelConfig, RopeScaling
+from paged_jax.lora.delta import LoraBatch, LoraLayer
 from paged_jax.model import quant
 from paged_jax.model.attention import AttentionFn, dense_attention
 from paged_jax.model.layers import (
@@ -56,8 +57,10 @@ class Attention(nn.Module):
     qk_norm: Any = None  # an RMSNorm module class (hidden_size, eps, dtype), or None for no q/k norm
 
     @nn.compact
-    def __call__(self, x: jax.Array, rope: Rope, kv_cache: Any, meta: Any) -> tuple[jax.Array, Any]:
-        """x: [T, H]. Returns ([T, H], new kv_cache)."""
+    def __call__(
+        self, x: jax.Array, rope: Rope, kv_cache: Any, meta: Any, lora: LoraLayer | None = None
+    ) -> tuple[jax.Array, Any]:
+        """x: [T, H]; `lora`: this layer's adapters for the step (None: none). Returns ([T, H], new kv_cache)."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
@@ -68,7 +71,7 @@ class Attention(nn.Module):
         }
         if c.attention_bias:
             attn["qkv_bias"] = self.param("qkv_bias", nn.initializers.zeros, (hkv, g + 2, d), dtype)
-        q, k, v = qkv_projection(x, attn, c)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        q, k, v = qkv_projection(x, attn, c, lora)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         if self.qk_norm is not None:
             q = self.qk_norm(d, c.rms_norm_eps, dtype, name="q_norm")(q)
             k = self.qk_norm(d, c.rms_norm_eps, dtype, name="k_norm")(k)
@@ -84,7 +87,7 @@ class Attention(nn.Module):
             sliding_window=c.layer_sliding_window(self.layer),
             soft_cap=c.attn_logit_softcap,
         )
-        return out_projection(out, attn), kv_cache
+        return out_projection(out, attn, lora), kv_cache
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -98,7 +101,7 @@ class GatedMLP(nn.Module):
     activation: str = "silu"
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora: LoraLayer | None = None) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.dtype)
         h, i = c.hidden_size, c.intermediate_size
@@ -106,12 +109,13 @@ class GatedMLP(nn.Module):
             "gate_up_proj": self.param("gate_up_proj", kernel_init, (h, 2, i), dtype),
             "down_proj": self.param("down_proj", kernel_init, (i, h), dtype),
         }
-        return gated_mlp(x, mlp, ACTIVATIONS[self.activation])
+        return gated_mlp(x, mlp, ACTIVATIONS[self.activation], lora)
 
 
 class PreNormLayer(nn.Module):
     """Llama's residual block: x + attn(norm(x)), then + mlp(norm(x)); `mlp` is a module class taking the config
-    (`GatedMLP` or an MoE block), q/k norm as in `Attention`."""
+    (`GatedMLP` or an MoE block), q/k norm as in `Attention`. LoRA reaches the MLP only when it has MLP arrays
+    (never for MoE blocks: `paged_jax.lora.peft` refuses MLP adapters there)."""
 
     config: ModelConfig
     attention_fn: AttentionFn
@@ -120,16 +124,19 @@ class PreNormLayer(nn.Module):
     qk_norm: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, rope: Rope, kv_cache: Any, meta: Any) -> tuple[jax.Array, Any]:
+    def __call__(
+        self, x: jax.Array, rope: Rope, kv_cache: Any, meta: Any, lora: LoraLayer | None = None
+    ) -> tuple[jax.Array, Any]:
         c = self.config
         dtype = jnp.dtype(c.dtype)
         attn_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="input_layernorm")(x)
         attn_out, kv_cache = Attention(c, self.attention_fn, self.layer, self.qk_norm, name="self_attn")(
-            attn_in, rope, kv_cache, meta
+            attn_in, rope, kv_cache, meta, lora
         )
         x = x + attn_out
         mlp_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
-        return x + self.mlp(c, name="mlp")(mlp_in), kv_cache
+        mlp = self.mlp(c, name="mlp")
+        return x + (mlp(mlp_in, lora) if lora is not None and lora.has_mlp else mlp(mlp_in)), kv_cache
 
 
 class CausalLM(nn.Module):
@@ -164,9 +171,15 @@ class CausalLM(nn.Module):
         self.local_inv_freq = None if c.rope_local_theta is None else inv_freq_for(c.head_dim, c.rope_local_theta, None)
 
     def __call__(
-        self, token_ids: jax.Array, positions: jax.Array, kv_caches: Sequence[Any] | None, meta: Any
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        kv_caches: Sequence[Any] | None,
+        meta: Any,
+        lora: LoraBatch | None = None,
     ) -> tuple[jax.Array, list[Any]]:
-        """token_ids, positions: [T] int32. kv_caches: one entry per layer, or None.
+        """token_ids, positions: [T] int32. kv_caches: one entry per layer, or None. `lora`: the adapter slots
+        and each token's slot id (`paged_jax.lora.delta`); None runs the base model alone.
 
         Returns (hidden [T, H] after the final norm, new kv_caches as a list, one per layer).
         """
@@ -179,9 +192,10 @@ class CausalLM(nn.Module):
             x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
         rope = rope_cos_sin(positions, self.inv_freq)
         local = rope if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
+        layer_lora = [None] * c.num_layers if lora is None else lora.per_layer()
         new_caches = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            x, cache = layer(x, local if c.layer_sliding_window(i) is not None else rope, cache, meta)
+            x, cache = layer(x, local if c.layer_sliding_window(i) is not None else rope, cache, meta, layer_lora[i])
             new_caches.append(cache)
         return self.norm(x), new_caches
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
+from paged_jax.lora.delta import LoraLayer
 from paged_jax.model.attention import AttentionFn
 from paged_jax.model.decoder import Attention, CausalLM, GatedMLP, Rope
 
@@ -48,7 +49,9 @@ class GemmaDecoderLayer(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, rope: Rope, kv_cache: Any, meta: Any) -> tuple[jax.Array, Any]:
+    def __call__(
+        self, x: jax.Array, rope: Rope, kv_cache: Any, meta: Any, lora: LoraLayer | None = None
+    ) -> tuple[jax.Array, Any]:
         c = self.config
         dtype = jnp.dtype(c.dtype)
 
@@ -57,10 +60,10 @@ class GemmaDecoderLayer(nn.Module):
 
         qk_norm = GemmaRMSNorm if c.model_type == "gemma3" else None
         h, kv_cache = Attention(c, self.attention_fn, self.layer, qk_norm, name="self_attn")(
-            norm("input_layernorm")(x), rope, kv_cache, meta
+            norm("input_layernorm")(x), rope, kv_cache, meta, lora
         )
         x = x + norm("post_attention_layernorm")(h)
-        h = GatedMLP(c, "gelu_tanh", name="mlp")(norm("pre_feedforward_layernorm")(x))
+        h = GatedMLP(c, "gelu_tanh", name="mlp")(norm("pre_feedforward_layernorm")(x), lora)
         return x + norm("post_feedforward_layernorm")(h), kv_cache
 
 

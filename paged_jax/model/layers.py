@@ -1,7 +1,8 @@
 """Building blocks of the Llama decoder: RMSNorm, rotary embeddings, the projections, SwiGLU MLP.
 
 The projections are plain functions over a layer's parameter dict (`qkv_projection`, `out_projection`,
-`gated_mlp`): one call site each, used by the modules and by `scripts/profile_decode.py`.
+`gated_mlp`): one call site each, used by the modules and by `scripts/profile_decode.py`. Each takes the
+layer's optional `LoraLayer` and adds the batch's LoRA deltas to its outputs (`paged_jax.lora.delta`).
 
 Numerics follow Hugging Face transformers: RMSNorm in float32 then cast back before the weight;
 RoPE frequencies and rotation in float32 with the non-interleaved `rotate_half` convention.
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.config import ModelConfig, RopeScaling
+from paged_jax.lora import delta
+from paged_jax.lora.delta import LoraLayer
 from paged_jax.model import quant
 
 Initializer = nn.initializers.Initializer
@@ -86,22 +89,35 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
-def qkv_projection(x: jax.Array, attn: dict, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def qkv_projection(
+    x: jax.Array, attn: dict, config: ModelConfig, lora: LoraLayer | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T, Hq, D], k and v [T, Hkv, D] from x [T, H]: one matmul with the fused `qkv_proj` [H, Hkv, G + 2, D]
-    (layout: `paged_jax.model.loader.fuse`), its bias added when the model has one."""
+    (layout: `paged_jax.model.loader.fuse`), its bias added when the model has one, then the LoRA deltas."""
     qkv = quant.dot(x, attn["qkv_proj"])  # [T, Hkv, G + 2, D]
     if config.attention_bias:
         qkv = qkv + attn["qkv_bias"]
-    return split_qkv(qkv)
+    q, k, v = split_qkv(qkv)
+    if lora is None:
+        return q, k, v
+    dq, dk, dv = delta.qkv_delta(x, lora)
+    return q + dq, k + dk, v + dv
 
 
-def out_projection(out: jax.Array, attn: dict) -> jax.Array:
-    """The attention output [T, Hq, D] projected back to [T, H] by `o_proj` [Hq, D, H]."""
-    return quant.dot(out, attn["o_proj"], 2)
+def out_projection(out: jax.Array, attn: dict, lora: LoraLayer | None = None) -> jax.Array:
+    """The attention output [T, Hq, D] projected back to [T, H] by `o_proj` [Hq, D, H] (plus its LoRA delta)."""
+    y = quant.dot(out, attn["o_proj"], 2)
+    return y if lora is None else y + delta.o_delta(out, lora)
 
 
-def gated_mlp(x: jax.Array, mlp: dict, activation=jax.nn.silu) -> jax.Array:
+def gated_mlp(x: jax.Array, mlp: dict, activation=jax.nn.silu, lora: LoraLayer | None = None) -> jax.Array:
     """down(act(gate(x)) * up(x)) (SwiGLU with silu): x [T, H] -> [T, H], gate and up as one matmul with
-    `gate_up_proj` [H, 2, I], then `down_proj` [I, H]."""
+    `gate_up_proj` [H, 2, I], then `down_proj` [I, H]; LoRA deltas on gate, up and down when given."""
     gate_up = quant.dot(x, mlp["gate_up_proj"])  # [T, 2, I]
-    return quant.dot(activation(gate_up[:, 0]) * gate_up[:, 1], mlp["down_proj"])
+    gate, up = gate_up[:, 0], gate_up[:, 1]
+    if lora is not None:
+        d_gate, d_up = delta.gate_up_delta(x, lora)
+        gate, up = gate + d_gate, up + d_up
+    h = activation(gate) * up
+    y = quant.dot(h, mlp["down_proj"])
+    return y if lora is None else y + delta.down_delta(h, lora)

@@ -3,7 +3,8 @@
 Input lines: `{"id": ..., "prompt": "..."}`, `{"id": ..., "prompt_token_ids": [...]}` or
 `{"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}` (rendered with the model's chat
 template; optional `add_generation_prompt`, `tools`, `chat_template_kwargs`), plus any `SamplingParams`
-field (`max_tokens`, `temperature`, ...) and an optional `cache_salt`. Fields a line leaves unset take the
+field (`max_tokens`, `temperature`, ...), an optional `cache_salt` and an optional `lora` (the name of an adapter
+given with `--lora-modules name=path`; the line runs with it). Fields a line leaves unset take the
 model's generation defaults (`generation_config.json`), then SamplingParams' own.
 Each finished request is appended to the output as one line with a single `write` on an O_APPEND
 descriptor, so `kill -9` loses at most the requests in flight and never leaves half a line (a torn
@@ -29,6 +30,8 @@ from tqdm.auto import tqdm
 
 from paged_jax.engine.args import add_engine_args, build_engine
 from paged_jax.engine.protocol import Engine
+from paged_jax.lora.named import ServedAdapters, UnknownAdapterError, parse_lora_modules
+from paged_jax.lora.request import LoRARequest
 from paged_jax.offline import multihost
 from paged_jax.offline.lines import BatchItem, parse_line
 from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids, result_line
@@ -130,6 +133,15 @@ def read_items(
             yield item
 
 
+def _adapter(adapters: ServedAdapters | None, name: str) -> LoRARequest:
+    if adapters is None:
+        raise ValueError(f"lora: no LoRA adapters are served (--lora-modules), so {name!r} is unknown")
+    try:
+        return adapters.get(name)
+    except UnknownAdapterError as e:
+        raise ValueError(f"lora: {e} (--lora-modules)") from None
+
+
 def run_batch(
     engine: Engine,
     input_path: Path,
@@ -137,8 +149,9 @@ def run_batch(
     errors_path: Path | None = None,
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
+    adapters: ServedAdapters | None = None,
 ) -> BatchSummary:
-    """Generate for every line of `input_path` not yet in `output_path`."""
+    """Generate for every line of `input_path` not yet in `output_path`; a line's `lora` names one of `adapters`."""
     errors_path = errors_path or output_path.with_name(output_path.stem + ".errors.jsonl")
     summary = BatchSummary()
     out = LineWriter(output_path)
@@ -164,7 +177,8 @@ def run_batch(
                     exhausted = True
                     break
                 try:
-                    engine.add_request(item.key, item.prompt, item.params, item.cache_salt)
+                    lora = None if item.lora is None else _adapter(adapters, item.lora)
+                    engine.add_request(item.key, item.prompt, item.params, item.cache_salt, lora_request=lora)
                 except Exception as e:  # noqa: BLE001 - this line fails alone (ValueError names the field)
                     errors.write({"line": item.lineno, "id": item.id, "error": str(e)})
                     summary.errors += 1
@@ -259,15 +273,24 @@ def run(args) -> int:
 
 
 def _run(engine, args, count: int, index: int, startup: float) -> int:
+    adapters = ServedAdapters(parse_lora_modules(args.lora_modules)) if args.lora_modules else None
     if count == 1:
-        summary = run_batch(engine, args.input, args.output, args.errors, progress=not args.no_progress)
+        summary = run_batch(
+            engine, args.input, args.output, args.errors, progress=not args.no_progress, adapters=adapters
+        )
         summary.startup_seconds = startup
         print("\n".join(["", f"paged-jax generate: {args.input} -> {args.output}", *summary.lines()]))
         return 0
     errors = args.errors or args.output.with_name(args.output.stem + ".errors.jsonl")
     out_part, err_part = (multihost.part_path(p, index, count) for p in (args.output, errors))
     summary = run_batch(
-        engine, args.input, out_part, err_part, progress=not args.no_progress and index == 0, shard=(index, count)
+        engine,
+        args.input,
+        out_part,
+        err_part,
+        progress=not args.no_progress and index == 0,
+        shard=(index, count),
+        adapters=adapters,
     )
     summary.startup_seconds = startup
     print(

@@ -25,6 +25,7 @@ class BatchItem:
     params: SamplingParams
     cache_salt: str | None
     lineno: int
+    lora: str | None = None  # the name of a served adapter (`--lora-modules`), None for the base model
 
     @property
     def key(self) -> str:
@@ -93,4 +94,7 @@ def parse_line(line: str | bytes, lineno: int, defaults: dict | None = None) -> 
     salt = obj.pop("cache_salt", None)
     if salt is not None and not isinstance(salt, str):
         raise ValueError("cache_salt: must be a string")
-    return BatchItem(rid, prompt, sampling_params(obj, defaults), salt, lineno)
+    lora = obj.pop("lora", None)
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise ValueError("lora: must be the name of a served adapter (a non-empty string)")
+    return BatchItem(rid, prompt, sampling_params(obj, defaults), salt, lineno, lora)

@@ -4,18 +4,18 @@
 from __future__ import annotations
 
 import itertools
-from argparse import Namespace
 from collections.abc import Iterable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
 from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.args import apply_model_text_args
+from paged_jax.engine.args import apply_model_text
 from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
 from paged_jax.engine.protocol import EngineStats
 from paged_jax.errors import FieldError, FieldNames
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.chat_template import Conversation, template_from_text
@@ -54,9 +54,7 @@ class LLM:
     ) -> None:
         config, params, tokenizer = load_model(model, dtype=dtype, seed=seed, quantization=quantization)
         ec = EngineConfig(seed=seed, **engine_options)
-        apply_model_text_args(
-            Namespace(model=model, chat_template=chat_template, generation_config=generation_config), tokenizer, ec
-        )
+        apply_model_text(model, tokenizer, chat_template, generation_config, ec)
         self.engine = LLMEngine(config, params, tokenizer, ec)
         self.config, self.tokenizer = config, tokenizer
         self._ids = itertools.count()
@@ -70,11 +68,14 @@ class LLM:
         prompts: Prompt | Iterable[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. `lora_request` (as vLLM's): one adapter
+        for every prompt or one per prompt (None: the base model); the engine needs `enable_lora=True`."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
-        return self._run([prompt_input(p) for p in prompts], sampling_params, use_tqdm)
+        prompts = [prompt_input(p) for p in prompts]
+        return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(
         self,
@@ -86,6 +87,7 @@ class LLM:
         tools: Sequence[Mapping] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of them.
 
@@ -103,7 +105,7 @@ class LLM:
         ]
         several = len(chats) > 1
         names = [FieldNames({"messages": f"messages[{i}]"}) if several else None for i in range(len(chats))]
-        return self._run(chats, sampling_params, use_tqdm, names)
+        return self._run(chats, sampling_params, use_tqdm, names, lora_request)
 
     def _run(
         self,
@@ -111,6 +113,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         names: Sequence[FieldNames | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Queue every prompt (all or nothing: an invalid one, or an interrupt, withdraws the ones queued before
         it; its FieldError in `names[i]`'s words), step until all finish, return the outputs in prompt order."""
@@ -120,14 +123,20 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise FieldError("sampling_params", "need one per prompt or a single one")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise FieldError("lora_request", "need one per prompt or a single one")
         order: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            for i, (prompt, params, lora) in enumerate(zip(prompts, params_list, loras, strict=True)):
                 rid = f"gen-{next(self._ids)}"
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, lora_request=lora)
                 except FieldError as e:
                     raise e.renamed(names[i]) if names and names[i] is not None else e from None
                 order[rid] = i

@@ -1,6 +1,7 @@
 """The scheduler's output: everything the runner needs for one step and nothing more.
 
-Each scheduled sequence's token range and its page ids, the rows that sample, the pages to copy first. The
+Each scheduled sequence's token range and its page ids, the rows that sample, the pages to copy and the LoRA
+adapters to write into device slots first. The
 runner never talks to the KV manager; this record is the whole contract between them.
 """
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from paged_jax.kv_cache import PageCopy
+from paged_jax.lora.registry import SlotLoad
 from paged_jax.sched.sequence import TokenSequence
 
 
@@ -46,6 +48,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     sample_rows: list[SampleRow] = field(default_factory=list)  # row r of the step's samples
     copy_ops: list[PageCopy] = field(default_factory=list)  # copy-on-write, before the step writes
+    lora_loads: list[SlotLoad] = field(default_factory=list)  # adapters to write into device slots, before the step
     preempted: list[TokenSequence] = field(default_factory=list)
     num_tokens: int = 0
 

@@ -11,7 +11,10 @@ the engine's proposer before the step); they are scheduled after its last token 
 with KV slots reserved for them, and dropped (never preempting anyone) when the budget or the pages run short.
 Each scheduled draft adds one sample row, so the step scores 1 + k positions of that sequence.
 
-The output (`paged_jax.sched.output`) is everything the runner needs and nothing more. How many
+The output (`paged_jax.sched.output`) is everything the runner needs and nothing more, the LoRA adapters to
+write into device slots first included. A sequence with an adapter takes a device slot at admission and returns it
+when it stops running (`paged_jax.lora.registry.SlotTable`); while every slot is busy with other adapters it
+waits, and the requests behind it are admitted past it. How many
 of a sequence's tokens are computed is the KV manager's to know (`num_computed_tokens`); a waiting sequence
 holds no pages and has none computed.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 
 from paged_jax.kv_cache import KVCacheManager
+from paged_jax.lora.registry import SlotTable
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
 
@@ -36,8 +40,10 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         reserve_tokens: int | None = None,
         watermark: float = 0.01,
+        lora_slots: SlotTable | None = None,
     ) -> None:
         self.kv = kv
+        self.lora_slots = lora_slots  # device slots of LoRA adapters (None: LoRA is off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size or max_num_batched_tokens
@@ -62,6 +68,7 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.kv.free(seq.seq_id)
+            self._release_slot(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         for child in seq.forked_children:  # samples that never forked end with their leader
@@ -114,20 +121,24 @@ class Scheduler:
         # Slots already promised: every running sequence, plus the children each running leader will fork
         # when its prompt completes (they join `running` then, without passing admission again).
         promised = len(self.running) + sum(len(s.forked_children) for s in self.running)
+        blocked: list[TokenSequence] = []  # waiting for a LoRA slot: the ones behind them go first
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.lora is not None and not self.lora_slots.can_acquire(seq.lora):
+                blocked.append(self.waiting.popleft())
+                continue
             wanted = promised + 1 + len(seq.forked_children)
             if wanted > self.max_num_seqs:
                 break
             if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
                 break
             tokens = seq.all_token_ids
-            cached = self.kv.lookup_prefix(tokens, seq.cache_salt) if self.enable_prefix_caching else 0
+            cached = self.kv.lookup_prefix(tokens, seq.prefix_keys) if self.enable_prefix_caching else 0
             num_new = min(len(tokens) - cached, budget, self.chunk_size)
             new_pages = self.kv.pages_needed(cached + num_new) - cached // self.kv.page_size
             if self.running and self.kv.num_free_pages() - new_pages < self.watermark_pages:
                 break  # keep a few pages for the running sequences to grow into (fewer preemptions)
-            got = self.kv.admit(seq.seq_id, tokens, num_new, seq.cache_salt)
+            got = self.kv.admit(seq.seq_id, tokens, num_new, seq.prefix_keys)
             if got is None:
                 break
             assert got == cached, (got, cached)
@@ -135,10 +146,25 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt = min(got, len(seq.prompt_token_ids))
             seq.status = Status.RUNNING
+            self._take_slot(seq, out)
             self.running.append(seq)
             promised = wanted
             self._schedule(seq, num_new, out, scheduled)
             budget -= num_new
+        self.waiting.extendleft(reversed(blocked))
+
+    def _take_slot(self, seq: TokenSequence, out: SchedulerOutput) -> None:
+        """Give a sequence starting to run its adapter's device slot (loading the adapter there if needed)."""
+        if seq.lora is None:
+            return
+        seq.lora_slot, load = self.lora_slots.acquire(seq.lora)
+        if load is not None:
+            out.lora_loads.append(load)
+
+    def _release_slot(self, seq: TokenSequence) -> None:
+        if seq.lora is not None:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = 0
 
     def _schedule(
         self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str], draft: list[int] = ()
@@ -157,6 +183,7 @@ class Scheduler:
             self.kv.fork(seq.seq_id, child.seq_id)
             child.num_cached_prompt = seq.num_cached_prompt
             child.status = Status.RUNNING
+            self._take_slot(child, out)  # the leader's adapter: resident, so never a load
             scheduled.add(child.seq_id)
             self.running.append(child)
             out.sample_rows.append(SampleRow(child, index))
@@ -166,6 +193,7 @@ class Scheduler:
         victim.draft_token_ids = []
         self.running.remove(victim)
         self.kv.free(victim.seq_id)
+        self._release_slot(victim)
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1

@@ -9,8 +9,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from paged_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_jax.lora.peft import LoraAdapter
 
 PLACEHOLDER = -1  # the host's stand-in for a token id still on the device (the one-step lookahead)
 
@@ -67,6 +71,8 @@ class TokenSequence:
     # still on the device.
     pending: PendingToken | None = None
     forked_children: list[TokenSequence] = field(default_factory=list)  # children waiting for this leader's prompt
+    lora: LoraAdapter | None = None  # the request's adapter (paged_jax.lora), None for the base model
+    lora_slot: int = 0  # its device slot while running (paged_jax.lora.registry.SlotTable); 0: no adapter
     # Speculative decoding (`paged_jax.spec`): tokens proposed to follow the last one, scored by the next step if
     # the scheduler finds room (it takes them: a draft is for one step).
     draft_token_ids: list[int] = field(default_factory=list)
@@ -85,6 +91,13 @@ class TokenSequence:
         """Replace the last output token (the lookahead's placeholder) with the sampled one."""
         self.output_token_ids[-1] = token
         self.all_token_ids[-1] = token
+
+    @property
+    def prefix_keys(self) -> tuple[str, ...]:
+        """The prefix cache's extra keys for this sequence's blocks (`paged_jax.kv_cache.hashing`): its cache salt
+        and its adapter's digest, so neither another tenant nor another adapter is ever served its KV."""
+        keys = () if self.cache_salt is None else ("salt:" + self.cache_salt,)
+        return keys if self.lora is None else (*keys, "lora:" + self.lora.digest)
 
     @property
     def num_tokens(self) -> int:

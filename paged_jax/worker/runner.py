@@ -9,22 +9,13 @@ manager: the scheduler's output carries each sequence's page ids); the forward p
 the rows that sample; sampling is a second jitted call on device; the host receives only the sampled ids (and
 requested logprobs).
 
-Which parts need the sequence bucket: the token-level work (embedding, QKV and output projections, RoPE, the
-KV write, the MLP) depends on `T` alone. `S` sizes the attention metadata (`kv_lens`, `block_tables`,
-`cu_q_lens`), the rows of the LM head and sampling. Padding sequences cost the XLA attention nothing (its
-loops have runtime trip counts, `pallas_kernels.xla_paged`). Measured with `scripts/bench_seq_bucket.py`
-(SmolLM2-135M's shapes with 4 layers, 2 shared CPU cores, S = 32 against the smallest S that holds the step):
-with its 49,152-token vocabulary a prefill or mixed step of 64-256 tokens took 1.03-1.11x as long, decode
-1.00-1.11x (noise between identical runs: about 5%); with a 512-token vocabulary (the LM head taken out)
-0.80-1.01x. So only the LM head's rows (and sampling) pay for a larger `S`, and by its share of the step
-(less with 30 layers than with 4). `S` is therefore not a free dimension: it is derived from `T`,
-`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens; decode steps get the S
-they need), raised only when one step samples more rows than that (`n` > 1 samples of a short prompt).
-Every step shape is then one executable per token bucket, not one per (T, S) pair: a third of them for
-`make run` (5 instead of 15). Splitting the LM head's rows from the attention metadata (as tpu-inference does)
-would win back the prefill steps' few percent at the cost of more, if cheaper, executables. The sampler's
-output ids are padded to the largest `S`, so the lookahead's on-device merge of the previous step's ids is
-one executable per `T` as well.
+Which parts need the sequence bucket: the token-level work (embedding, projections, RoPE, the KV write, the
+MLP) depends on `T` alone; `S` sizes the attention metadata, the LM head's rows and sampling, and only the
+last two cost anything when padded (README: "Sequence buckets"). So `S` is derived from `T`,
+`S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens), raised only when one step
+samples more rows than that (`n` > 1 samples of a short prompt): one executable per token bucket, not one per
+(T, S) pair. The sampler's output ids are padded to the largest `S`, so the lookahead's on-device merge of
+the previous step's ids is one executable per `T` as well.
 
 Executables are compiled ahead of time (`paged_jax.worker.executables`): warm-up compiles the shapes a run can
 reach on a thread pool (`paged_jax.worker.warmup` says which); a shape first needed after warm-up is compiled
@@ -32,6 +23,10 @@ then, counted, and logged as a warning with its shape.
 
 With a device mesh (tensor parallelism, or a data-parallel replica on devices other than the default) the
 same step runs with its operands pinned to the mesh; see `paged_jax.worker.sharding` for the layout.
+
+With LoRA on (`LoraShape`), the runner owns the adapters' stacked device arrays (`paged_jax.lora.weights`): the
+scheduler's `lora_loads` are written into their slots before the step (one executable for every slot), and the
+forward step takes the arrays and each token's slot id; its shapes do not depend on which adapters run.
 """
 
 from __future__ import annotations
@@ -43,6 +38,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -52,6 +48,9 @@ import numpy as np
 import pallas_kernels
 from paged_jax.config import ModelConfig
 from paged_jax.kv_cache import PageCopy
+from paged_jax.lora import weights as lora_weights
+from paged_jax.lora.delta import LoraBatch
+from paged_jax.lora.registry import SlotLoad
 from paged_jax.model import quant
 from paged_jax.model.families import causal_lm
 from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
@@ -126,6 +125,18 @@ def bucket_for(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclass(frozen=True, slots=True)
+class LoraShape:
+    """The LoRA device arrays' static shape: `max_loras` slots (plus slot 0, none) of rank `max_rank`."""
+
+    max_loras: int
+    max_rank: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_loras + 1
+
+
 @functools.cache
 def step_functions(
     config: ModelConfig,
@@ -133,28 +144,53 @@ def step_functions(
     mesh: jax.sharding.Mesh | None = None,
     quantized_kv: bool = False,
     weights: tuple[str, bool, bool] | None = None,
+    lora: LoraShape | None = None,
 ):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
 
-    forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S])
-        -> (logits [S, V] f32, kv_caches), with kv_caches donated.
+    forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S], lora)
+        -> (logits [S, V] f32, kv_caches), with kv_caches donated; `lora` a `LoraBatch`, or None when off.
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
-    params by their partition specs, KV pages by KV heads, metadata and logits replicated.
+    params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
+    like their base weights (`paged_jax.lora.weights`).
     """
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh, quantized_kv)
     model = causal_lm(config, attn, mesh)
 
-    def forward(params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices):
-        hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta)
+    def forward(
+        params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices, lora: LoraBatch | None = None
+    ):
+        hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta, lora)
         logits = model.apply(params, hidden[logits_indices], method="compute_logits")
         return logits, tuple(kv_caches)
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
-    return model, jax.jit(forward, donate_argnums=(1,), **sharding.step_shardings(config, mesh, quantized_kv, weights))
+    shardings = sharding.step_shardings(config, mesh, quantized_kv, weights)
+    rep = sharding.replicated(mesh)
+    lora_in = None if lora is None else LoraBatch(_lora_shardings(config, mesh, lora), rep)
+    shardings["in_shardings"] = (*shardings["in_shardings"], lora_in)
+    return model, jax.jit(forward, donate_argnums=(1,), **shardings)
+
+
+def _lora_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraShape) -> lora_weights.LoraWeights:
+    specs = lora_weights.partition_specs(config, lora.num_slots, lora.max_rank, sharding.TP)
+    return jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(mesh, spec),
+        specs,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
+
+
+@functools.cache
+def _lora_writer(config: ModelConfig, mesh: jax.sharding.Mesh | None, lora: LoraShape):
+    """`paged_jax.lora.weights.write_slot` jitted with the arrays donated (kept in their mesh layout)."""
+    if mesh is None:
+        return jax.jit(lora_weights.write_slot, donate_argnums=(0,))
+    return jax.jit(lora_weights.write_slot, donate_argnums=(0,), out_shardings=_lora_shardings(config, mesh, lora))
 
 
 def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
@@ -211,9 +247,20 @@ def _sample_rows(
     return out._replace(tokens=jnp.pad(tokens, (0, width - tokens.shape[0])))
 
 
+def _drop_axis(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return shape[:axis] + shape[axis + 1 :]
+
+
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
 
-Job = tuple[Hashable, Callable[[], jax.stages.Lowered], str]  # key, lowering, shape for the log
+
+class Job(NamedTuple):
+    """One executable to compile: its cache key, how to lower it (argument specs built only then), and its
+    shape in words for the log."""
+
+    key: Hashable
+    lower: Callable[[], jax.stages.Lowered]
+    describe: str
 
 
 def _fingerprint(tree) -> str:
@@ -270,9 +317,11 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_dtype: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        lora: LoraShape | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
         self.config = config
+        self.lora = lora
         self.params = params
         self.mesh = mesh
         self.page_size = page_size
@@ -297,8 +346,13 @@ class ModelRunner:
         self._rep = None if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
         self.model, self._forward = step_functions(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora
         )
+        self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
+        if lora is not None:
+            shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
+            self.lora_weights = lora_weights.allocate(config, lora.num_slots, lora.max_rank, shardings)
+            self._lora_write = _lora_writer(config, mesh, lora)
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
         self._allow_all: dict[int, jax.Array] = {}  # the sampler's bitmask when no row is constrained, per S
@@ -312,6 +366,7 @@ class ModelRunner:
             self.seq_buckets[-1],  # the width of the sampler's padded ids and of the lookahead's merge input
             _fingerprint(params),
             _fingerprint(self._kv_specs),
+            lora,
         )
         self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
         self.compile_stats = CompileStats()
@@ -327,6 +382,12 @@ class ModelRunner:
         dst = np.zeros(n, np.int32)
         src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
         self.kv_caches = self._executable(self.copy_job(n))(self.kv_caches, src, dst)
+
+    def load_lora(self, load: SlotLoad) -> None:
+        """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
+        layers, scaling = lora_weights.slot_arrays(load.adapter, self.config, self.lora.max_rank)
+        write = self._executable(self.lora_write_job())
+        self.lora_weights = write(self.lora_weights, np.int32(load.slot), layers, scaling)
 
     def seq_bucket(self, t: int, rows: int = 0) -> int:
         """The sequence bucket of a step of token bucket `t` with `rows` sequences or sample rows (see the module
@@ -356,6 +417,8 @@ class ModelRunner:
         structured-output masks on the host while the device runs it, then calls `launch_sample`."""
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
+        for load in sched.lora_loads:
+            self.load_lora(load)
         t = bucket_for(sched.num_tokens, self.token_buckets)
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
@@ -370,8 +433,9 @@ class ModelRunner:
             token_ids = self._executable(self.merge_job(t))(token_ids, step.prev_rows, prev_samples.tokens)
         meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
         forward = self._executable(self.forward_job(t, s))
+        lora = None if self.lora is None else LoraBatch(self.lora_weights, step.lora_slots)
         logits, self.kv_caches = forward(
-            self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices
+            self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
         return ForwardLaunched(logits, self._with_history(sampling, prev_samples), sampling.flags, s, verify)
 
@@ -400,7 +464,7 @@ class ModelRunner:
         """The sampling meta, with a penalized step's history always made on the device by one merge (the
         lookahead's pending tokens, if any), so the sampler sees one kind of array: one compiled variant."""
         m = sampling.meta
-        if not sampling.flags[2]:  # do_penalty
+        if not sampling.flags.do_penalty:
             return m
         prev = prev_samples.tokens if prev_samples is not None else self._no_prev_tokens
         history = self._executable(self.history_job(len(sampling.pending_rows)))(
@@ -418,8 +482,7 @@ class ModelRunner:
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
-        key, lower, describe = job
-        return EXECUTABLES.get(key, lower, self.compile_stats, warm=self.warm, describe=describe)
+        return EXECUTABLES.get(job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe)
 
     def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
@@ -430,14 +493,14 @@ class ModelRunner:
         def lower() -> jax.stages.Lowered:
             i32 = self._spec
             meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
-            return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s))
+            lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
+            return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
-        return ("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}"
+        return Job(("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}")
 
     def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
         """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs).
         The argument specs are built only when the executable is compiled (this runs every step)."""
-        names = ("do_sample", "do_filter", "do_penalty", "want_logprobs")
         verify = self.num_speculative_tokens > 0
 
         def lower() -> jax.stages.Lowered:
@@ -448,19 +511,19 @@ class ModelRunner:
             bitmask = self._spec(s, mask_words(self.config.vocab_size))
             width = self.seq_buckets[-1]
             rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None
-            return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **dict(zip(names, flags, strict=True)))
+            return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **SamplerFlags(*flags)._asdict())
 
-        return (
+        return Job(
             ("sample", self._key, s, suppress_width, history_len, flags, self.seq_buckets[-1], verify),
             lower,
             f"sample rows={s} suppress={suppress_width} history={history_len} "
-            + " ".join(n for n, on in zip(names, flags, strict=True) if on),
+            + " ".join(n for n, on in SamplerFlags(*flags)._asdict().items() if on),
         )
 
     def merge_job(self, t: int) -> Job:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""
         i32 = self._spec
-        return (
+        return Job(
             ("merge", self._key, t, self.seq_buckets[-1]),
             lambda: merge_pending.lower(i32(t), i32(t), i32(self.seq_buckets[-1])),
             f"merge tokens={t}",
@@ -469,15 +532,35 @@ class ModelRunner:
     def history_job(self, s: int) -> Job:
         """The lookahead's merge of the previous step's ids into `s` rows of penalty history."""
         i32 = self._spec
-        return (
+        return Job(
             ("history", self._key, s, self.seq_buckets[-1]),
             lambda: merge_pending_history.lower(i32(s, self.history_len), i32(s), i32(s), i32(self.seq_buckets[-1])),
             f"history rows={s} length={self.history_len}",
         )
 
+    def _lora_specs(self) -> lora_weights.LoraWeights:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.lora_weights)
+
+    def lora_write_job(self) -> Job:
+        """Writing one adapter into one LoRA slot (the slot a traced scalar: one executable for all)."""
+
+        def lower() -> jax.stages.Lowered:
+            one = lora_weights.abstract_weights(self.config, 1, self.lora.max_rank)
+            layers = tuple(
+                {
+                    k: self._spec(*_drop_axis(x.shape, lora_weights.slot_axis(k, x.ndim)), dtype=x.dtype)
+                    for k, x in layer.items()
+                }
+                for layer in one.layers
+            )
+            scaling = self._spec(dtype=jnp.float32)
+            return self._lora_write.lower(self._lora_specs(), self._spec(), layers, scaling)
+
+        return Job(("lora_write", self._key), lower, "lora slot write")
+
     def copy_job(self, n: int) -> Job:
         """Copy-on-write of `n` pages on every layer."""
-        return (
+        return Job(
             ("copy", self._key, n),
             lambda: self._copy.lower(self._kv_specs, self._spec(n), self._spec(n)),
             f"copy pages={n}",
@@ -487,5 +570,7 @@ class ModelRunner:
         """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
         `cancel` (a threading.Event): stop starting compiles once set."""
         return len(
-            EXECUTABLES.compile_all(((k, lower) for k, lower, _ in jobs), self.compile_stats, workers, progress, cancel)
+            EXECUTABLES.compile_all(
+                ((job.key, job.lower) for job in jobs), self.compile_stats, workers, progress, cancel
+            )
         )

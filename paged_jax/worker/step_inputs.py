@@ -14,13 +14,23 @@ with the row of the previous step's samples that holds it in `prev_rows`; the ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from paged_jax.sched.output import SampleRow, SchedulerOutput
 from paged_jax.worker.sampler import SamplingMeta, empty_meta
 
-SamplerFlags = tuple[bool, bool, bool, bool]  # do_sample, do_filter, do_penalty, want_logprobs
+
+class SamplerFlags(NamedTuple):
+    """Which compiled variant of the sampler a step needs (its static arguments): rows that sample (not all
+    greedy), rows with top-k/top-p/min-p, rows with penalties (the token history is carried), rows that want
+    logprobs."""
+
+    do_sample: bool
+    do_filter: bool
+    do_penalty: bool
+    want_logprobs: bool
 
 
 @dataclass(slots=True)
@@ -36,6 +46,7 @@ class StepInputs:
     num_seqs: np.ndarray  # [1] i32 real sequences
     logits_indices: np.ndarray  # [S] i32 the flat token whose logits sample row r draws from
     prev_rows: np.ndarray  # [T] i32 row of the previous step's samples holding the token's id; -1: on the host
+    lora_slots: np.ndarray  # [T] i32 the LoRA device slot of each token's sequence (0: none, and padding)
 
     @property
     def has_pending(self) -> bool:
@@ -57,6 +68,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
     tables = np.zeros((s, max_blocks), np.int32)
     cu = np.zeros(s + 1, np.int32)
     prev_rows = np.full(t, -1, np.int32)
+    lora_slots = np.zeros(t, np.int32)
     off = 0
     for i, item in enumerate(sched.scheduled):
         seq, start, n = item.seq, item.start, item.num_scheduled
@@ -72,6 +84,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
         pos = np.arange(start, start + n, dtype=np.int32)
         positions[off : off + n] = pos
         slots[off : off + n] = tables[i, pos // page_size] * page_size + pos % page_size
+        lora_slots[off : off + n] = seq.lora_slot
         off += n
         kv_lens[i] = start + n
         cu[i + 1] = off
@@ -80,7 +93,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
     for r, row in enumerate(sched.sample_rows):
         logits_indices[r] = cu[row.index + 1] - 1 - len(sched.scheduled[row.index].draft) + len(row.draft_prefix)
     num_seqs = np.array([len(sched.scheduled)], np.int32)
-    return StepInputs(token_ids, positions, slots, kv_lens, tables, cu, num_seqs, logits_indices, prev_rows)
+    return StepInputs(token_ids, positions, slots, kv_lens, tables, cu, num_seqs, logits_indices, prev_rows, lora_slots)
 
 
 @dataclass(slots=True)
@@ -129,4 +142,4 @@ def build_sampling_inputs(
             m.num_prompt[r] = len(seq.prompt_token_ids)
             if seq.pending is not None:
                 pending_rows[r], pending_cols[r] = seq.pending.row, len(toks) - 1
-    return SamplingInputs(m, (do_sample, do_filter, penalized, want_logprobs), pending_rows, pending_cols)
+    return SamplingInputs(m, SamplerFlags(do_sample, do_filter, penalized, want_logprobs), pending_rows, pending_cols)

@@ -32,10 +32,14 @@ from paged_jax.worker.runner import Job, ModelRunner, SamplerFlags, bucket_for
 
 log = logging.getLogger(__name__)
 
-GREEDY: SamplerFlags = (False, False, False, False)
-COMMON_SAMPLERS: tuple[SamplerFlags, ...] = (GREEDY, (True, False, False, False), (True, True, False, False))
+GREEDY = SamplerFlags(False, False, False, False)
+COMMON_SAMPLERS: tuple[SamplerFlags, ...] = (
+    GREEDY,
+    SamplerFlags(True, False, False, False),
+    SamplerFlags(True, True, False, False),
+)
 ALL_SAMPLERS: tuple[SamplerFlags, ...] = tuple(
-    (s, f, p, lp) for s, f, _, _ in COMMON_SAMPLERS for p in (False, True) for lp in (False, True)
+    SamplerFlags(s, f, p, lp) for s, f, _, _ in COMMON_SAMPLERS for p in (False, True) for lp in (False, True)
 )
 
 
@@ -53,14 +57,14 @@ class WarmupPlan:
 def request_flags(params: SamplingParams) -> SamplerFlags:
     """The sampler variant a step holding only this request uses."""
     hot = params.temperature > 0
-    return (hot, hot and params.uses_filters, params.uses_penalties, params.logprobs is not None)
+    return SamplerFlags(hot, hot and params.uses_filters, params.uses_penalties, params.logprobs is not None)
 
 
 def or_closure(flags: Iterable[SamplerFlags]) -> tuple[SamplerFlags, ...]:
     """Every variant a step can use: the element-wise OR of any non-empty subset of the requests' variants."""
     out = set(flags)
     while True:
-        new = {tuple(a or b for a, b in zip(x, y, strict=True)) for x in out for y in out} - out
+        new = {SamplerFlags(*(a or b for a, b in zip(x, y, strict=True))) for x in out for y in out} - out
         if not new:
             return tuple(sorted(out))
         out |= new
@@ -101,15 +105,17 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     out = [runner.forward_job(t, s) for t, s in shapes]
     for s in sorted({s for _, s in shapes}):
         out += [
-            runner.sample_job(s, runner.suppress_width, runner.history_len if flags[2] else 1, flags)
+            runner.sample_job(s, runner.suppress_width, runner.history_len if flags.do_penalty else 1, flags)
             for flags in plan.sampler_flags
         ]
-        if any(flags[2] for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
+        if any(flags.do_penalty for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
             out.append(runner.history_job(s))
     if plan.lookahead:
         out += [runner.merge_job(t) for t in buckets]
     if plan.copies:
         out.append(runner.copy_job(8))
+    if runner.lora is not None:
+        out.append(runner.lora_write_job())
     return out
 
 

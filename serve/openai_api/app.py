@@ -13,9 +13,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serve.convert import RequestError
-from serve.openai_api.errors import error_response
-from serve.openai_api.front import OpenAIFront
+from ..convert import RequestError
+from .errors import error_response
+from .front import OpenAIFront
 
 _HTTP_CODES = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED}
 

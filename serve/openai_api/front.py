@@ -30,14 +30,15 @@ from paged_jax.engine.input_processor import ProcessedRequest
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import RequestOutput
 from paged_jax.tokenization.tool_calls import ToolFormat, function_specs, tool_format
-from serve import convert
-from serve.config import ServingConfig
-from serve.convert import RequestError
-from serve.engine_loop import EngineLoop, Event, RequestStream
-from serve.metrics import Metrics
-from serve.openai_api.errors import error_body, error_response
-from serve.openai_api.protocol import Kind, OpenAIRequest, field_names, parse_body
-from serve.openai_api.responses import ResponseBuilder
+
+from .. import convert
+from ..config import ServingConfig
+from ..convert import RequestError
+from ..engine_loop import EngineLoop, Event, RequestStream
+from ..metrics import Metrics
+from .errors import error_body, error_response
+from .protocol import Kind, OpenAIRequest, field_names, parse_body
+from .responses import ResponseBuilder
 
 CPU_WORKERS = 2  # threads for JSON parsing, tokenization and chat templates, off the event loop
 METHODS = {"completion": "OpenAI.Completions", "chat": "OpenAI.ChatCompletions"}

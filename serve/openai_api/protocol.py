@@ -16,8 +16,9 @@ from typing import Any, Literal
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
 from paged_jax.errors import FieldNames
 from paged_jax.tokenization.tool_calls import function_specs, history_tool_calls
-from serve.convert import RequestError, invalid
-from serve.openai_api.structured import structured_output
+
+from ..convert import RequestError, invalid
+from .structured import structured_output
 
 Kind = Literal["completion", "chat"]
 _UINT32 = 2**32

@@ -17,7 +17,8 @@ from typing import Any
 
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.tokenization.tool_calls import ToolCall, ToolFormat
-from serve.openai_api.protocol import Kind
+
+from .protocol import Kind
 
 FINISH_REASONS = {
     "eos": "stop",

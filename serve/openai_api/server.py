@@ -16,12 +16,12 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from serve.background import BackgroundServer
-from serve.config import ServingConfig
-from serve.engine_loop import EngineLoop
-from serve.metrics import Metrics
-from serve.openai_api.app import create_app
-from serve.openai_api.front import OpenAIFront
+from ..background import BackgroundServer
+from ..config import ServingConfig
+from ..engine_loop import EngineLoop
+from ..metrics import Metrics
+from .app import create_app
+from .front import OpenAIFront
 
 log = logging.getLogger(__name__)
 

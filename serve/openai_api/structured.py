@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from paged_jax.sampling_params import StructuredOutputs
-from serve.convert import invalid
+
+from ..convert import invalid
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _VLLM_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

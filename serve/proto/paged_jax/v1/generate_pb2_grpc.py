@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from serve.proto.paged_jax.v1 import generate_pb2 as serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2
+from . import generate_pb2 as serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
