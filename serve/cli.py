@@ -55,6 +55,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
+    from paged_jax.lora.named import parse_lora_modules
+
     token = os.environ.get("PAGED_JAX_AUTH_TOKEN")
     if token is not None and not token.strip():  # set but empty: a mistake, never "no auth"
         raise ValueError("PAGED_JAX_AUTH_TOKEN: is set but empty; unset it to serve without auth")
@@ -85,6 +87,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         allow_invariant_checks=args.allow_invariant_checks,
         grace_period_s=args.grace_period,
         limits=limits,
+        lora_modules=tuple(parse_lora_modules(args.lora_modules)),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     config.validate()
     return config

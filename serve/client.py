@@ -35,6 +35,7 @@ def build_request(
     request_id: str | None = None,
     cache_salt: str | None = None,
     output_mode: int = pb.OUTPUT_MODE_UNSPECIFIED,
+    lora_name: str | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from text, token ids or a ChatInput (see `chat_input`); `sampling` keywords are
@@ -50,6 +51,8 @@ def build_request(
         req.request_id = request_id
     if cache_salt is not None:
         req.cache_salt = cache_salt
+    if lora_name is not None:
+        req.lora_name = lora_name
     return req
 
 

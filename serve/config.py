@@ -71,6 +71,10 @@ class ServingConfig:
     allow_invariant_checks: bool = False
     grace_period_s: float = 30.0  # on SIGTERM, in-flight requests get this long before they are aborted
     limits: ServingLimits | None = None
+    # LoRA adapters served as their own model names (`--lora-modules name=path`, paged_jax.lora.named), and
+    # whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (off unless asked, as in vLLM).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora_runtime_updates: bool = False
 
     def __post_init__(self) -> None:
         if self.limits is None:

@@ -98,6 +98,7 @@ class ParsedRequest:
     params: SamplingParams
     cache_salt: str | None
     output_mode: int
+    lora_name: str | None = None  # a served LoRA adapter (the servicer resolves it: NOT_FOUND when unknown)
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -228,7 +229,8 @@ def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedReq
         p = inputs.process(request)
     except FieldError as e:
         raise field_error(e, GRPC_FIELDS) from None
-    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode)
+    lora = req.lora_name if req.HasField("lora_name") else None
+    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode, lora)
 
 
 def _json_field(field: str, text: str, kind: type) -> Any:

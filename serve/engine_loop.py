@@ -27,6 +27,8 @@ import grpc
 
 from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError
+from paged_jax.lora.named import ServedAdapters
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
@@ -71,6 +73,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ class EngineLoop:
         self, engine: Engine, on_step: Callable[[Engine], None] | None = None, idle_poll_s: float = 0.5
     ) -> None:
         self.engine = engine
+        self.adapters = ServedAdapters()  # adapter names every front resolves (`ServingConfig.lora_modules`)
         self._on_step = on_step
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -135,6 +139,7 @@ class EngineLoop:
         params: SamplingParams,
         cache_salt: str | None,
         max_queued: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Register a request and queue it for the engine. Raises RequestError when it cannot be taken."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
@@ -150,7 +155,7 @@ class EngineLoop:
                 )
             self._streams[request_id] = stream
             self._num_queued += 1
-            self._commands.put(_Add(stream, prompt_token_ids, params, cache_salt))  # under the lock: see _die
+            self._commands.put(_Add(stream, prompt_token_ids, params, cache_salt, lora_request))  # see _die
         return stream
 
     def abort(self, stream: RequestStream, message: str = "aborted") -> None:
@@ -234,7 +239,9 @@ class EngineLoop:
         if self._streams.get(rid) is not cmd.stream:
             return  # aborted before it reached the engine
         try:
-            self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt)
+            self.engine.add_request(
+                rid, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt, lora_request=cmd.lora_request
+            )
         except ValueError as e:
             refused = e if isinstance(e, FieldError) else None
             self._close(rid, Event(code=grpc.StatusCode.INVALID_ARGUMENT, message=str(e), field_error=refused))

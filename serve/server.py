@@ -193,7 +193,10 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     compiled, and the rest compile in the background (`GrpcServer.start_warm_up`).
     """
     metrics = Metrics()
-    loop = EngineLoop(engine, on_step=metrics.on_step).start()
+    loop = EngineLoop(engine, on_step=metrics.on_step)
+    for name, path in config.lora_modules:
+        loop.adapters.add(name, path)
+    loop.start()
     metrics.engine_alive.set(1)
     if config.metrics_port is not None:
         token = config.auth_token if config.metrics_auth else None

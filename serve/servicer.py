@@ -22,6 +22,7 @@ import grpc
 from grpc import aio
 
 from paged_jax.engine.protocol import Engine
+from paged_jax.lora.named import UnknownAdapterError
 
 from . import convert
 from .config import ServingConfig
@@ -61,8 +62,14 @@ class GenerationServicer:
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
         rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
+        lora = None
+        if parsed.lora_name is not None:
+            try:
+                lora = self.loop.adapters.get(parsed.lora_name)
+            except UnknownAdapterError as e:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"lora_name: {e}") from None
         return self.loop.submit(
-            rid, parsed.prompt_token_ids, parsed.params, parsed.cache_salt, self.config.max_queued_requests
+            rid, parsed.prompt_token_ids, parsed.params, parsed.cache_salt, self.config.max_queued_requests, lora
         )
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[Event]:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from paged_jax.errors import FieldError
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from paged_jax.tokenization.chat_template import apply_chat_template
 from paged_jax.tokenization.tokenizer import Tokenizer
 
@@ -128,9 +128,11 @@ class InputProcessor:
         max_n: int,
         defaults: Mapping[str, Any] | None = None,
         limits: InputLimits | None = None,
+        max_logit_bias: int = MAX_LOGIT_BIAS,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len, self.max_n = vocab_size, max_model_len, max_n
+        self.max_logit_bias = max_logit_bias  # the engine's logit_bias width (`EngineConfig.max_logit_bias`)
         self.defaults = defaults if defaults is not None else {}  # read at each request
         self.limits = limits or InputLimits()
 
@@ -207,7 +209,7 @@ class InputProcessor:
         lim = self.limits
         max_n = self.max_n if lim.max_n is None else min(self.max_n, lim.max_n)
         if isinstance(sampling, SamplingParams):
-            return self._bounded(sampling).validate(self.vocab_size, max_n)
+            return self._bounded(sampling).validate(self.vocab_size, max_n, self.max_logit_bias)
         fields = dict(sampling)
         unknown = sorted(set(fields) - SAMPLING_FIELDS)
         if unknown:
@@ -225,7 +227,7 @@ class InputProcessor:
             default = self.defaults.get("max_tokens", lim.default_max_tokens)
             fields["max_tokens"] = min(default, lim.max_tokens or default, self.max_model_len - prompt_len)
         params = SamplingParams(**{**self.defaults, **fields})
-        return self._bounded(params).validate(self.vocab_size, max_n)
+        return self._bounded(params).validate(self.vocab_size, max_n, self.max_logit_bias)
 
     def _bounded(self, params: SamplingParams) -> SamplingParams:
         """The server's bounds on stop strings and stop ids (before `validate`'s own checks)."""

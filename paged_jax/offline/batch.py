@@ -96,8 +96,9 @@ class BatchSummary:
         waste = c["step_padding_tokens"] / c["step_tokens"] if c["step_tokens"] else 0.0
         return [
             f"start-up           {self.startup_seconds:.1f}s: {c['compile_count']} executables compiled in "
-            f"{c['compile_seconds']:.1f} compile-s ({c['compile_cache_hits']} from the persistent cache), "
-            f"{c['compiles_after_warmup']} after warm-up",
+            f"{c['compile_seconds']:.1f} compile-s ({c['compile_lower_seconds']:.1f} lowering, "
+            f"{c['compile_seconds'] - c['compile_lower_seconds']:.1f} XLA compile or cache lookup; "
+            f"{c['compile_cache_hits']} from the persistent cache), {c['compiles_after_warmup']} after warm-up",
             f"padding            {waste:.1%} of step tokens ({c['step_padding_tokens']} padding / "
             f"{c['step_tokens']} real)",
         ]
@@ -225,6 +226,7 @@ def run_batch(
         for k in (
             "compile_count",
             "compile_seconds",
+            "compile_lower_seconds",
             "compile_cache_hits",
             "compiles_after_warmup",
             "step_tokens",

@@ -46,6 +46,16 @@ def create_app(front: OpenAIFront) -> FastAPI:
         front.check_auth(request)
         return JSONResponse(front.models())
 
+    if front.config.enable_lora_runtime_updates:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return await front.load_adapter(request)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await front.unload_adapter(request)
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         """200 while serving; 503 while warming up, draining, or once the engine loop died."""

@@ -28,6 +28,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from paged_jax.engine.input_processor import ProcessedRequest
 from paged_jax.errors import FieldError, FieldNames
+from paged_jax.lora.named import UnknownAdapterError
+from paged_jax.lora.peft import read_adapter
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.tokenization.tool_calls import ToolFormat, function_specs, tool_format
 
@@ -78,14 +81,23 @@ class OpenAIFront:
         return None if self.ready() else "warming up"
 
     # -- generation ---------------------------------------------------------------------------------
+    def _adapter(self, req: OpenAIRequest) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); NOT_FOUND naming it when nothing is served so."""
+        if req.model is None or req.model == self.model_name:
+            return None
+        try:
+            return self.loop.adapters.get(req.model)
+        except UnknownAdapterError:
+            served = [self.model_name, *self.loop.adapters.names()]
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model: {req.model!r} is not served here (GET /v1/models lists {', '.join(map(repr, served))})",
+            ) from None
+
     def _convert(self, req: OpenAIRequest) -> tuple[ToolFormat | None, list[ProcessedRequest]]:
         """Each prompt checked by the input processor (limits, tokenizing or the chat template, SamplingParams),
         and the tool-call format its replies are parsed with."""
-        if req.model is not None and req.model != self.model_name:
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model: {req.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
-            )
+        self._adapter(req)
         fmt = self._tool_choice(req)
         try:
             return fmt, [self.inputs.process(g) for g in req.generates]
@@ -135,6 +147,7 @@ class OpenAIFront:
             if self.draining:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
             rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+            lora = self._adapter(req)
             for i, p in enumerate(parsed):  # a batch is admitted whole or not at all (the except aborts the rest)
                 streams.append(
                     self.loop.submit(
@@ -143,9 +156,11 @@ class OpenAIFront:
                         p.params,
                         p.cache_salt,
                         self.config.max_queued_requests,
+                        lora_request=lora,
                     )
                 )
-            builder = ResponseBuilder(kind, rid, self.model_name, self.tokenizer, req.logprobs, fmt)
+            model = self.model_name if lora is None else lora.lora_name
+            builder = ResponseBuilder(kind, rid, model, self.tokenizer, req.logprobs, fmt)
             n = parsed[0].params.n
             names = field_names(kind, req.max_tokens_name, req.structured_param)
             firsts = await self._unless_disconnected(
@@ -260,19 +275,58 @@ class OpenAIFront:
 
     # -- the rest -------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
+        """The base model, then every served LoRA adapter as its own model with the base as `parent`."""
         engine = self.loop.engine
+        base = {"object": "model", "created": 0, "owned_by": "paged-jax", "max_model_len": engine.max_model_len}
+        adapters = [self.loop.adapters.get(name) for name in self.loop.adapters.names()]
         return {
             "object": "list",
             "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "paged-jax",
-                    "max_model_len": engine.max_model_len,
-                }
+                {"id": self.model_name, **base, "root": self.model_name, "parent": None},
+                *({"id": a.lora_name, **base, "root": a.lora_path, "parent": self.model_name} for a in adapters),
             ],
         }
+
+    async def load_adapter(self, request: Request) -> JSONResponse:
+        """POST /v1/load_lora_adapter {"lora_name", "lora_path"}: read the adapter now (INVALID_ARGUMENT naming
+        what is wrong with it) and serve it under its name."""
+        self.check_auth(request)
+        body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
+        name, path = body.get("lora_name"), body.get("lora_path")
+        for field, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str) or not value:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: must be a non-empty string", field)
+        if name == self.model_name or name in self.loop.adapters:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name: {name!r} is already served", "lora_name")
+        config = self.loop.engine.config
+        max_rank = self.loop.engine.engine_config.max_lora_rank
+        try:
+            await self._off_loop(read_adapter, path, name, config, max_rank)  # refused here, not at first use
+        except FieldError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, e.message, "lora_path") from None
+        self.loop.adapters.add(name, path)
+        return JSONResponse({"status": "ok", "lora_name": name})
+
+    async def unload_adapter(self, request: Request) -> JSONResponse:
+        """POST /v1/unload_lora_adapter {"lora_name"}: stop serving it (requests already running finish)."""
+        self.check_auth(request)
+        body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
+        name = body.get("lora_name")
+        try:
+            self.loop.adapters.remove(name if isinstance(name, str) else "")
+        except UnknownAdapterError as e:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"lora_name: {e}", "lora_name") from None
+        return JSONResponse({"status": "ok", "lora_name": name})
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "body: not valid JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "body: must be a JSON object")
+    return body
 
 
 class _EventStream(StreamingResponse):
