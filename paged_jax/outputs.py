@@ -58,6 +58,10 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class RequestOutput:
+    """`prompt_logprobs` (requests with `SamplingParams.prompt_logprobs`, as vLLM's): one entry per prompt token,
+    None for the first, each the token's logprob given the tokens before it and its top alternatives; set on the
+    request's first output once its prompt is computed and on its final output, None on the others."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -65,3 +69,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed inside the engine
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -13,9 +13,16 @@ from typing import Any
 
 from paged_jax.errors import FieldError
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top alternatives per token, for `logprobs` and `prompt_logprobs` alike (vLLM's max_logprobs)
+MAX_LOGIT_BIAS = 300  # default most `logit_bias` entries per request (the sampler's bias arrays have this width)
+LOGIT_BIAS_LIMIT = 100.0  # a bias lies in [-100, 100] (OpenAI's range; +100 forces a token, -100 bans it)
 MAX_STOP_TOKEN_IDS = 64  # the sampler's ban list has a fixed width (compiled once), so this many at most
 FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger values become inf there
+# Documented limits of the sampling math in float32: above MAX_TEMPERATURE, scores / temperature are so flat
+# (3e38: all zero) that top_k=1 and min_p=1 no longer single out the best token; a repetition penalty outside
+# [MIN_, MAX_REPETITION_PENALTY] sends a seen token's score to inf or 0 (1e-38: every pick token 0).
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 @dataclass(slots=True)
@@ -77,9 +84,17 @@ class StructuredOutputs:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. `top_k` 0 (or -1) and `top_p` 1 disable those filters.
+    temperature 0 means greedy (below 1e-5 sampling is greedy too); at most `MAX_TEMPERATURE`.
+    `repetition_penalty` lies in [`MIN_REPETITION_PENALTY`, `MAX_REPETITION_PENALTY`] (1 = off).
+    `top_k` 0 (or -1) and `top_p` 1 disable those filters.
     `seed` makes a request's samples reproducible whatever else shares the batch.
     `logprobs` asks for that many top alternatives per generated token (plus the chosen one).
+    `prompt_logprobs` (vLLM's): the logprob of every prompt token given the tokens before it (None for the
+    first), plus that many top alternatives at each position; the request then computes its whole prompt (its
+    prefix-cache hits are not read, as in vLLM: cached tokens have no logits).
+    `max_tokens=0` computes the prompt and generates nothing (prompt scoring with `prompt_logprobs`).
+    `logit_bias` (vLLM's and OpenAI's): token id -> a number in [-100, 100] added to that token's logit before
+    penalties, filters and sampling (greedy rows too); logprobs stay those of the model's own distribution.
     `detokenize=False` returns token ids without text (no per-token detokenization on the host).
     """
 
@@ -98,6 +113,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens kept as written, runs decoded alone
     detokenize: bool = True  # False: token ids only, no text (as vLLM's); stop strings then cannot be matched
@@ -112,6 +129,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
 
@@ -127,7 +146,9 @@ class SamplingParams:
     def uses_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
-    def validate(self, vocab_size: int | None = None, max_n: int = 64) -> SamplingParams:
+    def validate(
+        self, vocab_size: int | None = None, max_n: int = 64, max_logit_bias: int = MAX_LOGIT_BIAS
+    ) -> SamplingParams:
         """Check every field; return self so calls can chain. Raises FieldError naming the field."""
 
         def number(name: str) -> float:
@@ -146,16 +167,19 @@ class SamplingParams:
 
         if not 1 <= integer("n") <= max_n:
             raise FieldError("n", f"must be in [1, {max_n}], got {self.n}")
-        if number("temperature") < 0:
-            raise FieldError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= number("temperature") <= MAX_TEMPERATURE:
+            raise FieldError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if integer("top_k") < 0:
             raise FieldError("top_k", f"must be >= 0 (0 or -1 disables it), got {self.top_k}")
         if not 0.0 < number("top_p") <= 1.0:
             raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= number("min_p") <= 1.0:
             raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if number("repetition_penalty") <= 0:
-            raise FieldError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= number("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            raise FieldError(
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
+            )
         if not -2.0 <= number("presence_penalty") <= 2.0:
             raise FieldError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= number("frequency_penalty") <= 2.0:
@@ -164,8 +188,8 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
             raise FieldError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
-        if integer("max_tokens") < 1:
-            raise FieldError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if integer("max_tokens") < 0:
+            raise FieldError("max_tokens", f"must be >= 0 (0: the prompt only), got {self.max_tokens}")
         if not 0 <= integer("min_tokens") <= self.max_tokens:
             raise FieldError("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if not isinstance(self.stop, list):
@@ -175,6 +199,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise FieldError("stop", f"every stop string must be a non-empty string, got {s!r}")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise FieldError("stop", f"not valid Unicode (a lone surrogate at character {e.start})") from None
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise FieldError("stop_token_ids", f"{len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
@@ -185,14 +213,28 @@ class SamplingParams:
                 raise FieldError(name, f"must be a boolean, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             raise FieldError("detokenize", "stop strings are matched on the text; detokenize=False cannot have them")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise FieldError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            bad = isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+            if value is not None and bad:
+                raise FieldError(name, f"must be in [0, {MAX_LOGPROBS}], got {value!r}")
+        self._validate_logit_bias(vocab_size, max_logit_bias)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise FieldError("structured_outputs", "must be a StructuredOutputs (or a dict of its fields)")
             self.structured_outputs.validate()
         return self
+
+    def _validate_logit_bias(self, vocab_size: int | None, max_entries: int) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise FieldError("logit_bias", f"must be a map of token id to bias, got {type(bias).__name__}")
+        if len(bias) > max_entries:
+            raise FieldError("logit_bias", f"{len(bias)} entries, more than {max_entries}")
+        for t, v in bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
+                raise FieldError("logit_bias", f"{t!r} is not a token id in [0, {vocab_size})")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+                raise FieldError("logit_bias", f"the bias of token {t} must be a number in [-100, 100], got {v!r}")

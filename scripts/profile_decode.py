@@ -101,7 +101,8 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
     state = {"kv": kv}
 
     def step():
-        logits, state["kv"] = forward(params, state["kv"], tokens, positions, meta, jnp.arange(batch, dtype=jnp.int32))
+        sample_rows = jnp.arange(batch, dtype=jnp.int32)
+        logits, state["kv"], _ = forward(params, state["kv"], tokens, positions, meta, sample_rows)
         return logits
 
     rows.append(("forward step (all layers + logits)", timeit(step, reps=reps)))

@@ -4,9 +4,9 @@ Runs the `paged-jax generate` command of the Makefile's `run` target in fresh pr
 persistent compile cache and no built CPU attention kernel), then warm (the caches the cold run filled),
 `--rounds` times each, alternating, and prints each run's wall time (process start to exit: the summary is its
 last output) and CPU time, the start-up line of its summary, whether every run wrote the same token ids and
-text, and the goals (issue 13: cold <= 20 s, warm <= 8 s on 2 cores). The machine's load average is printed
-too: on a shared machine the wall times move with it (the CPU times much less), so compare runs of one
-invocation.
+text, and the goals (issue 28, SmolLM2-135M-Instruct: cold <= 40 s, warm <= 15 s on 2 cores). The machine's
+load average is printed too: on a shared machine the wall times move with it (the CPU times much less), so
+compare runs of one invocation.
 
     .venv/bin/python scripts/startup_time.py [--rounds 1] [--keep DIR]
 """
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GOAL_COLD_S, GOAL_WARM_S = 20.0, 8.0
+GOAL_COLD_S, GOAL_WARM_S = 40.0, 15.0
 
 
 def make_run_command() -> list[str]:

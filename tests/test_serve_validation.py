@@ -74,7 +74,6 @@ INVALID = [
     ("presence penalty", req(presence_penalty=3.0), "sampling.presence_penalty"),
     ("n 0", req(n=0), "sampling.n"),
     ("n above the limit", req(n=LIMITS.max_n + 1), "sampling.n"),
-    ("max_tokens 0", req(max_tokens=0), "sampling.max_tokens"),
     ("max_tokens above the limit", req(max_tokens=LIMITS.max_tokens + 1), "sampling.max_tokens"),
     ("prompt + max_tokens above the model", req([5] * 1000, max_tokens=1500), "sampling.max_tokens"),
     ("min_tokens above max_tokens", req(max_tokens=2, min_tokens=3), "sampling.min_tokens"),

@@ -272,7 +272,7 @@ else:
         kv_lens, cu = np.zeros(s, np.int32), np.full(s + 1, n, np.int32)
         kv_lens[0], cu[0] = n, 0
         meta = PagedMeta(slots, kv_lens, tables, cu, np.array([1], np.int32))
-        logits, runner.kv_caches = runner._forward(
+        logits, runner.kv_caches, _ = runner._forward(
             runner.params, runner.kv_caches, tokens, positions, meta, np.arange(s, dtype=np.int32), None
         )
         return np.asarray(logits)
@@ -329,6 +329,29 @@ else:
         assert all(r.num_steps > 0 for r in dp.replicas)  # both replicas served
         stats = dp.stats()
         assert stats.pages_in_use == 0 and len(stats.replicas) == 2
+
+    def test_prompt_logprobs_and_logit_bias_with_tp():
+        """Prompt logprobs (in chunks, through the vocab-sharded LM head) and logit bias on a TP group equal one
+        device's."""
+        prompt = make_prompts(1, seed=40, max_len=60)[0] + list(range(20, 60))
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3, logit_bias={11: 9.0})
+
+        def run(engine) -> tuple[list[int], list]:
+            engine.add_request("r", prompt, params)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    final = out
+            assert engine.kv.stats().pages_in_use == 0
+            return final.outputs[0].token_ids, final.prompt_logprobs
+
+        want_tokens, want = run(make_engine(2, chunk_size=32))
+        got_tokens, got = run(make_engine(2, tensor_parallel_size=4, chunk_size=32))
+        assert got_tokens == want_tokens and len(got) == len(want) == len(prompt) and got[0] is None
+        for a, b in zip(got[1:], want[1:], strict=True):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            np.testing.assert_allclose(
+                [a.logprob, *(v for _, v in a.top)], [b.logprob, *(v for _, v in b.top)], atol=1e-4
+            )
 
     def test_no_recompilation_in_steady_state_with_tp():
         engine = make_engine(2, tensor_parallel_size=4, warmup=True, num_pages=12)

@@ -188,6 +188,51 @@ if not CHILD:
             assert tokenizer.encode(text) == golden[f"prompt_{i}"].tolist()
             assert tokenizer.decode(golden[f"prompt_{i}"].tolist()) == text
 
+    def test_prompt_logprobs_match_transformers(model):
+        """Prompt logprobs (tests/data/smollm2/prompt_logprobs.npz, scripts/make_prompt_logprobs_golden.py): every
+        prompt in one engine, in chunks of 16 tokens (the 122-token text in 8): each logprob within 1e-4 of the
+        exact answer (transformers in float64) and 2e-4 of transformers' float32 run (as the logits above), the
+        same top tokens wherever transformers' neighbours are apart."""
+        from paged_jax.config.engine import EngineConfig
+        from paged_jax.engine.llm_engine import LLMEngine
+        from paged_jax.sampling_params import SamplingParams
+
+        config, params, tokenizer = model
+        want = dict(np.load(DATA / "prompt_logprobs.npz"))
+        count = len([k for k in want if k.startswith("prompt_")])
+        ec = EngineConfig(
+            warmup=False,
+            max_num_batched_tokens=64,
+            chunk_size=16,
+            num_pages=64,
+            max_model_len=256,
+            attention_backend="xla",
+        )
+        engine = LLMEngine(config, params, tokenizer, ec)
+        for i in range(count):
+            engine.add_request(str(i), want[f"prompt_{i}"].tolist(), SamplingParams(max_tokens=0, prompt_logprobs=5))
+        got = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    got[int(o.request_id)] = o.prompt_logprobs
+        err64 = err32 = 0.0
+        for i in range(count):
+            prompt, entries = want[f"prompt_{i}"], got[i]
+            assert len(entries) == len(prompt) and entries[0] is None
+            lp = np.array([e.logprob for e in entries[1:]])
+            assert [e.token_id for e in entries[1:]] == prompt[1:].tolist()
+            err64 = max(err64, np.abs(lp - want[f"logprob64_{i}"]).max())
+            err32 = max(err32, np.abs(lp - want[f"logprob_{i}"]).max())
+            top = np.array([[v for _, v in e.top] for e in entries[1:]])
+            np.testing.assert_allclose(top, want[f"top_logprobs_{i}"], atol=2e-4)
+            for e, ids, vals in zip(entries[1:], want[f"top_ids_{i}"], want[f"top_logprobs_{i}"], strict=True):
+                apart = np.diff(vals) < -4e-4  # neighbours that cannot swap places
+                ours = [t for t, _ in e.top]
+                assert all(ours[j] == ids[j] for j in range(4) if (j == 0 or apart[j - 1]) and apart[j])
+        print(f"prompt logprobs: max |ours - transformers f64| {err64:.2e}, f32 {err32:.2e}")
+        assert err64 < 1e-4 and err32 < 2e-4
+
     def test_chat_template_renders_transformers_prompt(model, golden):
         from paged_jax.tokenization.chat_template import apply_chat_template
 

@@ -74,6 +74,7 @@ def test_steady_state_compiles_nothing_and_a_missed_shape_is_a_warning(tiny_conf
     engine.warmup(plan, progress=False)
     stats = engine.stats()
     assert stats.compile_count == len(jobs(engine.runner, plan)) and stats.compiles_after_warmup == 0
+    assert 0 < stats.compile_lower_seconds < stats.compile_seconds  # each executable timed: lowering, then XLA
     for i in range(4):
         engine.add_request(f"g{i}", list(range(3 + i, 43 + i)), SamplingParams(max_tokens=8, temperature=0.0))
     while engine.has_unfinished():
@@ -132,10 +133,21 @@ def _generate(tmp_path: Path, cache: Path, name: str) -> tuple[str, list[dict]]:
     return proc.stdout + proc.stderr, lines
 
 
+_SO_FAR = r"process so far: (\d+) hits, (\d+) compiled by XLA, (\d+) cache entries rejected"
+
+
 def _cache_counts(log: str) -> tuple[int, int]:
-    m = re.search(r"process so far: (\d+) hits, (\d+) compiled by XLA", log)
+    """(hits, compiled by XLA) from the warm-up log line."""
+    m = re.search(_SO_FAR, log)
     assert m, log[-3000:]
     return int(m.group(1)), int(m.group(2))
+
+
+def _rejected(log: str) -> int:
+    """Persistent-cache entries found but not loadable, from the warm-up log line."""
+    m = re.search(_SO_FAR, log)
+    assert m, log[-3000:]
+    return int(m.group(3))
 
 
 @pytest.mark.slow  # a fresh process (start-up and compiles)
@@ -149,6 +161,24 @@ def test_a_second_process_with_the_same_shapes_compiles_nothing(tmp_path):
     assert compiled == 0 and hits > 0  # every executable of the second process came from the cache
     assert [(d["id"], d["token_ids"]) for d in first] == [(d["id"], d["token_ids"]) for d in second]
     assert "start-up" in second_log and "0 after warm-up" in second_log
+    assert re.search(r"[\d.]+ lowering, [\d.]+ XLA compile or cache lookup", second_log)
+    assert _rejected(second_log) == 0
+
+
+@pytest.mark.slow  # two fresh processes (start-up and compiles)
+def test_cache_entries_that_cannot_be_loaded_are_counted_and_logged(tmp_path):
+    """An entry XLA refuses (as XLA:CPU does on some hosts) must not pass for an ordinary miss: corrupt ones
+    take the same path (JAX warns, then compiles again)."""
+    cache = tmp_path / "xla-cache"
+    _, first = _generate(tmp_path, cache, "first")
+    entries = [p for p in cache.iterdir() if p.name.endswith("-cache")]
+    assert entries
+    for p in entries:
+        p.write_bytes(b"not an executable")
+    log, again = _generate(tmp_path, cache, "again")
+    assert _rejected(log) > 0 and _cache_counts(log)[0] == 0
+    assert "holds an entry XLA could not load" in log
+    assert [d["token_ids"] for d in first] == [d["token_ids"] for d in again]
 
 
 @pytest.mark.slow  # a fresh process (start-up and compiles)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paged_jax.config import KV_DTYPE_CHOICES
+from paged_jax.sampling_params import MAX_LOGIT_BIAS
 from pallas_kernels.common import BACKENDS
 
 
@@ -30,6 +31,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
     reserve_full_length: bool = False
+    max_logit_bias: int = MAX_LOGIT_BIAS  # most `logit_bias` entries per request (the sampler's fixed bias width)
     tensor_parallel_size: int = 1  # chips per engine (weights by heads/columns/vocab, KV pages by KV heads)
     data_parallel_size: int = 1  # engine replicas on disjoint device groups (`engine.data_parallel.make_engine`)
     # LoRA (paged_jax.lora), vLLM's names: adapters batched with the base model and with each other.
@@ -54,6 +56,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_n",
+            "max_logit_bias",
             "tensor_parallel_size",
             "data_parallel_size",
             "max_loras",

@@ -41,6 +41,7 @@ from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, S
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.kv_budget import kv_capacity_pages
+from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
 from paged_jax.worker.runner import LoraShape, ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
@@ -122,6 +123,7 @@ class LLMEngine:
             attention_backend=ec.attention_backend,
             kv_dtype=ec.kv_dtype,
             mesh=mesh,
+            max_logit_bias=ec.max_logit_bias,
             lora=lora_shape,
             num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
         )
@@ -133,6 +135,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_n=self.max_n,
             defaults=ec.sampling_defaults,
+            max_logit_bias=ec.max_logit_bias,
         )
         self.outputs = OutputProcessor(
             tokenizer, eos_token_ids=config.eos_token_ids, max_model_len=self.max_model_len, seed=ec.seed
@@ -324,7 +327,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         bitmask = self.structured.bitmask(self._constrained_rows(launched.sched), len(launched.sched.sample_rows))
         samples = self.runner.launch_sample(launched.forward, bitmask)
-        return Launched(launched.sched, samples, launched.host_seconds + time.perf_counter() - t0)
+        prompt = launched.forward.prompt_logprobs
+        return Launched(launched.sched, samples, launched.host_seconds + time.perf_counter() - t0, None, prompt)
 
     def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[Matcher, int]]:
         """(matcher, sample row) of each live structured-output sequence `sched` samples."""
@@ -342,9 +346,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = launched.sched
         device0 = self.runner.device_seconds
-        result = self.runner.collect(launched.samples, len(sched.sample_rows))
+        result = self.runner.collect(
+            launched.samples, len(sched.sample_rows), launched.prompt_logprobs, num_prompt_rows(sched)
+        )
         touched: dict[str, RequestState] = {}
         outputs = []
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(sched, result.prompt_logprobs)
         for r, row in enumerate(sched.sample_rows):
             seq = row.seq
             req = self.outputs.requests.get(seq.request_id)
@@ -370,12 +378,26 @@ class LLMEngine:
         self.host_seconds += launched.host_seconds + time.perf_counter() - t0 - (self.runner.device_seconds - device0)
         return outputs
 
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, values: PromptLogprobs) -> None:
+        """Hand each request its rows of the step's prompt logprobs (in scheduling order)."""
+        row = 0
+        for item in sched.scheduled:
+            positions = item.prompt_logprob_positions
+            req = self.outputs.requests.get(item.seq.request_id)
+            if positions and req is not None:
+                self.outputs.add_prompt_logprobs(req, positions, values, row)
+            row += len(positions)
+
     def _append(self, req: RequestState, seq: TokenSequence, result: StepResult, row: int) -> None:
         """Sample `row` of `result` is `seq`'s next token (or its pending one): append it, check it, and free
-        the sequence's pages if it ended."""
+        the sequence's pages if it ended. A prompt-only request (`max_tokens=0`) drops it and ends."""
         token = int(result.tokens[row])
         if not self.lookahead.resolve(seq, token, self.kv):
             seq.append_token(token)
+        if seq.params.max_tokens == 0:
+            seq.drop_last_token()
+            self._remove(seq, self.outputs.finish_prompt_only(seq))
+            return
         k = seq.params.logprobs
         reason = self.outputs.check_token(req, seq, token, None if k is None else result.logprobs_of(row, k))
         matcher = req.matcher(seq)

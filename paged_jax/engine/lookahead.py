@@ -27,6 +27,7 @@ from typing import NamedTuple
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.sequence import PLACEHOLDER, PendingToken, Status, TokenSequence
+from paged_jax.worker.prompt_logprobs import PromptLogprobs
 from paged_jax.worker.runner import ForwardLaunched
 from paged_jax.worker.sampler import SamplerOutput
 
@@ -38,6 +39,7 @@ class Launched(NamedTuple):
     samples: SamplerOutput | None  # on device; None while a structured-output step's sampling waits for masks
     host_seconds: float  # host time spent launching
     forward: ForwardLaunched | None = None  # the forward half, while `samples` is None
+    prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
 
 
 class Lookahead:

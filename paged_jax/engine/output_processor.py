@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from paged_jax.sched.sequence import FinishReason, TokenSequence
 from paged_jax.structured.backend import Matcher
 from paged_jax.tokenization.detokenizer import Detokenizer
 from paged_jax.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from paged_jax.worker.prompt_logprobs import PromptLogprobs
 
 
 @dataclass(slots=True)
@@ -37,6 +41,9 @@ class RequestState:
     detoks: list[Detokenizer]
     arrival_time: float
     matchers: list[Matcher] | None = None  # structured output: one grammar matcher per sample
+    # `prompt_logprobs` requests: entry i for prompt token i (None first), filled as the prompt's steps complete
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = field(default=False)  # already on an output (then again only on the final one)
 
     def matcher(self, seq: TokenSequence) -> Matcher | None:
         return None if self.matchers is None else self.matchers[seq.index]
@@ -90,6 +97,8 @@ class OutputProcessor:
             for _ in seqs
         ]
         req = RequestState(request_id, request.prompt, list(ids), params, seqs, detoks, now)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         self.requests[request_id] = req
         return req
 
@@ -125,6 +134,19 @@ class OutputProcessor:
             seq.stop_reason = stop_reason
             seq.finish_time = now
         return reason
+
+    def add_prompt_logprobs(self, req: RequestState, positions: range, values: PromptLogprobs, first_row: int) -> None:
+        """Record rows [first_row, first_row + len(positions)) of a step's prompt logprobs: position p's row is
+        the logprob of prompt token p + 1 (positions come in order, each once)."""
+        assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == positions.start + 1, positions
+        k = req.params.prompt_logprobs
+        ids = req.prompt_token_ids
+        req.prompt_logprobs.extend(values.entry(first_row + i, ids[p + 1], k) for i, p in enumerate(positions))
+
+    def finish_prompt_only(self, seq: TokenSequence) -> FinishReason:
+        """A `max_tokens=0` sequence whose prompt is computed: it ends by length, with no tokens."""
+        seq.finish_time = time.monotonic()
+        return FinishReason.LENGTH
 
     def is_last_token(self, seq: TokenSequence) -> bool:
         """Whether the token `seq` just got is its last for length alone (max_tokens or max_model_len)."""
@@ -172,4 +194,8 @@ class OutputProcessor:
             num_cached_prompt_tokens=lead.num_cached_prompt,
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
         )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, final, metrics)
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, final, metrics)
+        complete = req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_token_ids)
+        if complete and (final or not req.prompt_logprobs_sent):
+            out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return out

@@ -46,6 +46,7 @@ class EngineStats:
     compiles_after_warmup: int
     step_tokens: int  # tokens of scheduled work, summed over steps
     step_padding_tokens: int  # padding added to reach each step's token bucket (waste = this / step_tokens)
+    compile_lower_seconds: float = 0.0  # of compile_seconds, tracing and lowering (a persistent-cache hit pays it)
     kv_cache_tokens: int = 0  # token slots of the KV pages (page 0 not counted)
     kv_cache_token_gain: float = 1.0  # tokens per KV byte relative to bfloat16 pages (int8 pages: ~1.94)
     # Speculative decoding (paged_jax.spec.SpecStats): runs verified, drafts scored, drafts kept, their ratio, kept

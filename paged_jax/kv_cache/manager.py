@@ -140,7 +140,12 @@ class KVCacheManager:
     # ---------------------------------------------------------------------------------------- mutation
 
     def admit(
-        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, extra_keys: tuple[str, ...] = ()
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        extra_keys: tuple[str, ...] = (),
+        read_cache: bool = True,
     ) -> int | None:
         """Admit a waiting (new or preempted) request: take its prefix hits, allocate for new tokens.
 
@@ -149,6 +154,9 @@ class KVCacheManager:
         ``lookup_prefix`` (pages cached or evicted meanwhile); either way the result is correct: the request
         then has ``num_computed = cached + clipped`` (read it back with ``num_computed_tokens``) and its KV
         for positions ``[0, cached)`` is already in its pages.
+
+        ``read_cache=False`` takes no hits (a request that needs the logits of every prompt token); its full
+        blocks are still offered to the cache as they complete.
 
         Returns ``cached``, or ``None`` with nothing changed when the free pages do not suffice. Raises
         ``ValueError`` for a duplicate id, empty tokens, ``num_new_tokens < 1``, or a request that could
@@ -161,7 +169,7 @@ class KVCacheManager:
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         hashes: list[BlockHash] = []
-        hits = self._find_hits(token_ids, extra_keys, hashes)
+        hits = self._find_hits(token_ids, extra_keys, hashes) if read_cache else []
         num_hits = len(hits)
         cached = num_hits * self.page_size
         total = cached + min(num_new_tokens, len(token_ids) - cached)
@@ -179,8 +187,9 @@ class KVCacheManager:
         state = RequestPages(pages, total, hashes, num_hits, extra_keys)
         self.requests[request_id] = state
         self._cache_full_blocks(state, token_ids)
-        self._prefix_queries += len(token_ids)
-        self._prefix_hits += cached
+        if read_cache:
+            self._prefix_queries += len(token_ids)
+            self._prefix_hits += cached
         return cached
 
     def allocate_slots(

@@ -24,6 +24,8 @@ class ScheduledSeq:
     num_new: int
     page_ids: list[int]  # the sequence's block table after this step's allocation: logical block i -> page
     draft: list[int] = field(default_factory=list)  # unverified draft tokens at [start + num_new, ... + len(draft))
+    # prompt positions p whose logits give the logprob of prompt token p + 1 this step (`prompt_logprobs`)
+    prompt_logprob_positions: range = range(0)
 
     @property
     def num_scheduled(self) -> int:

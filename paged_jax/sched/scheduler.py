@@ -133,12 +133,14 @@ class Scheduler:
             if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
                 break
             tokens = seq.all_token_ids
-            cached = self.kv.lookup_prefix(tokens, seq.prefix_keys) if self.enable_prefix_caching else 0
+            # Cached tokens have no logits: a request still owing prompt logprobs computes its whole prompt.
+            read_cache = self.enable_prefix_caching and not seq.needs_prompt_logprobs
+            cached = self.kv.lookup_prefix(tokens, seq.prefix_keys) if read_cache else 0
             num_new = min(len(tokens) - cached, budget, self.chunk_size)
             new_pages = self.kv.pages_needed(cached + num_new) - cached // self.kv.page_size
             if self.running and self.kv.num_free_pages() - new_pages < self.watermark_pages:
                 break  # keep a few pages for the running sequences to grow into (fewer preemptions)
-            got = self.kv.admit(seq.seq_id, tokens, num_new, seq.prefix_keys)
+            got = self.kv.admit(seq.seq_id, tokens, num_new, seq.prefix_keys, read_cache=read_cache)
             if got is None:
                 break
             assert got == cached, (got, cached)
@@ -173,7 +175,14 @@ class Scheduler:
         includes the new tokens)."""
         scheduled.add(seq.seq_id)
         end = self.kv.num_computed_tokens(seq.seq_id)
-        out.scheduled.append(ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id), list(draft)))
+        item = ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id), list(draft))
+        if seq.needs_prompt_logprobs:
+            assert item.start <= seq.prompt_logprobs_done, (item.start, seq.prompt_logprobs_done)
+            stop = min(end, len(seq.prompt_token_ids) - 1)
+            if stop > seq.prompt_logprobs_done:
+                item.prompt_logprob_positions = range(seq.prompt_logprobs_done, stop)
+                seq.prompt_logprobs_done = stop
+        out.scheduled.append(item)
         if end < seq.num_tokens:  # a prompt chunk short of the last token samples nothing
             return
         index = len(out.scheduled) - 1

@@ -73,6 +73,9 @@ class TokenSequence:
     forked_children: list[TokenSequence] = field(default_factory=list)  # children waiting for this leader's prompt
     lora: LoraAdapter | None = None  # the request's adapter (paged_jax.lora), None for the base model
     lora_slot: int = 0  # its device slot while running (paged_jax.lora.registry.SlotTable); 0: no adapter
+    # `prompt_logprobs` requests: the prompt positions [0, this) whose next-token logprob a launched step computes
+    # (the leader's; the request's prompt logprobs are its own, not each sample's)
+    prompt_logprobs_done: int = 0
     # Speculative decoding (`paged_jax.spec`): tokens proposed to follow the last one, scored by the next step if
     # the scheduler finds room (it takes them: a draft is for one step).
     draft_token_ids: list[int] = field(default_factory=list)
@@ -91,6 +94,20 @@ class TokenSequence:
         """Replace the last output token (the lookahead's placeholder) with the sampled one."""
         self.output_token_ids[-1] = token
         self.all_token_ids[-1] = token
+
+    def drop_last_token(self) -> None:
+        """Remove the last output token (a prompt-only request's sample, which it does not keep)."""
+        self.output_token_ids.pop()
+        self.all_token_ids.pop()
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some of the request's prompt logprobs are still to be computed by this sequence (the leader)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and self.prompt_logprobs_done < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def prefix_keys(self) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _CACHE_MISS = "/jax/compilation_cache/cache_misses"  # recorded when a newly compiled executable is written
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # every XLA compile or cache load
+# JAX's warning when an entry exists but cannot be loaded (corrupt, or refused by XLA, as XLA:CPU does on some
+# hosts whose CPU features differ from the writer's); it then compiles again, which would otherwise look like a miss.
+_REJECTED = "Error reading persistent compilation cache entry"
 
 
 @dataclass(slots=True)
@@ -41,7 +45,8 @@ class CompileStats:
     counted). `seconds` is summed over threads, so with parallel warm-up it can exceed the wall time."""
 
     count: int = 0  # executables compiled or loaded from the persistent cache
-    seconds: float = 0.0
+    seconds: float = 0.0  # lowering plus compiling (or looking up and loading)
+    lower_seconds: float = 0.0  # of `seconds`, tracing and lowering to StableHLO (paid on a cache hit too)
     cache_hits: int = 0  # of `count`, loaded from the persistent compilation cache
     after_warmup: int = 0  # of `count`, needed by a step after warm-up (each one logged as a warning)
 
@@ -49,6 +54,7 @@ class CompileStats:
         return {
             "compile_count": self.count,
             "compile_seconds": self.seconds,
+            "compile_lower_seconds": self.lower_seconds,
             "compile_cache_hits": self.cache_hits,
             "compiles_after_warmup": self.after_warmup,
         }
@@ -60,9 +66,23 @@ class _ProcessCounters:
     def __init__(self) -> None:
         self.local = threading.local()
         self.lock = threading.Lock()
-        self.hits = self.misses = self.backend_compiles = 0
+        self.hits = self.misses = self.backend_compiles = self.rejected = 0
         jax.monitoring.register_event_listener(self._on_event)
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+
+    def on_warning(self, message: Warning | str) -> None:
+        """Count (and log once) a persistent-cache entry JAX could not load; see `watch_cache_rejections`."""
+        if not str(message).startswith(_REJECTED):
+            return
+        with self.lock:
+            self.rejected += 1
+            first = self.rejected == 1
+        if first:
+            log.warning(
+                "the persistent compile cache holds an entry XLA could not load, so it is compiled again (%s); "
+                "if every run says this, the cache is useless on this host: PAGED_JAX_COMPILE_CACHE=off",
+                message,
+            )
 
     def _on_event(self, event: str, **_) -> None:
         if event == _CACHE_HIT:
@@ -87,14 +107,31 @@ PROCESS = _ProcessCounters()
 
 def persistent_cache_summary() -> dict[str, int]:
     """Process-wide: XLA compiles requested (cache loads included), persistent cache hits and misses written,
-    and `compiled`: executables XLA actually built (requests that were not hits)."""
+    `compiled`: executables XLA actually built (requests that were not hits), and `rejected`: entries found in
+    the cache that could not be loaded (each one compiled again)."""
     with PROCESS.lock:
         return {
             "requests": PROCESS.backend_compiles,
             "hits": PROCESS.hits,
             "misses": PROCESS.misses,
             "compiled": PROCESS.backend_compiles - PROCESS.hits,
+            "rejected": PROCESS.rejected,
         }
+
+
+def watch_cache_rejections() -> None:
+    """Route JAX's warnings through `PROCESS.on_warning` before they are shown (the warnings module has no
+    listener API; `showwarning` is called for every warning the filters let through, from any thread)."""
+    shown = warnings.showwarning
+    if getattr(shown, "paged_jax_watch", False):
+        return
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+        PROCESS.on_warning(message)
+        shown(message, category, filename, lineno, file, line)
+
+    showwarning.paged_jax_watch = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
 
 
 def enable_persistent_cache(cache_dir: str) -> None:
@@ -105,6 +142,7 @@ def enable_persistent_cache(cache_dir: str) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    watch_cache_rejections()
     log.info("persistent compile cache: %s (PAGED_JAX_COMPILE_CACHE=off to disable)", cache_dir)
 
 
@@ -208,7 +246,9 @@ class Executables:
             return
         t0, hits0 = time.perf_counter(), PROCESS.thread_hits()
         try:
-            compiled = lower().compile()
+            lowered = lower()
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
         except BaseException as e:
             self._fail(key, future, e)
             return
@@ -218,5 +258,6 @@ class Executables:
             del self._pending[key]
             stats.count += 1
             stats.seconds += seconds
+            stats.lower_seconds += t1 - t0
             stats.cache_hits += min(hits, 1)
         future.set_result(compiled)

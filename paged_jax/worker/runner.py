@@ -6,8 +6,9 @@ updated in place.
 Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
 bucket `S`, built from the scheduler's output by `paged_jax.worker.step_inputs` (the runner never reads the KV
 manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for
-the rows that sample; sampling is a second jitted call on device; the host receives only the sampled ids (and
-requested logprobs).
+the rows that sample (and its final hidden states, from which a step with prompt-logprob positions computes
+theirs, `paged_jax.worker.prompt_logprobs`); sampling is a second jitted call on device; the host receives only the
+sampled ids (and requested logprobs).
 
 Which parts need the sequence bucket: the token-level work (embedding, projections, RoPE, the KV write, the
 MLP) depends on `T` alone; `S` sizes the attention metadata, the LM head's rows and sampling, and only the
@@ -53,12 +54,13 @@ from paged_jax.lora.delta import LoraBatch
 from paged_jax.lora.registry import SlotLoad
 from paged_jax.model import quant
 from paged_jax.model.families import causal_lm
-from paged_jax.sampling_params import MAX_STOP_TOKEN_IDS
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.structured.bitmask import all_allowed, mask_words
 from paged_jax.worker import sharding
 from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.pending import merge_pending, merge_pending_history
+from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, make_prompt_logprobs
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import VerifyRows, mask_rejected, verify_rows
 from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
@@ -150,7 +152,8 @@ def step_functions(
     mesh (so engines in one process share compilations).
 
     forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S], lora)
-        -> (logits [S, V] f32, kv_caches), with kv_caches donated; `lora` a `LoraBatch`, or None when off.
+        -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated; `lora` a
+        `LoraBatch`, or None when off.
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
     params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
     like their base weights (`paged_jax.lora.weights`).
@@ -165,7 +168,7 @@ def step_functions(
     ):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta, lora)
         logits = model.apply(params, hidden[logits_indices], method="compute_logits")
-        return logits, tuple(kv_caches)
+        return logits, tuple(kv_caches), hidden
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
@@ -191,6 +194,19 @@ def _lora_writer(config: ModelConfig, mesh: jax.sharding.Mesh | None, lora: Lora
     if mesh is None:
         return jax.jit(lora_weights.write_slot, donate_argnums=(0,))
     return jax.jit(lora_weights.write_slot, donate_argnums=(0,), out_shardings=_lora_shardings(config, mesh, lora))
+
+
+@functools.cache
+def prompt_logprobs_function(
+    config: ModelConfig,
+    backend: str,
+    mesh: jax.sharding.Mesh | None = None,
+    quantized_kv: bool = False,
+    weights: tuple[str, bool, bool] | None = None,
+):
+    """The jitted prompt-logprob step (`paged_jax.worker.prompt_logprobs`) of `step_functions`' model."""
+    model, _ = step_functions(config, backend, mesh, quantized_kv, weights)
+    return make_prompt_logprobs(model, None if mesh is None else sharding.logits_shardings(config, mesh, weights))
 
 
 def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
@@ -278,6 +294,7 @@ class ForwardLaunched:
     flags: SamplerFlags
     s: int  # the sequence bucket
     verify: VerifyRows | None  # speculation: where each sequence's rows start and its next draft
+    prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
 
 
 @dataclass(slots=True)
@@ -288,6 +305,7 @@ class StepResult:
     logprob: np.ndarray  # [R] f32
     top_ids: np.ndarray  # [R, K] i32
     top_logprobs: np.ndarray  # [R, K] f32
+    prompt_logprobs: PromptLogprobs | None = None  # numpy, [P] rows: the step's prompt-logprob positions in order
 
     def logprobs_of(self, row: int, k: int) -> tuple[float, list[tuple[int, float]]]:
         """Row `row`'s token logprob and its `k` most likely (id, logprob) alternatives."""
@@ -317,6 +335,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_dtype: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        max_logit_bias: int = MAX_LOGIT_BIAS,
         lora: LoraShape | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
@@ -331,10 +350,16 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         max_rows = min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
         self.seq_buckets = pow2_buckets(8, max(max_num_seqs, max_rows))
+        # Copy-on-write instructions of one step: at most one per running sequence (a fork's child copies the
+        # shared last page once), so these buckets are every copy shape a run can reach; more are chunked.
+        self.copy_buckets = pow2_buckets(8, max_num_seqs)
         # Sampling arrays whose size a request chooses have one fixed width each, compiled at warm-up: the ban
         # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
         self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
         self.history_len = pow2_buckets(64, max_model_len)[-1]
+        self.logit_bias_width = (
+            max_logit_bias  # bias columns of a step with a biased row (`paged_jax.worker.logit_bias`)
+        )
         self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
         self.kv_caches = tuple(
             _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
@@ -348,6 +373,9 @@ class ModelRunner:
         self.model, self._forward = step_functions(
             config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora
         )
+        self._prompt_logprobs = prompt_logprobs_function(
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+        )
         self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
         if lora is not None:
             shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
@@ -360,6 +388,7 @@ class ModelRunner:
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (
             self._forward,
+            self._prompt_logprobs,
             self._copy,
             mesh,
             self.max_blocks,
@@ -377,11 +406,14 @@ class ModelRunner:
     # -- host side ----------------------------------------------------------------------------------
     def copy_pages(self, ops: list[PageCopy]) -> None:
         """Run the KV manager's copy-on-write instructions on every layer, in place."""
-        n = bucket_for(len(ops), pow2_buckets(8, max(8, len(ops))))
-        src = np.zeros(n, np.int32)
-        dst = np.zeros(n, np.int32)
-        src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
-        self.kv_caches = self._executable(self.copy_job(n))(self.kv_caches, src, dst)
+        top = self.copy_buckets[-1]
+        for start in range(0, len(ops), top):  # copies are independent: chunks of the largest compiled bucket
+            chunk = ops[start : start + top]
+            n = bucket_for(len(chunk), self.copy_buckets)
+            src = np.zeros(n, np.int32)  # padding copies the null page onto itself
+            dst = np.zeros(n, np.int32)
+            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk, strict=True)
+            self.kv_caches = self._executable(self.copy_job(n))(self.kv_caches, src, dst)
 
     def load_lora(self, load: SlotLoad) -> None:
         """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
@@ -394,11 +426,17 @@ class ModelRunner:
         docstring): `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
         return bucket_for(max(min(t, self.max_num_seqs), rows), self.seq_buckets)
 
-    def step_seq_buckets(self, t: int) -> list[int]:
+    def step_seq_buckets(self, t: int, forks: bool = False) -> list[int]:
         """The sequence buckets a step of token bucket `t` can use (warm-up compiles each): `seq_bucket(t)`, and
-        with speculation those up to one holding the sample rows of a full verify step (each row is a token)."""
+        with speculation those up to one holding the sample rows of a full verify step (each row is a token).
+
+        `forks`: requests with n > 1 can run. A prompt's last chunk then samples one row per child sequence, so
+        a step of few tokens can have up to `max_num_seqs` sample rows (4 prompts x n=16 in 32 tokens: 64)."""
         lo = self.seq_bucket(t)
-        hi = self.seq_bucket(t, min(t, self.max_num_seqs * (1 + self.num_speculative_tokens)))
+        rows = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
+        if forks:
+            rows = max(rows, self.max_num_seqs)
+        hi = self.seq_bucket(t, rows)
         return [s for s in self.seq_buckets if lo <= s <= hi]
 
     def launch(
@@ -423,7 +461,12 @@ class ModelRunner:
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
         sampling = build_sampling_inputs(
-            sched.sample_rows, s, self.suppress_width, self.history_len, self.config.eos_token_ids
+            sched.sample_rows,
+            s,
+            self.suppress_width,
+            self.history_len,
+            self.config.eos_token_ids,
+            self.logit_bias_width,
         )
         verify = verify_rows(sched, s) if self.num_speculative_tokens else None
         self.real_tokens += sched.num_tokens
@@ -434,17 +477,23 @@ class ModelRunner:
         meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
         forward = self._executable(self.forward_job(t, s))
         lora = None if self.lora is None else LoraBatch(self.lora_weights, step.lora_slots)
-        logits, self.kv_caches = forward(
+        logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
-        return ForwardLaunched(logits, self._with_history(sampling, prev_samples), sampling.flags, s, verify)
+        prompt = None
+        rows = build_prompt_rows(sched, t)
+        if rows is not None:
+            job = self.prompt_logprobs_job(t)
+            prompt = self._executable(job)(self.params, hidden, rows.rows, rows.targets, rows.num_rows)
+        m = self._with_history(sampling, prev_samples)
+        return ForwardLaunched(logits, m, sampling.flags, s, verify, prompt)
 
     def launch_sample(self, fwd: ForwardLaunched, bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Dispatch the sampling of a launched forward step. `bitmask`: int32 [R, ceil(V / 32)] for the step's
         first R sample rows (`paged_jax.structured.bitmask`), None when no row is constrained (a device-resident
         all-ones mask is used: nothing crosses to the device)."""
         m = fwd.meta
-        job = self.sample_job(fwd.s, m.suppress.shape[1], m.history.shape[1], fwd.flags)
+        job = self.sample_job(fwd.s, m.suppress.shape[1], m.history.shape[1], fwd.flags, m.logit_bias.shape[1])
         return self._executable(job)(fwd.logits, m, self._bitmask(fwd.s, bitmask), fwd.verify)
 
     def _bitmask(self, s: int, bitmask: np.ndarray | None) -> jax.Array | np.ndarray:
@@ -472,13 +521,22 @@ class ModelRunner:
         )
         return m._replace(history=history)
 
-    def collect(self, out: SamplerOutput, num_rows: int) -> StepResult:
-        """Wait for a launched step and copy its first `num_rows` samples to the host."""
+    def collect(
+        self,
+        out: SamplerOutput,
+        num_rows: int,
+        prompt_logprobs: PromptLogprobs | None = None,
+        num_prompt_rows: int = 0,
+    ) -> StepResult:
+        """Wait for a launched step and copy its first `num_rows` samples (and `num_prompt_rows` prompt-logprob
+        rows) to the host."""
         t0 = time.perf_counter()
-        host = jax.device_get(out)
+        host, prompt = jax.device_get((out, prompt_logprobs))
         self.device_seconds += time.perf_counter() - t0
         r = num_rows
-        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r])
+        if prompt is not None:
+            prompt = PromptLogprobs(*(a[:num_prompt_rows] for a in prompt))
+        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r], prompt)
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
@@ -498,13 +556,16 @@ class ModelRunner:
 
         return Job(("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}")
 
-    def sample_job(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags) -> Job:
-        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs).
-        The argument specs are built only when the executable is compiled (this runs every step)."""
+    def sample_job(
+        self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags, logit_bias_width: int = 0
+    ) -> Job:
+        """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs)
+        and bias columns. The argument specs are built only when the executable is compiled (this runs every
+        step)."""
         verify = self.num_speculative_tokens > 0
 
         def lower() -> jax.stages.Lowered:
-            shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len).items()}
+            shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len, logit_bias_width).items()}
             dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
             meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
             logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
@@ -514,11 +575,22 @@ class ModelRunner:
             return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **SamplerFlags(*flags)._asdict())
 
         return Job(
-            ("sample", self._key, s, suppress_width, history_len, flags, self.seq_buckets[-1], verify),
+            ("sample", self._key, s, suppress_width, history_len, flags, self.seq_buckets[-1], verify)
+            + (logit_bias_width,),
             lower,
-            f"sample rows={s} suppress={suppress_width} history={history_len} "
+            f"sample rows={s} suppress={suppress_width} history={history_len} logit_bias={logit_bias_width} "
             + " ".join(n for n, on in SamplerFlags(*flags)._asdict().items() if on),
         )
+
+    def prompt_logprobs_job(self, t: int) -> Job:
+        """Prompt logprobs of up to `t` rows of a `t`-token step (`paged_jax.worker.prompt_logprobs`)."""
+
+        def lower() -> jax.stages.Lowered:
+            hidden = self._spec(t, self.config.hidden_size, dtype=jnp.dtype(self.config.dtype))
+            i32 = self._spec
+            return self._prompt_logprobs.lower(self.params, hidden, i32(t), i32(t), i32(1))
+
+        return Job(("prompt_logprobs", self._key, t), lower, f"prompt logprobs tokens={t}")
 
     def merge_job(self, t: int) -> Job:
         """The lookahead's merge of the previous step's ids (always `seq_buckets[-1]` rows) into `t` tokens."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from paged_jax.sampling_params import MAX_LOGPROBS
 from paged_jax.structured.bitmask import apply_bitmask
+from paged_jax.worker.logit_bias import apply_logit_bias
 from pallas_kernels.common import MASK_VALUE as MASK
 
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (as in vLLM): x / t would overflow float32
@@ -47,6 +48,8 @@ class SamplingMeta(NamedTuple):
     suppress: jax.Array  # [S, K] i32 token ids to forbid this step (EOS under min_tokens); -1 = none
     history: jax.Array  # [S, L] i32 prompt then output ids for penalties; -1 = padding ([S, 1] when unused)
     num_prompt: jax.Array  # [S] i32: how many leading history entries are prompt tokens
+    logit_bias_ids: jax.Array  # [S, W] i32 token ids to bias (-1 = none); W = 0 when no row has a bias
+    logit_bias: jax.Array  # [S, W] f32 the bias added to each (`paged_jax.worker.logit_bias`)
 
 
 class SamplerOutput(NamedTuple):
@@ -226,6 +229,17 @@ def categorical(weights: jax.Array, u: jax.Array, block: int = BLOCK) -> jax.Arr
     return b * block + j
 
 
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The logprob of `tokens` [N] under logits [N, V] f32 and the `k` most likely (ids, logprobs) of each row:
+    ([N] f32, [N, k] i32, [N, k] f32). The one logprob computation, for sampled rows and prompt positions
+    (`paged_jax.worker.prompt_logprobs`) alike."""
+    logprob = chosen_logprob(logits, tokens)
+    if not k:
+        return logprob, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+    top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), min(k, logits.shape[1]))
+    return logprob, top_ids.astype(jnp.int32), top_lp
+
+
 def chosen_logprob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """log softmax(logits)[token] per row without building the [S, V] log-softmax: [S] f32. The same formula
     as `jax.nn.log_softmax` ((x - max) - log sum exp(x - max)), evaluated at one entry."""
@@ -248,17 +262,22 @@ def sample(
 ) -> SamplerOutput:
     """Pick one token per row. `logits` [S, V] float32. The static flags select the cheapest variant.
 
-    Greedy rows (temperature < `MIN_TEMPERATURE`) take the first highest score after penalties and the ban list.
-    Sampled rows draw from softmax(scores / temperature) restricted to what the filters keep (`categorical`
-    with `row_uniforms`). `bitmask` (int32 [S, ceil(V / 32)], `paged_jax.structured.bitmask`): the tokens a
-    structured-output row may take; everything downstream (penalties, greedy, filters, the draw, logprobs)
-    sees the masked distribution, so a disallowed token is never chosen.
+    Scores are the logits plus the logit bias (when `meta` has bias columns), then penalties. Greedy rows
+    (temperature < `MIN_TEMPERATURE`) take the first highest score after the ban list. Sampled rows draw from
+    softmax(scores / temperature) restricted to what the filters keep (`categorical` with `row_uniforms`).
+    `bitmask` (int32 [S, ceil(V / 32)], `paged_jax.structured.bitmask`): the tokens a structured-output row may
+    take; everything downstream (bias, penalties, greedy, filters, the draw, logprobs) sees the masked
+    distribution, so a disallowed token is never chosen. Logprobs are otherwise those of the raw logits (no
+    bias, penalties or temperature: vLLM's default).
     """
     logits = logits.astype(jnp.float32)
     num_rows, vocab = logits.shape
     if bitmask is not None:
         logits = apply_bitmask(logits, bitmask)
-    x = _apply_penalties(logits, meta) if do_penalty else logits
+    x = logits
+    if meta.logit_bias_ids.shape[1]:
+        x = apply_logit_bias(x, meta.logit_bias_ids, meta.logit_bias)
+    x = _apply_penalties(x, meta) if do_penalty else x
     if bitmask is not None and do_penalty:  # a penalty can lift a masked score (MASK / a repetition penalty)
         x = apply_bitmask(x, bitmask)
     suppress = jnp.where(meta.suppress >= 0, meta.suppress, vocab)
@@ -281,16 +300,13 @@ def sample(
         tokens = jnp.where(hot, sampled, tokens)
     else:
         tokens = first_argmax(x)
-    logprob = chosen_logprob(logits, tokens)
-    if want_logprobs:
-        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), min(MAX_LOGPROBS, vocab))
-    else:
-        top_lp = jnp.zeros((num_rows, 0), jnp.float32)
-        top_ids = jnp.zeros((num_rows, 0), jnp.int32)
-    return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_lp)
+    logprob, top_ids, top_lp = token_logprobs(logits, tokens, MAX_LOGPROBS if want_logprobs else 0)
+    return SamplerOutput(tokens, logprob, top_ids, top_lp)
 
 
-def empty_meta(num_rows: int, suppress_width: int = 8, history_len: int = 1) -> dict[str, np.ndarray]:
+def empty_meta(
+    num_rows: int, suppress_width: int = 8, history_len: int = 1, logit_bias_width: int = 0
+) -> dict[str, np.ndarray]:
     """Host-side numpy buffers for a `SamplingMeta`, filled with neutral values."""
     return {
         "temperature": np.zeros(num_rows, np.float32),
@@ -305,4 +321,6 @@ def empty_meta(num_rows: int, suppress_width: int = 8, history_len: int = 1) -> 
         "suppress": np.full((num_rows, suppress_width), -1, np.int32),
         "history": np.full((num_rows, history_len), -1, np.int32),
         "num_prompt": np.zeros(num_rows, np.int32),
+        "logit_bias_ids": np.full((num_rows, logit_bias_width), -1, np.int32),
+        "logit_bias": np.zeros((num_rows, logit_bias_width), np.float32),
     }

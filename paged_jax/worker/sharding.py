@@ -174,13 +174,25 @@ def step_shardings(
     """`jit` keyword arguments pinning the forward step's operands to `mesh`.
 
     forward(params, kv_caches, token_ids, positions, meta, logits_indices): params by their specs, the
-    per-layer pages by KV heads, metadata replicated; out: logits replicated, pages as they came in.
-    `quantized`: KV pages with scales; `weights`: `paged_jax.model.quant.weights_key` of quantized params.
+    per-layer pages by KV heads, metadata replicated; out: logits replicated, pages as they came in, the
+    hidden states replicated. `quantized`: KV pages with scales; `weights`: `paged_jax.model.quant.weights_key`
+    of quantized params.
     """
     kv = (kv_cache_sharding(mesh, quantized),) * config.num_layers
     rep = replicated(mesh)
     params = abstract_params(param_shapes(config), weights)
-    return {"in_shardings": (param_shardings(config, mesh, params), kv, rep, rep, rep, rep), "out_shardings": (rep, kv)}
+    return {
+        "in_shardings": (param_shardings(config, mesh, params), kv, rep, rep, rep, rep),
+        "out_shardings": (rep, kv, rep),
+    }
+
+
+def logits_shardings(config: ModelConfig, mesh: Mesh, weights: tuple[str, bool, bool] | None = None) -> dict[str, Any]:
+    """`jit` keyword arguments of a function (params, *replicated arrays) -> replicated outputs that applies the
+    LM head (`paged_jax.worker.prompt_logprobs`): params by their specs, everything else replicated."""
+    rep = replicated(mesh)
+    params = param_shardings(config, mesh, abstract_params(param_shapes(config), weights))
+    return {"in_shardings": (params, rep, rep, rep, rep), "out_shardings": rep}
 
 
 __all__ = [
@@ -194,6 +206,7 @@ __all__ = [
     "kv_replication",
     "kv_scales_sharding",
     "kv_sharding",
+    "logits_shardings",
     "make_mesh",
     "param_shardings",
     "replicated",

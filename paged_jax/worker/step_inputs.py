@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from paged_jax.sched.output import SampleRow, SchedulerOutput
+from paged_jax.worker.logit_bias import fill_logit_bias
 from paged_jax.worker.sampler import SamplingMeta, empty_meta
 
 
@@ -107,12 +108,21 @@ class SamplingInputs:
 
 
 def build_sampling_inputs(
-    rows: list[SampleRow], s: int, suppress_width: int, history_len: int, eos_token_ids: tuple[int, ...]
+    rows: list[SampleRow],
+    s: int,
+    suppress_width: int,
+    history_len: int,
+    eos_token_ids: tuple[int, ...],
+    logit_bias_width: int = 0,
 ) -> SamplingInputs:
     """The sampling inputs of `rows` padded to `s`. The ban list is `suppress_width` wide; a step with a
-    penalized row carries every row's token history in `history_len` columns (1 column otherwise)."""
+    penalized row carries every row's token history in `history_len` columns (1 column otherwise); a step
+    with a biased row carries `logit_bias_width` bias columns (none otherwise)."""
     penalized = any(row.seq.params.uses_penalties for row in rows)
-    m = SamplingMeta(**empty_meta(s, suppress_width, history_len if penalized else 1))
+    biased = any(row.seq.params.logit_bias for row in rows)
+    m = SamplingMeta(
+        **empty_meta(s, suppress_width, history_len if penalized else 1, logit_bias_width if biased else 0)
+    )
     pending_rows = np.full(s, -1, np.int32)
     pending_cols = np.zeros(s, np.int32)
     do_sample = do_filter = want_logprobs = False
@@ -127,6 +137,8 @@ def build_sampling_inputs(
                 m.top_k[r], m.top_p[r], m.min_p[r] = p.top_k, p.top_p, p.min_p
         if p.logprobs is not None:
             want_logprobs = True
+        if p.logit_bias:
+            fill_logit_bias(m.logit_bias_ids[r], m.logit_bias[r], p.logit_bias)
         seed = (seq.seed + seq.index) % 2**64
         m.seed[r] = (seed & 0xFFFFFFFF, seed >> 32)
         m.step[r] = n_out

@@ -1,9 +1,10 @@
 """Which step shapes does a run compile before its first step, and how?
 
 A `WarmupPlan` names the shapes: every token bucket up to the most tokens one step of the run can hold (each
-with its sequence bucket, see `paged_jax.worker.runner`), the sampler variants its requests can combine, and the
-lookahead's merge. Compiling more than a run reaches is time the user waits for nothing (on TPU tens of
-seconds a shape), so:
+with its sequence bucket, see `paged_jax.worker.runner`), the sampler variants its requests can combine (each
+also with logit-bias columns when requests may bias), the prompt-logprob step of each token bucket when
+requests may ask for prompt logprobs, and the lookahead's merge. Compiling more than a run reaches is time the
+user waits for nothing (on TPU tens of seconds a shape), so:
 
 - the batch job knows every prompt and `max_tokens` before it starts (`plan_for_requests`);
 - the server compiles its decode buckets with the common sampler variants first (`serving_plans`), reports
@@ -51,7 +52,9 @@ class WarmupPlan:
     max_step_tokens: int | None = None
     sampler_flags: tuple[SamplerFlags, ...] = ALL_SAMPLERS
     lookahead: bool = True  # the merge of the previous step's ids (async scheduling)
-    copies: bool = True  # copy-on-write of pages (requests with n > 1)
+    copies: bool = True  # requests with n > 1: copy-on-write of pages, and their children's sample rows
+    logit_bias: bool = True  # every sampler variant also with bias columns (requests with logit_bias)
+    prompt_logprobs: bool = True  # the prompt-logprob step of every token bucket (requests with prompt_logprobs)
 
 
 def request_flags(params: SamplingParams) -> SamplerFlags:
@@ -77,18 +80,23 @@ def plan_for_requests(
 
     A step holds at most the token budget, and never more tokens than the requests have in all (prompts,
     plus outputs recomputed after a preemption)."""
-    total, flags, copies = 0, set(), False
+    total, flags, copies, bias, prompt = 0, set(), False, False, False
     for prompt_tokens, params in requests:
         total += params.n * (prompt_tokens + params.max_tokens)
         flags.add(request_flags(params))
         copies |= params.n > 1
-    return WarmupPlan(min(total, max_num_batched_tokens), or_closure(flags) if flags else (GREEDY,), lookahead, copies)
+        bias |= bool(params.logit_bias)
+        prompt |= params.prompt_logprobs is not None
+    return WarmupPlan(
+        min(total, max_num_batched_tokens), or_closure(flags) if flags else (GREEDY,), lookahead, copies, bias, prompt
+    )
 
 
 def serving_plans(max_num_seqs: int, lookahead: bool = True) -> tuple[WarmupPlan, WarmupPlan]:
     """The server's plans: decode steps (at most `max_num_seqs` tokens) with the common sampler variants, which
     it compiles before it reports SERVING; then everything, compiled in the background."""
-    return WarmupPlan(max_num_seqs, COMMON_SAMPLERS, lookahead, False), WarmupPlan(lookahead=lookahead)
+    first = WarmupPlan(max_num_seqs, COMMON_SAMPLERS, lookahead, False, logit_bias=False, prompt_logprobs=False)
+    return first, WarmupPlan(lookahead=lookahead)
 
 
 def token_buckets(runner: ModelRunner, plan: WarmupPlan) -> list[int]:
@@ -99,21 +107,25 @@ def token_buckets(runner: ModelRunner, plan: WarmupPlan) -> list[int]:
 
 def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     """The plan's executables: forward steps first (the long compiles), then sampling (with the penalties'
-    history merge where a variant has penalties), the lookahead's merges, copies."""
+    history merge where a variant has penalties), prompt logprobs, the lookahead's merges, copies."""
     buckets = token_buckets(runner, plan)
-    shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t)]
+    shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t, forks=plan.copies)]
     out = [runner.forward_job(t, s) for t, s in shapes]
+    bias_widths = (0, runner.logit_bias_width) if plan.logit_bias else (0,)
     for s in sorted({s for _, s in shapes}):
         out += [
-            runner.sample_job(s, runner.suppress_width, runner.history_len if flags.do_penalty else 1, flags)
+            runner.sample_job(s, runner.suppress_width, runner.history_len if flags.do_penalty else 1, flags, width)
             for flags in plan.sampler_flags
+            for width in bias_widths
         ]
         if any(flags.do_penalty for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
             out.append(runner.history_job(s))
+    if plan.prompt_logprobs:
+        out += [runner.prompt_logprobs_job(t) for t in buckets]
     if plan.lookahead:
         out += [runner.merge_job(t) for t in buckets]
     if plan.copies:
-        out.append(runner.copy_job(8))
+        out += [runner.copy_job(n) for n in runner.copy_buckets]
     if runner.lora is not None:
         out.append(runner.lora_write_job())
     return out
@@ -136,7 +148,8 @@ def run_warmup(
     Afterwards a compile a step needs (a shape no plan named) is logged as a warning."""
     todo = jobs(runner, plan)
     workers = workers or default_workers()
-    before = runner.compile_stats.count, runner.compile_stats.seconds, runner.compile_stats.cache_hits
+    stats = runner.compile_stats
+    before = stats.count, stats.seconds, stats.cache_hits, stats.lower_seconds
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=what, unit="shape", disable=not progress, leave=False)
     try:
@@ -144,21 +157,23 @@ def run_warmup(
     finally:
         bar.close()
     runner.warm = True
-    stats = runner.compile_stats
     cache = persistent_cache_summary()
     cache_dir = jax.config.jax_compilation_cache_dir
     log.info(
-        "%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling; %d loaded from "
-        "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA)",
+        "%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling (%.1f s of it "
+        "lowering); %d loaded from "
+        "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA, %d cache entries rejected)",
         what,
         new,
         token_buckets(runner, plan),
         time.perf_counter() - t0,
         workers,
         stats.seconds - before[1],
+        stats.lower_seconds - before[3],
         stats.cache_hits - before[2],
         f" ({cache_dir})" if cache_dir else " (off)",
         cache["hits"],
         cache["compiled"],
+        cache["rejected"],
     )
     return new
