@@ -18,6 +18,11 @@ MAX_LOGIT_BIAS = 300  # default most `logit_bias` entries per request (the sampl
 LOGIT_BIAS_LIMIT = 100.0  # a bias lies in [-100, 100] (OpenAI's range; +100 forces a token, -100 bans it)
 MAX_STOP_TOKEN_IDS = 64  # the sampler's ban list has a fixed width (compiled once), so this many at most
 FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger values become inf there
+# Documented limits of the sampling math in float32: above MAX_TEMPERATURE, scores / temperature are so flat
+# (3e38: all zero) that top_k=1 and min_p=1 no longer single out the best token; a repetition penalty outside
+# [MIN_, MAX_REPETITION_PENALTY] sends a seen token's score to inf or 0 (1e-38: every pick token 0).
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 @dataclass(slots=True)
@@ -79,7 +84,9 @@ class StructuredOutputs:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. `top_k` 0 (or -1) and `top_p` 1 disable those filters.
+    temperature 0 means greedy (below 1e-5 sampling is greedy too); at most `MAX_TEMPERATURE`.
+    `repetition_penalty` lies in [`MIN_REPETITION_PENALTY`, `MAX_REPETITION_PENALTY`] (1 = off).
+    `top_k` 0 (or -1) and `top_p` 1 disable those filters.
     `seed` makes a request's samples reproducible whatever else shares the batch.
     `logprobs` asks for that many top alternatives per generated token (plus the chosen one).
     `prompt_logprobs` (vLLM's): the logprob of every prompt token given the tokens before it (None for the
@@ -160,16 +167,19 @@ class SamplingParams:
 
         if not 1 <= integer("n") <= max_n:
             raise FieldError("n", f"must be in [1, {max_n}], got {self.n}")
-        if number("temperature") < 0:
-            raise FieldError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= number("temperature") <= MAX_TEMPERATURE:
+            raise FieldError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if integer("top_k") < 0:
             raise FieldError("top_k", f"must be >= 0 (0 or -1 disables it), got {self.top_k}")
         if not 0.0 < number("top_p") <= 1.0:
             raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= number("min_p") <= 1.0:
             raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if number("repetition_penalty") <= 0:
-            raise FieldError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= number("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            raise FieldError(
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
+            )
         if not -2.0 <= number("presence_penalty") <= 2.0:
             raise FieldError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= number("frequency_penalty") <= 2.0:
@@ -189,6 +199,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise FieldError("stop", f"every stop string must be a non-empty string, got {s!r}")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise FieldError("stop", f"not valid Unicode (a lone surrogate at character {e.start})") from None
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise FieldError("stop_token_ids", f"{len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:

@@ -160,7 +160,41 @@ def test_values_are_validated_in_float32(field):
 
     with pytest.raises(ValueError, match=f"^{field}: .*float32"):
         SamplingParams(**{field: 1e300}).validate()
-    SamplingParams(temperature=3e38).validate()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 3e38},
+        {"temperature": 100.5},
+        {"repetition_penalty": 1e-38},
+        {"repetition_penalty": 0.009},
+        {"repetition_penalty": 101.0},
+    ],
+)
+def test_extreme_values_are_refused(fields):
+    """Issue 25.11: repetition_penalty=1e-38 made every token id 0; temperature=3e38 defeated top_k=1 and min_p=1."""
+    from paged_jax.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=f"^{next(iter(fields))}: must be in"):
+        SamplingParams(**fields).validate()
+
+
+def test_the_accepted_extremes_are_exact(logits):
+    """At the documented limits the math still does what the fields say (checked against numpy)."""
+    best = logits.argmax(-1)
+    for filters in ({"top_k": 1}, {"min_p": 1.0}):  # only the best token survives, even at the highest temperature
+        assert (draw(logits, meta(4, temperature=100.0, **filters), steps=32, do_filter=True) == best).all()
+    flat = np.unique(draw(logits, meta(4, temperature=100.0), steps=256))
+    assert len(flat) > V // 2  # and the temperature does flatten the distribution
+    for rp in (0.01, 100.0):  # greedy after the penalty: the numpy reference of vLLM's rule
+        m = meta(4, repetition_penalty=rp)
+        m["history"] = np.tile(np.arange(8, dtype=np.int32), (4, 1))  # tokens 0..7 seen (prompt)
+        m["num_prompt"][:] = 8
+        seen = np.arange(V) < 8
+        ref = np.where(seen, np.where(logits > 0, logits / rp, logits * rp), logits).argmax(-1)
+        assert np.isfinite(np.where(logits > 0, logits / rp, logits * rp)).all()
+        assert (draw(logits, m, steps=1, do_sample=False, do_penalty=True)[0] == ref).all()
 
 
 def sort_reference_drop(y: jax.Array, top_k, top_p, min_p) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 from paged_jax.errors import FieldError
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from paged_jax.tokenization.chat_template import apply_chat_template
+from paged_jax.tokenization.text_checks import check_text
 from paged_jax.tokenization.tokenizer import Tokenizer
 
 MAX_CHARS_PER_TOKEN = 8  # no tokenizer makes fewer tokens than characters / 8: text is bounded before encoding
@@ -153,6 +154,7 @@ class InputProcessor:
         if req.cache_salt is not None:
             if not isinstance(req.cache_salt, str):
                 raise FieldError("cache_salt", "must be a string")
+            check_text(req.cache_salt, "cache_salt")  # else its KV hash fails on the engine thread
             if lim.max_cache_salt_chars is not None and len(req.cache_salt) > lim.max_cache_salt_chars:
                 raise FieldError("cache_salt", f"longer than {lim.max_cache_salt_chars} characters")
         text, ids, name = self._prompt(req.prompt)
@@ -180,9 +182,11 @@ class InputProcessor:
                 raise FieldError("prompt", "must not be empty")
             if limit is not None and len(prompt) > limit * MAX_CHARS_PER_TOKEN:  # bound it before encoding it
                 raise FieldError("prompt", f"longer than the prompt limit of {limit} tokens")
-            return prompt, self.tokenizer.encode(prompt), "prompt"
+            return prompt, self.tokenizer.encode(check_text(prompt, "prompt")), "prompt"
         if isinstance(prompt, ChatPrompt):
             return None, self._chat(prompt, limit), "messages"
+        if isinstance(prompt, str | bytes | Mapping) or not isinstance(prompt, Sequence | np.ndarray):
+            raise FieldError("prompt_token_ids", f"must be a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not ids:
             raise FieldError("prompt_token_ids", "must not be empty")
@@ -210,6 +214,8 @@ class InputProcessor:
         max_n = self.max_n if lim.max_n is None else min(self.max_n, lim.max_n)
         if isinstance(sampling, SamplingParams):
             return self._bounded(sampling).validate(self.vocab_size, max_n, self.max_logit_bias)
+        if not isinstance(sampling, Mapping):
+            raise FieldError("sampling_params", f"must be a SamplingParams, got {type(sampling).__name__}")
         fields = dict(sampling)
         unknown = sorted(set(fields) - SAMPLING_FIELDS)
         if unknown:

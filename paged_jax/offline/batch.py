@@ -34,7 +34,15 @@ from paged_jax.lora.named import ServedAdapters, UnknownAdapterError, parse_lora
 from paged_jax.lora.request import LoRARequest
 from paged_jax.offline import multihost
 from paged_jax.offline.lines import BatchItem, parse_line
-from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids, result_line
+from paged_jax.offline.output_files import (
+    BatchPathError,
+    LineWriter,
+    OutputLockedError,
+    check_paths,
+    completed_ids,
+    disk_full_message,
+    result_line,
+)
 from paged_jax.offline.plan import plan_for_input
 
 _SPEC_STATS = (
@@ -153,7 +161,8 @@ def run_batch(
     adapters: ServedAdapters | None = None,
 ) -> BatchSummary:
     """Generate for every line of `input_path` not yet in `output_path`; a line's `lora` names one of `adapters`."""
-    errors_path = errors_path or output_path.with_name(output_path.stem + ".errors.jsonl")
+    errors_path = errors_path or default_errors_path(output_path)
+    check_paths(input_path, output_path, errors_path)
     summary = BatchSummary()
     out = LineWriter(output_path)
     try:
@@ -254,10 +263,18 @@ def add_args(parser) -> None:
     add_engine_args(parser)
 
 
+def default_errors_path(output_path: Path) -> Path:
+    return output_path.with_name(output_path.stem + ".errors.jsonl")
+
+
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.input.exists():
         raise SystemExit(f"--input: {args.input} does not exist")
+    try:  # before the model loads: a collision is a mistake in the command line
+        check_paths(args.input, args.output, args.errors or default_errors_path(args.output))
+    except BatchPathError as e:
+        raise SystemExit(f"paged-jax generate: {e}") from None
     if args.distributed or args.coordinator_address:
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     count, index = jax.process_count(), jax.process_index()
@@ -272,6 +289,11 @@ def run(args) -> int:
         return _run(engine, args, count, index, time.monotonic() - t0)
     except OutputLockedError as e:
         raise SystemExit(f"paged-jax generate: {e}") from None
+    except OSError as e:
+        message = disk_full_message(e)
+        if message is None:
+            raise
+        raise SystemExit(f"paged-jax generate: {message}") from None
 
 
 def _run(engine, args, count: int, index: int, startup: float) -> int:
@@ -283,7 +305,7 @@ def _run(engine, args, count: int, index: int, startup: float) -> int:
         summary.startup_seconds = startup
         print("\n".join(["", f"paged-jax generate: {args.input} -> {args.output}", *summary.lines()]))
         return 0
-    errors = args.errors or args.output.with_name(args.output.stem + ".errors.jsonl")
+    errors = args.errors or default_errors_path(args.output)
     out_part, err_part = (multihost.part_path(p, index, count) for p in (args.output, errors))
     summary = run_batch(
         engine,

@@ -27,7 +27,10 @@ def prompt_input(prompt: Prompt) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+            raise FieldError("prompt_token_ids", f"must be a list of token ids, got {type(ids).__name__}")
+        return list(ids)
     raise FieldError("prompt", f"expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
 
@@ -74,6 +77,8 @@ class LLM:
         for every prompt or one per prompt (None: the base model); the engine needs `enable_lora=True`."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise FieldError("prompts", f"expected a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = [prompt_input(p) for p in prompts]
         return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 

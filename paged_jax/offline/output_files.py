@@ -1,19 +1,57 @@
 """The batch job's output files: whole lines appended with one write each, an exclusive lock per run, the ids
-already written (a torn last line cut off first), and the result line of one finished request."""
+already written (a torn last line cut off first, a line that is not a result skipped with a warning), distinct
+input, output and errors files, and the result line of one finished request."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
+import stat
 from pathlib import Path
 
 from paged_jax.offline.lines import id_key
 from paged_jax.outputs import CompletionOutput, RequestOutput
 
+log = logging.getLogger(__name__)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, over the file size limit
+
 
 class OutputLockedError(RuntimeError):
     """Another run holds the output file."""
+
+
+class BatchPathError(ValueError):
+    """The batch job's files collide or are not regular files; the message names the flag."""
+
+
+def check_paths(input_path: Path, output_path: Path, errors_path: Path) -> None:
+    """Refuse an input, output and errors file that are one file (by resolved path or by inode), and an
+    output or errors path that is not a regular file: results mixed with error lines broke every re-run."""
+    named = {"--input": input_path, "--output": output_path, "--errors": errors_path}
+    for flag, path in (("--output", output_path), ("--errors", errors_path)):  # read back, then appended to
+        if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+            raise BatchPathError(f"{flag}: {path} is not a regular file")
+    flags = list(named)
+    for i, a in enumerate(flags):
+        for b in flags[i + 1 :]:
+            pa, pb = named[a], named[b]
+            same = pa.resolve() == pb.resolve() or (pa.exists() and pb.exists() and os.path.samefile(pa, pb))
+            if same:
+                raise BatchPathError(f"{b}: {pb} is the same file as {a}; give them different paths")
+
+
+def disk_full_message(e: OSError) -> str | None:
+    """One line for a write that failed for lack of space (None for any other error)."""
+    if e.errno not in DISK_FULL:
+        return None
+    where = f"{e.filename}: " if e.filename else ""
+    return (
+        f"{where}{os.strerror(e.errno).lower()}; every line written so far is whole, so after freeing space "
+        "a re-run resumes where this one stopped"
+    )
 
 
 def written_ids(path: Path) -> set[str]:
@@ -22,12 +60,13 @@ def written_ids(path: Path) -> set[str]:
     if not path.exists():
         return set()
     data = path.read_bytes()
-    return _ids(data[: data.rfind(b"\n") + 1])
+    return _ids(data[: data.rfind(b"\n") + 1], path)
 
 
 def completed_ids(path: Path) -> set[str]:
-    """Ids already in the output; a torn last line (no newline) is cut off first. Call it holding the
-    output's lock (`LineWriter.lock`): the torn line may be another run's write in progress."""
+    """Ids already in the output; a torn last line (no newline) is cut off first, and a line that is not a
+    result (not JSON, no `id`, an error line) is skipped with a warning (not done: it is generated again).
+    Call it holding the output's lock (`LineWriter.lock`): the torn line may be another run's write in progress."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -36,11 +75,26 @@ def completed_ids(path: Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(keep)
         data = data[:keep]
-    return _ids(data)
+    return _ids(data, path)
 
 
-def _ids(data: bytes) -> set[str]:
-    return {id_key(json.loads(raw)["id"]) for raw in data.splitlines() if raw.strip()}
+def _ids(data: bytes, path: Path) -> set[str]:
+    done, skipped = set(), []
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+            if not isinstance(obj, dict) or "error" in obj:  # an error line ({"line", "id", "error"}) is not done
+                raise ValueError
+            done.add(id_key(obj["id"]))
+        except (ValueError, TypeError, KeyError):  # not JSON, not a result, no id, an id of no known type
+            skipped.append(lineno)
+    if skipped:
+        log.warning(
+            "%s: %d line(s) are not result lines and were skipped (first: line %d)", path, len(skipped), skipped[0]
+        )
+    return done
 
 
 class LineWriter:
@@ -75,10 +129,13 @@ class LineWriter:
             if data in self._written:
                 return
             self._written.add(data)
-        written = os.write(self.fd, data)
+        try:
+            written = os.write(self.fd, data)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         if written != len(data):  # a regular file takes the whole line, but never leave a torn one
             os.ftruncate(self.fd, os.lseek(self.fd, 0, os.SEEK_END) - written)
-            raise OSError(f"short write ({written} of {len(data)} bytes)")
+            raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)", str(self.path))
 
     def close(self) -> None:
         os.close(self.fd)

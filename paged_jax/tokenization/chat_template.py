@@ -30,6 +30,7 @@ import jinja2
 from paged_jax.config.model_files import model_file, read_json_object, read_text
 from paged_jax.errors import FieldError
 from paged_jax.tokenization.template_sandbox import BoundedSandbox, RenderLimits, compile_template, render_bounded
+from paged_jax.tokenization.text_checks import check_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 NO_TEMPLATE = "the model has no chat template; give one with --chat-template FILE (or chat_template= in LLM.chat)"
@@ -200,6 +201,12 @@ def render(
     """
     if template is None:
         raise ChatTemplateError(field, NO_TEMPLATE)
+    if template_kwargs is not None and not (
+        isinstance(template_kwargs, Mapping) and all(isinstance(k, str) for k in template_kwargs)
+    ):
+        raise ChatTemplateError("chat_template_kwargs", "must be an object with string keys")
+    if tools is not None and (isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence)):
+        raise ChatTemplateError("tools", f"must be a list, got {type(tools).__name__}")
     kwargs = dict(template_kwargs or {})
     reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools"})
     if reserved:
@@ -248,6 +255,10 @@ def apply_chat_template(
     )
     if not text:
         raise ChatTemplateError(field, "the chat template rendered an empty prompt")
+    try:
+        check_text(text, field)
+    except FieldError as e:  # a lone surrogate in a message (or in tools), kept by the template
+        raise ChatTemplateError(e.field, e.message) from None
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -248,7 +248,7 @@ def render_bounded(template: jinja2.Template, variables: Mapping[str, Any], limi
     except TemplateError:
         raise
     except RecursionError:
-        raise TemplateError("recursion too deep (a macro calling itself without end?)") from None
+        raise TemplateError("recursion too deep (a macro calling itself, or input nested too deeply)") from None
     except Exception as e:  # noqa: BLE001 - see compile_template
         raise TemplateError(f"{type(e).__name__}: {str(e)[:200]}") from e
     finally:

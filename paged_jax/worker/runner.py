@@ -362,6 +362,9 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         max_rows = min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
         self.seq_buckets = pow2_buckets(8, max(max_num_seqs, max_rows))
+        # Copy-on-write instructions of one step: at most one per running sequence (a fork's child copies the
+        # shared last page once), so these buckets are every copy shape a run can reach; more are chunked.
+        self.copy_buckets = pow2_buckets(8, max_num_seqs)
         # Sampling arrays whose size a request chooses have one fixed width each, compiled at warm-up: the ban
         # list (EOS + stop ids under min_tokens) and the penalties' token history (prompt + output).
         self.suppress_width = pow2_buckets(8, MAX_STOP_TOKEN_IDS + len(config.eos_token_ids))[-1]
@@ -415,11 +418,14 @@ class ModelRunner:
     # -- host side ----------------------------------------------------------------------------------
     def copy_pages(self, ops: list[PageCopy]) -> None:
         """Run the KV manager's copy-on-write instructions on every layer, in place."""
-        n = bucket_for(len(ops), pow2_buckets(8, max(8, len(ops))))
-        src = np.zeros(n, np.int32)
-        dst = np.zeros(n, np.int32)
-        src[: len(ops)], dst[: len(ops)] = zip(*ops, strict=True)
-        self.kv_caches = self._executable(self.copy_job(n))(self.kv_caches, src, dst)
+        top = self.copy_buckets[-1]
+        for start in range(0, len(ops), top):  # copies are independent: chunks of the largest compiled bucket
+            chunk = ops[start : start + top]
+            n = bucket_for(len(chunk), self.copy_buckets)
+            src = np.zeros(n, np.int32)  # padding copies the null page onto itself
+            dst = np.zeros(n, np.int32)
+            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk, strict=True)
+            self.kv_caches = self._executable(self.copy_job(n))(self.kv_caches, src, dst)
 
     def load_lora(self, load: SlotLoad) -> None:
         """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
@@ -432,11 +438,17 @@ class ModelRunner:
         docstring): `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
         return bucket_for(max(min(t, self.max_num_seqs), rows), self.seq_buckets)
 
-    def step_seq_buckets(self, t: int) -> list[int]:
+    def step_seq_buckets(self, t: int, forks: bool = False) -> list[int]:
         """The sequence buckets a step of token bucket `t` can use (warm-up compiles each): `seq_bucket(t)`, and
-        with speculation those up to one holding the sample rows of a full verify step (each row is a token)."""
+        with speculation those up to one holding the sample rows of a full verify step (each row is a token).
+
+        `forks`: requests with n > 1 can run. A prompt's last chunk then samples one row per child sequence, so
+        a step of few tokens can have up to `max_num_seqs` sample rows (4 prompts x n=16 in 32 tokens: 64)."""
         lo = self.seq_bucket(t)
-        hi = self.seq_bucket(t, min(t, self.max_num_seqs * (1 + self.num_speculative_tokens)))
+        rows = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
+        if forks:
+            rows = max(rows, self.max_num_seqs)
+        hi = self.seq_bucket(t, rows)
         return [s for s in self.seq_buckets if lo <= s <= hi]
 
     def launch(

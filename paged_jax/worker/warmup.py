@@ -51,7 +51,7 @@ class WarmupPlan:
     max_step_tokens: int | None = None
     sampler_flags: tuple[SamplerFlags, ...] = ALL_SAMPLERS
     lookahead: bool = True  # the merge of the previous step's ids (async scheduling)
-    copies: bool = True  # copy-on-write of pages (requests with n > 1)
+    copies: bool = True  # requests with n > 1: copy-on-write of pages, and their children's sample rows
     logit_bias: bool = True  # every sampler variant also with bias columns (requests with logit_bias)
     prompt_logprobs: bool = True  # the prompt-logprob step of every token bucket (requests with prompt_logprobs)
 
@@ -108,7 +108,7 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     """The plan's executables: forward steps first (the long compiles), then sampling (with the penalties'
     history merge where a variant has penalties), prompt logprobs, the lookahead's merges, copies."""
     buckets = token_buckets(runner, plan)
-    shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t)]
+    shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t, forks=plan.copies)]
     out = [runner.forward_job(t, s) for t, s in shapes]
     bias_widths = (0, runner.logit_bias_width) if plan.logit_bias else (0,)
     for s in sorted({s for _, s in shapes}):
@@ -124,7 +124,7 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     if plan.lookahead:
         out += [runner.merge_job(t) for t in buckets]
     if plan.copies:
-        out.append(runner.copy_job(8))
+        out += [runner.copy_job(n) for n in runner.copy_buckets]
     if runner.lora is not None:
         out.append(runner.lora_write_job())
     return out
