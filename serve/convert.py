@@ -26,6 +26,7 @@ from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
+from paged_jax.tokenization.tool_calls import history_tool_calls
 
 from .config import ServingLimits
 from .proto.paged_jax.v1 import generate_pb2 as pb
@@ -253,6 +254,12 @@ def chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
             message["name"] = m.name
         if m.HasField("tool_call_id"):
             message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls_json:
+            field = f"chat.messages[{len(messages)}].tool_calls_json"
+            try:
+                message["tool_calls"] = history_tool_calls(_json_field(field, m.tool_calls_json, list), field)
+            except ValueError as e:
+                raise invalid(str(e), field) from None
         messages.append(message)
     tools = _json_field("chat.tools_json", chat.tools_json, list)
     extra = _json_field("chat.chat_template_kwargs_json", chat.chat_template_kwargs_json, dict) or {}

@@ -250,20 +250,26 @@ if not CHILD:
             _, ids = apply_chat_template(tokenizer, chat, add_generation_prompt=True)
             assert ids == golden[f"prompt_{i}"].tolist()
 
-    @pytest.mark.parametrize("path", ["plain", "chunked_prefill", "preemption"])
+    @pytest.mark.parametrize("path", ["plain", "chunked_prefill", "preemption", "ngram", "ngram_preemption"])
     def test_engine_greedy_matches_transformers(model, golden, path):
-        """Chat answers and plain continuations equal transformers' greedy tokens on every engine path."""
+        """Chat answers and plain continuations equal transformers' greedy tokens on every engine path, speculative
+        decoding (n-gram drafts, k = 3 and 5) included."""
+        ngram = {"method": "ngram", "prompt_lookup_min": 1, "min_acceptance_rate": 0.0}
         options = {
             "plain": {},
             "chunked_prefill": {"max_num_batched_tokens": 32, "chunk_size": 8},
             "preemption": {"num_pages": 14, "page_size": 16},
+            "ngram": {"speculative_config": ngram | {"num_speculative_tokens": 3}},
+            "ngram_preemption": {"num_pages": 14, "speculative_config": ngram | {"num_speculative_tokens": 5}},
         }[path]
         ps = prompts(golden)
         out, stats, _ = run_engine(model, ps, **options)
         for i in range(len(ps)):
             assert out[i] == golden[f"greedy_{i}"].tolist(), (path, i)
-        if path == "preemption":
+        if "preemption" in path:
             assert stats.num_preemptions > 0
+        if "ngram" in path:
+            assert stats.spec_accepted_tokens > 0
 
     def test_prefix_cached_chats_give_the_same_answers(model, golden):
         """The three chats share the system prompt's pages; resubmitted, they hit the cache and still agree."""

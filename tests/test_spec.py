@@ -7,6 +7,8 @@ distribution (a chi-square test that a deliberately wrong rule fails); no page h
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
@@ -21,6 +23,10 @@ from paged_jax.spec.ngram import NgramProposer
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import REJECTED, mask_rejected
+from paged_jax.worker.step_inputs import SamplerFlags
+from paged_jax.worker.warmup import GREEDY, WarmupPlan
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_engine(tiny_config, tiny_params, spec: dict | None, **options) -> LLMEngine:
@@ -138,6 +144,33 @@ def assert_same(got: dict[str, list], want: dict[str, list]) -> None:
             assert [t for _, top in g[3] for t, _ in top] == [t for _, top in c[3] for t, _ in top]
             flat = [[lp, *(v for _, v in top)] for lp, top in c[3]]
             assert np.allclose([[lp, *(v for _, v in top)] for lp, top in g[3]], flat, atol=1e-4, rtol=0)
+
+
+def test_draft_model_greedy_output_is_unchanged(tiny_config, tiny_params, greedy_baseline):
+    """A w8a8 copy of the target as the draft (its own runner, KV pool and prefix cache): the output is the
+    target's, most drafts are kept, and the draft's pool is empty once every request is done."""
+    prompts, params, want = greedy_baseline
+    spec = {"method": "draft_model", "model": "tiny", "quantization": "w8a8", "num_speculative_tokens": 3}
+    engine = make_engine(tiny_config, tiny_params, spec, num_pages=24)
+    assert run(engine, prompts, params) == want
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_acceptance_rate > 0.8
+    draft_kv = engine.spec.proposer.kv
+    check_manager_invariants(draft_kv)
+    assert draft_kv.stats().pages_in_use == 0
+
+
+def test_draft_model_must_fit_the_target(tiny_config, tiny_params, tmp_path):
+    import json
+
+    other = json.loads((ROOT / "configs" / "tiny.json").read_text())
+    (tmp_path / "vocab.json").write_text(json.dumps(other | {"vocab_size": 256}))
+    (tmp_path / "short.json").write_text(json.dumps(other | {"max_position_embeddings": 64}))
+    base = {"method": "draft_model", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary has 256 tokens"):
+        make_engine(tiny_config, tiny_params, base | {"model": str(tmp_path / "vocab.json")})
+    with pytest.raises(ValueError, match="speculative_config.model: the draft reaches 64 positions"):
+        make_engine(tiny_config, tiny_params, base | {"model": str(tmp_path / "short.json")}, max_model_len=128)
 
 
 # -- the rejection rule, on the device's own code -------------------------------------------------------------------
@@ -273,6 +306,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
         ({"method": "draft_model"}, "model"),
         ({"method": "ngram", "model": "tiny"}, "model"),
         ({"min_acceptance_rate": 2.0}, "min_acceptance_rate"),
+        ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
     ],
 )
 def test_bad_configs_name_the_field(tiny_config, tiny_params, config, field):
@@ -284,7 +318,10 @@ def test_bad_configs_name_the_field(tiny_config, tiny_params, config, field):
 
 def test_no_recompilation_in_steady_state(tiny_config, tiny_params):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-    engine = make_engine(tiny_config, tiny_params, spec, num_pages=24, warmup=True)
+    engine = make_engine(tiny_config, tiny_params, spec, num_pages=24)
+    engine.warmup(
+        WarmupPlan(sampler_flags=(GREEDY, SamplerFlags(True, False, False, False)), copies=False), progress=False
+    )
     compiled = engine.runner.compile_stats.count
     prompts, params = workload(3, 12)
     params = [SamplingParams(temperature=0.8 if i % 2 else 0.0, max_tokens=p.max_tokens) for i, p in enumerate(params)]

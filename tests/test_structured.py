@@ -316,3 +316,12 @@ def test_no_recompilation_with_constrained_rows(tiny_config, tiny_params):
     assert engine.structured.fill_steps > 0
     assert engine.runner.compile_stats.count == compiled
     assert engine.stats().compiles_after_warmup == 0
+
+
+def test_batch_lines_take_structured_outputs():
+    from paged_jax.offline.lines import parse_line
+
+    item = parse_line('{"prompt": "x", "structured_outputs": {"json": {"type": "array"}}}', 1)
+    assert item.params.structured_outputs == StructuredOutputs(json={"type": "array"})
+    with pytest.raises(ValueError, match=r"^structured_outputs.jsn: unknown field"):
+        parse_line('{"prompt": "x", "structured_outputs": {"jsn": {}}}', 2)

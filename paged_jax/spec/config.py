@@ -26,6 +26,8 @@ class SpeculativeConfig:
     Per sequence, speculation pauses while it does not pay (`paged_jax.spec.decoder`): after `probe_tokens`
     proposed drafts with an acceptance rate below `min_acceptance_rate`, or `max_misses` steps in a row without
     a proposal; it pauses for `pause_tokens` output tokens, doubling up to 16x for a sequence that keeps failing.
+    `disable_by_batch_size` (vLLM's): no sequence speculates while more than this many run (a large batch is
+    compute-bound, where scoring k rejected drafts costs as much as k sequences' tokens); None: no limit.
     """
 
     method: str = "ngram"
@@ -39,6 +41,7 @@ class SpeculativeConfig:
     probe_tokens: int = 12
     max_misses: int = 4
     pause_tokens: int = 16
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, value: Mapping | str | SpeculativeConfig) -> SpeculativeConfig:
@@ -85,5 +88,11 @@ class SpeculativeConfig:
             fail("model", f'is only for method "draft_model", not {self.method!r}')
         if self.quantization is not None and self.quantization not in WEIGHT_QUANTIZATIONS:
             fail("quantization", f"must be one of {WEIGHT_QUANTIZATIONS}")
+        if self.disable_by_batch_size is not None and (
+            isinstance(self.disable_by_batch_size, bool)
+            or not isinstance(self.disable_by_batch_size, int)
+            or self.disable_by_batch_size < 1
+        ):
+            fail("disable_by_batch_size", "must be an int >= 1 or null")
         if self.draft_num_pages is not None and (not isinstance(self.draft_num_pages, int) or self.draft_num_pages < 2):
             fail("draft_num_pages", "must be an int >= 2")

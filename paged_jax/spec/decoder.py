@@ -72,7 +72,13 @@ class SpecDecoder:
         KV of its sequences is settled only then), or a decoding sequence speculates (its drafts need its tokens)."""
         if any(item.draft for item in inflight.scheduled):
             return True
-        return any(self._decoding(seq, kv) and self.is_speculating(seq) for seq in running)
+        return not self._too_many(running) and any(
+            self._decoding(seq, kv) and self.is_speculating(seq) for seq in running
+        )
+
+    def _too_many(self, running: list[TokenSequence]) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is not None and len(running) > limit
 
     @staticmethod
     def _decoding(seq: TokenSequence, kv: KVCacheManager) -> bool:
@@ -84,6 +90,9 @@ class SpecDecoder:
         requests = []
         for seq in running:
             seq.draft_token_ids = []
+        if self._too_many(running):
+            return
+        for seq in running:
             if seq.pending is not None or not self._decoding(seq, kv):
                 continue  # its last token is on the device, or it is still prefilling
             room = self._room(seq)

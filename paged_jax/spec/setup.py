@@ -20,11 +20,14 @@ def parse_spec_config(value: Mapping | str | SpeculativeConfig) -> SpeculativeCo
 
 
 def make_spec_decoder(
-    spec: SpeculativeConfig, target: ModelConfig, ec: EngineConfig, max_model_len: int
+    spec: SpeculativeConfig, target: ModelConfig, ec: EngineConfig, max_model_len: int, num_pages: int
 ) -> SpecDecoder:
-    """The decoder with its proposer; a draft model is loaded and checked against the target here."""
+    """The decoder with its proposer; a draft model is loaded and checked against the target here (its KV pool
+    has `num_pages`, the target's, unless the config says `draft_num_pages`)."""
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
     else:
-        raise ValueError('speculative_config.method: "draft_model" is not in this build yet (use "ngram")')
+        from paged_jax.spec.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer.load(spec, target, ec, max_model_len, num_pages)
     return SpecDecoder(spec, proposer, max_model_len)

@@ -267,6 +267,18 @@ def _drop_axis(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     return shape[:axis] + shape[axis + 1 :]
 
 
+GREEDY = SamplerFlags(False, False, False, False)
+
+
+class _Forward(NamedTuple):
+    """A dispatched forward step: its logits [S, V] and hidden states [T, H] on device, its buckets."""
+
+    logits: jax.Array
+    hidden: jax.Array
+    s: int
+    t: int
+
+
 EXECUTABLES = Executables()  # every runner's compiled step shapes, shared within the process
 
 
@@ -453,13 +465,8 @@ class ModelRunner:
     def launch_forward(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> ForwardLaunched:
         """The first half of `launch`: copies and the forward step, dispatched without waiting. The engine fills
         structured-output masks on the host while the device runs it, then calls `launch_sample`."""
-        if sched.copy_ops:
-            self.copy_pages(sched.copy_ops)
-        for load in sched.lora_loads:
-            self.load_lora(load)
-        t = bucket_for(sched.num_tokens, self.token_buckets)
-        s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
-        step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
+        fwd = self._forward_step(sched, prev_samples)
+        s = fwd.s
         sampling = build_sampling_inputs(
             sched.sample_rows,
             s,
@@ -469,6 +476,32 @@ class ModelRunner:
             self.logit_bias_width,
         )
         verify = verify_rows(sched, s) if self.num_speculative_tokens else None
+        prompt = None
+        rows = build_prompt_rows(sched, fwd.t)
+        if rows is not None:
+            job = self.prompt_logprobs_job(fwd.t)
+            prompt = self._executable(job)(self.params, fwd.hidden, rows.rows, rows.targets, rows.num_rows)
+        m = self._with_history(sampling, prev_samples)
+        return ForwardLaunched(fwd.logits, m, sampling.flags, s, verify, prompt)
+
+    def launch_greedy(self, sched: SchedulerOutput) -> jax.Array:
+        """One step of `sched` taking each sample row's argmax whatever its sequence's sampling parameters (a draft
+        model's proposals, `paged_jax.spec.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
+        fwd = self._forward_step(sched, None)
+        s = fwd.s
+        meta = SamplingMeta(**empty_meta(s, self.suppress_width))
+        job = self.sample_job(s, self.suppress_width, 1, GREEDY)
+        return self._executable(job)(fwd.logits, meta, self._bitmask(s, None), None).tokens
+
+    def _forward_step(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None) -> _Forward:
+        """Copies, adapter loads and the forward step of `sched`, dispatched without waiting."""
+        if sched.copy_ops:
+            self.copy_pages(sched.copy_ops)
+        for load in sched.lora_loads:
+            self.load_lora(load)
+        t = bucket_for(sched.num_tokens, self.token_buckets)
+        s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
+        step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
         token_ids = step.token_ids
@@ -480,13 +513,7 @@ class ModelRunner:
         logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
-        prompt = None
-        rows = build_prompt_rows(sched, t)
-        if rows is not None:
-            job = self.prompt_logprobs_job(t)
-            prompt = self._executable(job)(self.params, hidden, rows.rows, rows.targets, rows.num_rows)
-        m = self._with_history(sampling, prev_samples)
-        return ForwardLaunched(logits, m, sampling.flags, s, verify, prompt)
+        return _Forward(logits, hidden, s, t)
 
     def launch_sample(self, fwd: ForwardLaunched, bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Dispatch the sampling of a launched forward step. `bitmask`: int32 [R, ceil(V / 32)] for the step's

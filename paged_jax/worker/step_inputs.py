@@ -74,7 +74,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
     for i, item in enumerate(sched.scheduled):
         seq, start, n = item.seq, item.start, item.num_scheduled
         tables[i, : len(item.page_ids)] = item.page_ids
-        if n == 1:
+        if n == 1 and not item.draft:
             if seq.pending is not None and start == seq.num_tokens - 1:
                 prev_rows[off] = seq.pending.row
             else:

@@ -29,11 +29,10 @@ from tqdm.auto import tqdm
 
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.executables import persistent_cache_summary
-from paged_jax.worker.runner import Job, ModelRunner, SamplerFlags, bucket_for
+from paged_jax.worker.runner import GREEDY, Job, ModelRunner, SamplerFlags, bucket_for
 
 log = logging.getLogger(__name__)
 
-GREEDY = SamplerFlags(False, False, False, False)
 COMMON_SAMPLERS: tuple[SamplerFlags, ...] = (
     GREEDY,
     SamplerFlags(True, False, False, False),

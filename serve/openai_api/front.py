@@ -32,6 +32,7 @@ from paged_jax.lora.named import UnknownAdapterError
 from paged_jax.lora.peft import read_adapter
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
+from paged_jax.tokenization.tool_calls import ToolFormat, function_specs, tool_format
 
 from .. import convert
 from ..config import ServingConfig
@@ -93,13 +94,44 @@ class OpenAIFront:
                 f"model: {req.model!r} is not served here (GET /v1/models lists {', '.join(map(repr, served))})",
             ) from None
 
-    def _convert(self, req: OpenAIRequest) -> list[ProcessedRequest]:
-        """Each prompt checked by the input processor (limits, tokenizing or the chat template, SamplingParams)."""
+    def _convert(self, req: OpenAIRequest) -> tuple[ToolFormat | None, list[ProcessedRequest]]:
+        """Each prompt checked by the input processor (limits, tokenizing or the chat template, SamplingParams),
+        and the tool-call format its replies are parsed with."""
         self._adapter(req)
+        fmt = self._tool_choice(req)
         try:
-            return [self.inputs.process(g) for g in req.generates]
+            return fmt, [self.inputs.process(g) for g in req.generates]
         except FieldError as e:
             raise convert.field_error(e, field_names(req.kind, req.max_tokens_name, req.structured_param)) from None
+
+    def _tool_choice(self, req: OpenAIRequest) -> ToolFormat | None:
+        """The tool-call format replies are parsed with (None: plain text), from the chat template's family; a
+        forced `tool_choice` ("required" or a named function) becomes the grammar of a call."""
+        if req.kind != "chat" or not req.tools or req.tool_choice == "none":
+            return None
+        fmt = tool_format(self.tokenizer.chat_template)
+        forced = req.tool_choice != "auto"
+        if fmt is None:
+            if forced:
+                raise convert.invalid(
+                    "tool_choice: the model's chat template is in no tool-call family this server parses (Hermes / "
+                    "Qwen <tool_call>, Llama-3 JSON), so a forced call could not be returned as tool_calls",
+                    "tool_choice",
+                )
+            return None
+        if forced:
+            if req.structured_param is not None:
+                raise convert.invalid(
+                    f"tool_choice: a forced call cannot be combined with {req.structured_param}", "tool_choice"
+                )
+            functions = function_specs(req.tools)
+            if isinstance(req.tool_choice, dict):
+                name = req.tool_choice["function"]["name"]
+                functions = {name: functions[name]}
+            constraint = fmt.grammar(functions)  # one call (of any tool, or of the named one)
+            for g in req.generates:
+                g.sampling["structured_outputs"] = constraint
+        return fmt
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
@@ -111,7 +143,7 @@ class OpenAIFront:
             self.check_auth(request)
             raw = await _read_body(request, self.config.limits.max_message_bytes)
             req = await self._off_loop(parse_body, raw, kind)
-            parsed = await self._off_loop(self._convert, req)
+            fmt, parsed = await self._off_loop(self._convert, req)
             if self.draining:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
             rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
@@ -128,7 +160,7 @@ class OpenAIFront:
                     )
                 )
             model = self.model_name if lora is None else lora.lora_name
-            builder = ResponseBuilder(kind, rid, model, self.tokenizer, req.logprobs)
+            builder = ResponseBuilder(kind, rid, model, self.tokenizer, req.logprobs, fmt)
             n = parsed[0].params.n
             names = field_names(kind, req.max_tokens_name, req.structured_param)
             firsts = await self._unless_disconnected(

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
 from paged_jax.errors import FieldNames
+from paged_jax.tokenization.tool_calls import function_specs, history_tool_calls
 
 from ..convert import RequestError, invalid
 from .structured import structured_output
@@ -41,10 +42,10 @@ _UNSUPPORTED = {
         "logit_bias": ({},),
         "functions": ([],),
         "function_call": ("none", "auto"),
+        "parallel_tool_calls": (True,),
         "audio": (),
         "prediction": (),
         "modalities": (["text"],),
-        "tool_choice": ("none", "auto"),
     },
 }
 
@@ -61,6 +62,8 @@ class OpenAIRequest:
     logprobs: int | None  # alternatives per token in the response (None: no logprobs)
     max_tokens_name: str  # which name the client used, for error messages
     structured_param: str | None = None  # the parameter that asked for structured output (response_format, ...)
+    tools: list[Any] | None = None  # chat: the tool definitions
+    tool_choice: str | dict[str, Any] = "none"  # none | auto | required | {"type": "function", "function": ...}
 
 
 def field_names(kind: Kind, max_tokens_name: str = "max_tokens", structured_param: str | None = None) -> FieldNames:
@@ -106,8 +109,32 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
         sampling["structured_outputs"] = constraint
     salt = _typed(body, "cache_salt", str)
     prompts = [_chat(body)] if kind == "chat" else _prompts(body)
+    tools, tool_choice = _tools(body) if kind == "chat" else (None, "none")
     generates = [GenerationRequest(p, dict(sampling), cache_salt=salt) for p in prompts]
-    return OpenAIRequest(kind, generates, model, stream, include_usage, logprobs, max_tokens_name, structured_param)
+    return OpenAIRequest(
+        kind, generates, model, stream, include_usage, logprobs, max_tokens_name, structured_param, tools, tool_choice
+    )
+
+
+def _tools(body: dict) -> tuple[list[Any] | None, str | dict[str, Any]]:
+    """(tools, tool_choice), checked; tool_choice defaults to auto with tools (none without), as OpenAI's does."""
+    tools = _typed(body, "tools", list) or None
+    if tools is not None:
+        try:
+            function_specs(tools)
+        except ValueError as e:
+            raise invalid(str(e), str(e).partition(":")[0]) from None
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, "auto" if tools else "none"
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+    if not (choice in ("none", "auto", "required") or named):
+        raise _bad("tool_choice", "must be none, auto, required or {'type': 'function', 'function': {'name': ...}}")
+    if choice != "none" and tools is None:
+        raise _bad("tool_choice", "needs tools")
+    if named and choice["function"].get("name") not in function_specs(tools):
+        raise _bad("tool_choice.function.name", f"{choice['function'].get('name')!r} is not one of the tools")
+    return tools, choice
 
 
 def _typed(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:
@@ -162,10 +189,16 @@ def _chat(body: dict) -> ChatPrompt:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(where, "must be an object with role and content")
+        calls = None
         if m.get("tool_calls"):
-            raise _bad(f"{where}.tool_calls", "not supported by this server")
+            try:
+                calls = history_tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            except ValueError as e:
+                raise invalid(str(e), str(e).partition(":")[0]) from None
         role = _typed(m, "role", str, f"{where}.role")
         content = m.get("content")
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):  # content parts: text only
             texts = []
             for j, part in enumerate(content):
@@ -176,6 +209,8 @@ def _chat(body: dict) -> ChatPrompt:
         if not isinstance(content, str):
             raise _bad(f"{where}.content", "must be a string or an array of text parts")
         message = {"role": role or "", "content": content}
+        if calls:
+            message["tool_calls"] = calls
         for key in ("name", "tool_call_id"):
             value = _typed(m, key, str, f"{where}.{key}")
             if value is not None:

@@ -3,7 +3,9 @@
 Plain dicts in OpenAI's documented shapes (the official client parses them into its own models).
 Finish reasons: `eos`, `stop` (a stop token id) and `stop_string` are all OpenAI's `stop`; `length`
 stays; `abort` (cancelled, or a server shutdown) is passed through as vLLM does. The stop string or
-token id that ended a sample is vLLM's extra `stop_reason`.
+token id that ended a sample is vLLM's extra `stop_reason`. A chat request whose replies are parsed for tool
+calls (`tool_format`) answers `tool_calls` and finish reason `tool_calls` when a reply holds calls; streamed,
+the text from where a call may begin is held back (`ToolStream`) and the calls go out whole in the last delta.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from paged_jax.tokenization.tool_calls import ToolCall, ToolFormat
 
 from .protocol import Kind
 
@@ -36,7 +39,9 @@ class ResponseBuilder:
     model: str
     tokenizer: Any
     logprobs: int | None
+    tool_format: ToolFormat | None = None  # chat replies parsed for tool calls in this format
     created: int = field(default_factory=lambda: int(time.time()))
+    _streams: dict[int, ToolStream] = field(default_factory=dict)  # per streamed choice, with a tool_format
 
     @property
     def object_name(self) -> str:
@@ -101,9 +106,27 @@ class ResponseBuilder:
             key = "message" if final else "delta"
             choice[key] = {"role": "assistant", "content": text} if final else {"content": text}
             choice["logprobs"] = {"content": self._chat_logprobs(logprobs)} if self.logprobs is not None else None
-        choice["finish_reason"] = FINISH_REASONS.get(reason) if reason is not None else None
+            if self.tool_format is not None and self._with_tool_calls(choice[key], c, text, final, offset):
+                reason = "tool_calls"
+        choice["finish_reason"] = FINISH_REASONS.get(reason, reason) if reason is not None else None
         choice["stop_reason"] = stop_reason
         return choice
+
+    def _with_tool_calls(self, msg: dict[str, Any], c: CompletionOutput, text: str, final: bool, offset: int) -> bool:
+        """Put the reply's tool calls into `msg` (a message, or a stream delta); True when it has some."""
+        if final:
+            parsed = self.tool_format.parse(text)
+            msg["content"], calls = parsed.content, parsed.tool_calls
+        else:
+            stream = self._streams.setdefault(offset + c.index, ToolStream(self.tool_format))
+            msg["content"] = stream.feed(text)
+            calls = []
+            if c.finished:
+                rest, calls = stream.finish()
+                msg["content"] += rest
+        if calls:
+            msg["tool_calls"] = [_tool_call(t, None if final else k) for k, t in enumerate(calls)]
+        return bool(calls)
 
     def _completion_logprobs(self, items: Sequence[TokenLogprob] | None) -> dict[str, Any]:
         """The legacy completions shape: parallel lists, alternatives as {token: logprob}."""
@@ -139,3 +162,32 @@ def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(o.metrics.num_cached_prompt_tokens for o in outs)},
     }
+
+
+def _tool_call(call: ToolCall, index: int | None) -> dict[str, Any]:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+class ToolStream:
+    """One streamed choice's text: content is passed on up to where a tool call may begin, the rest is held
+    until the reply ends and is parsed then."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt, self.text, self.sent = fmt, "", 0
+
+    def feed(self, new: str) -> str:
+        """The content that can go out now, given `new` text."""
+        self.text += new
+        hold = self.fmt.may_start(self.text)
+        limit = len(self.text) if hold is None else hold
+        out = self.text[self.sent : limit] if limit > self.sent else ""
+        self.sent = max(self.sent, limit)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(the held-back content, the calls) once the reply ended."""
+        parsed = self.fmt.parse(self.text)
+        if parsed.tool_calls:
+            return "", parsed.tool_calls
+        return self.text[self.sent :], []

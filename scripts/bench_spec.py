@@ -1,0 +1,188 @@
+"""Speculative decoding against plain decoding, side by side in one run (these CPUs are shared and noisy).
+
+SmolLM2-135M-Instruct in float32, greedy, batches of 1, 4 and 32 requests submitted together, on two workloads:
+`copy` (chat prompts whose answer copies or edits text in the prompt: code to rewrite, a passage to quote) and
+`chat` (plain questions). Proposers: n-gram, and a draft model (the target's own checkpoint quantized w8a8).
+Each engine runs each batch twice and the second run is timed (the first compiles the shapes it needs). Prints
+generated tokens/s, mean per-request latency, the speed-up over plain decoding, the acceptance rate and drafts
+kept per verified sequence, and whether every output equals the plain one.
+
+    .venv/bin/python scripts/bench_spec.py [--methods ngram,draft_model] [--batches 1,4,32] [--max-tokens 128]
+        [--k 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from paged_jax.config.engine import EngineConfig  # noqa: E402
+from paged_jax.engine.llm_engine import LLMEngine  # noqa: E402
+from paged_jax.engine.load import load_model  # noqa: E402
+from paged_jax.sampling_params import SamplingParams  # noqa: E402
+from paged_jax.tokenization.chat_template import apply_chat_template  # noqa: E402
+
+CODE = [
+    """def moving_average(values, window):
+    result = []
+    for i in range(len(values) - window + 1):
+        total = 0
+        for j in range(window):
+            total += values[i + j]
+        result.append(total / window)
+    return result""",
+    """class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1]""",
+    """def parse_config(path):
+    config = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            config[key.strip()] = value.strip()
+    return config""",
+    """function debounce(fn, delay) {
+  let timer = null;
+  return function (...args) {
+    clearTimeout(timer);
+    timer = setTimeout(() => fn.apply(this, args), delay);
+  };
+}""",
+]
+PASSAGE = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual reefs and "
+    "900 islands stretching for over 2,300 kilometres over an area of approximately 344,400 square kilometres. The "
+    "reef is located in the Coral Sea, off the coast of Queensland, Australia. It can be seen from outer space and "
+    "is the world's biggest single structure made by living organisms."
+)
+COPY_ASKS = [
+    "Rewrite this code with type hints and a docstring. Keep everything else the same.\n\n{code}",
+    "Rename every variable in this code to a longer, more descriptive name and show the full code.\n\n{code}",
+    "Add a comment above every line of this code and repeat the code.\n\n{code}",
+    "Repeat the following passage word for word, then list its three main facts.\n\n" + PASSAGE,
+]
+CHAT_ASKS = [
+    "What are three tips for staying focused while studying?",
+    "Write a short poem about the ocean at night.",
+    "Explain what a black hole is to a ten year old.",
+    "What should I pack for a weekend camping trip?",
+    "Give me a simple recipe for pancakes.",
+    "Why is the sky blue?",
+    "Describe a good morning routine.",
+    "What is the difference between a virus and a bacterium?",
+]
+
+
+def prompts_for(workload: str, tokenizer, n: int) -> list[list[int]]:
+    if workload == "copy":
+        texts = [COPY_ASKS[i % len(COPY_ASKS)].format(code=CODE[(i // len(COPY_ASKS)) % len(CODE)]) for i in range(n)]
+    else:
+        texts = [CHAT_ASKS[i % len(CHAT_ASKS)] for i in range(n)]
+    return [
+        apply_chat_template(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True)[1] for t in texts
+    ]
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+    before = engine.stats()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    seconds = time.perf_counter() - t0
+    after = engine.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs.values())
+    latency = sum(o.metrics.finish_time - o.metrics.arrival_time for o in outs.values()) / len(outs)
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    kept = after.spec_accepted_tokens - before.spec_accepted_tokens
+    runs = after.spec_drafts - before.spec_drafts
+    return {
+        "tokens_per_s": tokens / seconds,
+        "latency_s": latency,
+        "acceptance": kept / drafted if drafted else 0.0,
+        "kept_per_run": kept / runs if runs else 0.0,
+        "ids": {k.split("-", 1)[1]: o.outputs[0].token_ids for k, o in outs.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="ngram,draft_model", help="comma-separated: ngram, draft_model (w8a8 copy)")
+    ap.add_argument("--batches", default="1,4,32")
+    ap.add_argument("--workloads", default="copy,chat")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--sync-baseline", action="store_true", help="also plain decoding without the lookahead")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    config, params, tokenizer = load_model("smollm2-135m-instruct", dtype="float32")
+    base = {
+        "max_num_seqs": max(batches),
+        "max_num_batched_tokens": 256,
+        "max_model_len": 1024,
+        "num_pages": 2 + max(batches) * 1024 // 16,
+        "warmup": False,
+    }
+    engines = {"plain": LLMEngine(config, params, tokenizer, EngineConfig(**base))}
+    if args.sync_baseline:  # what the one-step lookahead is worth (a speculating batch runs without it)
+        engines["plain-sync"] = LLMEngine(config, params, tokenizer, EngineConfig(**base, async_scheduling=False))
+    for method in args.methods.split(","):
+        spec = {"method": method, "num_speculative_tokens": args.k}
+        if method == "draft_model":  # the target's own checkpoint, weights and activations in int8
+            spec |= {"model": "smollm2-135m-instruct", "quantization": "w8a8"}
+        engines[method] = LLMEngine(config, params, tokenizer, EngineConfig(**base, speculative_config=spec))
+    rows = []
+    print("workload  batch  engine  tokens/s  latency_s  speedup  acceptance  kept/run  same_output")
+    for workload in args.workloads.split(","):
+        for b in batches:
+            prompts = prompts_for(workload, tokenizer, b)
+            results = {}
+            for name, engine in engines.items():
+                run_batch(engine, prompts, args.max_tokens, f"warm-{workload}-{b}")  # compiles what it needs
+                results[name] = run_batch(engine, prompts, args.max_tokens, f"{workload}-{b}")
+            for name, r in results.items():
+                row = {
+                    "workload": workload,
+                    "batch": b,
+                    "engine": name,
+                    "tokens_per_s": round(r["tokens_per_s"], 1),
+                    "latency_s": round(r["latency_s"], 2),
+                    "speedup": round(r["tokens_per_s"] / results["plain"]["tokens_per_s"], 2),
+                    "acceptance": round(r["acceptance"], 3),
+                    "kept_per_run": round(r["kept_per_run"], 2),
+                    "same_output": r["ids"] == results["plain"]["ids"],
+                }
+                rows.append(row)
+                print("  ".join(str(v) for v in row.values()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
