@@ -185,7 +185,7 @@ def compile_step(
     _, forward = step_functions(config, "pallas-tpu", mesh if tp > 1 else None, quantized_kv, weights_key)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = forward.lower(
-            params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta, i32(max_seqs)
+            params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta, i32(max_seqs), None
         ).compile()
     local_kv = kv_sharding.shard_shape(kv_shape)
     layer_kv = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(kv))
