@@ -6,14 +6,16 @@ the Triton GPU kernel (:mod:`.gpu_ragged_paged_attention`); :func:`ragged_paged_
 
 from pallas_kernels.attention import ragged_paged_attention, resolve_backend
 from pallas_kernels.common import MASK_VALUE
-from pallas_kernels.kv_update import copy_pages, write_kv
+from pallas_kernels.kv_update import copy_pages, copy_stacked_pages, stacked_page_offset, write_kv
 from pallas_kernels.reference import dense_reference_attention
 
 __all__ = [
     "MASK_VALUE",
     "copy_pages",
+    "copy_stacked_pages",
     "dense_reference_attention",
     "ragged_paged_attention",
     "resolve_backend",
+    "stacked_page_offset",
     "write_kv",
 ]

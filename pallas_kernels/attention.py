@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import common, cpu_paged, kv_quant
 from pallas_kernels.xla_paged import xla_ragged_paged_attention
@@ -42,6 +43,7 @@ def ragged_paged_attention(
     block_tables: jax.Array,  # [max_seqs, max_blocks_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
     num_seqs: jax.Array,  # [1] int32
+    page_offset: jax.Array | None = None,  # int32 scalar: the block tables name pages page_offset + id
     *,
     sm_scale: float,
     soft_cap: float | None = None,
@@ -56,6 +58,11 @@ def ragged_paged_attention(
     explicitly ``pallas-tpu``, ``pallas-gpu``, ``pallas-tpu-interpret``, ``pallas-gpu-interpret``.
     Rows of padding tokens are zeros. Quantized pages (int8, fp8_e4m3) come as
     :class:`pallas_kernels.kv_quant.QuantizedPages`; every backend applies their scales on the fly.
+
+    ``page_offset``: ``kv_pages`` is a cache stacked over layers (``[num_layers * P, ...]``,
+    :func:`pallas_kernels.kv_update.stacked_page_offset`) and this call attends over the layer whose pages start
+    at ``page_offset``: the offset is added to the block table (``[max_seqs, max_blocks]`` int32, a few KiB), so
+    every backend reads that layer's pages where they lie in the stacked array and no layer is sliced out.
     """
     kv_pages, kv_scales = kv_quant.split(kv_pages)
     kv_quant.validate_scales(kv_pages, kv_scales)
@@ -71,6 +78,8 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         backend=backend,
     )
+    if page_offset is not None:
+        block_tables = block_tables + jnp.asarray(page_offset, block_tables.dtype)
     args = (q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     opts = dict(sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales)
     concrete = resolve_backend(backend)

@@ -21,8 +21,12 @@ def write_kv(
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # [num_tokens] int32, slot = page * page_size + offset; negative: padding
+    page_offset: jax.Array | None = None,  # int32 scalar added to every page id (one layer of a stacked cache)
 ):
     """Returns ``kv_pages`` with token ``t``'s K/V at slot ``slot_mapping[t]``; negative slots write nothing.
+
+    ``page_offset``: the slots name pages ``page_offset + page`` of ``kv_pages`` (layer ``l`` of a cache stacked
+    over layers, :func:`.stacked_page_offset`), written in place like any other page.
 
     Slots must be distinct (one physical slot per new token). In place when the caller's jit donates
     ``kv_pages``: one scatter of ``[num_kv_heads, 2 * head_dim]`` rows indexed by (page, offset), and for
@@ -35,7 +39,8 @@ def write_kv(
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {slot_mapping.shape}")
     # Negative slots get an out-of-bounds page, which mode="drop" skips (no wrap-around to the end).
-    page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)
+    page = slot_mapping // page_size + (0 if page_offset is None else page_offset)
+    page = jnp.where(slot_mapping < 0, num_pages, page)
     offset = jnp.where(slot_mapping < 0, 0, slot_mapping % page_size)
     if scales is None:
         new = jnp.concatenate([k, v], axis=-1).astype(pages.dtype)  # [num_tokens, num_kv_heads, 2 * head_dim]
@@ -66,3 +71,19 @@ def copy_pages(
     if isinstance(kv_pages, kv_quant.QuantizedPages):
         return kv_quant.QuantizedPages(*(x.at[dst].set(x[src], mode="drop") for x in kv_pages))
     return kv_pages.at[dst].set(kv_pages[src], mode="drop")
+
+
+def stacked_page_offset(kv_pages, layer: jax.Array, num_layers: int) -> jax.Array:
+    """The id of layer ``layer``'s first page in a cache of ``num_layers`` layers stacked on the page axis
+    (``[num_layers * P, ...]``, layer ``l``'s page ``p`` at ``l * P + p``); int32 scalar."""
+    pages, _ = kv_quant.split(kv_pages)
+    if pages.shape[0] % num_layers:
+        raise ValueError(f"stacked pages: {pages.shape[0]} pages do not split into {num_layers} layers")
+    return jnp.asarray(layer, jnp.int32) * (pages.shape[0] // num_layers)
+
+
+def copy_stacked_pages(kv_pages, src: jax.Array, dst: jax.Array, num_layers: int):
+    """:func:`copy_pages` of pages ``src -> dst`` in every layer of a stacked cache (one scatter for all
+    layers; in place under donation)."""
+    base = stacked_page_offset(kv_pages, 1, num_layers) * jnp.arange(num_layers, dtype=jnp.int32)[:, None]
+    return copy_pages(kv_pages, (base + src[None]).reshape(-1), (base + dst[None]).reshape(-1))

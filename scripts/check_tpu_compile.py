@@ -135,8 +135,10 @@ def compile_step(
     num_pages: int | None = None,
     quantization: str | None = None,
     kv_dtype: str | None = None,
+    scan_layers: str = "auto",
 ):
     """Compile the engine step for `config_name` on the first `tp` chips of `topo` (one chip: no mesh).
+    `scan_layers` as the engine's flag: by default the scanned step (one stacked KV array) where the model scans.
 
     Parameters are abstract (nothing is materialised); the KV pages are sized as the engine would size them
     on that chip (HBM x 0.9 minus the weights). `quantization` (int8 | fp8 weights, the TPU's cast matmul) and
@@ -145,6 +147,7 @@ def compile_step(
     from paged_jax.config import ModelConfig, load_model_config
     from paged_jax.model import quant
     from paged_jax.model.init import param_shapes
+    from paged_jax.model.scan import use_scan
     from paged_jax.worker import sharding as shd
     from paged_jax.worker.runner import PagedMeta, step_functions
     from pallas_kernels import kv_quant
@@ -155,17 +158,19 @@ def compile_step(
     hbm_gib = hbm_gib or HBM_GIB[topo.split(":")[0]]
     config = config_name if isinstance(config_name, ModelConfig) else load_model_config(config_name)
     weights_key = None if quantization is None else (quantization, True, False)
+    scan = use_scan(config, scan_layers, lora=False)
+    stacked = config.num_layers if scan else 1  # layers in one KV array
     if tp > 1:
         mesh = shd.make_mesh(desc.devices[:tp])
         config = config.replace(num_kv_heads=config.num_kv_heads * shd.kv_replication(config, tp))
-        shapes = quant.abstract_params(param_shapes(config), weights_key)
+        shapes = quant.abstract_params(param_shapes(config, scan), weights_key)
         shardings = shd.param_shardings(config, mesh, shapes)
         kv_sharding, rep = shd.kv_sharding(mesh), shd.replicated(mesh)
         scales_sharding = shd.kv_scales_sharding(mesh)
     else:
         mesh = jax.sharding.Mesh(desc.devices[:1], ("x",))
         one = SingleDeviceSharding(desc.devices[0])
-        shapes = quant.abstract_params(param_shapes(config), weights_key)
+        shapes = quant.abstract_params(param_shapes(config, scan), weights_key)
         shardings = jax.tree.map(lambda _: one, shapes)
         kv_sharding = rep = scales_sharding = one
     params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
@@ -173,22 +178,21 @@ def compile_step(
     dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
     page_bytes = quant.kv_bytes_per_token(config, dtype) * page_size // tp  # one chip, all layers
     num_pages = num_pages or int((hbm_gib * 2**30 - weights) * 0.9) // page_bytes
-    kv_shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
+    kv_shape = kv_pages_shape(num_pages * stacked, config.num_kv_heads, page_size, config.head_dim)
     kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding)
     quantized_kv = kv_quant.is_quantized_dtype(dtype)
     if quantized_kv:
-        scales = kv_quant.scales_shape(num_pages, config.num_kv_heads, page_size)
+        scales = kv_quant.scales_shape(num_pages * stacked, config.num_kv_heads, page_size)
         kv = kv_quant.QuantizedPages(kv, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=scales_sharding))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
     max_blocks = max_model_len // page_size
     meta = PagedMeta(i32(num_tokens), i32(max_seqs), i32(max_seqs, max_blocks), i32(max_seqs + 1), i32(1))
-    _, forward = step_functions(config, "pallas-tpu", mesh if tp > 1 else None, quantized_kv, weights_key)
+    _, forward = step_functions(config, "pallas-tpu", mesh if tp > 1 else None, quantized_kv, weights_key, scan=scan)
+    caches = kv if scan else (kv,) * config.num_layers
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = forward.lower(
-            params, (kv,) * config.num_layers, i32(num_tokens), i32(num_tokens), meta, i32(max_seqs), None
-        ).compile()
-    local_kv = kv_sharding.shard_shape(kv_shape)
-    layer_kv = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(kv))
+        compiled = forward.lower(params, caches, i32(num_tokens), i32(num_tokens), meta, i32(max_seqs), None).compile()
+    local_kv = kv_sharding.shard_shape(kv_shape)  # the stacked array's, when scanned
+    layer_kv = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(kv)) // stacked
     facts = {
         "weights": weights,
         "layer_kv": layer_kv,
@@ -196,6 +200,7 @@ def compile_step(
         "local_kv_shape": local_kv,
         "dtype": dtype,
         "num_layers": config.num_layers,
+        "scan": scan,
     }
     return compiled, facts
 

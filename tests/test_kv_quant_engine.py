@@ -48,7 +48,7 @@ def prompts(seed: int, n: int, shared: int) -> list[list[int]]:
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_cache_allocation_and_stats(tiny_config, tiny_params, kv_dtype):
     engine = make_engine(tiny_config, tiny_params, kv_dtype=kv_dtype)
-    cache = engine.runner.kv_caches[0]
+    cache = engine.runner.layer_cache(0)
     assert isinstance(cache, QuantizedPages) and cache.pages.dtype.itemsize == 1
     stats = engine.stats()
     d = tiny_config.head_dim

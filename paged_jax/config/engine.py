@@ -8,6 +8,8 @@ from paged_jax.config import KV_DTYPE_CHOICES
 from paged_jax.sampling_params import MAX_LOGIT_BIAS
 from pallas_kernels.common import BACKENDS
 
+SCAN_CHOICES = ("auto", "on", "off")  # scan_layers (paged_jax.model.scan)
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -23,6 +25,9 @@ class EngineConfig:
     chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # one of pallas_kernels.common.BACKENDS (auto | xla | pallas | ...)
+    # The decoder's layers as one scanned step (paged_jax.model.scan): "auto" where the model's layers are alike
+    # and LoRA is off, "on" (an error where it cannot), "off" (a Python loop over the layers).
+    scan_layers: str = "auto"
     kv_dtype: str | None = None  # default: the model dtype; int8 / fp8_e4m3: quantized pages (paged_jax.model.quant)
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)
@@ -52,6 +57,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.scan_layers not in SCAN_CHOICES:
+            raise ValueError(f"scan_layers: must be one of {SCAN_CHOICES}, got {self.scan_layers!r}")
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",

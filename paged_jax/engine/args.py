@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS
-from paged_jax.config.engine import EngineConfig
+from paged_jax.config.engine import SCAN_CHOICES, EngineConfig
 from paged_jax.config.generation_defaults import load_generation_defaults
 from paged_jax.engine.data_parallel import make_engine
 from paged_jax.engine.load import load_model
@@ -208,6 +208,11 @@ ENGINE_FLAGS = (
     EngineFlag("chunk_size", "max prompt tokens of one sequence per step"),
     EngineFlag("enable_prefix_caching", name="--no-prefix-caching", negate=True),
     EngineFlag("attention_backend", choices=BACKENDS),
+    EngineFlag(
+        "scan_layers",
+        "the layers as one scanned step (auto: where the layers are alike and LoRA is off) or unrolled",
+        choices=SCAN_CHOICES,
+    ),
     EngineFlag("warmup", "compile step shapes lazily instead of at start-up", name="--no-warmup", negate=True),
     EngineFlag(
         "kv_dtype",

@@ -126,6 +126,7 @@ class LLMEngine:
             max_logit_bias=ec.max_logit_bias,
             lora=lora_shape,
             num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
+            scan_layers=ec.scan_layers,
         )
         if spec_config is not None:
             self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len, self.num_pages)

@@ -4,7 +4,8 @@ The model computes q, k, v (RoPE already applied) for a flat batch of tokens and
 `AttentionFn` once per layer with that layer's KV-cache entry and one `meta` pytree shared by all
 layers. The function returns the attention output and the layer's updated cache. The model never
 looks inside either: the dense path below keeps no cache at all; the paged path of the engine
-writes new K/V into pages and reads them back.
+writes new K/V into pages and reads them back. A scanned decoder (`paged_jax.model.scan`) keeps one stacked
+cache for all layers and hands each layer a `LayerPages` view of it (the stacked cache and the layer's index).
 """
 
 from __future__ import annotations
@@ -23,6 +24,20 @@ AttentionFn = Callable[..., tuple[jax.Array, Any]]
 -> (out [T, Hq, D], kv_cache). `sliding_window` (tokens, per layer) and `soft_cap` (Gemma 2's logit cap) follow
 `pallas_kernels.common`: key p is visible to the query at x when x - window < p <= x; scores become
 cap * tanh(scores / cap) before the softmax."""
+
+
+@flax.struct.dataclass
+class LayerPages:
+    """Layer `layer` of a cache stacked over `num_layers` layers: what a scanned decoder passes its layers.
+
+    `pages`: the whole stacked cache, whatever the attention function keeps (the paged engine: pages
+    `[num_layers * P, ...]`, layer l's pages at `l * P ...`); `layer`: int32 scalar, traced (the scan's index).
+    The attention function indexes the stacked cache by layer itself, so no layer's slice is ever copied out,
+    and returns the view with the updated stacked cache."""
+
+    pages: Any
+    layer: jax.Array
+    num_layers: int = flax.struct.field(pytree_node=False)
 
 
 @flax.struct.dataclass
@@ -83,4 +98,4 @@ def dense_attention(
     return out.reshape(t, hq, d).astype(q.dtype), kv_cache
 
 
-__all__ = ["AttentionFn", "DenseMeta", "MASK_VALUE", "dense_attention"]
+__all__ = ["AttentionFn", "DenseMeta", "LayerPages", "MASK_VALUE", "dense_attention"]

@@ -7,6 +7,11 @@ logit soft cap) is here. Parameter names follow `paged_jax.model.llama` (fused q
 o_proj, down_proj, input_layernorm, ...) so the HF import (one kernel per projection, fused at load by
 `paged_jax.model.loader.fuse`), the init and the tensor-parallel specs treat every family alike.
 
+With `scan_layers` the layers run as one `jax.lax.scan` over the stacked tree of `paged_jax.model.scan` (one
+layer module traced once, applied to each layer's weights; the KV cache is one stacked cache carried through
+the scan, each layer seeing it as a `LayerPages` view); otherwise as a Python loop over `layers_{i}`. Both
+compute the same function of the same weights.
+
 Per layer, `Attention` passes its sliding window (`ModelConfig.layer_sliding_window`) and the attention
 logit soft cap to the `AttentionFn`, so both reach the paged kernels and the dense reference alike.
 """
@@ -24,7 +29,7 @@ import numpy as np
 from paged_jax.config import ModelConfig, RopeScaling
 from paged_jax.lora.delta import LoraBatch, LoraLayer
 from paged_jax.model import quant
-from paged_jax.model.attention import AttentionFn, dense_attention
+from paged_jax.model.attention import AttentionFn, DenseMeta, LayerPages, dense_attention
 from paged_jax.model.layers import (
     RMSNorm,
     apply_rope,
@@ -35,6 +40,7 @@ from paged_jax.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from paged_jax.model.scan import LAYERS, can_scan
 
 Rope = tuple[jax.Array, jax.Array]  # cos, sin: [T, D] float32
 
@@ -150,6 +156,7 @@ class CausalLM(nn.Module):
     config: ModelConfig
     attention_fn: AttentionFn = dense_attention
     mesh: Any = None  # a jax.sharding.Mesh: MoE layers run their experts per TP shard on it (paged_jax.model.moe)
+    scan_layers: bool = False  # one lax.scan over stacked layer weights (paged_jax.model.scan) instead of a loop
 
     scale_embeddings = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
     final_norm = RMSNorm  # the final norm's module class
@@ -163,41 +170,83 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, embedding_init=kernel_init
         )
-        self.layers = [self.make_layer(i) for i in range(c.num_layers)]
+        self.inv_freq = inv_freq_for(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.local_inv_freq = None if c.rope_local_theta is None else inv_freq_for(c.head_dim, c.rope_local_theta, None)
+        if self.scan_layers:
+            if not can_scan(c):
+                raise ValueError("scan_layers: this model's layers differ (sliding-window pattern); it runs unrolled")
+            # An unbound layer module (no parent): applied to one layer's weights per scan step.
+            self.layer_step = self.make_layer(0).clone(parent=None)
+            if self.is_initializing():
+                self.layers = self.param(LAYERS, self._init_stacked)
+            else:  # as stored: no abstract re-run of the initializer (which also cannot check quantized leaves)
+                self.layers = self.get_variable("params", LAYERS)
+        else:
+            self.layers = [self.make_layer(i) for i in range(c.num_layers)]
         self.norm = self.final_norm(c.hidden_size, c.rms_norm_eps, dtype)
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", kernel_init, (c.hidden_size, c.vocab_size), dtype)
-        self.inv_freq = inv_freq_for(c.head_dim, c.rope_theta, c.rope_scaling)
-        self.local_inv_freq = None if c.rope_local_theta is None else inv_freq_for(c.head_dim, c.rope_local_theta, None)
 
     def __call__(
         self,
         token_ids: jax.Array,
         positions: jax.Array,
-        kv_caches: Sequence[Any] | None,
+        kv_caches: Sequence[Any] | Any | None,
         meta: Any,
         lora: LoraBatch | None = None,
-    ) -> tuple[jax.Array, list[Any]]:
-        """token_ids, positions: [T] int32. kv_caches: one entry per layer, or None. `lora`: the adapter slots
-        and each token's slot id (`paged_jax.lora.delta`); None runs the base model alone.
+    ) -> tuple[jax.Array, Any]:
+        """token_ids, positions: [T] int32. kv_caches: one entry per layer (scanned: the one stacked cache), or
+        None. `lora`: the adapter slots and each token's slot id (`paged_jax.lora.delta`); None runs the base
+        model alone (scanned: must be None).
 
-        Returns (hidden [T, H] after the final norm, new kv_caches as a list, one per layer).
+        Returns (hidden [T, H] after the final norm, new kv_caches: a list, one per layer; scanned: the stacked
+        cache).
         """
         c = self.config
-        caches = [None] * c.num_layers if kv_caches is None else list(kv_caches)
-        if len(caches) != c.num_layers:
-            raise ValueError(f"kv_caches: expected {c.num_layers} entries (one per layer), got {len(caches)}")
         x = self.embed_tokens(token_ids)  # [T, H]
         if self.scale_embeddings:
             x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
         rope = rope_cos_sin(positions, self.inv_freq)
         local = rope if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
+        if self.scan_layers:
+            x, kv = self._scan(x, local if c.layer_sliding_window(0) is not None else rope, kv_caches, meta, lora)
+            return self.norm(x), kv
+        caches = [None] * c.num_layers if kv_caches is None else list(kv_caches)
+        if len(caches) != c.num_layers:
+            raise ValueError(f"kv_caches: expected {c.num_layers} entries (one per layer), got {len(caches)}")
         layer_lora = [None] * c.num_layers if lora is None else lora.per_layer()
         new_caches = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             x, cache = layer(x, local if c.layer_sliding_window(i) is not None else rope, cache, meta, layer_lora[i])
             new_caches.append(cache)
         return self.norm(x), new_caches
+
+    def _scan(self, x: jax.Array, rope: Rope, kv: Any, meta: Any, lora: LoraBatch | None) -> tuple[jax.Array, Any]:
+        """The layers as one scan: x [T, H] and the stacked cache `kv` (or None) carried, each step applying
+        `layer_step` to one layer's slice of the stacked weights with its `LayerPages` view of `kv`."""
+        if lora is not None:
+            raise ValueError("lora: a scanned decoder runs without adapters (the runner scans only when LoRA is off)")
+        c = self.config
+
+        def step(carry, xs):
+            x, kv = carry
+            weights, layer = xs
+            view = None if kv is None else LayerPages(kv, layer, c.num_layers)
+            x, view = self.layer_step.apply({"params": weights}, x, rope, view, meta)
+            return (x, None if view is None else view.pages), None
+
+        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(step, (x, kv), (self.layers, layers))
+        return x, kv
+
+    def _init_stacked(self, rng: jax.Array) -> Any:
+        """Stacked layer weights [L, ...] from each layer's own initializer (one key per layer)."""
+        c = self.config
+        template = self.layer_step.clone(attention_fn=dense_attention, parent=None)  # init runs without a cache
+        x = jnp.zeros((1, c.hidden_size), jnp.dtype(c.dtype))
+        rope = rope_cos_sin(jnp.zeros((1,), jnp.int32), self.inv_freq)
+        init = lambda key: template.init(key, x, rope, None, DenseMeta.single(1))["params"]
+        return jax.vmap(init)(jax.random.split(rng, c.num_layers))
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, H] -> logits [N, V] float32 (accumulated in float32), soft-capped when the config says so."""

@@ -29,13 +29,18 @@ FAMILIES: dict[str, type[nn.Module]] = {
 
 
 def causal_lm(
-    config: ModelConfig, attention_fn: AttentionFn = dense_attention, mesh: jax.sharding.Mesh | None = None
+    config: ModelConfig,
+    attention_fn: AttentionFn = dense_attention,
+    mesh: jax.sharding.Mesh | None = None,
+    scan_layers: bool = False,
 ) -> nn.Module:
     """The decoder of `config`'s family, attending through `attention_fn` (dense by default). `mesh`: the TP mesh
-    the step runs on, for the families that place work on it themselves (MoE experts); None on one device."""
+    the step runs on, for the families that place work on it themselves (MoE experts); None on one device.
+    `scan_layers`: the layers as one scan over stacked weights (`paged_jax.model.scan`)."""
+    family = FAMILIES[config.model_type]
     if mesh is not None and config.is_moe:
-        return FAMILIES[config.model_type](config, attention_fn=attention_fn, mesh=mesh)
-    return FAMILIES[config.model_type](config, attention_fn=attention_fn)
+        return family(config, attention_fn=attention_fn, mesh=mesh, scan_layers=scan_layers)
+    return family(config, attention_fn=attention_fn, scan_layers=scan_layers)
 
 
 __all__ = ["FAMILIES", "causal_lm"]

@@ -16,9 +16,10 @@ from paged_jax.model.layers import INIT_STD
 Params = dict[str, Any]  # {"params": {...}}, as the model's `apply` takes it
 
 
-def param_shapes(config: ModelConfig) -> Params:
-    """The parameter tree as `jax.ShapeDtypeStruct` leaves, traced abstractly (no compute, no memory)."""
-    model = causal_lm(config)
+def param_shapes(config: ModelConfig, scan_layers: bool = False) -> Params:
+    """The parameter tree as `jax.ShapeDtypeStruct` leaves, traced abstractly (no compute, no memory); the
+    stacked tree of `paged_jax.model.scan` with `scan_layers`."""
+    model = causal_lm(config, scan_layers=scan_layers)
     tokens = jnp.zeros((1,), jnp.int32)
     meta = DenseMeta(segment_ids=tokens, positions=tokens)
     return jax.eval_shape(lambda key: model.init(key, tokens, tokens, None, meta), jax.random.key(0))

@@ -5,7 +5,8 @@ intermediate dimension (gate/up by columns, down by rows), the embedding and LM 
 norms replicated; MoE experts like the MLP, each expert split by its intermediate dimension (the router
 replicated). The TP degree must divide num_heads, intermediate and vocab, and the number of KV heads
 in `params`: when it exceeds the model's KV heads, `paged_jax.worker.sharding.expand_kv_heads` first repeats them
-(`sharding.kv_replication` checks all of this).
+(`sharding.kv_replication` checks all of this). Stacked layer weights (`paged_jax.model.scan`) keep their
+leading layer axis whole on every chip (each chip holds its slice of every layer).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from paged_jax.config import ModelConfig
 from paged_jax.model.quant import QuantizedWeight
+from paged_jax.model.scan import LAYERS
 
 _SPECS: dict[str, Any] = {
     "qkv_proj": lambda tp: P(None, tp, None, None),  # [H, Hkv, G + 2, D]: whole (q, k, v) groups per shard
@@ -42,10 +44,11 @@ def param_partition_specs(config: ModelConfig, params: Any, tp_axis: str = "tp")
         name = str(getattr(path[-1], "key", path[-1]))
         if name not in _SPECS:
             raise KeyError(f"{jax.tree_util.keystr(path)}: no partition rule")
-        rule = _SPECS[name](tp_axis)
+        rule = tuple(_SPECS[name](tp_axis))
+        layer = (None,) if any(getattr(k, "key", None) == LAYERS for k in path) else ()  # stacked: axis 0 whole
         if isinstance(leaf, QuantizedWeight):  # values as the weight; scales as its output (trailing) axes
-            return leaf.replace(values=rule, scale=P(*tuple(rule)[leaf.contract :]))
-        return rule
+            return leaf.replace(values=P(*layer, *rule), scale=P(*layer, *rule[leaf.contract :]))
+        return P(*layer, *rule)
 
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 

@@ -2,7 +2,10 @@
 
 The KV cache is one page array per layer, `[num_pages, num_kv_heads, page_size, 2 * head_dim]`
 (K then V of a head along the last axis; see `pallas_kernels.common`), donated to every step so it is
-updated in place.
+updated in place. A scanned decoder (`paged_jax.model.scan`, the default where the model allows it) keeps all
+layers in one array `[num_layers * num_pages, ...]` instead (layer l's page p at `l * num_pages + p`; the block
+tables and slot mappings name pages of one layer and each layer's attention call adds its offset), and its
+parameters stacked on a leading layer axis (`stack_layers`, once, here).
 Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two from 16) and a sequence
 bucket `S`, built from the scheduler's output by `paged_jax.worker.step_inputs` (the runner never reads the KV
 manager: the scheduler's output carries each sequence's page ids); the forward pass returns logits only for
@@ -53,7 +56,9 @@ from paged_jax.lora import weights as lora_weights
 from paged_jax.lora.delta import LoraBatch
 from paged_jax.lora.registry import SlotLoad
 from paged_jax.model import quant
+from paged_jax.model.attention import LayerPages
 from paged_jax.model.families import causal_lm
+from paged_jax.model.scan import stack_layers, use_scan
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.structured.bitmask import all_allowed, mask_words
@@ -95,8 +100,14 @@ def paged_attention(
 ):
     """The model's `AttentionFn` over paged KV: write this step's K/V into pages, then attend.
 
-    The model passes each layer's `sliding_window` and `soft_cap` (the config's window is only the default)."""
-    kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping)
+    The model passes each layer's `sliding_window` and `soft_cap` (the config's window is only the default).
+    `kv_pages`: one layer's pages, or a scanned decoder's `LayerPages` view of the stacked pages (the layer's
+    page offset is then applied by the write and inside the attention call, so no layer is sliced out)."""
+    view, offset = None, None
+    if isinstance(kv_pages, LayerPages):
+        view, kv_pages = kv_pages, kv_pages.pages
+        offset = pallas_kernels.stacked_page_offset(kv_pages, view.layer, view.num_layers)
+    kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping, offset)
     out = pallas_kernels.ragged_paged_attention(
         q,
         kv_pages,
@@ -104,12 +115,13 @@ def paged_attention(
         meta.block_tables,
         meta.cu_q_lens,
         meta.num_seqs,
+        offset,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         backend=backend,
     )
-    return out, kv_pages
+    return out, kv_pages if view is None else view.replace(pages=kv_pages)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -147,13 +159,15 @@ def step_functions(
     quantized_kv: bool = False,
     weights: tuple[str, bool, bool] | None = None,
     lora: LoraShape | None = None,
+    scan: bool = False,
 ):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
 
     forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S], lora)
         -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated; `lora` a
-        `LoraBatch`, or None when off.
+        `LoraBatch`, or None when off. `scan`: the scanned decoder; kv_caches is then the one stacked cache and
+        params the stacked tree (`paged_jax.model.scan`), else a tuple of per-layer caches.
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
     params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
     like their base weights (`paged_jax.lora.weights`).
@@ -161,18 +175,18 @@ def step_functions(
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh, quantized_kv)
-    model = causal_lm(config, attn, mesh)
+    model = causal_lm(config, attn, mesh, scan_layers=scan)
 
     def forward(
         params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices, lora: LoraBatch | None = None
     ):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta, lora)
         logits = model.apply(params, hidden[logits_indices], method="compute_logits")
-        return logits, tuple(kv_caches), hidden
+        return logits, kv_caches if scan else tuple(kv_caches), hidden
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
-    shardings = sharding.step_shardings(config, mesh, quantized_kv, weights)
+    shardings = sharding.step_shardings(config, mesh, quantized_kv, weights, scan)
     rep = sharding.replicated(mesh)
     lora_in = None if lora is None else LoraBatch(_lora_shardings(config, mesh, lora), rep)
     shardings["in_shardings"] = (*shardings["in_shardings"], lora_in)
@@ -203,14 +217,17 @@ def prompt_logprobs_function(
     mesh: jax.sharding.Mesh | None = None,
     quantized_kv: bool = False,
     weights: tuple[str, bool, bool] | None = None,
+    scan: bool = False,
 ):
     """The jitted prompt-logprob step (`paged_jax.worker.prompt_logprobs`) of `step_functions`' model."""
-    model, _ = step_functions(config, backend, mesh, quantized_kv, weights)
-    return make_prompt_logprobs(model, None if mesh is None else sharding.logits_shardings(config, mesh, weights))
+    model, _ = step_functions(config, backend, mesh, quantized_kv, weights, scan=scan)
+    shardings = None if mesh is None else sharding.logits_shardings(config, mesh, weights, scan)
+    return make_prompt_logprobs(model, shardings)
 
 
 def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
-    """One layer's zeroed cache: a page array, or `QuantizedPages` (values and scales) for int8 / fp8."""
+    """A zeroed cache of `num_pages` pages (one layer's, or all layers' stacked): a page array, or
+    `QuantizedPages` (values and scales) for int8 / fp8."""
     device = None if mesh is None else sharding.kv_sharding(mesh)
     if kv_quant.is_quantized_dtype(kv_dtype):
         scales_device = None if mesh is None else sharding.kv_scales_sharding(mesh)
@@ -225,14 +242,15 @@ def _copy_all_pages(kv_caches, src, dst):
     return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
 
 
-_copy_pages = jax.jit(_copy_all_pages, donate_argnums=(0,))
-
-
 @functools.cache
-def _copy_pages_on(mesh: jax.sharding.Mesh, num_layers: int, quantized_kv: bool = False):
-    """`_copy_pages` with the pages kept in their mesh layout (so donation stays in place)."""
-    kv = (sharding.kv_cache_sharding(mesh, quantized_kv),) * num_layers
-    return jax.jit(_copy_all_pages, donate_argnums=(0,), out_shardings=kv)
+def _copy_pages(num_layers: int, scan: bool, mesh: jax.sharding.Mesh | None = None, quantized_kv: bool = False):
+    """Copy-on-write of pages on every layer (per-layer caches, or the stacked one with `scan`), jitted with the
+    caches donated and, with a mesh, kept in their mesh layout (so donation stays in place)."""
+    copy = partial(pallas_kernels.copy_stacked_pages, num_layers=num_layers) if scan else _copy_all_pages
+    if mesh is None:
+        return jax.jit(copy, donate_argnums=(0,))
+    kv = sharding.kv_cache_sharding(mesh, quantized_kv)
+    return jax.jit(copy, donate_argnums=(0,), out_shardings=kv if scan else (kv,) * num_layers)
 
 
 @partial(jax.jit, static_argnames=("width", "do_sample", "do_filter", "do_penalty", "want_logprobs"))
@@ -350,10 +368,13 @@ class ModelRunner:
         max_logit_bias: int = MAX_LOGIT_BIAS,
         lora: LoraShape | None = None,
         num_speculative_tokens: int = 0,
+        scan_layers: str = "auto",
     ) -> None:
         self.config = config
         self.lora = lora
-        self.params = params
+        self.scan = use_scan(config, scan_layers, lora is not None)  # the scanned decoder (paged_jax.model.scan)
+        self.params = self._stack(params, mesh) if self.scan else params
+        params = self.params
         self.mesh = mesh
         self.page_size = page_size
         self.max_blocks = cdiv(max_model_len, page_size)
@@ -373,9 +394,13 @@ class ModelRunner:
             max_logit_bias  # bias columns of a step with a biased row (`paged_jax.worker.logit_bias`)
         )
         self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
-        self.kv_caches = tuple(
-            _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
-        )
+        self.num_pages = num_pages  # per layer
+        if self.scan:  # one stacked cache
+            self.kv_caches = _allocate_kv(config, num_pages * config.num_layers, page_size, self.kv_dtype, mesh)
+        else:
+            self.kv_caches = tuple(
+                _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
+            )
         # Lowering sees only these (a background compile never touches pages a running step donated).
         self._kv_specs = jax.tree.map(
             lambda kv: jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding), self.kv_caches
@@ -383,10 +408,10 @@ class ModelRunner:
         self._rep = None if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
         self.model, self._forward = step_functions(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora, self.scan
         )
         self._prompt_logprobs = prompt_logprobs_function(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), self.scan
         )
         self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
         if lora is not None:
@@ -396,7 +421,7 @@ class ModelRunner:
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
         self._allow_all: dict[int, jax.Array] = {}  # the sampler's bitmask when no row is constrained, per S
-        self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers, quantized_kv)
+        self._copy = _copy_pages(config.num_layers, self.scan, mesh, quantized_kv)
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (
             self._forward,
@@ -414,6 +439,21 @@ class ModelRunner:
         self.warm = False  # warm-up is over: a compile now stalls a step and is logged as a warning
         self.real_tokens = 0  # tokens of scheduled work, summed over steps
         self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
+
+    def _stack(self, params, mesh: jax.sharding.Mesh | None):
+        """The stacked tree of `params` (`paged_jax.model.scan.stack_layers`), placed like the step takes it."""
+        if mesh is None:
+            return jax.jit(stack_layers)(params)
+        specs = jax.eval_shape(stack_layers, params)
+        return jax.jit(stack_layers, out_shardings=sharding.param_shardings(self.config, mesh, specs))(params)
+
+    def layer_cache(self, layer: int):
+        """Layer `layer`'s KV cache (pages, or `QuantizedPages`) as one layer's array: a copy when scanned (for
+        tests and inspection; the step never slices)."""
+        if not self.scan:
+            return self.kv_caches[layer]
+        p = self.num_pages
+        return jax.tree.map(lambda x: x[layer * p : (layer + 1) * p], self.kv_caches)
 
     # -- host side ----------------------------------------------------------------------------------
     def copy_pages(self, ops: list[PageCopy]) -> None:

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from paged_jax.config import ModelConfig
+from paged_jax.model.attention import LayerPages
 from paged_jax.model.init import param_shapes
 from paged_jax.model.loader.fuse import expand_fused_kv_heads
 from paged_jax.model.partition import param_partition_specs
@@ -148,7 +149,8 @@ def shard_attention(
 ) -> Callable:
     """Run the paged `attention_fn(q, k, v, kv_pages, meta, *, sm_scale)` per TP shard with `shard_map`.
 
-    Per shard: q [T, Hq / tp, D], k/v [T, Hkv / tp, D], kv_pages [P, Hkv / tp, page, 2 * D], meta whole.
+    Per shard: q [T, Hq / tp, D], k/v [T, Hkv / tp, D], kv_pages [P, Hkv / tp, page, 2 * D] (or a scanned
+    layer's `LayerPages` view of the stacked pages, split alike), meta whole.
     GQA groups stay on one chip because tp divides Hkv (after `expand_kv_heads`).
     """
     if mesh.size == 1:
@@ -157,6 +159,8 @@ def shard_attention(
     def sharded(q, k, v, kv_pages, meta, *, sm_scale: float, **layer_options):
         body = functools.partial(attention_fn, sm_scale=sm_scale, **layer_options)  # per-layer window and cap
         kv = kv_cache_spec(quantized)
+        if isinstance(kv_pages, LayerPages):  # a scanned layer's view: the stacked pages as above, its index whole
+            kv = kv_pages.replace(pages=kv, layer=P())
         return jax.shard_map(
             body,
             mesh=mesh,
@@ -169,29 +173,36 @@ def shard_attention(
 
 
 def step_shardings(
-    config: ModelConfig, mesh: Mesh, quantized: bool = False, weights: tuple[str, bool, bool] | None = None
+    config: ModelConfig,
+    mesh: Mesh,
+    quantized: bool = False,
+    weights: tuple[str, bool, bool] | None = None,
+    scan: bool = False,
 ) -> dict[str, Any]:
     """`jit` keyword arguments pinning the forward step's operands to `mesh`.
 
     forward(params, kv_caches, token_ids, positions, meta, logits_indices): params by their specs, the
     per-layer pages by KV heads, metadata replicated; out: logits replicated, pages as they came in, the
     hidden states replicated. `quantized`: KV pages with scales; `weights`: `paged_jax.model.quant.weights_key`
-    of quantized params.
+    of quantized params; `scan`: the scanned decoder (stacked params, one stacked cache).
     """
-    kv = (kv_cache_sharding(mesh, quantized),) * config.num_layers
+    kv = kv_cache_sharding(mesh, quantized)
+    kv = kv if scan else (kv,) * config.num_layers
     rep = replicated(mesh)
-    params = abstract_params(param_shapes(config), weights)
+    params = abstract_params(param_shapes(config, scan), weights)
     return {
         "in_shardings": (param_shardings(config, mesh, params), kv, rep, rep, rep, rep),
         "out_shardings": (rep, kv, rep),
     }
 
 
-def logits_shardings(config: ModelConfig, mesh: Mesh, weights: tuple[str, bool, bool] | None = None) -> dict[str, Any]:
+def logits_shardings(
+    config: ModelConfig, mesh: Mesh, weights: tuple[str, bool, bool] | None = None, scan: bool = False
+) -> dict[str, Any]:
     """`jit` keyword arguments of a function (params, *replicated arrays) -> replicated outputs that applies the
     LM head (`paged_jax.worker.prompt_logprobs`): params by their specs, everything else replicated."""
     rep = replicated(mesh)
-    params = param_shardings(config, mesh, abstract_params(param_shapes(config), weights))
+    params = param_shardings(config, mesh, abstract_params(param_shapes(config, scan), weights))
     return {"in_shardings": (params, rep, rep, rep, rep), "out_shardings": rep}
 
 
