@@ -44,7 +44,8 @@ def write_kv(
     offset = jnp.where(slot_mapping < 0, 0, slot_mapping % page_size)
     if scales is None:
         new = jnp.concatenate([k, v], axis=-1).astype(pages.dtype)  # [num_tokens, num_kv_heads, 2 * head_dim]
-        return pages.at[page, :, offset].set(new, mode="drop", unique_indices=False)
+        heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
+        return pages.at[page[:, None], heads, offset[:, None]].set(new, mode="drop", unique_indices=False)
     kq, ks = kv_quant.quantize(k, pages.dtype)  # [T, H, D], [T, H]
     vq, vs = kv_quant.quantize(v, pages.dtype)
     pages = pages.at[page, :, offset].set(jnp.concatenate([kq, vq], axis=-1), mode="drop", unique_indices=False)

@@ -9,6 +9,16 @@ load average is printed too: on a shared machine the wall times move with it (th
 compare runs of one invocation.
 
     .venv/bin/python scripts/startup_time.py [--rounds 1] [--keep DIR]
+
+`--layers` measures the scanned decoder (`paged_jax.model.scan`) against the unrolled one instead, each case in
+a fresh process with no persistent compile cache: trace + lower and XLA:CPU compile seconds of one forward
+bucket (64 tokens x 64 sequences, abstract weights, so the 8B shape costs no memory) for tiny, SmolLM2-135M
+(30 layers) and the Llama-3.2-1B layer shape at 16 and 32 layers (the 32-layer one is Llama-3.1-8B's depth);
+for tiny and SmolLM2 (random weights) also the whole warm-up (`paged_jax.worker.warmup`, the `make run`
+engine shape: 256 tokens, 16 sequences, 2 compile threads) and the steady decode step (16 sequences at 128
+keys, the compiled forward alone, median of 30).
+
+    .venv/bin/python scripts/startup_time.py --layers [--cases tiny smollm2-135m llama-16 llama-32]
 """
 
 from __future__ import annotations
@@ -71,11 +81,114 @@ def run_once(cmd: list[str], cache: Path, output: Path) -> tuple[float, float, s
     return seconds, cpu, startup, [(d["id"], d["token_ids"], d["text"]) for d in rows]
 
 
+LAYER_CASES = {  # name: (config, layers or None for the config's own, whether concrete weights are affordable)
+    "tiny": ("tiny", None, True),
+    "smollm2-135m": ("smollm2-135m", None, True),
+    "llama-16": ("llama-3.2-1b", 16, False),
+    "llama-32": ("llama-3.2-1b", 32, False),
+}
+
+
+def layer_case(name: str, scan: str) -> dict:
+    """One `--layers` measurement in this process (see the module docstring); a dict of seconds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paged_jax.config import load_model_config
+    from paged_jax.model.init import init_params, param_shapes
+    from paged_jax.worker.runner import ModelRunner, PagedMeta, step_functions
+    from paged_jax.worker.warmup import WarmupPlan, run_warmup
+    from pallas_kernels.common import kv_pages_shape
+
+    config_name, layers, concrete = LAYER_CASES[name]
+    config = load_model_config(config_name)
+    config = config if layers is None else config.replace(num_layers=layers)
+    on = scan == "on"
+    t, s, pages, page_size, max_blocks = 64, 64, 512, 16, 64
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    kv = jax.ShapeDtypeStruct(
+        kv_pages_shape(pages * (config.num_layers if on else 1), config.num_kv_heads, page_size, config.head_dim),
+        jnp.dtype(config.dtype),
+    )
+    _, forward = step_functions(config, "auto", scan=on)
+    meta = PagedMeta(i32(t), i32(s), i32(s, max_blocks), i32(s + 1), i32(1))
+    t0 = time.perf_counter()
+    lowered = forward.lower(
+        param_shapes(config, on), kv if on else (kv,) * config.num_layers, i32(t), i32(t), meta, i32(s), None
+    )
+    t1 = time.perf_counter()
+    lowered.compile()
+    out = {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+    if not concrete:
+        return out
+    runner = ModelRunner(
+        config,
+        init_params(config),
+        num_pages=pages,
+        page_size=page_size,
+        max_model_len=1024,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        scan_layers=scan,
+    )
+    t0 = time.perf_counter()
+    out["warmup_executables"] = run_warmup(runner, WarmupPlan(), progress=False, workers=2)
+    out["warmup_s"] = time.perf_counter() - t0
+    seqs, keys = 16, 128  # decode: one token per sequence, each sequence's pages consecutive from page 1
+    step = runner._executable(runner.forward_job(16, runner.seq_bucket(16)))
+    sb = runner.seq_bucket(16)
+    blocks = keys // page_size
+    tables = np.zeros((sb, runner.max_blocks), np.int32)
+    tables[:seqs, :blocks] = 1 + np.arange(seqs * blocks).reshape(seqs, blocks)
+    kv_lens = np.zeros(sb, np.int32)
+    kv_lens[:seqs] = keys
+    cu = np.minimum(np.arange(sb + 1), seqs).astype(np.int32)
+    slots = (tables[:seqs, blocks - 1] * page_size + page_size - 1).astype(np.int32)
+    meta = PagedMeta(slots, kv_lens, tables, cu, np.array([seqs], np.int32))
+    tokens, positions = np.full(16, 5, np.int32), np.full(16, keys - 1, np.int32)
+    rows = np.arange(sb, dtype=np.int32)
+    times = []
+    for _ in range(33):
+        t0 = time.perf_counter()
+        logits, runner.kv_caches, _ = step(runner.params, runner.kv_caches, tokens, positions, meta, rows, None)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - t0)
+    out["decode_ms"] = float(np.median(times[3:]) * 1e3)
+    return out
+
+
+def layers_main(cases: list[str]) -> int:
+    """`--layers`: every case scanned and unrolled, each in a fresh process; prints one table."""
+    print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE="off")
+    cols = ("lower_s", "compile_s", "warmup_s", "warmup_executables", "decode_ms")
+    print(f"{'case':<14}{'scan':>5}" + "".join(f"{c:>20}" for c in cols) + f"{'load':>7}")
+    for name in cases:
+        for scan in ("on", "off"):
+            code = f"import json, startup_time as st; print('RESULT', json.dumps(st.layer_case({name!r}, {scan!r})))"
+            proc = subprocess.run(
+                [sys.executable, "-c", code], cwd=ROOT / "scripts", env=env, capture_output=True, text=True
+            )
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                raise SystemExit(f"{name} scan={scan} failed:\n{proc.stderr[-3000:]}")
+            row = json.loads(line.removeprefix("RESULT "))
+            cells = "".join(f"{row[c]:>20.2f}" if c in row else f"{'-':>20}" for c in cols)
+            print(f"{name:<14}{scan:>5}{cells}{os.getloadavg()[0]:>7.1f}", flush=True)
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1, help="cold and warm runs each")
     ap.add_argument("--keep", type=Path, default=None, help="work directory to keep (default: a temporary one)")
+    ap.add_argument("--layers", action="store_true", help="scanned vs unrolled compile and decode times instead")
+    ap.add_argument("--cases", nargs="+", default=list(LAYER_CASES), choices=list(LAYER_CASES))
     args = ap.parse_args()
+    if args.layers:
+        return layers_main(args.cases)
     cmd = make_run_command()
     work = args.keep or Path(tempfile.mkdtemp(prefix="paged-jax-startup-"))
     work.mkdir(parents=True, exist_ok=True)

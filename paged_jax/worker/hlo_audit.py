@@ -2,9 +2,10 @@
 
 The step donates its page arrays and updates them in place; a whole-array copy, transpose or relayout of one
 moves the whole cache (used or not) every step. :func:`kv_copies` reads the compiled step's HLO text
-(``compiled.as_text()``) and returns every instruction that produces an array of one layer's per-chip KV
-shape other than in place: the allowed producers are parameters, the in-place scatter (and fusions whose root
-is one), dynamic-update-slice, custom calls (the attention kernels read the pages where they are), tuples,
+(``compiled.as_text()``) and returns every instruction that produces an array of the per-chip KV shape (one
+layer's pages, or a scanned decoder's stacked ones, ``paged_jax.model.scan``) other than in place: the allowed
+producers are parameters, the in-place scatter (and fusions whose root is one), dynamic-update-slice,
+custom calls (the attention kernels read the pages where they are), tuples,
 get-tuple-element, bitcasts and optimization barriers. An asynchronous copy (XLA staging the array in another
 memory space, e.g. a small cache placed in TPU VMEM) shows as its ``copy-done``. Tested on saved HLO text
 (``tests/test_hlo_audit.py``).
