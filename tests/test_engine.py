@@ -14,7 +14,6 @@ from paged_jax.model.reference import greedy_generate
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.executables import persistent_cache_summary
-from paged_jax.worker.runner import step_functions
 from paged_jax.worker.sampler import sample
 
 MAX_TOKENS = 12
@@ -245,7 +244,7 @@ def test_abort_frees_every_page(tiny_config, tiny_params):
 
 def test_no_recompilation_after_warmup(tiny_config, tiny_params):
     engine = make_engine(tiny_config, tiny_params, num_pages=20, warmup=True, max_num_batched_tokens=64)
-    _, forward = step_functions(tiny_config, "xla")
+    forward = engine.runner._forward  # the step the engine runs (scanned or not)
     compiled = (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count)
     xla_compiles = persistent_cache_summary()["requests"]  # every XLA compile of the process, not only ours
     assert engine.runner.warm

@@ -226,7 +226,7 @@ else:
     from paged_jax.model.init import init_params
     from paged_jax.sampling_params import SamplingParams
     from paged_jax.tokenization.tokenizer import ByteTokenizer
-    from paged_jax.worker.runner import PagedMeta, step_functions
+    from paged_jax.worker.runner import PagedMeta
     from paged_jax.worker.sampler import sample
 
     CONFIGS = {kv: small_config(kv) for kv in (8, 2)}
@@ -355,7 +355,7 @@ else:
 
     def test_no_recompilation_in_steady_state_with_tp():
         engine = make_engine(2, tensor_parallel_size=4, warmup=True, num_pages=12)
-        _, forward = step_functions(engine.runner.config, "xla", engine.mesh)
+        forward = engine.runner._forward  # the step the engine runs (scanned or not)
         compiled = (forward._cache_size(), sample._cache_size(), engine.runner.compile_stats.count)
         work = [
             (p, SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, logprobs=lp))
