@@ -106,8 +106,10 @@ else:
         engine, got = generate(config, params, tp=8)
         assert got == want, family
         if config.is_moe:  # each chip holds an I / 8 slice of every expert
-            gate = engine.runner.params["params"]["layers_0"]["mlp"]["experts_gate"]
+            runner = engine.runner
+            gate = runner.params["params"]["layers" if runner.scan else "layers_0"]["mlp"]["experts_gate"]
             assert gate.addressable_shards[0].data.shape == (
+                *((config.num_layers,) if runner.scan else ()),  # stacked on a layer axis when scanned
                 config.num_experts,
                 config.hidden_size,
                 config.intermediate_size // NUM_DEVICES,
@@ -117,5 +119,6 @@ else:
 
         tokens = np.asarray(prompts(seed=3, n=1)[0] + [0] * 24, np.int32)[:32]
         ref = full_logits(causal_lm(config), params, tokens, np.int32(20))
-        tp_ref = full_logits(causal_lm(engine.runner.config), engine.runner.params, tokens, np.int32(20))
+        tp_model = causal_lm(engine.runner.config, scan_layers=engine.runner.scan)
+        tp_ref = full_logits(tp_model, engine.runner.params, tokens, np.int32(20))
         np.testing.assert_allclose(np.asarray(tp_ref)[:20], np.asarray(ref)[:20], rtol=1e-4, atol=1e-4)

@@ -122,7 +122,9 @@ def test_llm_generates_with_quantized_weights_and_kv():
         attention_backend="xla",
         warmup=False,
     )
-    assert isinstance(llm.engine.runner.params["params"]["layers_0"]["mlp"]["down_proj"], quant.QuantizedWeight)
+    runner = llm.engine.runner
+    layer = runner.params["params"]["layers" if runner.scan else "layers_0"]  # stacked when scanned
+    assert isinstance(layer["mlp"]["down_proj"], quant.QuantizedWeight)
     outs = llm.generate(
         ["hello", "paged"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False
     )
