@@ -355,6 +355,8 @@ class ModelRunner:
     (`sharding.shard_params`, which also gives the `config` to pass here) and the pages are created on it.
     `num_speculative_tokens` > 0: steps may verify that many drafts per sequence (`paged_jax.spec`): the sequence
     buckets then reach the sample rows of a full verify step, and the sampler marks the rejected rows.
+    `scan_layers` ("auto" | "on" | "off", `paged_jax.model.scan.use_scan`): the scanned decoder, whose weights
+    the runner stacks once and whose KV cache is one stacked array (`self.scan` says which was chosen).
     """
 
     def __init__(
