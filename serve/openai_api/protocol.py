@@ -9,15 +9,15 @@ silently ignoring them. A completions request may carry several prompts: one Gen
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
-from paged_jax.errors import FieldNames
+from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, check_message_count
+from paged_jax.errors import FieldError, FieldNames
 from paged_jax.tokenization.tool_calls import function_specs, history_tool_calls
 
 from ..convert import RequestError, invalid
+from ..json_body import load_json
 from .structured import structured_output
 
 Kind = Literal["completion", "chat"]
@@ -80,12 +80,18 @@ def _bad(param: str, text: str) -> RequestError:
     return invalid(f"{param}: {text}", param)
 
 
-def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
-    """Parse and type-check a JSON body; raises RequestError (INVALID_ARGUMENT naming the parameter)."""
+def json_value(raw: bytes) -> Any:
+    """A body's JSON value, bounded (`serve.json_body`); INVALID_ARGUMENT naming where it is at fault."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad("body", f"not valid JSON ({e})") from None
+        return load_json(raw, "body")
+    except FieldError as e:
+        raise invalid(str(e), e.field) from None
+
+
+def parse_body(raw: bytes, kind: Kind, max_messages: int | None = None) -> OpenAIRequest:
+    """Parse and type-check a JSON body; raises RequestError (INVALID_ARGUMENT naming the parameter). A chat
+    of more than `max_messages` messages is refused before they are looked at one by one."""
+    body = json_value(raw)
     if not isinstance(body, dict):
         raise _bad("body", "must be a JSON object")
     for name, allowed in _UNSUPPORTED[kind].items():
@@ -108,7 +114,7 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
     if constraint is not None:
         sampling["structured_outputs"] = constraint
     salt = _typed(body, "cache_salt", str)
-    prompts = [_chat(body)] if kind == "chat" else _prompts(body)
+    prompts = [_chat(body, max_messages)] if kind == "chat" else _prompts(body)
     tools, tool_choice = _tools(body) if kind == "chat" else (None, "none")
     generates = [GenerationRequest(p, dict(sampling), cache_salt=salt) for p in prompts]
     return OpenAIRequest(
@@ -180,10 +186,14 @@ def _prompts(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-def _chat(body: dict) -> ChatPrompt:
+def _chat(body: dict, max_messages: int | None) -> ChatPrompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty array of messages")
+    try:
+        check_message_count(len(messages), max_messages)
+    except FieldError as e:
+        raise invalid(str(e), e.field) from None
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
