@@ -11,6 +11,7 @@ import pytest
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.model import quant
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.sampling_params import SamplingParams
@@ -110,7 +111,8 @@ def generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, ta
 
 def test_engine_compiles_bf16_steps_with_onednn_once(bf16_model, monkeypatch):
     """With the option on, a bfloat16 engine's forward executables are keyed by and compiled with it (oneDNN
-    fusions in their HLO on AVX-512 BF16 CPUs); a float32 engine's are not. A second run compiles nothing."""
+    fusions in their HLO on AVX-512 BF16 CPUs); a float32 engine's are not, nor a model's with int8 weights.
+    A second run compiles nothing."""
     config, params, _ = bf16_model
     monkeypatch.setenv(xla_flags.ONEDNN_ENV, "1")
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=64, warmup=False)
@@ -128,6 +130,8 @@ def test_engine_compiles_bf16_steps_with_onednn_once(bf16_model, monkeypatch):
     assert job.options == xla_flags.forward_compiler_options(True) and job.options in job.key
     if cpu_has_avx512_bf16():
         assert ONEDNN_FUSION in EXECUTABLES.get(job.key, job.lower, engine.runner.compile_stats).as_text()
+    quantized = quant.quantize_params(params, "int8")
+    assert LLMEngine(config, quantized, ByteTokenizer(), cfg).runner._forward_options == ()  # float weights only
     params32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     f32 = LLMEngine(config.replace(dtype="float32"), params32, ByteTokenizer(), cfg)
     assert f32.runner._forward_options == ()
