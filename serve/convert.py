@@ -207,6 +207,7 @@ def serving_inputs(engine: Engine, limits: ServingLimits) -> InputProcessor:
         max_n=engine.max_n,
         defaults=dict(engine.engine_config.sampling_defaults),
         limits=limits.input_limits(),
+        max_logit_bias=engine.engine_config.max_logit_bias,
     )
 
 

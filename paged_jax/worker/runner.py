@@ -57,8 +57,8 @@ from paged_jax.model.families import causal_lm
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.structured.bitmask import all_allowed, mask_words
-from paged_jax.worker import sharding
-from paged_jax.worker.executables import CompileStats, Executables
+from paged_jax.worker import sharding, xla_flags
+from paged_jax.worker.executables import CompilerOptions, CompileStats, Executables
 from paged_jax.worker.pending import merge_pending, merge_pending_history
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, make_prompt_logprobs
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
@@ -144,13 +144,16 @@ def step_functions(
     quantized_kv: bool = False,
     weights: tuple[str, bool, bool] | None = None,
     lora: LoraShape | None = None,
+    onednn: bool = False,
 ):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
 
     forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S], lora)
         -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated; `lora` a
-        `LoraBatch`, or None when off.
+        `LoraBatch`, or None when off. `onednn`: the step is compiled with oneDNN dots
+        (`paged_jax.worker.xla_flags`), so the LM head returns its logits rounded to the model's dtype (the
+        form oneDNN's dot takes) before they are widened to float32.
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
     params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
     like their base weights (`paged_jax.lora.weights`).
@@ -164,7 +167,7 @@ def step_functions(
         params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices, lora: LoraBatch | None = None
     ):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta, lora)
-        logits = model.apply(params, hidden[logits_indices], method="compute_logits")
+        logits = model.apply(params, hidden[logits_indices], round_to_dtype=onednn, method="compute_logits")
         return logits, tuple(kv_caches), hidden
 
     if mesh is None:
@@ -286,6 +289,7 @@ class Job(NamedTuple):
     key: Hashable
     lower: Callable[[], jax.stages.Lowered]
     describe: str
+    options: CompilerOptions = ()  # XLA compiler options (`paged_jax.worker.xla_flags`); part of `key` too
 
 
 def _fingerprint(tree) -> str:
@@ -379,8 +383,11 @@ class ModelRunner:
         )
         self._rep = None if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
+        platform = jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
+        onednn = xla_flags.use_onednn_dots(config.dtype, platform)
+        self._forward_options = xla_flags.forward_compiler_options(onednn)  # XLA options of the forward step
         self.model, self._forward = step_functions(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora, onednn
         )
         self._prompt_logprobs = prompt_logprobs_function(
             config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
@@ -564,7 +571,9 @@ class ModelRunner:
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
-        return EXECUTABLES.get(job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe)
+        return EXECUTABLES.get(
+            job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe, options=job.options
+        )
 
     def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
@@ -578,7 +587,8 @@ class ModelRunner:
             lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
             return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
-        return Job(("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}")
+        options = self._forward_options
+        return Job(("forward", self._key, t, s, options), lower, f"forward tokens={t} seqs={s}", options)
 
     def sample_job(
         self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags, logit_bias_width: int = 0
@@ -667,6 +677,6 @@ class ModelRunner:
         `cancel` (a threading.Event): stop starting compiles once set."""
         return len(
             EXECUTABLES.compile_all(
-                ((job.key, job.lower) for job in jobs), self.compile_stats, workers, progress, cancel
+                ((job.key, job.lower, job.options) for job in jobs), self.compile_stats, workers, progress, cancel
             )
         )
