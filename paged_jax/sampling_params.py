@@ -8,6 +8,7 @@ each front shows it in its own words (`paged_jax.engine.input_processor`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -23,6 +24,25 @@ FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger va
 # [MIN_, MAX_REPETITION_PENALTY] sends a seen token's score to inf or 0 (1e-38: every pick token 0).
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")
+
+
+def logit_bias_from_json(bias: Any) -> dict[int, float] | Any:
+    """A JSON `logit_bias` (OpenAI's: an object of token ids as decimal text -> bias) with integer keys, for the
+    fronts whose wire format has only string keys (OpenAI, batch lines); anything but an object is returned as
+    it is, for `validate` to refuse. Raises FieldError("logit_bias") for a key that is not an integer's text."""
+    if not isinstance(bias, dict):
+        return bias
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str):
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise FieldError("logit_bias", f"key {key!r} is not a token id (an integer)")
+            key = int(key)
+        out[key] = value
+    return out
 
 
 @dataclass(slots=True)
