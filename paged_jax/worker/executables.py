@@ -157,6 +157,15 @@ class Executables:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._done
 
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def clear(self) -> None:
+        """Drop every finished executable (a compile in flight still completes and is kept). A runner that
+        needs a dropped shape again compiles it again, counted as any compile is."""
+        with self._lock:
+            self._done.clear()
+
     def get(
         self,
         key: Hashable,
