@@ -13,6 +13,7 @@ import json
 import urllib.error
 import urllib.request
 
+import grpc
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -278,3 +279,35 @@ def test_tokenize_detokenize_and_tokenizer_info(fronts):
         assert status == 400 and error["error"]["param"] == param, (path, body, error)
     status, error = post(fronts, "/tokenize", {"model": "gpt-4", "prompt": "a"})
     assert status == 404 and error["error"]["param"] == "model"
+
+
+def test_grpc_prompt_logprobs_logit_bias_and_scoring(fronts, dense):
+    """gRPC's `sampling.prompt_logprobs` (unary response and the stream's Final: one entry per prompt token
+    after the first), `max_tokens: 0` and `sampling.logit_bias`; invalid values INVALID_ARGUMENT naming them."""
+    ids = shared().engine.tokenizer.encode(PROMPT)
+    want = dense(ids)
+    forced = shared().engine.tokenizer.encode("Q", add_special_tokens=False)[0]
+    with Client(fronts[1].target) as client:
+        reply = client.generate(PROMPT, max_tokens=0, prompt_logprobs=2)
+        assert reply.completions[0].token_ids == [] and reply.usage.completion_tokens == 0
+        got = reply.prompt_logprobs
+        assert [lp.token_id for lp in got] == ids[1:]
+        np.testing.assert_allclose(
+            [lp.logprob for lp in got], [want[p - 1, ids[p]] for p in range(1, len(ids))], atol=ATOL
+        )
+        for p, lp in enumerate(got, 1):
+            assert [t.token_id for t in lp.top] == np.argsort(-want[p - 1])[:2].tolist()
+        final = list(client.generate_stream(PROMPT, max_tokens=1, temperature=0, prompt_logprobs=2))[-1].final
+        assert list(final.prompt_logprobs) == list(got)
+        biased = client.generate(PROMPT, max_tokens=3, temperature=0, ignore_eos=True, logit_bias={forced: 100.0})
+        assert biased.completions[0].text == "QQQ" and not biased.prompt_logprobs
+        for kwargs, field in [
+            (dict(logit_bias={forced: 101.0}), "sampling.logit_bias"),
+            (dict(logit_bias={10**6: 1.0}), "sampling.logit_bias"),
+            (dict(prompt_logprobs=21), "sampling.prompt_logprobs"),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate(PROMPT, max_tokens=1, **kwargs)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith(f"{field}: "), e.value.details()
+    wait_idle(Client(fronts[1].target))

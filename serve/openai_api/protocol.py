@@ -10,12 +10,12 @@ silently ignoring them. A completions request may carry several prompts: one Gen
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
-from paged_jax.errors import FieldNames
+from paged_jax.errors import FieldError, FieldNames
+from paged_jax.sampling_params import logit_bias_from_json
 from paged_jax.tokenization.tool_calls import function_specs, history_tool_calls
 
 from ..convert import RequestError, invalid
@@ -23,7 +23,6 @@ from .structured import structured_output
 
 Kind = Literal["completion", "chat"]
 _UINT32 = 2**32
-_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # a logit_bias key: a token id's decimal text (the engine range-checks)
 MAX_PROMPTS = 64  # prompts in one completions request (each is its own engine request)
 _TYPE_NAMES = {
     (str,): "a string",
@@ -36,7 +35,7 @@ _TYPE_NAMES = {
 # OpenAI / vLLM name -> (our SamplingParams name, JSON type)
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _UINTS = ("n", "min_tokens")
-_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "speculate")
 # Options that change what OpenAI would return and that we do not implement: refused unless at their default.
 _UNSUPPORTED = {
     "completion": {"suffix": ("",)},
@@ -154,14 +153,10 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     bias = typed(body, "logit_bias", dict)
     if not bias:
         return None
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        if not _TOKEN_ID_KEY.fullmatch(key):
-            raise _bad("logit_bias", f"key {key!r} is not a token id (an integer)")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad("logit_bias", f"the bias of token {key} must be a number, got {value!r}")
-        out[int(key)] = float(value)
-    return out
+    try:
+        return logit_bias_from_json(bias)
+    except FieldError as e:
+        raise _bad(e.field, e.message) from None
 
 
 def _tools(body: dict) -> tuple[list[Any] | None, str | dict[str, Any]]:
