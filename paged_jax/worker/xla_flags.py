@@ -11,7 +11,7 @@ float32 (the whole weight converted on every call), so the LM head rounds its fl
 bfloat16 under this option (what transformers' bfloat16 LM head returns), and they are widened after. Models
 with int8/fp8 weights (their dequantizing dots accumulate in float32) keep XLA's dots.
 Only steps of at least ``ONEDNN_MIN_TOKENS`` tokens (the token bucket) use it: with fewer rows oneDNN's dots
-were slower than XLA's (a decode step of 8 sequences 2.3x), with 32 as fast or faster, with 64 and more faster.
+were slower than XLA's (a decode step of 8 sequences), from 32 rows on faster (README).
 ``PAGED_JAX_ONEDNN``: ``auto`` (default: as above), ``1`` (also without AMX, for measuring), ``0`` (off).
 Figures: README, "XLA:CPU flags".
 """
