@@ -129,14 +129,11 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class LoraShape:
-    """The LoRA device arrays' static shape: `max_loras` slots (plus slot 0, none) of rank `max_rank`."""
+    """The LoRA device arrays' static shape: `max_loras` slots (1..max_loras; slot 0, none, has no arrays) of rank
+    `max_rank`."""
 
     max_loras: int
     max_rank: int
-
-    @property
-    def num_slots(self) -> int:
-        return self.max_loras + 1
 
 
 @functools.cache
@@ -183,7 +180,7 @@ def step_functions(
 
 
 def _lora_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraShape) -> lora_weights.LoraWeights:
-    specs = lora_weights.partition_specs(config, lora.num_slots, lora.max_rank, sharding.TP)
+    specs = lora_weights.partition_specs(config, lora.max_loras, lora.max_rank, sharding.TP)
     return jax.tree.map(
         lambda spec: jax.sharding.NamedSharding(mesh, spec),
         specs,
@@ -408,7 +405,7 @@ class ModelRunner:
         self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
         if lora is not None:
             shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
-            self.lora_weights = lora_weights.allocate(config, lora.num_slots, lora.max_rank, shardings)
+            self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, shardings)
             self._lora_write = _lora_writer(config, mesh, lora)
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
