@@ -201,17 +201,22 @@ class Executables:
 
     def compile_all(
         self,
-        jobs: Iterable[tuple[Hashable, Callable[[], jax.stages.Lowered], CompilerOptions]],
+        jobs: Iterable[
+            tuple[Hashable, Callable[[], jax.stages.Lowered]]
+            | tuple[Hashable, Callable[[], jax.stages.Lowered], CompilerOptions]
+        ],
         stats: CompileStats,
         workers: int,
         progress: Callable[[Hashable], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> list[Hashable]:
-        """Compile every job not yet compiled on `workers` threads; `progress(key)` after each. Returns the keys
-        this call compiled. Once `cancel` is set no new compile starts (the running ones finish): the jobs left
-        are released, and a step that needs one compiles it itself."""
+        """Compile every job (key, lower[, compiler options]) not yet compiled on `workers` threads;
+        `progress(key)` after each. Returns the keys this call compiled. Once `cancel` is set no new compile
+        starts (the running ones finish): the jobs left are released, and a step that needs one compiles it
+        itself."""
         todo = []
-        for key, lower, options in jobs:
+        for key, lower, *rest in jobs:
+            options = rest[0] if rest else ()
             future, owner = self._claim(key)
             todo.append((key, lower, options, future, owner))
         mine = [key for key, *_, owner in todo if owner]
