@@ -41,7 +41,7 @@ def test_clear_returns_the_executables_memory_maps():
     jax.clear_caches()
     gc.collect()
     before = maps()
-    registry.compile_all([(n, job(n)) for n in range(40)], stats, workers=1)
+    registry.compile_all([(n, job(n), ()) for n in range(40)], stats, workers=1)
     grown = maps() - before
     assert grown >= 40, grown  # each executable holds maps of its own
     registry.clear()
