@@ -54,6 +54,7 @@ _OPTIONAL_SAMPLING = (
     "logprobs",
     "skip_special_tokens",
     "spaces_between_special_tokens",
+    "speculate",
     "prompt_logprobs",
 )
 
