@@ -171,8 +171,8 @@ def bench_decode(names: list[str], rounds: int, new_tokens: int) -> None:
             compiled = lora.runner.compile_stats.count
             runs = {name: [] for name in cases}
             for _ in range(rounds):
-                for name, (engine, adapters) in cases.items():
-                    runs[name].append(decode_tok_s(engine, adapters, new_tokens))
+                for case, (engine, adapters) in cases.items():
+                    runs[case].append(decode_tok_s(engine, adapters, new_tokens))
             assert lora.runner.compile_stats.count == compiled, lora.runner.compile_stats  # none while timed
         med = {k: statistics.median(v) for k, v in runs.items()}
         b = med["base"]
