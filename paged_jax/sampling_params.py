@@ -116,6 +116,8 @@ class SamplingParams:
     `logit_bias` (vLLM's and OpenAI's): token id -> a number in [-100, 100] added to that token's logit before
     penalties, filters and sampling (greedy rows too); logprobs stay those of the model's own distribution.
     `detokenize=False` returns token ids without text (no per-token detokenization on the host).
+    `speculate=False` opts this request out of speculative decoding (an engine with a `speculative_config`
+    decodes it one token per step; its tokens are the same either way, only its speed differs).
     """
 
     n: int = 1
@@ -138,6 +140,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens kept as written, runs decoded alone
     detokenize: bool = True  # False: token ids only, no text (as vLLM's); stop strings then cannot be matched
+    speculate: bool = True  # False: no speculative drafts for this request (`paged_jax.spec`)
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
@@ -228,7 +231,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
                 raise FieldError("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"must be a boolean, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:

@@ -141,14 +141,11 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class LoraShape:
-    """The LoRA device arrays' static shape: `max_loras` slots (plus slot 0, none) of rank `max_rank`."""
+    """The LoRA device arrays' static shape: `max_loras` slots (1..max_loras; slot 0, none, has no arrays) of rank
+    `max_rank`."""
 
     max_loras: int
     max_rank: int
-
-    @property
-    def num_slots(self) -> int:
-        return self.max_loras + 1
 
 
 @functools.cache
@@ -198,7 +195,7 @@ def step_functions(
 
 
 def _lora_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraShape) -> lora_weights.LoraWeights:
-    specs = lora_weights.partition_specs(config, lora.num_slots, lora.max_rank, sharding.TP)
+    specs = lora_weights.partition_specs(config, lora.max_loras, lora.max_rank, sharding.TP)
     return jax.tree.map(
         lambda spec: jax.sharding.NamedSharding(mesh, spec),
         specs,
@@ -415,18 +412,32 @@ class ModelRunner:
         self._rep = None if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
         platform = jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
-        onednn = xla_flags.use_onednn_dots(config.dtype, platform)
-        self._forward_options = xla_flags.forward_compiler_options(onednn)  # XLA options of the forward step
+        # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
+        onednn = xla_flags.use_onednn_dots(config.dtype, platform) and quant.weights_key(params) is None
+        weights = quant.weights_key(params)
         self.model, self._forward = step_functions(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora, onednn, self.scan
+            config, attention_backend, mesh, quantized_kv, weights, lora, scan=self.scan
         )
+        # The forward step of token buckets >= ONEDNN_MIN_TOKENS with oneDNN dots (its LM head rounded), or None.
+        self._forward_onednn = None
+        if onednn:
+            _, self._forward_onednn = step_functions(
+                config, attention_backend, mesh, quantized_kv, weights, lora, True, self.scan
+            )
+            mode = xla_flags.onednn_mode()
+            log.info(
+                "bfloat16 forward steps of >= %d tokens compiled with oneDNN dots (%s=%s)",
+                xla_flags.ONEDNN_MIN_TOKENS,
+                xla_flags.ONEDNN_ENV,
+                mode,
+            )
         self._prompt_logprobs = prompt_logprobs_function(
             config, attention_backend, mesh, quantized_kv, quant.weights_key(params), self.scan
         )
         self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
         if lora is not None:
             shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
-            self.lora_weights = lora_weights.allocate(config, lora.num_slots, lora.max_rank, shardings)
+            self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, shardings)
             self._lora_write = _lora_writer(config, mesh, lora)
         on = None if mesh is None else sharding.replicated(mesh)
         self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
@@ -435,6 +446,7 @@ class ModelRunner:
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (
             self._forward,
+            self._forward_onednn,
             self._prompt_logprobs,
             self._copy,
             mesh,
@@ -625,15 +637,18 @@ class ModelRunner:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
 
     def forward_job(self, t: int, s: int) -> Job:
-        """The forward step of `t` tokens and `s` sequences."""
+        """The forward step of `t` tokens and `s` sequences (with oneDNN dots from ONEDNN_MIN_TOKENS tokens on,
+        when the runner uses them: `paged_jax.worker.xla_flags`)."""
 
         def lower() -> jax.stages.Lowered:
             i32 = self._spec
             meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
             lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
-            return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
+            return forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
-        options = self._forward_options
+        onednn = self._forward_onednn is not None and t >= xla_flags.ONEDNN_MIN_TOKENS
+        forward = self._forward_onednn if onednn else self._forward
+        options = xla_flags.forward_compiler_options(onednn)
         return Job(("forward", self._key, t, s, options), lower, f"forward tokens={t} seqs={s}", options)
 
     def sample_job(
