@@ -172,11 +172,11 @@ class StepCase:
     tp: int = 1
     kinds: tuple[str, ...] = ("decode", "prefill")
     options: tuple[tuple[str, object], ...] = ()  # EngineConfig fields beyond TP and the backend
+    label: str = ""  # what the options make of the engine
 
     @property
     def name(self) -> str:
-        extra = " ".join(f"{k}={v['method'] if k == 'speculative_config' else v}" for k, v in self.options)
-        return f"{self.config} TP{self.tp}" + (f" {extra}" if extra else "")
+        return f"{self.config} TP{self.tp}" + (f" {self.label}" if self.label else "")
 
 
 _NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -184,8 +184,8 @@ _INT8_LORA = (("kv_dtype", "int8"), ("enable_lora", True), ("max_loras", 4))
 STEP_CASES = (  # a few representative engines: the TP layouts, quantized pages, LoRA and speculation
     StepCase("llama-3.1-8b"),  # GQA 4, head_dim 128: the base decode and prefill kernels
     StepCase("llama-3.1-8b", 8, kinds=("decode",)),  # one KV head per GPU: split-KV decode with its combine
-    StepCase("llama-3.1-8b", kinds=("decode",), options=_INT8_LORA),
-    StepCase("llama-3.2-1b", kinds=("verify",), options=(("speculative_config", _NGRAM),)),  # head_dim 64
+    StepCase("llama-3.1-8b", kinds=("decode",), options=_INT8_LORA, label="int8 KV, lora x4"),
+    StepCase("llama-3.2-1b", kinds=("verify",), options=(("speculative_config", _NGRAM),), label="ngram k=3"),
 )
 H200_BYTES_LIMIT = int(0.75 * 150_754_820_096)  # what jax reports on an H200: XLA preallocates 75% by default
 MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages

@@ -26,7 +26,8 @@ def test_sized_like_the_engine_and_nothing_allocated(tiny_config):
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert engine.local_kv_shape[0] == pages and engine.kv_tokens == (pages - 1) * 16
     assert runner.lora == LoraShape(2, 16)
-    assert engine.layer_kv_bytes == pages * 16 * quant.kv_bytes_per_token(tiny_config, kv_dtype) // tiny_config.num_layers
+    per_layer = quant.kv_bytes_per_token(tiny_config, kv_dtype) // tiny_config.num_layers
+    assert engine.layer_kv_bytes == pages * 16 * per_layer
     with pytest.raises(RuntimeError, match="abstract"):
         runner.launch(None)
 
