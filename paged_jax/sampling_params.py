@@ -8,6 +8,7 @@ each front shows it in its own words (`paged_jax.engine.input_processor`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -23,6 +24,25 @@ FLOAT32_MAX = 3.4028234663852886e38  # the device computes in float32: larger va
 # [MIN_, MAX_REPETITION_PENALTY] sends a seen token's score to inf or 0 (1e-38: every pick token 0).
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")
+
+
+def logit_bias_from_json(bias: Any) -> dict[int, float] | Any:
+    """A JSON `logit_bias` (OpenAI's: an object of token ids as decimal text -> bias) with integer keys, for the
+    fronts whose wire format has only string keys (OpenAI, batch lines); anything but an object is returned as
+    it is, for `validate` to refuse. Raises FieldError("logit_bias") for a key that is not an integer's text."""
+    if not isinstance(bias, dict):
+        return bias
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str):
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise FieldError("logit_bias", f"key {key!r} is not a token id (an integer)")
+            key = int(key)
+        out[key] = value
+    return out
 
 
 @dataclass(slots=True)
@@ -96,6 +116,8 @@ class SamplingParams:
     `logit_bias` (vLLM's and OpenAI's): token id -> a number in [-100, 100] added to that token's logit before
     penalties, filters and sampling (greedy rows too); logprobs stay those of the model's own distribution.
     `detokenize=False` returns token ids without text (no per-token detokenization on the host).
+    `speculate=False` opts this request out of speculative decoding (an engine with a `speculative_config`
+    decodes it one token per step; its tokens are the same either way, only its speed differs).
     """
 
     n: int = 1
@@ -118,6 +140,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens kept as written, runs decoded alone
     detokenize: bool = True  # False: token ids only, no text (as vLLM's); stop strings then cannot be matched
+    speculate: bool = True  # False: no speculative drafts for this request (`paged_jax.spec`)
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
@@ -208,7 +231,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
                 raise FieldError("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"must be a boolean, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:

@@ -253,7 +253,7 @@ def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
 
 def _compile_job(compiler: H200Compiler, engine, job):
     """One of an abstract engine's jobs compiled for the H200: (compiled, kernel reports)."""
-    return compiler.compile(None, mesh=engine.mesh, lower=functools.partial(engine.lower, job))
+    return compiler.compile(None, mesh=engine.mesh, lower=functools.partial(engine.lower, job), options=job.options)
 
 
 def main() -> int:

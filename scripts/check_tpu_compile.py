@@ -155,7 +155,7 @@ def compile_step(
     )
     weights = None if quantization is None else (quantization, True, False)
     engine = abstract_engine(config, ec, desc.devices[:tp], int(hbm_gib * 2**30), weights)
-    compiled = engine.lower(step_job(engine.runner, kind)).compile()
+    compiled = engine.compile(step_job(engine.runner, kind))
     tokens, seqs = step_shape(engine.runner, kind)
     facts = {
         "engine": engine,
@@ -235,7 +235,7 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
                 temp_small = small.memory_analysis().temp_size_in_bytes
             if kind == "verify":
                 engine = facts["engine"]
-                engine.lower(verify_sample_job(engine.runner)).compile()
+                engine.compile(verify_sample_job(engine.runner))
         except Exception:  # noqa: BLE001 - every compiler error is a failure to report
             failures += 1
             print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")

@@ -96,6 +96,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
 
 def run_serve(args: argparse.Namespace) -> int:
     from paged_jax.engine.args import build_engine
+    from paged_jax.lora.named import check_lora_modules
 
     from .server import serve_forever
 
@@ -111,6 +112,10 @@ def run_serve(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, stop_during_startup)  # until serve_forever installs its own
     try:
         engine = build_engine(args, warmup=False)  # loading can take minutes; warm-up runs while listening
+        try:  # every --lora-modules adapter read now, not on first use
+            check_lora_modules(config.lora_modules, engine.config, engine.engine_config.max_lora_rank)
+        except ValueError as e:
+            raise SystemExit(f"paged-jax serve: {e}") from None
         return asyncio.run(serve_forever(engine, config, warm_up=not args.no_warmup))
     finally:
         signal.signal(signal.SIGTERM, previous)

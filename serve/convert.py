@@ -54,6 +54,8 @@ _OPTIONAL_SAMPLING = (
     "logprobs",
     "skip_special_tokens",
     "spaces_between_special_tokens",
+    "speculate",
+    "prompt_logprobs",
 )
 
 
@@ -206,6 +208,7 @@ def serving_inputs(engine: Engine, limits: ServingLimits) -> InputProcessor:
         max_n=engine.max_n,
         defaults=dict(engine.engine_config.sampling_defaults),
         limits=limits.input_limits(),
+        max_logit_bias=engine.engine_config.max_logit_bias,
     )
 
 
@@ -276,6 +279,8 @@ def sampling_fields(sp: pb.SamplingParams) -> dict[str, Any]:
         fields["stop"] = list(sp.stop)
     if sp.stop_token_ids:
         fields["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.logit_bias:
+        fields["logit_bias"] = dict(sp.logit_bias)
     if sp.HasField("structured_output"):
         fields["structured_outputs"] = structured_outputs(sp.structured_output)
     return fields
@@ -312,6 +317,11 @@ def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
         )
         for lp in items
     ]
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprob]:
+    """The prompt logprobs after the first token's (which has none), when the request asked for them."""
+    return _logprobs(out.prompt_logprobs[1:]) if out.prompt_logprobs else []
 
 
 def _set_finish(msg: pb.Completion, c: CompletionOutput) -> None:
@@ -369,7 +379,13 @@ def final(out: RequestOutput, message: str = "") -> pb.Final:
         s = pb.Completion(index=c.index)
         _set_finish(s, c)
         samples.append(s)
-    return pb.Final(samples=samples, usage=usage(out), timing=timing(out), message=message)
+    return pb.Final(
+        samples=samples,
+        usage=usage(out),
+        timing=timing(out),
+        message=message,
+        prompt_logprobs=_prompt_logprobs(out),
+    )
 
 
 def unary(out: RequestOutput, mode: int, message: str = "") -> pb.GenerateUnaryResponse:
@@ -379,4 +395,5 @@ def unary(out: RequestOutput, mode: int, message: str = "") -> pb.GenerateUnaryR
         usage=usage(out),
         timing=timing(out),
         message=message,
+        prompt_logprobs=_prompt_logprobs(out),
     )

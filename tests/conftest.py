@@ -1,16 +1,44 @@
-"""Shared fixtures: the embedded tiny config and its random parameters (built once per session)."""
+"""Shared fixtures: the embedded tiny config and its random parameters (built once per session), and the
+release of each test module's compiled executables."""
 
 from __future__ import annotations
 
+import gc
 import lzma
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import pytest
 
 from paged_jax.config import ModelConfig, load_model_config
 from paged_jax.model.init import Params, init_params
+
+MAPS = "/proc/self/maps"
+MAX_MAPS = 40_000  # Linux refuses mmap past vm.max_map_count (65,530 by default)
+
+
+def memory_maps() -> int:
+    with open(MAPS) as f:
+        return sum(1 for _ in f)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_executables():
+    """Drop every compiled executable when a test module ends.
+
+    JAX's compile caches keep each executable alive for the life of the process, and each XLA:CPU executable
+    holds about nine memory maps of its own. One `pytest tests` process compiles many thousands of them: by
+    about two thirds of the suite it passed vm.max_map_count, a code mapping failed and the process died
+    with SIGSEGV inside XLA. Clearing the caches per module keeps the count flat; the check makes a leak
+    (something else holding executables) a test error that names the module instead of a crash."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    if os.path.exists(MAPS):
+        assert memory_maps() < MAX_MAPS, f"{memory_maps()} memory maps after releasing this module's executables"
 
 
 @pytest.fixture(scope="session")

@@ -276,3 +276,41 @@ def test_planning_never_cuts_a_file_another_run_holds(engine, tmp_path):
         assert out.read_bytes() == data
     finally:
         other.close()
+
+
+def test_prompt_logprobs_logit_bias_and_scoring_lines(engine, tmp_path):
+    """Batch lines take `prompt_logprobs` (written as the engine computes them: null first, then token id,
+    logprob, top), `max_tokens: 0` and `logit_bias` with JSON's string keys; a bad key fails its line alone."""
+    from paged_jax.sampling_params import SamplingParams
+
+    prompt = "score this prompt"
+    q = ByteTokenizer().encode("Q", add_special_tokens=False)[0]
+    lines = [
+        {"id": "s", "prompt": prompt, "max_tokens": 0, "prompt_logprobs": 2},
+        {
+            "id": "b",
+            "prompt": "x",
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logit_bias": {str(q): 100},
+        },
+        {"id": "bad", "prompt": "x", "logit_bias": {"Q": 1}},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert summary.errors == 1 and "logit_bias" in read_jsonl(tmp_path / "out.errors.jsonl")[0]["error"]
+    assert out["b"]["text"] == "QQQQ"
+    scored = out["s"]
+    assert scored["token_ids"] == [] and scored["finish_reason"] == "length" and "prompt_logprobs" not in out["b"]
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    ref = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            ref = o if o.finished else ref
+    want = [None] + [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in ref.prompt_logprobs[1:]]
+    assert json.loads(json.dumps(want)) == scored["prompt_logprobs"]
+    assert len(want) == len(ByteTokenizer().encode(prompt)) and all(len(lp["top"]) == 2 for lp in want[1:])
+    check_manager_invariants(engine.kv)
+    assert engine.kv.stats().pages_in_use == 0

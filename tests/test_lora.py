@@ -12,12 +12,22 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lora_adapters import GREEDY, OPTIONS, TINY, lora_engine, make_tiny_adapters, merged_params, prompts, serve
+from lora_adapters import (
+    GREEDY,
+    OPTIONS,
+    TINY,
+    lora_engine,
+    make_tiny_adapters,
+    merged_params,
+    prompts,
+    serve,
+    write_adapter,
+)
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
-from paged_jax.lora import LoRARequest
+from paged_jax.lora import LoRARequest, delta
 from paged_jax.lora import weights as lw
 from paged_jax.lora.delta import LoraBatch
 from paged_jax.lora.peft import LoraError, read_adapter
@@ -125,6 +135,27 @@ def test_invalid_adapters_are_refused_naming_the_adapter_and_the_problem(case, t
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_lora_modules_are_read_at_start_up_and_a_bad_one_stops_it(command, tmp_path, monkeypatch):
+    """`--lora-modules` adapters are checked when the command starts (before warm-up and any request), the error
+    naming the flag, the adapter and what is wrong: a missing directory, a rank above --max-lora-rank."""
+    from serve.main import main
+
+    monkeypatch.setenv("PAGED_JAX_COMPILE_CACHE", "off")
+    good = write_adapter(tmp_path / "good", TINY, rank=4)
+    big = write_adapter(tmp_path / "big", TINY, rank=32)
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi", "max_tokens": 2}\n')
+    argv = {
+        "serve": ["serve", "--port", "0", "--no-warmup"],
+        "generate": ["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+    }[command] + ["--model", "tiny", "--dtype", "float32", "--max-lora-rank", "16", "--lora-modules", f"ok={good}"]
+    with pytest.raises(SystemExit, match=r"--lora-modules gone=.*adapter 'gone': no adapter_config.json"):
+        main([*argv, f"gone={tmp_path / 'gone'}"])
+    with pytest.raises(SystemExit, match=r"--lora-modules big=.*adapter 'big'.*32"):
+        main([*argv, f"big={big}"])
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_mlp_adapters_are_refused_on_moe_models():
     config, _, _ = load_model(DATA / "hf_mixtral")
     with pytest.raises(LoraError, match="MLP adapters are not supported on MoE models"):
@@ -143,6 +174,58 @@ def test_engine_refuses_lora_requests_when_lora_is_off_and_bad_adapters_at_add(t
     assert not engine.has_unfinished()
 
 
+# -- the batched delta ----------------------------------------------------------------------------------------
+
+
+def test_each_token_gets_its_own_adapters_delta_and_a_step_without_adapters_none():
+    """q/k/v, o, gate/up and down deltas of a token batch mixing three slots and slot 0 (random weights, never
+    zeros) equal scaling * x @ A @ B of each token's own slot, computed per token in numpy; slot 0 adds nothing,
+    and a step whose tokens all have slot 0 returns the base outputs unchanged (bit for bit)."""
+    rng = np.random.default_rng(0)
+    cfg = TINY
+    lmax, rank, t = 3, 4, 9
+    shapes = lw.layer_shapes(cfg, lmax, rank)
+    arrays = {k: jnp.asarray(rng.standard_normal(v), jnp.float32) for k, v in shapes.items()}
+    scaling = jnp.asarray([0.5, 2.0, 1.5], jnp.float32)
+    slots = jnp.asarray([0, 1, 2, 3, 0, 3, 1, 2, 0], jnp.int32)
+    h, hq, d, i = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+    x, out, hid = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((t, h), (t, hq, d), (t, i)))
+    base = {n: jnp.asarray(rng.standard_normal(s), jnp.float32) for n, s in (("y", (t, h)), ("g", (t, i)))}
+    hkv = cfg.num_kv_heads
+    q, k, v = (jnp.asarray(rng.standard_normal((t, n, d)), jnp.float32) for n in (hq, hkv, hkv))
+    batch = LoraBatch(lw.LoraWeights((arrays,), scaling), slots)
+    layer = batch.per_layer()[0]
+    got_qkv = delta.add_qkv(x, q, k, v, layer)
+    got_o = delta.add_o(base["y"], out, layer)
+    got_gu = delta.add_gate_up(x, base["g"], base["g"], layer)
+    got_down = delta.add_down(base["y"], hid, layer)
+    a = {n: np.asarray(w, np.float64) for n, w in arrays.items()}
+    for j in range(t):
+        s = int(slots[j])
+        c = 0.0 if s == 0 else float(scaling[s - 1])  # slot 0: no adapter, no delta
+
+        def want(inp, a_, b_, c=c):
+            return c * np.tensordot(np.tensordot(inp, a_, inp.ndim), b_, 1)
+
+        xj, oj, hj = (np.asarray(z[j], np.float64) for z in (x, out, hid))
+        e = max(s - 1, 0)  # its entry in the arrays (any for slot 0: c is 0)
+        for n, (g, b) in enumerate(zip(got_qkv, (q, k, v), strict=True)):
+            ref = np.asarray(b[j]) + want(xj, a["qkv_a"][:, n, e], a["qkv"[n] + "_b"][e])
+            np.testing.assert_allclose(np.asarray(g[j]), ref, rtol=1e-4, atol=1e-4)
+        ref_o = np.asarray(base["y"][j]) + want(oj, a["o_a"][..., e, :], a["o_b"][e])
+        np.testing.assert_allclose(np.asarray(got_o[j]), ref_o, rtol=1e-4, atol=1e-4)
+        for n, name in enumerate(("gate_b", "up_b")):
+            ref = np.asarray(base["g"][j]) + want(xj, a["gate_up_a"][:, n, e], a[name][e])
+            np.testing.assert_allclose(np.asarray(got_gu[n][j]), ref, rtol=1e-4, atol=1e-4)
+        ref_d = np.asarray(base["y"][j]) + want(hj, a["down_a"][:, e], a["down_b"][e])
+        np.testing.assert_allclose(np.asarray(got_down[j]), ref_d, rtol=1e-4, atol=1e-4)
+    none = LoraBatch(batch.weights, jnp.zeros(t, jnp.int32)).per_layer()[0]
+    assert not bool(none.active)
+    for g, b in zip(delta.add_qkv(x, q, k, v, none), (q, k, v), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(delta.add_down(base["y"], hid, none)), np.asarray(base["y"]))
+
+
 # -- against transformers + peft ------------------------------------------------------------------------------
 
 
@@ -153,7 +236,7 @@ def _golden(directory: Path) -> list[dict[str, np.ndarray]]:
 
 
 def one_slot_lora(config, adapter, tokens: int, max_rank: int = 8) -> LoraBatch:
-    """A two-slot LoraBatch (slot 1 = `adapter`) whose `tokens` tokens all run slot 1."""
+    """A LoraBatch of two adapter slots (slot 1 = `adapter`) whose `tokens` tokens all run slot 1."""
     weights = lw.allocate(config, 2, max_rank)
     layers, scaling = lw.slot_arrays(adapter, config, max_rank)
     weights = lw.write_slot(weights, jnp.int32(1), layers, scaling)

@@ -7,6 +7,7 @@ distribution (a chi-square test that a deliberately wrong rule fails); no page h
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from paged_jax.kv_cache import KVCacheManager
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec.config import SpeculativeConfig
+from paged_jax.spec.cost import CostGate, bucket_of
 from paged_jax.spec.ngram import NgramProposer
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
@@ -307,6 +309,8 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
         ({"method": "ngram", "model": "tiny"}, "model"),
         ({"min_acceptance_rate": 2.0}, "min_acceptance_rate"),
         ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ({"pause_by_cost": "yes"}, "pause_by_cost"),
+        ({"cost_probe_steps": 0}, "cost_probe_steps"),
     ],
 )
 def test_bad_configs_name_the_field(tiny_config, tiny_params, config, field):
@@ -364,3 +368,79 @@ def test_cli_flag_and_batch_summary(tiny_config, tiny_params):
     )
     (line,) = summary.spec_lines()
     assert line.startswith("speculation") and "by position" in line
+
+
+# -- opting out, and pausing where speculation costs more than it yields ------------------------------------
+
+
+def test_a_request_can_opt_out_of_speculation(tiny_config, tiny_params, greedy_baseline):
+    """`speculate=False` requests get no drafts (and the same tokens); the others in the batch still speculate."""
+    prompts, params, want = greedy_baseline
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "pause_by_cost": False}
+    off = [dataclasses.replace(p, speculate=False) for p in params]
+    engine = make_engine(tiny_config, tiny_params, spec, num_pages=24)
+    assert run(engine, prompts, off) == want
+    assert engine.stats().spec_draft_tokens == 0
+    mixed = [dataclasses.replace(p, speculate=bool(i % 2)) for i, p in enumerate(params)]
+    engine = make_engine(tiny_config, tiny_params, spec, num_pages=24)
+    assert run(engine, prompts, mixed) == want
+    assert engine.stats().spec_draft_tokens > 0
+    with pytest.raises(ValueError, match="speculate"):
+        SamplingParams(speculate=1).validate()
+
+
+def test_the_cost_gate_pauses_a_batch_size_where_speculating_is_slower():
+    """Synthetic timings: with plain decoding unmeasured the gate first measures it; speculation slower than
+    plain pauses it for pause_steps, doubling while it keeps losing; a win resets the doubling; batch sizes are
+    measured apart; the first step after a change of mode is not counted."""
+    gate = CostGate(probe_steps=2, pause_steps=4, refresh_steps=100)
+
+    def steps(n: int, speculating: bool, rate: float, seqs: int = 1) -> None:
+        for _ in range(n):
+            assert gate.allows(seqs) == speculating
+            gate.observe(seqs, speculating, 10, 10 / rate)
+
+    steps(2, True, 50.0)  # 2 speculating steps at 50 tok/s: plain unknown, so measure it
+    steps(3, False, 100.0)  # the first of these is the switch (not counted), then 2 plain ones at 100 tok/s
+    costs = gate.buckets[1]
+    assert costs.plain_rate == pytest.approx(100.0) and costs.spec_rate == pytest.approx(50.0)
+    steps(3, True, 50.0)  # switch + 2 counted: slower than plain -> pause for 4 steps
+    assert costs.pauses == 1
+    steps(4, False, 100.0)
+    steps(3, True, 50.0)  # loses again: the pause doubles
+    assert costs.pauses == 2 and costs.paused_until == gate.step + 8
+    steps(8, False, 100.0)
+    steps(8, True, 1000.0)  # now it wins: no pause, the doubling is reset
+    assert gate.allows(1) and costs.factor == 1
+    assert gate.allows(32) and 32 not in gate.buckets  # a batch size of its own, not yet measured
+    assert bucket_of(1) == 1 and bucket_of(3) == 4 and bucket_of(32) == 32
+
+
+def test_the_engine_feeds_the_gate_and_a_paused_batch_keeps_the_lookahead(tiny_config, tiny_params, greedy_baseline):
+    prompts, params, want = greedy_baseline
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    engine = make_engine(tiny_config, tiny_params, spec, num_pages=24)
+    assert run(engine, prompts, params) == want
+    gate = engine.spec.gate
+    assert gate.step > 0 and any(c.spec_rate is not None for c in gate.buckets.values())
+    engine = make_engine(tiny_config, tiny_params, spec, num_pages=24)
+    engine.spec.gate.allows = lambda num_seqs: False  # every batch size paused
+    synced = []
+    needs_sync = engine.spec.needs_sync
+    engine.spec.needs_sync = lambda *a: synced.append(needs_sync(*a)) or synced[-1]
+    assert run(engine, prompts, params) == want
+    assert engine.stats().spec_draft_tokens == 0 and synced and not any(synced)
+
+
+def test_the_fronts_carry_the_opt_out():
+    """OpenAI bodies (`"speculate": false`) and gRPC `SamplingParams.speculate` reach the sampling fields."""
+    from serve.convert import sampling_fields
+    from serve.openai_api.protocol import parse_body
+    from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+    assert parse_body(b'{"prompt": "hi", "speculate": false}', "completion").generates[0].sampling == {
+        "speculate": False
+    }
+    assert "speculate" not in parse_body(b'{"prompt": "hi"}', "completion").generates[0].sampling
+    assert sampling_fields(pb.SamplingParams(speculate=False)) == {"speculate": False}
+    assert sampling_fields(pb.SamplingParams()) == {}

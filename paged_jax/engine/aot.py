@@ -47,9 +47,13 @@ class AbstractEngine:
         return (pages - 1) * self.runner.page_size
 
     def lower(self, job: Job) -> jax.stages.Lowered:
-        """Lower one of the runner's jobs for the target."""
+        """Lower one of the runner's jobs for the target (compile it with `job.options`, as the engine does)."""
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             return job.lower()
+
+    def compile(self, job: Job) -> jax.stages.Compiled:
+        """One of the runner's jobs compiled for the target, with the job's own compiler options."""
+        return self.lower(job).compile(dict(job.options) or None)
 
 
 def _local_bytes(x: jax.ShapeDtypeStruct) -> int:

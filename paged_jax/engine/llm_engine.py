@@ -182,6 +182,7 @@ class LLMEngine:
         )
         self.num_steps = 0
         self.num_launched = 0  # steps dispatched to the device (the engine loop's progress signal)
+        self.num_appended = 0  # tokens appended to sequences (the speculation cost gate's yield)
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
         if ec.warmup:
             self.warmup()
@@ -298,13 +299,20 @@ class LLMEngine:
         With `async_scheduling` (the default) the engine dispatches step n+1 before it waits for step n's
         samples (`paged_jax.engine.lookahead`); the outputs returned are then step n's.
         """
+        t0, appended = time.perf_counter(), self.num_appended
         if not self.engine_config.async_scheduling:
             launched = self.launch_step()
-            return [] if launched is None else self.finish_step(launched)
+            if launched is None:
+                return []
+            outputs = self.finish_step(launched)
+            self._observe(launched.sched, False, appended, t0)
+            return outputs
         prev = self.lookahead.take()
         outputs = []
         spec = self.spec
-        if prev is not None and spec is not None and spec.needs_sync(prev.sched, self.scheduler.running, self.kv):
+        collected = None if prev is None else prev.sched
+        synced = prev is not None and spec is not None and spec.needs_sync(prev.sched, self.scheduler.running, self.kv)
+        if synced:
             outputs, prev = self.finish_step(prev), None  # speculating: the next step's drafts need these tokens
         if prev is not None:
             self.lookahead.mark_pending(prev, self._is_live, self.outputs.is_last_token)
@@ -314,7 +322,14 @@ class LLMEngine:
         if launched is not None and launched.samples is None:  # constrained rows: their masks need prev's tokens
             launched = self.launch_sampling(launched)
         self.lookahead.inflight = launched
+        if collected is not None:  # the step this call collected, timed with the next one's launch
+            self._observe(collected, synced, appended, t0)
         return outputs
+
+    def _observe(self, sched: SchedulerOutput, synced: bool, appended: int, t0: float) -> None:
+        """Tell the speculative decoder what the step `sched`, collected by this `step` call, cost and yielded."""
+        if self.spec is not None:
+            self.spec.observe(sched, synced, self.num_appended - appended, time.perf_counter() - t0)
 
     def _is_live(self, seq: TokenSequence) -> bool:
         return not seq.finished and seq.request_id in self.outputs.requests
@@ -412,6 +427,7 @@ class LLMEngine:
         """Sample `row` of `result` is `seq`'s next token (or its pending one): append it, check it, and free
         the sequence's pages if it ended. A prompt-only request (`max_tokens=0`) drops it and ends."""
         token = int(result.tokens[row])
+        self.num_appended += 1
         if not self.lookahead.resolve(seq, token, self.kv):
             seq.append_token(token)
         if seq.params.max_tokens == 0:

@@ -1,15 +1,18 @@
 """How is a batch's LoRA delta computed? For every token at once, whatever mix of adapters the batch holds.
 
-Each token t carries a slot id; `token_weights` turns the ids into `w [T, S]`: the slot's scaling in the
-token's own slot column and 0 elsewhere (slot 0, "no adapter", has scaling 0). A projection's delta is then
-two matmuls over all slots together (the one-hot formulation of BGMV that tpu-inference uses):
+Each token t carries a slot id (0: no adapter, 1..L: an adapter's device slot); `token_weights` turns the ids
+into `w [T, L]`: the slot's scaling in column `slot - 1` and 0 elsewhere (a row of zeros for slot 0, which has
+no arrays at all: `paged_jax.lora.weights`). A projection's delta is then two matmuls over all L slots together
+(the one-hot formulation of BGMV that tpu-inference uses):
 
-    shrink   u[t, s, :] = (x[t] @ A[s]) * w[t, s]            x [T, in] @ A [in, S * R] -> [T, S, R]
-    expand   delta[t]   = sum_s u[t, s, :] @ B[s]            [T, S * R] @ B [S * R, out] -> [T, out]
+    shrink   u[t, l, :] = (x[t] @ A[l]) * w[t, l]            x [T, in] @ A [in, L * R] -> [T, L, R]
+    expand   delta[t]   = sum_l u[t, l, :] @ B[l]            [T, L * R] @ B [L * R, out] -> [T, out]
 
 so a token only ever receives its own adapter's `scaling * B(A(x))` (PEFT's formula) and the executable's
-shapes depend on (T, S, R) alone: changing which adapters run never recompiles. The other formulation, a
-gather of every token's own A and B (`A[slots] [T, in, R]`), reads T copies of the weights instead of S;
+shapes depend on (T, L, R) alone: changing which adapters run never recompiles. A step where no token has an
+adapter skips the deltas (`LoraLayer.active`, a `lax.cond` around each projection's delta: the base model's
+work alone). Projections that read the same input share one shrink: q/k/v one, gate/up one. The other formulation, a
+gather of every token's own A and B (`A[slots] [T, in, R]`), reads T copies of the weights instead of L;
 `scripts/bench_lora.py` measures both and the README gives the figures and the reason for this choice.
 
 The shrink is accumulated in float32 and its result cast to the activation dtype before the expand (PEFT runs
@@ -31,10 +34,12 @@ F32 = jnp.float32
 
 @flax.struct.dataclass
 class LoraLayer:
-    """One layer's adapter arrays (`paged_jax.lora.weights`) and the step's token weights `w` [T, S] float32."""
+    """One layer's adapter arrays (`paged_jax.lora.weights`), the step's token weights `w` [T, L] float32 and
+    `active` (a bool scalar): some token of the step has an adapter."""
 
     weights: Layer
     token_weights: jax.Array
+    active: jax.Array
 
     @property
     def has_mlp(self) -> bool:
@@ -49,19 +54,21 @@ class LoraBatch:
     slots: jax.Array
 
     def per_layer(self) -> list[LoraLayer]:
-        """Each layer's `LoraLayer`, sharing one `token_weights` computed once for the step."""
+        """Each layer's `LoraLayer`, sharing one `token_weights` and `active` computed once for the step."""
         w = token_weights(self.slots, self.weights.scaling)
-        return [LoraLayer(layer, w) for layer in self.weights.layers]
+        active = jnp.any(self.slots > 0)
+        return [LoraLayer(layer, w, active) for layer in self.weights.layers]
 
 
 def token_weights(slots: jax.Array, scaling: jax.Array) -> jax.Array:
-    """w [T, S] float32: `scaling[slots[t]]` at column `slots[t]`, 0 elsewhere. slots [T] int32, scaling [S]."""
-    hit = slots[:, None] == jnp.arange(scaling.shape[0], dtype=slots.dtype)[None, :]
+    """w [T, L] float32: `scaling[slots[t] - 1]` at column `slots[t] - 1`, 0 elsewhere (all of row t when
+    slots[t] is 0). slots [T] int32, scaling [L] (slot l + 1's)."""
+    hit = slots[:, None] == jnp.arange(1, scaling.shape[0] + 1, dtype=slots.dtype)[None, :]
     return jnp.where(hit, scaling[None, :], 0.0).astype(F32)
 
 
 def _shrink(x: jax.Array, a: jax.Array, w: jax.Array, contract: int) -> jax.Array:
-    """x [T, *in] contracted with a [*in, *k, S, R] over `contract` axes, times w [T, S]: [T, *k, S, R] in x.dtype."""
+    """x [T, *in] contracted with a [*in, *k, L, R] over `contract` axes, times w [T, L]: [T, *k, L, R] in x.dtype."""
     dims = ((tuple(range(1, 1 + contract)), tuple(range(contract))), ((), ()))
     u = jax.lax.dot_general(x, a, dims, preferred_element_type=F32)  # [T, *k, S, R]
     w = w.reshape(w.shape[0], *([1] * (u.ndim - 3)), w.shape[1], 1)
@@ -69,33 +76,60 @@ def _shrink(x: jax.Array, a: jax.Array, w: jax.Array, contract: int) -> jax.Arra
 
 
 def _expand(u: jax.Array, b: jax.Array) -> jax.Array:
-    """u [T, S, R] with b [S, R, *out] -> [T, *out] (S and R contracted together) in u.dtype."""
+    """u [T, L, R] with b [L, R, *out] -> [T, *out] (L and R contracted together) in u.dtype."""
     dims = (((1, 2), (0, 1)), ((), ()))
     return jax.lax.dot_general(u, b, dims, preferred_element_type=F32).astype(u.dtype)
 
 
-def qkv_delta(x: jax.Array, lora: LoraLayer) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The deltas of q [T, Hq, D], k and v [T, Hkv, D] for x [T, H]: one shrink for all three."""
-    lw = lora.weights
-    u = _shrink(x, lw["qkv_a"], lora.token_weights, 1)  # [T, 3, S, R]
-    return _expand(u[:, 0], lw["q_b"]), _expand(u[:, 1], lw["k_b"]), _expand(u[:, 2], lw["v_b"])
+def _when_active(lora: LoraLayer, add, *base: jax.Array):
+    """`add(*base)` (the base outputs plus their deltas) when some token has an adapter, else `base` unchanged."""
+
+    def with_delta(*b: jax.Array) -> tuple[jax.Array, ...]:
+        out = add(*b)
+        return out if isinstance(out, tuple) else (out,)
+
+    result = jax.lax.cond(lora.active, with_delta, lambda *b: b, *base)
+    return result[0] if len(base) == 1 else result
 
 
-def o_delta(out: jax.Array, lora: LoraLayer) -> jax.Array:
-    """The delta of o_proj [T, H] for the attention output [T, Hq, D]."""
-    return _expand(_shrink(out, lora.weights["o_a"], lora.token_weights, 2), lora.weights["o_b"])
+def add_qkv(x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, lora: LoraLayer):
+    """q [T, Hq, D], k and v [T, Hkv, D] plus their deltas for x [T, H]: one shrink for all three."""
+
+    def add(q, k, v):
+        lw = lora.weights
+        u = _shrink(x, lw["qkv_a"], lora.token_weights, 1)  # [T, 3, L, R]
+        return q + _expand(u[:, 0], lw["q_b"]), k + _expand(u[:, 1], lw["k_b"]), v + _expand(u[:, 2], lw["v_b"])
+
+    return _when_active(lora, add, q, k, v)
 
 
-def gate_up_delta(x: jax.Array, lora: LoraLayer) -> tuple[jax.Array, jax.Array]:
-    """The deltas of gate and up [T, I] for x [T, H]: one shrink for both."""
-    lw = lora.weights
-    u = _shrink(x, lw["gate_up_a"], lora.token_weights, 1)  # [T, 2, S, R]
-    return _expand(u[:, 0], lw["gate_b"]), _expand(u[:, 1], lw["up_b"])
+def add_o(y: jax.Array, out: jax.Array, lora: LoraLayer) -> jax.Array:
+    """o_proj's output y [T, H] plus its delta for the attention output out [T, Hq, D]."""
+
+    def add(y):
+        return y + _expand(_shrink(out, lora.weights["o_a"], lora.token_weights, 2), lora.weights["o_b"])
+
+    return _when_active(lora, add, y)
 
 
-def down_delta(h: jax.Array, lora: LoraLayer) -> jax.Array:
-    """The delta of down_proj [T, H] for its input h [T, I]."""
-    return _expand(_shrink(h, lora.weights["down_a"], lora.token_weights, 1), lora.weights["down_b"])
+def add_gate_up(x: jax.Array, gate: jax.Array, up: jax.Array, lora: LoraLayer):
+    """gate and up [T, I] plus their deltas for x [T, H]: one shrink for both."""
+
+    def add(gate, up):
+        lw = lora.weights
+        u = _shrink(x, lw["gate_up_a"], lora.token_weights, 1)  # [T, 2, L, R]
+        return gate + _expand(u[:, 0], lw["gate_b"]), up + _expand(u[:, 1], lw["up_b"])
+
+    return _when_active(lora, add, gate, up)
 
 
-__all__ = ["LoraBatch", "LoraLayer", "down_delta", "gate_up_delta", "o_delta", "qkv_delta", "token_weights"]
+def add_down(y: jax.Array, h: jax.Array, lora: LoraLayer) -> jax.Array:
+    """down_proj's output y [T, H] plus its delta for its input h [T, I]."""
+
+    def add(y):
+        return y + _expand(_shrink(h, lora.weights["down_a"], lora.token_weights, 1), lora.weights["down_b"])
+
+    return _when_active(lora, add, y)
+
+
+__all__ = ["LoraBatch", "LoraLayer", "add_down", "add_gate_up", "add_o", "add_qkv", "token_weights"]

@@ -1,11 +1,15 @@
 """Which adapters does a server offer by name? `ServedAdapters`: `--lora-modules name=path ...` and the runtime
-load/unload endpoints, each adapter served as its own model name (as vLLM's `--lora-modules`)."""
+load/unload endpoints, each adapter served as its own model name (as vLLM's `--lora-modules`).
+`check_lora_modules` reads every `--lora-modules` adapter at start-up, so a bad one stops the start naming it
+instead of failing its first request."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
 
+from paged_jax.config import ModelConfig
+from paged_jax.lora.peft import LoraError, read_adapter
 from paged_jax.lora.request import LoRARequest
 
 
@@ -31,6 +35,16 @@ def parse_lora_modules(specs: Iterable[str]) -> list[tuple[str, str]]:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
         out.append((name, path))
     return out
+
+
+def check_lora_modules(modules: Iterable[tuple[str, str]], config: ModelConfig, max_rank: int) -> None:
+    """Read every (name, path) adapter against the base model `config` and the engine's `max_rank`; ValueError
+    naming the flag, the adapter and what is wrong with it (a missing path, a rank or shape that does not fit)."""
+    for name, path in modules:
+        try:
+            read_adapter(path, name, config, max_rank)
+        except LoraError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
 
 
 class ServedAdapters:
@@ -74,4 +88,4 @@ class ServedAdapters:
             return name in self._by_name
 
 
-__all__ = ["ServedAdapters", "UnknownAdapterError", "parse_lora_modules"]
+__all__ = ["ServedAdapters", "UnknownAdapterError", "check_lora_modules", "parse_lora_modules"]

@@ -1,19 +1,20 @@
 """Where do adapters live on the device? Stacked arrays with one slot per resident adapter.
 
-Every adapted projection of every layer has one A and one B array with a slot axis of `max_loras + 1`
-entries; slot 0 is "no adapter" and stays all zeros, ranks are padded with zeros to `max_lora_rank` (exact:
-padded columns of A meet padded rows of B). Per layer (S slots, R rank):
+Every adapted projection of every layer has one A and one B array with a slot axis of `max_loras` entries: entry
+l holds device slot l + 1 (slot 0, "no adapter", has no entry, so the one-hot matmuls never compute it; a token
+of slot 0 has a zero weight row, `paged_jax.lora.delta.token_weights`). Ranks are padded with zeros to
+`max_lora_rank` (exact: padded columns of A meet padded rows of B). Per layer (L slots, R rank):
 
-    qkv_a [H, 3, S, R]    q_b [S, R, Hq, D]    k_b, v_b [S, R, Hkv, D]
-    o_a   [Hq, D, S, R]   o_b [S, R, H]
-    gate_up_a [H, 2, S, R]    gate_b, up_b [S, R, I]    down_a [I, S, R]    down_b [S, R, H]
+    qkv_a [H, 3, L, R]    q_b [L, R, Hq, D]    k_b, v_b [L, R, Hkv, D]
+    o_a   [Hq, D, L, R]   o_b [L, R, H]
+    gate_up_a [H, 2, L, R]    gate_b, up_b [L, R, I]    down_a [I, L, R]    down_b [L, R, H]
 
-The axes are laid out for the two matmuls of `paged_jax.lora.delta`: A's input axes lead and (S, R) trail, so
-the shrink `x [T, in] @ A [in, S * R]` needs no transpose; B's (S, R) lead, so the expand contracts them as one
-axis of S * R. A's slot axis is therefore second to last, B's first (`SLOT_AXIS`).
+The axes are laid out for the two matmuls of `paged_jax.lora.delta`: A's input axes lead and (L, R) trail, so
+the shrink `x [T, in] @ A [in, L * R]` needs no transpose; B's (L, R) lead, so the expand contracts them as one
+axis of L * R. A's slot axis is therefore second to last, B's first (`SLOT_AXIS`).
 q/k/v share one A array (one shrink matmul reads x once) as gate/up do; their B arrays stay apart so each delta
 lands on its own output (`paged_jax.lora.delta`). MoE models have the attention arrays only. `scaling` [S]
-float32 holds each slot's `lora_alpha / r` (0 for slot 0 and empty slots).
+float32 holds each slot's `lora_alpha / r` (entry l for slot l + 1; 0 for empty slots).
 
 Tensor parallelism shards each array like the base weight it adapts (`paged_jax.model.partition`): B of q/k/v
 by heads and gate/up by columns (as qkv_proj / gate_up_proj are split), A of o and down by their input axis
@@ -43,19 +44,19 @@ Layer = dict[str, Any]
 
 @flax.struct.dataclass
 class LoraWeights:
-    """Every slot's adapter weights: `layers[i]` per layer (module docstring), `scaling` [S] float32."""
+    """Every slot's adapter weights: `layers[i]` per layer (module docstring), `scaling` [L] float32."""
 
     layers: tuple[Layer, ...]
     scaling: jax.Array
 
     @property
-    def num_slots(self) -> int:
+    def max_loras(self) -> int:
         return self.scaling.shape[0]
 
 
-def layer_shapes(config: ModelConfig, num_slots: int, max_rank: int) -> Layer:
-    """Shapes of one layer's arrays (module docstring); attention only for MoE models."""
-    s, r = num_slots, max_rank
+def layer_shapes(config: ModelConfig, max_loras: int, max_rank: int) -> Layer:
+    """Shapes of one layer's arrays for `max_loras` slots (module docstring); attention only for MoE models."""
+    s, r = max_loras, max_rank
     h, d, hq, hkv, i = (
         config.hidden_size,
         config.head_dim,
@@ -104,24 +105,24 @@ _SPECS = {
 }
 
 
-def partition_specs(config: ModelConfig, num_slots: int, max_rank: int, tp_axis: str = "tp") -> LoraWeights:
+def partition_specs(config: ModelConfig, max_loras: int, max_rank: int, tp_axis: str = "tp") -> LoraWeights:
     """A `LoraWeights` of `PartitionSpec` leaves (module docstring)."""
-    layer = {k: _SPECS[k](tp_axis) for k in layer_shapes(config, num_slots, max_rank)}
+    layer = {k: _SPECS[k](tp_axis) for k in layer_shapes(config, max_loras, max_rank)}
     return LoraWeights(tuple(dict(layer) for _ in range(config.num_layers)), P())
 
 
-def abstract_weights(config: ModelConfig, num_slots: int, max_rank: int) -> LoraWeights:
+def abstract_weights(config: ModelConfig, max_loras: int, max_rank: int) -> LoraWeights:
     """`jax.ShapeDtypeStruct` leaves of the stacked arrays in the model dtype (scaling float32)."""
     dtype = jnp.dtype(config.dtype)
-    layer = {k: jax.ShapeDtypeStruct(v, dtype) for k, v in layer_shapes(config, num_slots, max_rank).items()}
+    layer = {k: jax.ShapeDtypeStruct(v, dtype) for k, v in layer_shapes(config, max_loras, max_rank).items()}
     return LoraWeights(
-        tuple(dict(layer) for _ in range(config.num_layers)), jax.ShapeDtypeStruct((num_slots,), jnp.float32)
+        tuple(dict(layer) for _ in range(config.num_layers)), jax.ShapeDtypeStruct((max_loras,), jnp.float32)
     )
 
 
-def allocate(config: ModelConfig, num_slots: int, max_rank: int, shardings: LoraWeights | None = None) -> LoraWeights:
-    """All slots zeroed (no adapter anywhere), placed by `shardings` when given."""
-    shapes = abstract_weights(config, num_slots, max_rank)
+def allocate(config: ModelConfig, max_loras: int, max_rank: int, shardings: LoraWeights | None = None) -> LoraWeights:
+    """All `max_loras` slots zeroed (no adapter anywhere), placed by `shardings` when given."""
+    shapes = abstract_weights(config, max_loras, max_rank)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     return zeros if shardings is None else jax.device_put(zeros, shardings)
 
@@ -161,15 +162,17 @@ def slot_arrays(adapter: LoraAdapter, config: ModelConfig, max_rank: int) -> tup
 
 
 def write_slot(weights: LoraWeights, slot: jax.Array, layers: tuple[Layer, ...], scaling: jax.Array) -> LoraWeights:
-    """`weights` with slot `slot` (an int32 scalar) replaced by one slot's `layers` and `scaling`; the runner jits
-    it with `weights` donated, so the update is in place and one executable serves every slot."""
+    """`weights` with device slot `slot` (an int32 scalar in 1..max_loras: entry slot - 1) replaced by one slot's
+    `layers` and `scaling`; the runner jits it with `weights` donated, so the update is in place and one executable
+    serves every slot."""
+    index = slot - 1
 
     def put(name: str, w: jax.Array, x: jax.Array) -> jax.Array:
         axis = slot_axis(name, w.ndim)
-        return jax.lax.dynamic_update_index_in_dim(w, x.astype(w.dtype), slot, axis)
+        return jax.lax.dynamic_update_index_in_dim(w, x.astype(w.dtype), index, axis)
 
     new_layers = tuple({k: put(k, w[k], x[k]) for k in w} for w, x in zip(weights.layers, layers, strict=True))
-    return LoraWeights(new_layers, weights.scaling.at[slot].set(scaling))
+    return LoraWeights(new_layers, weights.scaling.at[index].set(scaling))
 
 
 __all__ = [

@@ -199,16 +199,21 @@ class CausalLM(nn.Module):
             new_caches.append(cache)
         return self.norm(x), new_caches
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [N, H] -> logits [N, V] float32 (accumulated in float32), soft-capped when the config says so."""
+    def compute_logits(self, hidden: jax.Array, round_to_dtype: bool = False) -> jax.Array:
+        """hidden [N, H] -> logits [N, V] float32 (accumulated in float32), soft-capped when the config says so.
+        `round_to_dtype`: the dot returns the model's dtype (still accumulated in float32, then rounded, as
+        transformers' LM head does), widened to float32 after: the one dtype in and out that XLA's oneDNN dot
+        takes (`paged_jax.worker.xla_flags`); a no-op for float32 models."""
+        out = None if round_to_dtype else jnp.float32
         if self.config.tie_word_embeddings:
             # Contract the embedding's hidden axis where it lies ([V, H], "x . E^T" without a transpose): written
             # as `hidden @ embedding.T`, XLA:CPU converted the whole bfloat16 table to float32 on every step
             # (SmolLM2-135M: 41-47 ms against 4.3 ms for this form; float32 alike either way).
             dims = (((1,), (1,)), ((), ()))
-            logits = jax.lax.dot_general(hidden, self.embed_tokens.embedding, dims, preferred_element_type=jnp.float32)
+            logits = jax.lax.dot_general(hidden, self.embed_tokens.embedding, dims, preferred_element_type=out)
         else:
-            logits = quant.dot(hidden, self.lm_head, preferred_element_type=jnp.float32)  # lm_head [H, V]
+            logits = quant.dot(hidden, self.lm_head, preferred_element_type=out)  # lm_head [H, V]
+        logits = logits.astype(jnp.float32)
         cap = self.config.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

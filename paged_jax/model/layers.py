@@ -98,16 +98,13 @@ def qkv_projection(
     if config.attention_bias:
         qkv = qkv + attn["qkv_bias"]
     q, k, v = split_qkv(qkv)
-    if lora is None:
-        return q, k, v
-    dq, dk, dv = delta.qkv_delta(x, lora)
-    return q + dq, k + dk, v + dv
+    return (q, k, v) if lora is None else delta.add_qkv(x, q, k, v, lora)
 
 
 def out_projection(out: jax.Array, attn: dict, lora: LoraLayer | None = None) -> jax.Array:
     """The attention output [T, Hq, D] projected back to [T, H] by `o_proj` [Hq, D, H] (plus its LoRA delta)."""
     y = quant.dot(out, attn["o_proj"], 2)
-    return y if lora is None else y + delta.o_delta(out, lora)
+    return y if lora is None else delta.add_o(y, out, lora)
 
 
 def gated_mlp(x: jax.Array, mlp: dict, activation=jax.nn.silu, lora: LoraLayer | None = None) -> jax.Array:
@@ -116,8 +113,7 @@ def gated_mlp(x: jax.Array, mlp: dict, activation=jax.nn.silu, lora: LoraLayer |
     gate_up = quant.dot(x, mlp["gate_up_proj"])  # [T, 2, I]
     gate, up = gate_up[:, 0], gate_up[:, 1]
     if lora is not None:
-        d_gate, d_up = delta.gate_up_delta(x, lora)
-        gate, up = gate + d_gate, up + d_up
+        gate, up = delta.add_gate_up(x, gate, up, lora)
     h = activation(gate) * up
     y = quant.dot(h, mlp["down_proj"])
-    return y if lora is None else y + delta.down_delta(h, lora)
+    return y if lora is None else delta.add_down(y, h, lora)

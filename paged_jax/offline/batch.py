@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from paged_jax.engine.args import add_engine_args, build_engine
 from paged_jax.engine.protocol import Engine
-from paged_jax.lora.named import ServedAdapters, UnknownAdapterError, parse_lora_modules
+from paged_jax.lora.named import ServedAdapters, UnknownAdapterError, check_lora_modules, parse_lora_modules
 from paged_jax.lora.request import LoRARequest
 from paged_jax.offline import multihost
 from paged_jax.offline.lines import BatchItem, parse_line
@@ -280,6 +280,11 @@ def run(args) -> int:
     count, index = jax.process_count(), jax.process_index()
     t0 = time.monotonic()
     engine = build_engine(args, warmup=False)
+    try:  # every --lora-modules adapter read now, not on its first line
+        modules = parse_lora_modules(args.lora_modules or ())
+        check_lora_modules(modules, engine.config, engine.engine_config.max_lora_rank)
+    except ValueError as e:
+        raise SystemExit(f"paged-jax generate: {e}") from None
     if not args.no_warmup:  # only the shapes this input can reach
         written = args.output if count == 1 else multihost.part_path(args.output, index, count)
         engine.warmup(

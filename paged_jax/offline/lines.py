@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 
 from paged_jax.engine.input_processor import ChatPrompt, sampling_params
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, logit_bias_from_json
 from paged_jax.tokenization.chat_template import validate_conversation
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
@@ -97,4 +97,6 @@ def parse_line(line: str | bytes, lineno: int, defaults: dict | None = None) -> 
     lora = obj.pop("lora", None)
     if lora is not None and (not isinstance(lora, str) or not lora):
         raise ValueError("lora: must be the name of a served adapter (a non-empty string)")
+    if "logit_bias" in obj:  # JSON object keys are strings: the token ids' text
+        obj["logit_bias"] = logit_bias_from_json(obj["logit_bias"])
     return BatchItem(rid, prompt, sampling_params(obj, defaults), salt, lineno, lora)

@@ -169,4 +169,9 @@ def result_line(out: RequestOutput, rid: str | int) -> dict:
                 choice["logprobs"] = _logprobs(c)
     if first.logprobs is not None:
         line["logprobs"] = _logprobs(first)
+    if out.prompt_logprobs is not None:  # one per prompt token, null for the first
+        line["prompt_logprobs"] = [
+            None if lp is None else {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+            for lp in out.prompt_logprobs
+        ]
     return line

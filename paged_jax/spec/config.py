@@ -28,6 +28,12 @@ class SpeculativeConfig:
     a proposal; it pauses for `pause_tokens` output tokens, doubling up to 16x for a sequence that keeps failing.
     `disable_by_batch_size` (vLLM's): no sequence speculates while more than this many run (a large batch is
     compute-bound, where scoring k rejected drafts costs as much as k sequences' tokens); None: no limit.
+
+    Per batch, `pause_by_cost` (`paged_jax.spec.cost`): the engine measures decode tokens per second with and
+    without speculation for each batch size; every `cost_probe_steps` speculating steps it compares them (first
+    measuring plain decoding for that many steps when it has no recent figure) and, where speculating was
+    slower, decodes plainly for `cost_pause_steps` steps (doubling, up to 16x, while it keeps losing) before it
+    probes again. A request opts out with `SamplingParams.speculate=False`.
     """
 
     method: str = "ngram"
@@ -42,6 +48,9 @@ class SpeculativeConfig:
     max_misses: int = 4
     pause_tokens: int = 16
     disable_by_batch_size: int | None = None
+    pause_by_cost: bool = True
+    cost_probe_steps: int = 8
+    cost_pause_steps: int = 32
 
     @classmethod
     def from_dict(cls, value: Mapping | str | SpeculativeConfig) -> SpeculativeConfig:
@@ -73,7 +82,10 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             fail("num_speculative_tokens", f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}]")
-        for name in ("prompt_lookup_min", "prompt_lookup_max", "probe_tokens", "max_misses", "pause_tokens"):
+        if not isinstance(self.pause_by_cost, bool):
+            fail("pause_by_cost", "must be a boolean")
+        ints = ("prompt_lookup_min", "prompt_lookup_max", "probe_tokens", "max_misses", "pause_tokens")
+        for name in (*ints, "cost_probe_steps", "cost_pause_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(name, "must be an int >= 1")

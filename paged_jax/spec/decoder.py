@@ -6,11 +6,14 @@ that is speculating, at most k and never past its `max_tokens` or the model leng
 sequence for the scheduler. After the step, `settle` counts what each verified sequence kept (the engine has
 appended the kept tokens) and rolls its KV back to them (`KVCacheManager.accept_drafts`).
 
-Speculation is per sequence and pauses where it does not pay (`SpeculativeConfig`): after `probe_tokens` drafts
-whose acceptance rate is below `min_acceptance_rate`, or `max_misses` steps in a row with no draft, the sequence
-decodes plainly for `pause_tokens` output tokens (doubling, up to 16x, each time it pauses again) and then probes
-again. While no running sequence speculates the engine keeps its one-step lookahead; a batch with a speculating
-sequence runs without it (its drafts depend on the tokens the previous step accepts), see `needs_sync`.
+Speculation pauses where it does not pay (`SpeculativeConfig`). Per sequence: after `probe_tokens` drafts whose
+acceptance rate is below `min_acceptance_rate`, or `max_misses` steps in a row with no draft, the sequence decodes
+plainly for `pause_tokens` output tokens (doubling, up to 16x, each time it pauses again) and then probes again.
+Per batch (`pause_by_cost`): the `CostGate` compares the measured decode tokens per second with and without
+speculation (`observe`, after each collected step) and turns speculation off for the batch size where it was
+slower. A request with `SamplingParams.speculate=False` never speculates. While no running sequence speculates the
+engine keeps its one-step lookahead; a batch with a speculating sequence runs without it (its drafts depend on the
+tokens the previous step accepts, and the next step's positions on how many it accepted), see `needs_sync`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paged_jax.spec.config import SpeculativeConfig
+from paged_jax.spec.cost import CostGate
 from paged_jax.spec.proposer import DraftRequest, Proposer
 from paged_jax.spec.stats import SpecStats
 from paged_jax.worker.spec_verify import REJECTED
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
     from paged_jax.sched.sequence import TokenSequence
 
 MAX_PAUSE_FACTOR = 16
+REFRESH_FACTOR = 16  # the gate re-measures plain decoding after this many pause lengths of speculating
 
 
 @dataclass(slots=True)
@@ -51,6 +56,11 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.seqs: dict[str, SeqSpec] = {}
         self.stats = SpecStats()
+        self.gate = (
+            CostGate(config.cost_probe_steps, config.cost_pause_steps, REFRESH_FACTOR * config.cost_pause_steps)
+            if config.pause_by_cost
+            else None
+        )
 
     def _state(self, seq: TokenSequence) -> SeqSpec:
         state = self.seqs.get(seq.seq_id)
@@ -59,6 +69,9 @@ class SpecDecoder:
         return state
 
     def is_speculating(self, seq: TokenSequence) -> bool:
+        """It asked for speculation and its own record does not pause it (the batch may still be off)."""
+        if not seq.params.speculate:
+            return False
         state = self.seqs.get(seq.seq_id)
         return state is None or len(seq.output_token_ids) >= state.resume_at
 
@@ -72,13 +85,24 @@ class SpecDecoder:
         KV of its sequences is settled only then), or a decoding sequence speculates (its drafts need its tokens)."""
         if any(item.draft for item in inflight.scheduled):
             return True
-        return not self._too_many(running) and any(
+        return not self._batch_off(running) and any(
             self._decoding(seq, kv) and self.is_speculating(seq) for seq in running
         )
 
-    def _too_many(self, running: list[TokenSequence]) -> bool:
+    def _batch_off(self, running: list[TokenSequence]) -> bool:
+        """No sequence speculates: more run than `disable_by_batch_size`, or the cost gate pauses this batch size."""
         limit = self.config.disable_by_batch_size
-        return limit is not None and len(running) > limit
+        if limit is not None and len(running) > limit:
+            return True
+        return self.gate is not None and not self.gate.allows(len(running))
+
+    def observe(self, sched: SchedulerOutput, synced: bool, tokens: int, seconds: float) -> None:
+        """The engine collected `sched`, which yielded `tokens` in `seconds` of wall time; `synced`: the engine
+        ran it without the lookahead for speculation. Decode-only steps feed the cost gate."""
+        if self.gate is None or not sched.scheduled or any(item.num_new != 1 for item in sched.scheduled):
+            return
+        speculating = synced or any(item.draft for item in sched.scheduled)
+        self.gate.observe(len(sched.scheduled), speculating, tokens, seconds)
 
     @staticmethod
     def _decoding(seq: TokenSequence, kv: KVCacheManager) -> bool:
@@ -90,7 +114,7 @@ class SpecDecoder:
         requests = []
         for seq in running:
             seq.draft_token_ids = []
-        if self._too_many(running):
+        if self._batch_off(running):
             return
         for seq in running:
             if seq.pending is not None or not self._decoding(seq, kv):

@@ -31,6 +31,9 @@ import jax
 
 log = logging.getLogger(__name__)
 
+# XLA compiler options of one executable, as sorted (name, value) pairs (`paged_jax.worker.xla_flags`).
+CompilerOptions = tuple[tuple[str, object], ...]
+
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _CACHE_MISS = "/jax/compilation_cache/cache_misses"  # recorded when a newly compiled executable is written
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # every XLA compile or cache load
@@ -164,9 +167,11 @@ class Executables:
         stats: CompileStats,
         warm: bool = False,
         describe: str = "",
+        options: CompilerOptions = (),
     ) -> jax.stages.Compiled:
-        """The executable for `key`, compiled now if needed (`lower()` gives its lowering). `warm`: warm-up is
-        over, so a compile here stalls a step and is logged as a warning with `describe` (the shape)."""
+        """The executable for `key`, compiled now if needed (`lower()` gives its lowering, `options` the XLA
+        compiler options; `key` must tell option sets apart). `warm`: warm-up is over, so a compile here stalls
+        a step and is logged as a warning with `describe` (the shape)."""
         while True:
             compiled = self._done.get(key)
             if compiled is not None:
@@ -179,7 +184,7 @@ class Executables:
                         "compiling a new step shape after warm-up: %s (the step waits; warm-up missed it)",
                         describe or key,
                     )
-                self._compile(key, lower, stats, future)
+                self._compile(key, lower, stats, future, options=options)
             try:
                 return future.result()
             except concurrent.futures.CancelledError:  # a cancelled warm-up let go of it: compile it here
@@ -187,7 +192,7 @@ class Executables:
 
     def compile_all(
         self,
-        jobs: Iterable[tuple[Hashable, Callable[[], jax.stages.Lowered]]],
+        jobs: Iterable[tuple[Hashable, Callable[[], jax.stages.Lowered], CompilerOptions]],
         stats: CompileStats,
         workers: int,
         progress: Callable[[Hashable], None] | None = None,
@@ -197,15 +202,15 @@ class Executables:
         this call compiled. Once `cancel` is set no new compile starts (the running ones finish): the jobs left
         are released, and a step that needs one compiles it itself."""
         todo = []
-        for key, lower in jobs:
+        for key, lower, options in jobs:
             future, owner = self._claim(key)
-            todo.append((key, lower, future, owner))
-        mine = [key for key, _, _, owner in todo if owner]
+            todo.append((key, lower, options, future, owner))
+        mine = [key for key, *_, owner in todo if owner]
         with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="compile") as pool:
-            for key, lower, future, owner in todo:
+            for key, lower, options, future, owner in todo:
                 if owner:
-                    pool.submit(self._compile, key, lower, stats, future, cancel)
-            for key, _, future, _ in todo:
+                    pool.submit(self._compile, key, lower, stats, future, cancel, options)
+            for key, _, _, future, _ in todo:
                 try:
                     future.result()
                 except concurrent.futures.CancelledError:
@@ -240,6 +245,7 @@ class Executables:
         stats: CompileStats,
         future: concurrent.futures.Future,
         cancel: threading.Event | None = None,
+        options: CompilerOptions = (),
     ) -> None:
         if cancel is not None and cancel.is_set():
             self._fail(key, future, concurrent.futures.CancelledError())
@@ -248,7 +254,7 @@ class Executables:
         try:
             lowered = lower()
             t1 = time.perf_counter()
-            compiled = lowered.compile()
+            compiled = lowered.compile(compiler_options=dict(options)) if options else lowered.compile()
         except BaseException as e:
             self._fail(key, future, e)
             return

@@ -57,8 +57,8 @@ from paged_jax.model.families import causal_lm
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.structured.bitmask import all_allowed, mask_words
-from paged_jax.worker import sharding
-from paged_jax.worker.executables import CompileStats, Executables
+from paged_jax.worker import sharding, xla_flags
+from paged_jax.worker.executables import CompilerOptions, CompileStats, Executables
 from paged_jax.worker.pending import merge_pending, merge_pending_history
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, make_prompt_logprobs
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
@@ -129,14 +129,11 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class LoraShape:
-    """The LoRA device arrays' static shape: `max_loras` slots (plus slot 0, none) of rank `max_rank`."""
+    """The LoRA device arrays' static shape: `max_loras` slots (1..max_loras; slot 0, none, has no arrays) of rank
+    `max_rank`."""
 
     max_loras: int
     max_rank: int
-
-    @property
-    def num_slots(self) -> int:
-        return self.max_loras + 1
 
 
 @functools.cache
@@ -147,13 +144,16 @@ def step_functions(
     quantized_kv: bool = False,
     weights: tuple[str, bool, bool] | None = None,
     lora: LoraShape | None = None,
+    onednn: bool = False,
 ):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
 
     forward(params, kv_caches, token_ids [T], positions [T], meta, logits_indices [S], lora)
         -> (logits [S, V] f32, kv_caches, hidden [T, H] after the final norm), with kv_caches donated; `lora` a
-        `LoraBatch`, or None when off.
+        `LoraBatch`, or None when off. `onednn`: the step is compiled with oneDNN dots
+        (`paged_jax.worker.xla_flags`), so the LM head returns its logits rounded to the model's dtype (the
+        form oneDNN's dot takes) before they are widened to float32.
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
     params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
     like their base weights (`paged_jax.lora.weights`).
@@ -167,7 +167,7 @@ def step_functions(
         params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices, lora: LoraBatch | None = None
     ):
         hidden, kv_caches = model.apply(params, token_ids, positions, kv_caches, meta, lora)
-        logits = model.apply(params, hidden[logits_indices], method="compute_logits")
+        logits = model.apply(params, hidden[logits_indices], round_to_dtype=onednn, method="compute_logits")
         return logits, tuple(kv_caches), hidden
 
     if mesh is None:
@@ -180,7 +180,7 @@ def step_functions(
 
 
 def _lora_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraShape) -> lora_weights.LoraWeights:
-    specs = lora_weights.partition_specs(config, lora.num_slots, lora.max_rank, sharding.TP)
+    specs = lora_weights.partition_specs(config, lora.max_loras, lora.max_rank, sharding.TP)
     return jax.tree.map(
         lambda spec: jax.sharding.NamedSharding(mesh, spec),
         specs,
@@ -301,6 +301,7 @@ class Job(NamedTuple):
     key: Hashable
     lower: Callable[[], jax.stages.Lowered]
     describe: str
+    options: CompilerOptions = ()  # XLA compiler options (`paged_jax.worker.xla_flags`); part of `key` too
 
 
 def _fingerprint(tree) -> str:
@@ -406,8 +407,16 @@ class ModelRunner:
         )
         self._rep = one if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
+        first = mesh.devices.flat[0] if mesh is not None else next(iter(one.device_set)) if one else jax.devices()[0]
+        platform = first.platform
+        # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
+        onednn = xla_flags.use_onednn_dots(config.dtype, platform) and quant.weights_key(params) is None
+        self._forward_options = xla_flags.forward_compiler_options(onednn)  # XLA options of the forward step
+        if onednn:
+            mode = xla_flags.onednn_mode()
+            log.info("bfloat16 forward steps compiled with oneDNN dots (%s=%s)", xla_flags.ONEDNN_ENV, mode)
         self.model, self._forward = step_functions(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora, onednn
         )
         self._prompt_logprobs = prompt_logprobs_function(
             config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
@@ -416,13 +425,13 @@ class ModelRunner:
         if lora is not None:
             shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
             if abstract:
-                shapes = lora_weights.abstract_weights(config, lora.num_slots, lora.max_rank)
+                shapes = lora_weights.abstract_weights(config, lora.max_loras, lora.max_rank)
                 on = shardings or jax.tree.map(lambda _: one, shapes)
                 self.lora_weights = jax.tree.map(
                     lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, on
                 )
             else:
-                self.lora_weights = lora_weights.allocate(config, lora.num_slots, lora.max_rank, shardings)
+                self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, shardings)
             self._lora_write = _lora_writer(config, mesh, lora)
         # The merge input when there is no lookahead.
         self._no_prev_tokens = (
@@ -604,7 +613,9 @@ class ModelRunner:
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
-        return EXECUTABLES.get(job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe)
+        return EXECUTABLES.get(
+            job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe, options=job.options
+        )
 
     def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
@@ -618,7 +629,8 @@ class ModelRunner:
             lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
             return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
-        return Job(("forward", self._key, t, s), lower, f"forward tokens={t} seqs={s}")
+        options = self._forward_options
+        return Job(("forward", self._key, t, s, options), lower, f"forward tokens={t} seqs={s}", options)
 
     def sample_job(
         self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags, logit_bias_width: int = 0
@@ -707,6 +719,6 @@ class ModelRunner:
         `cancel` (a threading.Event): stop starting compiles once set."""
         return len(
             EXECUTABLES.compile_all(
-                ((job.key, job.lower) for job in jobs), self.compile_stats, workers, progress, cancel
+                ((job.key, job.lower, job.options) for job in jobs), self.compile_stats, workers, progress, cancel
             )
         )

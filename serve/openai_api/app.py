@@ -1,7 +1,9 @@
-"""The ASGI app (FastAPI): the OpenAI routes, `/health`, `/metrics`, and errors in OpenAI's shape.
+"""The ASGI app (FastAPI): the OpenAI routes, vLLM's tokenizer routes (`/tokenize`, `/detokenize`,
+`/tokenizer_info`), `/health`, `/metrics`, and errors in OpenAI's shape.
 
-Auth (when a token is configured) covers `/v1/*`; `/health` follows the gRPC rule for health checks
-(`auth_exempt_health`, on by default) so load balancers need no token; `/metrics` too unless `metrics_auth`.
+Auth (when a token is configured) covers `/v1/*` and the tokenizer routes; `/health` follows the gRPC rule for
+health checks (`auth_exempt_health`, on by default) so load balancers need no token; `/metrics` too unless
+`metrics_auth`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ def create_app(front: OpenAIFront) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await front.generate(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await front.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await front.detokenize(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        return front.tokenizer_info(request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

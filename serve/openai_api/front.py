@@ -39,9 +39,10 @@ from ..config import ServingConfig
 from ..convert import RequestError
 from ..engine_loop import EngineLoop, Event, RequestStream
 from ..metrics import Metrics
+from . import tokenize
 from .errors import error_body, error_response
-from .protocol import Kind, OpenAIRequest, field_names, parse_body
-from .responses import ResponseBuilder
+from .protocol import Kind, OpenAIRequest, field_names, parse_body, typed
+from .responses import Echo, ResponseBuilder
 
 CPU_WORKERS = 2  # threads for JSON parsing, tokenization and chat templates, off the event loop
 METHODS = {"completion": "OpenAI.Completions", "chat": "OpenAI.ChatCompletions"}
@@ -82,16 +83,20 @@ class OpenAIFront:
 
     # -- generation ---------------------------------------------------------------------------------
     def _adapter(self, req: OpenAIRequest) -> LoRARequest | None:
+        return self._model(req.model)
+
+    def _model(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names (None: the base model); NOT_FOUND naming it when nothing is served so."""
-        if req.model is None or req.model == self.model_name:
+        if model is None or model == self.model_name:
             return None
         try:
-            return self.loop.adapters.get(req.model)
+            return self.loop.adapters.get(model)
         except UnknownAdapterError:
             served = [self.model_name, *self.loop.adapters.names()]
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model: {req.model!r} is not served here (GET /v1/models lists {', '.join(map(repr, served))})",
+                f"model: {model!r} is not served here (GET /v1/models lists {', '.join(map(repr, served))})",
+                "model",
             ) from None
 
     def _convert(self, req: OpenAIRequest) -> tuple[ToolFormat | None, list[ProcessedRequest]]:
@@ -133,6 +138,14 @@ class OpenAIFront:
                 g.sampling["structured_outputs"] = constraint
         return fmt
 
+    def _echoes(self, parsed: list[ProcessedRequest]) -> list[Echo]:
+        """Each prompt as echo repeats it: its text as given, a token-id prompt's decoded (special tokens kept)."""
+
+        def text(p: ProcessedRequest) -> str:
+            return p.prompt if p.prompt is not None else self.tokenizer.decode(p.prompt_token_ids, False)
+
+        return [Echo(text(p), p.prompt_token_ids) for p in parsed]
+
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
@@ -160,7 +173,10 @@ class OpenAIFront:
                     )
                 )
             model = self.model_name if lora is None else lora.lora_name
-            builder = ResponseBuilder(kind, rid, model, self.tokenizer, req.logprobs, fmt)
+            echo = await self._off_loop(self._echoes, parsed) if req.echo else None
+            builder = ResponseBuilder(
+                kind, rid, model, self.tokenizer, req.logprobs, fmt, echo=echo, prompt_logprobs=req.prompt_logprobs
+            )
             n = parsed[0].params.n
             names = field_names(kind, req.max_tokens_name, req.structured_param)
             firsts = await self._unless_disconnected(
@@ -240,12 +256,13 @@ class OpenAIFront:
                 if event.code is not None:
                     raise _event_error(event, field_names(req.kind, req.max_tokens_name, req.structured_param))
                 out = event.output
+                builder.seen(i, out)
                 for c in out.outputs:
                     index = i * n + c.index
                     if c.new_token_ids or c.new_text or (c.finished and index not in ended):
                         if c.finished:
                             ended.add(index)
-                        yield _data({**builder.delta_chunk(c, offset=i * n), **usage_field})
+                        yield _data({**builder.delta_chunk(c, offset=i * n, prompt=i), **usage_field})
                 if out.finished:
                     finished.append(out)
                     self.metrics.on_finished(out)
@@ -272,6 +289,34 @@ class OpenAIFront:
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         self.metrics.requests.labels(method, code.name).inc()
+
+    # -- the tokenizer routes (vLLM's) ----------------------------------------------------------------
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """POST /tokenize (`tokenize.py` has the shapes)."""
+        self.check_auth(request)
+        body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
+        req = tokenize.parse_tokenize(body)
+        self._model(req.model)
+
+        def run() -> dict[str, Any]:
+            try:
+                return tokenize.tokenize(req, self.inputs)
+            except FieldError as e:  # the chat template's refusals, in this route's words
+                raise convert.field_error(e, FieldNames()) from None
+
+        return JSONResponse(await self._off_loop(run))
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """POST /detokenize {"tokens": [...]} -> {"prompt": text}."""
+        self.check_auth(request)
+        body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
+        self._model(typed(body, "model", str))
+        return JSONResponse(await self._off_loop(tokenize.detokenize, body, self.inputs))
+
+    def tokenizer_info(self, request: Request) -> JSONResponse:
+        """GET /tokenizer_info."""
+        self.check_auth(request)
+        return JSONResponse(tokenize.tokenizer_info(self.inputs))
 
     # -- the rest -------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:

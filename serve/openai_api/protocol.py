@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
-from paged_jax.errors import FieldNames
+from paged_jax.errors import FieldError, FieldNames
+from paged_jax.sampling_params import logit_bias_from_json
 from paged_jax.tokenization.tool_calls import function_specs, history_tool_calls
 
 from ..convert import RequestError, invalid
@@ -34,12 +35,12 @@ _TYPE_NAMES = {
 # OpenAI / vLLM name -> (our SamplingParams name, JSON type)
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _UINTS = ("n", "min_tokens")
-_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "speculate")
 # Options that change what OpenAI would return and that we do not implement: refused unless at their default.
 _UNSUPPORTED = {
-    "completion": {"echo": (False,), "suffix": ("",), "logit_bias": ({},)},
+    "completion": {"suffix": ("",)},
     "chat": {
-        "logit_bias": ({},),
+        "echo": (False,),  # vLLM's chat echo repeats the last message; the completions echo is the one lm-eval uses
         "functions": ([],),
         "function_call": ("none", "auto"),
         "parallel_tool_calls": (True,),
@@ -61,6 +62,8 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: int | None  # alternatives per token in the response (None: no logprobs)
     max_tokens_name: str  # which name the client used, for error messages
+    echo: bool = False  # completions: the prompt (and with logprobs its prompt logprobs) in front of each choice
+    prompt_logprobs: int | None = None  # vLLM's extra: each choice's (chat: the response's) `prompt_logprobs`
     structured_param: str | None = None  # the parameter that asked for structured output (response_format, ...)
     tools: list[Any] | None = None  # chat: the tool definitions
     tool_choice: str | dict[str, Any] = "none"  # none | auto | required | {"type": "function", "function": ...}
@@ -92,33 +95,73 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
         value = body.get(name)
         if value is not None and value not in allowed:
             raise _bad(name, "not supported by this server" + (f" (only {allowed[0]!r})" if allowed else ""))
-    model = _typed(body, "model", str)
-    _typed(body, "user", str)  # accepted for compatibility; the engine has no use for it
-    stream = bool(_typed(body, "stream", bool))
-    options = _typed(body, "stream_options", dict)
+    model = typed(body, "model", str)
+    typed(body, "user", str)  # accepted for compatibility; the engine has no use for it
+    stream = bool(typed(body, "stream", bool))
+    options = typed(body, "stream_options", dict)
     if options is not None and not stream:
         raise _bad("stream_options", "only allowed with stream: true")
-    include_usage = bool(_typed(options or {}, "include_usage", bool, "stream_options.include_usage"))
+    include_usage = bool(typed(options or {}, "include_usage", bool, "stream_options.include_usage"))
     max_tokens_name = "max_tokens"
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens_name = "max_completion_tokens"
     sampling: dict[str, Any] = {}
     logprobs = _sampling(body, sampling, kind, max_tokens_name)
+    echo = bool(typed(body, "echo", bool))
+    prompt_logprobs = _prompt_logprobs(body, sampling, stream, echo, logprobs)
+    bias = _logit_bias(body)
+    if bias is not None:
+        sampling["logit_bias"] = bias
     constraint, structured_param = structured_output(body)
     if constraint is not None:
         sampling["structured_outputs"] = constraint
-    salt = _typed(body, "cache_salt", str)
-    prompts = [_chat(body)] if kind == "chat" else _prompts(body)
+    salt = typed(body, "cache_salt", str)
+    prompts = [chat_prompt(body)] if kind == "chat" else _prompts(body)
     tools, tool_choice = _tools(body) if kind == "chat" else (None, "none")
     generates = [GenerationRequest(p, dict(sampling), cache_salt=salt) for p in prompts]
     return OpenAIRequest(
-        kind, generates, model, stream, include_usage, logprobs, max_tokens_name, structured_param, tools, tool_choice
+        kind,
+        generates,
+        model,
+        stream,
+        include_usage,
+        logprobs,
+        max_tokens_name,
+        echo,
+        prompt_logprobs,
+        structured_param,
+        tools,
+        tool_choice,
     )
+
+
+def _prompt_logprobs(body: dict, sp: dict[str, Any], stream: bool, echo: bool, logprobs: int | None) -> int | None:
+    """vLLM's `prompt_logprobs` extra (the engine checks its range); echo with `logprobs` asks the engine for as
+    many prompt alternatives when the extra is unset, as vLLM does. Returns the extra (None: not asked)."""
+    extra = typed(body, "prompt_logprobs", int)
+    if extra is not None and stream:
+        raise _bad("prompt_logprobs", "not available with stream: true (as in vLLM)")
+    wanted = extra if extra is not None else logprobs if echo else None
+    if wanted is not None:
+        sp["prompt_logprobs"] = wanted
+    return extra
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: an object of token id (its decimal text, JSON keys being strings) -> bias; the
+    engine checks the ids against the vocabulary, the range [-100, 100] and the number of entries."""
+    bias = typed(body, "logit_bias", dict)
+    if not bias:
+        return None
+    try:
+        return logit_bias_from_json(bias)
+    except FieldError as e:
+        raise _bad(e.field, e.message) from None
 
 
 def _tools(body: dict) -> tuple[list[Any] | None, str | dict[str, Any]]:
     """(tools, tool_choice), checked; tool_choice defaults to auto with tools (none without), as OpenAI's does."""
-    tools = _typed(body, "tools", list) or None
+    tools = typed(body, "tools", list) or None
     if tools is not None:
         try:
             function_specs(tools)
@@ -137,7 +180,7 @@ def _tools(body: dict) -> tuple[list[Any] | None, str | dict[str, Any]]:
     return tools, choice
 
 
-def _typed(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:
+def typed(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:
     """body[name] if it has the JSON type `kind` (null counts as unset); a bool is never a number."""
     value = body.get(name)
     if value is None:
@@ -151,7 +194,7 @@ def _typed(body: dict, name: str, kind: type | tuple[type, ...], param: str | No
 
 
 def _uint(body: dict, name: str, bound: int = _UINT32, param: str | None = None) -> int | None:
-    value = _typed(body, name, int, param)
+    value = typed(body, name, int, param)
     if value is not None and not 0 <= value < bound:
         raise _bad(param or name, f"must be an integer in [0, {bound})")
     return value
@@ -180,7 +223,8 @@ def _prompts(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-def _chat(body: dict) -> ChatPrompt:
+def chat_prompt(body: dict) -> ChatPrompt:
+    """`messages` (and the template options beside them) as the engine's ChatPrompt; RequestError naming the field."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty array of messages")
@@ -195,7 +239,7 @@ def _chat(body: dict) -> ChatPrompt:
                 calls = history_tool_calls(m["tool_calls"], f"{where}.tool_calls")
             except ValueError as e:
                 raise invalid(str(e), str(e).partition(":")[0]) from None
-        role = _typed(m, "role", str, f"{where}.role")
+        role = typed(m, "role", str, f"{where}.role")
         content = m.get("content")
         if content is None and calls:
             content = ""
@@ -212,13 +256,13 @@ def _chat(body: dict) -> ChatPrompt:
         if calls:
             message["tool_calls"] = calls
         for key in ("name", "tool_call_id"):
-            value = _typed(m, key, str, f"{where}.{key}")
+            value = typed(m, key, str, f"{where}.{key}")
             if value is not None:
                 message[key] = value
         out.append(message)
-    tools = _typed(body, "tools", list) or None
-    kwargs = _typed(body, "chat_template_kwargs", dict) or {}
-    add = _typed(body, "add_generation_prompt", bool)
+    tools = typed(body, "tools", list) or None
+    kwargs = typed(body, "chat_template_kwargs", dict) or {}
+    add = typed(body, "add_generation_prompt", bool)
     return ChatPrompt(out, True if add is None else add, tools, kwargs)
 
 
@@ -226,7 +270,7 @@ def _sampling(body: dict, sp: dict[str, Any], kind: Kind, max_tokens_name: str) 
     """Copy the sampling fields into `sp` (by our names); returns the number of logprob alternatives the
     response wants (or None)."""
     for name in _FLOATS:
-        value = _typed(body, name, (int, float))
+        value = typed(body, name, (int, float))
         if value is not None:
             sp[name] = float(value)
     for name in _UINTS:
@@ -234,20 +278,20 @@ def _sampling(body: dict, sp: dict[str, Any], kind: Kind, max_tokens_name: str) 
         if value is not None:
             sp[name] = value
     for name in _BOOLS:
-        value = _typed(body, name, bool)
+        value = typed(body, name, bool)
         if value is not None:
             sp[name] = value
-    top_k = _typed(body, "top_k", int)
+    top_k = typed(body, "top_k", int)
     if top_k is not None:
         if not -1 <= top_k < 2**31:
             raise _bad("top_k", "must be -1, 0 (both disable it) or a positive integer")
         sp["top_k"] = top_k
     max_tokens = _uint(body, max_tokens_name)
     if max_tokens is not None:
-        if max_tokens < 1:
+        if max_tokens < 1 and kind == "chat":  # completions take 0: the prompt only (scoring)
             raise _bad(max_tokens_name, f"must be >= 1, got {max_tokens}")
         sp["max_tokens"] = max_tokens
-    seed = _typed(body, "seed", int)
+    seed = typed(body, "seed", int)
     if seed is not None:
         if not 0 <= seed < 2**63:
             raise _bad("seed", f"must be an integer in [0, 2^63), got {seed}")
@@ -260,7 +304,7 @@ def _sampling(body: dict, sp: dict[str, Any], kind: Kind, max_tokens_name: str) 
             raise _bad("stop", "must be a string or an array of strings")
         if stop:
             sp["stop"] = list(stop)
-    stop_ids = _typed(body, "stop_token_ids", list)
+    stop_ids = typed(body, "stop_token_ids", list)
     if stop_ids:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in stop_ids):
             raise _bad("stop_token_ids", "must be an array of token ids")
@@ -272,7 +316,7 @@ def _sampling(body: dict, sp: dict[str, Any], kind: Kind, max_tokens_name: str) 
         logprobs = _uint(body, "logprobs")
     else:
         top = _uint(body, "top_logprobs")
-        wanted = _typed(body, "logprobs", bool)
+        wanted = typed(body, "logprobs", bool)
         if top is not None and not wanted:
             raise _bad("top_logprobs", "needs logprobs: true")
         logprobs = (top or 0) if wanted else None

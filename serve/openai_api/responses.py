@@ -6,6 +6,9 @@ stays; `abort` (cancelled, or a server shutdown) is passed through as vLLM does.
 token id that ended a sample is vLLM's extra `stop_reason`. A chat request whose replies are parsed for tool
 calls (`tool_format`) answers `tool_calls` and finish reason `tool_calls` when a reply holds calls; streamed,
 the text from where a call may begin is held back (`ToolStream`) and the calls go out whole in the last delta.
+Completions with `echo` (vLLM's behaviour, which lm-evaluation-harness reads): each choice's text, and with
+`logprobs` its legacy logprobs, cover the prompt and then the completion, the first prompt token's logprob and
+alternatives null; `max_tokens: 0` leaves the prompt alone. Streamed, a choice's first chunk carries the prompt.
 """
 
 from __future__ import annotations
@@ -30,9 +33,25 @@ FINISH_REASONS = {
 }
 
 
+LOGPROB_FLOOR = -9999.0  # what vLLM sends for a logprob of -inf (JSON has no infinity)
+
+
+@dataclass(slots=True)
+class Echo:
+    """One prompt as an echoing completions response repeats it in front of each of its choices: its text (a
+    token-id prompt's decoded), its ids, and the engine's prompt logprobs once its first output brings them."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+
+
 @dataclass(slots=True)
 class ResponseBuilder:
-    """Everything one response needs besides the outputs: ids, model, and how to spell tokens."""
+    """Everything one response needs besides the outputs: ids, model, and how to spell tokens.
+
+    `echo` (completions, one per prompt): the prompts to repeat; `prompt_logprobs`: vLLM's extra was asked
+    for with this many alternatives (each choice gets `prompt_logprobs`, chat's response gets one)."""
 
     kind: Kind
     request_id: str
@@ -40,8 +59,11 @@ class ResponseBuilder:
     tokenizer: Any
     logprobs: int | None
     tool_format: ToolFormat | None = None  # chat replies parsed for tool calls in this format
+    echo: list[Echo] | None = None
+    prompt_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _streams: dict[int, ToolStream] = field(default_factory=dict)  # per streamed choice, with a tool_format
+    _text_offsets: dict[int, int] = field(default_factory=dict)  # per streamed choice: text_offset so far
 
     @property
     def object_name(self) -> str:
@@ -53,12 +75,17 @@ class ResponseBuilder:
     # -- unary --------------------------------------------------------------------------------------
     def full(self, outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
         """The whole response; prompt i's sample j is choice i * n + j (as OpenAI numbers a batch)."""
-        choices = [
-            self._choice(c, c.text, c.logprobs, c.finish_reason, c.stop_reason, final=True, offset=i * n)
-            for i, out in enumerate(outs)
-            for c in out.outputs
-        ]
-        return {
+        choices = []
+        for i, out in enumerate(outs):
+            self.seen(i, out)
+            for c in out.outputs:
+                choice = self._choice(
+                    c, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, True, i * n, i
+                )
+                if self.kind == "completion" and self.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out)
+                choices.append(choice)
+        response = {
             "id": self.request_id,
             "object": self.object_name,
             "created": self.created,
@@ -66,6 +93,39 @@ class ResponseBuilder:
             "choices": choices,
             "usage": usage(outs),
         }
+        if self.kind == "chat" and self.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self.vllm_prompt_logprobs(outs[0])
+        return response
+
+    def seen(self, prompt: int, out: RequestOutput) -> None:
+        """Note what an output of prompt `prompt` brings that later chunks need (its prompt logprobs)."""
+        if self.echo is not None and out.prompt_logprobs is not None:
+            self.echo[prompt].logprobs = out.prompt_logprobs
+
+    def vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} holding the token itself and its top alternatives. A rank the engine does not report (a
+        prompt token outside its top alternatives) is null, as vLLM's `Logprob.rank` may be."""
+        if out.prompt_logprobs is None:
+            return None
+        k = self.prompt_logprobs or 0
+        result: list[dict[str, dict[str, Any]] | None] = []
+        for entry in out.prompt_logprobs:
+            if entry is None:
+                result.append(None)
+                continue
+            tops = entry.top[:k]
+            ranks = {t: r for r, (t, _) in enumerate(tops, 1)}
+            items = {entry.token_id: (entry.logprob, ranks.get(entry.token_id))}
+            for r, (t, v) in enumerate(tops, 1):
+                items.setdefault(t, (v, r))
+            result.append(
+                {
+                    str(t): {"logprob": max(v, LOGPROB_FLOOR), "rank": r, "decoded_token": self.token_text(t)}
+                    for t, (v, r) in items.items()
+                }
+            )
+        return result
 
     # -- streaming ----------------------------------------------------------------------------------
     def role_chunk(self, n: int) -> dict[str, Any]:
@@ -76,9 +136,23 @@ class ResponseBuilder:
         ]
         return self._chunk(choices)
 
-    def delta_chunk(self, c: CompletionOutput, offset: int = 0) -> dict[str, Any]:
+    def delta_chunk(self, c: CompletionOutput, offset: int = 0, prompt: int = 0) -> dict[str, Any]:
+        """The chunk of what one step added to a sample of prompt `prompt` (choice `offset + c.index`); with
+        echo, a choice's first chunk starts with the prompt."""
         return self._chunk(
-            [self._choice(c, c.new_text, c.new_logprobs, c.finish_reason, c.stop_reason, final=False, offset=offset)]
+            [
+                self._choice(
+                    c,
+                    c.new_text,
+                    c.new_token_ids,
+                    c.new_logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
+                    final=False,
+                    offset=offset,
+                    prompt=prompt,
+                )
+            ]
         )
 
     def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict[str, Any]:
@@ -92,16 +166,35 @@ class ResponseBuilder:
         self,
         c: CompletionOutput,
         text: str,
+        token_ids: Sequence[int],
         logprobs: Sequence[TokenLogprob] | None,
         reason: str | None,
         stop_reason: str | int | None,
         final: bool,
         offset: int,
+        prompt: int,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": offset + c.index}
+        """Choice `offset + c.index` (of prompt `prompt`): the delta of a stream, or the whole of a response."""
+        index = offset + c.index
+        choice: dict[str, Any] = {"index": index}
         if self.kind == "completion":
+            ids: list[int] = list(token_ids)
+            entries: list[TokenLogprob | None] = list(logprobs or [None] * len(ids))
+            start = 0 if final else self._text_offsets.get(index, 0)
+            if self.echo is not None and (final or index not in self._text_offsets):  # the prompt goes first, once
+                echo = self.echo[prompt]
+                text = echo.text + text
+                ids = echo.token_ids + ids
+                entries = list(echo.logprobs or [None] * len(echo.token_ids)) + entries
             choice["text"] = text
-            choice["logprobs"] = self._completion_logprobs(logprobs) if self.logprobs is not None else None
+            if self.logprobs is not None:
+                choice["logprobs"] = self._completion_logprobs(ids, entries, start)
+                if not final:
+                    self._text_offsets[index] = start + sum(len(t) for t in choice["logprobs"]["tokens"])
+            else:
+                choice["logprobs"] = None
+                if not final:
+                    self._text_offsets[index] = start + len(text)
         else:
             key = "message" if final else "delta"
             choice[key] = {"role": "assistant", "content": text} if final else {"content": text}
@@ -128,19 +221,29 @@ class ResponseBuilder:
             msg["tool_calls"] = [_tool_call(t, None if final else k) for k, t in enumerate(calls)]
         return bool(calls)
 
-    def _completion_logprobs(self, items: Sequence[TokenLogprob] | None) -> dict[str, Any]:
-        """The legacy completions shape: parallel lists, alternatives as {token: logprob}."""
-        tokens, offsets, offset = [], [], 0
-        for lp in items or ():
-            tokens.append(self.token_text(lp.token_id))
+    def _completion_logprobs(
+        self, ids: Sequence[int], entries: Sequence[TokenLogprob | None], start: int
+    ) -> dict[str, Any]:
+        """The legacy completions shape (as vLLM's): parallel lists over `ids`, an entry of None (the first prompt
+        token) giving null logprob and alternatives; alternatives as {token: logprob} holding the token itself
+        and the `logprobs` most likely; `text_offset` the running length of the token strings from `start`."""
+        k = self.logprobs or 0
+        tokens, offsets, token_logprobs, tops = [], [], [], []
+        offset = start
+        for token_id, lp in zip(ids, entries, strict=True):
+            tokens.append(self.token_text(token_id))
             offsets.append(offset)
             offset += len(tokens[-1])
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in items or ()],
-            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in items or ()],
-            "text_offset": offsets,
-        }
+            if lp is None:
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
+            top = {tokens[-1]: token_logprobs[-1]}
+            for t, v in lp.top[:k]:
+                top.setdefault(self.token_text(t), max(v, LOGPROB_FLOOR))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _chat_logprobs(self, items: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""Does speculation pay for this batch? Measured decode tokens per second with it against without it.
+
+A verify step scores 1 + k positions per speculating sequence and runs without the one-step lookahead (its drafts
+need the previous step's tokens), so it costs more than a plain step; it pays only when the drafts it keeps make up
+for that. Acceptance alone cannot say so: the price of a verify step depends on the model, the batch, the machine.
+`CostGate` measures it. The engine reports each step it collects that only decoded (no prompt chunk in it): its
+wall seconds (the engine `step` call that collected it: a plain step's lookahead overlap and a speculating step's
+lost overlap are both in it), the tokens it yielded and its mode (speculating: it verified drafts, or it ran
+without the lookahead so that its sequences could propose; else plain). Rates are exponential moving averages per
+batch-size bucket (powers of two, as the runner's sequence buckets); the first step after a change of mode is not
+counted (it carries the switch).
+
+Policy, per bucket:
+- speculation is on unless paused; after every `probe_steps` speculating steps it decides:
+- the plain rate is unknown, or was measured more than `refresh_steps` steps ago: run `probe_steps` steps plainly
+  (plus the switch) to measure it;
+- speculating measured slower than plain: pause speculation for `pause_steps` steps, doubling (up to
+  `MAX_PAUSE_FACTOR` x) each time it loses again; a win resets the doubling.
+
+Pausing only changes which steps carry drafts: outputs are the same either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PAUSE_FACTOR = 16
+EMA_WEIGHT = 0.3  # of the newest step
+
+
+@dataclass(slots=True)
+class BucketCosts:
+    """One batch-size bucket's measurements and pause state (steps counted over every observed step)."""
+
+    spec_rate: float | None = None  # tokens / s, EMA
+    plain_rate: float | None = None
+    plain_at: int = -1  # step index of the latest plain measurement
+    spec_steps: int = 0  # speculating steps since the last decision
+    paused_until: int = 0  # speculation off for steps < this
+    factor: int = 1  # the next pause's multiple of pause_steps
+    last_mode: bool | None = None  # the mode of the latest observed step
+    pauses: int = 0  # times paused because speculating lost
+
+
+def bucket_of(num_seqs: int) -> int:
+    """The power of two >= num_seqs (>= 1)."""
+    return 1 << max(0, num_seqs - 1).bit_length()
+
+
+class CostGate:
+    def __init__(self, probe_steps: int, pause_steps: int, refresh_steps: int) -> None:
+        self.probe_steps, self.pause_steps, self.refresh_steps = probe_steps, pause_steps, refresh_steps
+        self.buckets: dict[int, BucketCosts] = {}
+        self.step = 0
+
+    def _bucket(self, num_seqs: int) -> BucketCosts:
+        key = bucket_of(num_seqs)
+        costs = self.buckets.get(key)
+        if costs is None:
+            costs = self.buckets[key] = BucketCosts()
+        return costs
+
+    def allows(self, num_seqs: int) -> bool:
+        """Whether a batch of `num_seqs` running sequences speculates now."""
+        costs = self.buckets.get(bucket_of(num_seqs))
+        return costs is None or self.step >= costs.paused_until
+
+    def observe(self, num_seqs: int, speculating: bool, tokens: int, seconds: float) -> None:
+        """A collected decode-only step of `num_seqs` sequences that yielded `tokens` in `seconds` of wall time."""
+        self.step += 1
+        costs = self._bucket(num_seqs)
+        switched = costs.last_mode is not None and costs.last_mode != speculating
+        costs.last_mode = speculating
+        if switched or seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        if not speculating:
+            costs.plain_rate = _ema(costs.plain_rate, rate)
+            costs.plain_at = self.step
+            return
+        costs.spec_rate = _ema(costs.spec_rate, rate)
+        costs.spec_steps += 1
+        if costs.spec_steps >= self.probe_steps:
+            costs.spec_steps = 0
+            self._decide(costs)
+
+    def _decide(self, costs: BucketCosts) -> None:
+        if costs.plain_rate is None or self.step - costs.plain_at > self.refresh_steps:
+            costs.paused_until = self.step + self.probe_steps + 1  # measure plain decoding (+1: the switch)
+        elif costs.spec_rate < costs.plain_rate:
+            costs.paused_until = self.step + self.pause_steps * costs.factor
+            costs.factor = min(2 * costs.factor, MAX_PAUSE_FACTOR)
+            costs.pauses += 1
+        else:
+            costs.factor = 1
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new
+
+
+__all__ = ["CostGate", "bucket_of"]
