@@ -407,8 +407,10 @@ class ModelRunner:
         )
         self._rep = one if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
-        first = mesh.devices.flat[0] if mesh is not None else next(iter(one.device_set)) if one else jax.devices()[0]
-        platform = first.platform
+        if mesh is not None:
+            platform = mesh.devices.flat[0].platform
+        else:
+            platform = (jax.devices()[0] if one is None else next(iter(one.device_set))).platform
         # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
         onednn = xla_flags.use_onednn_dots(config.dtype, platform) and quant.weights_key(params) is None
         self._forward_options = xla_flags.forward_compiler_options(onednn)  # XLA options of the forward step
