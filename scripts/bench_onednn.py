@@ -1,8 +1,9 @@
 """bfloat16 forward steps with XLA's oneDNN dots (AMX) against XLA's default dots, side by side in one run.
 
-SmolLM2-135M-Instruct in bfloat16, two engines in one process: `PAGED_JAX_ONEDNN=0` and `=1` (the option of
-`paged_jax.worker.xla_flags`; `auto`, the default, turns it on where the CPU has AMX). Two workloads, each
-run once to compile and then timed, the engines alternating:
+SmolLM2-135M-Instruct in bfloat16. First the forward step alone, with and without oneDNN dots at each size;
+then two engines in one process: `PAGED_JAX_ONEDNN=0` and `=1` (the option of `paged_jax.worker.xla_flags`;
+`auto`, the default, turns it on where the CPU has AMX; either way only steps of >= ONEDNN_MIN_TOKENS tokens
+use it). Two workloads, each run once to compile and then timed, the engines alternating:
 
 - decode: `--batch` chat prompts submitted together, greedy, `--max-tokens` new tokens with EOS ignored;
   generated tokens/s over the whole run (prefill included, a small share);
@@ -127,12 +128,13 @@ def step_inputs(config, batch: int, q_len: int, context: int, page_size: int = 1
 
 def step_times(config, params, rounds: int) -> dict[str, dict[str, float]]:
     """Median CPU ms of the engine's forward step (`step_functions`, compiled as the runner compiles it) with
-    oneDNN dots off and on, rounds alternating: decode at batch 32 x 192 keys, prefill of 256 tokens."""
+    oneDNN dots off and on, rounds alternating: decode at batch 8 and 32 x 192 keys, prefill of 256 tokens.
+    Both settings at every size: the runner itself uses oneDNN only from `xla_flags.ONEDNN_MIN_TOKENS` tokens."""
     import jax
 
     from paged_jax.worker.runner import step_functions
 
-    cases = {"decode b32 ctx192": (32, 1, 192), "prefill 1x256": (1, 256, 256)}
+    cases = {"decode b8 ctx192": (8, 1, 192), "decode b32 ctx192": (32, 1, 192), "prefill 1x256": (1, 256, 256)}
     out: dict[str, dict[str, float]] = {}
     for name, (batch, q_len, context) in cases.items():
         kv, meta, tokens, positions, rows = step_inputs(config, batch, q_len, context)

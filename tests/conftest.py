@@ -15,6 +15,7 @@ import pytest
 
 from paged_jax.config import ModelConfig, load_model_config
 from paged_jax.model.init import Params, init_params
+from paged_jax.worker.runner import EXECUTABLES
 
 MAPS = "/proc/self/maps"
 MAX_MAPS = 40_000  # Linux refuses mmap past vm.max_map_count (65,530 by default)
@@ -29,12 +30,14 @@ def memory_maps() -> int:
 def release_executables():
     """Drop every compiled executable when a test module ends.
 
-    JAX's compile caches keep each executable alive for the life of the process, and each XLA:CPU executable
+    The runners' shared registry (`EXECUTABLES`) and JAX's compile caches keep each executable alive for the
+    life of the process, and each XLA:CPU executable
     holds about nine memory maps of its own. One `pytest tests` process compiles many thousands of them: by
     about two thirds of the suite it passed vm.max_map_count, a code mapping failed and the process died
     with SIGSEGV inside XLA. Clearing the caches per module keeps the count flat; the check makes a leak
     (something else holding executables) a test error that names the module instead of a crash."""
     yield
+    EXECUTABLES.clear()
     jax.clear_caches()
     gc.collect()
     if os.path.exists(MAPS):

@@ -17,7 +17,6 @@ from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker import xla_flags
-from paged_jax.worker.runner import EXECUTABLES
 
 ONEDNN_FUSION = '"kind":"__onednn_fusion"'
 
@@ -110,28 +109,32 @@ def generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, ta
 
 
 def test_engine_compiles_bf16_steps_with_onednn_once(bf16_model, monkeypatch):
-    """With the option on, a bfloat16 engine's forward executables are keyed by and compiled with it (oneDNN
-    fusions in their HLO on AVX-512 BF16 CPUs); a float32 engine's are not, nor a model's with int8 weights.
-    A second run compiles nothing."""
+    """With the option on, a bfloat16 engine's forward executables of >= ONEDNN_MIN_TOKENS tokens are keyed by
+    and compiled with it (oneDNN fusions in their HLO on AVX-512 BF16 CPUs), smaller ones not; a float32
+    engine's are not, nor a model's with int8 weights. A second run of the same shapes compiles nothing."""
     config, params, _ = bf16_model
     monkeypatch.setenv(xla_flags.ONEDNN_ENV, "1")
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=64, warmup=False)
     engine = LLMEngine(config, params, ByteTokenizer(), cfg)
-    assert engine.runner._forward_options == xla_flags.forward_compiler_options(True)
     rng = np.random.default_rng(5)
-    lengths = (7, 40, 90)
+    lengths = (7, 40, 90)  # prefill steps of 64 tokens (oneDNN), decode steps of 16 (XLA's dots)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False)
     first = generate(engine, [rng.integers(3, 259, n).tolist() for n in lengths], sp, "a")
     compiled = engine.runner.compile_stats.count
     again = generate(engine, [rng.integers(3, 259, n).tolist() for n in lengths], sp, "b")  # same shapes
     assert all(len(t) == 6 for t in first + again)
     assert engine.runner.compile_stats.count == compiled
-    job = engine.runner.forward_job(16, 8)
-    assert job.options == xla_flags.forward_compiler_options(True) and job.options in job.key
+    on = xla_flags.forward_compiler_options(True)
+    small, large = engine.runner.forward_job(16, 8), engine.runner.forward_job(xla_flags.ONEDNN_MIN_TOKENS, 8)
+    assert small.options == () and large.options == on and on in large.key and small.key != large.key
     if cpu_has_avx512_bf16():
-        assert ONEDNN_FUSION in EXECUTABLES.get(job.key, job.lower, engine.runner.compile_stats).as_text()
-    quantized = quant.quantize_params(params, "int8")
-    assert LLMEngine(config, quantized, ByteTokenizer(), cfg).runner._forward_options == ()  # float weights only
+        hlo = {job: engine.runner._executable(job).as_text() for job in (small, large)}
+        assert ONEDNN_FUSION in hlo[large] and ONEDNN_FUSION not in hlo[small]
+
+    def options(engine: LLMEngine) -> tuple:
+        return engine.runner.forward_job(64, 8).options
+
+    assert options(engine) == on
+    assert options(LLMEngine(config, quant.quantize_params(params, "int8"), ByteTokenizer(), cfg)) == ()
     params32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-    f32 = LLMEngine(config.replace(dtype="float32"), params32, ByteTokenizer(), cfg)
-    assert f32.runner._forward_options == ()
+    assert options(LLMEngine(config.replace(dtype="float32"), params32, ByteTokenizer(), cfg)) == ()

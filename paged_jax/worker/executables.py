@@ -160,6 +160,15 @@ class Executables:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._done
 
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def clear(self) -> None:
+        """Drop every finished executable (a compile in flight still completes and is kept). A runner that
+        needs a dropped shape again compiles it again, counted as any compile is."""
+        with self._lock:
+            self._done.clear()
+
     def get(
         self,
         key: Hashable,
@@ -192,17 +201,22 @@ class Executables:
 
     def compile_all(
         self,
-        jobs: Iterable[tuple[Hashable, Callable[[], jax.stages.Lowered], CompilerOptions]],
+        jobs: Iterable[
+            tuple[Hashable, Callable[[], jax.stages.Lowered]]
+            | tuple[Hashable, Callable[[], jax.stages.Lowered], CompilerOptions]
+        ],
         stats: CompileStats,
         workers: int,
         progress: Callable[[Hashable], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> list[Hashable]:
-        """Compile every job not yet compiled on `workers` threads; `progress(key)` after each. Returns the keys
-        this call compiled. Once `cancel` is set no new compile starts (the running ones finish): the jobs left
-        are released, and a step that needs one compiles it itself."""
+        """Compile every job (key, lower[, compiler options]) not yet compiled on `workers` threads;
+        `progress(key)` after each. Returns the keys this call compiled. Once `cancel` is set no new compile
+        starts (the running ones finish): the jobs left are released, and a step that needs one compiles it
+        itself."""
         todo = []
-        for key, lower, options in jobs:
+        for key, lower, *rest in jobs:
+            options = rest[0] if rest else ()
             future, owner = self._claim(key)
             todo.append((key, lower, options, future, owner))
         mine = [key for key, *_, owner in todo if owner]

@@ -413,13 +413,19 @@ class ModelRunner:
             platform = (jax.devices()[0] if one is None else next(iter(one.device_set))).platform
         # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
         onednn = xla_flags.use_onednn_dots(config.dtype, platform) and quant.weights_key(params) is None
-        self._forward_options = xla_flags.forward_compiler_options(onednn)  # XLA options of the forward step
+        weights = quant.weights_key(params)
+        self.model, self._forward = step_functions(config, attention_backend, mesh, quantized_kv, weights, lora)
+        # The forward step of token buckets >= ONEDNN_MIN_TOKENS with oneDNN dots (its LM head rounded), or None.
+        self._forward_onednn = None
         if onednn:
+            _, self._forward_onednn = step_functions(config, attention_backend, mesh, quantized_kv, weights, lora, True)
             mode = xla_flags.onednn_mode()
-            log.info("bfloat16 forward steps compiled with oneDNN dots (%s=%s)", xla_flags.ONEDNN_ENV, mode)
-        self.model, self._forward = step_functions(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), lora, onednn
-        )
+            log.info(
+                "bfloat16 forward steps of >= %d tokens compiled with oneDNN dots (%s=%s)",
+                xla_flags.ONEDNN_MIN_TOKENS,
+                xla_flags.ONEDNN_ENV,
+                mode,
+            )
         self._prompt_logprobs = prompt_logprobs_function(
             config, attention_backend, mesh, quantized_kv, quant.weights_key(params)
         )
@@ -446,6 +452,7 @@ class ModelRunner:
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
         self._key = (
             self._forward,
+            self._forward_onednn,
             self._prompt_logprobs,
             self._copy,
             mesh,
@@ -623,15 +630,18 @@ class ModelRunner:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
 
     def forward_job(self, t: int, s: int) -> Job:
-        """The forward step of `t` tokens and `s` sequences."""
+        """The forward step of `t` tokens and `s` sequences (with oneDNN dots from ONEDNN_MIN_TOKENS tokens on,
+        when the runner uses them: `paged_jax.worker.xla_flags`)."""
 
         def lower() -> jax.stages.Lowered:
             i32 = self._spec
             meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
             lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
-            return self._forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
+            return forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
-        options = self._forward_options
+        onednn = self._forward_onednn is not None and t >= xla_flags.ONEDNN_MIN_TOKENS
+        forward = self._forward_onednn if onednn else self._forward
+        options = xla_flags.forward_compiler_options(onednn)
         return Job(("forward", self._key, t, s, options), lower, f"forward tokens={t} seqs={s}", options)
 
     def sample_job(

@@ -10,6 +10,8 @@ oneDNN's fused dot takes one dtype in and out: a bfloat16 x bfloat16 -> float32 
 float32 (the whole weight converted on every call), so the LM head rounds its float32-accumulated logits to
 bfloat16 under this option (what transformers' bfloat16 LM head returns), and they are widened after. Models
 with int8/fp8 weights (their dequantizing dots accumulate in float32) keep XLA's dots.
+Only steps of at least ``ONEDNN_MIN_TOKENS`` tokens (the token bucket) use it: with fewer rows oneDNN's dots
+were slower than XLA's (a decode step of 8 sequences), from 32 rows on faster (README).
 ``PAGED_JAX_ONEDNN``: ``auto`` (default: as above), ``1`` (also without AMX, for measuring), ``0`` (off).
 Figures: README, "XLA:CPU flags".
 """
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 ONEDNN_ENV = "PAGED_JAX_ONEDNN"
 ONEDNN_MODES = ("auto", "1", "0")
+ONEDNN_MIN_TOKENS = 32  # the smallest token bucket whose forward step uses oneDNN dots
 # XLA's oneDNN library fusion of dots (a repeated enum option: its value is the enum's full name).
 ONEDNN_DOT_OPTIONS: dict[str, object] = {
     "xla_cpu_use_onednn": True,
