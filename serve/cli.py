@@ -52,6 +52,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
     g.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars)
     g.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    g.add_argument("--max-chat-messages", type=int, default=d.max_chat_messages, help="messages in one conversation")
+    g.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=d.max_request_tokens,
+        help="prompts x n x max_tokens one request may ask for",
+    )
+    g.add_argument(
+        "--max-logprob-entries",
+        type=int,
+        default=d.max_logprob_entries,
+        help="logprob entries (tokens x (1 + alternatives)) one response may hold",
+    )
 
 
 def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
@@ -72,6 +85,9 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         max_stop_strings=args.max_stop_strings,
         max_stop_string_chars=args.max_stop_string_chars,
         max_message_bytes=args.max_message_bytes,
+        max_chat_messages=args.max_chat_messages,
+        max_request_tokens=args.max_request_tokens,
+        max_logprob_entries=args.max_logprob_entries,
     )
     config = ServingConfig(
         host=args.host,

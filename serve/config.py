@@ -26,9 +26,22 @@ class ServingLimits:
     max_request_id_chars: int = 256
     max_cache_salt_chars: int = 256
     max_message_bytes: int = 4 * 2**20  # gRPC receive limit; larger messages get RESOURCE_EXHAUSTED
+    max_chat_messages: int = 4096  # messages in one conversation, refused before the template renders them
+    # One request's whole response: prompts x n x max_tokens generated tokens, and logprob entries (each token
+    # with its alternatives): one max-n, max-tokens prompt fits; 64 of them, or 20 logprobs on each, do not.
+    max_request_tokens: int = 65536
+    max_logprob_entries: int = 131072
 
     def validate(self) -> None:
-        for name in ("max_tokens", "default_max_tokens", "max_n", "max_message_bytes"):
+        for name in (
+            "max_tokens",
+            "default_max_tokens",
+            "max_n",
+            "max_message_bytes",
+            "max_chat_messages",
+            "max_request_tokens",
+            "max_logprob_entries",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         if self.default_max_tokens > self.max_tokens:
@@ -46,6 +59,9 @@ class ServingLimits:
             max_stop_token_ids=self.max_stop_token_ids,
             max_request_id_chars=self.max_request_id_chars,
             max_cache_salt_chars=self.max_cache_salt_chars,
+            max_chat_messages=self.max_chat_messages,
+            max_request_tokens=self.max_request_tokens,
+            max_logprob_entries=self.max_logprob_entries,
         )
 
 

@@ -9,7 +9,6 @@ field and returns an `InvalidRequest` the servicer answers with INVALID_ARGUMENT
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -21,7 +20,13 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from paged_jax.engine.input_processor import MAX_CHARS_PER_TOKEN, ChatPrompt, GenerationRequest, InputProcessor
+from paged_jax.engine.input_processor import (
+    MAX_CHARS_PER_TOKEN,
+    ChatPrompt,
+    GenerationRequest,
+    InputProcessor,
+    check_message_count,
+)
 from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -29,6 +34,7 @@ from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.tokenization.tool_calls import history_tool_calls
 
 from .config import ServingLimits
+from .json_body import load_json
 from .proto.paged_jax.v1 import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -221,6 +227,11 @@ def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedReq
     kind = req.WhichOneof("input")
     if kind is None:
         raise invalid("input: set text, token_ids or chat")
+    try:
+        if kind == "chat":
+            check_message_count(len(req.chat.messages), inputs.limits.max_chat_messages)
+    except FieldError as e:
+        raise field_error(e, GRPC_FIELDS) from None
     prompt = req.text if kind == "text" else chat_prompt(req.chat) if kind == "chat" else list(req.token_ids.ids)
     request = GenerationRequest(
         prompt,
@@ -230,6 +241,7 @@ def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedReq
     )
     try:
         p = inputs.process(request)
+        inputs.check_size([p])
     except FieldError as e:
         raise field_error(e, GRPC_FIELDS) from None
     lora = req.lora_name if req.HasField("lora_name") else None
@@ -240,9 +252,9 @@ def _json_field(field: str, text: str, kind: type) -> Any:
     if not text:
         return None
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise invalid(f"{field}: not valid JSON ({e.msg})") from None
+        value = load_json(text, field)
+    except FieldError as e:
+        raise invalid(str(e), e.field) from None
     if not isinstance(value, kind):
         raise invalid(f"{field}: must be a JSON {'list' if kind is list else 'object'}")
     return value

@@ -73,6 +73,12 @@ class InputLimits:
     max_stop_token_ids: int | None = None
     max_request_id_chars: int | None = None
     max_cache_salt_chars: int | None = None
+    max_chat_messages: int | None = None  # messages in one conversation (checked before any is rendered)
+    # What one client request (all its prompts, `InputProcessor.check_size`) may ask to be generated and returned:
+    # prompts x n x max_tokens tokens, and logprob entries (each generated token with its alternatives, each
+    # prompt token with its prompt logprob alternatives: a response holds them all).
+    max_request_tokens: int | None = None
+    max_logprob_entries: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +92,10 @@ class ProcessedRequest:
     cache_salt: str | None
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, chat: ChatPrompt) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, chat: ChatPrompt, max_chars: int | None = None) -> list[int]:
     """A conversation rendered with the chat template (`chat.chat_template`, else the tokenizer's) and
-    tokenized. Raises ChatTemplateError (a FieldError) naming the field."""
+    tokenized; a render longer than `max_chars` is refused before it is encoded. Raises ChatTemplateError (a
+    FieldError) naming the field."""
     _, ids = apply_chat_template(
         tokenizer,
         chat.messages,
@@ -96,8 +103,16 @@ def chat_prompt_ids(tokenizer: Tokenizer, chat: ChatPrompt) -> list[int]:
         tools=chat.tools,
         chat_template=chat.chat_template,
         template_kwargs=chat.template_kwargs,
+        max_chars=max_chars,
     )
     return ids
+
+
+def check_message_count(count: int, limit: int | None) -> None:
+    """FieldError on `messages` when a conversation has more than `limit` messages (None: no bound). The
+    fronts call it too, before their own pass over the messages."""
+    if limit is not None and count > limit:
+        raise FieldError("messages", f"{count} messages, more than the limit of {limit}")
 
 
 def sampling_params(
@@ -145,6 +160,12 @@ class InputProcessor:
             return None
         return min(self.limits.max_prompt_tokens or self.max_model_len, self.max_model_len - 1)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt text (a text prompt, a chat's rendered text) worth encoding: more characters than
+        this always make more tokens than the prompt limit (or the model's length) allows."""
+        return (self.max_prompt_tokens or self.max_model_len) * MAX_CHARS_PER_TOKEN
+
     def process(self, req: GenerationRequest) -> ProcessedRequest:
         """Every check of one request, in order; raises FieldError naming the first field at fault."""
         lim = self.limits
@@ -173,6 +194,28 @@ class InputProcessor:
             )
         return ProcessedRequest(req.request_id, text, ids, params, req.cache_salt)
 
+    def check_size(self, requests: Sequence[ProcessedRequest]) -> None:
+        """Bound what one client request asks for across its prompts (a completions request may carry several):
+        generated tokens and logprob entries (`InputLimits.max_request_tokens`, `max_logprob_entries`).
+        Raises FieldError on `max_tokens` or `logprobs` naming the limit."""
+        lim = self.limits
+        tokens = sum(r.params.n * r.params.max_tokens for r in requests)
+        if lim.max_request_tokens is not None and tokens > lim.max_request_tokens:
+            first = requests[0].params
+            raise FieldError(
+                "max_tokens",
+                f"{len(requests)} prompt(s) x n {first.n} x max_tokens {first.max_tokens} ask for {tokens} tokens, "
+                f"more than the limit of {lim.max_request_tokens} per request",
+            )
+        entries = sum(_logprob_entries(r) for r in requests)
+        if lim.max_logprob_entries is not None and entries > lim.max_logprob_entries:
+            field = "logprobs" if any(r.params.logprobs for r in requests) else "prompt_logprobs"
+            raise FieldError(
+                field,
+                f"the response would hold {entries} logprob entries (tokens x (1 + alternatives)), more than the "
+                f"limit of {lim.max_logprob_entries} per request",
+            )
+
     # -- the prompt -------------------------------------------------------------------------------------
     def _prompt(self, prompt: str | Sequence[int] | ChatPrompt) -> tuple[str | None, list[int], str]:
         """(text or None, ids, the prompt's field name)."""
@@ -180,8 +223,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise FieldError("prompt", "must not be empty")
-            if limit is not None and len(prompt) > limit * MAX_CHARS_PER_TOKEN:  # bound it before encoding it
-                raise FieldError("prompt", f"longer than the prompt limit of {limit} tokens")
+            if len(prompt) > self.max_prompt_chars:  # bound it before encoding it
+                raise FieldError("prompt", f"longer than the prompt limit of {limit or self.max_model_len} tokens")
             return prompt, self.tokenizer.encode(check_text(prompt, "prompt")), "prompt"
         if isinstance(prompt, ChatPrompt):
             return None, self._chat(prompt, limit), "messages"
@@ -202,11 +245,17 @@ class InputProcessor:
         return None, [int(t) for t in ids], "prompt_token_ids"
 
     def _chat(self, chat: ChatPrompt, limit: int | None) -> list[int]:
+        """The conversation's ids: its message count bounded first, each message and the rendered text bounded
+        by what the prompt limit allows before anything is encoded."""
+        if isinstance(chat.messages, Sequence):
+            check_message_count(len(chat.messages), self.limits.max_chat_messages)
         for i, m in enumerate(chat.messages):  # as for text: no message longer than any prompt the limit allows
             content = m.get("content") if isinstance(m, Mapping) else None
-            if limit is not None and isinstance(content, str) and len(content) > limit * MAX_CHARS_PER_TOKEN:
-                raise FieldError(f"messages[{i}].content", f"longer than the prompt limit of {limit} tokens")
-        return chat_prompt_ids(self.tokenizer, chat)
+            if isinstance(content, str) and len(content) > self.max_prompt_chars:
+                raise FieldError(
+                    f"messages[{i}].content", f"longer than the prompt limit of {limit or self.max_model_len} tokens"
+                )
+        return chat_prompt_ids(self.tokenizer, chat, self.max_prompt_chars)
 
     # -- sampling ---------------------------------------------------------------------------------------
     def _sampling(self, sampling: SamplingParams | Mapping[str, Any], prompt_len: int) -> SamplingParams:
@@ -249,6 +298,17 @@ class InputProcessor:
         if lim.max_stop_token_ids is not None and len(ids) > lim.max_stop_token_ids:
             raise FieldError("stop_token_ids", f"more than {lim.max_stop_token_ids} ids")
         return params
+
+
+def _logprob_entries(r: ProcessedRequest) -> int:
+    """Logprob entries a request's response holds: per generated token 1 + `logprobs`, per prompt token 1 +
+    `prompt_logprobs` (when asked for)."""
+    p, entries = r.params, 0
+    if p.logprobs is not None:
+        entries += p.n * p.max_tokens * (1 + p.logprobs)
+    if p.prompt_logprobs is not None:
+        entries += len(r.prompt_token_ids) * (1 + p.prompt_logprobs)
+    return entries
 
 
 def _is_token_id(t: Any, vocab_size: int) -> bool:

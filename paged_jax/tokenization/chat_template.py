@@ -238,10 +238,12 @@ def apply_chat_template(
     chat_template: ChatTemplate | None = None,
     field: str = "messages",
     template_kwargs: Mapping[str, Any] | None = None,
+    max_chars: int | None = None,
 ) -> tuple[str, list[int]]:
     """(prompt text, prompt ids) of a conversation with the tokenizer's template (or `chat_template`).
 
-    The ids come from `encode(text, add_special_tokens=False)`: the template wrote the special tokens.
+    The ids come from `encode(text, add_special_tokens=False)`: the template wrote the special tokens. A
+    rendered text longer than `max_chars` is refused while it renders (never encoded).
     """
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     text = render(
@@ -252,6 +254,7 @@ def apply_chat_template(
         tools=tools,
         field=field,
         template_kwargs=template_kwargs,
+        limits=None if max_chars is None else RenderLimits(max_chars=max_chars),
     )
     if not text:
         raise ChatTemplateError(field, "the chat template rendered an empty prompt")

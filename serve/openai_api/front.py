@@ -41,7 +41,7 @@ from ..engine_loop import EngineLoop, Event, RequestStream
 from ..metrics import Metrics
 from . import tokenize
 from .errors import error_body, error_response
-from .protocol import Kind, OpenAIRequest, field_names, parse_body, typed
+from .protocol import Kind, OpenAIRequest, field_names, json_value, parse_body, typed
 from .responses import Echo, ResponseBuilder
 
 CPU_WORKERS = 2  # threads for JSON parsing, tokenization and chat templates, off the event loop
@@ -105,7 +105,9 @@ class OpenAIFront:
         self._adapter(req)
         fmt = self._tool_choice(req)
         try:
-            return fmt, [self.inputs.process(g) for g in req.generates]
+            parsed = [self.inputs.process(g) for g in req.generates]
+            self.inputs.check_size(parsed)
+            return fmt, parsed
         except FieldError as e:
             raise convert.field_error(e, field_names(req.kind, req.max_tokens_name, req.structured_param)) from None
 
@@ -155,7 +157,7 @@ class OpenAIFront:
         try:
             self.check_auth(request)
             raw = await _read_body(request, self.config.limits.max_message_bytes)
-            req = await self._off_loop(parse_body, raw, kind)
+            req = await self._off_loop(parse_body, raw, kind, self.inputs.limits.max_chat_messages)
             fmt, parsed = await self._off_loop(self._convert, req)
             if self.draining:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
@@ -365,10 +367,7 @@ class OpenAIFront:
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "body: not valid JSON") from None
+    body = json_value(raw)
     if not isinstance(body, dict):
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "body: must be a JSON object")
     return body

@@ -9,16 +9,16 @@ silently ignoring them. A completions request may carry several prompts: one Gen
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest
+from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, check_message_count
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.sampling_params import logit_bias_from_json
 from paged_jax.tokenization.tool_calls import function_specs, history_tool_calls
 
 from ..convert import RequestError, invalid
+from ..json_body import load_json
 from .structured import structured_output
 
 Kind = Literal["completion", "chat"]
@@ -83,12 +83,18 @@ def _bad(param: str, text: str) -> RequestError:
     return invalid(f"{param}: {text}", param)
 
 
-def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
-    """Parse and type-check a JSON body; raises RequestError (INVALID_ARGUMENT naming the parameter)."""
+def json_value(raw: bytes) -> Any:
+    """A body's JSON value, bounded (`serve.json_body`); INVALID_ARGUMENT naming where it is at fault."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad("body", f"not valid JSON ({e})") from None
+        return load_json(raw, "body")
+    except FieldError as e:
+        raise invalid(str(e), e.field) from None
+
+
+def parse_body(raw: bytes, kind: Kind, max_messages: int | None = None) -> OpenAIRequest:
+    """Parse and type-check a JSON body; raises RequestError (INVALID_ARGUMENT naming the parameter). A chat
+    of more than `max_messages` messages is refused before they are looked at one by one."""
+    body = json_value(raw)
     if not isinstance(body, dict):
         raise _bad("body", "must be a JSON object")
     for name, allowed in _UNSUPPORTED[kind].items():
@@ -116,7 +122,7 @@ def parse_body(raw: bytes, kind: Kind) -> OpenAIRequest:
     if constraint is not None:
         sampling["structured_outputs"] = constraint
     salt = typed(body, "cache_salt", str)
-    prompts = [chat_prompt(body)] if kind == "chat" else _prompts(body)
+    prompts = [chat_prompt(body, max_messages)] if kind == "chat" else _prompts(body)
     tools, tool_choice = _tools(body) if kind == "chat" else (None, "none")
     generates = [GenerationRequest(p, dict(sampling), cache_salt=salt) for p in prompts]
     return OpenAIRequest(
@@ -223,11 +229,16 @@ def _prompts(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-def chat_prompt(body: dict) -> ChatPrompt:
-    """`messages` (and the template options beside them) as the engine's ChatPrompt; RequestError naming the field."""
+def chat_prompt(body: dict, max_messages: int | None = None) -> ChatPrompt:
+    """`messages` (and the template options beside them) as the engine's ChatPrompt; RequestError naming the field.
+    More than `max_messages` messages are refused before they are looked at one by one."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty array of messages")
+    try:
+        check_message_count(len(messages), max_messages)
+    except FieldError as e:
+        raise invalid(str(e), e.field) from None
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"

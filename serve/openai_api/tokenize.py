@@ -19,7 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged_jax.engine.input_processor import MAX_CHARS_PER_TOKEN, ChatPrompt, InputProcessor, chat_prompt_ids
+from paged_jax.engine.input_processor import (
+    MAX_CHARS_PER_TOKEN,
+    ChatPrompt,
+    InputProcessor,
+    chat_prompt_ids,
+    check_message_count,
+)
 from paged_jax.tokenization.text_checks import check_text
 
 from ..convert import invalid
@@ -55,10 +61,11 @@ def tokenize(req: TokenizeRequest, inputs: InputProcessor) -> dict[str, Any]:
     """The `/tokenize` answer, bounded by the server's prompt limit before any encoding."""
     tokenizer, limit = inputs.tokenizer, inputs.max_prompt_tokens or inputs.max_model_len
     if isinstance(req.prompt, ChatPrompt):
+        check_message_count(len(req.prompt.messages), inputs.limits.max_chat_messages)
         for i, m in enumerate(req.prompt.messages):
             if len(m["content"]) > limit * MAX_CHARS_PER_TOKEN:
                 raise invalid(f"messages[{i}].content: longer than the prompt limit of {limit} tokens", "messages")
-        ids = chat_prompt_ids(tokenizer, req.prompt)
+        ids = chat_prompt_ids(tokenizer, req.prompt, limit * MAX_CHARS_PER_TOKEN)  # a long render stops early
     else:
         if len(req.prompt) > limit * MAX_CHARS_PER_TOKEN:
             raise invalid(f"prompt: longer than the prompt limit of {limit} tokens", "prompt")

@@ -1,0 +1,310 @@
+"""Hostile request bodies on both fronts (issue 25): every one is a 4xx / INVALID_ARGUMENT naming its field, never
+an internal error, and the server goes on serving.
+
+The HTTP and gRPC fronts share the session's engine loop; the tiny byte tokenizer gets a chat template that also
+feeds a template variable `n` to `range()` (restored after the module).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from test_serve_support import LIMITS, shared, start_server, wait_idle
+
+from paged_jax.errors import FieldError
+from paged_jax.tokenization.chat_template import template_from_text
+from serve.client import Client, build_request, chat_input
+from serve.config import ServingConfig
+from serve.json_body import MAX_DEPTH, load_json
+from serve.openai_api.server import HttpServerThread
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+    "{% if n is defined %}{% for i in range(n) %}.{% endfor %}{% endif %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+USER = [{"role": "user", "content": "hi"}]
+DIGITS = "7" * 5000  # more than int()'s 4,300-digit limit
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.fixture(scope="module")
+def fronts():
+    s = shared()
+    tokenizer = s.engine.tokenizer
+    old_template, tokenizer.chat_template = tokenizer.chat_template, template_from_text(TEMPLATE, "test template")
+    grpc_front = start_server()
+    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, limits=LIMITS), s.metrics).start()
+    yield http, grpc_front
+    http.stop()
+    grpc_front.stop()
+    tokenizer.chat_template = old_template
+
+
+def _post(base_url: str, route: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{base_url}/{route}", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _chat(**extra) -> bytes:
+    return json.dumps({"messages": USER, "max_tokens": 2, **extra}).encode()
+
+
+def _with(body: bytes, key: str, raw_value: str) -> bytes:
+    """`body` (a JSON object) with `"key": raw_value` added as written (not re-encoded by json.dumps)."""
+    return body[:-1] + f', "{key}": {raw_value}}}'.encode()
+
+
+TOOL_WITH_DIGITS = '[{"type": "function", "function": {"name": "f", "parameters": {"maximum": ' + DIGITS + "}}}]"
+# (route, body, the param the 400 names): each was an HTTP 500 (RecursionError, ValueError of int(), OverflowError
+# of float(), UnicodeEncodeError) or is a template-variable misuse that must stay a 400
+HOSTILE_HTTP = {
+    "nested-100k": ("completions", _with(b'{"prompt": "a"}', "x", DEEP), "body"),
+    "nested-65": ("completions", _with(b'{"prompt": "a"}', "x", "[" * 65 + "]" * 65), "x" + "[0]" * (MAX_DEPTH - 1)),
+    "digits-max_tokens": ("completions", _with(b'{"prompt": "a"}', "max_tokens", DIGITS), "max_tokens"),
+    "digits-in-tools": (
+        "chat/completions",
+        _with(_chat(), "tools", TOOL_WITH_DIGITS),
+        "tools[0].function.parameters.maximum",
+    ),
+    "temperature-10**400": ("completions", _with(b'{"prompt": "a"}', "temperature", "1" + "0" * 400), "temperature"),
+    "temperature-NaN": ("completions", _with(b'{"prompt": "a"}', "temperature", "NaN"), "temperature"),
+    "surrogate-prompt": ("completions", b'{"prompt": "a\\ud800", "max_tokens": 2}', "prompt"),
+    "surrogate-stop": ("completions", b'{"prompt": "a", "stop": ["x", "\\udfff"], "max_tokens": 2}', "stop[1]"),
+    "surrogate-content": (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        "messages[0].content",
+    ),
+    "surrogate-role": ("chat/completions", b'{"messages": [{"role": "\\ud800", "content": "x"}]}', "messages[0].role"),
+    "surrogate-name": (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',
+        "messages[0].name",
+    ),
+    "surrogate-cache_salt": ("completions", b'{"prompt": "a", "cache_salt": "\\ud800"}', "cache_salt"),
+    "surrogate-tools": (
+        "chat/completions",
+        _with(_chat(), "tools", '[{"type": "function", "function": {"name": "f\\ud800"}}]'),
+        "tools[0].function.name",
+    ),
+    "surrogate-kwargs-key": (
+        "chat/completions",
+        _with(_chat(), "chat_template_kwargs", '{"a\\udc00": 1}'),
+        "chat_template_kwargs",
+    ),
+    "high-surrogate-then-high": ("completions", b'{"prompt": "\\ud83d\\ud83d\\ude00"}', "prompt"),
+    **{
+        f"shadow-{name}": ("chat/completions", _chat(chat_template_kwargs={name: 1}), "chat_template_kwargs")
+        for name in ("namespace", "range", "raise_exception", "strftime_now")
+    },
+    "range-too-big": ("chat/completions", _chat(chat_template_kwargs={"n": 10**12}), "messages"),
+    "range-not-int": ("chat/completions", _chat(chat_template_kwargs={"n": "many"}), "messages"),
+    "range-float": ("chat/completions", _chat(chat_template_kwargs={"n": 2.5}), "messages"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_HTTP)
+def test_hostile_http_bodies_are_400_naming_the_param(fronts, case):
+    route, body, param = HOSTILE_HTTP[case]
+    status, reply = _post(fronts[0].base_url, route, body)
+    error = reply["error"]
+    assert status == 400 and error["type"] == "invalid_request_error", reply
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), reply
+
+
+def test_valid_unicode_and_64_bit_integers_still_pass(fronts):
+    """The guard refuses nothing a real request holds: emoji as escaped surrogate pairs, brackets and escaped
+    quotes inside strings, nesting at the limit, integers up to 2^64 - 1."""
+    http = fronts[0]
+    status, reply = _post(http.base_url, "completions", b'{"prompt": "\\ud83d\\ude00 [[{{\\"\\\\", "max_tokens": 2}')
+    assert status == 200 and reply["usage"]["prompt_tokens"] > 0, reply
+    nested = _with(b'{"prompt": "a", "max_tokens": 2}', "user", '"' + "[" * 100 + '"')
+    assert _post(http.base_url, "completions", nested)[0] == 200
+    status, reply = _post(http.base_url, "completions", _with(b'{"prompt": "a"}', "seed", str(2**64 - 1)))
+    assert status == 400 and reply["error"]["param"] == "seed" and "2^63" in reply["error"]["message"], reply
+    with Client(fronts[1].target) as client:
+        wait_idle(client)
+
+
+def _grpc_chat(client: Client, **fields) -> grpc.RpcError:
+    chat = chat_input(USER)
+    for name, value in fields.items():
+        setattr(chat, name, value)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(build_request(chat, max_tokens=2))
+    return e.value
+
+
+HOSTILE_GRPC = {
+    "tools-digits": ({"tools_json": TOOL_WITH_DIGITS}, "chat.tools_json[0].function.parameters.maximum"),
+    "tools-nested": ({"tools_json": DEEP}, "chat.tools_json"),
+    "tools-surrogate": (
+        {"tools_json": '[{"type": "function", "function": {"name": "\\ud800"}}]'},
+        "chat.tools_json[0]",
+    ),
+    "kwargs-digits": ({"chat_template_kwargs_json": '{"n": ' + DIGITS + "}"}, "chat.chat_template_kwargs_json.n"),
+    "kwargs-nested": ({"chat_template_kwargs_json": '{"n": ' + DEEP + "}"}, "chat.chat_template_kwargs_json"),
+    "kwargs-surrogate": ({"chat_template_kwargs_json": '{"n": "\\ud800"}'}, "chat.chat_template_kwargs_json.n"),
+    "kwargs-shadow": ({"chat_template_kwargs_json": '{"range": 1}'}, "chat.chat_template_kwargs_json"),
+    "kwargs-range-float": ({"chat_template_kwargs_json": '{"n": 1e300}'}, "chat.messages"),
+    "tool_calls-digits": ({}, "chat.messages[0].tool_calls_json[0].function.arguments.x"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_GRPC)
+def test_hostile_grpc_json_fields_are_invalid_argument(fronts, case):
+    fields, where = HOSTILE_GRPC[case]
+    with Client(fronts[1].target) as client:
+        if case == "tool_calls-digits":
+            chat = chat_input([{"role": "assistant", "content": ""}, *USER])
+            call = '[{"type": "function", "function": {"name": "f", "arguments": {"x": ' + DIGITS + "}}}]"
+            chat.messages[0].tool_calls_json = call
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate(build_request(chat, max_tokens=2))
+            error = e.value
+        else:
+            error = _grpc_chat(client, **fields)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert error.details().startswith(where), error.details()
+        wait_idle(client)
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "message"),
+    [
+        ('{"a": "[[[", "b": [[1]]}', None, None),
+        ('{"a": "\\\\", "b": "\\"]]]"}', None, None),
+        ("[" * MAX_DEPTH + "]" * MAX_DEPTH, None, None),
+        ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "[0]" * MAX_DEPTH, "nested deeper"),
+        ('{"a": [1, {"b": Infinity}]}', "a[1].b", "Infinity is not a JSON number"),
+        (f'{{"a": {-(2**64) + 1}}}', None, None),
+        (f'{{"a": {2**64}}}', "a", "beyond the limit of 2^64"),
+        ('{"a": ["\\ud800\\udc00", "\\udc00\\ud800"]}', "a[1]", "lone surrogate at character 0"),
+        ('{"a": "\\\\ud800"}', None, None),  # an escaped backslash: the text \ud800, no surrogate
+        ("{not json", "body", "not valid JSON"),
+    ],
+)
+def test_load_json_bounds_and_names_the_place(text, field, message):
+    if field is None:
+        assert load_json(text.encode()) == json.loads(text)
+        return
+    with pytest.raises(FieldError) as e:
+        load_json(text.encode())
+    assert e.value.field == field and message in e.value.message
+    with pytest.raises(FieldError) as e:  # below another field's name (gRPC's JSON string fields)
+        load_json(text, "chat.tools_json")
+    assert e.value.field == (
+        "chat.tools_json" if field == "body" else f"chat.tools_json{'' if field[0] == '[' else '.'}{field}"
+    )
+
+
+# -- issue 25.4: conversations bounded before they are rendered and encoded -------------------------------------
+def test_too_many_messages_are_refused_before_any_is_rendered(fronts, monkeypatch):
+    import paged_jax.engine.input_processor as input_processor
+
+    renders = []
+    real = input_processor.chat_prompt_ids
+    monkeypatch.setattr(input_processor, "chat_prompt_ids", lambda *a, **k: renders.append(1) or real(*a, **k))
+    many = USER * (LIMITS.max_chat_messages + 1)
+    status, reply = _post(fronts[0].base_url, "chat/completions", json.dumps({"messages": many}).encode())
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert f"{len(many)} messages, more than the limit of {LIMITS.max_chat_messages}" in reply["error"]["message"]
+    with Client(fronts[1].target) as client, pytest.raises(grpc.RpcError) as e:
+        client.chat(many, max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("chat.messages: ")
+    assert renders == []
+
+
+def test_a_long_render_is_refused_before_it_is_encoded(fronts, monkeypatch):
+    """A template that writes far more than the prompt limit allows stops rendering at the limit's characters
+    ((max_model_len - 1) x 8 here) and is never handed to the tokenizer."""
+    tokenizer = shared().engine.tokenizer
+    encoded: list[int] = []
+    real = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **k: encoded.append(len(text)) or real(text, *a, **k))
+    max_chars = (shared().engine.max_model_len - 1) * 8  # the server limit 0: the model's length less one
+    status, reply = _post(fronts[0].base_url, "chat/completions", _chat(chat_template_kwargs={"n": max_chars + 1}))
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert f"longer than {max_chars} characters" in reply["error"]["message"], reply
+    assert all(n <= max_chars for n in encoded), encoded
+    status, reply = _post(fronts[0].base_url, "chat/completions", _chat(chat_template_kwargs={"n": 100}))
+    assert status == 200 and reply["usage"]["prompt_tokens"] > 100, reply
+
+
+def test_input_processor_bounds_message_count_and_text_before_encoding():
+    from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputLimits, InputProcessor
+
+    engine = shared().engine
+    inputs = InputProcessor(
+        engine.tokenizer,
+        vocab_size=engine.config.vocab_size,
+        max_model_len=64,
+        max_n=4,
+        limits=InputLimits(max_chat_messages=3),
+    )
+    chat = ChatPrompt(USER * 4, template_kwargs={}, chat_template=template_from_text(TEMPLATE))
+    with pytest.raises(FieldError, match="4 messages, more than the limit of 3") as e:
+        inputs.process(GenerationRequest(chat))
+    assert e.value.field == "messages"
+    with pytest.raises(FieldError, match="prompt limit of 64 tokens") as e:  # no limit of its own: the model's
+        inputs.process(GenerationRequest("x" * (64 * 8 + 1)))
+    assert e.value.field == "prompt"
+
+
+# -- issue 25.5: one request cannot ask for gigabytes of response ----------------------------------------------
+def test_generated_tokens_and_logprob_entries_per_request_are_capped(fronts):
+    http, grpc_front = fronts
+    limits = LIMITS
+    prompts = ["a"] * (limits.max_request_tokens // (limits.max_n * limits.max_tokens) + 1)
+    body = {"prompt": prompts, "n": limits.max_n, "max_tokens": limits.max_tokens, "temperature": 1.0}
+    status, reply = _post(http.base_url, "completions", json.dumps(body).encode())
+    assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+    assert f"more than the limit of {limits.max_request_tokens} per request" in reply["error"]["message"]
+    chat = {"messages": USER, "n": 8, "max_completion_tokens": 1000, "logprobs": True, "top_logprobs": 20}
+    status, reply = _post(http.base_url, "chat/completions", json.dumps(chat).encode())
+    assert status == 400 and reply["error"]["param"] == "top_logprobs", reply
+    assert "168000 logprob entries" in reply["error"]["message"]
+    assert str(limits.max_logprob_entries) in reply["error"]["message"]
+    with Client(grpc_front.target) as client:
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("a", n=8, max_tokens=1000, logprobs=20, temperature=1.0)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert e.value.details().startswith("sampling.logprobs: "), e.value.details()
+        ok = client.generate("a", n=2, max_tokens=3, logprobs=2, temperature=1.0, ignore_eos=True)  # well below
+        assert [len(c.logprobs) for c in ok.completions] == [3, 3]
+        wait_idle(client)
+
+
+def test_check_size_counts_prompt_logprobs():
+    from paged_jax.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
+    from paged_jax.sampling_params import SamplingParams
+
+    engine = shared().engine
+    inputs = InputProcessor(
+        engine.tokenizer,
+        vocab_size=engine.config.vocab_size,
+        max_model_len=4096,
+        max_n=8,
+        limits=InputLimits(max_request_tokens=100, max_logprob_entries=1000),
+    )
+
+    def request(prompt_len: int, **sampling) -> ProcessedRequest:
+        return ProcessedRequest(None, None, [1] * prompt_len, SamplingParams(**sampling), None)
+
+    inputs.check_size([request(10, n=2, max_tokens=50)])  # 100 tokens: at the limit
+    with pytest.raises(FieldError, match="101 tokens") as e:
+        inputs.check_size([request(10, n=1, max_tokens=50), request(10, n=1, max_tokens=51)])
+    assert e.value.field == "max_tokens"
+    inputs.check_size([request(199, max_tokens=0, prompt_logprobs=4)])  # 995 entries
+    with pytest.raises(FieldError, match="1005 logprob entries") as e:
+        inputs.check_size([request(201, max_tokens=0, prompt_logprobs=4)])
+    assert e.value.field == "prompt_logprobs"
