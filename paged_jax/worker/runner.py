@@ -221,6 +221,18 @@ def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, 
     return jnp.zeros(shape, kv_dtype, device=device)
 
 
+def _abstract_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None, one):
+    """One layer's cache as `jax.ShapeDtypeStruct`s (nothing allocated): on `mesh` as `_allocate_kv` places it, or
+    on the single-device sharding `one`."""
+    shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
+    pages = jax.ShapeDtypeStruct(shape, kv_dtype, sharding=one if mesh is None else sharding.kv_sharding(mesh))
+    if not kv_quant.is_quantized_dtype(kv_dtype):
+        return pages
+    scales_on = one if mesh is None else sharding.kv_scales_sharding(mesh)
+    scales = jax.ShapeDtypeStruct(kv_quant.scales_shape(num_pages, config.num_kv_heads, page_size), jnp.float32)
+    return kv_quant.QuantizedPages(pages, jax.ShapeDtypeStruct(scales.shape, scales.dtype, sharding=scales_on))
+
+
 def _copy_all_pages(kv_caches, src, dst):
     return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
 
@@ -333,6 +345,10 @@ class ModelRunner:
     (`sharding.shard_params`, which also gives the `config` to pass here) and the pages are created on it.
     `num_speculative_tokens` > 0: steps may verify that many drafts per sequence (`paged_jax.spec`): the sequence
     buckets then reach the sample rows of a full verify step, and the sampler marks the rejected rows.
+    `abstract`: `params` are `jax.ShapeDtypeStruct`s (placed on `mesh`, or all on one device) and nothing is
+    allocated, no KV pages, no LoRA slots: the runner's jobs lower and compile exactly as the engine's, for
+    a target this process cannot run on (`paged_jax.worker.aot`: deviceless TPU and GPU topologies); it cannot
+    run a step.
     """
 
     def __init__(
@@ -351,8 +367,10 @@ class ModelRunner:
         max_logit_bias: int = MAX_LOGIT_BIAS,
         lora: LoraShape | None = None,
         num_speculative_tokens: int = 0,
+        abstract: bool = False,
     ) -> None:
         self.config = config
+        self.abstract = abstract
         self.lora = lora
         self.params = params
         self.mesh = mesh
@@ -374,16 +392,25 @@ class ModelRunner:
             max_logit_bias  # bias columns of a step with a biased row (`paged_jax.worker.logit_bias`)
         )
         self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
-        self.kv_caches = tuple(
-            _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
-        )
+        # Where a one-device runner's operands live: the default device, or an abstract runner's target device.
+        one = jax.tree.leaves(params)[0].sharding if abstract and mesh is None else None
+        if abstract:
+            layer = _abstract_kv(config, num_pages, page_size, self.kv_dtype, mesh, one)
+            self.kv_caches = (layer,) * config.num_layers
+        else:
+            self.kv_caches = tuple(
+                _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
+            )
         # Lowering sees only these (a background compile never touches pages a running step donated).
         self._kv_specs = jax.tree.map(
             lambda kv: jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding), self.kv_caches
         )
-        self._rep = None if mesh is None else sharding.replicated(mesh)
+        self._rep = one if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
-        platform = jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
+        if mesh is not None:
+            platform = mesh.devices.flat[0].platform
+        else:
+            platform = (jax.devices()[0] if one is None else next(iter(one.device_set))).platform
         # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
         onednn = xla_flags.use_onednn_dots(config.dtype, platform) and quant.weights_key(params) is None
         weights = quant.weights_key(params)
@@ -405,10 +432,21 @@ class ModelRunner:
         self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
         if lora is not None:
             shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
-            self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, shardings)
+            if abstract:
+                shapes = lora_weights.abstract_weights(config, lora.max_loras, lora.max_rank)
+                on = shardings or jax.tree.map(lambda _: one, shapes)
+                self.lora_weights = jax.tree.map(
+                    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, on
+                )
+            else:
+                self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, shardings)
             self._lora_write = _lora_writer(config, mesh, lora)
-        on = None if mesh is None else sharding.replicated(mesh)
-        self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
+        # The merge input when there is no lookahead.
+        self._no_prev_tokens = (
+            self._spec(self.seq_buckets[-1])
+            if abstract
+            else jnp.zeros(self.seq_buckets[-1], jnp.int32, device=self._rep)
+        )
         self._allow_all: dict[int, jax.Array] = {}  # the sampler's bitmask when no row is constrained, per S
         self._copy = _copy_pages if mesh is None else _copy_pages_on(mesh, config.num_layers, quantized_kv)
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
@@ -510,6 +548,8 @@ class ModelRunner:
 
     def _forward_step(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None) -> _Forward:
         """Copies, adapter loads and the forward step of `sched`, dispatched without waiting."""
+        if self.abstract:
+            raise RuntimeError("an abstract ModelRunner has no KV pages: it compiles steps, it cannot run one")
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
         for load in sched.lora_loads:
