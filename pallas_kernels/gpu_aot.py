@@ -130,9 +130,10 @@ class H200Compiler:
     def close(self) -> None:
         shutil.rmtree(self._root, ignore_errors=True)
 
-    def compile(self, fn: Callable, *args, mesh: jax.sharding.Mesh | None = None, lowered=None):
-        """``(compiled, reports)``: ``jax.jit(fn).lower(*args).compile()`` for the H200 (or an already lowered
-        computation), with one :class:`KernelReport` per distinct kernel that ptxas compiled."""
+    def compile(self, fn: Callable | None, *args, mesh: jax.sharding.Mesh | None = None, lower=None, options=()):
+        """``(compiled, reports)``: ``jax.jit(fn).lower(*args).compile()`` for the H200 (or ``lower()``'s
+        lowering, e.g. an engine step's job, run under ``mesh``, with the job's compiler ``options`` pairs), with
+        one :class:`KernelReport` per distinct kernel that ptxas compiled."""
         self._count += 1
         work = self._root / f"c{self._count}"
         ptx_dir, dump = work / "ptx", work / "dump"
@@ -141,10 +142,13 @@ class H200Compiler:
         mesh = mesh or jax.sharding.Mesh(np.array(self.devices[:1]), ("x",))
         try:
             with jax.set_mesh(mesh):
-                if lowered is None:
-                    lowered = jax.jit(fn).lower(*args)
+                lowered = jax.jit(fn).lower(*args) if lower is None else lower()
                 compiled = lowered.compile(
-                    {"xla_gpu_fail_ptx_compilation_on_register_spilling": True, "xla_dump_to": str(dump)}
+                    {
+                        **dict(options),
+                        "xla_gpu_fail_ptx_compilation_on_register_spilling": True,
+                        "xla_dump_to": str(dump),
+                    }
                 )
         except Exception as e:
             spilled = [r for r in _reports(ptx_dir, dump) if r.spill_bytes > 0]

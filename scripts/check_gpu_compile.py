@@ -4,17 +4,23 @@ The twin of ``check_tpu_compile.py``; runs from ``.venv-gpu`` (``make gpu-check`
 and the ``nvidia-cuda-nvcc`` wheel's ptxas; no GPU, no system CUDA). Compiles through XLA, Triton, LLVM NVPTX
 and ``ptxas -arch=sm_90a`` to SASS (:mod:`pallas_kernels.gpu_aot`) and exits non-zero on any failure.
 
-**Kernel cases** (:data:`KERNEL_CASES`): every value of every axis once (bucket kind: decode, split-KV decode,
-prefill, mixed; head_dim 64/128/256; page size 16/32/64/128; KV dtype bf16/int8/fp8_e4m3; query group 1/3/4/7/8;
-sliding window; soft cap), plus the pairs that interact (dtype x page size, dtype x prefill, head_dim x prefill,
-group x prefill, window x prefill), not the full product. Per kernel it prints registers, spill bytes, shared
-memory, threads, grid, whether the loop's loads are asynchronous copies (``cp.async``/TMA), which MMA it issues
-(wgmma or mma.sync), and whether some KV loop feeds the MMA with no select in between. It fails on a spill
-(spills are fatal to the compile), on shared memory over the H200's 227 KiB per block (XLA refuses it), when the
-attention kernel of a decode or prefill case loses its asynchronous page gather or its unmasked KV loop, and
-when a prefill kernel of head_dim >= 128 does not issue wgmma.
+**Kernel cases** (:data:`KERNEL_CASES`; the base decode, prefill and int8 kernels compile in the engine steps
+below): every value of every axis once (bucket kind: decode, split-KV decode, prefill, mixed; head_dim
+64/128/256; page size 16/32/64/128; KV dtype bf16/int8/fp8_e4m3; query group 1/3/4/7/8; sliding window; soft
+cap), plus the pairs that interact (dtype x page size, dtype x prefill, head_dim x prefill, group x prefill,
+window x prefill), not the full product. Per kernel it prints registers, spill bytes, shared memory, threads,
+grid, whether the loop's loads are asynchronous copies (``cp.async``/TMA), which MMA it issues (wgmma or
+mma.sync), and whether some KV loop feeds the MMA with no select in between. It fails on a spill (spills are
+fatal to the compile), on shared memory over the H200's 227 KiB per block (XLA refuses it), when the attention
+kernel of a decode or prefill case loses its asynchronous page gather or its unmasked KV loop, and when a
+prefill kernel of head_dim >= 128 does not issue wgmma.
 
-**Engine steps** (``--steps``): see :func:`check_steps`.
+**Engine steps** (:data:`STEP_CASES`): the engine's own jitted forward step (the runner an ``LLMEngine``
+builds, abstract: :mod:`paged_jax.engine.aot`) for a few representative engines: Llama-3.1-8B at TP 1 and 8
+(``1x1x8``) with a decode and a prefill bucket; int8 pages with LoRA (4 slots); an n-gram speculating engine's
+verify step (and its sampler) on Llama-3.2-1B. Sized for the H200 as the engine sizes itself; fails on a KV page
+copy, on a peak over the device's memory, on temporaries growing with the cache, and when its attention
+kernels fail the kernel cases' tests (:func:`check_steps`).
 
     .venv-gpu/bin/python scripts/check_gpu_compile.py [--cases NAME ...] [--no-steps]
 """
@@ -27,6 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax: the CUDA plugin mus
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -84,17 +91,15 @@ _SPLIT = dict(num_tokens=16, max_seqs=8, max_blocks=2048)  # a small batch at 32
 _PREFILL = dict(num_tokens=512, max_seqs=16)  # a chunked-prefill bucket: prefill + decode ranges
 _MIXED = dict(num_tokens=256, max_seqs=64)  # decodes beside chunks
 KERNEL_CASES = (
-    # Each axis, every value (the first case is the base: a Llama-3-8B decode bucket).
-    KernelCase("decode"),
+    # Each axis, every value, varied from a Llama-3-8B decode bucket; that base's decode, prefill and int8 kernels
+    # compile (and are judged the same way) inside the engine steps of STEP_CASES.
     KernelCase("split-kv", **_SPLIT),
-    KernelCase("prefill", **_PREFILL),
     KernelCase("mixed", **_MIXED),
     KernelCase("hd64", num_q_heads=32, num_kv_heads=8, head_dim=64),
     KernelCase("hd256", num_q_heads=16, num_kv_heads=8, head_dim=256),
     KernelCase("page32", page_size=32, max_blocks=256),
     KernelCase("page64", page_size=64, max_blocks=128),
     KernelCase("page128", page_size=128, max_blocks=64),
-    KernelCase("int8", kv_dtype="int8"),
     KernelCase("fp8", kv_dtype="float8_e4m3fn"),
     KernelCase("group1", num_q_heads=8),
     KernelCase("group3", num_q_heads=9, num_kv_heads=3, head_dim=64),  # SmolLM2-135M
@@ -114,8 +119,9 @@ KERNEL_CASES = (
 )
 
 
-def kernel_failures(case: KernelCase, reports: list[KernelReport]) -> list[str]:
-    """What the compiled text must show (module docstring); spills and shared memory already fail the compile."""
+def kernel_failures(head_dim: int, reports: list[KernelReport]) -> list[str]:
+    """What the compiled text of a kernel case or an engine step of `head_dim` must show (module docstring);
+    spills and shared memory already fail the compile."""
     bad = []
     attention = [r for r in reports if r.name.startswith("ragged_paged_attention_gpu") and "combine" not in r.name]
     if not attention:
@@ -127,7 +133,7 @@ def kernel_failures(case: KernelCase, reports: list[KernelReport]) -> list[str]:
             bad.append(f"{r.name}: the page gather is not pipelined (no cp.async / TMA)")
         if not r.clean_kv_loop:
             bad.append(f"{r.name}: no KV loop feeds the MMA without a select (V masked on every step)")
-        if r.name.endswith("_prefill") and case.head_dim >= 128 and r.mma != "wgmma":
+        if r.name.endswith("_prefill") and head_dim >= 128 and r.mma != "wgmma":
             bad.append(f"{r.name}: prefill issues {r.mma}, not wgmma")
     return bad
 
@@ -150,7 +156,7 @@ def check_kernels(compiler: H200Compiler, cases=KERNEL_CASES) -> int:
         for r in sorted(reports, key=lambda r: r.name):
             if r.name.startswith("ragged_paged_attention_gpu"):
                 print(f"{case.name:<24}{r.row()}")
-        bad = kernel_failures(case, reports)
+        bad = kernel_failures(case.head_dim, reports)
         for line in bad:
             print(f"FAIL {case.name}: {line}")
         failures += bool(bad)
@@ -158,15 +164,110 @@ def check_kernels(compiler: H200Compiler, cases=KERNEL_CASES) -> int:
     return failures
 
 
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    """An engine (a shipped config and `EngineConfig` options) and the kinds of its step to compile."""
+
+    config: str
+    tp: int = 1
+    kinds: tuple[str, ...] = ("decode", "prefill")
+    options: tuple[tuple[str, object], ...] = ()  # EngineConfig fields beyond TP and the backend
+    label: str = ""  # what the options make of the engine
+
+    @property
+    def name(self) -> str:
+        return f"{self.config} TP{self.tp}" + (f" {self.label}" if self.label else "")
+
+
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+_INT8_LORA = (("kv_dtype", "int8"), ("enable_lora", True), ("max_loras", 4))
+STEP_CASES = (  # a few representative engines: the TP layouts, quantized pages, LoRA and speculation
+    StepCase("llama-3.1-8b"),  # GQA 4, head_dim 128: the base decode and prefill kernels
+    StepCase("llama-3.1-8b", 8, kinds=("decode",)),  # one KV head per GPU: split-KV decode with its combine
+    StepCase("llama-3.1-8b", kinds=("decode",), options=_INT8_LORA, label="int8 KV, lora x4"),
+    StepCase("llama-3.2-1b", kinds=("verify",), options=(("speculative_config", _NGRAM),), label="ngram k=3"),
+)
+H200_BYTES_LIMIT = int(0.75 * 150_754_820_096)  # what jax reports on an H200: XLA preallocates 75% by default
+MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages
+
+
+def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
+    """The engine's own jitted forward steps (`paged_jax.engine.aot`: the runner an `LLMEngine` builds, abstract,
+    sized for the H200 as the engine would size it) compiled for H200s, spills fatal; a verify step's sampler
+    too. Fails on a KV page array copied in the step (`paged_jax.worker.hlo_audit`), on a step whose peak memory
+    exceeds the device's, and on temporaries that grow with the KV cache beyond 5% of one layer's pages
+    (measured again at 64 pages when over). Prints per step its kernels' largest registers and shared memory."""
+    from paged_jax.config import load_model_config
+    from paged_jax.config.engine import EngineConfig
+    from paged_jax.engine.aot import abstract_engine, audit_step, step_job, step_shape, verify_sample_job
+
+    failures = 0
+    gib, mib = 2**-30, 2**-20
+    print(f"\nengine steps for H200 (bytes_limit {H200_BYTES_LIMIT * gib:.1f} GiB per GPU; temp/peak per GPU)")
+    print(
+        f"{'engine':<44}{'step':>8}{'tokens':>7}{'seqs':>5}{'KV shape/GPU':>22}{'KV tokens':>11}{'copies':>7}"
+        f"{'temp MiB':>9}{'peak GiB':>9}{'regs':>5}{'smem KiB':>9}{'time':>6}"
+    )
+    for case in cases:
+        config = load_model_config(case.config)
+        ec = EngineConfig(attention_backend="pallas-gpu", tensor_parallel_size=case.tp, **dict(case.options))
+        for kind in case.kinds:
+            name = f"{case.name} {kind}"
+            t0 = time.perf_counter()
+            try:
+                engine = abstract_engine(config, ec, compiler.devices[: case.tp], H200_BYTES_LIMIT)
+                runner = engine.runner
+                compiled, reports = _compile_job(compiler, engine, step_job(runner, kind))
+                audit = audit_step(compiled, engine)
+                growth = 0
+                if audit.temp_bytes > MAX_TEMP_FRACTION * engine.layer_kv_bytes:
+                    small_ec = dataclasses.replace(ec, num_pages=64)
+                    small = abstract_engine(config, small_ec, compiler.devices[: case.tp], H200_BYTES_LIMIT)
+                    small_step, _ = _compile_job(compiler, small, step_job(small.runner, kind))
+                    growth = audit.temp_bytes - audit_step(small_step, small).temp_bytes
+                if kind == "verify":
+                    _compile_job(compiler, engine, verify_sample_job(runner))
+            except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+                failures += 1
+                print(f"FAIL {name} ({time.perf_counter() - t0:.0f}s)\n{traceback.format_exc(limit=4)}")
+                continue
+            t, s = step_shape(runner, kind)
+            shape = "x".join(map(str, engine.local_kv_shape))
+            print(
+                f"{case.name:<44}{kind:>8}{t:>7}{s:>5}{shape:>22}{engine.kv_tokens:>11,}{len(audit.copies):>7}"
+                f"{audit.temp_bytes * mib:>9.1f}{audit.peak_bytes * gib:>9.2f}"
+                f"{max(r.registers for r in reports):>5}{max(r.shared_memory for r in reports) / 1024:>9.1f}"
+                f"{time.perf_counter() - t0:>5.0f}s"
+            )
+            bad = [f"KV copy: {line}" for line in audit.copies[:4]]
+            if not audit.fits(H200_BYTES_LIMIT):
+                bad.append(f"peak {audit.peak_bytes * gib:.2f} GiB exceeds {H200_BYTES_LIMIT * gib:.2f} GiB")
+            if growth > MAX_TEMP_FRACTION * engine.layer_kv_bytes:
+                bad.append(f"temporaries grow by {growth * mib:.1f} MiB with the KV cache")
+            bad += kernel_failures(config.head_dim, reports)
+            for line in bad:
+                print(f"FAIL {name}: {line}")
+            failures += bool(bad)
+    return failures
+
+
+def _compile_job(compiler: H200Compiler, engine, job):
+    """One of an abstract engine's jobs compiled for the H200: (compiled, kernel reports)."""
+    return compiler.compile(None, mesh=engine.mesh, lower=functools.partial(engine.lower, job), options=job.options)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = [c.name for c in KERNEL_CASES]
     parser.add_argument("--cases", nargs="*", default=names, choices=names, metavar="CASE")
+    parser.add_argument("--no-steps", dest="steps", action="store_false", help="skip the engine steps")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    compiler = H200Compiler()
+    compiler = H200Compiler(max(c.tp for c in STEP_CASES))
     try:
         failures = check_kernels(compiler, [c for c in KERNEL_CASES if c.name in args.cases])
+        if args.steps:
+            failures += check_steps(compiler)
     finally:
         compiler.close()
     print(f"{failures} failure(s) ({time.perf_counter() - t0:.0f}s)")

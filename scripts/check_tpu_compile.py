@@ -6,9 +6,15 @@ compiler, so layout, tiling, VMEM and DMA errors in the kernels show up here. Ex
 
     .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1] [--sharded v5e:2x2:4 v5e:2x4:8]
 
+Every engine step here is the engine's own: the runner an ``LLMEngine`` builds for the config and engine options,
+abstract (``paged_jax.engine.aot``: nothing allocated), and its own forward job, so a new operand of the step
+needs no change here.
+
 The KV audit (``--audit``, on by default) compiles the engine's whole jitted step for every shipped config
 (tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b, smollm2-135m) x TP 1, 4, 8 (where the model shards) x a
-decode and a chunked-prefill bucket, with the KV pages sized as the engine would size them on one chip, and
+decode and a chunked-prefill bucket, then Llama-3.1-8B's verify step with n-gram speculation (k = 3: 256 tokens
+and sample rows; its sampler too) and its decode step with LoRA (4 slots) at TP 1 and 4, with the KV pages sized
+as the engine would size them on one chip, and
 fails when the compiled HLO copies or transposes a KV page array (``paged_jax.worker.hlo_audit.kv_copies``:
 any instruction producing a KV-shaped array other than the in-place scatter) or when the temporaries that grow
 with the KV cache exceed 5% of one layer's KV pages. A failure names the config and the instruction.
@@ -112,103 +118,90 @@ def compile_case(device, generation, case, kv_dtype=None) -> None:
 
 
 HBM_GIB = {"v5e": 16.0, "v6e": 32.0, "v5p": 95.0, "v4": 32.0}  # per chip
-SHARDED_STEPS = ((64, 64), (512, 16))  # (tokens, seqs): a decode bucket and a chunked-prefill bucket
-
-
-def _nbytes(shape, dtype, sharding) -> int:
-    """Bytes of one chip's shard of an array of `shape` under `sharding`."""
-    size = jnp.dtype(dtype).itemsize
-    for d in sharding.shard_shape(shape):
-        size *= d
-    return size
+SHARDED_STEPS = ("decode", "prefill")  # paged_jax.engine.aot.step_shape
 
 
 def compile_step(
     topo: str,
     tp: int,
     config_name,
-    num_tokens: int,
-    max_seqs: int,
+    kind: str,
     hbm_gib: float | None = None,
-    page_size: int = 16,
-    max_model_len: int = 8192,
     num_pages: int | None = None,
     quantization: str | None = None,
     kv_dtype: str | None = None,
-    scan_layers: str = "auto",
+    options: tuple[tuple[str, object], ...] = (),
 ):
-    """Compile the engine step for `config_name` on the first `tp` chips of `topo` (one chip: no mesh).
-    `scan_layers` as the engine's flag: by default the scanned step (one stacked KV array) where the model scans.
+    """Compile the engine's own forward step of `kind` (``paged_jax.engine.aot.step_shape``: decode, prefill,
+    verify) for `config_name` on the first `tp` chips of `topo` (one chip: no mesh).
 
-    Parameters are abstract (nothing is materialised); the KV pages are sized as the engine would size them
-    on that chip (HBM x 0.9 minus the weights). `quantization` (int8 | fp8 weights, the TPU's cast matmul) and
-    `kv_dtype` (int8 | fp8_e4m3 pages with scales) compile the quantized step. Returns ``(compiled, facts)``
-    with per-chip sizes. `config_name` is a shipped config's name or a `ModelConfig`."""
+    The runner is the one an engine builds (``paged_jax.engine.aot.abstract_engine``): abstract parameters and
+    pages (nothing is materialised), the pages sized as the engine would size them on that chip (HBM x 0.9 minus
+    the weights) unless `num_pages` is given. `quantization` (int8 | fp8 weights, the TPU's cast matmul),
+    `kv_dtype` (int8 | fp8_e4m3 pages with scales) and `options` (more ``EngineConfig`` fields: LoRA,
+    speculation) compile those engines' steps. Returns ``(compiled, facts)`` with per-chip sizes.
+    `config_name` is a shipped config's name or a `ModelConfig`."""
     from paged_jax.config import ModelConfig, load_model_config
-    from paged_jax.model import quant
-    from paged_jax.model.init import param_shapes
-    from paged_jax.model.scan import use_scan
-    from paged_jax.worker import sharding as shd
-    from paged_jax.worker.runner import PagedMeta, step_functions
-    from pallas_kernels import kv_quant
+    from paged_jax.config.engine import EngineConfig
+    from paged_jax.engine.aot import abstract_engine, step_job, step_shape
 
     dims = tuple(int(x) for x in topo.split(":")[1].split("x"))
     # One host holds the whole slice (a v5e-4 or v5e-8 host), as for one engine of `paged-jax generate`.
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chips_per_host_bounds=(*dims, 1)[:3])
     hbm_gib = hbm_gib or HBM_GIB[topo.split(":")[0]]
     config = config_name if isinstance(config_name, ModelConfig) else load_model_config(config_name)
-    weights_key = None if quantization is None else (quantization, True, False)
-    scan = use_scan(config, scan_layers, lora=False)
-    stacked = config.num_layers if scan else 1  # layers in one KV array
-    if tp > 1:
-        mesh = shd.make_mesh(desc.devices[:tp])
-        config = config.replace(num_kv_heads=config.num_kv_heads * shd.kv_replication(config, tp))
-        shapes = quant.abstract_params(param_shapes(config, scan), weights_key)
-        shardings = shd.param_shardings(config, mesh, shapes)
-        kv_sharding, rep = shd.kv_sharding(mesh), shd.replicated(mesh)
-        scales_sharding = shd.kv_scales_sharding(mesh)
-    else:
-        mesh = jax.sharding.Mesh(desc.devices[:1], ("x",))
-        one = SingleDeviceSharding(desc.devices[0])
-        shapes = quant.abstract_params(param_shapes(config, scan), weights_key)
-        shardings = jax.tree.map(lambda _: one, shapes)
-        kv_sharding = rep = scales_sharding = one
-    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
-    weights = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(params))
-    dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
-    page_bytes = quant.kv_bytes_per_token(config, dtype) * page_size // tp  # one chip, all layers
-    num_pages = num_pages or int((hbm_gib * 2**30 - weights) * 0.9) // page_bytes
-    kv_shape = kv_pages_shape(num_pages * stacked, config.num_kv_heads, page_size, config.head_dim)
-    kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding)
-    quantized_kv = kv_quant.is_quantized_dtype(dtype)
-    if quantized_kv:
-        scales = kv_quant.scales_shape(num_pages * stacked, config.num_kv_heads, page_size)
-        kv = kv_quant.QuantizedPages(kv, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=scales_sharding))
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
-    max_blocks = max_model_len // page_size
-    meta = PagedMeta(i32(num_tokens), i32(max_seqs), i32(max_seqs, max_blocks), i32(max_seqs + 1), i32(1))
-    _, forward = step_functions(config, "pallas-tpu", mesh if tp > 1 else None, quantized_kv, weights_key, scan=scan)
-    caches = kv if scan else (kv,) * config.num_layers
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = forward.lower(params, caches, i32(num_tokens), i32(num_tokens), meta, i32(max_seqs), None).compile()
-    local_kv = kv_sharding.shard_shape(kv_shape)  # the stacked array's, when scanned
-    layer_kv = sum(_nbytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(kv)) // stacked
+    ec = EngineConfig(
+        attention_backend="pallas-tpu", tensor_parallel_size=tp, num_pages=num_pages, kv_dtype=kv_dtype, **dict(options)
+    )
+    weights = None if quantization is None else (quantization, True, False)
+    engine = abstract_engine(config, ec, desc.devices[:tp], int(hbm_gib * 2**30), weights)
+    compiled = engine.compile(step_job(engine.runner, kind))
+    tokens, seqs = step_shape(engine.runner, kind)
     facts = {
-        "weights": weights,
-        "layer_kv": layer_kv,
-        "kv_tokens": (num_pages - 1) * page_size,
-        "local_kv_shape": local_kv,
-        "dtype": dtype,
-        "num_layers": config.num_layers,
-        "scan": scan,
+        "engine": engine,
+        "tokens": tokens,
+        "seqs": seqs,
+        "weights": engine.weights_bytes,
+        "layer_kv": engine.layer_kv_bytes,
+        "kv_tokens": engine.kv_tokens,
+        "local_kv_shape": engine.local_kv_shape,
+        "dtype": engine.runner.kv_dtype,
+        "num_layers": engine.runner.config.num_layers,
     }
     return compiled, facts
 
 
 AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b", "smollm2-135m")
-AUDIT_BUCKETS = ((64, 64), (512, 16))  # (tokens, seqs): a decode bucket and a chunked-prefill bucket
+AUDIT_KINDS = ("decode", "prefill")  # paged_jax.engine.aot.step_shape: 64 x 64 and 512 x 64 at the defaults
+_NGRAM = (("speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),)
+_LORA = (("enable_lora", True), ("max_loras", 4))
+# Engines beyond the plain ones: (config, TP, step kind, EngineConfig options, label). The verify step's
+# sampler (rejected rows marked on the device) is compiled with it.
+AUDIT_ENGINES = (
+    ("llama-3.1-8b", 1, "verify", _NGRAM, "ngram k=3"),
+    ("llama-3.1-8b", 1, "decode", _LORA, "lora x4"),
+    ("llama-3.1-8b", 4, "decode", _LORA, "lora x4"),
+)
 AUDIT_TOPOLOGY = {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}  # 32 GiB chips: an 8B model fits one
 MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages (see audit())
+
+
+def audit_engines(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> list[tuple]:
+    """Every (config, TP, kind, options, label) the audit compiles: each config at each TP it shards to, in a
+    decode and a prefill bucket, then :data:`AUDIT_ENGINES`."""
+    from paged_jax.config import load_model_config
+    from paged_jax.worker import sharding as shd
+
+    out = []
+    for config_name in configs:
+        for tp in tps:
+            try:
+                if tp > 1:
+                    shd.kv_replication(load_model_config(config_name), tp)
+            except ValueError:
+                continue  # the model does not shard this way
+            out += [(config_name, tp, kind, (), "") for kind in AUDIT_KINDS]
+    return out + [e for e in AUDIT_ENGINES if e[0] in configs and e[1] in tps]
 
 
 def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
@@ -219,8 +212,7 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
     stay under 5% of one layer's KV pages. What does not grow with the cache (the step's activations, the
     replicated logits and, with TP, their relayout after the all-gather: 33 MB for a 64-sequence Llama-3
     bucket, seen in the buffer assignment) is reported, not bounded."""
-    from paged_jax.config import load_model_config
-    from paged_jax.worker import sharding as shd
+    from paged_jax.engine.aot import verify_sample_job
 
     failures = 0
     print(
@@ -228,46 +220,42 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
         " and, when over 5% of one layer's KV, at 64 pages; growth = their difference / one layer's KV)"
     )
     print(
-        f"{'config':<14}{'TP':>3}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}{'temp MiB':>10}"
-        f"{'at 64 pages':>12}{'layer KV MiB':>13}{'growth':>8}"
+        f"{'config':<14}{'engine':<10}{'TP':>3}{'step':>8}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}"
+        f"{'temp MiB':>10}{'at 64 pages':>12}{'layer KV MiB':>13}{'growth':>8}"
     )
-    for config_name in configs:
-        for tp in tps:
-            try:
-                if tp > 1:
-                    shd.kv_replication(load_model_config(config_name), tp)
-            except ValueError:
-                continue  # the model does not shard this way
-            for num_tokens, max_seqs in AUDIT_BUCKETS:
-                name = f"{config_name} TP{tp} {num_tokens}x{max_seqs}"
-                topo = AUDIT_TOPOLOGY[tp]
-                try:
-                    compiled, facts = compile_step(topo, tp, config_name, num_tokens, max_seqs)
-                    temp = compiled.memory_analysis().temp_size_in_bytes
-                    temp_small = 0  # all of temp may be growth: fine when under the bound already
-                    if temp > MAX_TEMP_FRACTION * facts["layer_kv"]:
-                        small, _ = compile_step(topo, tp, config_name, num_tokens, max_seqs, num_pages=64)
-                        temp_small = small.memory_analysis().temp_size_in_bytes
-                except Exception:  # noqa: BLE001 - every compiler error is a failure to report
-                    failures += 1
-                    print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
-                    continue
-                bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
-                growth = max(0, temp - temp_small) / facts["layer_kv"]
-                shape = "x".join(str(d) for d in facts["local_kv_shape"])
-                print(
-                    f"{config_name:<14}{tp:>3}{f'{num_tokens}x{max_seqs}':>9}{shape:>28}{len(bad):>7}"
-                    f"{temp / 2**20:>10.1f}{temp_small / 2**20:>12.1f}{facts['layer_kv'] / 2**20:>13.1f}"
-                    f"{growth:>8.2%}"
-                )
-                for line in bad[:4]:
-                    print(f"FAIL {name}: KV copy: {line}")
-                if growth > MAX_TEMP_FRACTION:
-                    print(
-                        f"FAIL {name}: temporaries grow by {(temp - temp_small) / 2**20:.1f} MiB with the KV cache,"
-                        f" over {MAX_TEMP_FRACTION:.0%} of one layer's KV pages"
-                    )
-                failures += bool(bad) + (growth > MAX_TEMP_FRACTION)
+    for config_name, tp, kind, options, label in audit_engines(configs, tps):
+        name = f"{config_name} {label} TP{tp} {kind}"
+        topo = AUDIT_TOPOLOGY[tp]
+        try:
+            compiled, facts = compile_step(topo, tp, config_name, kind, options=options)
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            temp_small = 0  # all of temp may be growth: fine when under the bound already
+            if temp > MAX_TEMP_FRACTION * facts["layer_kv"]:
+                small, _ = compile_step(topo, tp, config_name, kind, num_pages=64, options=options)
+                temp_small = small.memory_analysis().temp_size_in_bytes
+            if kind == "verify":
+                engine = facts["engine"]
+                engine.compile(verify_sample_job(engine.runner))
+        except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+            failures += 1
+            print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
+            continue
+        bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
+        growth = max(0, temp - temp_small) / facts["layer_kv"]
+        shape = "x".join(str(d) for d in facts["local_kv_shape"])
+        print(
+            f"{config_name:<14}{label:<10}{tp:>3}{kind:>8}{f'{facts["tokens"]}x{facts["seqs"]}':>9}{shape:>28}"
+            f"{len(bad):>7}{temp / 2**20:>10.1f}{temp_small / 2**20:>12.1f}{facts['layer_kv'] / 2**20:>13.1f}"
+            f"{growth:>8.2%}"
+        )
+        for line in bad[:4]:
+            print(f"FAIL {name}: KV copy: {line}")
+        if growth > MAX_TEMP_FRACTION:
+            print(
+                f"FAIL {name}: temporaries grow by {(temp - temp_small) / 2**20:.1f} MiB with the KV cache,"
+                f" over {MAX_TEMP_FRACTION:.0%} of one layer's KV pages"
+            )
+        failures += bool(bad) + (growth > MAX_TEMP_FRACTION)
     return failures
 
 
@@ -283,16 +271,12 @@ FAMILY_STEPS = {  # family config -> TP degrees to compile its step at
 }
 
 
-def check_families(names=tuple(FAMILY_STEPS), bucket: tuple[int, int] = (512, 16)) -> int:
+def check_families(names=tuple(FAMILY_STEPS), kind: str = "prefill") -> int:
     """One engine step per family (module docstring), with the audit's KV checks; returns the failure count."""
     from paged_jax.config import load_model_config
 
     failures = 0
-    num_tokens, max_seqs = bucket
-    print(
-        f"\nmodel families: the engine step ({num_tokens} tokens x {max_seqs} seqs) at each family's real layer "
-        "shapes, few layers, v6e"
-    )
+    print(f"\nmodel families: the engine's {kind} step at each family's real layer shapes, few layers, v6e")
     print(
         f"{'config':<15}{'layers':>7}{'TP':>3}{'copies':>7}{'temp MiB':>10}{'layer KV MiB':>13}{'ragged-dot':>11}"
         f"{'time':>7}  features"
@@ -304,7 +288,7 @@ def check_families(names=tuple(FAMILY_STEPS), bucket: tuple[int, int] = (512, 16
             t0 = time.perf_counter()
             name = f"{config_name} TP{tp}"
             try:
-                compiled, facts = compile_step(AUDIT_TOPOLOGY[tp], tp, config, num_tokens, max_seqs)
+                compiled, facts = compile_step(AUDIT_TOPOLOGY[tp], tp, config, kind)
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
                 print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
@@ -326,15 +310,15 @@ def check_families(names=tuple(FAMILY_STEPS), bucket: tuple[int, int] = (512, 16
     return failures
 
 
-def sharded_memory(
-    topo: str, tp: int, config_name: str, num_tokens: int, max_seqs: int, hbm_gib: float
-) -> dict[str, float]:
+def sharded_memory(topo: str, tp: int, config_name: str, kind: str, hbm_gib: float) -> dict[str, float]:
     """Per-chip GiB of the compiled TP step (the memory table of ``--sharded``)."""
-    compiled, facts = compile_step(topo, tp, config_name, num_tokens, max_seqs, hbm_gib)
+    compiled, facts = compile_step(topo, tp, config_name, kind, hbm_gib)
     m = compiled.memory_analysis()
     hlo = compiled.as_text()
     gib = 2**-30
     return {
+        "tokens": facts["tokens"],
+        "seqs": facts["seqs"],
         "weights": facts["weights"] * gib,
         "kv": facts["layer_kv"] * facts["num_layers"] * gib,
         "kv_tokens": facts["kv_tokens"],
@@ -363,16 +347,16 @@ def check_sharded(specs: list[str], config_name: str, hbm_gib: float | None) -> 
     for spec in specs:
         topo, tp = spec.rsplit(":", 1)
         hbm = hbm_gib or HBM_GIB[topo.split(":")[0]]
-        for num_tokens, max_seqs in SHARDED_STEPS:
+        for kind in SHARDED_STEPS:
             t0 = time.perf_counter()
             try:
-                r = sharded_memory(topo, int(tp), config_name, num_tokens, max_seqs, hbm)
+                r = sharded_memory(topo, int(tp), config_name, kind, hbm)
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
-                print(f"FAIL {spec} tokens={num_tokens} seqs={max_seqs}\n{traceback.format_exc(limit=4)}")
+                print(f"FAIL {spec} {kind}\n{traceback.format_exc(limit=4)}")
                 continue
             print(
-                f"{topo:<14}{tp:>3}{num_tokens:>7}{max_seqs:>5}{r['weights']:>9.2f}{r['kv']:>8.2f}"
+                f"{topo:<14}{tp:>3}{r['tokens']:>7}{r['seqs']:>5}{r['weights']:>9.2f}{r['kv']:>8.2f}"
                 f"{r['kv_tokens']:>11,}{r['args']:>8.2f}{r['temp']:>8.2f}{r['peak']:>8.2f}{hbm:>6.0f}  "
                 f"{r['all-reduce']} all-reduce, {r['all-gather']} all-gather  "
                 f"({time.perf_counter() - t0:.0f}s)"
@@ -383,7 +367,7 @@ def check_sharded(specs: list[str], config_name: str, hbm_gib: float | None) -> 
     return failures
 
 
-QUANTIZED_STEPS = ((64, 64), (512, 16))  # (tokens, seqs): decode and chunked-prefill buckets
+QUANTIZED_STEPS = ("decode", "prefill")  # paged_jax.engine.aot.step_shape
 MIN_QUANTIZED_KV_TOKENS = 100_000  # issue 16's goal for Llama-3.1-8B int8 + int8 KV on one v5e chip
 
 
@@ -399,12 +383,12 @@ def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
     )
     # bfloat16 weights (15 GiB for the 8B) do not fit a 16 GiB chip at all: XLA refuses the step (RESOURCE_EXHAUSTED).
     for quantization, kv_dtype in (("int8", "int8"), ("int8", "fp8_e4m3")):
-        for num_tokens, max_seqs in QUANTIZED_STEPS:
-            name = f"{config_name} w={quantization} kv={kv_dtype} {num_tokens}x{max_seqs}"
+        for kind in QUANTIZED_STEPS:
+            name = f"{config_name} w={quantization} kv={kv_dtype} {kind}"
             t0 = time.perf_counter()
             try:
                 compiled, facts = compile_step(
-                    topo, 1, config_name, num_tokens, max_seqs, hbm, quantization=quantization, kv_dtype=kv_dtype
+                    topo, 1, config_name, kind, hbm, quantization=quantization, kv_dtype=kv_dtype
                 )
             except Exception:  # noqa: BLE001 - every compiler error is a failure to report
                 failures += 1
@@ -417,7 +401,7 @@ def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
             ) * gib
             bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
             print(
-                f"{quantization or 'bf16':<8}{kv_dtype or 'bf16':<10}{num_tokens:>7}{max_seqs:>5}"
+                f"{quantization or 'bf16':<8}{kv_dtype or 'bf16':<10}{facts['tokens']:>7}{facts['seqs']:>5}"
                 f"{facts['weights'] * gib:>9.2f}{facts['layer_kv'] * facts['num_layers'] * gib:>8.2f}"
                 f"{facts['kv_tokens']:>11,}{m.temp_size_in_bytes * gib:>8.2f}{peak:>8.2f}{len(bad):>7}"
                 f"  ({time.perf_counter() - t0:.0f}s)"

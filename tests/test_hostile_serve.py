@@ -7,13 +7,16 @@ feeds a template variable `n` to `range()` (restored after the module).
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import socket
 import urllib.error
 import urllib.request
 
 import grpc
 import pytest
-from test_serve_support import LIMITS, shared, start_server, wait_idle
+from test_serve_support import LIMITS, shared, start_server, wait_idle, wait_until
 
 from paged_jax.errors import FieldError
 from paged_jax.tokenization.chat_template import template_from_text
@@ -308,3 +311,32 @@ def test_check_size_counts_prompt_logprobs():
     with pytest.raises(FieldError, match="1005 logprob entries") as e:
         inputs.check_size([request(201, max_tokens=0, prompt_logprobs=4)])
     assert e.value.field == "prompt_logprobs"
+
+
+# -- issue 25.7: a client that hangs up is not an ERROR in the log ----------------------------------------------
+def _open_request(http, body: dict) -> socket.socket:
+    """A raw connection that has sent one POST /v1/completions (so the test decides when it hangs up)."""
+    host, port = http.server.config.host, http.server.port
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, port))
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def test_disconnects_are_not_logged_as_errors(fronts, caplog):
+    http, grpc_front = fronts
+    long = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    with Client(grpc_front.target) as client, caplog.at_level(logging.WARNING):
+        wait_idle(client)
+        for stream in (False, True):
+            sock = _open_request(http, {**long, "stream": stream})
+            if stream:
+                assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the stream has started
+            else:
+                wait_until(lambda: client.stats().pages_in_use > 0, "the unary request to run")
+            sock.close()
+            wait_idle(client)
+        gc.collect()  # "exception was never retrieved" is logged when the forgotten future is collected
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [(r.name, r.getMessage()[:200]) for r in errors]

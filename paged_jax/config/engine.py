@@ -54,6 +54,10 @@ class EngineConfig:
     # "num_speculative_tokens": 3}; None: off. Validated when the engine starts.
     speculative_config: dict | None = None
 
+    def model_len(self, max_position_embeddings: int) -> int:
+        """Prompt + output tokens per sequence: `max_model_len`, default min(the model's maximum, 8192)."""
+        return self.max_model_len or min(max_position_embeddings, 8192)
+
     def validate(self) -> None:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {self.attention_backend!r}")

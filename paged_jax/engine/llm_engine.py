@@ -51,6 +51,41 @@ log = logging.getLogger(__name__)
 __all__ = ["LLMEngine"]
 
 
+def make_runner(
+    run_config: ModelConfig,
+    params,
+    ec: EngineConfig,
+    num_pages: int,
+    max_model_len: int,
+    mesh: jax.sharding.Mesh | None,
+    abstract: bool = False,
+) -> ModelRunner:
+    """The engine's runner for `ec` (its buckets, KV pages, LoRA slots and verify rows); `abstract`: nothing
+    allocated, for compiling the engine's steps for a target without its devices (`paged_jax.engine.aot`)."""
+    spec_tokens = 0
+    if ec.speculative_config is not None:
+        from paged_jax.spec.setup import parse_spec_config
+
+        spec_tokens = parse_spec_config(ec.speculative_config).num_speculative_tokens
+    return ModelRunner(
+        run_config,
+        params,
+        num_pages=num_pages,
+        page_size=ec.page_size,
+        max_model_len=max_model_len,
+        max_num_seqs=ec.max_num_seqs,
+        max_num_batched_tokens=ec.max_num_batched_tokens,
+        attention_backend=ec.attention_backend,
+        kv_dtype=ec.kv_dtype,
+        mesh=mesh,
+        max_logit_bias=ec.max_logit_bias,
+        lora=LoraShape(ec.max_loras, ec.max_lora_rank) if ec.enable_lora else None,
+        num_speculative_tokens=spec_tokens,
+        abstract=abstract,
+        scan_layers=ec.scan_layers,
+    )
+
+
 class LLMEngine:
     """One engine: one scheduler and KV manager over one device, or over a tensor-parallel group.
 
@@ -77,7 +112,7 @@ class LLMEngine:
         eos = tuple(dict.fromkeys((*config.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
         config = config.replace(eos_token_ids=eos) if eos != tuple(config.eos_token_ids) else config
         self.config, self.tokenizer, self.engine_config = config, tokenizer, ec
-        self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 8192)
+        self.max_model_len = ec.model_len(config.max_position_embeddings)
         kv_dtype = quant.kv_cache_dtype(ec.kv_dtype, config.dtype)
         tp = ec.tensor_parallel_size
         mesh, run_config = None, config
@@ -98,10 +133,10 @@ class LLMEngine:
             run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
         )
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
-        self.adapters, lora_slots, lora_shape = None, None, None
+        self.adapters, lora_slots = None, None
         if ec.enable_lora:  # adapters are checked against the model's own shapes, slots use the run config's
             self.adapters = AdapterCache(config, ec.max_lora_rank, ec.max_cpu_loras or ec.max_loras)
-            lora_slots, lora_shape = SlotTable(ec.max_loras), LoraShape(ec.max_loras, ec.max_lora_rank)
+            lora_slots = SlotTable(ec.max_loras)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=ec.max_num_seqs,
@@ -112,22 +147,7 @@ class LLMEngine:
             watermark=ec.watermark,
             lora_slots=lora_slots,
         )
-        self.runner = ModelRunner(
-            run_config,
-            params,
-            num_pages=self.num_pages,
-            page_size=ec.page_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=ec.max_num_seqs,
-            max_num_batched_tokens=ec.max_num_batched_tokens,
-            attention_backend=ec.attention_backend,
-            kv_dtype=ec.kv_dtype,
-            mesh=mesh,
-            max_logit_bias=ec.max_logit_bias,
-            lora=lora_shape,
-            num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
-            scan_layers=ec.scan_layers,
-        )
+        self.runner = make_runner(run_config, params, ec, self.num_pages, self.max_model_len, mesh)
         if spec_config is not None:
             self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len, self.num_pages)
         self.inputs = InputProcessor(

@@ -88,18 +88,23 @@ def kv_capacity_pages(
     device: jax.Device | None = None,
     kv_shards: int = 1,
     max_model_len: int = 8192,
+    memory_stats: dict[str, int] | None = None,
 ) -> int:
     """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
     scales of quantized pages, `paged_jax.model.quant.kv_bytes_per_token`).
 
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
+    `memory_stats`: `bytes_limit` and `bytes_in_use` of that chip, when it cannot be asked (a deviceless
+    compile for a target, `paged_jax.worker.aot`); default: `device.memory_stats()`.
     """
     if ec.num_pages is not None:
         return ec.num_pages
     per_page = kv_bytes_per_token(config, kv_dtype) * ec.page_size // kv_shards
-    device = device or jax.local_devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
+    stats = memory_stats
+    if stats is None:
+        device = device or jax.local_devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
     else:

@@ -239,6 +239,18 @@ def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, 
     return jnp.zeros(shape, kv_dtype, device=device)
 
 
+def _abstract_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None, one):
+    """One layer's cache as `jax.ShapeDtypeStruct`s (nothing allocated): on `mesh` as `_allocate_kv` places it, or
+    on the single-device sharding `one`."""
+    shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
+    pages = jax.ShapeDtypeStruct(shape, kv_dtype, sharding=one if mesh is None else sharding.kv_sharding(mesh))
+    if not kv_quant.is_quantized_dtype(kv_dtype):
+        return pages
+    scales_on = one if mesh is None else sharding.kv_scales_sharding(mesh)
+    scales = jax.ShapeDtypeStruct(kv_quant.scales_shape(num_pages, config.num_kv_heads, page_size), jnp.float32)
+    return kv_quant.QuantizedPages(pages, jax.ShapeDtypeStruct(scales.shape, scales.dtype, sharding=scales_on))
+
+
 def _copy_all_pages(kv_caches, src, dst):
     return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
 
@@ -354,6 +366,10 @@ class ModelRunner:
     buckets then reach the sample rows of a full verify step, and the sampler marks the rejected rows.
     `scan_layers` ("auto" | "on" | "off", `paged_jax.model.scan.use_scan`): the scanned decoder, whose weights
     the runner stacks once and whose KV cache is one stacked array (`self.scan` says which was chosen).
+    `abstract`: `params` are `jax.ShapeDtypeStruct`s (placed on `mesh`, or all on one device) and nothing is
+    allocated, no KV pages, no LoRA slots: the runner's jobs lower and compile exactly as the engine's, for
+    a target this process cannot run on (`paged_jax.worker.aot`: deviceless TPU and GPU topologies); it cannot
+    run a step.
     """
 
     def __init__(
@@ -373,11 +389,13 @@ class ModelRunner:
         lora: LoraShape | None = None,
         num_speculative_tokens: int = 0,
         scan_layers: str = "auto",
+        abstract: bool = False,
     ) -> None:
         self.config = config
+        self.abstract = abstract
         self.lora = lora
         self.scan = use_scan(config, scan_layers, lora is not None)  # the scanned decoder (paged_jax.model.scan)
-        self.params = self._stack(params, mesh) if self.scan else params
+        self.params = self._stack(params, mesh, abstract) if self.scan else params
         params = self.params
         self.mesh = mesh
         self.page_size = page_size
@@ -399,8 +417,14 @@ class ModelRunner:
         )
         self.kv_dtype = quant.kv_cache_dtype(kv_dtype, config.dtype)
         self.num_pages = num_pages  # per layer
-        if self.scan:  # one stacked cache
-            self.kv_caches = _allocate_kv(config, num_pages * config.num_layers, page_size, self.kv_dtype, mesh)
+        # Where a one-device runner's operands live: the default device, or an abstract runner's target device.
+        one = jax.tree.leaves(params)[0].sharding if abstract and mesh is None else None
+        pages = num_pages * config.num_layers if self.scan else num_pages  # the scanned decoder: one stacked cache
+        if abstract:
+            layer = _abstract_kv(config, pages, page_size, self.kv_dtype, mesh, one)
+            self.kv_caches = layer if self.scan else (layer,) * config.num_layers
+        elif self.scan:
+            self.kv_caches = _allocate_kv(config, pages, page_size, self.kv_dtype, mesh)
         else:
             self.kv_caches = tuple(
                 _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
@@ -409,9 +433,12 @@ class ModelRunner:
         self._kv_specs = jax.tree.map(
             lambda kv: jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=kv.sharding), self.kv_caches
         )
-        self._rep = None if mesh is None else sharding.replicated(mesh)
+        self._rep = one if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
-        platform = jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
+        if mesh is not None:
+            platform = mesh.devices.flat[0].platform
+        else:
+            platform = (jax.devices()[0] if one is None else next(iter(one.device_set))).platform
         # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
         onednn = xla_flags.use_onednn_dots(config.dtype, platform) and quant.weights_key(params) is None
         weights = quant.weights_key(params)
@@ -437,10 +464,21 @@ class ModelRunner:
         self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
         if lora is not None:
             shardings = None if mesh is None else _lora_shardings(config, mesh, lora)
-            self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, shardings)
+            if abstract:
+                shapes = lora_weights.abstract_weights(config, lora.max_loras, lora.max_rank)
+                on = shardings or jax.tree.map(lambda _: one, shapes)
+                self.lora_weights = jax.tree.map(
+                    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, on
+                )
+            else:
+                self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, shardings)
             self._lora_write = _lora_writer(config, mesh, lora)
-        on = None if mesh is None else sharding.replicated(mesh)
-        self._no_prev_tokens = jnp.zeros(self.seq_buckets[-1], jnp.int32, device=on)  # merge input, no lookahead
+        # The merge input when there is no lookahead.
+        self._no_prev_tokens = (
+            self._spec(self.seq_buckets[-1])
+            if abstract
+            else jnp.zeros(self.seq_buckets[-1], jnp.int32, device=self._rep)
+        )
         self._allow_all: dict[int, jax.Array] = {}  # the sampler's bitmask when no row is constrained, per S
         self._copy = _copy_pages(config.num_layers, self.scan, mesh, quantized_kv)
         # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
@@ -462,12 +500,19 @@ class ModelRunner:
         self.real_tokens = 0  # tokens of scheduled work, summed over steps
         self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
 
-    def _stack(self, params, mesh: jax.sharding.Mesh | None):
-        """The stacked tree of `params` (`paged_jax.model.scan.stack_layers`), placed like the step takes it."""
+    def _stack(self, params, mesh: jax.sharding.Mesh | None, abstract: bool = False):
+        """The stacked tree of `params` (`paged_jax.model.scan.stack_layers`), placed like the step takes it;
+        abstract params give the stacked tree's `jax.ShapeDtypeStruct`s."""
+        shapes = jax.eval_shape(stack_layers, params)
         if mesh is None:
+            if abstract:
+                one = jax.tree.leaves(params)[0].sharding
+                return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), shapes)
             return jax.jit(stack_layers)(params)
-        specs = jax.eval_shape(stack_layers, params)
-        return jax.jit(stack_layers, out_shardings=sharding.param_shardings(self.config, mesh, specs))(params)
+        shardings = sharding.param_shardings(self.config, mesh, shapes)
+        if abstract:
+            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
+        return jax.jit(stack_layers, out_shardings=shardings)(params)
 
     def layer_cache(self, layer: int):
         """Layer `layer`'s KV cache (pages, or `QuantizedPages`) as one layer's array: a copy when scanned (for
@@ -557,6 +602,8 @@ class ModelRunner:
 
     def _forward_step(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None) -> _Forward:
         """Copies, adapter loads and the forward step of `sched`, dispatched without waiting."""
+        if self.abstract:
+            raise RuntimeError("an abstract ModelRunner has no KV pages: it compiles steps, it cannot run one")
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
         for load in sched.lora_loads:

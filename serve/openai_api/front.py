@@ -232,6 +232,7 @@ class OpenAIFront:
             gone = not task.done()  # the client went away (or this handler was cancelled)
             if gone:
                 task.cancel()
+                task.add_done_callback(_retrieve)  # else asyncio logs an ERROR with a traceback per hang-up
                 self._abort(streams)
         if gone:
             raise RequestError(grpc.StatusCode.CANCELLED, "cancelled: the client disconnected")
@@ -409,6 +410,13 @@ async def _pump(i: int, stream: RequestStream, event: Event, into: asyncio.Queue
         if event.code is not None or event.output.finished:
             return
         event = await stream.get()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a cancelled gather's outcome as seen: a gather whose children were cancelled finishes with their
+    CancelledError as its exception, which asyncio reports as "never retrieved" (an ERROR) when collected."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _disconnected(request: Request) -> None:
