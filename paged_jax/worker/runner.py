@@ -637,7 +637,9 @@ class ModelRunner:
         device all-ones mask."""
         if bitmask is None:
             if s not in self._allow_all:
-                self._allow_all[s] = jnp.asarray(all_allowed(s, self.config.vocab_size), device=self._rep)
+                # device_put, not jnp.asarray: JAX 0.11 lifts a numpy array with a `jit(stage)` executable
+                # compiled per new shape, and this one first appears after warm-up
+                self._allow_all[s] = jax.device_put(all_allowed(s, self.config.vocab_size), self._rep)
             return self._allow_all[s]
         if bitmask.shape[0] == s:
             return bitmask
