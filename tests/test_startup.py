@@ -59,7 +59,7 @@ def test_batch_plan_holds_only_reachable_shapes(tiny_config, tiny_params):
     small = plan_for_requests([(5, SamplingParams(max_tokens=4, temperature=0.0))] * 2, 128)
     assert small.max_step_tokens == 18 and small.sampler_flags == (GREEDY,) and not small.copies
     assert token_buckets(runner, small) == [16, 32]
-    kinds = [key[0] for key, _, _ in jobs(runner, small)]
+    kinds = [job.key[0] for job in jobs(runner, small)]
     assert kinds == ["forward", "forward", "sample", "merge", "merge"]  # seq bucket 8 for both: one sampler
     big = plan_for_requests([(100, SamplingParams(max_tokens=50, temperature=0.7, top_p=0.9, n=2))], 128)
     assert token_buckets(runner, big) == runner.token_buckets and big.copies
