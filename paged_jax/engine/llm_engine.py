@@ -37,6 +37,7 @@ from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
 from paged_jax.spec.decoder import SpecDecoder
+from paged_jax.spec.setup import parse_spec_config
 from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, StructuredRows
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
@@ -64,8 +65,6 @@ def make_runner(
     allocated, for compiling the engine's steps for a target without its devices (`paged_jax.engine.aot`)."""
     spec_tokens = 0
     if ec.speculative_config is not None:
-        from paged_jax.spec.setup import parse_spec_config
-
         spec_tokens = parse_spec_config(ec.speculative_config).num_speculative_tokens
     return ModelRunner(
         run_config,
