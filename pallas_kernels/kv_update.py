@@ -48,7 +48,9 @@ def write_kv(
         return pages.at[page[:, None], heads, offset[:, None]].set(new, mode="drop", unique_indices=False)
     kq, ks = kv_quant.quantize(k, pages.dtype)  # [T, H, D], [T, H]
     vq, vs = kv_quant.quantize(v, pages.dtype)
-    pages = pages.at[page, :, offset].set(jnp.concatenate([kq, vq], axis=-1), mode="drop", unique_indices=False)
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
+    new = jnp.concatenate([kq, vq], axis=-1)  # [num_tokens, num_kv_heads, 2 * head_dim]
+    pages = pages.at[page[:, None], heads, offset[:, None]].set(new, mode="drop", unique_indices=False)
     # Scale of (head h, K/V kv, slot offset) at column (2 h + kv) * page_size + offset of the page's row.
     hk = jnp.arange(2 * num_kv_heads, dtype=jnp.int32).reshape(num_kv_heads, 2)
     col = hk[None] * page_size + offset[:, None, None]  # [T, H, 2]

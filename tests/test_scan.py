@@ -93,14 +93,17 @@ def test_stacked_partition_specs_keep_the_layer_axis_whole():
 
 def test_which_models_scan():
     gemma2 = load_model_config(DATA / "hf_gemma2")
-    assert not can_scan(gemma2) and not use_scan(gemma2, "auto", lora=False)
+    assert not can_scan(gemma2) and not use_scan(gemma2, "auto", lora=False, platform="tpu")
     with pytest.raises(ValueError, match="^scan_layers: 'on' is not possible"):
-        use_scan(gemma2, "on", lora=False)
+        use_scan(gemma2, "on", lora=False, platform="tpu")
     tiny = load_model_config("tiny")
-    assert use_scan(tiny, "auto", lora=False) and not use_scan(tiny, "off", lora=False)
-    assert not use_scan(tiny, "auto", lora=True)
+    # "auto" scans on the accelerators only (CPU copies each layer's weight slices: paged_jax.model.scan).
+    assert use_scan(tiny, "auto", lora=False, platform="tpu") and use_scan(tiny, "auto", lora=False, platform="gpu")
+    assert not use_scan(tiny, "auto", lora=False, platform="cpu")
+    assert use_scan(tiny, "on", lora=False, platform="cpu") and not use_scan(tiny, "off", lora=False, platform="tpu")
+    assert not use_scan(tiny, "auto", lora=True, platform="tpu")
     with pytest.raises(ValueError, match="^scan_layers: must be one of"):
-        use_scan(tiny, "yes", lora=False)
+        use_scan(tiny, "yes", lora=False, platform="cpu")
 
 
 def _generate(scan: str, backend: str, kv_dtype: str | None):
@@ -150,6 +153,7 @@ def test_scanned_step_copies_no_kv(tiny_config, tiny_params, backend, kv_dtype):
         max_num_batched_tokens=64,
         attention_backend=backend,
         kv_dtype=kv_dtype,
+        scan_layers="on",
     )
     pages = kv_quant.split(runner.kv_caches)[0]
     assert runner.scan and pages.shape[0] == 32 * tiny_config.num_layers  # one stacked cache
@@ -160,7 +164,9 @@ def test_scanned_step_copies_no_kv(tiny_config, tiny_params, backend, kv_dtype):
 
 def test_per_layer_checkpoint_loads_stacked(tmp_path, tiny_config, tiny_params):
     save_checkpoint(tmp_path / "ckpt", tiny_config, tiny_params)  # the stored form is per layer
-    llm = LLM(str(tmp_path / "ckpt"), num_pages=16, max_num_seqs=2, max_num_batched_tokens=16, warmup=False)
+    llm = LLM(
+        str(tmp_path / "ckpt"), num_pages=16, max_num_seqs=2, max_num_batched_tokens=16, warmup=False, scan_layers="on"
+    )
     runner = llm.engine.runner
     assert runner.scan and "layers" in runner.params["params"]
     back = unstack_layers(runner.params)

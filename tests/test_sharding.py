@@ -293,10 +293,13 @@ else:
     def test_eight_devices():
         assert jax.device_count() == NUM_DEVICES
 
-    @pytest.mark.parametrize("kv", [8, 2], ids=["kv8", "kv2-replicated"])
-    @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-    def test_tensor_parallel_matches_single_device(single_device, kv, tp):
-        engine = make_engine(kv, tensor_parallel_size=tp)
+    TP_CASES = [(kv, tp, "auto") for kv in (8, 2) for tp in (1, 2, 4, 8)] + [(8, 4, "on"), (2, 4, "on")]
+
+    @pytest.mark.parametrize("kv, tp, scan", TP_CASES, ids=[f"kv{k}-tp{t}-scan_{s}" for k, t, s in TP_CASES])
+    def test_tensor_parallel_matches_single_device(single_device, kv, tp, scan):
+        """TP engines (unrolled on CPU; also the scanned decoder at TP 4) against the unrolled single device."""
+        engine = make_engine(kv, tensor_parallel_size=tp, scan_layers=scan)
+        assert engine.runner.scan == (scan == "on")
         if tp > 1:
             pages = jax.tree.leaves(engine.runner.kv_caches)[0]  # layer 0's pages, or the stacked ones
             assert pages.sharding.spec[1] == "tp" and len(pages.sharding.device_set) == tp

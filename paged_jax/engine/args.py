@@ -210,7 +210,7 @@ ENGINE_FLAGS = (
     EngineFlag("attention_backend", choices=BACKENDS),
     EngineFlag(
         "scan_layers",
-        "the layers as one scanned step (auto: where the layers are alike and LoRA is off) or unrolled",
+        "the layers as one scanned step (auto: on TPU and GPU where the layers are alike and LoRA is off) or unrolled",
         choices=SCAN_CHOICES,
     ),
     EngineFlag("warmup", "compile step shapes lazily instead of at start-up", name="--no-warmup", negate=True),

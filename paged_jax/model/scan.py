@@ -41,16 +41,27 @@ def can_scan(config: ModelConfig) -> bool:
     return len({config.layer_sliding_window(i) for i in range(config.num_layers)}) == 1
 
 
-def use_scan(config: ModelConfig, scan_layers: str, lora: bool) -> bool:
-    """Whether a runner scans: `scan_layers` "off" never, "auto" when `can_scan` and LoRA is off (LoRA's slots are
-    per-layer arrays: `paged_jax.lora.weights`), "on" always (ValueError naming the field where it cannot)."""
+SCAN_PLATFORMS = ("tpu", "gpu")  # where "auto" scans (use_scan)
+
+
+def use_scan(config: ModelConfig, scan_layers: str, lora: bool, platform: str) -> bool:
+    """Whether a runner on `platform` ("cpu", "tpu", "gpu") scans: `scan_layers` "off" never, "on" always
+    (ValueError naming the field where it cannot), "auto" when `can_scan`, LoRA is off (LoRA's slots are per-layer
+    arrays: `paged_jax.lora.weights`) and the platform is a TPU or GPU.
+
+    Not on CPU: there the scan buys no start-up (XLA:CPU compiles the scanned step no faster than the unrolled
+    one: `scripts/startup_time.py --layers`) and costs decode time, because XLA:CPU copies each layer's slice of
+    every stacked weight into a new buffer before its dot (a dynamic-slice loop fusion per weight per layer per
+    step; the unrolled step's dots read the parameters in place)."""
     if scan_layers not in SCAN_CHOICES:
         raise ValueError(f"scan_layers: must be one of {SCAN_CHOICES}, got {scan_layers!r}")
     possible = can_scan(config) and not lora
     if scan_layers == "on" and not possible:
         why = "LoRA adapters are per-layer arrays" if lora else "its layers differ (sliding-window pattern)"
         raise ValueError(f"scan_layers: 'on' is not possible for this model ({why}); use 'auto' or 'off'")
-    return scan_layers != "off" and possible
+    if scan_layers == "auto":
+        return possible and platform in SCAN_PLATFORMS
+    return scan_layers == "on"
 
 
 def is_stacked(params: Params) -> bool:
@@ -79,4 +90,13 @@ def unstack_layers(params: Params) -> Params:
     return {"params": tree}
 
 
-__all__ = ["LAYERS", "SCAN_CHOICES", "can_scan", "is_stacked", "stack_layers", "unstack_layers", "use_scan"]
+__all__ = [
+    "LAYERS",
+    "SCAN_CHOICES",
+    "SCAN_PLATFORMS",
+    "can_scan",
+    "is_stacked",
+    "stack_layers",
+    "unstack_layers",
+    "use_scan",
+]

@@ -394,7 +394,15 @@ class ModelRunner:
         self.config = config
         self.abstract = abstract
         self.lora = lora
-        self.scan = use_scan(config, scan_layers, lora is not None)  # the scanned decoder (paged_jax.model.scan)
+        # The platform the steps compile for: the mesh's, an abstract runner's target device's, else this process's.
+        if mesh is not None:
+            platform = mesh.devices.flat[0].platform
+        elif abstract:
+            platform = next(iter(jax.tree.leaves(params)[0].sharding.device_set)).platform
+        else:
+            platform = jax.devices()[0].platform
+        # The scanned decoder (paged_jax.model.scan).
+        self.scan = use_scan(config, scan_layers, lora is not None, platform)
         self.params = self._stack(params, mesh, abstract) if self.scan else params
         params = self.params
         self.mesh = mesh
@@ -435,10 +443,6 @@ class ModelRunner:
         )
         self._rep = one if mesh is None else sharding.replicated(mesh)
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
-        if mesh is not None:
-            platform = mesh.devices.flat[0].platform
-        else:
-            platform = (jax.devices()[0] if one is None else next(iter(one.device_set))).platform
         # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
         onednn = xla_flags.use_onednn_dots(config.dtype, platform) and quant.weights_key(params) is None
         weights = quant.weights_key(params)
