@@ -39,6 +39,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
     g.add_argument("--max-queued-requests", type=int, default=256, help=">= 1")
     g.add_argument(
+        "--multi-prompt-queue-share",
+        type=float,
+        default=0.5,
+        help="requests of several prompts may fill the queue up to this share of --max-queued-requests",
+    )
+    g.add_argument(
         "--allow-invariant-checks",
         action="store_true",
         help="let GetStats(check_invariants=true) run the KV invariant checker (stalls the engine)",
@@ -100,6 +106,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         tls_key_file=args.tls_key,
         auth_token=token,
         max_queued_requests=args.max_queued_requests,
+        multi_prompt_queue_share=args.multi_prompt_queue_share,
         allow_invariant_checks=args.allow_invariant_checks,
         grace_period_s=args.grace_period,
         limits=limits,

@@ -82,6 +82,10 @@ class ServingConfig:
     # bearer token too (and the metrics port serves TLS when TLS is configured).
     metrics_auth: bool = False
     max_queued_requests: int = 256  # accepted but not yet started; beyond it RESOURCE_EXHAUSTED
+    # Requests of several prompts (an OpenAI completions `prompt` list; each prompt holds a queue slot) are taken
+    # only while the queue, with them, holds at most this share of `max_queued_requests`: the rest stays open to
+    # one-prompt requests, so a client sending many-prompt requests cannot take the whole queue.
+    multi_prompt_queue_share: float = 0.5
     # GetStats(check_invariants=true) walks every KV page on the engine thread (149 ms at 230k pages), stalling
     # every stream: an operator's debugging tool, refused (PERMISSION_DENIED) unless turned on.
     allow_invariant_checks: bool = False
@@ -103,6 +107,8 @@ class ServingConfig:
             raise ValueError("auth_token: must not be empty")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests: must be >= 1 (0 would refuse every request)")
+        if not 0 < self.multi_prompt_queue_share <= 1:
+            raise ValueError("multi_prompt_queue_share: must be in (0, 1]")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError("http_port: must be in [0, 65536)")
         if self.metrics_auth and self.auth_token is None:

@@ -68,12 +68,21 @@ class RequestStream:
 
 
 @dataclass(slots=True)
-class _Add:
-    stream: RequestStream
+class Submission:
+    """One prompt of a client request, checked and tokenized, for `EngineLoop.submit_group`."""
+
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
     lora_request: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class _Add:
+    stream: RequestStream
+    request: Submission
+    group: str | None  # the client request's admission group (several prompts), None: its own
 
 
 @dataclass(slots=True)
@@ -142,21 +151,44 @@ class EngineLoop:
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Register a request and queue it for the engine. Raises RequestError when it cannot be taken."""
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        return self.submit_group(
+            [Submission(request_id, prompt_token_ids, params, cache_salt, lora_request)], max_queued
+        )[0]
+
+    def submit_group(
+        self, submissions: list[Submission], max_queued: int | None = None, max_queued_share: float = 1.0
+    ) -> list[RequestStream]:
+        """Register one client request's prompts (taken whole or not at all) and queue them for the engine as one
+        group: they share one turn of the scheduler's admission round-robin, so a many-prompt request does not
+        hold back a one-prompt request behind it. Several prompts are taken only while the queue, with them, holds
+        at most `max_queued_share` of `max_queued` (the rest stays open to others); one prompt needs one free slot.
+        Raises RequestError (RESOURCE_EXHAUSTED when the queue has no room)."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(s.request_id, loop) for s in submissions]
+        k = len(submissions)
+        group = submissions[0].request_id if k > 1 else None
         with self._lock:
             if self.error is not None or self._stop:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine: not running")
-            if request_id in self._streams:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in use")
-            if max_queued is not None and self._num_queued >= max_queued:
-                raise RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"queue: {self._num_queued} requests already waiting (limit {max_queued})",
-                )
-            self._streams[request_id] = stream
-            self._num_queued += 1
-            self._commands.put(_Add(stream, prompt_token_ids, params, cache_salt, lora_request))  # see _die
-        return stream
+            for s in submissions:
+                if s.request_id in self._streams:
+                    raise RequestError(
+                        grpc.StatusCode.ALREADY_EXISTS, f"request_id: {s.request_id!r} is already in use"
+                    )
+            if max_queued is not None:
+                room = max_queued if k == 1 else int(max_queued * max_queued_share)
+                if self._num_queued + k > room:
+                    share = "" if k == 1 else f", {room} for requests of several prompts"
+                    raise RequestError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"queue: {self._num_queued} requests already waiting (limit {max_queued}{share}); "
+                        f"this request brings {k}",
+                    )
+            for s, stream in zip(submissions, streams, strict=True):
+                self._streams[s.request_id] = stream
+                self._num_queued += 1
+                self._commands.put(_Add(stream, s, group))  # see _die
+        return streams
 
     def abort(self, stream: RequestStream, message: str = "aborted") -> None:
         """Abort `stream`'s request before the next step; the stream (if still read) gets a final ABORT output.
@@ -238,9 +270,10 @@ class EngineLoop:
         rid = cmd.stream.request_id
         if self._streams.get(rid) is not cmd.stream:
             return  # aborted before it reached the engine
+        r = cmd.request
         try:
             self.engine.add_request(
-                rid, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt, lora_request=cmd.lora_request
+                rid, r.prompt_token_ids, r.params, cache_salt=r.cache_salt, lora_request=r.lora_request, group=cmd.group
             )
         except ValueError as e:
             refused = e if isinstance(e, FieldError) else None

@@ -135,3 +135,39 @@ def test_forked_samples_share_the_prompt_then_copy_on_write():
     assert entries(second) == [("r#0", 10, 1, [1, 3]), ("r#1", 10, 1, [1, 4]), ("r#2", 10, 1, [1, 2])]
     assert second.copy_ops == [(2, 3), (2, 4)] and rows(second) == [("r#0", 0), ("r#1", 1), ("r#2", 2)]
     check_manager_invariants(kv)
+
+
+def test_admission_round_robin_between_client_requests():
+    """Issue 25 item 6: four 8-prompt requests (one group each) then a one-prompt request, two sequences a step:
+    the lone prompt is admitted in the third step (fifth in line), not after the 32 prompts before it (it would
+    be in the seventeenth). Groups take turns one prompt at a time; without groups admission is arrival order."""
+    kv = KVCacheManager(num_pages=200, page_size=8)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64, watermark=0.0)
+    for g in "abcd":
+        for i in range(8):
+            sched.add(*seqs(f"{g}{i}", [7, 8, 9]), group=g)
+    sched.add(*seqs("small", [1, 2, 3]))
+    assert [s.request_id for s in sched.waiting][:6] == ["a0", "b0", "c0", "d0", "small", "a1"]
+    admitted = []
+    for _ in range(3):
+        out = sched.schedule()
+        admitted += [s.seq.request_id for s in out.scheduled]
+        for s in list(sched.running):  # every running sequence finishes: two slots free for the next step
+            sched.remove(s, FinishReason.LENGTH)
+    assert admitted == ["a0", "b0", "c0", "d0", "small", "a1"]
+    assert len(sched.waiting) == 32 - 5 and [s.request_id for s in sched.waiting][:4] == ["b1", "c1", "d1", "a2"]
+    check_manager_invariants(kv)
+
+
+def test_waiting_queue_front_goes_before_every_group_and_removal():
+    """Preempted (front) sequences go first; removing a group's last waiting sequence drops it from the turns."""
+    sched = Scheduler(KVCacheManager(num_pages=50, page_size=8), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b, c = (seqs(r, [1, 2])[0] for r in "abc")
+    sched.add(a, [], group="g")
+    sched.add(b, [], group="g")
+    sched.add(c, [])
+    sched.waiting.appendleft(seqs("p", [3])[0])
+    assert [s.request_id for s in sched.waiting] == ["p", "a", "c", "b"] and len(sched.waiting) == 4
+    sched.remove(c, FinishReason.ABORT)
+    assert c not in sched.waiting and a in sched.waiting
+    assert [sched.waiting.popleft().request_id for _ in range(3)] == ["p", "a", "b"] and not sched.waiting

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
+import pytest
 from test_serve_support import shared
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
-from serve.engine_loop import EngineLoop
+from serve.convert import RequestError
+from serve.engine_loop import EngineLoop, Submission
 
 
 def small_engine() -> LLMEngine:
@@ -82,3 +85,35 @@ def test_a_stale_abort_leaves_a_new_request_with_the_same_id_alone():
         assert loop.engine.kv.stats().pages_in_use == 0
     finally:
         loop.stop()
+
+
+def test_multi_prompt_requests_hold_a_share_of_the_queue_and_one_admission_turn(monkeypatch):
+    """Issue 25 item 6: requests of several prompts fill the queue only up to their share (8 slots, share 0.75: two
+    3-prompt requests, a third is RESOURCE_EXHAUSTED), a one-prompt request still gets in, and the engine's
+    waiting queue serves the groups in turns: the one-prompt request is third in line, not seventh. Nothing is
+    admitted (max_num_seqs 0), so no slot frees and the order is exact."""
+    engine = small_engine()
+    monkeypatch.setattr(engine.scheduler, "max_num_seqs", 0)
+    loop = EngineLoop(engine).start()
+    params = SamplingParams(max_tokens=4)
+
+    def group(name: str, k: int) -> list[Submission]:
+        return [Submission(f"{name}-{i}", [5, 6, 7], params, None) for i in range(k)]
+
+    async def scenario() -> list[str]:
+        loop.submit_group(group("g1", 3), max_queued=8, max_queued_share=0.75)
+        loop.submit_group(group("g2", 3), max_queued=8, max_queued_share=0.75)
+        with pytest.raises(RequestError) as refused:
+            loop.submit_group(group("g3", 3), max_queued=8, max_queued_share=0.75)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "6 for requests of several" in str(
+            refused.value.message
+        )
+        loop.submit("single", [5, 6, 7], params, None, max_queued=8)
+        return await loop.call(lambda e: [s.request_id for s in e.scheduler.waiting])
+
+    try:
+        order = asyncio.run(scenario())
+        assert order == ["g1-0", "g2-0", "single", "g1-1", "g2-1", "g1-2", "g2-2"]
+    finally:
+        loop.stop()
+    assert engine.kv.stats().pages_in_use == 0 and not engine.has_unfinished()

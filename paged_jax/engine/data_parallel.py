@@ -96,12 +96,13 @@ class DataParallelEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        group: str | None = None,
     ) -> None:
         """Queue a request on the least-loaded replica; FieldError as `LLMEngine.add_request`."""
         if request_id in self.router.owner:
             raise FieldError("request_id", f"{request_id!r} is already in use")
         i = self.router.pick()
-        self.replicas[i].add_request(request_id, prompt, params, cache_salt, arrival_time, lora_request)
+        self.replicas[i].add_request(request_id, prompt, params, cache_salt, arrival_time, lora_request, group)
         self.router.assign(request_id, i, (params or SamplingParams()).n)
 
     def step(self) -> list[RequestOutput]:

@@ -208,11 +208,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        group: str | None = None,
     ) -> None:
         """Queue a request (`params` None: the model's generation defaults). Raises FieldError naming the field
         when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache;
         `lora_request`: run it with that adapter (`paged_jax.lora`; a LoraError, field `lora_request`, when it
-        cannot be served)."""
+        cannot be served); `group`: the client request it belongs to (the prompts of one multi-prompt API request),
+        which takes one turn of the scheduler's admission round-robin for all of them (None: its own)."""
         adapter = None
         if lora_request is not None:
             if self.adapters is None:
@@ -232,7 +234,7 @@ class LLMEngine:
                 raise
         for seq in req.seqs:
             seq.lora = adapter
-        self.scheduler.add(req.seqs[0], req.seqs[1:])
+        self.scheduler.add(req.seqs[0], req.seqs[1:], group)
 
     def _check_fits(self, total_tokens: int) -> None:
         if not self.kv.can_ever_fit(total_tokens):

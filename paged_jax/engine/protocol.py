@@ -107,6 +107,7 @@ class Engine(Protocol):
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        group: str | None = None,  # requests sharing it take one turn of admission together (one client request)
     ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...

@@ -2,9 +2,10 @@
 
 Running sequences go first (decodes and unfinished prompt chunks), in admission order; when one
 cannot get a page, the most recently admitted running sequence is preempted (its pages freed, its
-full blocks left in the prefix cache) and later recomputed. Waiting sequences are then admitted in
-arrival order while the token budget, the sequence limit and the pages last; their cached prefix
-blocks are skipped. A prompt longer than the budget (or the chunk size) is prefilled in chunks.
+full blocks left in the prefix cache) and later recomputed. Waiting sequences are then admitted
+round-robin between client requests (`paged_jax.sched.waiting`: arrival order unless a request brought several
+prompts) while the token budget, the sequence limit and the pages last; their cached prefix blocks are skipped.
+A prompt longer than the budget (or the chunk size) is prefilled in chunks.
 
 Speculative decoding (`paged_jax.spec`): a decoding sequence may carry draft tokens (`draft_token_ids`, set by
 the engine's proposer before the step); they are scheduled after its last token inside the same token budget,
@@ -21,12 +22,11 @@ holds no pages and has none computed.
 
 from __future__ import annotations
 
-from collections import deque
-
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.lora.registry import SlotTable
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
+from paged_jax.sched.waiting import WaitingQueue
 
 
 class Scheduler:
@@ -53,15 +53,17 @@ class Scheduler:
         self.reserve_tokens = reserve_tokens
         # Admission leaves this many pages free while others run (vLLM's watermark, 1% by default).
         self.watermark_pages = int(watermark * (kv.num_pages - 1))
-        self.waiting: deque[TokenSequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[TokenSequence] = []
         self.num_preemptions = 0
 
     # -- membership -----------------------------------------------------------------------------
-    def add(self, leader: TokenSequence, children: list[TokenSequence]) -> None:
-        """Queue a request: its leader waits; its other samples are forked when the prompt completes."""
+    def add(self, leader: TokenSequence, children: list[TokenSequence], group: str | None = None) -> None:
+        """Queue a request: its leader waits; its other samples are forked when the prompt completes. Requests
+        with the same `group` (the prompts of one client request) share one turn of the admission round-robin;
+        None: the request is a group of its own."""
         leader.forked_children = children
-        self.waiting.append(leader)
+        self.waiting.append(leader, f"group:{group}" if group is not None else f"request:{leader.request_id}")
 
     def remove(self, seq: TokenSequence, reason: FinishReason) -> None:
         """Finish or abort `seq`: leave every queue and return every page it holds."""

@@ -1,9 +1,11 @@
 """The OpenAI handlers: parse, submit to the shared engine loop, answer in one piece or as server-sent events.
 
-One engine, one KV cache, one admission queue: requests go through the same `EngineLoop.submit` (and its
-`max_queued_requests`) as gRPC's, are checked by the engine's input processor as every front's are (its
-field names shown in OpenAI's words by `protocol.field_names`), and are counted in the same Prometheus
-registry (method `OpenAI.Completions` / `OpenAI.ChatCompletions`, status as gRPC's name).
+One engine, one KV cache, one admission queue: requests go through the same `EngineLoop.submit_group` (and its
+`max_queued_requests`) as gRPC's (a completions request's several prompts as one group, held to
+`multi_prompt_queue_share` of the queue and taking one turn of admission together), are checked by the engine's
+input processor as every front's are (its field names shown in OpenAI's words by `protocol.field_names`), and
+are counted in the same Prometheus registry (method `OpenAI.Completions` / `OpenAI.ChatCompletions`, status as
+gRPC's name).
 
 A response starts only once the engine has taken the request (its first output), so every failure the
 engine reports at admission still gets its HTTP status. Until then, and for a unary request until its end,
@@ -37,7 +39,7 @@ from paged_jax.tokenization.tool_calls import ToolFormat, function_specs, tool_f
 from .. import convert
 from ..config import ServingConfig
 from ..convert import RequestError
-from ..engine_loop import EngineLoop, Event, RequestStream
+from ..engine_loop import EngineLoop, Event, RequestStream, Submission
 from ..metrics import Metrics
 from . import tokenize
 from .errors import error_body, error_response
@@ -163,17 +165,13 @@ class OpenAIFront:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
             rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
             lora = self._adapter(req)
-            for i, p in enumerate(parsed):  # a batch is admitted whole or not at all (the except aborts the rest)
-                streams.append(
-                    self.loop.submit(
-                        rid if len(parsed) == 1 else f"{rid}-{i}",
-                        p.prompt_token_ids,
-                        p.params,
-                        p.cache_salt,
-                        self.config.max_queued_requests,
-                        lora_request=lora,
-                    )
-                )
+            submissions = [  # one group: admitted whole or not at all, one turn of admission for all its prompts
+                Submission(rid if len(parsed) == 1 else f"{rid}-{i}", p.prompt_token_ids, p.params, p.cache_salt, lora)
+                for i, p in enumerate(parsed)
+            ]
+            streams = self.loop.submit_group(
+                submissions, self.config.max_queued_requests, self.config.multi_prompt_queue_share
+            )
             model = self.model_name if lora is None else lora.lora_name
             echo = await self._off_loop(self._echoes, parsed) if req.echo else None
             builder = ResponseBuilder(
