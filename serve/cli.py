@@ -45,6 +45,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="requests of several prompts may fill the queue up to this share of --max-queued-requests",
     )
     g.add_argument(
+        "--max-stream-backlog",
+        type=int,
+        default=256,
+        help="a stream whose client has more events (steps' tokens) unread is aborted",
+    )
+    g.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream's client may read nothing while output waits before the request is aborted",
+    )
+    g.add_argument(
+        "--http-send-timeout",
+        type=float,
+        default=60.0,
+        help="seconds before the kernel closes an HTTP connection whose sent data stays unread (TCP_USER_TIMEOUT)",
+    )
+    g.add_argument(
         "--allow-invariant-checks",
         action="store_true",
         help="let GetStats(check_invariants=true) run the KV invariant checker (stalls the engine)",
@@ -107,6 +125,9 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         auth_token=token,
         max_queued_requests=args.max_queued_requests,
         multi_prompt_queue_share=args.multi_prompt_queue_share,
+        max_stream_backlog=args.max_stream_backlog,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        http_send_timeout_s=args.http_send_timeout,
         allow_invariant_checks=args.allow_invariant_checks,
         grace_period_s=args.grace_period,
         limits=limits,

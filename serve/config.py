@@ -8,6 +8,17 @@ from dataclasses import dataclass
 from paged_jax.engine.input_processor import InputLimits
 
 
+@dataclass(frozen=True, slots=True)
+class Backpressure:
+    """How far a client may fall behind reading its request's events before the request is aborted (its pages
+    freed, generation stopped): more than `max_backlog` events unread, or nothing read for `stall_timeout_s`
+    while an event waits. None: no bound. Each event is one step's new tokens of one prompt, so the unread
+    buffer of a stream is bounded by `max_backlog` steps' output however long its client stops reading."""
+
+    max_backlog: int | None = None
+    stall_timeout_s: float | None = None
+
+
 @dataclass(slots=True)
 class ServingLimits:
     """Per-request limits; a request beyond any of them gets INVALID_ARGUMENT naming the field.
@@ -86,6 +97,13 @@ class ServingConfig:
     # only while the queue, with them, holds at most this share of `max_queued_requests`: the rest stays open to
     # one-prompt requests, so a client sending many-prompt requests cannot take the whole queue.
     multi_prompt_queue_share: float = 0.5
+    # Backpressure for streams (SSE and gRPC): a request whose client has more than `max_stream_backlog` events
+    # (one step's new tokens each) unread, or has read nothing for `stream_stall_timeout_s` while one waits, is
+    # aborted (generation stops, its pages are freed). An HTTP connection whose sent data stays unread for
+    # `http_send_timeout_s` is closed by the kernel (TCP_USER_TIMEOUT), so the connection and its buffers go too.
+    max_stream_backlog: int = 256
+    stream_stall_timeout_s: float = 30.0
+    http_send_timeout_s: float = 60.0
     # GetStats(check_invariants=true) walks every KV page on the engine thread (149 ms at 230k pages), stalling
     # every stream: an operator's debugging tool, refused (PERMISSION_DENIED) unless turned on.
     allow_invariant_checks: bool = False
@@ -109,6 +127,12 @@ class ServingConfig:
             raise ValueError("max_queued_requests: must be >= 1 (0 would refuse every request)")
         if not 0 < self.multi_prompt_queue_share <= 1:
             raise ValueError("multi_prompt_queue_share: must be in (0, 1]")
+        if self.max_stream_backlog < 1:
+            raise ValueError("max_stream_backlog: must be >= 1")
+        if not self.stream_stall_timeout_s > 0:
+            raise ValueError("stream_stall_timeout_s: must be > 0")
+        if not self.http_send_timeout_s > 0:
+            raise ValueError("http_send_timeout_s: must be > 0")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError("http_port: must be in [0, 65536)")
         if self.metrics_auth and self.auth_token is None:
@@ -116,6 +140,10 @@ class ServingConfig:
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s: must be >= 0")
         self.limits.validate()
+
+    @property
+    def backpressure(self) -> Backpressure:
+        return Backpressure(self.max_stream_backlog, self.stream_stall_timeout_s)
 
     @property
     def tls(self) -> bool:

@@ -19,6 +19,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,11 @@ from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
+from .config import Backpressure
 from .convert import RequestError, internal_error
 
 log = logging.getLogger(__name__)
+STALL_CHECK_S = 0.02  # how often the loop looks for readers that fell behind (`Backpressure`)
 
 
 @dataclass(slots=True)
@@ -47,24 +50,65 @@ class Event:
     field_error: FieldError | None = None  # the engine refused one field (INVALID_ARGUMENT), in its own words
 
 
-class RequestStream:
-    """The asyncio side of one request; `get` yields its events in order."""
+class Inbox:
+    """The events of one client request in arrival order, as (prompt index, Event) (the prompts of a multi-prompt
+    request share one), and how far its reader is behind: `backlog` events pushed and not yet taken.
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
+    `push` runs on the engine thread, `get` on the event loop; each counter has one writer. `read_at` is when the
+    reader last took an event, or when an event arrived to an empty inbox (the stall clock starts then)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, backpressure: Backpressure | None = None) -> None:
         self._loop = loop
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.started = False  # an output has arrived (the request left the waiting queue)
+        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.backpressure = backpressure or Backpressure()
+        self.pushed = 0  # written by the engine thread only
+        self.taken = 0  # written by the reader only
+        self.read_at = time.monotonic()
 
-    def push(self, event: Event) -> None:
-        """Thread-safe; a stream whose event loop has closed drops the event."""
+    @property
+    def backlog(self) -> int:
+        return self.pushed - self.taken
+
+    def push(self, index: int, event: Event) -> None:
+        """Thread-safe; an inbox whose event loop has closed drops the event."""
+        if self.pushed == self.taken:
+            self.read_at = time.monotonic()
+        self.pushed += 1
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
         except RuntimeError:
             pass
 
+    async def get(self) -> tuple[int, Event]:
+        item = await self._queue.get()
+        self.taken += 1
+        self.read_at = time.monotonic()
+        return item
+
+    def stalled(self, now: float) -> str | None:
+        """Why this inbox's requests must be aborted now (None: they may go on)."""
+        bp, backlog = self.backpressure, self.backlog
+        if bp.max_backlog is not None and backlog > bp.max_backlog:
+            return f"aborted: the client fell {backlog} events behind reading the stream (limit {bp.max_backlog})"
+        if bp.stall_timeout_s is not None and backlog > 0 and now - self.read_at > bp.stall_timeout_s:
+            return f"aborted: the client read nothing for {bp.stall_timeout_s:g} s with {backlog} events waiting"
+        return None
+
+
+class RequestStream:
+    """The asyncio side of one engine request: prompt `index` of its client request's `inbox`; `get` yields its
+    events in order when the inbox is its own."""
+
+    def __init__(self, request_id: str, inbox: Inbox, index: int = 0) -> None:
+        self.request_id = request_id
+        self.inbox, self.index = inbox, index
+        self.started = False  # an output has arrived (the request left the waiting queue)
+
+    def push(self, event: Event) -> None:
+        self.inbox.push(self.index, event)
+
     async def get(self) -> Event:
-        return await self._queue.get()
+        return (await self.inbox.get())[1]
 
 
 @dataclass(slots=True)
@@ -112,6 +156,7 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}  # open requests; guarded by _lock
         self._num_queued = 0  # open requests without an output yet; guarded by _lock
         self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._checked_at = 0.0  # when `_abort_stalled` last looked
         self._stop = False
         self.error: BaseException | None = None  # set when the loop died
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -149,22 +194,27 @@ class EngineLoop:
         cache_salt: str | None,
         max_queued: int | None = None,
         lora_request: LoRARequest | None = None,
+        backpressure: Backpressure | None = None,
     ) -> RequestStream:
         """Register a request and queue it for the engine. Raises RequestError when it cannot be taken."""
-        return self.submit_group(
-            [Submission(request_id, prompt_token_ids, params, cache_salt, lora_request)], max_queued
-        )[0]
+        one = Submission(request_id, prompt_token_ids, params, cache_salt, lora_request)
+        return self.submit_group([one], max_queued, backpressure=backpressure)[0]
 
     def submit_group(
-        self, submissions: list[Submission], max_queued: int | None = None, max_queued_share: float = 1.0
+        self,
+        submissions: list[Submission],
+        max_queued: int | None = None,
+        max_queued_share: float = 1.0,
+        backpressure: Backpressure | None = None,
     ) -> list[RequestStream]:
         """Register one client request's prompts (taken whole or not at all) and queue them for the engine as one
         group: they share one turn of the scheduler's admission round-robin, so a many-prompt request does not
         hold back a one-prompt request behind it. Several prompts are taken only while the queue, with them, holds
         at most `max_queued_share` of `max_queued` (the rest stays open to others); one prompt needs one free slot.
+        Their events arrive in one `Inbox` (`streams[i].index == i`), whose reader is held to `backpressure`.
         Raises RequestError (RESOURCE_EXHAUSTED when the queue has no room)."""
-        loop = asyncio.get_running_loop()
-        streams = [RequestStream(s.request_id, loop) for s in submissions]
+        inbox = Inbox(asyncio.get_running_loop(), backpressure)
+        streams = [RequestStream(s.request_id, inbox, i) for i, s in enumerate(submissions)]
         k = len(submissions)
         group = submissions[0].request_id if k > 1 else None
         with self._lock:
@@ -236,6 +286,7 @@ class EngineLoop:
                 for out in outputs:
                     self._deliver(out)
                 stalled = not outputs and engine.num_launched == launched
+                self._abort_stalled()
                 if self._on_step is not None:
                     self._on_step(engine)
             for rid in list(self._streams):
@@ -292,6 +343,24 @@ class EngineLoop:
                 if out is not None
                 else Event(code=grpc.StatusCode.CANCELLED, message=message),
             )
+
+    def _abort_stalled(self) -> None:
+        """Abort every open request whose client fell too far behind reading (`Backpressure`): the engine stops
+        generating for it and its pages are freed; its inbox keeps what it holds until its handler ends."""
+        now = time.monotonic()
+        if now - self._checked_at < STALL_CHECK_S:
+            return
+        self._checked_at = now
+        with self._lock:
+            streams = list(self._streams.values())
+        why: dict[int, str | None] = {}
+        for stream in streams:
+            inbox = stream.inbox
+            if id(inbox) not in why:
+                why[id(inbox)] = inbox.stalled(now)
+            if why[id(inbox)] is not None:
+                log.info("%s: %s", stream.request_id, why[id(inbox)])
+                self._abort(stream.request_id, why[id(inbox)])
 
     def _deliver(self, out: RequestOutput) -> None:
         rid = out.request_id

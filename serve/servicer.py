@@ -69,7 +69,13 @@ class GenerationServicer:
             except UnknownAdapterError as e:
                 raise RequestError(grpc.StatusCode.NOT_FOUND, f"lora_name: {e}") from None
         return self.loop.submit(
-            rid, parsed.prompt_token_ids, parsed.params, parsed.cache_salt, self.config.max_queued_requests, lora
+            rid,
+            parsed.prompt_token_ids,
+            parsed.params,
+            parsed.cache_salt,
+            self.config.max_queued_requests,
+            lora,
+            self.config.backpressure,
         )
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[Event]:

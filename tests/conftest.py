@@ -74,3 +74,40 @@ def real_tokenizer_dir(tmp_path_factory) -> Callable[[str], Path]:
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def fronts(request):
+    """(HTTP front, gRPC front) on the session's shared engine loop (tests/test_serve_support.py), for one test
+    module; the tiny byte tokenizer gets the module's `TEMPLATE` as its chat template meanwhile."""
+    from test_serve_support import LIMITS, shared, start_server
+
+    from paged_jax.tokenization.chat_template import template_from_text
+    from serve.config import ServingConfig
+    from serve.openai_api.server import HttpServerThread
+
+    s = shared()
+    tokenizer = s.engine.tokenizer
+    template = template_from_text(request.module.TEMPLATE, "test template")
+    old_template, tokenizer.chat_template = tokenizer.chat_template, template
+    grpc_front = start_server()
+    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, limits=LIMITS), s.metrics).start()
+    yield http, grpc_front
+    http.stop()
+    grpc_front.stop()
+    tokenizer.chat_template = old_template
+
+
+@pytest.fixture
+def oai(fronts):
+    """The official `openai` client on the HTTP front; after the test, every request has ended and every page is
+    free (checked through gRPC GetStats)."""
+    import openai
+    from test_serve_support import wait_idle
+
+    from serve.client import Client
+
+    http, grpc_front = fronts
+    with openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0) as client:
+        yield client
+    wait_idle(Client(grpc_front.target))

@@ -13,10 +13,11 @@ import logging
 import socket
 import urllib.error
 import urllib.request
+import weakref
 
 import grpc
 import pytest
-from test_serve_support import LIMITS, shared, start_server, wait_idle, wait_until
+from test_serve_support import LIMITS, shared, wait_idle, wait_until
 
 from paged_jax.errors import FieldError
 from paged_jax.tokenization.chat_template import template_from_text
@@ -33,19 +34,6 @@ TEMPLATE = (
 USER = [{"role": "user", "content": "hi"}]
 DIGITS = "7" * 5000  # more than int()'s 4,300-digit limit
 DEEP = "[" * 100_000 + "]" * 100_000
-
-
-@pytest.fixture(scope="module")
-def fronts():
-    s = shared()
-    tokenizer = s.engine.tokenizer
-    old_template, tokenizer.chat_template = tokenizer.chat_template, template_from_text(TEMPLATE, "test template")
-    grpc_front = start_server()
-    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, limits=LIMITS), s.metrics).start()
-    yield http, grpc_front
-    http.stop()
-    grpc_front.stop()
-    tokenizer.chat_template = old_template
 
 
 def _post(base_url: str, route: str, body: bytes) -> tuple[int, dict]:
@@ -340,3 +328,77 @@ def test_disconnects_are_not_logged_as_errors(fronts, caplog):
         gc.collect()  # "exception was never retrieved" is logged when the forgotten future is collected
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [(r.name, r.getMessage()[:200]) for r in errors]
+
+
+# -- issue 25.8: a stream whose client never reads is aborted, its pages and buffers freed ---------------------
+def _never_reading(http, body: dict) -> socket.socket:
+    """A raw connection with a small receive window that has sent one POST /v1/completions and will read nothing."""
+    host, port = http.server.config.host, http.server.port
+    payload = json.dumps(body).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window stays small
+    sock.connect((host, port))
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+# n=8 with logprobs: about 5 KB a step, 8.6 MB in all, far beyond the socket buffers (256 KiB send buffer, doubled)
+UNREAD = {"prompt": "a", "max_tokens": 1800, "n": 8, "logprobs": 5, "ignore_eos": True, "stream": True}
+
+
+def test_a_stream_never_read_is_aborted_and_everything_returns(fronts, caplog):
+    """A client that opens a stream and never reads fills the socket buffers; then its request's unread events pile
+    up in its inbox: past the backlog bound (8 events here, or 1 s without a read) the request is aborted and its
+    pages freed. When the client goes, the handler ends and its buffered events are released (the inbox is
+    collected). Waited for as state (no wall-clock claim about speed)."""
+    _, grpc_front = fronts
+    s = shared()
+    config = ServingConfig(port=0, http_port=0, limits=LIMITS, max_stream_backlog=8, stream_stall_timeout_s=1.0)
+    http = HttpServerThread(s.loop, config, s.metrics).start()
+    try:
+        with Client(grpc_front.target) as client, caplog.at_level(logging.INFO, "serve.engine_loop"):
+            wait_idle(client)
+            sock = _never_reading(http, UNREAD)
+            wait_until(lambda: s.loop.num_open == 1, "the stream to start")
+            with s.loop._lock:
+                (stream,) = s.loop._streams.values()
+            inbox = weakref.ref(stream.inbox)
+            del stream
+            wait_until(lambda: s.loop.num_open == 0, "the stalled stream to be aborted")
+            (why,) = [r.getMessage() for r in caplog.records if "aborted: the client" in r.getMessage()]
+            assert "events behind reading the stream (limit 8)" in why or "read nothing for 1 s" in why, why
+            assert inbox().backlog <= 8 + 2  # the bound, the abort's final event, one late step
+            wait_idle(client)  # every page free, nothing running
+            sock.close()
+
+            def released() -> bool:
+                gc.collect()
+                return inbox() is None
+
+            wait_until(released, "the handler to end and its buffered events to go")
+    finally:
+        http.stop()
+
+
+def test_an_unread_http_connection_is_closed_by_the_kernel(fronts):
+    """The connection of a client that reads nothing is closed (TCP_USER_TIMEOUT on the listener, 0.5 s here; the
+    stall abort set far away), which ends its request: nothing stays open, every page is free."""
+    _, grpc_front = fronts
+    s = shared()
+    config = ServingConfig(port=0, http_port=0, limits=LIMITS, stream_stall_timeout_s=600, http_send_timeout_s=0.5)
+    http = HttpServerThread(s.loop, config, s.metrics).start()
+    try:
+        with Client(grpc_front.target) as client:
+            wait_idle(client)
+            sock = _never_reading(http, UNREAD)
+            wait_until(lambda: s.loop.num_open == 1, "the stream to start")
+            wait_until(lambda: s.loop.num_open == 0, "the connection to be closed and its request aborted")
+            wait_idle(client)
+            sock.settimeout(30)
+            with pytest.raises(ConnectionResetError):  # the server's kernel reset it
+                while sock.recv(65536):
+                    pass
+            sock.close()
+    finally:
+        http.stop()

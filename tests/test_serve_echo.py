@@ -18,41 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from test_serve_support import LIMITS, shared, start_server, wait_idle
+from test_serve_support import shared, wait_idle
 
 from paged_jax.model.families import causal_lm
 from paged_jax.model.reference import full_logits
 from paged_jax.sampling_params import MAX_LOGIT_BIAS
-from paged_jax.tokenization.chat_template import apply_chat_template, template_from_text
+from paged_jax.tokenization.chat_template import apply_chat_template
 from serve.client import Client
-from serve.config import ServingConfig
-from serve.openai_api.server import HttpServerThread
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
 PROMPT = "The capital of France is Paris, and"
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def fronts():
-    """(HTTP front, gRPC front) on the shared engine loop; the byte tokenizer gets a chat template meanwhile."""
-    s = shared()
-    tokenizer = s.engine.tokenizer
-    old_template, tokenizer.chat_template = tokenizer.chat_template, template_from_text(TEMPLATE, "test template")
-    grpc_front = start_server()
-    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, limits=LIMITS), s.metrics).start()
-    yield http, grpc_front
-    http.stop()
-    grpc_front.stop()
-    tokenizer.chat_template = old_template
-
-
-@pytest.fixture
-def oai(fronts):
-    http, grpc_front = fronts
-    with openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0) as client:
-        yield client
-    wait_idle(Client(grpc_front.target))
 
 
 @pytest.fixture(scope="module")

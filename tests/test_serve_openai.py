@@ -27,7 +27,6 @@ from test_serve_support import (
     PROMPTS,
     SAMPLED,
     shared,
-    start_server,
     stop_case,
     wait_idle,
     wait_until,
@@ -35,7 +34,7 @@ from test_serve_support import (
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
-from paged_jax.tokenization.chat_template import apply_chat_template, template_from_text
+from paged_jax.tokenization.chat_template import apply_chat_template
 from serve.client import Client
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
@@ -47,28 +46,6 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture(scope="module")
-def fronts():
-    """(HTTP front, gRPC front) on the shared engine loop; the tiny byte tokenizer gets a chat template meanwhile."""
-    s = shared()
-    tokenizer = s.engine.tokenizer
-    old_template, tokenizer.chat_template = tokenizer.chat_template, template_from_text(TEMPLATE, "test template")
-    grpc_front = start_server()
-    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, limits=LIMITS), s.metrics).start()
-    yield http, grpc_front
-    http.stop()
-    grpc_front.stop()
-    tokenizer.chat_template = old_template
-
-
-@pytest.fixture
-def oai(fronts):
-    http, grpc_front = fronts
-    with openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0) as client:
-        yield client
-    wait_idle(Client(grpc_front.target))
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from paged_jax.tokenization.tool_calls import ToolFormat, function_specs, tool_f
 from .. import convert
 from ..config import ServingConfig
 from ..convert import RequestError
-from ..engine_loop import EngineLoop, Event, RequestStream, Submission
+from ..engine_loop import EngineLoop, Event, Inbox, RequestStream, Submission
 from ..metrics import Metrics
 from . import tokenize
 from .errors import error_body, error_response
@@ -170,7 +170,10 @@ class OpenAIFront:
                 for i, p in enumerate(parsed)
             ]
             streams = self.loop.submit_group(
-                submissions, self.config.max_queued_requests, self.config.multi_prompt_queue_share
+                submissions,
+                self.config.max_queued_requests,
+                self.config.multi_prompt_queue_share,
+                self.config.backpressure,
             )
             model = self.model_name if lora is None else lora.lora_name
             echo = await self._off_loop(self._echoes, parsed) if req.echo else None
@@ -179,17 +182,12 @@ class OpenAIFront:
             )
             n = parsed[0].params.n
             names = field_names(kind, req.max_tokens_name, req.structured_param)
-            firsts = await self._unless_disconnected(
-                request, streams, asyncio.gather(*(self._get(s, names) for s in streams))
-            )
+            inbox = streams[0].inbox  # every prompt's events, in arrival order
+            firsts = await self._unless_disconnected(request, streams, _firsts(inbox, len(streams), names))
             if req.stream:
                 body = self._sse(streams, firsts, builder, req, n)
                 return _EventStream(body, lambda: self._abort(streams))
-            outs = await self._unless_disconnected(
-                request,
-                streams,
-                asyncio.gather(*(self._collect(s, f, names) for s, f in zip(streams, firsts, strict=True))),
-            )
+            outs = await self._unless_disconnected(request, streams, _finals(inbox, firsts, len(streams), names))
             for out in outs:
                 self.metrics.on_finished(out)
             self._count(method, grpc.StatusCode.OK)
@@ -203,17 +201,6 @@ class OpenAIFront:
             error = convert.internal_error(f"{method} failed: {type(e).__name__}: {e}", exc_info=True)
             self._count(method, error.code)
             return error_response(error.code, error.message)
-
-    async def _get(self, stream: RequestStream, names: FieldNames) -> Event:
-        event = await stream.get()
-        if event.code is not None:
-            raise _event_error(event, names)
-        return event
-
-    async def _collect(self, stream: RequestStream, event: Event, names: FieldNames) -> RequestOutput:
-        while not event.output.finished:
-            event = await self._get(stream, names)
-        return event.output
 
     def _abort(self, streams: list[RequestStream], message: str = "cancelled: the client disconnected") -> None:
         for stream in streams:
@@ -237,23 +224,27 @@ class OpenAIFront:
         return task.result()
 
     async def _sse(
-        self, streams: list[RequestStream], firsts: list[Event], builder: ResponseBuilder, req: OpenAIRequest, n: int
+        self,
+        streams: list[RequestStream],
+        firsts: list[tuple[int, Event]],
+        builder: ResponseBuilder,
+        req: OpenAIRequest,
+        n: int,
     ) -> AsyncIterator[str]:
         """The event stream: chunks as outputs arrive (prompt i's sample j as choice i * n + j), the usage chunk if
-        asked for, then `data: [DONE]`."""
+        asked for, then `data: [DONE]`. Events are taken from the inbox only as the client reads (a chunk is
+        yielded, and sent, before the next is taken), so a client that stops reading shows as the inbox's
+        backlog, which the engine loop bounds (`Backpressure`)."""
         method, status, done = METHODS[req.kind], grpc.StatusCode.OK, False
         usage_field = {"usage": None} if req.include_usage else {}
         ended: set[int] = set()  # choices whose chunk with the finish reason went out
-        merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        pumps = [
-            asyncio.ensure_future(_pump(i, s, f, merged)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))
-        ]
+        inbox, replay = streams[0].inbox, list(firsts)
         finished: list[RequestOutput] = []
         try:
             if req.kind == "chat":
                 yield _data({**builder.role_chunk(n), **usage_field})
             while len(finished) < len(streams):
-                i, event = await merged.get()
+                i, event = replay.pop(0) if replay else await inbox.get()
                 if event.code is not None:
                     raise _event_error(event, field_names(req.kind, req.max_tokens_name, req.structured_param))
                 out = event.output
@@ -281,8 +272,6 @@ class OpenAIFront:
             status = grpc.StatusCode.CANCELLED
             raise
         finally:
-            for pump in pumps:
-                pump.cancel()
             if not done:
                 self._abort(streams)  # a no-op for those that have ended
             self._count(method, status)
@@ -401,13 +390,29 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _pump(i: int, stream: RequestStream, event: Event, into: asyncio.Queue) -> None:
-    """Forward prompt `i`'s events (from its first) into one queue until its last."""
-    while True:
-        into.put_nowait((i, event))
-        if event.code is not None or event.output.finished:
-            return
-        event = await stream.get()
+async def _firsts(inbox: Inbox, k: int, names: FieldNames) -> list[tuple[int, Event]]:
+    """The inbox's events until each of its `k` prompts has had one (the engine took them all), in arrival order;
+    a prompt the engine refused raises its RequestError."""
+    events, seen = [], set()
+    while len(seen) < k:
+        i, event = await inbox.get()
+        if event.code is not None:
+            raise _event_error(event, names)
+        events.append((i, event))
+        seen.add(i)
+    return events
+
+
+async def _finals(inbox: Inbox, firsts: list[tuple[int, Event]], k: int, names: FieldNames) -> list[RequestOutput]:
+    """Each of the `k` prompts' final output, in prompt order (reading the inbox on from `firsts`)."""
+    finals: dict[int, RequestOutput] = {i: e.output for i, e in firsts if e.output.finished}
+    while len(finals) < k:
+        i, event = await inbox.get()
+        if event.code is not None:
+            raise _event_error(event, names)
+        if event.output.finished:
+            finals[i] = event.output
+    return [finals[i] for i in range(k)]
 
 
 def _retrieve(future: asyncio.Future) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Iterator
 
@@ -24,6 +25,7 @@ from .app import create_app
 from .front import OpenAIFront
 
 log = logging.getLogger(__name__)
+SEND_BUFFER_BYTES = 256 * 1024  # the kernel's send buffer per HTTP connection (Linux doubles it)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -59,7 +61,9 @@ class HttpServer:
             timeout_graceful_shutdown=5,
         )
         self._server = _Uvicorn(config)
-        self._task = asyncio.ensure_future(self._server.serve())
+        sock = config.bind_socket()
+        _bound_unread(sock, cfg.http_send_timeout_s)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:  # uvicorn binds in serve(); a failure ends the task
             if self._task.done():
                 self._task.result()
@@ -88,6 +92,21 @@ class HttpServer:
         if self._server is not None:
             self._server.should_exit = True
             await self._task
+
+
+def _bound_unread(sock: socket.socket, timeout_s: float) -> None:
+    """Bound what a client that stops reading costs at the socket (accepted connections inherit both options from
+    the listener): the kernel's send buffer to `SEND_BUFFER_BYTES` (not autotuned up to megabytes per
+    connection), so a stalled client soon blocks the response and its unread events show as its inbox's backlog
+    (`Backpressure`); and TCP_USER_TIMEOUT (Linux), so the kernel closes a connection whose sent data stays
+    unread for `timeout_s`. uvicorn has no send timeout and waits for a full write buffer to drain before it
+    closes, so without it a client that never reads would hold its connection and the bytes buffered for it."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        log.warning("http: TCP_USER_TIMEOUT is not available; a client that never reads keeps its connection")
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, option, int(timeout_s * 1000))
 
 
 class HttpServerThread(BackgroundServer):
