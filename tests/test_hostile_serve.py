@@ -97,9 +97,9 @@ HOSTILE_HTTP = {
         f"shadow-{name}": ("chat/completions", _chat(chat_template_kwargs={name: 1}), "chat_template_kwargs")
         for name in ("namespace", "range", "raise_exception", "strftime_now")
     },
-    "range-too-big": ("chat/completions", _chat(chat_template_kwargs={"n": 10**12}), "messages"),
-    "range-not-int": ("chat/completions", _chat(chat_template_kwargs={"n": "many"}), "messages"),
-    "range-float": ("chat/completions", _chat(chat_template_kwargs={"n": 2.5}), "messages"),
+    "range-too-big": ("chat/completions", _chat(chat_template_kwargs={"n": 10**12}), "chat_template_kwargs"),
+    "range-not-int": ("chat/completions", _chat(chat_template_kwargs={"n": "many"}), "chat_template_kwargs"),
+    "range-float": ("chat/completions", _chat(chat_template_kwargs={"n": 2.5}), "chat_template_kwargs"),
 }
 
 
@@ -146,7 +146,7 @@ HOSTILE_GRPC = {
     "kwargs-nested": ({"chat_template_kwargs_json": '{"n": ' + DEEP + "}"}, "chat.chat_template_kwargs_json"),
     "kwargs-surrogate": ({"chat_template_kwargs_json": '{"n": "\\ud800"}'}, "chat.chat_template_kwargs_json.n"),
     "kwargs-shadow": ({"chat_template_kwargs_json": '{"range": 1}'}, "chat.chat_template_kwargs_json"),
-    "kwargs-range-float": ({"chat_template_kwargs_json": '{"n": 1e300}'}, "chat.messages"),
+    "kwargs-range-float": ({"chat_template_kwargs_json": '{"n": 1e300}'}, "chat.chat_template_kwargs_json"),
     "tool_calls-digits": ({}, "chat.messages[0].tool_calls_json[0].function.arguments.x"),
 }
 

@@ -223,10 +223,19 @@ def render(
         **special_tokens,
         **kwargs,
     }
+    limits = limits or RenderLimits()
     try:
-        return render_bounded(compiled, variables, limits or RenderLimits())
+        return render_bounded(compiled, variables, limits)
     except jinja2.TemplateError as e:  # raise_exception(), the sandbox, a render limit, or the template's own bug
-        raise ChatTemplateError(field, f"the chat template refused this conversation: {e}") from e
+        blame = field
+        if kwargs:  # the same conversation renders without them: the kwargs caused it (e.g. a bad range() bound)
+            plain = {k: v for k, v in variables.items() if k not in kwargs}
+            try:
+                render_bounded(compiled, plain, limits)
+                blame = "chat_template_kwargs"
+            except jinja2.TemplateError:
+                pass
+        raise ChatTemplateError(blame, f"the chat template refused this conversation: {e}") from e
 
 
 def apply_chat_template(
