@@ -37,7 +37,7 @@ from .config import Backpressure
 from .convert import RequestError, internal_error
 
 log = logging.getLogger(__name__)
-STALL_CHECK_S = 0.02  # how often the loop looks for readers that fell behind (`Backpressure`)
+STALL_CHECK_S = 0.05  # how often the loop looks for readers that read nothing for too long (`Backpressure`)
 
 
 @dataclass(slots=True)
@@ -345,8 +345,8 @@ class EngineLoop:
             )
 
     def _abort_stalled(self) -> None:
-        """Abort every open request whose client fell too far behind reading (`Backpressure`): the engine stops
-        generating for it and its pages are freed; its inbox keeps what it holds until its handler ends."""
+        """Abort every open request whose client read nothing for its stall timeout while output waits
+        (`Backpressure`; the backlog bound is checked as each event is delivered)."""
         now = time.monotonic()
         if now - self._checked_at < STALL_CHECK_S:
             return
@@ -358,9 +358,17 @@ class EngineLoop:
             inbox = stream.inbox
             if id(inbox) not in why:
                 why[id(inbox)] = inbox.stalled(now)
-            if why[id(inbox)] is not None:
-                log.info("%s: %s", stream.request_id, why[id(inbox)])
-                self._abort(stream.request_id, why[id(inbox)])
+                if why[id(inbox)] is not None:
+                    self._abort_inbox(inbox, why[id(inbox)])
+
+    def _abort_inbox(self, inbox: Inbox, why: str) -> None:
+        """Abort every open request of `inbox`'s client request: the engine stops generating for them and their pages
+        are freed; the inbox keeps what it holds until its handler ends."""
+        with self._lock:
+            rids = [rid for rid, s in self._streams.items() if s.inbox is inbox]
+        for rid in rids:
+            log.info("%s: %s", rid, why)
+            self._abort(rid, why)
 
     def _deliver(self, out: RequestOutput) -> None:
         rid = out.request_id
@@ -379,6 +387,9 @@ class EngineLoop:
                 self._close(rid, Event(output=out))
             else:
                 stream.push(Event(output=out))
+                bound = stream.inbox.backpressure.max_backlog
+                if bound is not None and stream.inbox.backlog > bound:
+                    self._abort_inbox(stream.inbox, stream.inbox.stalled(time.monotonic()))
         except Exception as e:  # noqa: BLE001 - this request fails alone
             error = internal_error(f"delivering output of {rid} failed: {type(e).__name__}: {e}", exc_info=True)
             self.engine.fail(rid, str(e))

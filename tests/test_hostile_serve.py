@@ -368,7 +368,7 @@ def test_a_stream_never_read_is_aborted_and_everything_returns(fronts, caplog):
             wait_until(lambda: s.loop.num_open == 0, "the stalled stream to be aborted")
             (why,) = [r.getMessage() for r in caplog.records if "aborted: the client" in r.getMessage()]
             assert "events behind reading the stream (limit 8)" in why or "read nothing for 1 s" in why, why
-            assert inbox().backlog <= 8 + 2  # the bound, the abort's final event, one late step
+            assert inbox().backlog <= 8 + 2  # the bound, the event past it, the abort's final event
             wait_idle(client)  # every page free, nothing running
             sock.close()
 
