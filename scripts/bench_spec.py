@@ -8,13 +8,19 @@ generated tokens/s, mean per-request latency, the speed-up over plain decoding, 
 kept per verified sequence, and whether every output equals the plain one.
 
     .venv/bin/python scripts/bench_spec.py [--methods ngram,draft_model] [--batches 1,4,32] [--max-tokens 128]
-        [--k 3] [--json out.json]
+        [--k 3] [--rounds 1] [--json out.json]
+
+A method may carry overrides of its config: `ngram:k=7:min=1:max=5` (k: num_speculative_tokens, min/max:
+prompt_lookup_min/max), so several settings run side by side. `--rounds N` times every engine N times in turn
+(plain, then each method, then plain again...) and reports the median of each round's speed-up over that round's
+plain run: load that changes during the run then moves both sides of a ratio alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -130,13 +136,38 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
     }
 
 
+OVERRIDES = {"k": "num_speculative_tokens", "min": "prompt_lookup_min", "max": "prompt_lookup_max"}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (its latency and acceptance with it)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
+def spec_config(entry: str, k: int) -> dict:
+    """The speculative_config of a `--methods` entry (`method[:key=value]...`)."""
+    method, *pairs = entry.split(":")
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":  # the target's own checkpoint, weights and activations in int8
+        spec |= {"model": "smollm2-135m-instruct", "quantization": "w8a8"}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in OVERRIDES:
+            raise SystemExit(f"--methods {entry!r}: unknown override {key!r} (known: {', '.join(OVERRIDES)})")
+        spec[OVERRIDES[key]] = int(value)
+    return spec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="ngram,draft_model", help="comma-separated: ngram, draft_model (w8a8 copy)")
+    ap.add_argument(
+        "--methods", default="ngram,draft_model", help="comma-separated: ngram, draft_model (w8a8 copy)[:k=..]"
+    )
     ap.add_argument("--batches", default="1,4,32")
     ap.add_argument("--workloads", default="copy,chat")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--rounds", type=int, default=1, help="timed runs per engine, in turn (median speed-up)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--sync-baseline", action="store_true", help="also plain decoding without the lookahead")
     args = ap.parse_args()
@@ -152,31 +183,36 @@ def main() -> None:
     engines = {"plain": LLMEngine(config, params, tokenizer, EngineConfig(**base))}
     if args.sync_baseline:  # what the one-step lookahead is worth (a speculating batch runs without it)
         engines["plain-sync"] = LLMEngine(config, params, tokenizer, EngineConfig(**base, async_scheduling=False))
-    for method in args.methods.split(","):
-        spec = {"method": method, "num_speculative_tokens": args.k}
-        if method == "draft_model":  # the target's own checkpoint, weights and activations in int8
-            spec |= {"model": "smollm2-135m-instruct", "quantization": "w8a8"}
-        engines[method] = LLMEngine(config, params, tokenizer, EngineConfig(**base, speculative_config=spec))
+    for entry in args.methods.split(","):
+        spec = spec_config(entry, args.k)
+        engines[entry] = LLMEngine(config, params, tokenizer, EngineConfig(**base, speculative_config=spec))
     rows = []
     print("workload  batch  engine  tokens/s  latency_s  speedup  acceptance  kept/run  same_output")
     for workload in args.workloads.split(","):
         for b in batches:
             prompts = prompts_for(workload, tokenizer, b)
-            results = {}
-            for name, engine in engines.items():
+            for engine in engines.values():
                 run_batch(engine, prompts, args.max_tokens, f"warm-{workload}-{b}")  # compiles what it needs
-                results[name] = run_batch(engine, prompts, args.max_tokens, f"{workload}-{b}")
-            for name, r in results.items():
+            rounds = [
+                {
+                    name: run_batch(engine, prompts, args.max_tokens, f"{workload}-{b}-{i}")
+                    for name, engine in engines.items()
+                }
+                for i in range(args.rounds)
+            ]
+            for name in engines:
+                r = median_run([one[name] for one in rounds])
+                speedups = [one[name]["tokens_per_s"] / one["plain"]["tokens_per_s"] for one in rounds]
                 row = {
                     "workload": workload,
                     "batch": b,
                     "engine": name,
                     "tokens_per_s": round(r["tokens_per_s"], 1),
                     "latency_s": round(r["latency_s"], 2),
-                    "speedup": round(r["tokens_per_s"] / results["plain"]["tokens_per_s"], 2),
+                    "speedup": round(statistics.median(speedups), 2),
                     "acceptance": round(r["acceptance"], 3),
                     "kept_per_run": round(r["kept_per_run"], 2),
-                    "same_output": r["ids"] == results["plain"]["ids"],
+                    "same_output": all(one[name]["ids"] == one["plain"]["ids"] for one in rounds),
                 }
                 rows.append(row)
                 print("  ".join(str(v) for v in row.values()), flush=True)
