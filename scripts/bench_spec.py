@@ -7,8 +7,10 @@ Each engine runs each batch once to compile the shapes it needs, then the timed 
 mean per-request latency, the engine steps the batch took (fewer is what speculation buys; at batch 1 a verify
 step runs the executables of a plain decode step, so the ratio of steps is the speed-up an idle machine would
 show, less the lost lookahead; the cost gate's timing decides some steps, so it varies a little with load), the
-speed-up over plain decoding, the acceptance rate and drafts kept per verified sequence, and whether every output
-equals the plain one.
+process's CPU milliseconds per generated token (all its threads: the work a token costs, which other sessions'
+load disturbs less than wall time, but which does not see the lookahead's overlap), the speed-up over plain
+decoding, the acceptance rate and drafts kept per verified sequence, and whether every output equals the plain
+one.
 
     .venv/bin/python scripts/bench_spec.py [--methods ngram,draft_model] [--batches 1,4,32] [--max-tokens 128]
         [--k 3] [--rounds 1] [--json out.json]
@@ -115,7 +117,7 @@ def prompts_for(workload: str, tokenizer, n: int) -> list[list[int]]:
 def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
     before, steps = engine.stats(), engine.num_steps
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     outs = {}
@@ -123,7 +125,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs.values())
     latency = sum(o.metrics.finish_time - o.metrics.arrival_time for o in outs.values()) / len(outs)
@@ -134,6 +136,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
         "tokens_per_s": tokens / seconds,
         "latency_s": latency,
         "steps": engine.num_steps - steps,
+        "cpu_ms_per_token": 1000 * cpu / tokens,
         "acceptance": kept / drafted if drafted else 0.0,
         "kept_per_run": kept / runs if runs else 0.0,
         "ids": {k.split("-", 1)[1]: o.outputs[0].token_ids for k, o in outs.items()},
@@ -191,7 +194,9 @@ def main() -> None:
         spec = spec_config(entry, args.k)
         engines[entry] = LLMEngine(config, params, tokenizer, EngineConfig(**base, speculative_config=spec))
     rows = []
-    print("workload  batch  engine  tokens/s  latency_s  steps  speedup  acceptance  kept/run  same_output")
+    print(
+        "workload  batch  engine  tokens/s  latency_s  steps  cpu_ms/token  speedup  acceptance  kept/run  same_output"
+    )
     for workload in args.workloads.split(","):
         for b in batches:
             prompts = prompts_for(workload, tokenizer, b)
@@ -214,6 +219,7 @@ def main() -> None:
                     "tokens_per_s": round(r["tokens_per_s"], 1),
                     "latency_s": round(r["latency_s"], 2),
                     "steps": r["steps"],
+                    "cpu_ms_per_token": round(r["cpu_ms_per_token"], 1),
                     "speedup": round(statistics.median(speedups), 2),
                     "acceptance": round(r["acceptance"], 3),
                     "kept_per_run": round(r["kept_per_run"], 2),
