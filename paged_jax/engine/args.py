@@ -242,9 +242,13 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     """Load the model named by `--model` and start an engine with the flags' options.
 
     `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs."""
-    # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU).
-    enable_persistent_cache(os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla")))
+    # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU): the step
+    # executables from the executable store (no lowering), anything else from JAX's persistent cache.
+    cache = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
+    enable_persistent_cache(cache)
     ec = engine_config_from_args(args)
+    if cache != "off" and ec.executable_store is None:
+        ec.executable_store = os.path.join(cache, "executables")
     if warmup is not None:
         ec.warmup = warmup
     # With several chips per process, load into host memory and let each engine place its shards
