@@ -11,6 +11,7 @@ import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -256,7 +257,11 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
     with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else contextlib.nullcontext():
         config, params, tokenizer = load_model(
-            args.model, dtype=args.dtype, seed=args.seed, quantization=args.quantization
+            args.model,
+            dtype=args.dtype,
+            seed=args.seed,
+            quantization=args.quantization,
+            weights_cache=None if cache == "off" else Path(cache) / "weights",
         )
     apply_model_text_args(args, tokenizer, ec)
     return make_engine(config, params, tokenizer, ec)
