@@ -57,7 +57,10 @@ CASES = {
     "prompts-not-iterable": (lambda m: m.generate(5, SP, use_tqdm=False), "prompts"),
     "params-a-number": (lambda m: m.generate("ab", [5], use_tqdm=False), "sampling_params"),
     "deep-tools": (lambda m: m.chat(USER, SP, use_tqdm=False, tools=[{"a": _deep(100_000)}]), "messages"),
-    "deep-kwargs": (lambda m: m.chat(USER, SP, use_tqdm=False, chat_template_kwargs={"x": _deep(100_000)}), "messages"),
+    "deep-kwargs": (
+        lambda m: m.chat(USER, SP, use_tqdm=False, chat_template_kwargs={"x": _deep(100_000)}),
+        "chat_template_kwargs",
+    ),
     "tools-not-a-list": (lambda m: m.chat(USER, SP, use_tqdm=False, tools=5), "tools"),
     "kwargs-not-a-map": (lambda m: m.chat(USER, SP, use_tqdm=False, chat_template_kwargs=[1]), "chat_template_kwargs"),
     "kwargs-shadow": (

@@ -224,7 +224,7 @@ def test_a_long_render_is_refused_before_it_is_encoded(fronts, monkeypatch):
     monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **k: encoded.append(len(text)) or real(text, *a, **k))
     max_chars = (shared().engine.max_model_len - 1) * 8  # the server limit 0: the model's length less one
     status, reply = _post(fronts[0].base_url, "chat/completions", _chat(chat_template_kwargs={"n": max_chars + 1}))
-    assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert status == 400 and reply["error"]["param"] == "chat_template_kwargs", reply  # the kwarg made it long
     assert f"longer than {max_chars} characters" in reply["error"]["message"], reply
     assert all(n <= max_chars for n in encoded), encoded
     status, reply = _post(fronts[0].base_url, "chat/completions", _chat(chat_template_kwargs={"n": 100}))
