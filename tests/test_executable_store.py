@@ -104,3 +104,29 @@ def test_an_entry_that_cannot_be_loaded_is_logged_once_and_compiled(tiny_config,
     EXECUTABLES.clear()
     third = engine(tiny_config, tiny_params, store)  # the rejected entries were rewritten
     assert warm_and_run(third) == tokens and third.stats().executables_loaded == len(entries)
+
+
+def test_entries_unused_for_two_weeks_are_pruned_and_a_load_marks_one_used(tmp_path):
+    import os
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.worker import executable_store
+
+    stale, kept = tmp_path / "stale.exe", tmp_path / "kept.exe"
+    for p in (stale, kept):
+        p.write_bytes(b"old")
+    month_ago = time.time() - 30 * 86400
+    os.utime(stale, (month_ago, month_ago))
+    store = ExecutableStore(tmp_path)
+    compiled = jax.jit(lambda x: x * 3 + 1).lower(jax.ShapeDtypeStruct((4,), jnp.float32)).compile()
+    store.save(("triple",), compiled)
+    assert not stale.exists() and kept.exists() and store.path(("triple",)).exists()
+    entry = store.path(("triple",))
+    os.utime(entry, (month_ago, month_ago))
+    loaded = store.load(("triple",))
+    assert entry.stat().st_mtime > time.time() - executable_store.UNUSED_DAYS * 86400
+    assert jnp.array_equal(loaded(jnp.arange(4, dtype=jnp.float32)), jnp.arange(4) * 3 + 1)
+    assert store.load(("other",)) is None and store.stats.misses == 1 and store.stats.rejected == 0
