@@ -189,7 +189,19 @@ class ExecutableStore:
         except Exception as e:  # noqa: BLE001 - the store is an optimization: the executable is still used
             with self._lock:
                 self.stats.write_failures += 1
-            self._warn_once("write", "could not write an executable to the store %s (%s: %s)", self.directory, e)
+            why = (
+                " (XLA:CPU cannot serialize oneDNN fusions: bfloat16 forward steps on AMX hosts)"
+                if "onednn" in str(e)
+                else ""
+            )
+            self._warn_once(
+                "write",
+                "could not write an executable to the store %s (%s: %s); the next process compiles it again%s",
+                self.directory,
+                type(e).__name__,
+                e,
+                why,
+            )
             return
         with self._lock:
             self.stats.writes += 1
