@@ -1,8 +1,8 @@
 """How long does `make run` take from command to summary, cold and warm, and are the outputs the same?
 
-Runs the `paged-jax generate` command of the Makefile's `run` target in fresh processes: first cold (an empty
-persistent compile cache and no built CPU attention kernel), then warm (the caches the cold run filled),
-`--rounds` times each, alternating, and prints each run's wall time (process start to exit: the summary is its
+Runs the `paged-jax generate` command of the Makefile's `run` target in fresh processes: first cold (empty
+compile caches, no converted weights or tokenizer files and no built CPU attention kernel), then warm (the
+caches the cold run filled), `--rounds` times each, alternating, and prints each run's wall time (process start to exit: the summary is its
 last output) and CPU time, the start-up line of its summary, whether every run wrote the same token ids and
 text, and the goals (issue 28, SmolLM2-135M-Instruct: cold <= 40 s, warm <= 15 s on 2 cores). The machine's
 load average is printed too: on a shared machine the wall times move with it (the CPU times much less), so
@@ -60,10 +60,16 @@ def with_output(cmd: list[str], output: Path) -> list[str]:
 
 
 def run_once(cmd: list[str], cache: Path, output: Path) -> tuple[float, float, str, list]:
-    """(wall seconds, CPU seconds of the process, its summary's start-up line, its outputs). Cold means both
-    caches empty: the XLA executables' and the CPU attention kernel's (`pallas_kernels.cpu_paged`, built by g++
-    once per machine)."""
-    env = dict(os.environ, PAGED_JAX_COMPILE_CACHE=str(cache), PAGED_JAX_KERNEL_CACHE=str(cache / "kernels"))
+    """(wall seconds, CPU seconds of the process, its summary's start-up line, its outputs). Cold means every
+    cache empty: the executable store and JAX's compile cache, the converted GGUF weights (all three under
+    `$PAGED_JAX_COMPILE_CACHE`), the GGUF tokenizer's files (`$PAGED_JAX_CACHE`) and the CPU attention kernel
+    (`pallas_kernels.cpu_paged`, built by g++ once per machine)."""
+    env = dict(
+        os.environ,
+        PAGED_JAX_COMPILE_CACHE=str(cache),
+        PAGED_JAX_KERNEL_CACHE=str(cache / "kernels"),
+        PAGED_JAX_CACHE=str(cache / "paged-jax"),
+    )
     output.unlink(missing_ok=True)
     output.with_name(output.stem + ".errors.jsonl").unlink(missing_ok=True)
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)

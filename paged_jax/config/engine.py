@@ -32,6 +32,9 @@ class EngineConfig:
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)
     warmup: bool = True  # compile every step shape at start-up (or call `warmup(plan)` later with False)
+    # A directory of serialized step executables (paged_jax.worker.executable_store): a warm start loads them
+    # without tracing or compiling. None: off. The CLI sets $PAGED_JAX_COMPILE_CACHE/executables.
+    executable_store: str | None = None
     watermark: float = 0.01  # fraction of pages admission keeps free while requests run
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.

@@ -11,6 +11,7 @@ import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -242,9 +243,13 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     """Load the model named by `--model` and start an engine with the flags' options.
 
     `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs."""
-    # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU).
-    enable_persistent_cache(os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla")))
+    # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU): the step
+    # executables from the executable store (no lowering), anything else from JAX's persistent cache.
+    cache = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
+    enable_persistent_cache(cache)
     ec = engine_config_from_args(args)
+    if cache != "off" and ec.executable_store is None:
+        ec.executable_store = os.path.join(cache, "executables")
     if warmup is not None:
         ec.warmup = warmup
     # With several chips per process, load into host memory and let each engine place its shards
@@ -252,7 +257,11 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
     with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else contextlib.nullcontext():
         config, params, tokenizer = load_model(
-            args.model, dtype=args.dtype, seed=args.seed, quantization=args.quantization
+            args.model,
+            dtype=args.dtype,
+            seed=args.seed,
+            quantization=args.quantization,
+            weights_cache=None if cache == "off" else Path(cache) / "weights",
         )
     apply_model_text_args(args, tokenizer, ec)
     return make_engine(config, params, tokenizer, ec)

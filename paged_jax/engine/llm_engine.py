@@ -82,6 +82,7 @@ def make_runner(
         num_speculative_tokens=spec_tokens,
         abstract=abstract,
         scan_layers=ec.scan_layers,
+        executable_store=ec.executable_store,
     )
 
 

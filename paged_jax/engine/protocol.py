@@ -40,13 +40,15 @@ class EngineStats:
     num_preemptions: int
     num_waiting: int  # sequences in the scheduler's waiting queue
     num_running: int
-    compile_count: int  # step executables compiled (persistent-cache loads included)
+    compile_count: int  # step executables lowered and compiled (persistent-cache loads included)
     compile_seconds: float
     compile_cache_hits: int
     compiles_after_warmup: int
     step_tokens: int  # tokens of scheduled work, summed over steps
     step_padding_tokens: int  # padding added to reach each step's token bucket (waste = this / step_tokens)
     compile_lower_seconds: float = 0.0  # of compile_seconds, tracing and lowering (a persistent-cache hit pays it)
+    executables_loaded: int = 0  # step executables loaded from the executable store (not lowered, not compiled)
+    executable_load_seconds: float = 0.0  # looking them up and loading them (summed over threads)
     kv_cache_tokens: int = 0  # token slots of the KV pages (page 0 not counted)
     kv_cache_token_gain: float = 1.0  # tokens per KV byte relative to bfloat16 pages (int8 pages: ~1.94)
     # Speculative decoding (paged_jax.spec.SpecStats): runs verified, drafts scored, drafts kept, their ratio, kept

@@ -103,7 +103,8 @@ class BatchSummary:
             return []
         waste = c["step_padding_tokens"] / c["step_tokens"] if c["step_tokens"] else 0.0
         return [
-            f"start-up           {self.startup_seconds:.1f}s: {c['compile_count']} executables compiled in "
+            f"start-up           {self.startup_seconds:.1f}s: {c['executables_loaded']} executables loaded in "
+            f"{c['executable_load_seconds']:.1f} s, {c['compile_count']} compiled in "
             f"{c['compile_seconds']:.1f} compile-s ({c['compile_lower_seconds']:.1f} lowering, "
             f"{c['compile_seconds'] - c['compile_lower_seconds']:.1f} XLA compile or cache lookup; "
             f"{c['compile_cache_hits']} from the persistent cache), {c['compiles_after_warmup']} after warm-up",
@@ -238,6 +239,8 @@ def run_batch(
             "compile_lower_seconds",
             "compile_cache_hits",
             "compiles_after_warmup",
+            "executables_loaded",
+            "executable_load_seconds",
             "step_tokens",
             "step_padding_tokens",
         )

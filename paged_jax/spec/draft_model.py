@@ -69,6 +69,7 @@ class DraftModelProposer:
             max_num_batched_tokens=ec.max_num_batched_tokens,
             attention_backend=ec.attention_backend,
             scan_layers=ec.scan_layers,
+            executable_store=ec.executable_store,
         )
         self.drafts: dict[str, list[int]] = {}  # seq id -> the drafts its draft slots hold
         if ec.warmup:  # its forward steps and the greedy sampler: no lookahead, copies, bias or prompt logprobs

@@ -266,19 +266,20 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> GGUFTokenizer:
     return GGUFTokenizer(tok, config)
 
 
-def gguf_tokenizer_dir(gguf: GGUFFile) -> Path:
-    """A directory holding the GGUF's tokenizer files, built once per file and cached.
+def gguf_tokenizer_dir(path: Path, gguf: GGUFFile | None = None) -> Path:
+    """A directory holding the tokenizer files of the GGUF file at `path`, built once per file and cached
+    (from `gguf`, the open file, or by opening it: only when the directory is not there yet).
 
     Under `$PAGED_JAX_CACHE` (default `~/.cache/paged-jax`)/`gguf-tokenizers/<key>`, where the key
     hashes the file's path, size and modification time.
     """
-    stat = gguf.path.stat()
-    key = hashlib.sha256(f"{gguf.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("PAGED_JAX_CACHE", Path.home() / ".cache" / "paged-jax"))
-    directory = root / "gguf-tokenizers" / f"{gguf.path.stem}-{key}"
+    directory = root / "gguf-tokenizers" / f"{path.stem}-{key}"
     if not (directory / "tokenizer_config.json").exists():
         tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-        tokenizer_from_gguf(gguf).save(tmp)
+        tokenizer_from_gguf(gguf if gguf is not None else GGUFFile(path)).save(tmp)
         try:
             tmp.replace(directory)  # atomic; another process may have won the race
         except OSError:

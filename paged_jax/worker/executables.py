@@ -10,7 +10,9 @@ set of static shapes. `Executables` holds the compiled form of each (function, s
 - a shape needed after warm-up is compiled once, counted and logged as a warning naming the shape;
 - a shape being compiled in the background is waited for, never compiled twice;
 - every compile is timed and, through JAX's monitoring events, attributed to the persistent compilation
-  cache (a hit: loaded from disk) or not (a miss: compiled by XLA).
+  cache (a hit: loaded from disk) or not (a miss: compiled by XLA);
+- with an executable store (`paged_jax.worker.executable_store`) a job is first looked up there by its key,
+  with no tracing or lowering, and what is compiled is written there for the next process.
 
 Executables are shared by every runner of a process whose functions and static shapes agree (tests build
 many engines of one config), so the registry is keyed by the caller's full key; counting is per runner
@@ -28,6 +30,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import jax
+
+from paged_jax.worker.executable_store import ExecutableStore
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +51,13 @@ class CompileStats:
     """Compilations one runner asked for (a shape already compiled in this process costs nothing and is not
     counted). `seconds` is summed over threads, so with parallel warm-up it can exceed the wall time."""
 
-    count: int = 0  # executables compiled or loaded from the persistent cache
+    count: int = 0  # executables lowered and compiled (or loaded from JAX's persistent cache after lowering)
     seconds: float = 0.0  # lowering plus compiling (or looking up and loading)
     lower_seconds: float = 0.0  # of `seconds`, tracing and lowering to StableHLO (paid on a cache hit too)
     cache_hits: int = 0  # of `count`, loaded from the persistent compilation cache
-    after_warmup: int = 0  # of `count`, needed by a step after warm-up (each one logged as a warning)
+    after_warmup: int = 0  # of `count` and `loaded`, needed by a step after warm-up (each logged as a warning)
+    loaded: int = 0  # executables loaded from the executable store (neither lowered nor compiled)
+    load_seconds: float = 0.0  # looking them up and loading them (failed lookups included)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -60,6 +66,8 @@ class CompileStats:
             "compile_lower_seconds": self.lower_seconds,
             "compile_cache_hits": self.cache_hits,
             "compiles_after_warmup": self.after_warmup,
+            "executables_loaded": self.loaded,
+            "executable_load_seconds": self.load_seconds,
         }
 
 
@@ -177,10 +185,12 @@ class Executables:
         warm: bool = False,
         describe: str = "",
         options: CompilerOptions = (),
+        store: ExecutableStore | None = None,
     ) -> jax.stages.Compiled:
         """The executable for `key`, compiled now if needed (`lower()` gives its lowering, `options` the XLA
         compiler options; `key` must tell option sets apart). `warm`: warm-up is over, so a compile here stalls
-        a step and is logged as a warning with `describe` (the shape)."""
+        a step and is logged as a warning with `describe` (the shape). `store`: looked up first, written after
+        a compile (`key`'s repr must then name everything the executable depends on)."""
         while True:
             compiled = self._done.get(key)
             if compiled is not None:
@@ -193,7 +203,7 @@ class Executables:
                         "compiling a new step shape after warm-up: %s (the step waits; warm-up missed it)",
                         describe or key,
                     )
-                self._compile(key, lower, stats, future, options=options)
+                self._compile(key, lower, stats, future, options=options, store=store)
             try:
                 return future.result()
             except concurrent.futures.CancelledError:  # a cancelled warm-up let go of it: compile it here
@@ -209,11 +219,12 @@ class Executables:
         workers: int,
         progress: Callable[[Hashable], None] | None = None,
         cancel: threading.Event | None = None,
+        store: ExecutableStore | None = None,
     ) -> list[Hashable]:
         """Compile every job (key, lower[, compiler options]) not yet compiled on `workers` threads;
         `progress(key)` after each. Returns the keys this call compiled. Once `cancel` is set no new compile
         starts (the running ones finish): the jobs left are released, and a step that needs one compiles it
-        itself."""
+        itself. `store`: as in `get`."""
         todo = []
         for key, lower, *rest in jobs:
             options = rest[0] if rest else ()
@@ -223,7 +234,7 @@ class Executables:
         with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="compile") as pool:
             for key, lower, options, future, owner in todo:
                 if owner:
-                    pool.submit(self._compile, key, lower, stats, future, cancel, options)
+                    pool.submit(self._compile, key, lower, stats, future, cancel, options, store)
             for key, _, _, future, _ in todo:
                 try:
                     future.result()
@@ -260,10 +271,29 @@ class Executables:
         future: concurrent.futures.Future,
         cancel: threading.Event | None = None,
         options: CompilerOptions = (),
+        store: ExecutableStore | None = None,
     ) -> None:
         if cancel is not None and cancel.is_set():
             self._fail(key, future, concurrent.futures.CancelledError())
             return
+        if store is not None:
+            t0 = time.perf_counter()
+            try:
+                compiled = store.load(key)
+            except BaseException as e:
+                self._fail(key, future, e)
+                return
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                stats.load_seconds += seconds
+                if compiled is not None:
+                    self._done[key] = compiled
+                    del self._pending[key]
+                    stats.loaded += 1
+            if compiled is not None:
+                store.count_load(seconds)
+                future.set_result(compiled)
+                return
         t0, hits0 = time.perf_counter(), PROCESS.thread_hits()
         try:
             lowered = lower()
@@ -281,3 +311,5 @@ class Executables:
             stats.lower_seconds += t1 - t0
             stats.cache_hits += min(hits, 1)
         future.set_result(compiled)
+        if store is not None:
+            store.save(key, compiled)

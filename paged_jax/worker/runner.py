@@ -63,13 +63,14 @@ from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.structured.bitmask import all_allowed, mask_words
 from paged_jax.worker import sharding, xla_flags
+from paged_jax.worker.executable_store import open_store
 from paged_jax.worker.executables import CompilerOptions, CompileStats, Executables
 from paged_jax.worker.pending import merge_pending, merge_pending_history
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, make_prompt_logprobs
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import VerifyRows, mask_rejected, verify_rows
 from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
-from pallas_kernels import kv_quant
+from pallas_kernels import cpu_paged, kv_quant
 from pallas_kernels.common import cdiv, kv_pages_shape
 
 log = logging.getLogger(__name__)
@@ -323,6 +324,19 @@ class Job(NamedTuple):
     options: CompilerOptions = ()  # XLA compiler options (`paged_jax.worker.xla_flags`); part of `key` too
 
 
+def _resolved_backend(backend: str, platform: str) -> str:
+    """The attention backend `backend` means on `platform`, naming the CPU kernel's library when it is that
+    (building and registering it: a stored executable calling it loads only once it is registered)."""
+    try:
+        resolved = pallas_kernels.resolve_backend(backend, platform)
+    except ValueError:
+        return backend  # the step's own trace raises the error that names it
+    if resolved == "cpu":
+        kernel = cpu_paged.kernel()
+        return f"cpu:{kernel.library.name}" if kernel is not None else "cpu:unavailable"
+    return resolved
+
+
 def _fingerprint(tree) -> str:
     """Shapes, dtypes and shardings of a pytree's leaves: part of an executable's key."""
     leaves = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in jax.tree.leaves(tree)]
@@ -370,6 +384,8 @@ class ModelRunner:
     allocated, no KV pages, no LoRA slots: the runner's jobs lower and compile exactly as the engine's, for
     a target this process cannot run on (`paged_jax.worker.aot`: deviceless TPU and GPU topologies); it cannot
     run a step.
+    `executable_store`: a directory of serialized executables (`paged_jax.worker.executable_store`) that
+    compiling looks in first and writes to; None: off (an abstract runner never uses one).
     """
 
     def __init__(
@@ -390,6 +406,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         scan_layers: str = "auto",
         abstract: bool = False,
+        executable_store: str | None = None,
     ) -> None:
         self.config = config
         self.abstract = abstract
@@ -485,19 +502,27 @@ class ModelRunner:
         )
         self._allow_all: dict[int, jax.Array] = {}  # the sampler's bitmask when no row is constrained, per S
         self._copy = _copy_pages(config.num_layers, self.scan, mesh, quantized_kv)
-        # What makes two runners' executables interchangeable: the functions, the parameters' and pages' avals.
+        # What makes two runners' executables interchangeable, as plain values (the executable store keys its
+        # entries by their repr in another process): what `step_functions`, `prompt_logprobs_function`,
+        # `_copy_pages` and `_lora_writer` are built from (the same values give the same functions), the
+        # attention backend this platform resolves it to (with the CPU kernel's library: its ISA path and
+        # sources), and the parameters' and pages' avals.
         self._key = (
-            self._forward,
-            self._forward_onednn,
-            self._prompt_logprobs,
-            self._copy,
+            config,
+            attention_backend,
+            _resolved_backend(attention_backend, platform),
             mesh,
+            quantized_kv,
+            weights,
+            onednn,
+            self.scan,
             self.max_blocks,
             self.seq_buckets[-1],  # the width of the sampler's padded ids and of the lookahead's merge input
             _fingerprint(params),
             _fingerprint(self._kv_specs),
             lora,
         )
+        self.store = None if abstract or not executable_store else open_store(executable_store)
         self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
         self.compile_stats = CompileStats()
         self.warm = False  # warm-up is over: a compile now stalls a step and is logged as a warning
@@ -683,7 +708,13 @@ class ModelRunner:
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:
         return EXECUTABLES.get(
-            job.key, job.lower, self.compile_stats, warm=self.warm, describe=job.describe, options=job.options
+            job.key,
+            job.lower,
+            self.compile_stats,
+            warm=self.warm,
+            describe=job.describe,
+            options=job.options,
+            store=self.store,
         )
 
     def _spec(self, *shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
@@ -791,6 +822,11 @@ class ModelRunner:
         `cancel` (a threading.Event): stop starting compiles once set."""
         return len(
             EXECUTABLES.compile_all(
-                ((job.key, job.lower, job.options) for job in jobs), self.compile_stats, workers, progress, cancel
+                ((job.key, job.lower, job.options) for job in jobs),
+                self.compile_stats,
+                workers,
+                progress,
+                cancel,
+                self.store,
             )
         )

@@ -11,8 +11,9 @@ user waits for nothing (on TPU tens of seconds a shape), so:
   NOT_SERVING until they are ready, and compiles the rest in the background;
 - an engine built with `warmup=True` and no plan compiles everything (`WarmupPlan()`).
 
-`run_warmup` compiles a plan's shapes on a thread pool with a progress bar and logs what it cost, including how many
-compiles the persistent compilation cache served.
+`run_warmup` compiles a plan's shapes on a thread pool with a progress bar and logs what it cost: how many
+executables the executable store served (no lowering), how many were compiled, and how many of those compiles
+the persistent compilation cache served.
 """
 
 from __future__ import annotations
@@ -143,12 +144,12 @@ def run_warmup(
     what: str = "warm-up",
     cancel: threading.Event | None = None,
 ) -> int:
-    """Compile the plan's executables in parallel; returns how many were compiled (not already in the process).
+    """Compile (or load) the plan's executables in parallel; returns how many were new to the process.
     Afterwards a compile a step needs (a shape no plan named) is logged as a warning."""
     todo = jobs(runner, plan)
     workers = workers or default_workers()
     stats = runner.compile_stats
-    before = stats.count, stats.seconds, stats.cache_hits, stats.lower_seconds
+    before = stats.count, stats.seconds, stats.cache_hits, stats.lower_seconds, stats.loaded, stats.load_seconds
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=what, unit="shape", disable=not progress, leave=False)
     try:
@@ -158,15 +159,21 @@ def run_warmup(
     runner.warm = True
     cache = persistent_cache_summary()
     cache_dir = jax.config.jax_compilation_cache_dir
+    store = runner.store
     log.info(
-        "%s: %d executables (forward for tokens %s) in %.1f s on %d threads, %.1f s compiling (%.1f s of it "
-        "lowering); %d loaded from "
+        "%s: %d executables (forward for tokens %s) in %.1f s on %d threads: %d loaded from the executable "
+        "store%s in %.1f s, %d compiled in %.1f s (%.1f s of it "
+        "lowering), %d of those loaded from "
         "the persistent compile cache%s (process so far: %d hits, %d compiled by XLA, %d cache entries rejected)",
         what,
         new,
         token_buckets(runner, plan),
         time.perf_counter() - t0,
         workers,
+        stats.loaded - before[4],
+        f" ({store.directory}, {store.stats.rejected} entries rejected)" if store is not None else " (off)",
+        stats.load_seconds - before[5],
+        stats.count - before[0],
         stats.seconds - before[1],
         stats.lower_seconds - before[3],
         stats.cache_hits - before[2],

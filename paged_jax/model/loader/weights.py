@@ -1,7 +1,8 @@
 """Where parameters come from: one entry point (`load_weights`) over the sources.
 
 - a Hugging Face directory (`config.json` + safetensors): `load_hf_params`;
-- a GGUF file, or the name of a model shipped as one (`named.NAMED_MODELS`): `load_gguf`;
+- a GGUF file, or the name of a model shipped as one (`named.NAMED_MODELS`): `load_gguf` (its converted
+  parameters kept for the next load with a weights cache, `gguf_cache`);
 - an orbax checkpoint written by `save_checkpoint` (config JSON stored beside);
 - a config name or JSON path: random weights from a seed (`init_params`).
 
@@ -11,6 +12,7 @@ where it is described, and `paged_jax.engine.load.load_model` builds it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from paged_jax.model import quant
 from paged_jax.model.init import Params, init_params
 from paged_jax.model.loader.budget import check_fits
 from paged_jax.model.loader.checkpoint import is_checkpoint, load_checkpoint
-from paged_jax.model.loader.gguf import load_gguf
+from paged_jax.model.loader.gguf_cache import load_cached
 from paged_jax.model.loader.gguf_file import GGUFFile, is_gguf
 from paged_jax.model.loader.hf import load_hf_params
 from paged_jax.model.loader.named import named_model_path
@@ -32,7 +34,9 @@ class LoadedWeights:
     config: ModelConfig
     params: Params
     tokenizer_dir: Path | None  # a directory holding tokenizer files (HF, checkpoint); None: none
-    gguf: GGUFFile | None = None  # a GGUF file's metadata (its tokenizer, when it has a vocabulary)
+    gguf: GGUFFile | None = None  # a GGUF file's metadata, when it was read (not from the weights cache)
+    gguf_path: Path | None = None  # the GGUF file the weights came from
+    gguf_vocab: bool = False  # that file carries a tokenizer
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -41,7 +45,11 @@ def resolve_model_path(model: str | Path) -> Path:
 
 
 def load_weights(
-    model: str | Path, dtype: str | None = None, seed: int = 0, quantization: str | None = None
+    model: str | Path,
+    dtype: str | None = None,
+    seed: int = 0,
+    quantization: str | None = None,
+    weights_cache: Path | None = None,
 ) -> LoadedWeights:
     """Config and parameters for a GGUF file or named model, an HF directory, an orbax checkpoint, or a config
     name/JSON.
@@ -50,20 +58,22 @@ def load_weights(
     unless given, since dequantized values are exact in float32). A config whose parameters could not fit
     this machine is refused (ConfigError naming the field) before any allocation. `quantization` ("int8" |
     "fp8") quantizes the weights after loading (`paged_jax.model.quant`); a quantized checkpoint loads quantized.
+    `weights_cache`: a directory keeping a GGUF file's converted parameters for the next load
+    (`paged_jax.model.loader.gguf_cache`); None: none.
     """
-    loaded = _load(model, dtype, seed)
+    loaded = _load(model, dtype, seed, weights_cache)
     if quantization is not None and quant.scheme_of(loaded.params) is None:
         params = quant.quantize_params(loaded.params, quantization)
-        return LoadedWeights(loaded.config, params, loaded.tokenizer_dir, loaded.gguf)
+        return dataclasses.replace(loaded, params=params)
     return loaded
 
 
-def _load(model: str | Path, dtype: str | None, seed: int) -> LoadedWeights:
+def _load(model: str | Path, dtype: str | None, seed: int, weights_cache: Path | None) -> LoadedWeights:
     path = resolve_model_path(model)
     if is_gguf(path):
         name = str(model) if named_model_path(str(model)) else None
-        config, params, gguf = load_gguf(path, dtype=dtype, name=name)
-        return LoadedWeights(config, params, None, gguf)
+        got = load_cached(path, dtype, name, weights_cache)
+        return LoadedWeights(got.config, got.params, None, got.gguf, path, got.has_vocab)
     if path.is_dir() and is_checkpoint(path):
         config, params = load_checkpoint(path, dtype)
         return LoadedWeights(config, params, path)

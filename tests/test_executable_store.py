@@ -1,0 +1,106 @@
+"""The executable store: a second runner with the same store loads every executable without lowering or
+compiling it and produces the same tokens; a changed shape or option misses; an entry that cannot be loaded
+is logged once and compiled again. Every store lives under tmp_path (nothing under ~/.cache)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.tokenization.tokenizer import ByteTokenizer
+from paged_jax.worker.executable_store import ExecutableStore, open_store
+from paged_jax.worker.executables import persistent_cache_summary
+from paged_jax.worker.runner import EXECUTABLES
+from paged_jax.worker.warmup import jobs, plan_for_requests
+
+PROMPTS = [list(range(3 + i, 30 + 3 * i)) for i in range(3)]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+def engine(tiny_config, tiny_params, store: Path, **options) -> LLMEngine:
+    # num_pages unique to this module: no other module's executables are shared with these engines.
+    options = {"num_pages": 83, "max_num_seqs": 4, "max_num_batched_tokens": 64, "warmup": False} | options
+    return LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(executable_store=str(store), **options))
+
+
+def warm_and_run(e: LLMEngine) -> list[list[int]]:
+    e.warmup(plan_for_requests([(len(p), PARAMS) for p in PROMPTS], e.engine_config.max_num_batched_tokens))
+    for i, prompt in enumerate(PROMPTS):
+        e.add_request(str(i), prompt, PARAMS)
+    out: dict[str, list[int]] = {}
+    while e.has_unfinished():
+        for r in e.step():
+            if r.finished:
+                out[r.request_id] = list(r.outputs[0].token_ids)
+    assert e.stats().compiles_after_warmup == 0
+    return [out[str(i)] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture
+def fresh():
+    """Each engine of a test starts with no executable in the process (as a new process would)."""
+    EXECUTABLES.clear()
+    yield
+    EXECUTABLES.clear()
+
+
+def test_a_second_runner_loads_every_executable_and_compiles_none(tiny_config, tiny_params, tmp_path, fresh):
+    store = tmp_path / "store"
+    first = engine(tiny_config, tiny_params, store)
+    planned = len(jobs(first.runner, plan_for_requests([(len(p), PARAMS) for p in PROMPTS], 64)))
+    tokens = warm_and_run(first)
+    s = first.stats()
+    assert s.compile_count == planned and s.executables_loaded == 0
+    assert len(list(store.glob("*.exe"))) == planned and open_store(str(store)).stats.writes >= planned
+    EXECUTABLES.clear()
+    second = engine(tiny_config, tiny_params, store)
+    xla = persistent_cache_summary()["requests"]  # every XLA compile of the process
+    again = warm_and_run(second)
+    s = second.stats()
+    assert s.executables_loaded == planned and s.compile_count == 0 and s.compile_lower_seconds == 0.0
+    assert persistent_cache_summary()["requests"] == xla  # nothing compiled, not even a cache lookup
+    assert again == tokens
+
+
+def test_a_changed_shape_or_option_misses(tiny_config, tiny_params, tmp_path, fresh):
+    store = tmp_path / "store"
+    warm_and_run(engine(tiny_config, tiny_params, store))
+    EXECUTABLES.clear()
+    bigger = engine(tiny_config, tiny_params, store, max_num_batched_tokens=128)  # one more token bucket
+    warm_and_run(bigger)
+    s = bigger.stats()
+    # the step shapes of the 64-token engine load; the 128-token bucket's forward and merge are new
+    assert s.executables_loaded > 0 and s.compile_count == 2
+    runner = bigger.runner
+    job = runner.forward_job(16, 8)
+    other = job.key[:-1] + ((("xla_cpu_use_onednn", True),),)
+    digests = ExecutableStore(store)
+    assert digests.digest(job.key) != digests.digest(other)
+    assert digests.digest(job.key) != digests.digest(runner.forward_job(32, 8).key)
+    assert digests.path(job.key).exists() and not digests.path(other).exists()
+
+
+def test_an_entry_that_cannot_be_loaded_is_logged_once_and_compiled(tiny_config, tiny_params, tmp_path, fresh, caplog):
+    store = tmp_path / "store"
+    tokens = warm_and_run(engine(tiny_config, tiny_params, store))
+    entries = sorted(store.glob("*.exe"))
+    for p in entries[:-1]:
+        p.write_bytes(b"not an executable")
+    entries[-1].write_bytes(entries[-1].read_bytes()[:1000])  # truncated
+    EXECUTABLES.clear()
+    again = engine(tiny_config, tiny_params, store)
+    with caplog.at_level(logging.WARNING, logger="paged_jax.worker.executable_store"):
+        assert warm_and_run(again) == tokens
+    s = again.stats()
+    assert s.executables_loaded == 0 and s.compile_count == len(entries)
+    assert open_store(str(store)).stats.rejected == len(entries)
+    lines = [r.getMessage() for r in caplog.records if "could not be loaded" in r.getMessage()]
+    assert len(lines) == 1 and str(store) in lines[0]  # once, naming the entry
+    EXECUTABLES.clear()
+    third = engine(tiny_config, tiny_params, store)  # the rejected entries were rewritten
+    assert warm_and_run(third) == tokens and third.stats().executables_loaded == len(entries)
