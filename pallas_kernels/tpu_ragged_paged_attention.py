@@ -9,7 +9,8 @@ as ``[group * tokens, head_dim]``). An item never holds rows of two sequences, s
 used (up to the MXU's 8-row tile and the unused tail of a sequence's last item). The prefill call writes into
 the decode call's output (aliased), so the two ranges cost no merge pass.
 
-Data movement (all manual DMAs; q, the pages and the output stay in HBM, ``memory_space=ANY``):
+Data movement (all manual DMAs; q and the output are ``memory_space=ANY``, the pages and scales pinned to HBM
+whatever their size, :func:`_in_hbm`):
 - A KV block is ``pages_per_block`` pages. One page of one layer is one contiguous ``[num_kv_heads,
   page_size, 2 * head_dim]`` slab, so a block is ``pages_per_block`` DMAs into a double buffer, all signalling
   one semaphore; pages past ``kv_len`` are not copied, blocks before a sliding window or after the item's last
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_quant, tpu_limits
 from pallas_kernels.common import MASK_VALUE, apply_soft_cap, kv_dims, validate_kernel_shape
 from pallas_kernels.tpu_plan import (
     RangePlan,
@@ -62,7 +63,7 @@ from pallas_kernels.tpu_plan import (
     static_work,
     vmem_bytes,
 )
-from pallas_kernels.tpu_tuned_block_sizes import get_block_sizes
+from pallas_kernels.tpu_tuned_block_sizes import get_block_sizes, tpu_generation
 
 _LANES = 128
 
@@ -316,11 +317,14 @@ def _run_range(
     soft_cap,
     sliding_window,
     interpret,
+    generation,
 ):
-    """One ``pallas_call`` over the items of one range; writes their rows into ``out`` (aliased)."""
+    """One ``pallas_call`` over the items of one range; writes their rows into ``out`` (aliased). Its VMEM
+    and SMEM are checked against ``generation``'s (:mod:`.tpu_limits`)."""
     kv_lens, tables, cu_q_lens = meta
     max_blocks = tables.shape[1]
     w, num_items = rng.tokens_per_item, rng.num_items
+    tpu_limits.check_smem(tables.shape[0], max_blocks, num_items, generation)
     kv_block = rng.pages_per_block * plan.page_size
     rows = plan.group * w
     quantized = kv_scales is not None
@@ -368,15 +372,29 @@ def _run_range(
         input_output_aliases={9: 0},  # out_in (after 6 scalar-prefetch operands, q, kv, scales) -> out
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=int(min(max(2 * vmem, 32 * 2**20), 100 * 2**20)),
+            vmem_limit_bytes=tpu_limits.vmem_limit(vmem, generation),
         ),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
             flops=bound.issued_flops, transcendentals=bound.exps, bytes_accessed=bound.hbm_bytes
         ),
         name="ragged_paged_attention_tpu_" + ("decode" if w == 1 else "prefill"),
-    )(kv_lens, tables.reshape(-1), cu_q_lens, *items, q, kv_pages, kv_scales, out)
+    )(kv_lens, tables.reshape(-1), cu_q_lens, *items, q, *_in_hbm(kv_pages, kv_scales, interpret), out)
     return out, stats
+
+
+def _in_hbm(kv_pages, kv_scales, interpret):
+    """The page and scale operands constrained to HBM (``pltpu.with_memory_space_constraint``).
+
+    Why: with ``memory_space=ANY`` alone, XLA's memory-space assignment may place a small cache in VMEM. At
+    2,049 pages per layer (16 MiB, Qwen2.5-0.5B unrolled on v6e) it sliced every layer's whole page array into
+    VMEM, ran the KV scatter and this kernel there, and copied the array back to HBM: two whole-cache copies
+    per layer per step, where the kernel DMAs only the pages it reads. Pinned to HBM, the scatter writes in
+    place and the kernel reads the pages where they are, at any cache size (the audit of
+    ``scripts/check_tpu_compile.py`` compiles small and full caches)."""
+    if interpret:
+        return kv_pages, kv_scales
+    return tuple(pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in (kv_pages, kv_scales))
 
 
 def tpu_plan_for(
@@ -461,7 +479,10 @@ def ragged_paged_attention_tpu(
     if kv_scales is None:
         q = q.astype(kv_pages.dtype)
     meta = (kv_lens, block_tables, cu_q_lens)
+    if generation is None:
+        generation = tpu_generation()
     opts = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+    opts["generation"] = generation
     out = jnp.zeros(q.shape, q.dtype)  # padding rows stay zero; every real row is written by one item
     stats = []
     for rng, decode in ((plan.decode, True), (plan.prefill, False)):

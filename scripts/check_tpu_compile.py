@@ -4,6 +4,11 @@ With ``libtpu`` installed (``pip install -e '.[tpu]'``), ``jax.experimental.topo
 describes a TPU slice; ``jax.jit(...).lower(...).compile()`` against its devices runs the real Mosaic
 compiler, so layout, tiling, VMEM and DMA errors in the kernels show up here. Exits non-zero on any failure.
 
+The kernel sweep (``CASES``) takes every value of every axis (head_dim, page size, page dtype, KV heads, query
+group, max_model_len, bucket kind) and the pairs that interact (head_dim x group, page dtype x page size), 16
+cases per generation, and checks that block tables too large for SMEM are refused with an error naming the
+engine fields (``pallas_kernels.tpu_limits``) rather than failing in Mosaic.
+
     .venv/bin/python scripts/check_tpu_compile.py [--topologies v5e:1x1 v6e:1x1] [--sharded v5e:2x2:4 v5e:2x4:8]
 
 Every engine step here is the engine's own: the runner an ``LLMEngine`` builds for the config and engine options,
@@ -11,13 +16,17 @@ abstract (``paged_jax.engine.aot``: nothing allocated), and its own forward job,
 needs no change here.
 
 The KV audit (``--audit``, on by default) compiles the engine's whole jitted step for every shipped config
-(tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, mistral-7b, smollm2-135m) x TP 1, 4, 8 (where the model shards) x a
-decode and a chunked-prefill bucket, then Llama-3.1-8B's verify step with n-gram speculation (k = 3: 256 tokens
-and sample rows; its sampler too) and its decode step with LoRA (4 slots) at TP 1 and 4, with the KV pages sized
-as the engine would size them on one chip, and
+(tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m; Mistral-7B's layers are Llama-3.1-8B's) x TP
+1, 4, 8 (where the model shards) x a decode and a chunked-prefill bucket, then Llama-3.1-8B's verify step with
+n-gram speculation (k = 3: 256 tokens and sample rows; its sampler too) and its decode step with LoRA (4 slots)
+at TP 1 and 4, with the KV pages sized as the engine would size them on one chip, then small caches (explicit
+``num_pages``: page arrays of 16-32 MiB, which fit VMEM; scanned and unrolled, bf16 and float32 pages), and
 fails when the compiled HLO copies or transposes a KV page array (``paged_jax.worker.hlo_audit.kv_copies``:
 any instruction producing a KV-shaped array other than the in-place scatter) or when the temporaries that grow
-with the KV cache exceed 5% of one layer's KV pages. A failure names the config and the instruction.
+with the KV cache exceed 5% of one layer's KV pages. A failure names the config and the instruction. It also
+reports, per step, the bytes of per-layer weight slices the step copies to HBM
+(``paged_jax.worker.hlo_audit.weight_copies``: a scanned decoder's dynamic-slice of a stacked weight written out
+before its dot), beside the weights' size: a figure, not a failure.
 
 ``--quantized TOPOLOGY`` (default v5e:1x1) compiles the one-chip step of Llama-3.1-8B with int8 weights and int8
 (and fp8_e4m3) KV pages next to the bfloat16 ones, prints per-chip memory and KV tokens, and fails below 100k
@@ -41,12 +50,12 @@ sized as the engine would size them on that chip (``--hbm-gib`` x 0.9 minus the 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import re
 import sys
 import time
 import traceback
+from typing import NamedTuple
 
 # Compiling needs libtpu, not a TPU; do not fight another process's libtpu lock (e.g. a test run nearby).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -56,65 +65,141 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from paged_jax.worker.hlo_audit import kv_copies  # noqa: E402
+from paged_jax.engine.aot import layer_weight_shapes  # noqa: E402
+from paged_jax.worker.hlo_audit import kv_copies, weight_copies  # noqa: E402
 from pallas_kernels.common import kv_pages_shape  # noqa: E402
 from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu  # noqa: E402
 
-# (num_tokens, max_seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, window, soft_cap)
+
+class KernelCase(NamedTuple):
+    """One kernel shape of the sweep: a bucket (tokens x sequences) of a model shape and cache layout."""
+
+    num_tokens: int
+    max_seqs: int
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    head_dim: int
+    page_size: int
+    dtype: object  # queries (and unquantized pages)
+    kv_dtype: object | None  # int8 / fp8_e4m3 pages with scales; None: pages in `dtype`
+    max_model_len: int  # max_blocks = max_model_len / page_size: the block table's width
+    window: int | None = None
+    soft_cap: float | None = None
+
+    def __str__(self) -> str:
+        pages = "" if self.kv_dtype is None else f" pages={jnp.dtype(self.kv_dtype).name}"
+        return (
+            f"{self.num_tokens}x{self.max_seqs} kv{self.num_kv_heads} g{self.group} d{self.head_dim} p{self.page_size}"
+            f" {jnp.dtype(self.dtype).name}{pages} len{self.max_model_len // 1024}k"
+            + (f" w{self.window}" if self.window else "")
+            + (f" cap{self.soft_cap:g}" if self.soft_cap else "")
+        )
+
+
+BF16, F32, I8, F8 = jnp.bfloat16, jnp.float32, jnp.int8, jnp.float8_e4m3fn
+K = 1024
+# The kernel sweep (issue 24): every value of every axis -- head_dim {64, 128, 256}, page size {8, 16, 64, 128},
+# pages {bf16, int8, fp8} (and float32), KV heads {1, 2, 8}, query groups {1, 3, 4, 7, 8}, max_model_len {2k,
+# 32k, 128k}, decode / prefill / mixed buckets -- and the pairs that interact: every head_dim x group (15
+# cases), every page dtype x page size (int8 and fp8 at 8 and 16 tokens fill a quarter or half of a (32, 128)
+# tile), long max_model_len with many sequences (the block table in SMEM: pallas_kernels.tpu_limits). Buckets:
+# decode = tokens == sequences, prefill = 256-512 tokens of 8 sequences, mixed = 128 tokens of 16-32.
 CASES = [
-    (16, 8, 8, 1, 64, 8, jnp.float32, None, None),  # MQA, smallest page
-    (64, 64, 32, 8, 128, 16, jnp.bfloat16, None, None),  # decode bucket, GQA 4
-    (256, 8, 8, 8, 128, 32, jnp.bfloat16, 128, None),  # prefill, GQA 1, sliding window
-    (128, 16, 16, 2, 256, 64, jnp.bfloat16, None, 30.0),  # GQA 8, soft cap
-    (32, 8, 4, 4, 64, 256, jnp.float32, None, None),  # largest page
-    (64, 16, 8, 2, 128, 128, jnp.float32, 64, 50.0),
-    (32, 8, 2, 1, 64, 16, jnp.bfloat16, None, None),  # bf16 with head_dim 64, MQA
-    (16, 8, 4, 2, 256, 8, jnp.float32, 16, None),
-    (64, 64, 9, 3, 64, 16, jnp.bfloat16, None, None),  # SmolLM2-135M decode: 3 query heads per KV head, hd 64
-    (256, 8, 9, 3, 64, 16, jnp.float32, None, None),  # SmolLM2-135M prefill in float32 (the parity dtype)
+    KernelCase(64, 64, 8, 1, 64, 8, BF16, None, 2 * K),  # decode
+    KernelCase(256, 8, 1, 3, 64, 16, BF16, I8, 32 * K),  # prefill, int8 at half a tile
+    KernelCase(128, 32, 2, 4, 64, 64, BF16, F8, 128 * K),  # mixed
+    KernelCase(512, 8, 8, 7, 64, 128, BF16, None, 2 * K, 64, 50.0),
+    KernelCase(128, 16, 1, 8, 64, 8, BF16, I8, 32 * K),  # int8 at a quarter tile
+    KernelCase(16, 16, 2, 1, 128, 16, BF16, F8, 128 * K),  # decode, 8192-page tables
+    KernelCase(128, 32, 8, 3, 128, 64, BF16, None, 32 * K, 128),
+    KernelCase(64, 64, 8, 4, 128, 16, BF16, None, 8 * K),  # Llama-3-8B decode
+    KernelCase(256, 8, 1, 7, 128, 8, BF16, F8, 2 * K),
+    KernelCase(128, 64, 2, 8, 128, 128, BF16, I8, 128 * K),  # 64 sequences x 1024 pages
+    KernelCase(128, 32, 1, 1, 256, 64, BF16, I8, 2 * K, None, 30.0),
+    KernelCase(32, 32, 2, 3, 256, 128, BF16, F8, 32 * K),
+    KernelCase(512, 16, 8, 4, 256, 16, BF16, None, 128 * K, 256),  # head_dim 256 x 8 KV heads: VMEM-heavy
+    KernelCase(128, 32, 1, 7, 256, 8, F32, None, 32 * K),  # float32 pages
+    KernelCase(256, 8, 2, 8, 256, 64, F32, None, 2 * K, None, 30.0),
+    KernelCase(256, 8, 3, 3, 64, 16, F32, I8, 8 * K),  # SmolLM2-135M prefill, float32 queries (the parity dtype)
 ]
+# Shapes the SMEM guard must refuse with a clear error before Mosaic sees them (never compiled):
+# (max_seqs, page_size, max_model_len).
+SMEM_REFUSED = [(64, 16, 128 * K), (256, 64, 128 * K)]
+_MAX_SWEEP_PAGES = 2**16 + 1  # page arrays as a large engine would have, without sizing each to its table
 
 
-# Quantized pages (int8 / fp8_e4m3 values with per-token scales, pallas_kernels.kv_quant): (case, page dtype)
-QUANT_CASES = [
-    (CASES[1], jnp.int8),  # Llama-3-8B-like decode bucket, 16-token pages
-    (CASES[1], jnp.float8_e4m3fn),
-    (CASES[2], jnp.int8),  # prefill with a sliding window
-    (CASES[3], jnp.float8_e4m3fn),  # head_dim 256, soft cap
-    (CASES[6], jnp.int8),  # head_dim 64, MQA
-    (CASES[9], jnp.int8),  # SmolLM2 prefill, float32 queries
-]
-
-
-def compile_case(device, generation, case, kv_dtype=None) -> None:
+def _case_args(device, case: KernelCase):
     from pallas_kernels import kv_quant
 
-    num_tokens, max_seqs, qh, kvh, d, page, dtype, window, cap = case
-    max_blocks = max(2, 8192 // page)
-    num_pages = max_seqs * max_blocks + 1
+    max_blocks = case.max_model_len // case.page_size
+    num_pages = min(case.max_seqs * max_blocks + 1, _MAX_SWEEP_PAGES)
+    qh, kvh, d, page = case.group * case.num_kv_heads, case.num_kv_heads, case.head_dim, case.page_size
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
-    args = (
-        sds((num_tokens, qh, d), dtype),
-        sds(kv_pages_shape(num_pages, kvh, page, d), dtype)
-        if kv_dtype is None
+    pages_shape = kv_pages_shape(num_pages, kvh, page, d)
+    pages = (
+        sds(pages_shape, case.dtype)
+        if case.kv_dtype is None
         else kv_quant.QuantizedPages(
-            sds(kv_pages_shape(num_pages, kvh, page, d), kv_dtype),
-            sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32),
-        ),
-        sds((max_seqs,), jnp.int32),
-        sds((max_seqs, max_blocks), jnp.int32),
-        sds((max_seqs + 1,), jnp.int32),
-        sds((1,), jnp.int32),
-    )
-    fn = jax.jit(
-        lambda *a: ragged_paged_attention_tpu(
-            *a, sm_scale=d**-0.5, soft_cap=cap, sliding_window=window, generation=generation
+            sds(pages_shape, case.kv_dtype), sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32)
         )
     )
-    # Tells Pallas which TPU it lowers for (the default backend here is the CPU).
+    return (
+        sds((case.num_tokens, qh, d), case.dtype),
+        pages,
+        sds((case.max_seqs,), jnp.int32),
+        sds((case.max_seqs, max_blocks), jnp.int32),
+        sds((case.max_seqs + 1,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
+
+
+def lower_case(device, generation, case: KernelCase):
+    """The kernel of `case` lowered for `device` (Pallas reads the target from the abstract mesh)."""
+    fn = jax.jit(
+        lambda *a: ragged_paged_attention_tpu(
+            *a, sm_scale=case.head_dim**-0.5, soft_cap=case.soft_cap, sliding_window=case.window, generation=generation
+        )
+    )
     mesh = jax.sharding.Mesh([device], ("x",))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        fn.lower(*args).compile()
+        return fn.lower(*_case_args(device, case))
+
+
+def compile_case(device, generation, case: KernelCase) -> None:
+    lower_case(device, generation, case).compile()
+
+
+def check_kernels(topo: str) -> int:
+    """Compile every kernel case for `topo` and check the SMEM guard's refusals; returns the failure count."""
+    try:
+        # One host per chip so that 1x1 slices are valid.
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chips_per_host_bounds=(1, 1, 1))
+    except Exception as e:  # noqa: BLE001 - report and count any failure to get the target
+        print(f"FAIL {topo}: no topology ({type(e).__name__}: {e})")
+        return 1
+    device, generation = desc.devices[0], topo.split(":")[0]
+    failures = 0
+    for case in CASES:
+        name = f"{topo} {device.device_kind!r} {case}"
+        t0 = time.perf_counter()
+        try:
+            compile_case(device, generation, case)
+            print(f"ok   {name} ({time.perf_counter() - t0:.1f}s)")
+        except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+            failures += 1
+            print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
+    for seqs, page, length in SMEM_REFUSED:
+        case = KernelCase(seqs, seqs, 8, 4, 128, page, BF16, None, length)
+        try:
+            lower_case(device, generation, case)
+        except ValueError as e:
+            if "SMEM" in str(e) and "max_num_seqs" in str(e):
+                print(f"ok   {topo} {case}: refused ({str(e)[:90]}...)")
+                continue
+            raise
+        failures += 1
+        print(f"FAIL {topo} {case}: a block table over SMEM was not refused")
+    return failures
 
 
 HBM_GIB = {"v5e": 16.0, "v6e": 32.0, "v5p": 95.0, "v4": 32.0}  # per chip
@@ -150,9 +235,9 @@ def compile_step(
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chips_per_host_bounds=(*dims, 1)[:3])
     hbm_gib = hbm_gib or HBM_GIB[topo.split(":")[0]]
     config = config_name if isinstance(config_name, ModelConfig) else load_model_config(config_name)
-    ec = EngineConfig(
-        attention_backend="pallas-tpu", tensor_parallel_size=tp, num_pages=num_pages, kv_dtype=kv_dtype, **dict(options)
-    )
+    fields = {"attention_backend": "pallas-tpu", "tensor_parallel_size": tp, **dict(options)}
+    fields.update({k: v for k, v in (("num_pages", num_pages), ("kv_dtype", kv_dtype)) if v is not None})
+    ec = EngineConfig(**fields)
     weights = None if quantization is None else (quantization, True, False)
     engine = abstract_engine(config, ec, desc.devices[:tp], int(hbm_gib * 2**30), weights)
     compiled = engine.compile(step_job(engine.runner, kind))
@@ -171,7 +256,9 @@ def compile_step(
     return compiled, facts
 
 
-AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b", "smollm2-135m")
+# Mistral-7B is not compiled: its layers are Llama-3.1-8B's (GQA 4, head_dim 128, the same MLP), only the
+# vocabulary differs, and no KV or memory property of the step depends on it.
+AUDIT_CONFIGS = ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "smollm2-135m")
 AUDIT_KINDS = ("decode", "prefill")  # paged_jax.engine.aot.step_shape: 64 x 64 and 512 x 64 at the defaults
 _NGRAM = (("speculative_config", {"method": "ngram", "num_speculative_tokens": 3}),)
 _LORA = (("enable_lora", True), ("max_loras", 4))
@@ -181,6 +268,18 @@ AUDIT_ENGINES = (
     ("llama-3.1-8b", 1, "verify", _NGRAM, "ngram k=3"),
     ("llama-3.1-8b", 1, "decode", _LORA, "lora x4"),
     ("llama-3.1-8b", 4, "decode", _LORA, "lora x4"),
+)
+# Small caches (explicit num_pages): a page array of a few MiB fits VMEM, where XLA once staged every layer's
+# whole array in and out on every step (pallas_kernels.tpu_ragged_paged_attention._in_hbm). Qwen2.5-0.5B at
+# 2,049 pages (16 MiB per layer, bf16, unrolled: 24 copies before the fix), and tiny (2 layers: fast to
+# compile) at 1,025 pages (16 MiB per layer in float32) scanned (one stacked 32 MiB array) and unrolled in a
+# prefill bucket. Not yet here: int8 pages at 1,025 pages (4.3 MiB per layer) compile with no page copy, but
+# their temporaries grow by 0.5 MiB between 64 and 1,025 pages (11% of a layer: about two copies of the
+# 0.26 MiB scale array, unexplained so far), which the growth bound fails.
+SMALL_CACHE_ENGINES = (
+    ("qwen2.5-0.5b", 1, "decode", (("num_pages", 2049), ("scan_layers", "off")), "2049p"),
+    ("tiny", 1, "decode", (("num_pages", 1025), ("scan_layers", "on")), "1025p scan"),
+    ("tiny", 1, "prefill", (("num_pages", 1025), ("scan_layers", "off")), "1025p"),
 )
 AUDIT_TOPOLOGY = {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}  # 32 GiB chips: an 8B model fits one
 MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages (see audit())
@@ -201,7 +300,7 @@ def audit_engines(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> list[tuple]:
             except ValueError:
                 continue  # the model does not shard this way
             out += [(config_name, tp, kind, (), "") for kind in AUDIT_KINDS]
-    return out + [e for e in AUDIT_ENGINES if e[0] in configs and e[1] in tps]
+    return out + [e for e in AUDIT_ENGINES + SMALL_CACHE_ENGINES if e[0] in configs and e[1] in tps]
 
 
 def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
@@ -217,11 +316,12 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
     failures = 0
     print(
         "\nKV audit of the compiled engine step (v6e; bucket = tokens x seqs; temp at the engine's page count"
-        " and, when over 5% of one layer's KV, at 64 pages; growth = their difference / one layer's KV)"
+        " and, when over 5% of one layer's KV, at 64 pages; growth = their difference / one layer's KV;"
+        " w-copy = MiB of per-layer weight slices the step copies to HBM per step, beside the weights' MiB)"
     )
     print(
-        f"{'config':<14}{'engine':<10}{'TP':>3}{'step':>8}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}"
-        f"{'temp MiB':>10}{'at 64 pages':>12}{'layer KV MiB':>13}{'growth':>8}"
+        f"{'config':<14}{'engine':<11}{'TP':>3}{'step':>8}{'bucket':>9}{'KV shape/chip':>28}{'copies':>7}"
+        f"{'temp MiB':>10}{'at 64 pages':>12}{'layer KV MiB':>13}{'growth':>8}{'w-copy':>10}{'weights':>10}"
     )
     for config_name, tp, kind, options, label in audit_engines(configs, tps):
         name = f"{config_name} {label} TP{tp} {kind}"
@@ -240,13 +340,15 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
             failures += 1
             print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
             continue
-        bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
+        hlo = compiled.as_text()
+        bad = kv_copies(hlo, facts["local_kv_shape"], facts["dtype"])
+        weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"])
         growth = max(0, temp - temp_small) / facts["layer_kv"]
         shape = "x".join(str(d) for d in facts["local_kv_shape"])
         print(
-            f"{config_name:<14}{label:<10}{tp:>3}{kind:>8}{f'{facts["tokens"]}x{facts["seqs"]}':>9}{shape:>28}"
+            f"{config_name:<14}{label:<11}{tp:>3}{kind:>8}{f'{facts["tokens"]}x{facts["seqs"]}':>9}{shape:>28}"
             f"{len(bad):>7}{temp / 2**20:>10.1f}{temp_small / 2**20:>12.1f}{facts['layer_kv'] / 2**20:>13.1f}"
-            f"{growth:>8.2%}"
+            f"{growth:>8.2%}{weights.hbm_bytes / 2**20:>10.0f}{facts['weights'] / 2**20:>10.0f}"
         )
         for line in bad[:4]:
             print(f"FAIL {name}: KV copy: {line}")
@@ -379,7 +481,7 @@ def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
     print(f"\nper-chip memory of the quantized step, {config_name} on {topo} ({hbm:.0f} GiB), GiB")
     print(
         f"{'weights':<8}{'KV':<10}{'tokens':>7}{'seqs':>5}{'weights':>9}{'KV':>8}{'KV tokens':>11}{'temp':>8}"
-        f"{'peak':>8}{'copies':>7}"
+        f"{'peak':>8}{'copies':>7}{'w-copy':>8}"
     )
     # bfloat16 weights (15 GiB for the 8B) do not fit a 16 GiB chip at all: XLA refuses the step (RESOURCE_EXHAUSTED).
     for quantization, kv_dtype in (("int8", "int8"), ("int8", "fp8_e4m3")):
@@ -399,12 +501,14 @@ def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
             peak = (
                 m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
             ) * gib
-            bad = kv_copies(compiled.as_text(), facts["local_kv_shape"], facts["dtype"])
+            hlo = compiled.as_text()
+            bad = kv_copies(hlo, facts["local_kv_shape"], facts["dtype"])
+            weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"])
             print(
                 f"{quantization or 'bf16':<8}{kv_dtype or 'bf16':<10}{facts['tokens']:>7}{facts['seqs']:>5}"
                 f"{facts['weights'] * gib:>9.2f}{facts['layer_kv'] * facts['num_layers'] * gib:>8.2f}"
                 f"{facts['kv_tokens']:>11,}{m.temp_size_in_bytes * gib:>8.2f}{peak:>8.2f}{len(bad):>7}"
-                f"  ({time.perf_counter() - t0:.0f}s)"
+                f"{weights.hbm_bytes * gib:>8.2f}  ({time.perf_counter() - t0:.0f}s)"
             )
             for line in bad[:4]:
                 print(f"FAIL {name}: KV copy: {line}")
@@ -449,28 +553,7 @@ def main() -> int:
     args = parser.parse_args()
     failures = 0
     for topo in args.topologies:
-        try:
-            # One host per chip so that 1x1 slices are valid.
-            desc = topologies.get_topology_desc(platform="tpu", topology_name=topo, chips_per_host_bounds=(1, 1, 1))
-        except Exception as e:  # noqa: BLE001 - report and count any failure to get the target
-            print(f"FAIL {topo}: no topology ({type(e).__name__}: {e})")
-            failures += 1
-            continue
-        device = desc.devices[0]
-        generation = topo.split(":")[0]
-        for case, kv_dtype in [(c, None) for c in CASES] + QUANT_CASES:
-            name = (
-                f"{topo} {device.device_kind!r} "
-                + " ".join(str(getattr(x, "__name__", x)) for x in itertools.chain(case))
-                + ("" if kv_dtype is None else f" pages={jnp.dtype(kv_dtype).name}")
-            )
-            t0 = time.perf_counter()
-            try:
-                compile_case(device, generation, case, kv_dtype)
-                print(f"ok   {name} ({time.perf_counter() - t0:.1f}s)")
-            except Exception:  # noqa: BLE001 - every compiler error is a failure to report
-                failures += 1
-                print(f"FAIL {name}\n{traceback.format_exc(limit=3)}")
+        failures += check_kernels(topo)
     if args.audit:
         failures += audit()
     if args.families:

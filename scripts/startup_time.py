@@ -2,11 +2,11 @@
 
 Runs the `paged-jax generate` command of the Makefile's `run` target in fresh processes: first cold (empty
 compile caches, no converted weights or tokenizer files and no built CPU attention kernel), then warm (the
-caches the cold run filled), `--rounds` times each, alternating, and prints each run's wall time (process start to exit: the summary is its
-last output) and CPU time, the start-up line of its summary, whether every run wrote the same token ids and
-text, and the goals (issue 28, SmolLM2-135M-Instruct: cold <= 40 s, warm <= 15 s on 2 cores). The machine's
-load average is printed too: on a shared machine the wall times move with it (the CPU times much less), so
-compare runs of one invocation.
+caches the cold run filled), `--rounds` times each, alternating, and prints each run's wall time (process
+start to exit: the summary is its last output) and CPU time, the start-up line of its summary, whether every
+run wrote the same token ids and text, and the goals (issue 28, SmolLM2-135M-Instruct: cold <= 40 s, warm <=
+15 s on 2 cores). The machine's load average is printed too: on a shared machine the wall times move with it
+(the CPU times much less), so compare runs of one invocation.
 
     .venv/bin/python scripts/startup_time.py [--rounds 1] [--keep DIR]
 

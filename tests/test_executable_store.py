@@ -104,3 +104,57 @@ def test_an_entry_that_cannot_be_loaded_is_logged_once_and_compiled(tiny_config,
     EXECUTABLES.clear()
     third = engine(tiny_config, tiny_params, store)  # the rejected entries were rewritten
     assert warm_and_run(third) == tokens and third.stats().executables_loaded == len(entries)
+
+
+def test_entries_unused_for_two_weeks_are_pruned_and_a_load_marks_one_used(tmp_path):
+    import os
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.worker import executable_store
+
+    stale, kept = tmp_path / "stale.exe", tmp_path / "kept.exe"
+    for p in (stale, kept):
+        p.write_bytes(b"old")
+    month_ago = time.time() - 30 * 86400
+    os.utime(stale, (month_ago, month_ago))
+    store = ExecutableStore(tmp_path)
+    compiled = jax.jit(lambda x: x * 3 + 1).lower(jax.ShapeDtypeStruct((4,), jnp.float32)).compile()
+    store.save(("triple",), compiled)
+    assert not stale.exists() and kept.exists() and store.path(("triple",)).exists()
+    entry = store.path(("triple",))
+    os.utime(entry, (month_ago, month_ago))
+    loaded = store.load(("triple",))
+    assert entry.stat().st_mtime > time.time() - executable_store.UNUSED_DAYS * 86400
+    assert jnp.array_equal(loaded(jnp.arange(4, dtype=jnp.float32)), jnp.arange(4) * 3 + 1)
+    assert store.load(("other",)) is None and store.stats.misses == 1 and store.stats.rejected == 0
+
+
+def test_an_executable_xla_cannot_serialize_is_logged_and_compiled_by_the_next_runner(
+    tiny_config, tiny_params, tmp_path, fresh, caplog, monkeypatch
+):
+    """XLA:CPU (jax 0.11.2) cannot serialize a oneDNN fusion: a bfloat16 forward step compiled with oneDNN dots
+    (`paged_jax.worker.xla_flags`, forced on here) is not stored, says so once, and is compiled again."""
+    import jax
+
+    from paged_jax.worker.runner import ModelRunner
+
+    monkeypatch.setenv("PAGED_JAX_ONEDNN", "1")
+    config = tiny_config.replace(dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype("bfloat16"), tiny_params)
+
+    def runner() -> ModelRunner:
+        shape = {"num_pages": 83, "page_size": 16, "max_model_len": 256, "max_num_seqs": 8}
+        return ModelRunner(config, params, **shape, max_num_batched_tokens=32, executable_store=str(tmp_path))
+
+    first = runner()
+    assert first.forward_job(32, 8).options  # the oneDNN dot options
+    with caplog.at_level(logging.WARNING, logger="paged_jax.worker.executable_store"):
+        first.compile([first.forward_job(32, 8), first.forward_job(16, 8)], workers=1)
+    assert [r.getMessage() for r in caplog.records if "oneDNN" in r.getMessage()]
+    EXECUTABLES.clear()
+    second = runner()
+    second.compile([second.forward_job(32, 8), second.forward_job(16, 8)], workers=1)
+    assert second.compile_stats.loaded == 1 and second.compile_stats.count == 1  # the 16-token step has XLA's dots

@@ -11,7 +11,7 @@ import pathlib
 
 import jax.numpy as jnp
 
-from paged_jax.worker.hlo_audit import hlo_shape, kv_copies
+from paged_jax.worker.hlo_audit import WeightCopies, hlo_shape, kv_copies, weight_copies
 
 DATA = pathlib.Path(__file__).parent / "data" / "hlo"
 KV = (2049, 2, 16, 128)
@@ -52,3 +52,28 @@ def test_a_transpose_or_plain_copy_is_found():
         "%ok = bf16[2049,2,16,128]{3,2,1,0} parameter(3)",
     ]
     assert [b.split(" ", 1)[0] for b in kv_copies("\n".join(lines), KV, jnp.bfloat16)] == ["%t", "%c"]
+
+
+# Lines of the compiled v6e decode step of Llama-3.1-8B in bfloat16, scanned (32 layers): the layer body's
+# dynamic-slices of the stacked qkv_proj (staged in VMEM) and gate_up_proj (written to HBM, T(2,128) tiles),
+# the fused computation inside the gate_up one, the entry computation's header and the scan's while loop.
+WEIGHTS = [((4096, 8, 6, 128), jnp.bfloat16), ((4096, 2, 14336), jnp.bfloat16), ((14336, 4096), jnp.bfloat16)]
+
+
+def _weights_hlo() -> str:
+    return gzip.decompress((DATA / "tpu_v6e_llama-3.1-8b_scanned_decode_weights.hlo.gz").read_bytes()).decode()
+
+
+def test_weight_slice_copies_count_per_layer_and_memory_space():
+    w = weight_copies(_weights_hlo(), WEIGHTS, 32)
+    assert w.hbm_bytes == 32 * 4096 * 2 * 14336 * 2  # 224 MiB of gate_up per layer: 7 GiB per step
+    assert w.vmem_bytes == 32 * 4096 * 8 * 6 * 128 * 2
+    assert len(w.lines) == 2 and "constant_dynamic-slice_fusion.5.remat" in w.lines[1]
+
+
+def test_weight_copies_ignore_fusion_insides_and_other_shapes():
+    hlo = _weights_hlo()
+    assert weight_copies(hlo, WEIGHTS[2:], 32) == WeightCopies(0, 0, [])
+    # The dynamic-slice root inside %fused_computation.125 alone (no entry, no while body): not a copy.
+    inside = hlo.split("\n}\n")[0]
+    assert weight_copies(inside, WEIGHTS, 32).lines == []

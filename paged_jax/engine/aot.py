@@ -22,7 +22,7 @@ from jax.sharding import SingleDeviceSharding
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import make_runner
-from paged_jax.model import quant
+from paged_jax.model import quant, scan
 from paged_jax.model.init import param_shapes
 from paged_jax.worker import sharding
 from paged_jax.worker.kv_budget import kv_capacity_pages
@@ -147,6 +147,18 @@ class StepAudit:
 
     def fits(self, bytes_limit: int) -> bool:
         return self.peak_bytes <= bytes_limit
+
+
+def layer_weight_shapes(engine: AbstractEngine) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """One layer's weights, per device: `(shape, dtype)` of every leaf of layer 0 (scanned: of the stacked
+    tree, its leading layer axis dropped); what `paged_jax.worker.hlo_audit.weight_copies` looks for."""
+    tree = engine.runner.params["params"]
+    layer = tree[scan.LAYERS] if engine.runner.scan else tree["layers_0"]
+    out = []
+    for x in jax.tree.leaves(layer):
+        shape = tuple(x.sharding.shard_shape(x.shape))
+        out.append((shape[1:] if engine.runner.scan else shape, np.dtype(x.dtype)))
+    return out
 
 
 def audit_step(compiled: jax.stages.Compiled, engine: AbstractEngine) -> StepAudit:

@@ -19,7 +19,9 @@ trees, written atomically (a reader never sees half a file). Loading it skips tr
 Any failure to load (a corrupt or truncated file, an executable XLA refuses, as XLA:CPU does on hosts whose
 CPU features differ from the writer's) is counted, logged once per process, and the job is compiled as if
 the entry were absent (and the entry rewritten). Entries are pickles: the store trusts its directory as
-JAX's cache does (the user's own cache directory).
+JAX's cache does (the user's own cache directory). A load marks its entry used (its modification time);
+the first write of a process deletes the entries no process has used for `UNUSED_DAYS` (those of older
+sources and versions, which no key can name again).
 
 The store sits beside JAX's persistent cache, which stays on: after a code change that leaves an
 executable's HLO as it was, the store misses but JAX's cache still serves the compile.
@@ -33,6 +35,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +56,7 @@ JAX_OPTIONS = (
     "jax_numpy_rank_promotion",
     "jax_threefry_partitionable",
 )
+UNUSED_DAYS = 14
 _SOURCE_SUFFIXES = (".py", ".cc", ".h", ".hpp", ".txtpb")
 
 
@@ -133,6 +137,7 @@ class ExecutableStore:
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self._pruned = False
 
     def digest(self, key: object) -> str:
         """The entry name of the job with this key in this process's environment."""
@@ -154,10 +159,15 @@ class ExecutableStore:
             stored_key, serialized, in_tree, out_tree = pickle.loads(blob)
             if stored_key != repr(key):
                 raise ValueError("the entry holds another job (a hash collision or a foreign file)")
-            return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
         except Exception as e:  # noqa: BLE001 - any failure to load means compiling; it is counted and logged
             self._reject(path, e)
             return None
+        try:
+            os.utime(path)  # used: kept by `_prune`
+        except OSError:
+            pass
+        return compiled
 
     def count_load(self, seconds: float) -> None:
         """Record one executable loaded by a caller of `load` in `seconds`."""
@@ -168,6 +178,7 @@ class ExecutableStore:
     def save(self, key: object, compiled: jax.stages.Compiled) -> None:
         """Write `compiled` as `key`'s entry (atomically); a failure is logged once and otherwise ignored."""
         path = self.path(key)
+        self._prune()
         try:
             serialized, in_tree, out_tree = serialize_executable.serialize(compiled)
             blob = pickle.dumps((repr(key), serialized, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
@@ -178,10 +189,36 @@ class ExecutableStore:
         except Exception as e:  # noqa: BLE001 - the store is an optimization: the executable is still used
             with self._lock:
                 self.stats.write_failures += 1
-            self._warn_once("write", "could not write an executable to the store %s (%s: %s)", self.directory, e)
+            why = (
+                " (XLA:CPU cannot serialize oneDNN fusions: bfloat16 forward steps on AMX hosts)"
+                if "onednn" in str(e)
+                else ""
+            )
+            self._warn_once(
+                "write",
+                "could not write an executable to the store %s (%s: %s); the next process compiles it again%s",
+                self.directory,
+                type(e).__name__,
+                e,
+                why,
+            )
             return
         with self._lock:
             self.stats.writes += 1
+
+    def _prune(self) -> None:
+        """Once per process: delete entries unused for `UNUSED_DAYS`."""
+        with self._lock:
+            if self._pruned:
+                return
+            self._pruned = True
+        cutoff = time.time() - UNUSED_DAYS * 86400
+        for entry in self.directory.glob("*.exe"):
+            try:
+                if entry.stat().st_mtime < cutoff:
+                    entry.unlink()
+            except OSError:
+                pass  # another process pruned it first
 
     def _reject(self, path: Path, error: Exception) -> None:
         with self._lock:

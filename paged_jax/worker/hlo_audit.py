@@ -9,9 +9,15 @@ custom calls (the attention kernels read the pages where they are), tuples,
 get-tuple-element, bitcasts and optimization barriers. An asynchronous copy (XLA staging the array in another
 memory space, e.g. a small cache placed in TPU VMEM) shows as its ``copy-done``. Tested on saved HLO text
 (``tests/test_hlo_audit.py``).
+
+:func:`weight_copies` measures the same for the weights: bytes of per-layer weight arrays a step materialises
+(a scanned decoder's per-layer slice of a stacked weight copied out before its dot), reported by the TPU audit.
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,3 +61,62 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
             continue  # an in-place scatter fusion (its output aliases the donated input)
         bad.append(line[:200])
     return bad
+
+
+_WEIGHT_ALLOWED = ("parameter(", "get-tuple-element(", "tuple(", "bitcast(", "opt-barrier(")
+_MIN_WEIGHT_BYTES = 256 * 1024  # norms and biases are too small to matter (and their shapes collide)
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
+_WHILE = re.compile(r" while\(.*?body=%([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]\{([^}]*)\}")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightCopies:
+    """Per-layer weight arrays a compiled step materialises every step (a scanned decoder's dynamic-slice of
+    a stacked weight into a buffer of its own, or a relayout of a per-layer weight) instead of its dots
+    reading the parameter in place. Bytes are per step: an instruction in a while body counts once per trip."""
+
+    hbm_bytes: int  # copies written to HBM: read, written and read again (decode weight traffic x 3)
+    vmem_bytes: int  # slices staged whole in VMEM (memory space 1): one read, like the dot's own window
+    lines: list[str]  # the instructions, first 200 characters each
+
+
+def weight_copies(hlo: str, layer_shapes: list[tuple[tuple[int, ...], object]], num_layers: int) -> WeightCopies:
+    """The per-layer weight copies (:class:`WeightCopies`) of ``hlo`` for weights of ``layer_shapes`` (one
+    layer's ``(shape, dtype)`` per weight, per device), also matched with a leading 1 (a scan's slice).
+    Only instructions of the entry computation and of while bodies count (fused computations are the
+    fusions' insides, read in place); one in a while body counts ``num_layers`` times (the layer scan is the
+    only loop over weights; XLA:TPU does not annotate its trip count)."""
+    itemsize = {HLO_DTYPE[np.dtype(dt).name]: np.dtype(dt).itemsize for _, dt in layer_shapes}
+    wanted = set()
+    for shape, dt in layer_shapes:
+        if int(np.prod(shape)) * np.dtype(dt).itemsize >= _MIN_WEIGHT_BYTES:
+            wanted |= {hlo_shape(shape, dt), hlo_shape((1, *shape), dt)}
+    trips = {}  # while body -> trip count
+    for line in hlo.splitlines():
+        if (m := _WHILE.search(line)) is not None:
+            t = _TRIPS.search(line)
+            trips[m.group(1)] = int(t.group(1)) if t else num_layers
+    hbm = vmem = 0
+    lines, current = [], None
+    for line in hlo.splitlines():
+        if (m := _COMPUTATION.match(line)) is not None:
+            current = "ENTRY" if line.startswith("ENTRY") else m.group(1)
+            continue
+        if current != "ENTRY" and current not in trips or "=" not in line:
+            continue
+        rhs = line.split("=", 1)[1].strip()
+        if (a := _ARRAY.match(rhs)) is None or f"{a.group(1)}[{a.group(2)}]" not in wanted:
+            continue
+        op = rhs[a.end() :].strip()
+        if op.startswith(_WEIGHT_ALLOWED) or (op.startswith("copy-done(") and "S(1)" in a.group(3)):
+            continue  # in place, or XLA's prefetch of a weight into VMEM (how every dot's operand arrives)
+        size = int(np.prod([int(d) for d in a.group(2).split(",")])) * itemsize[a.group(1)]
+        size *= trips.get(current, 1)
+        if "S(1)" in a.group(3):
+            vmem += size
+        else:
+            hbm += size
+        lines.append(line.strip()[:200])
+    return WeightCopies(hbm, vmem, lines)
