@@ -312,4 +312,4 @@ class Executables:
             stats.cache_hits += min(hits, 1)
         future.set_result(compiled)
         if store is not None:
-            store.save(key, compiled)
+            store.save(key, compiled, from_persistent_cache=hits > 0)
