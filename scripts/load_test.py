@@ -338,6 +338,8 @@ class SoakResult:
     compiles_during_soak: float  # paged_jax_compiles_total, end minus start
     error_log_lines: int  # server log lines at ERROR level or tracebacks
     load_average: str
+    max_open_requests: int = 0  # the server's open requests (queued, running, finishing), sampled each second
+    max_waiting: int = 0  # of those, in the scheduler's waiting queue
     hostile_answers: Counter[str] = field(default_factory=Counter)  # "case -> status": shown below the table
     examples: dict[int, str] = field(default_factory=dict)  # the first error body of each HTTP status
 
@@ -380,6 +382,7 @@ def soak_report(r: SoakResult) -> tuple[str, bool]:
             f"{r.compiles_after_warmup:.0f} (paged_jax_compiles_after_warmup_total); "
             f"{r.compiles_during_soak:.0f} compiled during the soak",
         ),
+        ("server open requests, max (sampled each second)", f"{r.max_open_requests} ({r.max_waiting} waiting)"),
         ("server log lines at ERROR / tracebacks", str(r.error_log_lines)),
         ("load average (1, 5, 15 min) at the end", r.load_average),
     ]
@@ -625,6 +628,15 @@ async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, lo
         kinds = [(s.normal_http, args.concurrency), (s.normal_grpc, max(1, args.concurrency // 2))]
         kinds += [(s.hostile, 2), (s.disconnect, 1), (s.never_reading, 2)]
         tasks = [asyncio.create_task(s.loop(kind, 1000 * i + j)) for i, (kind, n) in enumerate(kinds) for j in range(n)]
+        peak = [0, 0]
+
+        async def sample_open() -> None:
+            while time.monotonic() < s.until:
+                st = await stub.GetStats(pb.GetStatsRequest(), timeout=30)
+                peak[:] = max(peak[0], st.num_open_requests), max(peak[1], st.num_waiting)
+                await asyncio.sleep(1.0)
+
+        tasks.append(asyncio.create_task(sample_open()))
         await asyncio.sleep(min(10.0, args.soak / 2))
         rss_start = rss_mib(proc.pid)
         await asyncio.gather(*tasks)
@@ -641,6 +653,8 @@ async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, lo
     return SoakResult(
         seconds=elapsed,
         outcomes=s.outcomes,
+        max_open_requests=peak[0],
+        max_waiting=peak[1],
         hostile_answers=s.hostile_answers,
         examples=s.examples,
         latencies_s=s.latencies,
