@@ -619,13 +619,16 @@ async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, lo
         ).status != health_pb2.HealthCheckResponse.SERVING:
             await asyncio.sleep(0.1)
         print("serving; waiting for the background warm-up to finish", flush=True)
-        await asyncio.to_thread(log.warm.wait, 600)
+        for _ in range(6000):  # polled, so that ^C is not stuck in a thread
+            if log.warm.is_set() or proc.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
         # one request, so the server's metrics mirror the engine's compile counters (they update after a step)
         await stub.GenerateUnary(build_request("warm", max_tokens=2), timeout=120)
         compiles_start = await asyncio.to_thread(_metric, args.base_url, "paged_jax_compiles_total")
         start = time.monotonic()
         s = Soak(stub, host, port, start + args.soak)
-        kinds = [(s.normal_http, args.concurrency), (s.normal_grpc, max(1, args.concurrency // 2))]
+        kinds = [(s.normal_http, args.soak_concurrency), (s.normal_grpc, max(1, args.soak_concurrency // 2))]
         kinds += [(s.hostile, 2), (s.disconnect, 1), (s.never_reading, 2)]
         tasks = [asyncio.create_task(s.loop(kind, 1000 * i + j)) for i, (kind, n) in enumerate(kinds) for j in range(n)]
         peak = [0, 0]
