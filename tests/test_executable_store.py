@@ -158,3 +158,18 @@ def test_an_executable_xla_cannot_serialize_is_logged_and_compiled_by_the_next_r
     second = runner()
     second.compile([second.forward_job(32, 8), second.forward_job(16, 8)], workers=1)
     assert second.compile_stats.loaded == 1 and second.compile_stats.count == 1  # the 16-token step has XLA's dots
+
+
+def test_an_executable_from_the_persistent_cache_is_not_stored(tiny_config, tiny_params, tmp_path, fresh, monkeypatch):
+    """JAX's persistent-cache hits are loaded executables, which XLA:CPU re-serializes without their compiled
+    functions: storing one would make every later start fail on its first call. Counted as cache hits by the
+    compile's own thread (`PROCESS.thread_hits`), they are compiled into the runner but never written."""
+    from paged_jax.worker import executables
+
+    calls = iter(range(0, 10_000, 1))  # before / after each compile: a hit every time
+    monkeypatch.setattr(executables.PROCESS, "thread_hits", lambda: next(calls))
+    store = tmp_path / "store"
+    e = engine(tiny_config, tiny_params, store)
+    warm_and_run(e)
+    assert e.stats().compile_count > 0 and e.stats().compile_cache_hits == e.stats().compile_count
+    assert list(store.glob("*.exe")) == []
