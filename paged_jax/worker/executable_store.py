@@ -121,7 +121,6 @@ class StoreStats:
     rejected: int = 0  # entries found but not loadable (compiled again, then rewritten)
     writes: int = 0
     write_failures: int = 0
-    skipped_cache_hits: int = 0  # XLA:CPU executables JAX loaded from its persistent cache: not written (see save)
 
 
 @functools.cache
@@ -176,23 +175,8 @@ class ExecutableStore:
             self.stats.loads += 1
             self.stats.load_seconds += seconds
 
-    def save(self, key: object, compiled: jax.stages.Compiled, from_persistent_cache: bool = False) -> None:
-        """Write `compiled` as `key`'s entry (atomically); a failure is logged once and otherwise ignored.
-
-        `from_persistent_cache`: JAX loaded `compiled` from its persistent compile cache. On XLA:CPU (jax 0.11.2)
-        such an executable serializes without its kernels: the entry loads, and its first run fails with
-        `NOT_FOUND: Function <fusion> not found`, which would kill the engine loop of every later process. So on CPU
-        it is not written (logged once); JAX's cache keeps serving it, at the price of lowering it each start."""
-        if from_persistent_cache and compiled.runtime_executable().client.platform == "cpu":
-            with self._lock:
-                self.stats.skipped_cache_hits += 1
-            self._warn_once(
-                "cache-hit",
-                "executables loaded from JAX's persistent compile cache are not written to the executable store on "
-                "CPU (XLA:CPU serializes them without their kernels); they are lowered and loaded from that cache",
-                level=logging.INFO,
-            )
-            return
+    def save(self, key: object, compiled: jax.stages.Compiled) -> None:
+        """Write `compiled` as `key`'s entry (atomically); a failure is logged once and otherwise ignored."""
         path = self.path(key)
         self._prune()
         try:
@@ -248,9 +232,9 @@ class ExecutableStore:
             error,
         )
 
-    def _warn_once(self, kind: str, message: str, *args: object, level: int = logging.WARNING) -> None:
+    def _warn_once(self, kind: str, message: str, *args: object) -> None:
         with self._lock:
             first = kind not in self._warned
             self._warned.add(kind)
         if first:
-            log.log(level, message, *args)
+            log.warning(message, *args)

@@ -311,5 +311,8 @@ class Executables:
             stats.lower_seconds += t1 - t0
             stats.cache_hits += min(hits, 1)
         future.set_result(compiled)
-        if store is not None:
-            store.save(key, compiled, from_persistent_cache=hits > 0)
+        # Only what XLA compiled in this process goes into the store: an XLA:CPU executable that JAX loaded from
+        # its persistent cache serializes without its compiled functions (jax 0.11.2), and once loaded back from
+        # the store it fails on its first call (`NOT_FOUND: Function wrapped_iota not found`).
+        if store is not None and hits == 0:
+            store.save(key, compiled)
