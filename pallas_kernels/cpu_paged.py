@@ -79,8 +79,8 @@ def flags(isa: str) -> tuple[str, ...]:
     return (*COMMON_FLAGS, *ISA_FLAGS[isa])
 
 
-def _cpu_flags() -> str:
-    """This CPU's instruction-set flags (``-march=native`` builds for them)."""
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags (``-march=native`` builds for them; the executable store keys on them)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -97,7 +97,7 @@ def _compiler() -> str | None:
 def library_path(compiler: str, isa: str = "native") -> Path:
     """Where these sources, built by `compiler` for path `isa` on this CPU and jaxlib, live in the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [f.read_text() for f in SOURCES] + [version, " ".join(flags(isa)), jax.__version__, _cpu_flags()]
+    parts = [f.read_text() for f in SOURCES] + [version, " ".join(flags(isa)), jax.__version__, cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGED_JAX_KERNEL_CACHE", Path.home() / ".cache" / "paged-jax" / "kernels"))
     return cache / f"paged_attention-{isa}-{key}.so"
@@ -126,7 +126,7 @@ def _isa_runs_here(isa: str) -> bool:
     """The avx2 path needs AVX2 and FMA; the others run wherever they are built."""
     if isa != "avx2":
         return True
-    cpu = set(_cpu_flags().split())
+    cpu = set(cpu_flags().split())
     return _X86 and {"avx2", "fma"} <= cpu
 
 

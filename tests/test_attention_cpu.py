@@ -29,7 +29,7 @@ PATHS = [
 def test_each_path_is_built_for_its_instruction_set():
     """native follows the CPU (AVX-512 with vdpbf16ps where it has AVX-512 BF16), the forced paths are what they
     say, and each is its own library and FFI target."""
-    flags = set(cpu_paged._cpu_flags().split())
+    flags = set(cpu_paged.cpu_flags().split())
     expect = "avx512+bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else None
     expect = expect or ("avx2" if {"avx2", "fma"} <= flags else "generic")
     assert cpu_paged.kernel("native").isa == expect
@@ -138,7 +138,7 @@ def test_library_is_cached_per_source_cpu_and_path(tmp_path, monkeypatch):
     assert cpu_paged.build(compiler, "generic") == path and path.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
     assert len({cpu_paged.library_path(compiler, isa) for isa in cpu_paged.ISA_FLAGS}) == len(cpu_paged.ISA_FLAGS)
-    monkeypatch.setattr(cpu_paged, "_cpu_flags", lambda: "flags : fpu sse sse2 avx2 fma")
+    monkeypatch.setattr(cpu_paged, "cpu_flags", lambda: "flags : fpu sse sse2 avx2 fma")
     assert cpu_paged.library_path(compiler, "generic") != path
 
 

@@ -9,15 +9,12 @@ import json
 import jsonschema
 import openai
 import pytest
-from test_serve_support import LIMITS, shared, start_server, wait_idle
+from test_serve_support import shared
 
 from paged_jax.engine.input_processor import ChatPrompt, chat_prompt_ids
 from paged_jax.tokenization.chat_template import template_from_text
 from paged_jax.tokenization.tool_calls import FORMATS, history_tool_calls, tool_format
-from serve.client import Client
-from serve.config import ServingConfig
 from serve.openai_api.responses import ToolStream
-from serve.openai_api.server import HttpServerThread
 
 HERMES_TEMPLATE = (
     "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
@@ -48,6 +45,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 # -- formats --------------------------------------------------------------------------------------------------
+TEMPLATE = HERMES_TEMPLATE  # the chat template of the shared `fronts` fixture (tests/conftest.py)
 
 
 def test_families_are_found_in_the_template_text():
@@ -103,26 +101,6 @@ def test_history_tool_calls_take_json_text_arguments():
 
 
 # -- the OpenAI front -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def fronts():
-    s = shared()
-    tokenizer = s.engine.tokenizer
-    old, tokenizer.chat_template = tokenizer.chat_template, template_from_text(HERMES_TEMPLATE, "hermes test")
-    grpc_front = start_server()
-    http = HttpServerThread(s.loop, ServingConfig(port=0, http_port=0, limits=LIMITS), s.metrics).start()
-    yield http, grpc_front
-    http.stop()
-    grpc_front.stop()
-    tokenizer.chat_template = old
-
-
-@pytest.fixture
-def oai(fronts):
-    with openai.OpenAI(base_url=fronts[0].base_url, api_key="unused", max_retries=0) as client:
-        yield client
-    wait_idle(Client(fronts[1].target))
 
 
 def _check_calls(calls, names):

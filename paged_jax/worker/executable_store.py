@@ -43,6 +43,7 @@ import jax
 from jax.experimental import serialize_executable
 
 import pallas_kernels
+from pallas_kernels.cpu_paged import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +80,6 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 @functools.cache
 def environment() -> str:
     """Everything of this process, outside a job's key, that changes a compiled executable (module docstring)."""
@@ -103,7 +94,7 @@ def environment() -> str:
         "platform_version": backend.platform_version,
         "devices": sorted({d.device_kind for d in jax.devices()}),
         "device_count": jax.device_count(),
-        "cpu_flags": _cpu_flags(),
+        "cpu_flags": cpu_flags(),
         "env": {k: os.environ.get(k) for k in ENV_VARS},
         "jax_options": {k: str(getattr(jax.config, k, None)) for k in JAX_OPTIONS},
         "sources": source_hash(),
