@@ -19,8 +19,10 @@ prefill kernel of head_dim >= 128 does not issue wgmma.
 builds, abstract: :mod:`paged_jax.engine.aot`) for a few representative engines: Llama-3.1-8B at TP 1 and 8
 (``1x1x8``) with a decode and a prefill bucket; int8 pages with LoRA (4 slots); an n-gram speculating engine's
 verify step (and its sampler) on Llama-3.2-1B. Sized for the H200 as the engine sizes itself; fails on a KV page
-copy, on a peak over the device's memory, on temporaries growing with the cache, and when its attention
-kernels fail the kernel cases' tests (:func:`check_steps`).
+copy, on a peak over the device's memory, on temporaries growing with the cache, on a layer's weight slice
+copied before its dot (``w-copy``, GiB per step: ``paged_jax.worker.hlo_audit.weight_copies``; a scanned step's
+dots must read the stacked weights in place, ``paged_jax.worker.xla_flags``), and when its attention kernels
+fail the kernel cases' tests (:func:`check_steps`).
 
     .venv-gpu/bin/python scripts/check_gpu_compile.py [--cases NAME ...] [--no-steps]
 """
@@ -199,14 +201,22 @@ def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
     (measured again at 64 pages when over). Prints per step its kernels' largest registers and shared memory."""
     from paged_jax.config import load_model_config
     from paged_jax.config.engine import EngineConfig
-    from paged_jax.engine.aot import abstract_engine, audit_step, step_job, step_shape, verify_sample_job
+    from paged_jax.engine.aot import (
+        abstract_engine,
+        audit_step,
+        layer_weight_shapes,
+        step_job,
+        step_shape,
+        verify_sample_job,
+    )
+    from paged_jax.worker.hlo_audit import weight_copies
 
     failures = 0
     gib, mib = 2**-30, 2**-20
     print(f"\nengine steps for H200 (bytes_limit {H200_BYTES_LIMIT * gib:.1f} GiB per GPU; temp/peak per GPU)")
     print(
         f"{'engine':<44}{'step':>8}{'tokens':>7}{'seqs':>5}{'KV shape/GPU':>22}{'KV tokens':>11}{'copies':>7}"
-        f"{'temp MiB':>9}{'peak GiB':>9}{'regs':>5}{'smem KiB':>9}{'time':>6}"
+        f"{'temp MiB':>9}{'peak GiB':>9}{'w-copy':>7}{'regs':>5}{'smem KiB':>9}{'time':>6}"
     )
     for case in cases:
         config = load_model_config(case.config)
@@ -231,11 +241,12 @@ def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
                 failures += 1
                 print(f"FAIL {name} ({time.perf_counter() - t0:.0f}s)\n{traceback.format_exc(limit=4)}")
                 continue
+            weights = weight_copies(compiled.as_text(), layer_weight_shapes(engine), config.num_layers)
             t, s = step_shape(runner, kind)
             shape = "x".join(map(str, engine.local_kv_shape))
             print(
                 f"{case.name:<44}{kind:>8}{t:>7}{s:>5}{shape:>22}{engine.kv_tokens:>11,}{len(audit.copies):>7}"
-                f"{audit.temp_bytes * mib:>9.1f}{audit.peak_bytes * gib:>9.2f}"
+                f"{audit.temp_bytes * mib:>9.1f}{audit.peak_bytes * gib:>9.2f}{weights.hbm_bytes * gib:>7.2f}"
                 f"{max(r.registers for r in reports):>5}{max(r.shared_memory for r in reports) / 1024:>9.1f}"
                 f"{time.perf_counter() - t0:>5.0f}s"
             )
@@ -244,6 +255,10 @@ def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
                 bad.append(f"peak {audit.peak_bytes * gib:.2f} GiB exceeds {H200_BYTES_LIMIT * gib:.2f} GiB")
             if growth > MAX_TEMP_FRACTION * engine.layer_kv_bytes:
                 bad.append(f"temporaries grow by {growth * mib:.1f} MiB with the KV cache")
+            if weights.hbm_bytes:
+                bad.append(
+                    f"{weights.hbm_bytes * gib:.2f} GiB of layer weight slices copied per step: {weights.lines[0]}"
+                )
             bad += kernel_failures(config.head_dim, reports)
             for line in bad:
                 print(f"FAIL {name}: {line}")

@@ -26,7 +26,7 @@ from paged_jax.model.families import causal_lm
 from paged_jax.model.init import init_params, param_shapes
 from paged_jax.model.loader.checkpoint import save_checkpoint
 from paged_jax.model.partition import param_partition_specs
-from paged_jax.model.scan import can_scan, stack_layers, unstack_layers, use_scan
+from paged_jax.model.scan import can_scan, stack_layers, stacked_order, unstack_layers, use_scan
 from paged_jax.offline.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.hlo_audit import kv_copies
@@ -46,9 +46,9 @@ def _family(name: str):
     return config, params
 
 
-def _logits(config, params, scan: bool) -> np.ndarray:
+def _logits(config, params, scan: bool, order=()) -> np.ndarray:
     """Two packed sequences (13 and 7 tokens) through the dense model: logits [20, V] float32."""
-    model = causal_lm(config, scan_layers=scan)
+    model = causal_lm(config, scan_layers=scan, stacked_order=order)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, config.vocab_size, 20), jnp.int32)
     positions = jnp.asarray(np.r_[np.arange(13), np.arange(7)], jnp.int32)
@@ -64,6 +64,36 @@ def test_scanned_model_is_the_unrolled_one(name):
     got, want = _logits(config, stack_layers(params), True), _logits(config, params, False)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert (got.argmax(-1) == want.argmax(-1)).all()  # the same greedy token at every position
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_tpu_stacked_order_is_the_same_model(quantization):
+    # TPU stacks gate_up_proj as [L, 2, H, I] (paged_jax.model.scan.STACKED_ORDERS): the scan step transposes each
+    # slice back, so the function is the unrolled one's; int8 values move, their per-channel scales do not.
+    order = stacked_order("tpu")
+    assert order and stacked_order("gpu") == stacked_order("cpu") == ()
+    config, params = _family("tiny")
+    params = quant.quantize_params(params, quantization)
+    stacked = stack_layers(params, order)
+    gate_up = stacked["params"]["layers"]["mlp"]["gate_up_proj"]
+    values = gate_up.values if quantization else gate_up
+    h, i = config.hidden_size, config.intermediate_size
+    assert values.shape == (config.num_layers, 2, h, i)
+    if quantization:
+        assert gate_up.scale.shape == (config.num_layers, 2, i)
+    got, want = _logits(config, stacked, True, order), _logits(config, params, False)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    back = unstack_layers(stacked, order)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), back, params))
+    shapes = param_shapes(config.replace(dtype="float32"), scan_layers=True)  # the model's own init, plain order
+    model = causal_lm(config, scan_layers=True, stacked_order=order)
+    tokens = jnp.zeros((1,), jnp.int32)
+    init = jax.eval_shape(lambda k: model.init(k, tokens, tokens, None, DenseMeta(tokens, tokens)), jax.random.key(0))
+    assert init["params"]["layers"]["mlp"]["gate_up_proj"].shape == (config.num_layers, 2, h, i)
+    assert shapes["params"]["layers"]["mlp"]["gate_up_proj"].shape == (config.num_layers, h, 2, i)
+    # The partition spec is the per-layer one with the layer axis in front: the permutation keeps I (sharded) last.
+    spec = param_partition_specs(config, init)["params"]["layers"]["mlp"]["gate_up_proj"]
+    assert spec == P(None, None, None, "tp")
 
 
 def test_stacked_tree_is_the_scanned_models_own():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import numpy as np
@@ -151,14 +152,16 @@ class StepAudit:
 
 def layer_weight_shapes(engine: AbstractEngine) -> list[tuple[tuple[int, ...], np.dtype]]:
     """One layer's weights, per device: `(shape, dtype)` of every leaf of layer 0 (scanned: of the stacked
-    tree, its leading layer axis dropped); what `paged_jax.worker.hlo_audit.weight_copies` looks for."""
+    tree, its leading layer axis dropped, in the stacked and in the per-layer axis order where they differ:
+    `paged_jax.model.scan.stacked_order`); what `paged_jax.worker.hlo_audit.weight_copies` looks for."""
     tree = engine.runner.params["params"]
-    layer = tree[scan.LAYERS] if engine.runner.scan else tree["layers_0"]
-    out = []
-    for x in jax.tree.leaves(layer):
-        shape = tuple(x.sharding.shard_shape(x.shape))
-        out.append((shape[1:] if engine.runner.scan else shape, np.dtype(x.dtype)))
-    return out
+    if not engine.runner.scan:
+        return [(tuple(x.sharding.shard_shape(x.shape)), np.dtype(x.dtype)) for x in jax.tree.leaves(tree["layers_0"])]
+    local = lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape)[1:], x.dtype)
+    stacked = jax.tree.map(local, tree[scan.LAYERS])
+    layer = jax.eval_shape(partial(scan.to_layer_order, order=engine.runner.stacked_order), stacked)
+    out = [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(stacked)]
+    return out + [s for s in ((tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(layer)) if s not in out]
 
 
 def audit_step(compiled: jax.stages.Compiled, engine: AbstractEngine) -> StepAudit:

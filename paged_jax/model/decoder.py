@@ -40,7 +40,7 @@ from paged_jax.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from paged_jax.model.scan import LAYERS, can_scan
+from paged_jax.model.scan import LAYERS, StackedOrder, can_scan, to_layer_order, to_stacked_order
 
 Rope = tuple[jax.Array, jax.Array]  # cos, sin: [T, D] float32
 
@@ -157,6 +157,7 @@ class CausalLM(nn.Module):
     attention_fn: AttentionFn = dense_attention
     mesh: Any = None  # a jax.sharding.Mesh: MoE layers run their experts per TP shard on it (paged_jax.model.moe)
     scan_layers: bool = False  # one lax.scan over stacked layer weights (paged_jax.model.scan) instead of a loop
+    stacked_order: StackedOrder = ()  # the stacked weights' axis order (paged_jax.model.scan.stacked_order)
 
     scale_embeddings = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
     final_norm = RMSNorm  # the final norm's module class
@@ -223,20 +224,16 @@ class CausalLM(nn.Module):
 
     def _scan(self, x: jax.Array, rope: Rope, kv: Any, meta: Any, lora: LoraBatch | None) -> tuple[jax.Array, Any]:
         """The layers as one scan: x [T, H] and the stacked cache `kv` (or None) carried, each step applying
-        `layer_step` to one layer's slice of the stacked weights with its `LayerPages` view of `kv`."""
+        `layer_step` to one layer's slice of the stacked weights (back in the per-layer axis order) with its
+        `LayerPages` view of `kv`."""
         if lora is not None:
             raise ValueError("lora: a scanned decoder runs without adapters (the runner scans only when LoRA is off)")
         c = self.config
-        # int8/fp8 weights: XLA:TPU wants the stacked arrays' layer slices in another tiling than the parameters'
-        # (T(8,128) vs T(32,128)) and, left alone, relayouts the whole stacked arrays before the loop (Llama-3.1-8B:
-        # 22 GB of temporaries on a 16 GB v5e). A barrier on each step's slice keeps the relayout per layer.
-        quantized = any(jnp.dtype(w.dtype).itemsize == 1 for w in jax.tree.leaves(self.layers))
 
         def step(carry, xs):
             x, kv = carry
             weights, layer = xs
-            if quantized:
-                weights = jax.lax.optimization_barrier(weights)
+            weights = to_layer_order(weights, self.stacked_order)
             view = None if kv is None else LayerPages(kv, layer, c.num_layers)
             x, view = self.layer_step.apply({"params": weights}, x, rope, view, meta)
             return (x, None if view is None else view.pages), None
@@ -252,7 +249,7 @@ class CausalLM(nn.Module):
         x = jnp.zeros((1, c.hidden_size), jnp.dtype(c.dtype))
         rope = rope_cos_sin(jnp.zeros((1,), jnp.int32), self.inv_freq)
         init = lambda key: template.init(key, x, rope, None, DenseMeta.single(1))["params"]
-        return jax.vmap(init)(jax.random.split(rng, c.num_layers))
+        return to_stacked_order(jax.vmap(init)(jax.random.split(rng, c.num_layers)), self.stacked_order)
 
     def compute_logits(self, hidden: jax.Array, round_to_dtype: bool = False) -> jax.Array:
         """hidden [N, H] -> logits [N, V] float32 (accumulated in float32), soft-capped when the config says so.

@@ -17,6 +17,7 @@ from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.mixtral import MixtralForCausalLM
 from paged_jax.model.qwen3 import Qwen3ForCausalLM
 from paged_jax.model.qwen3_moe import Qwen3MoeForCausalLM
+from paged_jax.model.scan import StackedOrder
 
 FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -33,14 +34,17 @@ def causal_lm(
     attention_fn: AttentionFn = dense_attention,
     mesh: jax.sharding.Mesh | None = None,
     scan_layers: bool = False,
+    stacked_order: StackedOrder = (),
 ) -> nn.Module:
     """The decoder of `config`'s family, attending through `attention_fn` (dense by default). `mesh`: the TP mesh
     the step runs on, for the families that place work on it themselves (MoE experts); None on one device.
-    `scan_layers`: the layers as one scan over stacked weights (`paged_jax.model.scan`)."""
+    `scan_layers`: the layers as one scan over stacked weights in `stacked_order` (`paged_jax.model.scan`)."""
     family = FAMILIES[config.model_type]
     if mesh is not None and config.is_moe:
-        return family(config, attention_fn=attention_fn, mesh=mesh, scan_layers=scan_layers)
-    return family(config, attention_fn=attention_fn, scan_layers=scan_layers)
+        return family(
+            config, attention_fn=attention_fn, mesh=mesh, scan_layers=scan_layers, stacked_order=stacked_order
+        )
+    return family(config, attention_fn=attention_fn, scan_layers=scan_layers, stacked_order=stacked_order)
 
 
 __all__ = ["FAMILIES", "causal_lm"]

@@ -58,7 +58,7 @@ from paged_jax.lora.registry import SlotLoad
 from paged_jax.model import quant
 from paged_jax.model.attention import LayerPages
 from paged_jax.model.families import causal_lm
-from paged_jax.model.scan import stack_layers, use_scan
+from paged_jax.model.scan import StackedOrder, stack_layers, stacked_order, use_scan
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.structured.bitmask import all_allowed, mask_words
@@ -159,6 +159,7 @@ def step_functions(
     lora: LoraShape | None = None,
     onednn: bool = False,
     scan: bool = False,
+    stacked_order: StackedOrder = (),
 ):
     """The model and its jitted forward step, shared by every runner with the same config, backend and
     mesh (so engines in one process share compilations).
@@ -169,7 +170,7 @@ def step_functions(
         (`paged_jax.worker.xla_flags`), so the LM head returns its logits rounded to the model's dtype (the
         form oneDNN's dot takes) before they are widened to float32. `scan`: the scanned decoder; kv_caches is
         then the one stacked cache and params the stacked tree (`paged_jax.model.scan`), else a tuple of
-        per-layer caches.
+        per-layer caches; `stacked_order`: the stacked weights' axis order (`paged_jax.model.scan.stacked_order`).
     With a mesh, attention runs per TP shard (`shard_map`) and the operands are pinned to the mesh:
     params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
     like their base weights (`paged_jax.lora.weights`).
@@ -177,7 +178,7 @@ def step_functions(
     attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh, quantized_kv)
-    model = causal_lm(config, attn, mesh, scan_layers=scan)
+    model = causal_lm(config, attn, mesh, scan_layers=scan, stacked_order=stacked_order)
 
     def forward(
         params, kv_caches, token_ids, positions, meta: PagedMeta, logits_indices, lora: LoraBatch | None = None
@@ -220,9 +221,10 @@ def prompt_logprobs_function(
     quantized_kv: bool = False,
     weights: tuple[str, bool, bool] | None = None,
     scan: bool = False,
+    stacked_order: StackedOrder = (),
 ):
     """The jitted prompt-logprob step (`paged_jax.worker.prompt_logprobs`) of `step_functions`' model."""
-    model, _ = step_functions(config, backend, mesh, quantized_kv, weights, scan=scan)
+    model, _ = step_functions(config, backend, mesh, quantized_kv, weights, scan=scan, stacked_order=stacked_order)
     shardings = None if mesh is None else sharding.logits_shardings(config, mesh, weights, scan)
     return make_prompt_logprobs(model, shardings)
 
@@ -420,6 +422,7 @@ class ModelRunner:
             platform = jax.devices()[0].platform
         # The scanned decoder (paged_jax.model.scan).
         self.scan = use_scan(config, scan_layers, lora is not None, platform)
+        self.stacked_order = stacked_order(platform) if self.scan else ()  # the stacked weights' axis order
         self.params = self._stack(params, mesh, abstract) if self.scan else params
         params = self.params
         self.mesh = mesh
@@ -462,15 +465,17 @@ class ModelRunner:
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
         # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
         onednn = xla_flags.use_onednn_dots(config.dtype, platform) and quant.weights_key(params) is None
+        # A scanned GPU step with float weights: cuBLAS dots, which read each layer's weight slice in place.
+        self._scanned_gpu = self.scan and platform == "gpu" and quant.weights_key(params) is None
         weights = quant.weights_key(params)
         self.model, self._forward = step_functions(
-            config, attention_backend, mesh, quantized_kv, weights, lora, scan=self.scan
+            config, attention_backend, mesh, quantized_kv, weights, lora, False, self.scan, self.stacked_order
         )
         # The forward step of token buckets >= ONEDNN_MIN_TOKENS with oneDNN dots (its LM head rounded), or None.
         self._forward_onednn = None
         if onednn:
             _, self._forward_onednn = step_functions(
-                config, attention_backend, mesh, quantized_kv, weights, lora, True, self.scan
+                config, attention_backend, mesh, quantized_kv, weights, lora, True, self.scan, self.stacked_order
             )
             mode = xla_flags.onednn_mode()
             log.info(
@@ -480,7 +485,7 @@ class ModelRunner:
                 mode,
             )
         self._prompt_logprobs = prompt_logprobs_function(
-            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), self.scan
+            config, attention_backend, mesh, quantized_kv, quant.weights_key(params), self.scan, self.stacked_order
         )
         self.lora_weights = None  # the adapters' device slots (paged_jax.lora.weights), when LoRA is on
         if lora is not None:
@@ -532,16 +537,17 @@ class ModelRunner:
     def _stack(self, params, mesh: jax.sharding.Mesh | None, abstract: bool = False):
         """The stacked tree of `params` (`paged_jax.model.scan.stack_layers`), placed like the step takes it;
         abstract params give the stacked tree's `jax.ShapeDtypeStruct`s."""
-        shapes = jax.eval_shape(stack_layers, params)
+        stack = partial(stack_layers, order=self.stacked_order)
+        shapes = jax.eval_shape(stack, params)
         if mesh is None:
             if abstract:
                 one = jax.tree.leaves(params)[0].sharding
                 return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), shapes)
-            return jax.jit(stack_layers)(params)
+            return jax.jit(stack)(params)
         shardings = sharding.param_shardings(self.config, mesh, shapes)
         if abstract:
             return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
-        return jax.jit(stack_layers, out_shardings=shardings)(params)
+        return jax.jit(stack, out_shardings=shardings)(params)
 
     def layer_cache(self, layer: int):
         """Layer `layer`'s KV cache (pages, or `QuantizedPages`) as one layer's array: a copy when scanned (for
@@ -732,7 +738,7 @@ class ModelRunner:
 
         onednn = self._forward_onednn is not None and t >= xla_flags.ONEDNN_MIN_TOKENS
         forward = self._forward_onednn if onednn else self._forward
-        options = xla_flags.forward_compiler_options(onednn)
+        options = xla_flags.forward_compiler_options(onednn, self._scanned_gpu)
         return Job(("forward", self._key, t, s, options), lower, f"forward tokens={t} seqs={s}", options)
 
     def sample_job(

@@ -1,5 +1,5 @@
-"""XLA:CPU settings: which flags a process ran with (logged so that a benchmark says what it measured), and
-the compiler options the forward step is compiled with.
+"""XLA settings: which flags a process ran with (logged so that a benchmark says what it measured), and
+the compiler options the forward step is compiled with (oneDNN dots on CPU; cuBLAS dots for a scanned GPU step).
 
 No process-wide flag is set. One per-executable option is: on a CPU with AMX tiles (``amx_bf16`` in
 ``/proc/cpuinfo``) a bfloat16 model's forward step is compiled with XLA's oneDNN dot fusion
@@ -14,6 +14,13 @@ Only steps of at least ``ONEDNN_MIN_TOKENS`` tokens (the token bucket) use it: w
 were slower than XLA's (a decode step of 8 sequences), from 32 rows on faster (README).
 ``PAGED_JAX_ONEDNN``: ``auto`` (default: as above), ``1`` (also without AMX, for measuring), ``0`` (off).
 Figures: README, "XLA:CPU flags".
+
+GPU: a scanned decoder's forward step (`paged_jax.model.scan`) with float weights is compiled with XLA's Triton
+GEMM fusions off (``xla_gpu_enable_triton_gemm=false``, ``SCANNED_GPU_OPTIONS``), so its dots are cuBLAS calls.
+XLA:GPU does not fuse the dynamic-slice of a stacked weight into a Triton GEMM: every layer's slice of every
+weight was copied out before its dot (Llama-3.1-8B: 417 MiB of temporaries, the whole 15 GiB of weights
+written and read again per step), while a cuBLAS call reads the slice in place (XLA's dynamic-slice fusion).
+Quantized weights keep the Triton GEMMs, which fuse the dequantizing convert.
 """
 
 from __future__ import annotations
@@ -79,6 +86,11 @@ def use_onednn_dots(dtype, platform: str, mode: str | None = None, amx: bool | N
     return mode == "1"
 
 
-def forward_compiler_options(onednn: bool) -> tuple[tuple[str, object], ...]:
-    """The forward step's compiler options, as sorted (name, value) pairs (hashable: part of the key)."""
-    return tuple(sorted(ONEDNN_DOT_OPTIONS.items())) if onednn else ()
+SCANNED_GPU_OPTIONS: dict[str, object] = {"xla_gpu_enable_triton_gemm": False}
+
+
+def forward_compiler_options(onednn: bool, scanned_gpu: bool = False) -> tuple[tuple[str, object], ...]:
+    """The forward step's compiler options, as sorted (name, value) pairs (hashable: part of the key).
+    `scanned_gpu`: a scanned GPU step with float weights (module docstring)."""
+    options = {**(ONEDNN_DOT_OPTIONS if onednn else {}), **(SCANNED_GPU_OPTIONS if scanned_gpu else {})}
+    return tuple(sorted(options.items()))
