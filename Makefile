@@ -45,7 +45,7 @@ $(GPU_STAMP): pyproject.toml
 run: $(STAMP)
 	rm -f out/generations.jsonl out/generations.errors.jsonl
 	$(VENV)/bin/paged-jax generate --model smollm2-135m-instruct --input examples/chat.jsonl --output out/generations.jsonl \
-		--max-num-seqs 8 --max-num-batched-tokens 256 --max-model-len 2048 --scan-layers on
+		--max-num-seqs 8 --max-num-batched-tokens 256 --max-model-len 2048
 	$(PY) -c "import json; [print(r['id'] + ': ' + r['text'] + chr(10)) for r in map(json.loads, open('out/generations.jsonl'))]"
 
 # Kept as a name for `make run` (it used to be the only target on the real model).
