@@ -123,17 +123,14 @@ def test_stacked_partition_specs_keep_the_layer_axis_whole():
 
 def test_which_models_scan():
     gemma2 = load_model_config(DATA / "hf_gemma2")
-    assert not can_scan(gemma2) and not use_scan(gemma2, "auto", lora=False, platform="tpu")
+    assert not can_scan(gemma2) and not use_scan(gemma2, "auto", lora=False)
     with pytest.raises(ValueError, match="^scan_layers: 'on' is not possible"):
-        use_scan(gemma2, "on", lora=False, platform="tpu")
+        use_scan(gemma2, "on", lora=False)
     tiny = load_model_config("tiny")
-    # "auto" scans on the accelerators only (CPU copies each layer's weight slices: paged_jax.model.scan).
-    assert use_scan(tiny, "auto", lora=False, platform="tpu") and use_scan(tiny, "auto", lora=False, platform="gpu")
-    assert not use_scan(tiny, "auto", lora=False, platform="cpu")
-    assert use_scan(tiny, "on", lora=False, platform="cpu") and not use_scan(tiny, "off", lora=False, platform="tpu")
-    assert not use_scan(tiny, "auto", lora=True, platform="tpu")
+    assert use_scan(tiny, "auto", lora=False) and use_scan(tiny, "on", lora=False)
+    assert not use_scan(tiny, "off", lora=False) and not use_scan(tiny, "auto", lora=True)
     with pytest.raises(ValueError, match="^scan_layers: must be one of"):
-        use_scan(tiny, "yes", lora=False, platform="cpu")
+        use_scan(tiny, "yes", lora=False)
 
 
 def _generate(scan: str, backend: str, kv_dtype: str | None):
@@ -150,7 +147,7 @@ def _generate(scan: str, backend: str, kv_dtype: str | None):
         warmup=False,
         scan_layers=scan,
     )
-    assert llm.engine.runner.scan == (scan == "on")
+    assert llm.engine.runner.scan == (scan != "off")
     rng = np.random.default_rng(1)
     shared = rng.integers(3, 250, 19).tolist()
     prompts = [{"prompt_token_ids": shared + rng.integers(3, 250, 5 + 4 * i).tolist()} for i in range(3)]

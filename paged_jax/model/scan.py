@@ -45,18 +45,14 @@ def can_scan(config: ModelConfig) -> bool:
     return len({config.layer_sliding_window(i) for i in range(config.num_layers)}) == 1
 
 
-SCAN_PLATFORMS = ("tpu", "gpu")  # where "auto" scans (use_scan)
+def use_scan(config: ModelConfig, scan_layers: str, lora: bool) -> bool:
+    """Whether a runner scans: `scan_layers` "off" never, "on" always (ValueError naming the field where it
+    cannot), "auto" when `can_scan` and LoRA is off (LoRA's slots are per-layer arrays: `paged_jax.lora.weights`).
 
-
-def use_scan(config: ModelConfig, scan_layers: str, lora: bool, platform: str) -> bool:
-    """Whether a runner on `platform` ("cpu", "tpu", "gpu") scans: `scan_layers` "off" never, "on" always
-    (ValueError naming the field where it cannot), "auto" when `can_scan`, LoRA is off (LoRA's slots are per-layer
-    arrays: `paged_jax.lora.weights`) and the platform is a TPU or GPU.
-
-    Not on CPU: there the scan buys no start-up (XLA:CPU compiles the scanned step no faster than the unrolled
-    one: `scripts/startup_time.py --layers`) and costs decode time, because XLA:CPU copies each layer's slice of
-    every stacked weight into a new buffer before its dot (a dynamic-slice loop fusion per weight per layer per
-    step; the unrolled step's dots read the parameters in place)."""
+    On every platform: on CPU too the scan pays for a real model (one layer body compiled instead of L; XLA:CPU
+    copies each layer's weight slice before its dot, which a quiet machine reads back from cache:
+    `scripts/startup_time.py --layers`); "off" stays for the few-layer models and loaded machines where the
+    unrolled decode step is faster (README)."""
     if scan_layers not in SCAN_CHOICES:
         raise ValueError(f"scan_layers: must be one of {SCAN_CHOICES}, got {scan_layers!r}")
     possible = can_scan(config) and not lora
@@ -64,7 +60,7 @@ def use_scan(config: ModelConfig, scan_layers: str, lora: bool, platform: str) -
         why = "LoRA adapters are per-layer arrays" if lora else "its layers differ (sliding-window pattern)"
         raise ValueError(f"scan_layers: 'on' is not possible for this model ({why}); use 'auto' or 'off'")
     if scan_layers == "auto":
-        return possible and platform in SCAN_PLATFORMS
+        return possible
     return scan_layers == "on"
 
 
@@ -153,7 +149,6 @@ def unstack_layers(params: Params, order: StackedOrder = ()) -> Params:
 __all__ = [
     "LAYERS",
     "SCAN_CHOICES",
-    "SCAN_PLATFORMS",
     "STACKED_ORDERS",
     "StackedOrder",
     "can_scan",

@@ -421,7 +421,7 @@ class ModelRunner:
         else:
             platform = jax.devices()[0].platform
         # The scanned decoder (paged_jax.model.scan).
-        self.scan = use_scan(config, scan_layers, lora is not None, platform)
+        self.scan = use_scan(config, scan_layers, lora is not None)
         self.stacked_order = stacked_order(platform) if self.scan else ()  # the stacked weights' axis order
         self.params = self._stack(params, mesh, abstract) if self.scan else params
         params = self.params
