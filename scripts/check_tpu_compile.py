@@ -35,10 +35,11 @@ with quantized pages.
 
 ``--families [NAME ...]`` (default: all five) compiles one engine step (a 512-token chunked-prefill bucket) per
 model family beyond Llama, at the real per-layer shapes of its shipped config with only a few layers (Gemma: two
-periods of its window pattern and one layer more, so the scanned step has a repeated group and a remainder): qwen3-8b (q/k norms), gemma-2-9b (soft caps, alternating
-windows), gemma-3-4b (windows 5:1, two RoPE bases), mixtral-8x7b and qwen3-30b-a3b (an MoE layer; Qwen3-MoE
-also at TP 4, experts split inside each expert). The same KV checks as the audit apply, and an MoE step must
-lower its experts to XLA's grouped matmul (``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
+periods of its window pattern and one layer more, so the scanned step has a repeated group and a remainder):
+qwen3-8b (q/k norms), gemma-2-9b (soft caps, alternating windows), gemma-3-4b (windows 5:1, two RoPE bases),
+mixtral-8x7b and qwen3-30b-a3b (an MoE layer; Qwen3-MoE also at TP 4, experts split inside each expert). The
+same KV checks as the audit apply, and an MoE step must lower its experts to XLA's grouped matmul
+(``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
 Run only this part with ``--topologies --sharded --quantized --no-audit`` (``--families`` with no names skips it).
 
 ``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.worker.sharding``) for

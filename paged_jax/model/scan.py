@@ -67,22 +67,16 @@ def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
     return tuple(groups)
 
 
-SCAN_PLATFORMS = ("tpu", "gpu")  # where "auto" scans (use_scan)
+def use_scan(scan_layers: str) -> bool:
+    """Whether a runner scans: `scan_layers` "off" never, "on" and "auto" always (every model scans).
 
-
-def use_scan(scan_layers: str, platform: str) -> bool:
-    """Whether a runner on `platform` ("cpu", "tpu", "gpu") scans: `scan_layers` "off" never, "on" always,
-    "auto" when the platform is a TPU or GPU.
-
-    Not on CPU: there the scan buys no start-up (XLA:CPU compiles the scanned step no faster than the unrolled
-    one: `scripts/startup_time.py --layers`) and costs decode time, because XLA:CPU copies each layer's slice of
-    every stacked weight into a new buffer before its dot (a dynamic-slice loop fusion per weight per layer per
-    step; the unrolled step's dots read the parameters in place)."""
+    On every platform: on CPU too the scan pays for a real model (one layer body compiled instead of L; XLA:CPU
+    copies each layer's weight slice before its dot, which a quiet machine reads back from cache:
+    `scripts/startup_time.py --layers`); "off" stays for the few-layer models and loaded machines where the
+    unrolled decode step is faster (README)."""
     if scan_layers not in SCAN_CHOICES:
         raise ValueError(f"scan_layers: must be one of {SCAN_CHOICES}, got {scan_layers!r}")
-    if scan_layers == "auto":
-        return platform in SCAN_PLATFORMS
-    return scan_layers == "on"
+    return scan_layers != "off"
 
 
 def is_stacked(params: Params) -> bool:
@@ -114,7 +108,6 @@ def unstack_layers(params: Params) -> Params:
 __all__ = [
     "LAYERS",
     "SCAN_CHOICES",
-    "SCAN_PLATFORMS",
     "LayerGroup",
     "is_stacked",
     "layer_groups",

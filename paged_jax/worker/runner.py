@@ -419,7 +419,7 @@ class ModelRunner:
         else:
             platform = jax.devices()[0].platform
         # The scanned decoder (paged_jax.model.scan).
-        self.scan = use_scan(scan_layers, platform)
+        self.scan = use_scan(scan_layers)
         self.params = self._stack(params, mesh, abstract) if self.scan else params
         params = self.params
         self.mesh = mesh

@@ -17,7 +17,7 @@
 
 namespace pja {
 
-constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W)
+constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W and of 32)
 constexpr int kDecodeHeads = W == 16 ? 4 : 2;
 constexpr int kDecodeChunk = 4;  // vectors of head_dim per value tile
 constexpr int kPrefetchBlocks = 2;
@@ -261,12 +261,13 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (bf16_values) {
+      // p rounded to bfloat16 (nearest even) 32 at a time, in key order: the pairs (p[i], p[i + 1]) are then
+      // consecutive 32-bit words. The block's keys >= n have p = 0 (masked above), so an odd last key's partner
+      // weighs 0.
       for (int64_t g = 0; g < G; ++g) {
-        for (int64_t i = 0; i < n; i += 2) {
-          uint16_t lo, hi = 0;
-          from_float(sc[g * B + i], &lo);
-          if (i + 1 < n) from_float(sc[g * B + i + 1], &hi);
-          pairs[g * (B / 2) + i / 2] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        for (int64_t i = 0; i < B; i += 32) {
+          const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + g * B + i + 16), _mm512_loadu_ps(sc + g * B + i));
+          _mm512_storeu_si512(pairs + g * (B / 2) + i / 2, reinterpret_cast<__m512i>(r));
         }
       }
       for_head_tiles(G, [&]<int NG>(int64_t g0) {
