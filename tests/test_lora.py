@@ -334,15 +334,18 @@ def test_a_mixed_batch_gives_each_request_its_solo_result(tiny_adapters):
 
 
 def test_lora_equals_the_merged_weights(tiny_adapters):
-    """A request with an adapter gets the tokens of the base model with W + scaling * A @ B merged in."""
+    """A request with an adapter gets the tokens of the base model with W + scaling * A @ B merged in, from the
+    scanned engine (adapter slots stacked [L, ...]) and from the unrolled one (the last adapter)."""
     params = init_params(TINY, seed=0)
     ps = prompts(3, seed=2)
-    for name in ("all", "qv", "mlp"):
+    for name, scan in (("all", "on"), ("qv", "on"), ("mlp", "off")):
         lora = tiny_adapters[name]
         adapter = read_adapter(lora.lora_path, name, TINY, max_rank=8)
         merged = LLMEngine(TINY, merged_params(params, TINY, adapter), ByteTokenizer(), EngineConfig(**OPTIONS))
         want = serve(merged, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(ps)])
-        got = serve(lora_engine(params=params), [(f"r{i}", p, GREEDY, lora) for i, p in enumerate(ps)])
+        engine = lora_engine(params=params, scan_layers=scan)
+        assert engine.runner.scan == (scan == "on")
+        got = serve(engine, [(f"r{i}", p, GREEDY, lora) for i, p in enumerate(ps)])
         assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}, name
         for k in want:
             np.testing.assert_allclose(np.array(got[k][1]), np.array(want[k][1]), rtol=1e-4, atol=1e-4)
