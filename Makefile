@@ -51,22 +51,24 @@ run: $(STAMP)
 # Kept as a name for `make run` (it used to be the only target on the real model).
 demo: run
 
-# The test suite and the two compile checks run side by side: each is one mostly single-threaded process (XLA
-# compiles on one thread), so on 2 cores the checks' ~18 minutes hide inside pytest's. The checks' output is
-# kept in out/compile-checks.log and printed after pytest's; either failing fails `make test`.
+# Two streams side by side, since each is one mostly single-threaded process (XLA compiles on one thread): the
+# suite, and beside it the TPU and GPU compile checks and the mesh suites (tests marked `mesh`: child pytests
+# with 8 host devices). The second stream's output is kept in out/side-checks.log and printed after the suite's;
+# either failing fails `make test`.
 test: $(STAMP) $(TPU_STAMP) $(GPU_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	@mkdir -p out
-	@{ $(MAKE) --no-print-directory tpu-check && $(MAKE) --no-print-directory gpu-check; } > out/compile-checks.log 2>&1 & \
-	checks=$$!; \
-	echo "make tpu-check and make gpu-check started beside pytest (out/compile-checks.log)"; \
-	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests; suite=$$?; \
-	wait $$checks; compiled=$$?; \
-	echo "== make tpu-check && make gpu-check (exit $$compiled), run beside pytest (exit $$suite):"; \
-	cat out/compile-checks.log; \
-	test $$suite -eq 0 && test $$compiled -eq 0
+	@{ $(MAKE) --no-print-directory tpu-check && $(MAKE) --no-print-directory gpu-check && \
+	  JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m mesh tests; } > out/side-checks.log 2>&1 & \
+	side=$$!; \
+	echo "make tpu-check, make gpu-check and the mesh tests started beside the suite (out/side-checks.log)"; \
+	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m "not mesh" tests; suite=$$?; \
+	wait $$side; checks=$$?; \
+	echo "== make tpu-check, make gpu-check, pytest -m mesh (exit $$checks), run beside the suite (exit $$suite):"; \
+	cat out/side-checks.log; \
+	test $$suite -eq 0 && test $$checks -eq 0
 
 # The suite without the tests marked slow (fresh processes, the real model, interpret-mode TPU kernels).
 test-fast: $(STAMP)

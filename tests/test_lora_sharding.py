@@ -12,6 +12,7 @@ from mesh_child import CHILD, run_mesh_child
 
 if not CHILD:
 
+    @pytest.mark.mesh
     def test_mesh_suite():
         run_mesh_child(__file__)
 

@@ -215,6 +215,7 @@ def test_batch_over_two_processes_matches_one(tmp_path):
 
 if not CHILD:
 
+    @pytest.mark.mesh
     def test_mesh_suite():
         """The mesh tests below, in a child pytest with 8 host devices."""
         run_mesh_child(__file__)

@@ -210,15 +210,21 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
     const int64_t ahead = (b_lo / B + kPrefetchBlocks) * B;
     if (b_lo != lo) kv.prefetch(std::max(lo, ahead), std::min(hi + 1, ahead + B));
     // The block's keys whose page exists, compacted.
+    // One page lookup per run of keys in a page; the run's rows and scales are then consecutive.
     int64_t n = 0;
     for (int64_t pos = b_lo; pos < b_hi;) {
       const int64_t stop = kv.run_end(pos, b_hi);
       const int64_t pg = kv.page(pos);
-      for (; pg >= 0 && pos < stop; ++pos, ++n) {
-        krow[n] = kv.row(pg, pos);
-        vrow[n] = krow[n] + D;
-        kscale[n] = p.sm_scale * kv.scale(pg, pos, 0);
-        vscale[n] = kv.scale(pg, pos, 1);
+      if (pg >= 0) {
+        const T* row = kv.row(pg, pos);
+        const float* ks = kv.scales_of(pg, pos, 0);
+        const float* vs = kv.scales_of(pg, pos, 1);
+        for (int64_t j = 0; j < stop - pos; ++j, ++n) {
+          krow[n] = row + j * 2 * D;
+          vrow[n] = krow[n] + D;
+          kscale[n] = ks ? p.sm_scale * ks[j] : p.sm_scale;
+          vscale[n] = vs ? vs[j] : 1.0f;
+        }
       }
       pos = stop;
     }
