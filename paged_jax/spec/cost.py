@@ -14,8 +14,11 @@ Policy, per bucket:
 - speculation is on unless paused; after every `probe_steps` speculating steps it decides:
 - the plain rate is unknown, or was measured more than `refresh_steps` steps ago: run `probe_steps` steps plainly
   (plus the switch) to measure it;
-- speculating measured slower than plain: pause speculation for `pause_steps` steps, doubling (up to
-  `MAX_PAUSE_FACTOR` x) each time it loses again; a win resets the doubling.
+- speculating measured slower than plain by more than `margin` (a fraction of the plain rate): pause
+  speculation for `pause_steps` steps, doubling (up to `MAX_PAUSE_FACTOR` x) each time it loses again; a win
+  resets the doubling. The margin keeps timing noise (other processes, a rate that is an average of a few
+  steps) from pausing a batch where the two rates are in fact equal: speculating is then no loss, and it may
+  be a gain the next probe sees.
 
 Pausing only changes which steps carry drafts: outputs are the same either way.
 """
@@ -48,8 +51,9 @@ def bucket_of(num_seqs: int) -> int:
 
 
 class CostGate:
-    def __init__(self, probe_steps: int, pause_steps: int, refresh_steps: int) -> None:
+    def __init__(self, probe_steps: int, pause_steps: int, refresh_steps: int, margin: float = 0.0) -> None:
         self.probe_steps, self.pause_steps, self.refresh_steps = probe_steps, pause_steps, refresh_steps
+        self.margin = margin
         self.buckets: dict[int, BucketCosts] = {}
         self.step = 0
 
@@ -87,7 +91,7 @@ class CostGate:
     def _decide(self, costs: BucketCosts) -> None:
         if costs.plain_rate is None or self.step - costs.plain_at > self.refresh_steps:
             costs.paused_until = self.step + self.probe_steps + 1  # measure plain decoding (+1: the switch)
-        elif costs.spec_rate < costs.plain_rate:
+        elif costs.spec_rate < (1 - self.margin) * costs.plain_rate:
             costs.paused_until = self.step + self.pause_steps * costs.factor
             costs.factor = min(2 * costs.factor, MAX_PAUSE_FACTOR)
             costs.pauses += 1
