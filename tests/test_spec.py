@@ -445,20 +445,29 @@ def test_the_cost_gate_pauses_a_batch_size_where_speculating_is_slower():
             assert gate.allows(seqs) == speculating
             gate.observe(seqs, speculating, 10, 10 / rate)
 
-    steps(2, True, 50.0)  # 2 speculating steps at 50 tok/s: plain unknown, so measure it
+    steps(2, True, 80.0)  # 2 speculating steps at 80 tok/s: plain unknown, so measure it
     steps(3, False, 100.0)  # the first of these is the switch (not counted), then 2 plain ones at 100 tok/s
     costs = gate.buckets[1]
-    assert costs.plain_rate == pytest.approx(100.0) and costs.spec_rate == pytest.approx(50.0)
-    steps(3, True, 50.0)  # switch + 2 counted: slower than plain -> pause for 4 steps
+    assert costs.plain_rate == pytest.approx(100.0) and costs.spec_rate == pytest.approx(80.0)
+    steps(3, True, 80.0)  # switch + 2 counted: slower than plain -> pause for 4 steps
     assert costs.pauses == 1
     steps(4, False, 100.0)
-    steps(3, True, 50.0)  # loses again: the pause doubles
+    steps(3, True, 80.0)  # loses again: the pause doubles
     assert costs.pauses == 2 and costs.paused_until == gate.step + 8
     steps(8, False, 100.0)
     steps(8, True, 1000.0)  # now it wins: no pause, the doubling is reset
     assert gate.allows(1) and costs.factor == 1
     assert gate.allows(32) and 32 not in gate.buckets  # a batch size of its own, not yet measured
     assert bucket_of(1) == 1 and bucket_of(3) == 4 and bucket_of(32) == 32
+
+
+def test_the_cost_gate_weighs_rates_by_time():
+    """Tokens over seconds of the recent steps, not an average of per-step rates: 10 tokens in 1 s, then 10 in
+    0.1 s, are 10 tokens per 0.73 s of EMA time (13.7 tok/s; an EMA of the rates would say 37)."""
+    gate = CostGate(probe_steps=100, pause_steps=4, refresh_steps=100)
+    gate.observe(1, True, 10, 1.0)
+    gate.observe(1, True, 10, 0.1)
+    assert gate.buckets[1].spec_rate == pytest.approx(10 / (0.7 * 1.0 + 0.3 * 0.1))
 
 
 @pytest.mark.parametrize(("spec_rate", "paused"), [(95.0, False), (85.0, True)])

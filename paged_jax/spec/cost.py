@@ -6,9 +6,11 @@ for that. Acceptance alone cannot say so: the price of a verify step depends on 
 `CostGate` measures it. The engine reports each step it collects that only decoded (no prompt chunk in it): its
 wall seconds (the engine `step` call that collected it: a plain step's lookahead overlap and a speculating step's
 lost overlap are both in it), the tokens it yielded and its mode (speculating: it verified drafts, or it ran
-without the lookahead so that its sequences could propose; else plain). Rates are exponential moving averages per
-batch-size bucket (powers of two, as the runner's sequence buckets); the first step after a change of mode is not
-counted (it carries the switch).
+without the lookahead so that its sequences could propose; else plain). A rate is an exponential moving average
+of tokens over one of seconds (tokens per second of the recent steps' total time: a mean of per-step rates would
+favour a mode whose step times vary, as a speculating step's do with its drafts), per batch-size bucket (powers
+of two, as the runner's sequence buckets); the first step after a change of mode is not counted (it carries the
+switch).
 
 Policy, per bucket:
 - speculation is on unless paused; after every `probe_steps` speculating steps it decides:
@@ -25,24 +27,51 @@ Pausing only changes which steps carry drafts: outputs are the same either way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_PAUSE_FACTOR = 16
 EMA_WEIGHT = 0.3  # of the newest step
 
 
 @dataclass(slots=True)
+class Rate:
+    """Tokens per second of the recent steps of one mode: EMAs of tokens and of seconds per step."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if self.steps == 0 else EMA_WEIGHT
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.steps += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.tokens / self.seconds if self.steps else None
+
+
+@dataclass(slots=True)
 class BucketCosts:
     """One batch-size bucket's measurements and pause state (steps counted over every observed step)."""
 
-    spec_rate: float | None = None  # tokens / s, EMA
-    plain_rate: float | None = None
+    spec: Rate = field(default_factory=Rate)
+    plain: Rate = field(default_factory=Rate)
     plain_at: int = -1  # step index of the latest plain measurement
     spec_steps: int = 0  # speculating steps since the last decision
     paused_until: int = 0  # speculation off for steps < this
     factor: int = 1  # the next pause's multiple of pause_steps
     last_mode: bool | None = None  # the mode of the latest observed step
     pauses: int = 0  # times paused because speculating lost
+
+    @property
+    def spec_rate(self) -> float | None:
+        return self.spec.value
+
+    @property
+    def plain_rate(self) -> float | None:
+        return self.plain.value
 
 
 def bucket_of(num_seqs: int) -> int:
@@ -77,12 +106,11 @@ class CostGate:
         costs.last_mode = speculating
         if switched or seconds <= 0 or tokens <= 0:
             return
-        rate = tokens / seconds
         if not speculating:
-            costs.plain_rate = _ema(costs.plain_rate, rate)
+            costs.plain.add(tokens, seconds)
             costs.plain_at = self.step
             return
-        costs.spec_rate = _ema(costs.spec_rate, rate)
+        costs.spec.add(tokens, seconds)
         costs.spec_steps += 1
         if costs.spec_steps >= self.probe_steps:
             costs.spec_steps = 0
@@ -97,10 +125,6 @@ class CostGate:
             costs.pauses += 1
         else:
             costs.factor = 1
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new
 
 
 __all__ = ["CostGate", "bucket_of"]
