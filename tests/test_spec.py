@@ -461,6 +461,17 @@ def test_the_cost_gate_pauses_a_batch_size_where_speculating_is_slower():
     assert bucket_of(1) == 1 and bucket_of(3) == 4 and bucket_of(32) == 32
 
 
+def test_a_badly_losing_batch_size_is_probed_rarely():
+    """Speculating steps 4x as long as plain ones for 2x the tokens (half the rate): a probe of 2 steps loses
+    4 plain steps' time (8 x 0.5), so with a 10% margin the pause is (4 / 0.1 - 8) / 1 = 32 plain steps, not
+    the pause_steps (4) of a narrow loss."""
+    gate = CostGate(probe_steps=2, pause_steps=4, refresh_steps=1000, margin=0.1)
+    for speculating, tokens, seconds, n in [(True, 2, 4.0, 2), (False, 1, 1.0, 3), (True, 2, 4.0, 3)]:
+        for _ in range(n):
+            gate.observe(1, speculating, tokens, seconds)
+    assert gate.buckets[1].pauses == 1 and gate.buckets[1].paused_until == gate.step + 32
+
+
 def test_the_cost_gate_weighs_rates_by_time():
     """Tokens over seconds of the recent steps, not an average of per-step rates: 10 tokens in 1 s, then 10 in
     0.1 s, are 10 tokens per 0.73 s of EMA time (13.7 tok/s; an EMA of the rates would say 37)."""

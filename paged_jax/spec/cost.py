@@ -17,16 +17,18 @@ Policy, per bucket:
 - the plain rate is unknown, or was measured more than `refresh_steps` steps ago: run `probe_steps` steps plainly
   (plus the switch) to measure it;
 - speculating measured slower than plain by more than `margin` (a fraction of the plain rate): pause
-  speculation for `pause_steps` steps, doubling (up to `MAX_PAUSE_FACTOR` x) each time it loses again; a win
-  resets the doubling. The margin keeps timing noise (other processes, a rate that is an average of a few
-  steps) from pausing a batch where the two rates are in fact equal: speculating is then no loss, and it may
-  be a gain the next probe sees.
+  speculation for `pause_steps` steps, doubling (up to `MAX_PAUSE_FACTOR` x) each time it loses again, and at
+  least long enough that the next probe's loss is `margin` of the time at most; a win resets the doubling.
+  The margin keeps timing noise (other processes, a rate that is an average of a few steps) from pausing a
+  batch where the two rates are in fact equal: speculating is then no loss, and it may be a gain the next
+  probe sees.
 
 Pausing only changes which steps carry drafts: outputs are the same either way.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_PAUSE_FACTOR = 16
@@ -120,11 +122,23 @@ class CostGate:
         if costs.plain_rate is None or self.step - costs.plain_at > self.refresh_steps:
             costs.paused_until = self.step + self.probe_steps + 1  # measure plain decoding (+1: the switch)
         elif costs.spec_rate < (1 - self.margin) * costs.plain_rate:
-            costs.paused_until = self.step + self.pause_steps * costs.factor
+            costs.paused_until = self.step + max(self.pause_steps * costs.factor, self._bounding_pause(costs))
             costs.factor = min(2 * costs.factor, MAX_PAUSE_FACTOR)
             costs.pauses += 1
         else:
             costs.factor = 1
+
+    def _bounding_pause(self, costs: BucketCosts) -> int:
+        """The plain steps after which the next probe's loss is at most `margin` of the time of probe and pause
+        together (at most `MAX_PAUSE_FACTOR` pause lengths): a probe of `probe_steps` speculating steps loses
+        their time x (1 - spec_rate / plain_rate), so a batch where speculating loses badly (a draft model whose
+        own steps cost more than the steps it saves) is probed rarely, one where it barely loses often."""
+        if self.margin <= 0:
+            return 0
+        probe = self.probe_steps * costs.spec.seconds
+        lost = probe * (1 - costs.spec_rate / costs.plain_rate)
+        steps = (lost / self.margin - probe) / costs.plain.seconds
+        return min(max(0, math.ceil(steps)), MAX_PAUSE_FACTOR * self.pause_steps)
 
 
 __all__ = ["CostGate", "bucket_of"]
