@@ -40,8 +40,9 @@ class SpeculativeConfig:
     without speculation for each batch size; every `cost_probe_steps` speculating steps it compares them (first
     measuring plain decoding for that many steps when it has no recent figure) and, where speculating was
     slower by more than `cost_margin` (a fraction of the plain rate: timing noise alone must not pause it),
-    decodes plainly for `cost_pause_steps` steps (doubling, up to 16x, while it keeps losing) before it probes
-    again. A request opts out with `SamplingParams.speculate=False`.
+    decodes plainly for `cost_pause_steps` steps (doubling, up to 16x, while it keeps losing; longer where it
+    lost so badly that the next probe would cost more than `cost_margin` of the time) before it probes again.
+    A request opts out with `SamplingParams.speculate=False`.
     """
 
     method: str = "ngram"
