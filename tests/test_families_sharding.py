@@ -59,6 +59,7 @@ def prompts(seed: int, n: int = 4, max_len: int = 40) -> list[list[int]]:
 
 if not CHILD:
 
+    @pytest.mark.mesh
     def test_mesh_suite():
         """The mesh tests below, in a child pytest with 8 host devices."""
         run_mesh_child(__file__)

@@ -112,3 +112,35 @@ def test_truncated_real_file(tmp_path: Path) -> None:
     for cut in (len(whole) - 1, len(whole) // 2, 40, 20, 4, 0):
         (tmp_path / "cut.gguf").write_bytes(whole[:cut])
         _open_quickly(tmp_path / "cut.gguf")
+
+
+def test_header_reads_what_gguf_py_reads(tmp_path: Path) -> None:
+    """Our header walk against gguf-py's `GGUFReader` on a file with every value type and several tensor types:
+    the same metadata (values and Python types, file order) and the same tensor views (dtype, shape, bytes)."""
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(tmp_path / "all.gguf"), "llama")
+    for i, (value, vtype) in enumerate(
+        [(7, "UINT8"), (-7, "INT8"), (700, "UINT16"), (-700, "INT16"), (70_000, "UINT32"), (-70_000, "INT32"),
+         (1e-5, "FLOAT32"), (2**40, "UINT64"), (-(2**40), "INT64"), (1e-300, "FLOAT64"), (True, "BOOL"),
+         ("Việt ✓", "STRING"), ([1, 2, 3], "ARRAY"), (["a", "", "ü"], "ARRAY"), ([0.5, -1.25], "ARRAY")]
+    ):  # fmt: skip
+        w.add_key_value(f"test.value{i}", value, gguf.GGUFValueType[vtype])
+    w.add_tensor("f32", rng.standard_normal((3, 32)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 64)).astype(np.float16))
+    q8 = quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = GGUFFile(tmp_path / "all.gguf"), gguf.GGUFReader(str(tmp_path / "all.gguf"))
+    want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.metadata) == list(want)
+    assert [(v, type(v)) for v in ours.metadata.values()] == [(v, type(v)) for v in want.values()]
+    for mine, ref in zip(ours.tensors(), theirs.tensors, strict=True):
+        assert (mine.name, mine.qtype, mine.shape) == (ref.name, ref.tensor_type.name, tuple(reversed(ref.shape)))
+        assert mine.raw.dtype == ref.data.dtype and mine.raw.shape == ref.data.shape
+        np.testing.assert_array_equal(mine.raw, ref.data)
+    assert ours.quant_types() == {"F32": 1, "F16": 1, "Q8_0": 1}

@@ -215,6 +215,7 @@ def test_batch_over_two_processes_matches_one(tmp_path):
 
 if not CHILD:
 
+    @pytest.mark.mesh
     def test_mesh_suite():
         """The mesh tests below, in a child pytest with 8 host devices."""
         run_mesh_child(__file__)
@@ -285,7 +286,7 @@ else:
         out = {}
         prompt = make_prompts(1, seed=9, max_len=60)[0] + [7] * 8
         for kv in CONFIGS:
-            engine = make_engine(kv)
+            engine = make_engine(kv, scan_layers="off")
             logits = prefill_logits(engine, prompt)
             out[kv] = (serve(engine, [(p, GREEDY) for p in make_prompts(6, seed=kv)]), logits, prompt)
         return out
@@ -293,13 +294,13 @@ else:
     def test_eight_devices():
         assert jax.device_count() == NUM_DEVICES
 
-    TP_CASES = [(kv, tp, "auto") for kv in (8, 2) for tp in (1, 2, 4, 8)] + [(8, 4, "on"), (2, 4, "on")]
+    TP_CASES = [(kv, tp, "auto") for kv in (8, 2) for tp in (1, 2, 4, 8)] + [(8, 4, "off"), (2, 4, "off")]
 
     @pytest.mark.parametrize("kv, tp, scan", TP_CASES, ids=[f"kv{k}-tp{t}-scan_{s}" for k, t, s in TP_CASES])
     def test_tensor_parallel_matches_single_device(single_device, kv, tp, scan):
-        """TP engines (unrolled on CPU; also the scanned decoder at TP 4) against the unrolled single device."""
+        """TP engines (scanned, the default; also unrolled at TP 4) against the unrolled single device."""
         engine = make_engine(kv, tensor_parallel_size=tp, scan_layers=scan)
-        assert engine.runner.scan == (scan == "on")
+        assert engine.runner.scan == (scan != "off")
         if tp > 1:
             pages = jax.tree.leaves(engine.runner.kv_caches)[0]  # layer 0's pages, or the stacked ones
             assert pages.sharding.spec[1] == "tp" and len(pages.sharding.device_set) == tp

@@ -17,7 +17,7 @@
 
 namespace pja {
 
-constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W)
+constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W and of 32)
 constexpr int kDecodeHeads = W == 16 ? 4 : 2;
 constexpr int kDecodeChunk = 4;  // vectors of head_dim per value tile
 constexpr int kPrefetchBlocks = 2;
@@ -210,15 +210,21 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
     const int64_t ahead = (b_lo / B + kPrefetchBlocks) * B;
     if (b_lo != lo) kv.prefetch(std::max(lo, ahead), std::min(hi + 1, ahead + B));
     // The block's keys whose page exists, compacted.
+    // One page lookup per run of keys in a page; the run's rows and scales are then consecutive.
     int64_t n = 0;
     for (int64_t pos = b_lo; pos < b_hi;) {
       const int64_t stop = kv.run_end(pos, b_hi);
       const int64_t pg = kv.page(pos);
-      for (; pg >= 0 && pos < stop; ++pos, ++n) {
-        krow[n] = kv.row(pg, pos);
-        vrow[n] = krow[n] + D;
-        kscale[n] = p.sm_scale * kv.scale(pg, pos, 0);
-        vscale[n] = kv.scale(pg, pos, 1);
+      if (pg >= 0) {
+        const T* row = kv.row(pg, pos);
+        const float* ks = kv.scales_of(pg, pos, 0);
+        const float* vs = kv.scales_of(pg, pos, 1);
+        for (int64_t j = 0; j < stop - pos; ++j, ++n) {
+          krow[n] = row + j * 2 * D;
+          vrow[n] = krow[n] + D;
+          kscale[n] = ks ? p.sm_scale * ks[j] : p.sm_scale;
+          vscale[n] = vs ? vs[j] : 1.0f;
+        }
       }
       pos = stop;
     }
@@ -261,12 +267,13 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (bf16_values) {
+      // p rounded to bfloat16 (nearest even) 32 at a time, in key order: the pairs (p[i], p[i + 1]) are then
+      // consecutive 32-bit words. The block's keys >= n have p = 0 (masked above), so an odd last key's partner
+      // weighs 0.
       for (int64_t g = 0; g < G; ++g) {
-        for (int64_t i = 0; i < n; i += 2) {
-          uint16_t lo, hi = 0;
-          from_float(sc[g * B + i], &lo);
-          if (i + 1 < n) from_float(sc[g * B + i + 1], &hi);
-          pairs[g * (B / 2) + i / 2] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        for (int64_t i = 0; i < B; i += 32) {
+          const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + g * B + i + 16), _mm512_loadu_ps(sc + g * B + i));
+          _mm512_storeu_si512(pairs + g * (B / 2) + i / 2, reinterpret_cast<__m512i>(r));
         }
       }
       for_head_tiles(G, [&]<int NG>(int64_t g0) {

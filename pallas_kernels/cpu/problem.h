@@ -75,6 +75,12 @@ struct KvRows {
     if (scales == nullptr) return 1.0f;
     return scales[pg * num_kv_heads * 2 * S + (2 * head + kv_index) * S + pos % S];
   }
+  // The scales of K (kv = 0) or V (kv = 1) from position pos on, consecutive within its page; null for float
+  // pages.
+  const float* scales_of(int64_t pg, int64_t pos, int kv_index) const {
+    if (scales == nullptr) return nullptr;
+    return scales + pg * num_kv_heads * 2 * S + (2 * head + kv_index) * S + pos % S;
+  }
   // End of the run of positions from `pos` that share its page, capped at `end`.
   int64_t run_end(int64_t pos, int64_t end) const { return std::min(end, (pos / S + 1) * S); }
 

@@ -145,9 +145,13 @@ inline float hsum(vf v) {
 }
 
 inline float hmax(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
   float m = v[0];
   for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
   return m;
+#endif
 }
 
 // out[0..3] = horizontal sums of a, b, c, d (four dot products finished at once: the shuffles are shared).

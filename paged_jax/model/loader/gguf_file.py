@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from paged_jax.model.loader.gguf_bounds import GGUFError, check_layout
+from paged_jax.model.loader.gguf_bounds import GGUFError, TensorInfo, read_header
 
 # The ggml types `dequantize` accepts: plain floats, the legacy block quants and the K-quants.
 # (gguf-py also dequantizes the IQ/TQ/MXFP4 types; they are let through but untested here.)
@@ -68,36 +68,32 @@ class GGUFTensor:
         return values.reshape(self.shape)
 
 
+# ggml types stored as plain numpy arrays (the rest are blocks of bytes, `[rows, bytes_per_row]`), as gguf-py does.
+_PLAIN_TYPES = {"F16": "f2", "F32": "f4", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
+
+
 class GGUFFile:
     """An open GGUF file: `metadata` (plain Python values) and lazy `tensors()`.
 
-    The file is memory-mapped by `gguf.GGUFReader`; a tensor's bytes are read only when it is
-    dequantized, so loading holds at most one dequantized tensor beyond the parameters built so far.
+    The file is memory-mapped and its header read by `gguf_bounds.read_header`; a tensor's bytes are read only
+    when it is dequantized, so loading holds at most one dequantized tensor beyond the parameters built so far.
     """
 
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such GGUF file")
         try:
-            data = np.memmap(self.path, mode="r")
+            self._data = np.memmap(self.path, mode="r")
         except (ValueError, OSError) as e:
             raise GGUFError(f"{self.path}: not a readable GGUF file ({e})") from e
         try:
-            check_layout(data)
+            header = read_header(self._data)
         except GGUFError as e:
             raise GGUFError(f"{self.path.name}: {e}") from None
-        try:
-            self._reader = GGUFReader(str(self.path), "r")
-        except (ValueError, OSError, KeyError, IndexError, OverflowError) as e:
-            raise GGUFError(f"{self.path}: not a readable GGUF file ({e})") from e
-        self.metadata: dict[str, Any] = {}
-        for name, field in self._reader.fields.items():
-            if name.startswith("GGUF."):
-                continue  # the header's own counts
-            self.metadata[name] = field.contents()
+        self.metadata: dict[str, Any] = header.metadata
+        self._infos = header.tensors
+        self._order = header.order
 
     @property
     def architecture(self) -> str:
@@ -112,19 +108,34 @@ class GGUFFile:
         return default
 
     def tensor_names(self) -> list[str]:
-        return [t.name for t in self._reader.tensors]
+        return [t.name for t in self._infos]
+
+    def _tensor(self, info: TensorInfo) -> GGUFTensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        qtype = GGMLQuantizationType(info.qtype).name
+        shape = tuple(reversed(info.dims))
+        raw = self._data[info.start : info.start + info.n_bytes]
+        if qtype in _PLAIN_TYPES:
+            raw = raw.view(np.dtype(_PLAIN_TYPES[qtype]).newbyteorder(self._order)).reshape(shape)
+        else:
+            raw = raw.reshape(quant_shape_to_byte_shape(shape, GGMLQuantizationType(info.qtype)))
+        return GGUFTensor(name=info.name, qtype=qtype, shape=shape, raw=raw)
 
     def tensors(self) -> Iterator[GGUFTensor]:
         """Every tensor in file order, as lazy `GGUFTensor`s."""
-        for t in self._reader.tensors:
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            yield GGUFTensor(name=t.name, qtype=t.tensor_type.name, shape=shape, raw=t.data)
+        for info in self._infos:
+            yield self._tensor(info)
 
     def quant_types(self) -> dict[str, int]:
         """ggml type name -> number of tensors of that type (for `info` and error messages)."""
+        from gguf import GGMLQuantizationType
+
         counts: dict[str, int] = {}
-        for t in self._reader.tensors:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        for t in self._infos:
+            name = GGMLQuantizationType(t.qtype).name
+            counts[name] = counts.get(name, 0) + 1
         return counts
 
 
