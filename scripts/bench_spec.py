@@ -1,8 +1,11 @@
 """Speculative decoding against plain decoding, side by side in one run (these CPUs are shared and noisy).
 
-SmolLM2-135M-Instruct in float32, greedy, batches of 1, 4 and 32 requests submitted together, on two workloads:
-`copy` (chat prompts whose answer copies or edits text in the prompt: code to rewrite, a passage to quote) and
-`chat` (plain questions). Proposers: n-gram, and a draft model (the target's own checkpoint quantized w8a8).
+SmolLM2-135M-Instruct in float32, greedy, batches of 1, 4 and 32 requests submitted together, on three workloads:
+`edit` (edit a document and output it whole: rename a class or function in code, correct the spelling of a
+paragraph; the replies reproduce long spans of the prompt, which is what this model does with these asks),
+`copy` (chat prompts whose answer copies or edits text in the prompt: code to rewrite with type hints, a passage
+to quote; this model rewrites most of the code instead of copying it) and `chat` (plain questions).
+Proposers: n-gram, and a draft model (the target's own checkpoint quantized w8a8).
 Each engine runs each batch once to compile the shapes it needs, then the timed runs. Prints generated tokens/s,
 mean per-request latency, the engine steps the batch took (fewer is what speculation buys; at batch 1 a verify
 step runs the executables of a plain decode step, so the ratio of steps is the speed-up an idle machine would
@@ -13,12 +16,15 @@ decoding, the acceptance rate and drafts kept per verified sequence, and whether
 one.
 
     .venv/bin/python scripts/bench_spec.py [--methods ngram,draft_model] [--batches 1,4,32] [--max-tokens 128]
-        [--k 3] [--rounds 1] [--json out.json]
+        [--k 3] [--rounds 1] [--requests N] [--workloads edit,copy,chat] [--json out.json]
 
 A method may carry overrides of its config: `ngram:k=7:min=1:max=5` (k: num_speculative_tokens, min/max:
-prompt_lookup_min/max), so several settings run side by side. `--rounds N` times every engine N times in turn
+prompt_lookup_min/max, misses: max_misses, pause: pause_tokens, adaptive=0/1: adaptive_k, gate=0/1:
+pause_by_cost), so several settings run side by side. `--rounds N` times every engine N times in turn
 (plain, then each method, then plain again...) and reports the median of each round's speed-up over that round's
-plain run: load that changes during the run then moves both sides of a ratio alike.
+plain run: load that changes during the run then moves both sides of a ratio alike. `--requests N` runs N
+requests per figure (the workload's prompts in turn), in waves of the batch size (default: one wave), so a
+batch-1 figure can cover every prompt of a workload rather than its first.
 """
 
 from __future__ import annotations
@@ -86,6 +92,28 @@ PASSAGE = (
     "reef is located in the Coral Sea, off the coast of Queensland, Australia. It can be seen from outer space and "
     "is the world's biggest single structure made by living organisms."
 )
+PASSAGE_2 = (
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and water. "
+    "It takes place mainly in the leaves, inside small structures called chloroplasts. The process releases oxygen "
+    "into the air, which most living things need to breathe."
+)
+MISSPELT = {"process": "proccess", "sunlight": "sunlite", "leaves": "leafs", "breathe": "breath"}
+RENAME = "Rename the {what} {old} to {new} in this code and output the whole code.\n\n```{lang}\n{code}\n```"
+PROOFREAD = "Correct the spelling mistakes in this paragraph and output the corrected paragraph.\n\n"
+
+
+def misspelt(text: str) -> str:
+    for right, wrong in MISSPELT.items():
+        text = text.replace(right, wrong)
+    return text
+
+
+EDIT_ASKS = [
+    RENAME.format(what="class", old="Stack", new="LifoStack", lang="python", code=CODE[1]),
+    PROOFREAD + misspelt(PASSAGE_2),
+    RENAME.format(what="function", old="parse_config", new="load_config", lang="python", code=CODE[2]),
+    RENAME.format(what="function", old="debounce", new="throttle", lang="javascript", code=CODE[3]),
+]
 COPY_ASKS = [
     "Rewrite this code with type hints and a docstring. Keep everything else the same.\n\n{code}",
     "Rename every variable in this code to a longer, more descriptive name and show the full code.\n\n{code}",
@@ -107,6 +135,8 @@ CHAT_ASKS = [
 def prompts_for(workload: str, tokenizer, n: int) -> list[list[int]]:
     if workload == "copy":
         texts = [COPY_ASKS[i % len(COPY_ASKS)].format(code=CODE[(i // len(COPY_ASKS)) % len(CODE)]) for i in range(n)]
+    elif workload == "edit":
+        texts = [EDIT_ASKS[i % len(EDIT_ASKS)] for i in range(n)]
     else:
         texts = [CHAT_ASKS[i % len(CHAT_ASKS)] for i in range(n)]
     return [
@@ -114,17 +144,19 @@ def prompts_for(workload: str, tokenizer, n: int) -> list[list[int]]:
     ]
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str, batch: int) -> dict:
+    """The prompts in waves of `batch` requests (each wave submitted together, the next once it finished)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
     before, steps = engine.stats(), engine.num_steps
     t0, cpu0 = time.perf_counter(), time.process_time()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, params)
     outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
+    for start in range(0, len(prompts), batch):
+        for i, p in enumerate(prompts[start : start + batch], start):
+            engine.add_request(f"{tag}-{i}", p, params)
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs.values())
@@ -143,7 +175,16 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
     }
 
 
-OVERRIDES = {"k": "num_speculative_tokens", "min": "prompt_lookup_min", "max": "prompt_lookup_max"}
+OVERRIDES = {
+    "k": "num_speculative_tokens",
+    "min": "prompt_lookup_min",
+    "max": "prompt_lookup_max",
+    "misses": "max_misses",
+    "pause": "pause_tokens",
+    "adaptive": "adaptive_k",  # 0 / 1
+    "gate": "pause_by_cost",  # 0 / 1
+}
+BOOLEAN = {"adaptive_k", "pause_by_cost"}
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -161,7 +202,8 @@ def spec_config(entry: str, k: int) -> dict:
         key, _, value = pair.partition("=")
         if key not in OVERRIDES:
             raise SystemExit(f"--methods {entry!r}: unknown override {key!r} (known: {', '.join(OVERRIDES)})")
-        spec[OVERRIDES[key]] = int(value)
+        field = OVERRIDES[key]
+        spec[field] = bool(int(value)) if field in BOOLEAN else int(value)
     return spec
 
 
@@ -171,7 +213,8 @@ def main() -> None:
         "--methods", default="ngram,draft_model", help="comma-separated: ngram, draft_model (w8a8 copy)[:k=..]"
     )
     ap.add_argument("--batches", default="1,4,32")
-    ap.add_argument("--workloads", default="copy,chat")
+    ap.add_argument("--workloads", default="edit,copy,chat")
+    ap.add_argument("--requests", type=int, default=0, help="requests per figure, in waves of the batch size")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--rounds", type=int, default=1, help="timed runs per engine, in turn (median speed-up)")
@@ -199,12 +242,12 @@ def main() -> None:
     )
     for workload in args.workloads.split(","):
         for b in batches:
-            prompts = prompts_for(workload, tokenizer, b)
+            prompts = prompts_for(workload, tokenizer, max(b, args.requests))
             for engine in engines.values():
-                run_batch(engine, prompts, args.max_tokens, f"warm-{workload}-{b}")  # compiles what it needs
+                run_batch(engine, prompts, args.max_tokens, f"warm-{workload}-{b}", b)  # compiles what it needs
             rounds = [
                 {
-                    name: run_batch(engine, prompts, args.max_tokens, f"{workload}-{b}-{i}")
+                    name: run_batch(engine, prompts, args.max_tokens, f"{workload}-{b}-{i}", b)
                     for name, engine in engines.items()
                 }
                 for i in range(args.rounds)

@@ -34,11 +34,12 @@ KV tokens for int8 + int8 (issue 16's goal), on a KV page copy, or past HBM; the
 with quantized pages.
 
 ``--families [NAME ...]`` (default: all five) compiles one engine step (a 512-token chunked-prefill bucket) per
-model family beyond Llama, at the real per-layer shapes of its shipped config with only a few layers (enough for
-one global layer among Gemma's sliding ones): qwen3-8b (q/k norms), gemma-2-9b (soft caps, alternating
-windows), gemma-3-4b (windows 5:1, two RoPE bases), mixtral-8x7b and qwen3-30b-a3b (an MoE layer; Qwen3-MoE
-also at TP 4, experts split inside each expert). The same KV checks as the audit apply, and an MoE step must
-lower its experts to XLA's grouped matmul (``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
+model family beyond Llama, at the real per-layer shapes of its shipped config with only a few layers (Gemma: two
+periods of its window pattern and one layer more, so the scanned step has a repeated group and a remainder):
+qwen3-8b (q/k norms), gemma-2-9b (soft caps, alternating windows), gemma-3-4b (windows 5:1, two RoPE bases),
+mixtral-8x7b and qwen3-30b-a3b (an MoE layer; Qwen3-MoE also at TP 4, experts split inside each expert). The
+same KV checks as the audit apply, and an MoE step must lower its experts to XLA's grouped matmul
+(``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
 Run only this part with ``--topologies --sharded --quantized --no-audit`` (``--families`` with no names skips it).
 
 ``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.worker.sharding``) for
@@ -385,7 +386,7 @@ def check_families(names=tuple(FAMILY_STEPS), kind: str = "prefill") -> int:
     )
     for config_name in names:
         full = load_model_config(config_name)
-        config = full.replace(num_layers=max(2, full.sliding_window_pattern))
+        config = full.replace(num_layers=max(2, 2 * full.sliding_window_pattern + 1))
         for tp in FAMILY_STEPS[config_name]:
             t0 = time.perf_counter()
             name = f"{config_name} TP{tp}"

@@ -1,6 +1,7 @@
 """Qwen3, Gemma 2, Gemma 3, Mixtral and Qwen3-MoE against Hugging Face transformers on small random models
 (tests/data/hf_<family>, made by scripts/make_hf_golden.py): float32 logits within 1e-4 and identical greedy
-continuations, from the dense model and through `LLM.generate` (paged KV, chunked prefill, prefix caching)."""
+continuations, from the dense model (unrolled; Gemma 2/3 scanned as well, in groups of their window pattern) and
+through `LLM.generate` (scanned decoder, paged KV, chunked prefill, prefix caching)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from paged_jax.engine.load import load_model
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.families import causal_lm
 from paged_jax.model.reference import greedy_generate
+from paged_jax.model.scan import stack_layers
 from paged_jax.offline.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 
@@ -38,9 +40,11 @@ def family(request):
     return request.param, config, params, _golden(directory)
 
 
-def packed_logits(config, params, golden) -> np.ndarray:
-    """All prompts in one flat batch (as the engine runs them) through the dense model: logits [sum n, V]."""
-    model = causal_lm(config)
+def packed_logits(config, params, golden, scan: bool = False) -> np.ndarray:
+    """All prompts in one flat batch (as the engine runs them) through the dense model: logits [sum n, V];
+    `scan`: the scanned decoder, over `params` stacked."""
+    model = causal_lm(config, scan_layers=scan)
+    params = stack_layers(params) if scan else params
     tokens = np.concatenate([p for p, _, _ in golden])
     positions = np.concatenate([np.arange(len(p)) for p, _, _ in golden])
     segments = np.concatenate([np.full(len(p), i) for i, (p, _, _) in enumerate(golden)])
@@ -82,9 +86,23 @@ def test_greedy_matches_hf(family):
         assert greedy_generate(model, params, prompt.tolist(), len(greedy), pad_to=64) == greedy.tolist(), name
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_scanned_gemma_matches_hf(name):
+    """The scanned Gemmas (one scan step = one period of sliding and global layers) give the golden logits and
+    greedy continuations."""
+    directory = DATA / f"hf_{name}"
+    config, params, _ = load_model(directory, dtype="float32")
+    golden = _golden(directory)
+    err = np.abs(packed_logits(config, params, golden, scan=True) - np.concatenate([g for _, g, _ in golden])).max()
+    assert err < ATOL, f"{name} scanned: max abs logit error {err}"
+    model, stacked = causal_lm(config, scan_layers=True), stack_layers(params)
+    for prompt, _, greedy in golden:
+        assert greedy_generate(model, stacked, prompt.tolist(), len(greedy), pad_to=64) == greedy.tolist(), name
+
+
 def test_engine_generate_matches_hf(family):
-    """LLM.generate over paged KV in pages of 8 (windows of 4 cross page boundaries), prompts chunked into
-    8-token pieces, then the same prompts again, served from the prefix cache."""
+    """LLM.generate (scanned) over paged KV in pages of 8 (windows of 4 cross page boundaries), prompts chunked
+    into 8-token pieces, then the same prompts again, served from the prefix cache."""
     name, _, _, golden = family
     llm = LLM(
         str(DATA / f"hf_{name}"),
@@ -96,7 +114,9 @@ def test_engine_generate_matches_hf(family):
         max_num_batched_tokens=16,
         chunk_size=8,
         warmup=False,
+        scan_layers="on",
     )
+    assert llm.engine.runner.scan
     prompts = [{"prompt_token_ids": p.tolist()} for p, _, _ in golden]
     params = SamplingParams(temperature=0.0, max_tokens=len(golden[0][2]), ignore_eos=True)
     for _ in range(2):

@@ -34,6 +34,7 @@ from paged_jax.lora.peft import LoraError, read_adapter
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.families import causal_lm
 from paged_jax.model.init import init_params
+from paged_jax.model.scan import stack_layers
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 
@@ -193,8 +194,8 @@ def test_each_token_gets_its_own_adapters_delta_and_a_step_without_adapters_none
     base = {n: jnp.asarray(rng.standard_normal(s), jnp.float32) for n, s in (("y", (t, h)), ("g", (t, i)))}
     hkv = cfg.num_kv_heads
     q, k, v = (jnp.asarray(rng.standard_normal((t, n, d)), jnp.float32) for n in (hq, hkv, hkv))
-    batch = LoraBatch(lw.LoraWeights((arrays,), scaling), slots)
-    layer = batch.per_layer()[0]
+    batch = LoraBatch(lw.LoraWeights({k: w[None] for k, w in arrays.items()}, scaling), slots)  # one layer
+    layer = batch.layers().at(0)
     got_qkv = delta.add_qkv(x, q, k, v, layer)
     got_o = delta.add_o(base["y"], out, layer)
     got_gu = delta.add_gate_up(x, base["g"], base["g"], layer)
@@ -219,7 +220,7 @@ def test_each_token_gets_its_own_adapters_delta_and_a_step_without_adapters_none
             np.testing.assert_allclose(np.asarray(got_gu[n][j]), ref, rtol=1e-4, atol=1e-4)
         ref_d = np.asarray(base["y"][j]) + want(hj, a["down_a"][:, e], a["down_b"][e])
         np.testing.assert_allclose(np.asarray(got_down[j]), ref_d, rtol=1e-4, atol=1e-4)
-    none = LoraBatch(batch.weights, jnp.zeros(t, jnp.int32)).per_layer()[0]
+    none = LoraBatch(batch.weights, jnp.zeros(t, jnp.int32)).layers().at(0)
     assert not bool(none.active)
     for g, b in zip(delta.add_qkv(x, q, k, v, none), (q, k, v), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(b))
@@ -243,35 +244,53 @@ def one_slot_lora(config, adapter, tokens: int, max_rank: int = 8) -> LoraBatch:
     return LoraBatch(weights, jnp.ones(tokens, jnp.int32))
 
 
-@pytest.mark.parametrize("adapter", GOLDEN_ADAPTERS)
-@pytest.mark.parametrize("variant", GOLDEN_VARIANTS)
-def test_logits_match_transformers_peft(variant, adapter):
+def _peft_logits(variant: str, adapter: str, scan: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The golden prompts of `variant`_`adapter` packed through the dense model with the adapter in slot 1 and
+    without it (`scan`: the scanned decoder over stacked weights and stacked LoRA slots): (logits, base logits,
+    transformers + peft's logits), each [sum n, V]."""
     config, params, _ = load_model(DATA / f"hf_{variant}", dtype="float32")
+    params = stack_layers(params) if scan else params
     lora = read_adapter(LORA / f"{variant}_{adapter}", adapter, config, max_rank=8)
     golden = _golden(LORA / f"{variant}_{adapter}")
-    tokens = np.concatenate([g["prompt"] for g in golden])
+    tokens = jnp.asarray(np.concatenate([g["prompt"] for g in golden]), jnp.int32)
     positions = np.concatenate([np.arange(len(g["prompt"])) for g in golden])
     segments = np.concatenate([np.full(len(g["prompt"]), i) for i, g in enumerate(golden)])
     meta = DenseMeta(segment_ids=jnp.asarray(segments, jnp.int32), positions=jnp.asarray(positions, jnp.int32))
-    model = causal_lm(config)
-    batch = one_slot_lora(config, lora, len(tokens))
-    hidden, _ = model.apply(params, jnp.asarray(tokens, jnp.int32), meta.positions, None, meta, batch)
-    logits = np.asarray(model.apply(params, hidden, method="compute_logits"))
-    want = np.concatenate([g["logits"] for g in golden])
-    base_hidden, _ = model.apply(params, jnp.asarray(tokens, jnp.int32), meta.positions, None, meta)
-    base = np.asarray(model.apply(params, base_hidden, method="compute_logits"))
+    model = causal_lm(config, scan_layers=scan)
+    out = []
+    for batch in (one_slot_lora(config, lora, len(tokens)), None):
+        hidden, _ = model.apply(params, tokens, meta.positions, None, meta, batch)
+        out.append(np.asarray(model.apply(params, hidden, method="compute_logits")))
+    return out[0], out[1], np.concatenate([g["logits"] for g in golden])
+
+
+@pytest.mark.parametrize("adapter", GOLDEN_ADAPTERS)
+@pytest.mark.parametrize("variant", GOLDEN_VARIANTS)
+def test_logits_match_transformers_peft(variant, adapter):
+    logits, base, want = _peft_logits(variant, adapter)
     assert np.abs(base - want).max() > 0.1  # the adapter changes the logits: the golden is no base-model one
     err = np.abs(logits - want).max()
     print(f"{variant}_{adapter}: max |logit - transformers+peft| = {err:.2e}")
     assert err < ATOL, f"{variant}_{adapter}: {err}"
 
 
+@pytest.mark.parametrize("variant", ["gqa", "gemma3", "qwen3_moe"])
+def test_scanned_lora_matches_transformers_peft_and_the_unrolled_one(variant):
+    """Stacked LoRA slots [L, ...] scanned with the layers (Gemma 3: in its window groups; MoE: attention
+    adapters only) give peft's logits and the unrolled decoder's within float32 rounding."""
+    logits, _, want = _peft_logits(variant, "all", scan=True)
+    assert np.abs(logits - want).max() < ATOL
+    np.testing.assert_allclose(logits, _peft_logits(variant, "all")[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", GOLDEN_VARIANTS)
 def test_one_batch_of_two_adapters_and_the_base_model_matches_transformers_peft(variant):
-    """Every golden prompt with each adapter and with none, all in the same steps: each request's greedy tokens
-    are peft's (and the base model's those of tests/data/hf_<variant>)."""
+    """Every golden prompt with each adapter and with none, all in the same steps of the scanned engine: each
+    request's greedy tokens are peft's (and the base model's those of tests/data/hf_<variant>)."""
     config, params, tokenizer = load_model(DATA / f"hf_{variant}", dtype="float32")
-    engine = LLMEngine(config, params, tokenizer, EngineConfig(**(OPTIONS | {"enable_lora": True, "max_loras": 2})))
+    options = OPTIONS | {"enable_lora": True, "max_loras": 2, "scan_layers": "on"}
+    engine = LLMEngine(config, params, tokenizer, EngineConfig(**options))
+    assert engine.runner.scan
     want, requests = {}, []
     for j, name in enumerate(GOLDEN_ADAPTERS):
         lora = LoRARequest(name, j + 1, str(LORA / f"{variant}_{name}"))
@@ -315,15 +334,18 @@ def test_a_mixed_batch_gives_each_request_its_solo_result(tiny_adapters):
 
 
 def test_lora_equals_the_merged_weights(tiny_adapters):
-    """A request with an adapter gets the tokens of the base model with W + scaling * A @ B merged in."""
+    """A request with an adapter gets the tokens of the base model with W + scaling * A @ B merged in, from the
+    scanned engine (adapter slots stacked [L, ...]) and from the unrolled one (the last adapter)."""
     params = init_params(TINY, seed=0)
     ps = prompts(3, seed=2)
-    for name in ("all", "qv", "mlp"):
+    for name, scan in (("all", "on"), ("qv", "on"), ("mlp", "off")):
         lora = tiny_adapters[name]
         adapter = read_adapter(lora.lora_path, name, TINY, max_rank=8)
         merged = LLMEngine(TINY, merged_params(params, TINY, adapter), ByteTokenizer(), EngineConfig(**OPTIONS))
         want = serve(merged, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(ps)])
-        got = serve(lora_engine(params=params), [(f"r{i}", p, GREEDY, lora) for i, p in enumerate(ps)])
+        engine = lora_engine(params=params, scan_layers=scan)
+        assert engine.runner.scan == (scan == "on")
+        got = serve(engine, [(f"r{i}", p, GREEDY, lora) for i, p in enumerate(ps)])
         assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}, name
         for k in want:
             np.testing.assert_allclose(np.array(got[k][1]), np.array(want[k][1]), rtol=1e-4, atol=1e-4)

@@ -1,7 +1,9 @@
 """The scanned decoder (`paged_jax.model.scan`) against the unrolled one: the same weights give the same function.
 
-Dense model: every family that scans (tiny Llama, Qwen3, Mixtral, Qwen3-MoE, a window-free Gemma 3) gives the
-unrolled logits within float32 rounding and the same greedy token at every position. Engine: scanned and
+Dense model: every family (tiny Llama, Qwen3, Mixtral, Qwen3-MoE, Gemma 2 and 3 with their window patterns, and
+deeper random Gemmas whose depth is no multiple of the pattern: a remainder group) gives the unrolled logits
+within float32 rounding and the same greedy token at every position; scanned Gemmas and scanned LoRA match the
+transformers (+ peft) goldens. Engine: scanned and
 unrolled engines give identical greedy tokens (and float32 logprobs within rounding) on the C++ CPU backend
 with float pages and the XLA backend with int8 pages, with chunked prefill, prefix caching and copy-on-write
 forks. The compiled scanned step copies no KV page array (`hlo_audit.kv_copies`). Per-layer checkpoints load
@@ -26,7 +28,7 @@ from paged_jax.model.families import causal_lm
 from paged_jax.model.init import init_params, param_shapes
 from paged_jax.model.loader.checkpoint import save_checkpoint
 from paged_jax.model.partition import param_partition_specs
-from paged_jax.model.scan import can_scan, stack_layers, unstack_layers, use_scan
+from paged_jax.model.scan import LayerGroup, layer_groups, stack_layers, unstack_layers, use_scan
 from paged_jax.offline.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.hlo_audit import kv_copies
@@ -40,9 +42,10 @@ def _family(name: str):
     if name == "tiny":
         config = load_model_config("tiny").replace(dtype="float32")
         return config, init_params(config, seed=3)
+    if name.endswith("_deep"):  # random weights, deeper than the golden variant: 7 layers, pattern 2 or 3
+        config = load_model_config(DATA / f"hf_{name.removesuffix('_deep')}").replace(num_layers=7, dtype="float32")
+        return config, init_params(config, seed=5)
     config, params, _ = load_model(DATA / f"hf_{name}", dtype="float32")
-    if name == "gemma3":  # one window for every layer: the Gemma layer under the scan
-        config = config.replace(sliding_window_pattern=0)
     return config, params
 
 
@@ -57,10 +60,12 @@ def _logits(config, params, scan: bool) -> np.ndarray:
     return np.asarray(model.apply(params, hidden, method="compute_logits"))
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen3", "mixtral", "qwen3_moe", "gemma3"])
+FAMILIES = ["tiny", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "gemma2_deep", "gemma3_deep"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_scanned_model_is_the_unrolled_one(name):
     config, params = _family(name)
-    assert can_scan(config)
     got, want = _logits(config, stack_layers(params), True), _logits(config, params, False)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert (got.argmax(-1) == want.argmax(-1)).all()  # the same greedy token at every position
@@ -91,16 +96,28 @@ def test_stacked_partition_specs_keep_the_layer_axis_whole():
     assert (o_proj.values, o_proj.scale) == (P(None, "tp", None, None), P(None, None))
 
 
-def test_which_models_scan():
-    gemma2 = load_model_config(DATA / "hf_gemma2")
-    assert not can_scan(gemma2) and not use_scan(gemma2, "auto", lora=False)
-    with pytest.raises(ValueError, match="^scan_layers: 'on' is not possible"):
-        use_scan(gemma2, "on", lora=False)
-    tiny = load_model_config("tiny")
-    assert use_scan(tiny, "auto", lora=False) and use_scan(tiny, "on", lora=False)
-    assert not use_scan(tiny, "off", lora=False) and not use_scan(tiny, "auto", lora=True)
+def test_layer_groups_are_the_window_periods():
+    g = LayerGroup
+    assert layer_groups(load_model_config("tiny")) == (g(0, 1, 2),)  # uniform: one layer per scan step
+    assert layer_groups(load_model_config("gemma-2-9b")) == (g(0, 2, 21),)  # [sliding, global] x 21
+    assert layer_groups(load_model_config("gemma-3-4b")) == (g(0, 6, 5), g(30, 1, 4))  # 5 + 1 global, then 4 sliding
+    gemma3 = load_model_config(DATA / "hf_gemma3")  # pattern 3
+    assert layer_groups(gemma3) == (g(0, 3, 1),)
+    assert layer_groups(gemma3.replace(num_layers=7)) == (g(0, 3, 2), g(6, 1, 1))  # a remainder group
+    assert layer_groups(gemma3.replace(num_layers=2)) == (g(0, 1, 2),)  # shallower than the pattern: all sliding
+    for config in (gemma3.replace(num_layers=n) for n in range(1, 13)):  # every layer once, in order, by its window
+        groups = layer_groups(config)
+        layers = [
+            (x.start + i * x.size + j, x.start + j) for x in groups for i in range(x.count) for j in range(x.size)
+        ]
+        assert [a for a, _ in layers] == list(range(config.num_layers))
+        assert all(config.layer_sliding_window(a) == config.layer_sliding_window(b) for a, b in layers)
+
+
+def test_which_runners_scan():
+    assert use_scan("auto") and use_scan("on") and not use_scan("off")
     with pytest.raises(ValueError, match="^scan_layers: must be one of"):
-        use_scan(tiny, "yes", lora=False)
+        use_scan("yes")
 
 
 def _generate(scan: str, backend: str, kv_dtype: str | None):

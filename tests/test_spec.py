@@ -21,6 +21,7 @@ from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec.config import SpeculativeConfig
 from paged_jax.spec.cost import CostGate, bucket_of
+from paged_jax.spec.decoder import next_draft_len
 from paged_jax.spec.ngram import NgramProposer
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
@@ -96,17 +97,59 @@ def greedy_baseline(tiny_config, tiny_params):
     return prompts, params, run(make_engine(tiny_config, tiny_params, None, num_pages=24), prompts, params)
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+def record_asks(engine: LLMEngine) -> list[tuple[int, int]]:
+    """Wrap the engine's proposer: each request's (drafts asked for, drafts the sequence has room for)."""
+    asks, propose = [], engine.spec.proposer.propose
+
+    def recording(requests):
+        asks.extend((r.max_drafts, engine.spec._room(r.seq)) for r in requests)
+        return propose(requests)
+
+    engine.spec.proposer.propose = recording
+    return asks
+
+
+@pytest.mark.parametrize(("k", "adaptive"), [(1, True), (3, False), (5, True)])
 @pytest.mark.parametrize("lookahead", [True, False], ids=["async", "sync"])
-def test_greedy_output_is_unchanged(tiny_config, tiny_params, greedy_baseline, k, lookahead):
+def test_greedy_output_is_unchanged(tiny_config, tiny_params, greedy_baseline, k, adaptive, lookahead):
+    """Also: a fixed draft length asks every sequence for all the drafts it has room for; an adaptive one asks
+    for fewer after a rejection."""
     prompts, params, want = greedy_baseline
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "adaptive_k": adaptive}
     engine = make_engine(tiny_config, tiny_params, spec, num_pages=24, async_scheduling=lookahead)
+    asks = record_asks(engine)
     assert run(engine, prompts, params) == want
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_hits > 0  # the workload exercised both
     assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
     assert len(stats.spec_acceptance_per_position) == k
+    shrunk = [asked < room for asked, room in asks]
+    assert any(shrunk) == (adaptive and k > 1) and all(asked <= room for asked, room in asks)
+
+
+def test_adaptive_draft_length_rule():
+    """Twice the drafts after keeping them all (at most k), one more than kept after a rejection."""
+    cases = {(1, 1): 2, (2, 2): 4, (4, 4): 7, (7, 7): 7, (7, 0): 1, (7, 3): 4, (2, 1): 2}  # (drafted, kept): next
+    assert {case: next_draft_len(*case, 7) for case in cases} == cases
+    assert next_draft_len(3, 3, 3) == 3 and next_draft_len(1, 0, 1) == 1
+
+
+def test_misses_pause_without_doubling_low_acceptance_doubles(tiny_config, tiny_params):
+    """A sequence with no proposal for `max_misses` steps pauses `pause_tokens`, the same each time (a step
+    without drafts scores nothing extra); asks resume at fixed intervals of output tokens."""
+    spec = {"method": "ngram", "max_misses": 2, "pause_tokens": 3, "pause_by_cost": False}
+    engine = make_engine(tiny_config, tiny_params, spec, async_scheduling=False)
+    asked_at = []
+
+    def never(requests):
+        asked_at.extend(len(r.seq.output_token_ids) for r in requests)
+        return [[] for _ in requests]
+
+    engine.spec.proposer.propose = never
+    engine.add_request("r", list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert asked_at == [1, 2, 5, 6, 9, 10, 13, 14, 17, 18]
 
 
 def test_seeded_sampling_is_unchanged(tiny_config, tiny_params):
@@ -311,6 +354,8 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
         ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"pause_by_cost": "yes"}, "pause_by_cost"),
         ({"cost_probe_steps": 0}, "cost_probe_steps"),
+        ({"cost_margin": 1.0}, "cost_margin"),
+        ({"adaptive_k": 1}, "adaptive_k"),
     ],
 )
 def test_bad_configs_name_the_field(tiny_config, tiny_params, config, field):
@@ -400,20 +445,50 @@ def test_the_cost_gate_pauses_a_batch_size_where_speculating_is_slower():
             assert gate.allows(seqs) == speculating
             gate.observe(seqs, speculating, 10, 10 / rate)
 
-    steps(2, True, 50.0)  # 2 speculating steps at 50 tok/s: plain unknown, so measure it
+    steps(2, True, 80.0)  # 2 speculating steps at 80 tok/s: plain unknown, so measure it
     steps(3, False, 100.0)  # the first of these is the switch (not counted), then 2 plain ones at 100 tok/s
     costs = gate.buckets[1]
-    assert costs.plain_rate == pytest.approx(100.0) and costs.spec_rate == pytest.approx(50.0)
-    steps(3, True, 50.0)  # switch + 2 counted: slower than plain -> pause for 4 steps
+    assert costs.plain_rate == pytest.approx(100.0) and costs.spec_rate == pytest.approx(80.0)
+    steps(3, True, 80.0)  # switch + 2 counted: slower than plain -> pause for 4 steps
     assert costs.pauses == 1
     steps(4, False, 100.0)
-    steps(3, True, 50.0)  # loses again: the pause doubles
+    steps(3, True, 80.0)  # loses again: the pause doubles
     assert costs.pauses == 2 and costs.paused_until == gate.step + 8
     steps(8, False, 100.0)
     steps(8, True, 1000.0)  # now it wins: no pause, the doubling is reset
     assert gate.allows(1) and costs.factor == 1
     assert gate.allows(32) and 32 not in gate.buckets  # a batch size of its own, not yet measured
     assert bucket_of(1) == 1 and bucket_of(3) == 4 and bucket_of(32) == 32
+
+
+def test_a_badly_losing_batch_size_is_probed_rarely():
+    """Speculating steps 4x as long as plain ones for 2x the tokens (half the rate): a probe of 2 steps loses
+    4 plain steps' time (8 x 0.5), so with a 10% margin the pause is (4 / 0.1 - 8) / 1 = 32 plain steps, not
+    the pause_steps (4) of a narrow loss."""
+    gate = CostGate(probe_steps=2, pause_steps=4, refresh_steps=1000, margin=0.1)
+    for speculating, tokens, seconds, n in [(True, 2, 4.0, 2), (False, 1, 1.0, 3), (True, 2, 4.0, 3)]:
+        for _ in range(n):
+            gate.observe(1, speculating, tokens, seconds)
+    assert gate.buckets[1].pauses == 1 and gate.buckets[1].paused_until == gate.step + 32
+
+
+def test_the_cost_gate_weighs_rates_by_time():
+    """Tokens over seconds of the recent steps, not an average of per-step rates: 10 tokens in 1 s, then 10 in
+    0.1 s, are 10 tokens per 0.73 s of EMA time (13.7 tok/s; an EMA of the rates would say 37)."""
+    gate = CostGate(probe_steps=100, pause_steps=4, refresh_steps=100)
+    gate.observe(1, True, 10, 1.0)
+    gate.observe(1, True, 10, 0.1)
+    assert gate.buckets[1].spec_rate == pytest.approx(10 / (0.7 * 1.0 + 0.3 * 0.1))
+
+
+@pytest.mark.parametrize(("spec_rate", "paused"), [(95.0, False), (85.0, True)])
+def test_the_cost_gate_pauses_only_beyond_its_margin(spec_rate, paused):
+    """With a 10% margin, speculation measured 5% slower than plain keeps speculating (noise), 15% slower pauses."""
+    gate = CostGate(probe_steps=2, pause_steps=4, refresh_steps=100, margin=0.1)
+    for speculating, rate, n in [(True, spec_rate, 2), (False, 100.0, 3), (True, spec_rate, 3)]:
+        for _ in range(n):
+            gate.observe(1, speculating, 10, 10 / rate)
+    assert gate.buckets[1].pauses == int(paused) and gate.allows(1) != paused
 
 
 def test_the_engine_feeds_the_gate_and_a_paused_batch_keeps_the_lookahead(tiny_config, tiny_params, greedy_baseline):

@@ -25,8 +25,8 @@ class EngineConfig:
     chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # one of pallas_kernels.common.BACKENDS (auto | xla | pallas | ...)
-    # The decoder's layers as one scanned step (paged_jax.model.scan): "auto" on TPU and GPU where the layers are
-    # alike and LoRA is off, "on" (an error where it cannot), "off" (a Python loop over the layers).
+    # The decoder's layers as scanned steps (paged_jax.model.scan; every model scans): "auto" and "on" scan, "off"
+    # is a Python loop over the layers.
     scan_layers: str = "auto"
     kv_dtype: str | None = None  # default: the model dtype; int8 / fp8_e4m3: quantized pages (paged_jax.model.quant)
     seed: int = 0  # seeds requests that do not set their own

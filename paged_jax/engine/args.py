@@ -211,7 +211,7 @@ ENGINE_FLAGS = (
     EngineFlag("attention_backend", choices=BACKENDS),
     EngineFlag(
         "scan_layers",
-        "the layers as one scanned step (auto: on TPU and GPU where the layers are alike and LoRA is off) or unrolled",
+        "the layers as scanned steps (auto, on: every model and platform) or unrolled (off)",
         choices=SCAN_CHOICES,
     ),
     EngineFlag("warmup", "compile step shapes lazily instead of at start-up", name="--no-warmup", negate=True),

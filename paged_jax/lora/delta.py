@@ -53,11 +53,23 @@ class LoraBatch:
     weights: LoraWeights
     slots: jax.Array
 
-    def per_layer(self) -> list[LoraLayer]:
-        """Each layer's `LoraLayer`, sharing one `token_weights` and `active` computed once for the step."""
-        w = token_weights(self.slots, self.weights.scaling)
-        active = jnp.any(self.slots > 0)
-        return [LoraLayer(layer, w, active) for layer in self.weights.layers]
+    def layers(self) -> LoraLayers:
+        """Every layer's adapters for the step, `token_weights` and `active` computed once."""
+        return LoraLayers(self.weights.arrays, token_weights(self.slots, self.weights.scaling), jnp.any(self.slots > 0))
+
+
+@flax.struct.dataclass
+class LoraLayers:
+    """Every layer's adapter arrays for one step: `arrays` stacked [num_layers, ...] (`paged_jax.lora.weights`),
+    with the step's `token_weights` [T, L] and `active` shared by all layers."""
+
+    arrays: Layer
+    token_weights: jax.Array
+    active: jax.Array
+
+    def at(self, layer: int | jax.Array) -> LoraLayer:
+        """Layer `layer`'s `LoraLayer`: a Python int (the unrolled decoder) or a traced int32 scalar (a scan step)."""
+        return LoraLayer(jax.tree.map(lambda w: w[layer], self.arrays), self.token_weights, self.active)
 
 
 def token_weights(slots: jax.Array, scaling: jax.Array) -> jax.Array:
@@ -132,4 +144,4 @@ def add_down(y: jax.Array, h: jax.Array, lora: LoraLayer) -> jax.Array:
     return _when_active(lora, add, y)
 
 
-__all__ = ["LoraBatch", "LoraLayer", "add_down", "add_gate_up", "add_o", "add_qkv", "token_weights"]
+__all__ = ["LoraBatch", "LoraLayer", "LoraLayers", "add_down", "add_gate_up", "add_o", "add_qkv", "token_weights"]

@@ -1,9 +1,11 @@
 """Where do adapters live on the device? Stacked arrays with one slot per resident adapter.
 
-Every adapted projection of every layer has one A and one B array with a slot axis of `max_loras` entries: entry
-l holds device slot l + 1 (slot 0, "no adapter", has no entry, so the one-hot matmuls never compute it; a token
-of slot 0 has a zero weight row, `paged_jax.lora.delta.token_weights`). Ranks are padded with zeros to
-`max_lora_rank` (exact: padded columns of A meet padded rows of B). Per layer (L slots, R rank):
+Every adapted projection has one A and one B array for all layers, stacked on a leading layer axis (as the
+scanned decoder stacks its weights, `paged_jax.model.scan`: a scan step indexes its layer's slice), with a slot
+axis of `max_loras` entries: entry l holds device slot l + 1 (slot 0, "no adapter", has no entry, so the one-hot
+matmuls never compute it; a token of slot 0 has a zero weight row, `paged_jax.lora.delta.token_weights`). Ranks
+are padded with zeros to `max_lora_rank` (exact: padded columns of A meet padded rows of B). One layer's slice
+(L slots, R rank; every array has a leading [num_layers] axis before these):
 
     qkv_a [H, 3, L, R]    q_b [L, R, Hq, D]    k_b, v_b [L, R, Hkv, D]
     o_a   [Hq, D, L, R]   o_b [L, R, H]
@@ -11,7 +13,7 @@ of slot 0 has a zero weight row, `paged_jax.lora.delta.token_weights`). Ranks ar
 
 The axes are laid out for the two matmuls of `paged_jax.lora.delta`: A's input axes lead and (L, R) trail, so
 the shrink `x [T, in] @ A [in, L * R]` needs no transpose; B's (L, R) lead, so the expand contracts them as one
-axis of L * R. A's slot axis is therefore second to last, B's first (`SLOT_AXIS`).
+axis of L * R. A's slot axis is therefore second to last, B's the first after the layer axis (`slot_axis`).
 q/k/v share one A array (one shrink matmul reads x once) as gate/up do; their B arrays stay apart so each delta
 lands on its own output (`paged_jax.lora.delta`). MoE models have the attention arrays only. `scaling` [S]
 float32 holds each slot's `lora_alpha / r` (entry l for slot l + 1; 0 for empty slots).
@@ -44,9 +46,10 @@ Layer = dict[str, Any]
 
 @flax.struct.dataclass
 class LoraWeights:
-    """Every slot's adapter weights: `layers[i]` per layer (module docstring), `scaling` [L] float32."""
+    """Every slot's adapter weights: `arrays` by name, each [num_layers, ...] (module docstring); `scaling` [L]
+    float32."""
 
-    layers: tuple[Layer, ...]
+    arrays: Layer
     scaling: jax.Array
 
     @property
@@ -55,7 +58,8 @@ class LoraWeights:
 
 
 def layer_shapes(config: ModelConfig, max_loras: int, max_rank: int) -> Layer:
-    """Shapes of one layer's arrays for `max_loras` slots (module docstring); attention only for MoE models."""
+    """Shapes of one layer's slice of the arrays for `max_loras` slots (module docstring, without the layer axis);
+    attention only for MoE models."""
     s, r = max_loras, max_rank
     h, d, hq, hkv, i = (
         config.hidden_size,
@@ -86,8 +90,9 @@ def layer_shapes(config: ModelConfig, max_loras: int, max_rank: int) -> Layer:
 
 
 def slot_axis(name: str, ndim: int) -> int:
-    """The slot axis of array `name` (module docstring): second to last for A, first for B."""
-    return ndim - 2 if name.endswith("_a") else 0
+    """The slot axis of stacked array `name` of `ndim` axes (module docstring): second to last for A, the first
+    after the layer axis for B."""
+    return ndim - 2 if name.endswith("_a") else 1
 
 
 _SPECS = {
@@ -107,17 +112,14 @@ _SPECS = {
 
 def partition_specs(config: ModelConfig, max_loras: int, max_rank: int, tp_axis: str = "tp") -> LoraWeights:
     """A `LoraWeights` of `PartitionSpec` leaves (module docstring)."""
-    layer = {k: _SPECS[k](tp_axis) for k in layer_shapes(config, max_loras, max_rank)}
-    return LoraWeights(tuple(dict(layer) for _ in range(config.num_layers)), P())
+    return LoraWeights({k: P(None, *_SPECS[k](tp_axis)) for k in layer_shapes(config, max_loras, max_rank)}, P())
 
 
 def abstract_weights(config: ModelConfig, max_loras: int, max_rank: int) -> LoraWeights:
     """`jax.ShapeDtypeStruct` leaves of the stacked arrays in the model dtype (scaling float32)."""
-    dtype = jnp.dtype(config.dtype)
-    layer = {k: jax.ShapeDtypeStruct(v, dtype) for k, v in layer_shapes(config, max_loras, max_rank).items()}
-    return LoraWeights(
-        tuple(dict(layer) for _ in range(config.num_layers)), jax.ShapeDtypeStruct((max_loras,), jnp.float32)
-    )
+    dtype, n = jnp.dtype(config.dtype), config.num_layers
+    arrays = {k: jax.ShapeDtypeStruct((n, *v), dtype) for k, v in layer_shapes(config, max_loras, max_rank).items()}
+    return LoraWeights(arrays, jax.ShapeDtypeStruct((max_loras,), jnp.float32))
 
 
 def allocate(config: ModelConfig, max_loras: int, max_rank: int, shardings: LoraWeights | None = None) -> LoraWeights:
@@ -127,15 +129,12 @@ def allocate(config: ModelConfig, max_loras: int, max_rank: int, shardings: Lora
     return zeros if shardings is None else jax.device_put(zeros, shardings)
 
 
-def slot_arrays(adapter: LoraAdapter, config: ModelConfig, max_rank: int) -> tuple[tuple[Layer, ...], np.float32]:
-    """One slot's worth of every layer's arrays (the module docstring's shapes without the slot axis) in the
-    model dtype, zero where the adapter adapts nothing, plus its scaling. `config` is the run config: its KV
-    heads may be the adapter's repeated for tensor parallelism."""
+def slot_arrays(adapter: LoraAdapter, config: ModelConfig, max_rank: int) -> tuple[Layer, np.float32]:
+    """One slot's worth of the arrays (the module docstring's stacked shapes without the slot axis) in the model
+    dtype, zero where the adapter adapts nothing, plus its scaling. `config` is the run config: its KV heads may
+    be the adapter's repeated for tensor parallelism."""
     dtype = jnp.dtype(config.dtype)
-    shapes = {
-        k: v[: slot_axis(k, len(v))] + v[slot_axis(k, len(v)) + 1 :]
-        for k, v in layer_shapes(config, 1, max_rank).items()
-    }
+    shapes = {k: _drop(v, slot_axis(k, len(v) + 1) - 1) for k, v in layer_shapes(config, 1, max_rank).items()}
     rank = adapter.rank
     layers = []
     for mods in adapter.layers:
@@ -157,22 +156,26 @@ def slot_arrays(adapter: LoraAdapter, config: ModelConfig, max_rank: int) -> tup
         if "down_proj" in mods:
             a, b = mods["down_proj"]
             arrays["down_a"][:, :rank], arrays["down_b"][:rank] = a, b
-        layers.append({k: v.astype(dtype) for k, v in arrays.items()})
-    return tuple(layers), np.float32(adapter.scaling)
+        layers.append(arrays)
+    return {k: np.stack([a[k] for a in layers]).astype(dtype) for k in shapes}, np.float32(adapter.scaling)
 
 
-def write_slot(weights: LoraWeights, slot: jax.Array, layers: tuple[Layer, ...], scaling: jax.Array) -> LoraWeights:
+def _drop(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return shape[:axis] + shape[axis + 1 :]
+
+
+def write_slot(weights: LoraWeights, slot: jax.Array, arrays: Layer, scaling: jax.Array) -> LoraWeights:
     """`weights` with device slot `slot` (an int32 scalar in 1..max_loras: entry slot - 1) replaced by one slot's
-    `layers` and `scaling`; the runner jits it with `weights` donated, so the update is in place and one executable
-    serves every slot."""
+    `arrays` (`slot_arrays`) and `scaling`; the runner jits it with `weights` donated, so the update is in place
+    and one executable serves every slot."""
     index = slot - 1
 
     def put(name: str, w: jax.Array, x: jax.Array) -> jax.Array:
         axis = slot_axis(name, w.ndim)
         return jax.lax.dynamic_update_index_in_dim(w, x.astype(w.dtype), index, axis)
 
-    new_layers = tuple({k: put(k, w[k], x[k]) for k in w} for w, x in zip(weights.layers, layers, strict=True))
-    return LoraWeights(new_layers, weights.scaling.at[index].set(scaling))
+    new = {k: put(k, w, arrays[k]) for k, w in weights.arrays.items()}
+    return LoraWeights(new, weights.scaling.at[index].set(scaling))
 
 
 __all__ = [

@@ -7,10 +7,12 @@ logit soft cap) is here. Parameter names follow `paged_jax.model.llama` (fused q
 o_proj, down_proj, input_layernorm, ...) so the HF import (one kernel per projection, fused at load by
 `paged_jax.model.loader.fuse`), the init and the tensor-parallel specs treat every family alike.
 
-With `scan_layers` the layers run as one `jax.lax.scan` over the stacked tree of `paged_jax.model.scan` (one
-layer module traced once, applied to each layer's weights; the KV cache is one stacked cache carried through
-the scan, each layer seeing it as a `LayerPages` view); otherwise as a Python loop over `layers_{i}`. Both
-compute the same function of the same weights.
+With `scan_layers` the layers run as `jax.lax.scan`s over the stacked tree of `paged_jax.model.scan`, one per
+layer group (`paged_jax.model.scan.layer_groups`: one period of the sliding-window pattern per scan step, one
+layer for uniform models): each group's layer modules are traced once and applied to their layers' slices of
+the stacked weights (and of the stacked LoRA slots); the KV cache is one stacked cache carried through the
+scans, each layer seeing it as a `LayerPages` view. Otherwise the layers run as a Python loop over
+`layers_{i}`. Both compute the same function of the same weights.
 
 Per layer, `Attention` passes its sliding window (`ModelConfig.layer_sliding_window`) and the attention
 logit soft cap to the `AttentionFn`, so both reach the paged kernels and the dense reference alike.
@@ -40,7 +42,7 @@ from paged_jax.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from paged_jax.model.scan import LAYERS, can_scan
+from paged_jax.model.scan import LAYERS, LayerGroup, layer_groups
 
 Rope = tuple[jax.Array, jax.Array]  # cos, sin: [T, D] float32
 
@@ -173,10 +175,12 @@ class CausalLM(nn.Module):
         self.inv_freq = inv_freq_for(c.head_dim, c.rope_theta, c.rope_scaling)
         self.local_inv_freq = None if c.rope_local_theta is None else inv_freq_for(c.head_dim, c.rope_local_theta, None)
         if self.scan_layers:
-            if not can_scan(c):
-                raise ValueError("scan_layers: this model's layers differ (sliding-window pattern); it runs unrolled")
-            # An unbound layer module (no parent): applied to one layer's weights per scan step.
-            self.layer_step = self.make_layer(0).clone(parent=None)
+            # Unbound layer modules (no parent), one per layer of a group (its window), each applied to one
+            # layer's weights per scan step; layers differ by window alone, so any one initializes them all.
+            self.groups = layer_groups(c)
+            self.group_layers = [
+                [self.make_layer(g.start + j).clone(parent=None) for j in range(g.size)] for g in self.groups
+            ]
             if self.is_initializing():
                 self.layers = self.param(LAYERS, self._init_stacked)
             else:  # as stored: no abstract re-run of the initializer (which also cannot check quantized leaves)
@@ -197,7 +201,7 @@ class CausalLM(nn.Module):
     ) -> tuple[jax.Array, Any]:
         """token_ids, positions: [T] int32. kv_caches: one entry per layer (scanned: the one stacked cache), or
         None. `lora`: the adapter slots and each token's slot id (`paged_jax.lora.delta`); None runs the base
-        model alone (scanned: must be None).
+        model alone.
 
         Returns (hidden [T, H] after the final norm, new kv_caches: a list, one per layer; scanned: the stacked
         cache).
@@ -209,46 +213,62 @@ class CausalLM(nn.Module):
         rope = rope_cos_sin(positions, self.inv_freq)
         local = rope if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
         if self.scan_layers:
-            x, kv = self._scan(x, local if c.layer_sliding_window(0) is not None else rope, kv_caches, meta, lora)
+            kv = kv_caches
+            for group, modules in zip(self.groups, self.group_layers, strict=True):
+                x, kv = self._scan(group, modules, x, (rope, local), kv, meta, lora)
             return self.norm(x), kv
         caches = [None] * c.num_layers if kv_caches is None else list(kv_caches)
         if len(caches) != c.num_layers:
             raise ValueError(f"kv_caches: expected {c.num_layers} entries (one per layer), got {len(caches)}")
-        layer_lora = [None] * c.num_layers if lora is None else lora.per_layer()
+        layer_lora = None if lora is None else lora.layers()
         new_caches = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            x, cache = layer(x, local if c.layer_sliding_window(i) is not None else rope, cache, meta, layer_lora[i])
+            adapters = None if layer_lora is None else layer_lora.at(i)
+            x, cache = layer(x, local if c.layer_sliding_window(i) is not None else rope, cache, meta, adapters)
             new_caches.append(cache)
         return self.norm(x), new_caches
 
-    def _scan(self, x: jax.Array, rope: Rope, kv: Any, meta: Any, lora: LoraBatch | None) -> tuple[jax.Array, Any]:
-        """The layers as one scan: x [T, H] and the stacked cache `kv` (or None) carried, each step applying
-        `layer_step` to one layer's slice of the stacked weights with its `LayerPages` view of `kv`."""
-        if lora is not None:
-            raise ValueError("lora: a scanned decoder runs without adapters (the runner scans only when LoRA is off)")
+    def _scan(
+        self,
+        group: LayerGroup,
+        modules: list[nn.Module],
+        x: jax.Array,
+        ropes: tuple[Rope, Rope],
+        kv: Any,
+        meta: Any,
+        lora: LoraBatch | None,
+    ) -> tuple[jax.Array, Any]:
+        """One layer group as one scan: x [T, H] and the stacked cache `kv` (or None) carried; step g applies
+        `modules[j]` to layer l = start + g * size + j: its slice of the stacked weights (and LoRA slots), its
+        `LayerPages` view of `kv`, the global or local RoPE table (`ropes`) by its window."""
         c = self.config
         # int8/fp8 weights: XLA:TPU wants the stacked arrays' layer slices in another tiling than the parameters'
         # (T(8,128) vs T(32,128)) and, left alone, relayouts the whole stacked arrays before the loop (Llama-3.1-8B:
         # 22 GB of temporaries on a 16 GB v5e). A barrier on each step's slice keeps the relayout per layer.
         quantized = any(jnp.dtype(w.dtype).itemsize == 1 for w in jax.tree.leaves(self.layers))
+        layer_lora = None if lora is None else lora.layers()
 
-        def step(carry, xs):
+        def step(carry, g):
             x, kv = carry
-            weights, layer = xs
-            if quantized:
-                weights = jax.lax.optimization_barrier(weights)
-            view = None if kv is None else LayerPages(kv, layer, c.num_layers)
-            x, view = self.layer_step.apply({"params": weights}, x, rope, view, meta)
-            return (x, None if view is None else view.pages), None
+            for j, module in enumerate(modules):
+                layer = group.start + g * group.size + j
+                weights = _index(self.layers, layer)
+                if quantized:
+                    weights = jax.lax.optimization_barrier(weights)
+                view = None if kv is None else LayerPages(kv, layer, c.num_layers)
+                rope = ropes[c.layer_sliding_window(group.start + j) is not None]
+                adapters = None if layer_lora is None else layer_lora.at(layer)
+                x, view = module.apply({"params": weights}, x, rope, view, meta, adapters)
+                kv = None if view is None else view.pages
+            return (x, kv), None
 
-        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(step, (x, kv), (self.layers, layers))
+        (x, kv), _ = jax.lax.scan(step, (x, kv), jnp.arange(group.count, dtype=jnp.int32))
         return x, kv
 
     def _init_stacked(self, rng: jax.Array) -> Any:
         """Stacked layer weights [L, ...] from each layer's own initializer (one key per layer)."""
         c = self.config
-        template = self.layer_step.clone(attention_fn=dense_attention, parent=None)  # init runs without a cache
+        template = self.group_layers[0][0].clone(attention_fn=dense_attention, parent=None)  # init runs without a cache
         x = jnp.zeros((1, c.hidden_size), jnp.dtype(c.dtype))
         rope = rope_cos_sin(jnp.zeros((1,), jnp.int32), self.inv_freq)
         init = lambda key: template.init(key, x, rope, None, DenseMeta.single(1))["params"]
@@ -271,6 +291,11 @@ class CausalLM(nn.Module):
         logits = logits.astype(jnp.float32)
         cap = self.config.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _index(stacked: Any, layer: jax.Array) -> Any:
+    """Layer `layer`'s slice of every leaf of a stacked tree ([L, ...] -> [...]), `layer` a traced int32 scalar."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), stacked)
 
 
 __all__ = ["ACTIVATIONS", "Attention", "CausalLM", "GatedMLP", "PreNormLayer", "inv_freq_for"]

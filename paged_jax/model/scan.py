@@ -14,15 +14,23 @@ quantization produce) stacked leaf by leaf on a new leading layer axis under one
 The stored form (orbax checkpoints, HF/GGUF import) stays per layer, so every checkpoint restores for either
 path; `stack_layers` runs once when a runner takes the parameters.
 
-Which families scan: those whose layers are the same function of their own weights, i.e. every layer has the
-same sliding window (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE: MoE in every layer, and any Gemma without a
-window pattern). Gemma 2/3's alternating windows pick the kernel's static window and the RoPE base per layer;
-they stay unrolled (`can_scan` False) rather than turning the window into a traced kernel operand on every
-backend.
+Every family scans, in layer groups (`layer_groups`): where layers differ, they differ only by their sliding
+window (Gemma 2/3's pattern: the window is the kernels' static argument and it picks the layer's RoPE base), and
+the window pattern is periodic, so a scan step runs one period of layers (Gemma 2: [sliding, global]; Gemma 3:
+five sliding then one global), each with its own static window and RoPE table, and a depth that is no multiple
+of the period ends in a second group (Gemma 3 with 26 layers: 4 x 6, then 2 x 1). Uniform models are one group
+of one layer. Why groups and not the window as scanned data: a traced window would become a runtime operand of
+every backend's kernel (Pallas TPU and GPU, the C++ CPU kernel, the XLA path), lose their static page-range
+skipping outside the window and need new kernel variants; groups keep every kernel call as it is, at a compile
+cost of one period of layers (at most six), still independent of depth.
+
+LoRA: the adapters' slots are stacked the same way (`paged_jax.lora.weights`: [L, ...]) and each scan step
+indexes its layer's slice like the base weights.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -36,14 +44,31 @@ LAYERS = "layers"  # the key of the stacked subtree
 Params = dict[str, Any]
 
 
-def can_scan(config: ModelConfig) -> bool:
-    """True when every layer is the same function of its weights (one sliding window for all: module docstring)."""
-    return len({config.layer_sliding_window(i) for i in range(config.num_layers)}) == 1
+@dataclass(frozen=True)
+class LayerGroup:
+    """`count` scan steps of `size` layers each from layer `start`: step g runs layers start + g * size + j
+    (j < size), layer j with the window of layer start + j (the same for every g)."""
+
+    start: int
+    size: int
+    count: int
 
 
-def use_scan(config: ModelConfig, scan_layers: str, lora: bool) -> bool:
-    """Whether a runner scans: `scan_layers` "off" never, "on" always (ValueError naming the field where it
-    cannot), "auto" when `can_scan` and LoRA is off (LoRA's slots are per-layer arrays: `paged_jax.lora.weights`).
+def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
+    """The scan's groups (module docstring): from the first layer not yet covered, the shortest period of the
+    remaining layers' windows, repeated as often as it fits; then the same for what is left."""
+    windows = [config.layer_sliding_window(i) for i in range(config.num_layers)]
+    groups, start = [], 0
+    while start < len(windows):
+        rest = windows[start:]
+        size = next(q for q in range(1, len(rest) + 1) if all(w == rest[i % q] for i, w in enumerate(rest)))
+        groups.append(LayerGroup(start, size, len(rest) // size))
+        start += size * (len(rest) // size)
+    return tuple(groups)
+
+
+def use_scan(scan_layers: str) -> bool:
+    """Whether a runner scans: `scan_layers` "off" never, "on" and "auto" always (every model scans).
 
     On every platform: on CPU too the scan pays for a real model (one layer body compiled instead of L; XLA:CPU
     copies each layer's weight slice before its dot, which a quiet machine reads back from cache:
@@ -51,13 +76,7 @@ def use_scan(config: ModelConfig, scan_layers: str, lora: bool) -> bool:
     unrolled decode step is faster (README)."""
     if scan_layers not in SCAN_CHOICES:
         raise ValueError(f"scan_layers: must be one of {SCAN_CHOICES}, got {scan_layers!r}")
-    possible = can_scan(config) and not lora
-    if scan_layers == "on" and not possible:
-        why = "LoRA adapters are per-layer arrays" if lora else "its layers differ (sliding-window pattern)"
-        raise ValueError(f"scan_layers: 'on' is not possible for this model ({why}); use 'auto' or 'off'")
-    if scan_layers == "auto":
-        return possible
-    return scan_layers == "on"
+    return scan_layers != "off"
 
 
 def is_stacked(params: Params) -> bool:
@@ -89,8 +108,9 @@ def unstack_layers(params: Params) -> Params:
 __all__ = [
     "LAYERS",
     "SCAN_CHOICES",
-    "can_scan",
+    "LayerGroup",
     "is_stacked",
+    "layer_groups",
     "stack_layers",
     "unstack_layers",
     "use_scan",

@@ -6,9 +6,14 @@ that is speculating, at most k and never past its `max_tokens` or the model leng
 sequence for the scheduler. After the step, `settle` counts what each verified sequence kept (the engine has
 appended the kept tokens) and rolls its KV back to them (`KVCacheManager.accept_drafts`).
 
+With `adaptive_k` each sequence drafts `draft_len` tokens at most (k at first): after a verify that kept all its
+drafts it doubles (up to k), after one that rejected some it is the drafts kept + 1 (a copy that resumes after an
+edit earns its length back within a few steps, a sequence that keeps diverging drafts one token at a time).
+
 Speculation pauses where it does not pay (`SpeculativeConfig`). Per sequence: after `probe_tokens` drafts whose
-acceptance rate is below `min_acceptance_rate`, or `max_misses` steps in a row with no draft, the sequence decodes
-plainly for `pause_tokens` output tokens (doubling, up to 16x, each time it pauses again) and then probes again.
+acceptance rate is below `min_acceptance_rate` the sequence decodes plainly for `pause_tokens` output tokens
+(doubling, up to 16x, each time it pauses so again) and then probes again; after `max_misses` steps in a row
+with no draft it pauses for `pause_tokens` (not doubled).
 Per batch (`pause_by_cost`): the `CostGate` compares the measured decode tokens per second with and without
 speculation (`observe`, after each collected step) and turns speculation off for the batch size where it was
 slower. A request with `SamplingParams.speculate=False` never speculates. While no running sequence speculates the
@@ -45,8 +50,9 @@ class SeqSpec:
     proposed: int = 0  # drafts scored since the last pause
     accepted: int = 0
     misses: int = 0  # steps in a row without a draft
-    pauses: int = 0
+    pauses: int = 0  # low-acceptance pauses so far (each doubles the next)
     resume_at: int = 0  # output length from which it speculates again
+    draft_len: int = 0  # the most drafts it asks for next (adaptive_k; 0: not yet set, k)
 
 
 class SpecDecoder:
@@ -57,7 +63,12 @@ class SpecDecoder:
         self.seqs: dict[str, SeqSpec] = {}
         self.stats = SpecStats()
         self.gate = (
-            CostGate(config.cost_probe_steps, config.cost_pause_steps, REFRESH_FACTOR * config.cost_pause_steps)
+            CostGate(
+                config.cost_probe_steps,
+                config.cost_pause_steps,
+                REFRESH_FACTOR * config.cost_pause_steps,
+                config.cost_margin,
+            )
             if config.pause_by_cost
             else None
         )
@@ -120,6 +131,10 @@ class SpecDecoder:
             if seq.pending is not None or not self._decoding(seq, kv):
                 continue  # its last token is on the device, or it is still prefilling
             room = self._room(seq)
+            if self.config.adaptive_k:
+                state = self.seqs.get(seq.seq_id)
+                if state is not None and state.draft_len:
+                    room = min(room, state.draft_len)
             if room >= 1 and self.is_speculating(seq):
                 requests.append(DraftRequest(seq, room))
         if not requests:
@@ -132,7 +147,7 @@ class SpecDecoder:
             state = self._state(seq)
             state.misses += 1
             if state.misses >= self.config.max_misses:
-                self._pause(seq, state)
+                self._pause(seq, state, doubling=False)
 
     def settle(self, sched: SchedulerOutput, tokens: np.ndarray, kv: KVCacheManager) -> None:
         """After the engine appended the kept tokens of `sched` (`tokens` [R]: REJECTED where not kept): count each
@@ -154,19 +169,27 @@ class SpecDecoder:
             state.misses = 0
             state.proposed += k
             state.accepted += kept
+            state.draft_len = next_draft_len(k, kept, self.config.num_speculative_tokens)
             if not seq.finished and seq.seq_id in kv:
                 kv.accept_drafts(seq.seq_id, kept, seq.all_token_ids)
                 cfg = self.config
                 if state.proposed >= cfg.probe_tokens and state.accepted < cfg.min_acceptance_rate * state.proposed:
                     self._pause(seq, state)
 
-    def _pause(self, seq: TokenSequence, state: SeqSpec) -> None:
-        factor = min(2**state.pauses, MAX_PAUSE_FACTOR)
-        state.pauses += 1
+    def _pause(self, seq: TokenSequence, state: SeqSpec, doubling: bool = True) -> None:
+        factor = min(2**state.pauses, MAX_PAUSE_FACTOR) if doubling else 1
+        state.pauses += doubling
         state.resume_at = len(seq.output_token_ids) + self.config.pause_tokens * factor
         state.proposed = state.accepted = state.misses = 0
+        state.draft_len = 0  # back to k when it resumes
 
     def release(self, seq: TokenSequence) -> None:
         """Forget a sequence that left the engine."""
         self.seqs.pop(seq.seq_id, None)
         self.proposer.release(seq.seq_id)
+
+
+def next_draft_len(drafted: int, kept: int, k: int) -> int:
+    """A sequence's next draft length after a verify that kept `kept` of its `drafted` drafts (adaptive_k): twice
+    as many after keeping them all (at most k), else one more than it kept."""
+    return min(k, 2 * drafted) if kept == drafted else min(k, kept + 1)

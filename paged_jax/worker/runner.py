@@ -419,7 +419,7 @@ class ModelRunner:
         else:
             platform = jax.devices()[0].platform
         # The scanned decoder (paged_jax.model.scan).
-        self.scan = use_scan(config, scan_layers, lora is not None)
+        self.scan = use_scan(scan_layers)
         self.params = self._stack(params, mesh, abstract) if self.scan else params
         params = self.params
         self.mesh = mesh
@@ -565,9 +565,9 @@ class ModelRunner:
 
     def load_lora(self, load: SlotLoad) -> None:
         """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
-        layers, scaling = lora_weights.slot_arrays(load.adapter, self.config, self.lora.max_rank)
+        arrays, scaling = lora_weights.slot_arrays(load.adapter, self.config, self.lora.max_rank)
         write = self._executable(self.lora_write_job())
-        self.lora_weights = write(self.lora_weights, np.int32(load.slot), layers, scaling)
+        self.lora_weights = write(self.lora_weights, np.int32(load.slot), arrays, scaling)
 
     def seq_bucket(self, t: int, rows: int = 0) -> int:
         """The sequence bucket of a step of token bucket `t` with `rows` sequences or sample rows (see the module
@@ -797,15 +797,12 @@ class ModelRunner:
 
         def lower() -> jax.stages.Lowered:
             one = lora_weights.abstract_weights(self.config, 1, self.lora.max_rank)
-            layers = tuple(
-                {
-                    k: self._spec(*_drop_axis(x.shape, lora_weights.slot_axis(k, x.ndim)), dtype=x.dtype)
-                    for k, x in layer.items()
-                }
-                for layer in one.layers
-            )
+            arrays = {
+                k: self._spec(*_drop_axis(x.shape, lora_weights.slot_axis(k, x.ndim)), dtype=x.dtype)
+                for k, x in one.arrays.items()
+            }
             scaling = self._spec(dtype=jnp.float32)
-            return self._lora_write.lower(self._lora_specs(), self._spec(), layers, scaling)
+            return self._lora_write.lower(self._lora_specs(), self._spec(), arrays, scaling)
 
         return Job(("lora_write", self._key), lower, "lora slot write")
 
