@@ -507,6 +507,29 @@ def test_the_engine_feeds_the_gate_and_a_paused_batch_keeps_the_lookahead(tiny_c
     assert engine.stats().spec_draft_tokens == 0 and synced and not any(synced)
 
 
+def test_a_step_that_compiled_does_not_feed_the_gate(tiny_config, tiny_params, greedy_baseline):
+    """A step call that compiled an executable (a shape's first use without warm-up) is not timed: its compile
+    seconds would read as decoding cost and pause speculation. Here every launch counts as a compile."""
+    from paged_jax.worker.executables import PROCESS
+
+    prompts, params, want = greedy_baseline
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    engine = make_engine(tiny_config, tiny_params, spec, num_pages=24)
+    launch = engine.launch_step
+
+    def compiling_launch(*args, **kwargs):
+        with PROCESS.lock:
+            PROCESS.backend_compiles += 1
+        return launch(*args, **kwargs)
+
+    engine.launch_step = compiling_launch
+    assert run(engine, prompts, params) == want
+    assert engine.spec.gate.step == 0 and engine.stats().spec_draft_tokens > 0
+    engine.launch_step = launch
+    assert run(engine, prompts, params) == want
+    assert engine.spec.gate.step > 0
+
+
 def test_the_fronts_carry_the_opt_out():
     """OpenAI bodies (`"speculate": false`) and gRPC `SamplingParams.speculate` reach the sampling fields."""
     from serve.convert import sampling_fields

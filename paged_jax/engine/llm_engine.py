@@ -41,6 +41,7 @@ from paged_jax.spec.setup import parse_spec_config
 from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, StructuredRows
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
+from paged_jax.worker.executables import PROCESS as COMPILES
 from paged_jax.worker.kv_budget import kv_capacity_pages
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
 from paged_jax.worker.runner import LoraShape, ModelRunner, StepResult
@@ -302,13 +303,13 @@ class LLMEngine:
         With `async_scheduling` (the default) the engine dispatches step n+1 before it waits for step n's
         samples (`paged_jax.engine.lookahead`); the outputs returned are then step n's.
         """
-        t0, appended = time.perf_counter(), self.num_appended
+        t0, appended, compiles = time.perf_counter(), self.num_appended, COMPILES.backend_compiles
         if not self.engine_config.async_scheduling:
             launched = self.launch_step()
             if launched is None:
                 return []
             outputs = self.finish_step(launched)
-            self._observe(launched.sched, False, appended, t0)
+            self._observe(launched.sched, False, appended, t0, compiles)
             return outputs
         prev = self.lookahead.take()
         outputs = []
@@ -326,12 +327,15 @@ class LLMEngine:
             launched = self.launch_sampling(launched)
         self.lookahead.inflight = launched
         if collected is not None:  # the step this call collected, timed with the next one's launch
-            self._observe(collected, synced, appended, t0)
+            self._observe(collected, synced, appended, t0, compiles)
         return outputs
 
-    def _observe(self, sched: SchedulerOutput, synced: bool, appended: int, t0: float) -> None:
-        """Tell the speculative decoder what the step `sched`, collected by this `step` call, cost and yielded."""
-        if self.spec is not None:
+    def _observe(self, sched: SchedulerOutput, synced: bool, appended: int, t0: float, compiles: int) -> None:
+        """Tell the speculative decoder what the step `sched`, collected by this `step` call, cost and yielded;
+        not when the call compiled anything (`compiles`: the process's XLA compile count at its start; a shape's
+        first use without warm-up): its compile seconds would read as the cost of decoding, and the cost gate
+        would pause speculation for hundreds of steps after one compiled verify step."""
+        if self.spec is not None and COMPILES.backend_compiles == compiles:
             self.spec.observe(sched, synced, self.num_appended - appended, time.perf_counter() - t0)
 
     def _is_live(self, seq: TokenSequence) -> bool:
