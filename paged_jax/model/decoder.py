@@ -243,20 +243,22 @@ class CausalLM(nn.Module):
         `modules[j]` to layer l = start + g * size + j: its slice of the stacked weights (and LoRA slots), its
         `LayerPages` view of `kv`, the global or local RoPE table (`ropes`) by its window.
 
-        The group's weights are the scan's `xs` (the group's rows of each stacked leaf as [count, size, ...]: for
-        a one-group model a bitcast of the parameter), so each step's slice is offset by the loop's own counter:
-        XLA:GPU then lets cuBLAS read it in place, where a slice at a computed index (`start + g * size + j`)
-        was copied out every layer (`make gpu-check`'s w-copy column)."""
+        A group of every layer one by one (every model whose layers are alike) passes the stacked weights as the
+        scan's `xs`, so a step's slice is offset by the loop's own counter: XLA:GPU's cuBLAS then reads it in
+        place, where a slice at a computed index (`start + g * size + j`) is copied out every layer (Llama-3.1-8B
+        decode: 13 GiB per step, `make gpu-check`'s w-copy column). Other groups (Gemma's periods and remainder)
+        index the stacked weights: XLA:TPU reads those in place too, and slicing or reshaping the stacked arrays
+        into a group's `xs` instead made it copy them whole (16-32 GiB of temporaries on v5e/v6e)."""
         c = self.config
         layer_lora = None if lora is None else lora.layers()
-        rows = slice(group.start, group.start + group.count * group.size)
-        xs = jax.tree.map(lambda w: w[rows].reshape(group.count, group.size, *w.shape[1:]), self.layers)
+        whole = group == LayerGroup(start=0, size=1, count=c.num_layers)
 
         def step(carry, inputs):
             (x, kv), (g, stacked) = carry, inputs
             for j, module in enumerate(modules):
                 layer = group.start + g * group.size + j
-                weights = to_layer_order(jax.tree.map(lambda w, j=j: w[j], stacked), self.stacked_order)
+                weights = stacked if whole else _index(self.layers, layer)
+                weights = to_layer_order(weights, self.stacked_order)  # per-layer axis order
                 view = None if kv is None else LayerPages(kv, layer, c.num_layers)
                 rope = ropes[c.layer_sliding_window(group.start + j) is not None]
                 adapters = None if layer_lora is None else layer_lora.at(layer)
@@ -264,7 +266,8 @@ class CausalLM(nn.Module):
                 kv = None if view is None else view.pages
             return (x, kv), None
 
-        (x, kv), _ = jax.lax.scan(step, (x, kv), (jnp.arange(group.count, dtype=jnp.int32), xs))
+        xs = (jnp.arange(group.count, dtype=jnp.int32), self.layers if whole else None)
+        (x, kv), _ = jax.lax.scan(step, (x, kv), xs)
         return x, kv
 
     def _init_stacked(self, rng: jax.Array) -> Any:
@@ -293,6 +296,11 @@ class CausalLM(nn.Module):
         logits = logits.astype(jnp.float32)
         cap = self.config.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _index(stacked: Any, layer: jax.Array) -> Any:
+    """Layer `layer`'s slice of every leaf of a stacked tree ([L, ...] -> [...]), `layer` a traced int32 scalar."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), stacked)
 
 
 __all__ = ["ACTIVATIONS", "Attention", "CausalLM", "GatedMLP", "PreNormLayer", "inv_freq_for"]
