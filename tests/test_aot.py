@@ -24,7 +24,8 @@ def test_sized_like_the_engine_and_nothing_allocated(tiny_config):
     assert pages == (LIMIT - engine.weights_bytes) * 0.9 // (quant.kv_bytes_per_token(tiny_config, kv_dtype) * 16)
     leaves = jax.tree.leaves((runner.params, runner.kv_caches, runner.lora_weights))
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-    assert engine.local_kv_shape[0] == pages and engine.kv_tokens == (pages - 1) * 16
+    assert runner.scan  # LoRA engines scan too: one page array stacked over the layers
+    assert engine.local_kv_shape[0] == pages * tiny_config.num_layers and engine.kv_tokens == (pages - 1) * 16
     assert runner.lora == LoraShape(2, 16)
     per_layer = quant.kv_bytes_per_token(tiny_config, kv_dtype) // tiny_config.num_layers
     assert engine.layer_kv_bytes == pages * 16 * per_layer
