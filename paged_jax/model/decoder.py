@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.config import ModelConfig, RopeScaling
-from paged_jax.lora.delta import LoraBatch, LoraLayer
+from paged_jax.lora.delta import LoraBatch, LoraLayer, LoraLayers
 from paged_jax.model import quant
 from paged_jax.model.attention import AttentionFn, DenseMeta, LayerPages, dense_attention
 from paged_jax.model.layers import (
@@ -213,15 +213,15 @@ class CausalLM(nn.Module):
             x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
         rope = rope_cos_sin(positions, self.inv_freq)
         local = rope if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
+        layer_lora = None if lora is None else lora.layers()  # the step's token weights, once for every layer
         if self.scan_layers:
             kv = kv_caches
             for group, modules in zip(self.groups, self.group_layers, strict=True):
-                x, kv = self._scan(group, modules, x, (rope, local), kv, meta, lora)
+                x, kv = self._scan(group, modules, x, (rope, local), kv, meta, layer_lora)
             return self.norm(x), kv
         caches = [None] * c.num_layers if kv_caches is None else list(kv_caches)
         if len(caches) != c.num_layers:
             raise ValueError(f"kv_caches: expected {c.num_layers} entries (one per layer), got {len(caches)}")
-        layer_lora = None if lora is None else lora.layers()
         new_caches = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             adapters = None if layer_lora is None else layer_lora.at(i)
@@ -237,7 +237,7 @@ class CausalLM(nn.Module):
         ropes: tuple[Rope, Rope],
         kv: Any,
         meta: Any,
-        lora: LoraBatch | None,
+        layer_lora: LoraLayers | None,
     ) -> tuple[jax.Array, Any]:
         """One layer group as one scan: x [T, H] and the stacked cache `kv` (or None) carried; step g applies
         `modules[j]` to layer l = start + g * size + j: its slice of the stacked weights (and LoRA slots), its
@@ -250,7 +250,6 @@ class CausalLM(nn.Module):
         index the stacked weights: XLA:TPU reads those in place too, and slicing or reshaping the stacked arrays
         into a group's `xs` instead made it copy them whole (16-32 GiB of temporaries on v5e/v6e)."""
         c = self.config
-        layer_lora = None if lora is None else lora.layers()
         whole = group == LayerGroup(start=0, size=1, count=c.num_layers)
 
         def step(carry, inputs):
