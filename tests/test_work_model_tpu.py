@@ -17,7 +17,8 @@ MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25), (1, 40)]
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_model_counts_what_the_kernel_does(window):
-    """Pages DMA'd and blocks computed per item: the kernel's own counters equal the work model's."""
+    """Pages DMA'd, blocks computed and blocks computed with masks per item: the kernel's own counters equal the
+    work model's."""
     case = make_case(
         0, MIXED, num_tokens=32, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, max_blocks=6
     )
@@ -29,6 +30,9 @@ def test_model_counts_what_the_kernel_does(window):
     np.testing.assert_array_equal(np.asarray(dec_stats), want_dec)
     np.testing.assert_array_equal(np.asarray(pre_stats), want_pre)
     assert want_dec[:, 1].sum() > 0 and want_pre[:, 1].sum() > 0  # both ranges did work
+    for want in (want_dec, want_pre):  # boundary blocks masked; without a window, the others unmasked
+        assert 0 < want[:, 2].sum() <= want[:, 1].sum()
+        assert window is not None or want[:, 2].sum() < want[:, 1].sum()
 
 
 def _batch(q_lens, kv_lens, max_seqs):
@@ -115,3 +119,39 @@ def test_fixed_costs_dominate_tiny_shapes_and_dma_large_decode():
     assert decode.bound == "dma"
     _, prefill = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
     assert prefill.bound in ("vpu", "eup", "mxu") and prefill.term("fixed") < 0.2 * prefill.seconds
+
+
+def test_decode_only_step_prices_no_prefill_grid_steps():
+    """The grid is the range's real item count: a decode-only batch runs one (empty) prefill step, not the
+    prefill range's static bound, and a prefill-only batch one decode step."""
+    plan, decode = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64)
+    assert plan.prefill.num_items > 1 and decode.prefill.grid_steps == 1 and decode.decode.grid_steps == 64
+    assert decode.prefill.seconds == decode.chip.grid_step_s  # no blocks, no DMA: one step's fixed cost
+    _, prefill = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
+    assert prefill.decode.grid_steps == 1 and prefill.prefill.grid_steps == 16  # 8 chunks x 2 items of 256
+
+
+def test_only_boundary_blocks_pay_for_masks():
+    """A 512-token chunk at the end of a 4096-token context: the blocks before the chunk are computed unmasked,
+    so the vector work is far below that of the same blocks all masked."""
+    from pallas_kernels.tpu_plan import item_counts
+
+    plan, est = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
+    lens, cu = _batch([512] * 8, [4096] * 8, 16)
+    _, pre = item_counts(plan, lens, cu, 8)
+    assert pre[:, 2].sum() < 0.2 * pre[:, 1].sum()  # 7 of every 8 KV blocks lie before the chunk
+    assert est.prefill.valu_ops < 0.8 * _all_masked_valu(plan, est)
+
+
+def _all_masked_valu(plan, est):
+    """The prefill range's vector work had every block been masked (the masked share priced on all blocks)."""
+    from pallas_kernels import tpu_cost
+
+    rng = plan.prefill
+    lens, cu = _batch([512] * 8, [4096] * 8, 16)
+    _, counts = item_counts(plan, lens, cu, 8)
+    counts = counts.copy()
+    counts[:, 2] = counts[:, 1]
+    n = np.asarray(tpu_cost.plan_items(np, cu, 8, rng, False).n, np.int64)
+    opts = dict(kv_dtype=jnp.bfloat16, q_itemsize=2, sliding_window=None, soft_cap=None)
+    return tpu_cost._range_cost(est.chip, plan, rng, counts, n, **opts).valu_ops
