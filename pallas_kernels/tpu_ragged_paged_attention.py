@@ -34,11 +34,13 @@ Quantized pages (int8, fp8_e4m3; :mod:`pallas_kernels.kv_quant`): each page's sc
 (``[2 * num_kv_heads * page_size]`` float32, one scale per token, head and K/V) is DMA'd with the page into a
 ``[pages_per_block, 2 * num_kv_heads * page_size]`` buffer on the same semaphore. Once per block the rows are
 broadcast to the block's key rows (``[kv_block, 2 * num_kv_heads * page_size]``), the diagonal ``lane %
-page_size == key % page_size`` kept, and one small MXU product with a 0/1 head selector (``sel . diag^T``, the
-q.k^T form, exact at HIGHEST precision) turns them into one ``[1, kv_block]`` lane row per (head, K/V): the
-orientation of the logits' key axis. The values are cast exactly to the query dtype; the K scales multiply
-the logits and the V scales the probabilities (``rows x keys`` multiplications per head, 8 rows in decode,
-instead of ``keys x head_dim`` to dequantize K and V). HBM carries only the quantized values and the scales.
+page_size == key % page_size`` kept, and a small MXU product with a 0/1 head selector (``sel . diag^T``, the
+q.k^T form) turns them into one ``[1, kv_block]`` lane row per (head, K/V): the orientation of the logits' key
+axis. Each output of that product sums one nonzero, so it is computed exactly as three one-pass bf16 products
+of the scales' bf16 parts (:func:`bf16_parts`), half the MXU passes of an f32 ``HIGHEST`` product. The values
+are cast exactly to the query dtype; the K scales multiply the logits and the V scales the probabilities
+(``rows x keys`` multiplications per head, 8 rows in decode, instead of ``keys x head_dim`` to dequantize K and
+V). HBM carries only the quantized values and the scales.
 
 ``stats`` (an SMEM output, ``[3 * num_items]``): pages DMA'd, blocks computed and blocks computed with masks
 per item, counted where the kernel issues them; the work model's tests compare it with
@@ -228,15 +230,15 @@ def _kernel(
             sel = (
                 jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 1) // page_size
                 == jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 0)
-            ).astype(jnp.float32)
-            # [hk_rows, kv_block] = sel . diag^T on the MXU (the q.k^T form), exact at HIGHEST for a 0/1 matrix
-            scales_t = jax.lax.dot_general(
-                sel,
-                diag,
-                (((1,), (1,)), ((), ())),
-                precision=jax.lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32,
+            ).astype(jnp.bfloat16)
+            # [hk_rows, kv_block] = sel . diag^T on the MXU (the q.k^T form): each output sums exactly one
+            # nonzero, so three one-pass bf16 products of diag's exact bf16 parts, added in f32, give the f32
+            # scales bit for bit (f32 HIGHEST takes six passes).
+            hi, mid, lo = (
+                jax.lax.dot_general(sel, part, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                for part in bf16_parts(diag)
             )
+            scales_t = (hi + mid) + lo
             if masked:
                 key_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1) < kv_len
                 scales_t = jnp.where(key_ok, scales_t, 0.0)  # stale slots may hold NaN scales
@@ -321,6 +323,16 @@ def _kernel(
         @pl.when(~has_next)
         def _():
             wait(token_copies(i, q_slot, out_hbm, o_buf, o_sem, True))
+
+
+def bf16_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``x`` (float32) as three bfloat16 arrays whose float32 sum ``(hi + mid) + lo`` is ``x`` exactly: each
+    part rounds what the previous ones left (8 significant bits each; 24 in all), for every finite ``x`` whose
+    last residual is not subnormal (``|x| >= 2**-110``: far below any KV scale)."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def _run_range(
