@@ -70,3 +70,48 @@ def test_chunked_prefill_streams_kv_at_most_twice():
 def test_mixed_batch_reads_each_decode_sequence_once():
     work, minimum = _work(512, 64, [1] * 48 + [464], [2048] * 48 + [1000], 16)
     assert work.kv_bytes_read <= 1.2 * minimum
+
+
+def _estimate(q_lens, kv_lens, *, num_tokens, max_seqs, heads=(32, 8, 128), kv_dtype=jnp.bfloat16, generation="v5e"):
+    from pallas_kernels.tpu_cost import tpu_estimate
+
+    hq, hkv, d = heads
+    plan = tpu_plan_for((num_tokens, hq, d), (1, hkv, 16, 2 * d), max_seqs, 2048, kv_dtype, generation)
+    lens, cu = _batch(q_lens, kv_lens, max_seqs)
+    return plan, tpu_estimate(plan, lens, cu, len(q_lens), generation=generation, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("generation,width", [("v5e", 128), ("v6e", 256)])
+def test_mxu_rows_are_padded_to_the_array_width(generation, width):
+    """Decode rows (4 query heads, 8 after the sublane tile) cost a whole MXU-wide pass: the priced matmul work is
+    the roofline's issued FLOPs times width / 8 (bf16 pages, one pass each)."""
+    plan, est = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64, generation=generation)
+    lens, cu = _batch([1] * 64, [4096] * 64, 64)
+    assert est.decode.mxu_flops == tpu_work(plan, lens, cu, 64).issued_flops * width // 8
+    assert est.decode.scale_mxu_flops == 0 and est.prefill.blocks == 0
+
+
+def test_int8_pages_cost_more_compute_per_byte_than_bf16():
+    """Same lengths: int8 pages halve the DMA bytes but add the K/V casts and the per-block scale transposition
+    (an f32 HIGHEST product: 6 MXU passes), so their MXU and VPU work per KV byte are several times bf16's, and
+    their scale rows double the page DMAs."""
+    _, bf16 = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64)
+    _, int8 = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64, kv_dtype=jnp.int8)
+    assert int8.term("dma") < 0.55 * bf16.term("dma")
+    assert int8.decode.scale_mxu_flops > 0.3 * int8.decode.mxu_flops
+    per_byte = lambda e, t: e.term(t) / e.term("dma")  # noqa: E731
+    assert per_byte(int8, "mxu") > 2.5 * per_byte(bf16, "mxu")
+    assert per_byte(int8, "vpu") > 4 * per_byte(bf16, "vpu")
+    assert int8.decode.kv_dmas == 2 * bf16.decode.kv_dmas
+    assert bf16.bound == "dma" and int8.bound != "dma"  # v5e: int8 decode is no longer bandwidth-bound
+
+
+def test_fixed_costs_dominate_tiny_shapes_and_dma_large_decode():
+    """A small model's short decode (Qwen2.5-0.5B: 2 KV heads of 64, 8 KiB pages) is bound by the per-step and
+    per-DMA fixed costs; Llama-3.1-8B's large decode by HBM; a long prefill chunk by the vector units."""
+    _, tiny = _estimate([1] * 8, [512] * 8, num_tokens=16, max_seqs=8, heads=(14, 2, 64))
+    assert tiny.bound == "fixed" and tiny.term("fixed") > 2 * tiny.term("dma")
+    _, decode = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64)
+    assert decode.bound == "dma"
+    _, prefill = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
+    assert prefill.bound in ("vpu", "eup", "mxu") and prefill.term("fixed") < 0.2 * prefill.seconds
