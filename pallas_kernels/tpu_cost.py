@@ -9,8 +9,8 @@ pages per block), the same code the kernel runs, and mirrors what :mod:`.tpu_rag
 - **MXU** (``mxu_s``): every matmul of every (item, KV block, KV head) -- ``q.k^T`` and ``p.v`` -- with its
   rows padded to the MXU width (a weight tile is pushed whole for every product, so a product with fewer
   rows costs as much as one with ``mxu_width`` rows), times the number of bf16 passes (1 for bf16 operands,
-  :data:`F32_PASSES` for float32 pages and for the quantized pages' per-block scale transposition, an f32
-  ``HIGHEST`` product over a ``[kv_block, 2 * num_kv_heads * page_size]`` broadcast).
+  :data:`F32_PASSES` for float32 pages, :data:`SCALE_PASSES` for the quantized pages' per-block scale
+  transposition, a product over a ``[kv_block, 2 * num_kv_heads * page_size]`` broadcast).
 - **VPU** (``vpu_s``): vector-ALU work in 8x128 vreg operations: masks, the online softmax's elementwise
   steps, the V mask, int8/fp8 -> bf16 casts, the scale broadcast, the prefill item's strided query gather.
 - **EUP** (``eup_s``): the exponentials (one per logit, one per row for the running max's correction).
@@ -42,6 +42,12 @@ _VREG = 8 * 128  # elements of one 32-bit vreg (8 sublanes x 128 lanes)
 # bf16 MXU passes of one f32 x f32 product at Precision.HIGHEST (XLA's bf16_6x: each operand split in three
 # bf16 parts, six cross products).
 F32_PASSES = 6
+# bf16 MXU passes of the scale transposition: three one-pass products of the scales' exact bf16 parts
+# (:func:`.tpu_ragged_paged_attention.bf16_parts`; it was one f32 HIGHEST product, F32_PASSES).
+SCALE_PASSES = 3
+# Vector operations per element to split an f32 operand into three bf16 parts (three casts, two converts back,
+# two subtractions): paid by every f32 product, whether Mosaic splits it (HIGHEST) or the kernel does.
+SPLIT_OPS = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,16 +146,16 @@ class TpuEstimate:
 
 
 def grid_steps(rng: RangePlan, real_items: int) -> int:
-    """Grid steps the kernel runs for a range with ``real_items`` items: the range's static bound."""
-    del real_items
-    return rng.num_items
+    """Grid steps the kernel runs for a range with ``real_items`` items: the grid is the real item count (at
+    least one step), not the range's static bound (:func:`.tpu_ragged_paged_attention._run_range`)."""
+    return max(1, min(real_items, rng.num_items))
 
 
 def _range_cost(
     chip: TpuChip,
     plan: TpuPlan,
     rng: RangePlan,
-    counts: np.ndarray,  # [num_items, 2]: pages DMA'd, blocks computed (tpu_plan.item_counts)
+    counts: np.ndarray,  # [num_items, 3]: pages DMA'd, blocks computed, masked blocks (tpu_plan.item_counts)
     n: np.ndarray,  # [num_items] query tokens per item
     *,
     kv_dtype,
@@ -164,7 +170,7 @@ def _range_cost(
     rows = cdiv(plan.group * w, 8) * 8  # the kernel's [group * w] rows in whole sublane tiles
     real = n > 0
     steps = grid_steps(rng, int(real.sum()))
-    blocks = int(counts[:, 1].sum())
+    blocks, masked = int(counts[:, 1].sum()), int(counts[:, 2].sum())
     pages = int(counts[:, 0].sum())
     tokens = int(n.sum())
 
@@ -176,23 +182,30 @@ def _range_cost(
     m_rows = max(rows, chip.mxu_width)
     attn = blocks * hkv * 2 * (2 * m_rows * d * kv_block) * passes
     width = 2 * hkv * ps  # one page's scale row
-    scale = blocks * 2 * max(max(8, 2 * hkv), chip.mxu_width) * width * kv_block * F32_PASSES if quantized else 0
+    scale = blocks * 2 * max(max(8, 2 * hkv), chip.mxu_width) * width * kv_block * SCALE_PASSES if quantized else 0
 
-    # VPU, in vreg operations (element operations / 1024; bf16 counted as f32, as v5e's VPU computes it).
+    # VPU, in vreg operations (element operations / 1024; bf16 counted as f32, as v5e's VPU computes it). A
+    # masked (boundary) block also builds the masks and applies them; other blocks skip both.
     el = lambda x: x / _VREG
     mask_ops = 7 + (2 if sliding_window is not None else 0)  # iotas, % w, +, two compares, and
-    per_block = el(rows * kv_block * mask_ops) + el(kv_block * d * 3)  # the mask and V's row mask
-    logit_ops = 7 + (2 if quantized else 0) + (2 if soft_cap is not None else 0)
-    per_head = el(rows * kv_block * logit_ops) + el(kv_block * d)  # softmax steps; V's select
+    mask_block = el(rows * kv_block * mask_ops) + el(kv_block * d * 3)  # the mask and V's row mask
+    mask_head = el(rows * kv_block * 2) + el(kv_block * d)  # the selects on logits, p and V
+    per_block = 0.0
+    logit_ops = 5 + (2 if quantized else 0) + (2 if soft_cap is not None else 0)  # scale, max, -, sum, cast
+    per_head = el(rows * kv_block * logit_ops)
     per_head += el(rows * (4 * 128 + 2 * d))  # m, l (lane-replicated) and acc updates
+    if passes > 1:  # f32 operands (q, K, p, V) split into bf16 parts for the MXU
+        per_head += el((rows * d + 2 * kv_block * d + rows * kv_block) * SPLIT_OPS)
     if quantized:
         per_head += el(kv_block * 2 * d * 2)  # K and V: unpack and convert to the query dtype
         # The scale transposition's broadcast to [kv_block, width], its diagonal mask (iotas, two %, compare,
-        # select), the 0/1 selector and the stale-slot select on its [2 * hkv, kv_block] result.
-        per_block += el(kv_block * width * 7) + el(max(8, 2 * hkv) * (width * 4 + kv_block * 3))
+        # select), its split into three bf16 parts (three casts, two converts back, two subtractions) and the
+        # 0/1 selector; masked blocks also select the stale slots out of its result.
+        per_block += el(kv_block * width * (7 + SPLIT_OPS)) + el(max(8, 2 * hkv) * (width * 4 + kv_block * 2))
+        mask_block += el(max(8, 2 * hkv) * kv_block * 3)
     if w > 1:  # load_q: the group's rows gathered from the [w, num_q_heads, d] buffer (sublane-strided loads)
         per_head += plan.group * cdiv(w, 8) * cdiv(d, 128)
-    valu = blocks * (per_block + hkv * per_head)
+    valu = blocks * (per_block + hkv * per_head) + masked * (mask_block + hkv * mask_head)
     eup = blocks * hkv * (el(rows * kv_block) * (2 if soft_cap is not None else 1) + el(rows * 128))
 
     # Fixed: grid steps, DMA starts and waits with their guards, one exposed latency per call.

@@ -6,9 +6,9 @@ FLOPs / peak)`` next to the ideal (minimum bytes, useful FLOPs) and next to the 
 The current figures come from the kernels' own plans (:mod:`pallas_kernels.tpu_plan`,
 :mod:`pallas_kernels.gpu_plan`); the previous TPU design (q-blocks of 32 flat tokens that mixed sequences,
 every (sequence, KV block) pair computed over all ``group x 32`` rows) is re-derived in :func:`legacy_tpu_work`
-from that design's block table. Published chip figures are in :data:`pallas_kernels.work_model.HARDWARE`. The last table is the TPU kernel's
-predicted time per term (:mod:`pallas_kernels.tpu_cost`) for the shipped configs' decode and prefill steps with
-bfloat16 and int8 pages, and the unit that bounds each.
+from that design's block table. Published chip figures are in :data:`pallas_kernels.work_model.HARDWARE`.
+The last table is the TPU kernel's predicted time per term (:mod:`pallas_kernels.tpu_cost`) for the shipped
+configs' decode and prefill steps with bfloat16 and int8 pages, and the unit that bounds each.
 
     .venv/bin/python scripts/bench_kernel_model.py
 """

@@ -17,7 +17,8 @@ MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25), (1, 40)]
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_model_counts_what_the_kernel_does(window):
-    """Pages DMA'd and blocks computed per item: the kernel's own counters equal the work model's."""
+    """Pages DMA'd, blocks computed and blocks computed with masks per item: the kernel's own counters equal the
+    work model's."""
     case = make_case(
         0, MIXED, num_tokens=32, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, max_blocks=6
     )
@@ -29,6 +30,9 @@ def test_model_counts_what_the_kernel_does(window):
     np.testing.assert_array_equal(np.asarray(dec_stats), want_dec)
     np.testing.assert_array_equal(np.asarray(pre_stats), want_pre)
     assert want_dec[:, 1].sum() > 0 and want_pre[:, 1].sum() > 0  # both ranges did work
+    for want in (want_dec, want_pre):  # boundary blocks masked; without a window, the others unmasked
+        assert 0 < want[:, 2].sum() <= want[:, 1].sum()
+        assert window is not None or want[:, 2].sum() < want[:, 1].sum()
 
 
 def _batch(q_lens, kv_lens, max_seqs):
@@ -93,12 +97,14 @@ def test_mxu_rows_are_padded_to_the_array_width(generation, width):
 
 def test_int8_pages_cost_more_compute_per_byte_than_bf16():
     """Same lengths: int8 pages halve the DMA bytes but add the K/V casts and the per-block scale transposition
-    (an f32 HIGHEST product: 6 MXU passes), so their MXU and VPU work per KV byte are several times bf16's, and
-    their scale rows double the page DMAs."""
+    (three one-pass bf16 products over a [kv_block, 2 * 8 heads * 16 slots] broadcast, rows padded to 128), so
+    their MXU and VPU work per KV byte are several times bf16's, and their scale rows double the page DMAs."""
     _, bf16 = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64)
-    _, int8 = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64, kv_dtype=jnp.int8)
+    plan, int8 = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64, kv_dtype=jnp.int8)
     assert int8.term("dma") < 0.55 * bf16.term("dma")
-    assert int8.decode.scale_mxu_flops > 0.3 * int8.decode.mxu_flops
+    kv_block = plan.decode.pages_per_block * 16
+    assert int8.decode.scale_mxu_flops == int8.decode.blocks * 2 * 128 * 256 * kv_block * 3
+    assert int8.decode.scale_mxu_flops > 0.2 * int8.decode.mxu_flops
     per_byte = lambda e, t: e.term(t) / e.term("dma")  # noqa: E731
     assert per_byte(int8, "mxu") > 2.5 * per_byte(bf16, "mxu")
     assert per_byte(int8, "vpu") > 4 * per_byte(bf16, "vpu")
@@ -115,3 +121,39 @@ def test_fixed_costs_dominate_tiny_shapes_and_dma_large_decode():
     assert decode.bound == "dma"
     _, prefill = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
     assert prefill.bound in ("vpu", "eup", "mxu") and prefill.term("fixed") < 0.2 * prefill.seconds
+
+
+def test_decode_only_step_prices_no_prefill_grid_steps():
+    """The grid is the range's real item count: a decode-only batch runs one (empty) prefill step, not the
+    prefill range's static bound, and a prefill-only batch one decode step."""
+    plan, decode = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64)
+    assert plan.prefill.num_items > 1 and decode.prefill.grid_steps == 1 and decode.decode.grid_steps == 64
+    assert decode.prefill.seconds == decode.chip.grid_step_s  # no blocks, no DMA: one step's fixed cost
+    _, prefill = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
+    assert prefill.decode.grid_steps == 1 and prefill.prefill.grid_steps == 16  # 8 chunks x 2 items of 256
+
+
+def test_only_boundary_blocks_pay_for_masks():
+    """A 512-token chunk at the end of a 4096-token context: the blocks before the chunk are computed unmasked,
+    so the vector work is far below that of the same blocks all masked."""
+    from pallas_kernels.tpu_plan import item_counts
+
+    plan, est = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
+    lens, cu = _batch([512] * 8, [4096] * 8, 16)
+    _, pre = item_counts(plan, lens, cu, 8)
+    assert pre[:, 2].sum() < 0.2 * pre[:, 1].sum()  # 7 of every 8 KV blocks lie before the chunk
+    assert est.prefill.valu_ops < 0.8 * _all_masked_valu(plan, est)
+
+
+def _all_masked_valu(plan, est):
+    """The prefill range's vector work had every block been masked (the masked share priced on all blocks)."""
+    from pallas_kernels import tpu_cost
+
+    rng = plan.prefill
+    lens, cu = _batch([512] * 8, [4096] * 8, 16)
+    _, counts = item_counts(plan, lens, cu, 8)
+    counts = counts.copy()
+    counts[:, 2] = counts[:, 1]
+    n = np.asarray(tpu_cost.plan_items(np, cu, 8, rng, False).n, np.int64)
+    opts = dict(kv_dtype=jnp.bfloat16, q_itemsize=2, sliding_window=None, soft_cap=None)
+    return tpu_cost._range_cost(est.chip, plan, rng, counts, n, **opts).valu_ops
