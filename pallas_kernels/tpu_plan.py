@@ -152,6 +152,17 @@ def item_blocks(kv_len, q_len, q_start, t0, n, kv_block: int, sliding_window: in
     return first_pos, b_lo, b_hi
 
 
+def masked_block(b, first_pos, n, kv_block: int, sliding_window: int | None):
+    """Whether KV block ``b`` of an item (``n`` queries from position ``first_pos``) needs masks: some row sees
+    only part of it (its last key is past the first query position, or, with a window, its first key is
+    outside the last query's window). Other blocks are computed unmasked. Works on scalars of any array
+    library (the kernel calls it on SMEM scalars)."""
+    partial = (b + 1) * kv_block - 1 > first_pos
+    if sliding_window is not None:
+        partial |= b * kv_block <= first_pos + n - 1 - sliding_window
+    return partial
+
+
 def item_counts(
     plan: TpuPlan,
     kv_lens,
@@ -159,22 +170,23 @@ def item_counts(
     num_seqs: int,
     sliding_window: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per range (decode, prefill): ``[num_items, 2]`` pages DMA'd and KV blocks computed by each item, as the
-    kernel's own ``stats`` output reports them."""
+    """Per range (decode, prefill): ``[num_items, 3]`` pages DMA'd, KV blocks computed and KV blocks computed
+    with masks (:func:`masked_block`) by each item, as the kernel's own ``stats`` output reports them."""
     kv_lens, cu = np.asarray(kv_lens, np.int64), np.asarray(cu_q_lens, np.int64)
     out = []
     for rng, decode in ((plan.decode, True), (plan.prefill, False)):
         kv_block = rng.pages_per_block * plan.page_size
-        counts = np.zeros((rng.num_items, 2), np.int64)
+        counts = np.zeros((rng.num_items, 3), np.int64)
         for j, (s, t0, n) in enumerate(zip(*plan_items(np, cu, num_seqs, rng, decode), strict=True)):
             if n == 0:
                 continue
             kv_len, q_len = int(kv_lens[s]), int(cu[s + 1] - cu[s])
-            _, b_lo, b_hi = item_blocks(kv_len, q_len, int(cu[s]), int(t0), int(n), kv_block, sliding_window)
+            pos, b_lo, b_hi = item_blocks(kv_len, q_len, int(cu[s]), int(t0), int(n), kv_block, sliding_window)
             n_pages = cdiv(kv_len, plan.page_size)
             ppb = rng.pages_per_block
             counts[j, 0] = sum(max(0, min(ppb, n_pages - b * ppb)) for b in range(b_lo, b_hi))
             counts[j, 1] = b_hi - b_lo
+            counts[j, 2] = sum(masked_block(b, pos, int(n), kv_block, sliding_window) for b in range(b_lo, b_hi))
         out.append(counts)
     return out[0], out[1]
 

@@ -25,22 +25,27 @@ whatever their size, :func:`_in_hbm`):
 
 Compute: for each KV head, K and V are the lane-aligned halves ``[:, :head_dim]`` and ``[:, head_dim:]`` of the
 buffer rows (no strided loads). An online softmax in float32 scratch (``m``, ``l`` lane-replicated, ``acc``)
-folds in each block. The mask value is finite, probabilities of masked keys are exactly zero, and V rows past
-``kv_len`` are zeroed (a poisoned slot may hold NaN), so an item's rows never see stale memory.
+folds in each block. Only a block that some row sees in part (the causal diagonal, ``kv_len``, the window's
+edge) is masked: there the mask value is finite, probabilities of masked keys are exactly zero, and V rows
+past ``kv_len`` are zeroed (a poisoned slot may hold NaN), so an item's rows never see stale memory; every
+other block is computed without masks (the same values: every mask there is true).
 
 Quantized pages (int8, fp8_e4m3; :mod:`pallas_kernels.kv_quant`): each page's scale row
 (``[2 * num_kv_heads * page_size]`` float32, one scale per token, head and K/V, padded to whole lanes in the
 engine's TPU caches; padding columns are masked out) is DMA'd with the page into a
 ``[pages_per_block, 2 * num_kv_heads * page_size]`` buffer on the same semaphore. Once per block the rows are
 broadcast to the block's key rows (``[kv_block, 2 * num_kv_heads * page_size]``), the diagonal ``lane %
-page_size == key % page_size`` kept, and one small MXU product with a 0/1 head selector (``sel . diag^T``, the
-q.k^T form, exact at HIGHEST precision) turns them into one ``[1, kv_block]`` lane row per (head, K/V): the
-orientation of the logits' key axis. The values are cast exactly to the query dtype; the K scales multiply
-the logits and the V scales the probabilities (``rows x keys`` multiplications per head, 8 rows in decode,
-instead of ``keys x head_dim`` to dequantize K and V). HBM carries only the quantized values and the scales.
+page_size == key % page_size`` kept, and a small MXU product with a 0/1 head selector (``sel . diag^T``, the
+q.k^T form) turns them into one ``[1, kv_block]`` lane row per (head, K/V): the orientation of the logits' key
+axis. Each output of that product sums one nonzero, so it is computed exactly as three one-pass bf16 products
+of the scales' bf16 parts (:func:`bf16_parts`), half the MXU passes of an f32 ``HIGHEST`` product. The values
+are cast exactly to the query dtype; the K scales multiply the logits and the V scales the probabilities
+(``rows x keys`` multiplications per head, 8 rows in decode, instead of ``keys x head_dim`` to dequantize K and
+V). HBM carries only the quantized values and the scales.
 
-``stats`` (an SMEM output, ``[2 * num_items]``): pages DMA'd and blocks computed per item, counted where the
-kernel issues them; the work model's tests compare it with :func:`pallas_kernels.tpu_plan.tpu_work`.
+``stats`` (an SMEM output, ``[3 * num_items]``): pages DMA'd, blocks computed and blocks computed with masks
+per item, counted where the kernel issues them; the work model's tests compare it with
+:func:`pallas_kernels.tpu_plan.item_counts`.
 Block tables live in SMEM, which bounds ``max_seqs * max_blocks_per_seq`` (as in JAX's own kernel).
 """
 
@@ -59,6 +64,7 @@ from pallas_kernels.tpu_plan import (
     RangePlan,
     TpuPlan,
     item_blocks,
+    masked_block,
     plan_items,
     plan_tpu,
     static_work,
@@ -84,7 +90,7 @@ def _kernel(
     out_in,  # [num_tokens, num_q_heads, head_dim], aliased to out_hbm
     # Outputs.
     out_hbm,  # [num_tokens, num_q_heads, head_dim]
-    stats_ref,  # [2 * num_items] int32 (SMEM): pages DMA'd, blocks computed
+    stats_ref,  # [3 * num_items] int32 (SMEM): pages DMA'd, blocks computed, blocks computed with masks
     # Scratch.
     q_buf,  # [2, w, num_q_heads, head_dim]
     o_buf,  # [2, w, num_q_heads, head_dim]
@@ -178,7 +184,7 @@ def _kernel(
         """Queries and first KV block of item ``j`` (queries into slot ``j % 2``, KV into ``kv_slot``)."""
         _, _, _, _, _, b_lo, _ = info(j)
         start(token_copies(j, j % 2, q_hbm, q_buf, q_sem, False))
-        start(kv_copies(j, b_lo, kv_slot), count_at=2 * j)
+        start(kv_copies(j, b_lo, kv_slot), count_at=3 * j)
         start(scale_copies(j, b_lo, kv_slot))
 
     @pl.when(i == 0)
@@ -187,7 +193,7 @@ def _kernel(
             stats_ref[k] = 0
             return c
 
-        jax.lax.fori_loop(0, 2 * num_items, zero, 0)
+        jax.lax.fori_loop(0, 3 * num_items, zero, 0)
         slot_ref[0] = 0
 
         @pl.when(item_n_ref[0] > 0)
@@ -205,14 +211,15 @@ def _kernel(
         parts = [q_buf[q_slot, :, h * group + g, :] for g in range(group)]
         return parts[0] if group == 1 else jnp.concatenate(parts, axis=0)
 
-    def compute(b, slot):
-        tok = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 0) % w
-        k_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)
-        q_pos = first_pos + tok
-        mask = (tok < n) & (k_pos <= q_pos)
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        v_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0) < kv_len
+    def compute(b, slot, masked: bool):
+        if masked:
+            tok = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 0) % w
+            k_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)
+            q_pos = first_pos + tok
+            mask = (tok < n) & (k_pos <= q_pos)
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            v_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0) < kv_len
         if quantized:  # per-key scales as rows: scales_t[2 h + kv] is [1, kv_block], kv_block along lanes
             width = sc_buf.shape[2]
             rows_sc = jnp.broadcast_to(sc_buf[slot][:, None, :], (pages_per_block, page_size, width))
@@ -227,17 +234,18 @@ def _kernel(
             sel = (
                 jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 1) // page_size
                 == jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 0)
-            ).astype(jnp.float32)
-            # [hk_rows, kv_block] = sel . diag^T on the MXU (the q.k^T form), exact at HIGHEST for a 0/1 matrix
-            scales_t = jax.lax.dot_general(
-                sel,
-                diag,
-                (((1,), (1,)), ((), ())),
-                precision=jax.lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32,
+            ).astype(jnp.bfloat16)
+            # [hk_rows, kv_block] = sel . diag^T on the MXU (the q.k^T form): each output sums exactly one
+            # nonzero, so three one-pass bf16 products of diag's exact bf16 parts, added in f32, give the f32
+            # scales bit for bit (f32 HIGHEST takes six passes).
+            hi, mid, lo = (
+                jax.lax.dot_general(sel, part, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                for part in bf16_parts(diag)
             )
-            key_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1) < kv_len
-            scales_t = jnp.where(key_ok, scales_t, 0.0)  # stale slots may hold NaN scales
+            scales_t = (hi + mid) + lo
+            if masked:
+                key_ok = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1) < kv_len
+                scales_t = jnp.where(key_ok, scales_t, 0.0)  # stale slots may hold NaN scales
 
         for h in range(num_kv_heads):
             k = kv_buf[slot, h, :, pl.ds(0, head_dim)]
@@ -247,14 +255,19 @@ def _kernel(
             logits = jax.lax.dot_general(load_q(h), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             if quantized:
                 logits = logits * scales_t[2 * h : 2 * h + 1, :]
-            logits = jnp.where(mask, apply_soft_cap(logits * sm_scale, soft_cap), MASK_VALUE)
+            logits = apply_soft_cap(logits * sm_scale, soft_cap)
+            if masked:
+                logits = jnp.where(mask, logits, MASK_VALUE)
             m_prev, l_prev = m_ref[h], l_ref[h]  # [rows, 128]
             m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
-            p = jnp.where(mask, jnp.exp(logits - m_next[:, :1]), 0.0)
+            p = jnp.exp(logits - m_next[:, :1])
+            if masked:
+                p = jnp.where(mask, p, 0.0)
             l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = m_next
-            v = jnp.where(v_ok, v, jnp.zeros_like(v))
+            if masked:
+                v = jnp.where(v_ok, v, jnp.zeros_like(v))
             if quantized:
                 p = p * scales_t[2 * h + 1 : 2 * h + 2, :]
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -272,7 +285,7 @@ def _kernel(
 
             @pl.when(~last)
             def _():
-                start(kv_copies(i, b + 1, 1 - slot), count_at=2 * i)
+                start(kv_copies(i, b + 1, 1 - slot), count_at=3 * i)
                 start(scale_copies(i, b + 1, 1 - slot))
 
             @pl.when(last & has_next)
@@ -281,8 +294,17 @@ def _kernel(
 
             wait(kv_copies(i, b, slot))
             wait(scale_copies(i, b, slot))
-            stats_ref[2 * i + 1] += 1
-            compute(b, slot)
+            stats_ref[3 * i + 1] += 1
+            # A block every row sees whole needs no mask (rows past n compute on stale queries there, but rows
+            # are independent and theirs are never written out).
+            partial = masked_block(b, first_pos, n, kv_block, sliding_window)
+            pl.when(~partial)(functools.partial(compute, b, slot, False))
+
+            @pl.when(partial)
+            def _():
+                stats_ref[3 * i + 2] += 1
+                compute(b, slot, True)
+
             return 1 - slot
 
         slot_ref[0] = jax.lax.fori_loop(b_lo, b_hi, block, slot_ref[0])
@@ -305,6 +327,16 @@ def _kernel(
         @pl.when(~has_next)
         def _():
             wait(token_copies(i, q_slot, out_hbm, o_buf, o_sem, True))
+
+
+def bf16_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``x`` (float32) as three bfloat16 arrays whose float32 sum ``(hi + mid) + lo`` is ``x`` exactly: each
+    part rounds what the previous ones left (8 significant bits each; 24 in all), for every finite ``x`` whose
+    last residual is not subnormal (``|x| >= 2**-110``: far below any KV scale)."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def _run_range(
@@ -360,18 +392,21 @@ def _run_range(
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_bytes(plan, rng)
     bound = static_work(plan, rng, max_blocks, kv_pages.shape[0])
+    # The grid is the range's real item count (at least one step), so padding items cost no grid step: a
+    # decode-only batch runs one empty prefill step, not the prefill range's static bound.
+    steps = jnp.maximum(jnp.sum(items.n > 0), 1).astype(jnp.int32)
     out, stats = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(num_items,),
+            grid=(steps,),
             in_specs=[any_spec, any_spec, any_spec, any_spec],
             out_specs=[any_spec, pl.BlockSpec(memory_space=pltpu.SMEM)],
             scratch_shapes=scratch,
         ),
         out_shape=[
             jax.ShapeDtypeStruct(out.shape, out.dtype),
-            jax.ShapeDtypeStruct((2 * num_items,), jnp.int32),
+            jax.ShapeDtypeStruct((3 * num_items,), jnp.int32),
         ],
         input_output_aliases={9: 0},  # out_in (after 6 scalar-prefetch operands, q, kv, scales) -> out
         compiler_params=pltpu.CompilerParams(
@@ -465,7 +500,8 @@ def ragged_paged_attention_tpu(
     Block sizes come from :mod:`.tpu_tuned_block_sizes` for ``generation`` (by default the local TPU's, else a
     heuristic); ``tokens_per_item`` and ``pages_per_block`` override them (tests). ``interpret``: True or a
     ``pltpu.InterpretParams`` runs the kernel in the TPU interpreter (CPU is fine). ``return_stats`` also
-    returns ``(decode_stats, prefill_stats)``, each ``[num_items, 2]``: pages DMA'd and blocks computed.
+    returns ``(decode_stats, prefill_stats)``, each ``[num_items, 3]``: pages DMA'd, blocks computed and blocks
+    computed with masks (the boundary blocks).
     Quantized pages: ``kv_pages`` as ``QuantizedPages`` or with ``kv_scales``; the queries stay in their dtype.
     """
     if kv_scales is None:
@@ -492,6 +528,6 @@ def ragged_paged_attention_tpu(
     for rng, decode in ((plan.decode, True), (plan.prefill, False)):
         items = plan_items(jnp, cu_q_lens, num_seqs[0], rng, decode)
         out, st = _run_range(plan, rng, items, meta, q, kv_pages, kv_scales, out, **opts)
-        stats.append(st.reshape(-1, 2))
+        stats.append(st.reshape(-1, 3))
     out = out.astype(out_dtype)
     return (out, tuple(stats)) if return_stats else out

@@ -7,6 +7,8 @@ The current figures come from the kernels' own plans (:mod:`pallas_kernels.tpu_p
 :mod:`pallas_kernels.gpu_plan`); the previous TPU design (q-blocks of 32 flat tokens that mixed sequences,
 every (sequence, KV block) pair computed over all ``group x 32`` rows) is re-derived in :func:`legacy_tpu_work`
 from that design's block table. Published chip figures are in :data:`pallas_kernels.work_model.HARDWARE`.
+The last table is the TPU kernel's predicted time per term (:mod:`pallas_kernels.tpu_cost`) for the shipped
+configs' decode and prefill steps with bfloat16 and int8 pages, and the unit that bounds each.
 
     .venv/bin/python scripts/bench_kernel_model.py
 """
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import cdiv
+from pallas_kernels.tpu_cost import tpu_estimate
 from pallas_kernels.tpu_plan import item_blocks, tpu_work, useful_flops
 from pallas_kernels.tpu_ragged_paged_attention import tpu_plan_for
 from pallas_kernels.work_model import HARDWARE, KernelWork, minimum_kv_bytes, with_kv_dtype
@@ -234,6 +237,51 @@ def quant_table(step: StepModel = LLAMA_8B, target: str = "v5e") -> None:
         )
 
 
+# Shipped configs whose attention shapes differ (Mistral-7B, Qwen3-8B and Mixtral share Llama-3.1-8B's).
+BREAKDOWN_CONFIGS = ("llama-3.1-8b", "llama-3.2-1b", "qwen2.5-0.5b", "smollm2-135m", "gemma-2-9b")
+# (name, num_tokens, max_seqs, q_lens, kv_lens): a full decode bucket, a small one, a chunked-prefill bucket.
+BREAKDOWN_STEPS = (
+    ("decode b64 ctx4k", 64, 64, [1] * 64, [4096] * 64),
+    ("decode b8 ctx512", 16, 8, [1] * 8, [512] * 8),
+    ("prefill 8x512 ctx4k", 4096, 16, [512] * 8, [4096] * 8),
+)
+
+
+def breakdown_table(configs=BREAKDOWN_CONFIGS, generations=("v5e", "v6e"), page_size: int = 16) -> None:
+    """The TPU kernel's predicted time per layer, term by term (:mod:`pallas_kernels.tpu_cost`), for the shipped
+    configs' decode and prefill steps with bfloat16 and int8 pages: which unit bounds each case."""
+    from paged_jax.config import load_model_config
+
+    print(
+        "\nTPU kernel per layer, predicted (pallas_kernels.tpu_cost); microseconds per term; time = step +"
+        " max(dma, issue + max(mxu, vpu, eup)); mxu(scale) = the int8 pages' scale transposition's share"
+    )
+    print(
+        f"{'config':<14}{'step':<21}{'tpu':<5}{'pages':<6}{'time':>8}{'dma':>8}{'mxu':>8}{'(scale)':>8}"
+        f"{'vpu':>8}{'eup':>7}{'step':>7}{'issue':>8}  bound"
+    )
+    for name in configs:
+        cfg = load_model_config(name)
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        for step, num_tokens, max_seqs, q_lens, kv_lens in BREAKDOWN_STEPS:
+            case = Case(step, num_tokens, max_seqs, q_lens, kv_lens, hq, hkv, d, page_size)
+            lens, cu = case.batch()
+            for gen in generations:
+                for label, kv_dtype in (("bf16", jnp.bfloat16), ("int8", jnp.int8)):
+                    plan = tpu_plan_for(
+                        (num_tokens, hq, d), (1, hkv, page_size, 2 * d), max_seqs, 32768 // page_size, kv_dtype, gen
+                    )
+                    e = tpu_estimate(plan, lens, cu, len(q_lens), generation=gen, kv_dtype=kv_dtype)
+                    scale = (e.decode.scale_mxu_flops + e.prefill.scale_mxu_flops) / e.chip.mxu_flops_per_s
+                    us = lambda t, e=e: e.term(t) * 1e6  # noqa: E731
+                    print(
+                        f"{name:<14}{step:<21}{gen:<5}{label:<6}{e.seconds * 1e6:>8.1f}{us('dma'):>8.1f}"
+                        f"{us('mxu'):>8.1f}{scale * 1e6:>8.1f}{us('vpu'):>8.1f}{us('eup'):>7.1f}{us('step'):>7.1f}"
+                        f"{us('issue'):>8.1f}  {e.bound}"
+                    )
+
+
 if __name__ == "__main__":
     main()
     quant_table()
+    breakdown_table()

@@ -254,7 +254,8 @@ def ours_run(model_dir: str, prompts_path: str, dtype: str, new: int = 128) -> N
             f"run{run} paged-jax {dtype} batch={len(prompts)} new={new}: {dt:.2f}s {gen / dt:.1f} generated tok/s",
             flush=True,
         )
-    out_path = Path(prompts_path).resolve().parent / f"paged_jax_out_{dtype}.json"
+    suffix = "_onednn" if os.environ.get("PAGED_JAX_ONEDNN") == "1" else ""  # the paged-jax-onednn engine
+    out_path = Path(prompts_path).resolve().parent / f"paged_jax{suffix}_out_{dtype}.json"
     json.dump([o.outputs[0].token_ids for o in outs], open(out_path, "w"))
 
 
@@ -324,6 +325,11 @@ def bench_peers_on(args, peer_model: str) -> None:
     ours_env = os.environ | {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     engines = {
         "paged-jax": lambda d: ([sys.executable, __file__, "--ours-run", ours_model, prompts, d], ours_env),
+        # PAGED_JAX_ONEDNN=1: oneDNN dots for float32 steps too (paged_jax.worker.xla_flags); not a default
+        "paged-jax-onednn": lambda d: (
+            [sys.executable, __file__, "--ours-run", ours_model, prompts, d],
+            ours_env | {"PAGED_JAX_ONEDNN": "1"},
+        ),
         "transformers": lambda d: (
             [hf_py, PEERS / "bench_hf.py", model, prompts, {"float32": "fp32", "bfloat16": "bf16"}[d]],
             env311,
@@ -338,6 +344,8 @@ def bench_peers_on(args, peer_model: str) -> None:
         rates: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.rounds):
             for name, make in engines.items():
+                if name == "paged-jax-onednn" and dtype != "float32":
+                    continue  # bfloat16 on AMX: the default already; the option's point is float32
                 cmd, env = make(dtype)
                 proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=1800)
                 got = [float(m) for m in RATE.findall(proc.stdout)]
@@ -350,17 +358,19 @@ def bench_peers_on(args, peer_model: str) -> None:
             if rs:
                 med = medians[dtype, name] = statistics.median(rs)
                 rows.append([dtype, name, f"{med:.0f}", " ".join(f"{r:.0f}" for r in rs), f"{ours / med:.2f}x"])
-    same = "n/a"
-    ours_f32, hf_f32 = work / "paged_jax_out_float32.json", work / "hf_out_fp32.json"
-    if ours_f32.exists() and hf_f32.exists():
-        a, b = json.load(open(ours_f32)), json.load(open(hf_f32))
-        same = f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(b)} prompts identical"
+    same = []
+    hf_f32 = work / "hf_out_fp32.json"
+    for name in ("paged-jax", "paged-jax-onednn"):
+        ours_f32 = work / f"{name.replace('-', '_')}_out_float32.json"
+        if name in engines and ours_f32.exists() and hf_f32.exists():
+            a, b = json.load(open(ours_f32)), json.load(open(hf_f32))
+            same.append(f"{name} {sum(x == y for x, y in zip(a, b, strict=True))}/{len(b)} prompts identical")
     table(
         f"3. peers ({PEER_MODELS[peer_model]}, 32 prompts x 128 tokens, 128 new tokens, greedy; median of runs)",
         ["dtype", "engine", "gen tok/s", "per round", "paged-jax / engine"],
         rows,
     )
-    print(f"float32 greedy tokens, paged-jax vs transformers: {same}")
+    print(f"float32 greedy tokens vs transformers: {', '.join(same) or 'n/a'}")
     print(f"machine: {machine_isa()}")
     print_goals(medians)
 
@@ -521,7 +531,8 @@ def main() -> None:
     ap.add_argument(
         "--peer-engines",
         default="paged-jax,transformers,vllm-cpu",
-        help="engines of section 3 (paged-jax, transformers, vllm-cpu; fewer for a shorter run)",
+        help="engines of section 3 (paged-jax, paged-jax-onednn: PAGED_JAX_ONEDNN=1, transformers, vllm-cpu;"
+        " fewer for a shorter run)",
     )
     ap.add_argument("--quant-model", default=None, help="model of section 5 (default: the peers' 56M model)")
     ap.add_argument("--quant-dtype", default="bfloat16")

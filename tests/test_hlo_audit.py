@@ -111,3 +111,30 @@ def test_weight_copies_ignore_fusion_insides_and_other_shapes():
     # The dynamic-slice root inside %fused_computation.125 alone (no entry, no while body): not a copy.
     inside = hlo.split("\n}\n")[0]
     assert weight_copies(inside, WEIGHTS, 32).lines == []
+
+
+# Shapes of Gemma 3 4B's layer (qkv_proj, gate_up_proj) and lines in the form of its compiled steps: XLA:GPU's
+# multi-output fusion slicing two layers of a scan step (a while body of 5 trips), and XLA:TPU's relayout of
+# the whole stacked qkv_proj in the entry computation.
+GEMMA = [((2560, 4, 4, 256), jnp.bfloat16), ((2560, 2, 10240), jnp.bfloat16)]
+_GEMMA_HLO = """\
+%body (p: (s32[])) -> (s32[]) {
+  %f = (bf16[1,2560,4,4,256]{4,3,2,1,0}, bf16[1,2560,4,4,256]{4,3,2,1,0}, s32[]) fusion(%a, %b), kind=kLoop
+  %g = bf16[1,2560,4,4,256]{4,3,2,1,0} get-tuple-element(%f), index=0
+  %t = (bf16[1,2560,4,4,256]{4,3,2,1,0}, s32[]) tuple(%g, %i)
+}
+
+ENTRY %main (p0: bf16[34,2560,4,4,256]) -> bf16[64,2560] {
+  %p0 = bf16[34,2560,4,4,256]{4,3,2,1,0:T(4,128)(2,1)} parameter(0)
+  %copy.234 = bf16[34,2560,4,4,256]{4,1,3,2,0:T(8,128)(2,1)} copy(%p0)
+  %w = (s32[], bf16[34,2560,4,4,256]{4,3,2,1,0}) while(%i), body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+
+
+def test_multi_output_fusion_slices_and_stacked_relayouts_are_found():
+    w = weight_copies(_GEMMA_HLO, GEMMA, 34)
+    qkv = 2560 * 4 * 4 * 256 * 2
+    assert w.hbm_bytes == 2 * 5 * qkv + 34 * qkv  # two layers per trip, 5 trips; the whole stacked array once
+    assert [line.split(" ", 1)[0] for line in w.lines] == ["%f", "%copy.234"]
+    assert weight_copies(_GEMMA_HLO, GEMMA[1:], 34) == WeightCopies(0, 0, [])

@@ -201,3 +201,18 @@ def test_positions_past_32k():
         )
         ref = dense_reference_attention(*case.dense_args, sm_scale=0.125, sliding_window=window)
         assert_close(out, ref, jnp.float32)
+
+
+def test_bf16_parts_sum_to_the_float32_scales_exactly():
+    """The quantized pages' scale transposition runs as three one-pass bf16 products of the scales' parts: their
+    float32 sum must give back every float32 value bit for bit (random mantissas over 2**-100 .. 2**100, both
+    signs), which a plain bf16 cast or a two-part split does not."""
+    from pallas_kernels.tpu_ragged_paged_attention import bf16_parts
+
+    rng = np.random.default_rng(0)
+    x = (rng.uniform(1, 2, 100_000) * 2.0 ** rng.integers(-100, 100, 100_000)).astype(np.float32)
+    x = jnp.asarray(x * rng.choice([-1, 1], x.shape).astype(np.float32))
+    hi, mid, lo = (p.astype(jnp.float32) for p in bf16_parts(x))
+    assert {hi.dtype, mid.dtype, lo.dtype} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_array_equal(np.asarray((hi + mid) + lo), np.asarray(x))
+    assert not np.array_equal(np.asarray(hi + mid), np.asarray(x))  # two parts are not enough

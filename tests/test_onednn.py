@@ -21,10 +21,13 @@ from paged_jax.worker import xla_flags
 ONEDNN_FUSION = '"kind":"__onednn_fusion"'
 
 
+def cpu_flags() -> set[str]:
+    return set(open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split())
+
+
 def cpu_has_avx512_bf16() -> bool:
     """XLA hands bfloat16 dots to oneDNN only where the CPU has AVX-512 BF16; elsewhere the option is inert."""
-    flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
-    return "avx512_bf16" in flags
+    return "avx512_bf16" in cpu_flags()
 
 
 def test_when_the_option_applies(monkeypatch):
@@ -33,7 +36,9 @@ def test_when_the_option_applies(monkeypatch):
     assert not use(jnp.bfloat16, "cpu", mode="auto", amx=False)
     assert use(jnp.bfloat16, "cpu", mode="1", amx=False)
     assert not use(jnp.bfloat16, "cpu", mode="0", amx=True)
-    assert not use(jnp.float32, "cpu", mode="1")  # float32 keeps XLA's dots
+    assert not use(jnp.float32, "cpu", mode="auto", amx=True)  # float32 only when asked for
+    assert use(jnp.float32, "cpu", mode="1")
+    assert not use(jnp.float16, "cpu", mode="1")
     assert not use(jnp.bfloat16, "tpu", mode="1")
     assert not use("bfloat16", "gpu", mode="1")
     assert xla_flags.forward_compiler_options(False) == ()
@@ -97,6 +102,12 @@ def test_onednn_dots_keep_the_math(bf16_model, tiny_config):
     assert err_on < 3e-2, (err_on, err_off)  # bfloat16: 8 mantissa bits, through 2 layers and the LM head
     assert err_on <= 2 * err_off + 4e-3, (err_on, err_off)
     assert (np.argmax(on, -1) == np.argmax(want, -1)).all()
+    # float32 with oneDNN's float32 GEMMs (PAGED_JAX_ONEDNN=1): the float32 logits up to summation order.
+    on32, hlo32 = dense_last_logits(tiny_config, params32, prompts, onednn=True)
+    if "avx512f" in cpu_flags():  # seen fused there; not checked on AVX2-only CPUs
+        assert ONEDNN_FUSION in hlo32
+    np.testing.assert_allclose(on32, want, rtol=0, atol=1e-5 * scale)
+    assert (np.argmax(on32, -1) == np.argmax(want, -1)).all()
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, tag: str) -> list[list[int]]:
@@ -111,7 +122,8 @@ def generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, ta
 def test_engine_compiles_bf16_steps_with_onednn_once(bf16_model, monkeypatch):
     """With the option on, a bfloat16 engine's forward executables of >= ONEDNN_MIN_TOKENS tokens are keyed by
     and compiled with it (oneDNN fusions in their HLO on AVX-512 BF16 CPUs), smaller ones not; a float32
-    engine's are not, nor a model's with int8 weights. A second run of the same shapes compiles nothing."""
+    engine's too under this setting, but not under ``auto``; never a model's with int8 weights. A second run
+    of the same shapes compiles nothing."""
     config, params, _ = bf16_model
     monkeypatch.setenv(xla_flags.ONEDNN_ENV, "1")
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=64, warmup=False)
@@ -137,4 +149,6 @@ def test_engine_compiles_bf16_steps_with_onednn_once(bf16_model, monkeypatch):
     assert options(engine) == on
     assert options(LLMEngine(config, quant.quantize_params(params, "int8"), ByteTokenizer(), cfg)) == ()
     params32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+    assert options(LLMEngine(config.replace(dtype="float32"), params32, ByteTokenizer(), cfg)) == on  # asked for
+    monkeypatch.setenv(xla_flags.ONEDNN_ENV, "auto")
     assert options(LLMEngine(config.replace(dtype="float32"), params32, ByteTokenizer(), cfg)) == ()

@@ -17,7 +17,8 @@ MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25), (1, 40)]
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_model_counts_what_the_kernel_does(window):
-    """Pages DMA'd and blocks computed per item: the kernel's own counters equal the work model's."""
+    """Pages DMA'd, blocks computed and blocks computed with masks per item: the kernel's own counters equal the
+    work model's."""
     case = make_case(
         0, MIXED, num_tokens=32, max_seqs=8, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, max_blocks=6
     )
@@ -29,6 +30,9 @@ def test_model_counts_what_the_kernel_does(window):
     np.testing.assert_array_equal(np.asarray(dec_stats), want_dec)
     np.testing.assert_array_equal(np.asarray(pre_stats), want_pre)
     assert want_dec[:, 1].sum() > 0 and want_pre[:, 1].sum() > 0  # both ranges did work
+    for want in (want_dec, want_pre):  # boundary blocks masked; without a window, the others unmasked
+        assert 0 < want[:, 2].sum() <= want[:, 1].sum()
+        assert window is not None or want[:, 2].sum() < want[:, 1].sum()
 
 
 def _batch(q_lens, kv_lens, max_seqs):
@@ -70,3 +74,86 @@ def test_chunked_prefill_streams_kv_at_most_twice():
 def test_mixed_batch_reads_each_decode_sequence_once():
     work, minimum = _work(512, 64, [1] * 48 + [464], [2048] * 48 + [1000], 16)
     assert work.kv_bytes_read <= 1.2 * minimum
+
+
+def _estimate(q_lens, kv_lens, *, num_tokens, max_seqs, heads=(32, 8, 128), kv_dtype=jnp.bfloat16, generation="v5e"):
+    from pallas_kernels.tpu_cost import tpu_estimate
+
+    hq, hkv, d = heads
+    plan = tpu_plan_for((num_tokens, hq, d), (1, hkv, 16, 2 * d), max_seqs, 2048, kv_dtype, generation)
+    lens, cu = _batch(q_lens, kv_lens, max_seqs)
+    return plan, tpu_estimate(plan, lens, cu, len(q_lens), generation=generation, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("generation,width", [("v5e", 128), ("v6e", 256)])
+def test_mxu_rows_are_padded_to_the_array_width(generation, width):
+    """Decode rows (4 query heads, 8 after the sublane tile) cost a whole MXU-wide pass: the priced matmul work is
+    the roofline's issued FLOPs times width / 8 (bf16 pages, one pass each)."""
+    plan, est = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64, generation=generation)
+    lens, cu = _batch([1] * 64, [4096] * 64, 64)
+    assert est.decode.mxu_flops == tpu_work(plan, lens, cu, 64).issued_flops * width // 8
+    assert est.decode.scale_mxu_flops == 0 and est.prefill.blocks == 0
+
+
+def test_int8_pages_cost_more_compute_per_byte_than_bf16():
+    """Same lengths: int8 pages halve the DMA bytes but add the K/V casts and the per-block scale transposition
+    (three one-pass bf16 products over a [kv_block, 2 * 8 heads * 16 slots] broadcast, rows padded to 128), so
+    their MXU and VPU work per KV byte are several times bf16's, and their scale rows double the page DMAs."""
+    _, bf16 = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64)
+    plan, int8 = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64, kv_dtype=jnp.int8)
+    assert int8.term("dma") < 0.55 * bf16.term("dma")
+    kv_block = plan.decode.pages_per_block * 16
+    assert int8.decode.scale_mxu_flops == int8.decode.blocks * 2 * 128 * 256 * kv_block * 3
+    assert int8.decode.scale_mxu_flops > 0.2 * int8.decode.mxu_flops
+    per_byte = lambda e, t: e.term(t) / e.term("dma")  # noqa: E731
+    assert per_byte(int8, "mxu") > 2.5 * per_byte(bf16, "mxu")
+    assert per_byte(int8, "vpu") > 4 * per_byte(bf16, "vpu")
+    assert int8.decode.kv_dmas == 2 * bf16.decode.kv_dmas
+    assert bf16.bound == "dma" and int8.bound != "dma"  # v5e: int8 decode is no longer bandwidth-bound
+
+
+def test_fixed_costs_dominate_tiny_shapes_and_dma_large_decode():
+    """A small model's short decode (Qwen2.5-0.5B: 2 KV heads of 64, 8 KiB pages) is bound by the per-step and
+    per-DMA fixed costs; Llama-3.1-8B's large decode by HBM; a long prefill chunk by the vector units."""
+    _, tiny = _estimate([1] * 8, [512] * 8, num_tokens=16, max_seqs=8, heads=(14, 2, 64))
+    assert tiny.bound == "fixed" and tiny.term("fixed") > 2 * tiny.term("dma")
+    _, decode = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64)
+    assert decode.bound == "dma"
+    _, prefill = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
+    assert prefill.bound in ("vpu", "eup", "mxu") and prefill.term("fixed") < 0.2 * prefill.seconds
+
+
+def test_decode_only_step_prices_no_prefill_grid_steps():
+    """The grid is the range's real item count: a decode-only batch runs one (empty) prefill step, not the
+    prefill range's static bound, and a prefill-only batch one decode step."""
+    plan, decode = _estimate([1] * 64, [4096] * 64, num_tokens=64, max_seqs=64)
+    assert plan.prefill.num_items > 1 and decode.prefill.grid_steps == 1 and decode.decode.grid_steps == 64
+    assert decode.prefill.seconds == decode.chip.grid_step_s  # no blocks, no DMA: one step's fixed cost
+    _, prefill = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
+    assert prefill.decode.grid_steps == 1 and prefill.prefill.grid_steps == 16  # 8 chunks x 2 items of 256
+
+
+def test_only_boundary_blocks_pay_for_masks():
+    """A 512-token chunk at the end of a 4096-token context: the blocks before the chunk are computed unmasked,
+    so the vector work is far below that of the same blocks all masked."""
+    from pallas_kernels.tpu_plan import item_counts
+
+    plan, est = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
+    lens, cu = _batch([512] * 8, [4096] * 8, 16)
+    _, pre = item_counts(plan, lens, cu, 8)
+    assert pre[:, 2].sum() < 0.2 * pre[:, 1].sum()  # 7 of every 8 KV blocks lie before the chunk
+    assert est.prefill.valu_ops < 0.8 * _all_masked_valu(plan, est)
+
+
+def _all_masked_valu(plan, est):
+    """The prefill range's vector work had every block been masked (the masked share priced on all blocks)."""
+    from pallas_kernels import tpu_cost
+
+    rng = plan.prefill
+    lens, cu = _batch([512] * 8, [4096] * 8, 16)
+    _, counts = item_counts(plan, lens, cu, 8)
+    counts = counts.copy()
+    counts[:, 2] = counts[:, 1]
+    n = np.asarray(tpu_cost.plan_items(np, cu, 8, rng, False).n, np.int64)
+    opts = dict(kv_dtype=jnp.bfloat16, q_itemsize=2, sliding_window=None, soft_cap=None)
+    return tpu_cost._range_cost(est.chip, plan, rng, counts, n, **opts).valu_ops

@@ -239,34 +239,32 @@ class CausalLM(nn.Module):
         meta: Any,
         layer_lora: LoraLayers | None,
     ) -> tuple[jax.Array, Any]:
-        """One layer group as one scan: x [T, H] and the stacked cache `kv` (or None) carried; step g applies
-        `modules[j]` to layer l = start + g * size + j: its slice of the stacked weights (and LoRA slots), its
-        `LayerPages` view of `kv`, the global or local RoPE table (`ropes`) by its window.
+        """One layer group as one scan: x [T, H], the stacked cache `kv` (or None) and the step counter g carried;
+        step g applies `modules[j]` to layer l = start + g * size + j: its slice of the stacked weights (and LoRA
+        slots), its `LayerPages` view of `kv`, the global or local RoPE table (`ropes`) by its window.
 
-        A group of every layer one by one (every model whose layers are alike) passes the stacked weights as the
-        scan's `xs`, so a step's slice is offset by the loop's own counter: XLA:GPU's cuBLAS then reads it in
-        place, where a slice at a computed index (`start + g * size + j`) is copied out every layer (Llama-3.1-8B
-        decode: 13 GiB per step, `make gpu-check`'s w-copy column). Other groups (Gemma's periods and remainder)
-        index the stacked weights: XLA:TPU reads those in place too, and slicing or reshaping the stacked arrays
-        into a group's `xs` instead made it copy them whole (16-32 GiB of temporaries on v5e/v6e)."""
+        Why g is carried and l computed from it: then every weight slice's index is a function of the loop's
+        induction variable alone, which XLA:GPU resolves per trip and fuses into cuBLAS's operand (the dot reads
+        the stacked weight in place); computed from a scanned `arange`, it was data to XLA:GPU, which copied the
+        slices out before their dots (Gemma 3 4B decode: 906 MiB of temporaries). Slicing or reshaping the
+        stacked arrays into a scan's `xs` instead made XLA:TPU copy them whole (16-32 GiB of temporaries on
+        v5e/v6e); indexed, XLA:TPU reads them in place. `make gpu-check` and the TPU audit report both (w-copy)."""
         c = self.config
-        whole = group == LayerGroup(start=0, size=1, count=c.num_layers)
 
-        def step(carry, inputs):
-            (x, kv), (g, stacked) = carry, inputs
+        def step(carry, _):
+            g, x, kv = carry
             for j, module in enumerate(modules):
                 layer = group.start + g * group.size + j
-                weights = stacked if whole else _index(self.layers, layer)
+                weights = _index(self.layers, layer)
                 weights = to_layer_order(weights, self.stacked_order)  # per-layer axis order
                 view = None if kv is None else LayerPages(kv, layer, c.num_layers)
                 rope = ropes[c.layer_sliding_window(group.start + j) is not None]
                 adapters = None if layer_lora is None else layer_lora.at(layer)
                 x, view = module.apply({"params": weights}, x, rope, view, meta, adapters)
                 kv = None if view is None else view.pages
-            return (x, kv), None
+            return (g + 1, x, kv), None
 
-        xs = (jnp.arange(group.count, dtype=jnp.int32), self.layers if whole else None)
-        (x, kv), _ = jax.lax.scan(step, (x, kv), xs)
+        (_, x, kv), _ = jax.lax.scan(step, (jnp.int32(0), x, kv), length=group.count)
         return x, kv
 
     def _init_stacked(self, rng: jax.Array) -> Any:

@@ -79,6 +79,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
 _WHILE = re.compile(r" while\(.*?body=%([\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]\{([^}]*)\}")
+_TUPLE_ELEMENT = re.compile(r"(\w+)\[([\d,]*)\]\{([^}]*)\}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +95,17 @@ class WeightCopies:
 
 def weight_copies(hlo: str, layer_shapes: list[tuple[tuple[int, ...], object]], num_layers: int) -> WeightCopies:
     """The per-layer weight copies (:class:`WeightCopies`) of ``hlo`` for weights of ``layer_shapes`` (one
-    layer's ``(shape, dtype)`` per weight, per device), also matched with a leading 1 (a scan's slice).
-    Only instructions of the entry computation and of while bodies count (fused computations are the
-    fusions' insides, read in place); one in a while body counts ``num_layers`` times (the layer scan is the
-    only loop over weights; XLA:TPU does not annotate its trip count)."""
+    layer's ``(shape, dtype)`` per weight, per device), also matched with a leading 1 (a scan's slice) and
+    with a leading ``num_layers`` (a relayout of a whole stacked weight), and as elements of a multi-output
+    fusion's tuple (XLA:GPU slices several layers of a scan step in one). Only instructions of the entry
+    computation and of while bodies count (fused computations are the fusions' insides, read in place); one
+    in a while body counts once per trip (its known trip count, else ``num_layers``: XLA:TPU does not
+    annotate it)."""
     itemsize = {HLO_DTYPE[np.dtype(dt).name]: np.dtype(dt).itemsize for _, dt in layer_shapes}
     wanted = set()
     for shape, dt in layer_shapes:
         if int(np.prod(shape)) * np.dtype(dt).itemsize >= _MIN_WEIGHT_BYTES:
-            wanted |= {hlo_shape(shape, dt), hlo_shape((1, *shape), dt)}
+            wanted |= {hlo_shape(lead + shape, dt) for lead in ((), (1,), (num_layers,))}
     trips = {}  # while body -> trip count
     for line in hlo.splitlines():
         if (m := _WHILE.search(line)) is not None:
@@ -117,16 +120,23 @@ def weight_copies(hlo: str, layer_shapes: list[tuple[tuple[int, ...], object]], 
         if current != "ENTRY" and current not in trips or "=" not in line:
             continue
         rhs = line.split("=", 1)[1].strip()
-        if (a := _ARRAY.match(rhs)) is None or f"{a.group(1)}[{a.group(2)}]" not in wanted:
-            continue
-        op = rhs[a.end() :].strip()
-        if op.startswith(_WEIGHT_ALLOWED) or (op.startswith("copy-done(") and "S(1)" in a.group(3)):
-            continue  # in place, or XLA's prefetch of a weight into VMEM (how every dot's operand arrives)
-        size = int(np.prod([int(d) for d in a.group(2).split(",")])) * itemsize[a.group(1)]
-        size *= trips.get(current, 1)
-        if "S(1)" in a.group(3):
-            vmem += size
+        if rhs.startswith("("):  # a tuple: only a multi-output fusion's elements are buffers of its own
+            types, _, op = rhs[1:].partition(") ")
+            arrays = list(_TUPLE_ELEMENT.finditer(types)) if op.startswith("fusion(") else []
         else:
-            hbm += size
+            a = _ARRAY.match(rhs)
+            arrays, op = ([a], rhs[a.end() :].strip()) if a is not None else ([], "")
+        arrays = [a for a in arrays if f"{a.group(1)}[{a.group(2)}]" in wanted]
+        if not arrays or op.startswith(_WEIGHT_ALLOWED):
+            continue
+        for a in arrays:
+            if op.startswith("copy-done(") and "S(1)" in a.group(3):
+                continue  # XLA's prefetch of a weight into VMEM (how every dot's operand arrives)
+            size = int(np.prod([int(d) for d in a.group(2).split(",")])) * itemsize[a.group(1)]
+            size *= trips.get(current, 1)
+            if "S(1)" in a.group(3):
+                vmem += size
+            else:
+                hbm += size
         lines.append(line.strip()[:200])
     return WeightCopies(hbm, vmem, lines)

@@ -499,7 +499,8 @@ class ModelRunner:
             )
             mode = xla_flags.onednn_mode()
             log.info(
-                "bfloat16 forward steps of >= %d tokens compiled with oneDNN dots (%s=%s)",
+                "%s forward steps of >= %d tokens compiled with oneDNN dots (%s=%s)",
+                jnp.dtype(config.dtype).name,
                 xla_flags.ONEDNN_MIN_TOKENS,
                 xla_flags.ONEDNN_ENV,
                 mode,

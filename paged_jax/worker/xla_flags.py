@@ -4,7 +4,7 @@ the compiler options the forward step is compiled with (oneDNN dots on CPU; cuBL
 No process-wide flag is set. One per-executable option is: on a CPU with AMX tiles (``amx_bf16`` in
 ``/proc/cpuinfo``) a bfloat16 model's forward step is compiled with XLA's oneDNN dot fusion
 (``xla_cpu_use_onednn`` + fusion type ``dot``), which runs the weight matmuls on AMX tiles; every other
-executable, and every float32 or non-CPU one, keeps XLA's default (YNNPACK) dots. Passed to
+executable, and (unless asked for, below) every float32 or non-CPU one, keeps XLA's default (YNNPACK) dots. Passed to
 ``Lowered.compile(compiler_options=...)``, so only the forward executables see it, and it is part of their key.
 oneDNN's fused dot takes one dtype in and out: a bfloat16 x bfloat16 -> float32 dot would be widened to
 float32 (the whole weight converted on every call), so the LM head rounds its float32-accumulated logits to
@@ -12,7 +12,10 @@ bfloat16 under this option (what transformers' bfloat16 LM head returns), and th
 with int8/fp8 weights (their dequantizing dots accumulate in float32) keep XLA's dots.
 Only steps of at least ``ONEDNN_MIN_TOKENS`` tokens (the token bucket) use it: with fewer rows oneDNN's dots
 were slower than XLA's (a decode step of 8 sequences), from 32 rows on faster (README).
-``PAGED_JAX_ONEDNN``: ``auto`` (default: as above), ``1`` (also without AMX, for measuring), ``0`` (off).
+``PAGED_JAX_ONEDNN``: ``auto`` (default: as above), ``1`` (also without AMX, and for float32 models too),
+``0`` (off). Float32 forward steps take oneDNN's AVX-512/AVX2 float32 GEMMs only under ``1``: they cost less CPU
+than XLA's default dots on the peers' 56M model (README), but XLA:CPU cannot serialize a oneDNN fusion, so under
+``auto`` a float32 model's warm start keeps loading every step from the executable store.
 Figures: README, "XLA:CPU flags".
 
 GPU: a scanned decoder's forward step (`paged_jax.model.scan`) with float weights is compiled with XLA's Triton
@@ -75,13 +78,16 @@ def onednn_mode() -> str:
 
 
 def use_onednn_dots(dtype, platform: str, mode: str | None = None, amx: bool | None = None) -> bool:
-    """Whether a forward step of a `dtype` model on `platform` is compiled with oneDNN dots: CPU and
-    bfloat16 only, then by `mode` (default: the environment's) and, under ``auto``, by `amx` (default: this
-    CPU's)."""
-    if platform != "cpu" or jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+    """Whether a forward step of a `dtype` model on `platform` is compiled with oneDNN dots: CPU only, by
+    `mode` (default: the environment's): ``1`` for bfloat16 and float32 models, ``auto`` for bfloat16 ones
+    where `amx` (default: this CPU's) holds."""
+    dtype = jnp.dtype(dtype)
+    if platform != "cpu" or dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         return False
     mode = onednn_mode() if mode is None else mode
     if mode == "auto":
+        if dtype != jnp.dtype(jnp.bfloat16):
+            return False
         return cpu_has_amx() if amx is None else amx
     return mode == "1"
 
