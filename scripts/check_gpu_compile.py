@@ -17,13 +17,14 @@ prefill kernel of head_dim >= 128 does not issue wgmma.
 
 **Engine steps** (:data:`STEP_CASES`): the engine's own jitted forward step (the runner an ``LLMEngine``
 builds, abstract: :mod:`paged_jax.engine.aot`) for a few representative engines: Llama-3.1-8B at TP 1 and 8
-(``1x1x8``) with a decode and a prefill bucket; int8 pages with LoRA (4 slots), unrolled (scanned, the int8 step's
-temporaries grow 145 MiB with the cache, 5.5% of one layer's pages, LoRA or not: open, README); an n-gram
-speculating engine's verify step (and its sampler) on Llama-3.2-1B. Sized for the H200 as the engine sizes
-itself; fails on a KV page copy, on a peak over the device's memory, on temporaries growing with the cache, and
-when its attention kernels fail the kernel cases' tests (:func:`check_steps`). It reports the layer weight slices
-the step copies before their dots (``w-copy``, GiB per step: ``paged_jax.worker.hlo_audit.weight_copies``; a
-scanned step's cuBLAS dots should read the stacked weights in place, ``paged_jax.worker.xla_flags``).
+(``1x1x8``) with a decode and a prefill bucket; int8 pages with LoRA (4 slots); Gemma-3-4B's decode (its layer
+groups: five sliding-window layers and one global per scan step, then a remainder); an n-gram speculating
+engine's verify step (and its sampler) on Llama-3.2-1B; every one scanned, as ``scan_layers="auto"`` runs it.
+Sized for the H200 as the engine sizes itself; fails on a KV page copy, on a layer weight copied in the step
+(``w-copy``, GiB per step: ``paged_jax.worker.hlo_audit.weight_copies``; a scanned step's cuBLAS dots read the
+stacked weights in place, ``paged_jax.worker.xla_flags`` and ``paged_jax.model.decoder.CausalLM._scan``), on a
+peak over the device's memory, on temporaries growing with the cache, and when its attention kernels fail the
+kernel cases' tests (:func:`check_steps`).
 
     .venv-gpu/bin/python scripts/check_gpu_compile.py [--cases NAME ...] [--no-steps]
 """
@@ -183,11 +184,12 @@ class StepCase:
 
 
 _NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
-_INT8_LORA = (("kv_dtype", "int8"), ("enable_lora", True), ("max_loras", 4), ("scan_layers", "off"))
+_INT8_LORA = (("kv_dtype", "int8"), ("enable_lora", True), ("max_loras", 4))
 STEP_CASES = (  # a few representative engines: the TP layouts, quantized pages, LoRA and speculation
     StepCase("llama-3.1-8b"),  # GQA 4, head_dim 128: the base decode and prefill kernels
     StepCase("llama-3.1-8b", 8, kinds=("decode",)),  # one KV head per GPU: split-KV decode with its combine
-    StepCase("llama-3.1-8b", kinds=("decode",), options=_INT8_LORA, label="int8 KV, lora x4, unrolled"),
+    StepCase("llama-3.1-8b", kinds=("decode",), options=_INT8_LORA, label="int8 KV, lora x4"),
+    StepCase("gemma-3-4b", kinds=("decode",)),  # layer groups (windows 5:1, a remainder), head_dim 256
     StepCase("llama-3.2-1b", kinds=("verify",), options=(("speculative_config", _NGRAM),), label="ngram k=3"),
 )
 H200_BYTES_LIMIT = int(0.75 * 150_754_820_096)  # what jax reports on an H200: XLA preallocates 75% by default
@@ -197,9 +199,10 @@ MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one laye
 def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
     """The engine's own jitted forward steps (`paged_jax.engine.aot`: the runner an `LLMEngine` builds, abstract,
     sized for the H200 as the engine would size it) compiled for H200s, spills fatal; a verify step's sampler
-    too. Fails on a KV page array copied in the step (`paged_jax.worker.hlo_audit`), on a step whose peak memory
-    exceeds the device's, and on temporaries that grow with the KV cache beyond 5% of one layer's pages
-    (measured again at 64 pages when over). Prints per step its kernels' largest registers and shared memory."""
+    too. Fails on a KV page array or a layer weight copied in the step (`paged_jax.worker.hlo_audit`), on a
+    step whose peak memory exceeds the device's, and on temporaries that grow with the KV cache beyond 5% of one
+    layer's pages (measured again at 64 pages when over). Prints per step its kernels' largest registers and
+    shared memory."""
     from paged_jax.config import load_model_config
     from paged_jax.config.engine import EngineConfig
     from paged_jax.engine.aot import (
@@ -252,6 +255,8 @@ def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
                 f"{time.perf_counter() - t0:>5.0f}s"
             )
             bad = [f"KV copy: {line}" for line in audit.copies[:4]]
+            if weights.hbm_bytes:
+                bad.append(f"w-copy: {weights.hbm_bytes * gib:.2f} GiB of layer weights copied: {weights.lines[0]}")
             if not audit.fits(H200_BYTES_LIMIT):
                 bad.append(f"peak {audit.peak_bytes * gib:.2f} GiB exceeds {H200_BYTES_LIMIT * gib:.2f} GiB")
             if growth > MAX_TEMP_FRACTION * engine.layer_kv_bytes:
