@@ -170,11 +170,12 @@ def available(isa: str | None = None) -> bool:
 
 def supports(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Array | None) -> bool:
     """Whether the kernel takes these operands: a float32 or bfloat16 query over pages of its own dtype, or over
-    int8 / float8_e4m3fn pages with their scales."""
+    int8 / float8_e4m3fn pages with their scales in rows of the exact width."""
     if q.dtype not in DTYPES:
         return False
-    if kv_scales is not None:
-        return kv_quant.is_quantized_dtype(kv_pages.dtype)
+    if kv_scales is not None:  # exact scale rows only (lane-dense ones are TPU's)
+        exact = kv_quant.scales_shape(kv_pages.shape[0], kv_pages.shape[1], kv_pages.shape[2])
+        return kv_quant.is_quantized_dtype(kv_pages.dtype) and kv_scales.shape == exact
     return q.dtype == kv_pages.dtype
 
 

@@ -449,8 +449,8 @@ def _launch(
     in_specs = [full(x) for x in meta] + [full(q), kv_spec(0), kv_spec(1)]
     args = [*meta, q, kv_pages, kv_pages]
     quantized = kv_scales is not None
-    if quantized:  # [P, 2 * H, page_size]: row 2 h is K's scales of head h, row 2 h + 1 V's
-        sc = kv_scales.reshape(kv_pages.shape[0], 2 * nh, plan.page_size)
+    if quantized:  # [P, >= 2 * H, page_size]: row 2 h is K's scales of head h, row 2 h + 1 V's (then any padding)
+        sc = kv_scales.reshape(kv_pages.shape[0], kv_scales.shape[1] // plan.page_size, plan.page_size)
         for half in (0, 1):
             in_specs.append(
                 pl.BlockSpec((sc.shape[0], None, plan.page_size), lambda k, i, h, half=half: (0, 2 * h + half, 0))

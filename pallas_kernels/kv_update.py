@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_quant
 from pallas_kernels.common import kv_dims
+from pallas_kernels.tpu_scale_write import write_scales_tpu
 
 
 def write_kv(
@@ -22,6 +23,7 @@ def write_kv(
     v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # [num_tokens] int32, slot = page * page_size + offset; negative: padding
     page_offset: jax.Array | None = None,  # int32 scalar added to every page id (one layer of a stacked cache)
+    scale_writer: str = "xla",
 ):
     """Returns ``kv_pages`` with token ``t``'s K/V at slot ``slot_mapping[t]``; negative slots write nothing.
 
@@ -30,7 +32,9 @@ def write_kv(
 
     Slots must be distinct (one physical slot per new token). In place when the caller's jit donates
     ``kv_pages``: one scatter of ``[num_kv_heads, 2 * head_dim]`` rows indexed by (page, offset), and for
-    quantized pages one scatter of ``[num_kv_heads, 2]`` scales.
+    quantized pages the ``[num_kv_heads, 2]`` scales of each token written by ``scale_writer``: ``xla`` (one
+    scatter), ``pallas-tpu`` (the TPU kernel that keeps the scale array in HBM, :mod:`.tpu_scale_write`) or
+    ``pallas-tpu-interpret`` (that kernel in the interpreter).
     """
     pages, scales = kv_quant.split(kv_pages)
     num_pages, num_kv_heads, page_size, head_dim = kv_dims(pages)
@@ -52,9 +56,16 @@ def write_kv(
     new = jnp.concatenate([kq, vq], axis=-1)  # [num_tokens, num_kv_heads, 2 * head_dim]
     pages = pages.at[page[:, None], heads, offset[:, None]].set(new, mode="drop", unique_indices=False)
     # Scale of (head h, K/V kv, slot offset) at column (2 h + kv) * page_size + offset of the page's row.
+    new_scales = jnp.stack([ks, vs], axis=-1)  # [T, H, 2]
+    if scale_writer.startswith("pallas-tpu"):
+        values = new_scales.reshape(-1, 2 * num_kv_heads)
+        interpret = scale_writer == "pallas-tpu-interpret"
+        return kv_quant.QuantizedPages(pages, write_scales_tpu(scales, page, offset, values, page_size, interpret))
+    if scale_writer != "xla":
+        raise ValueError(f"scale_writer: must be xla, pallas-tpu or pallas-tpu-interpret, got {scale_writer!r}")
     hk = jnp.arange(2 * num_kv_heads, dtype=jnp.int32).reshape(num_kv_heads, 2)
     col = hk[None] * page_size + offset[:, None, None]  # [T, H, 2]
-    scales = scales.at[page[:, None, None], col].set(jnp.stack([ks, vs], axis=-1), mode="drop", unique_indices=False)
+    scales = scales.at[page[:, None, None], col].set(new_scales, mode="drop", unique_indices=False)
     return kv_quant.QuantizedPages(pages, scales)
 
 

@@ -31,7 +31,8 @@ past ``kv_len`` are zeroed (a poisoned slot may hold NaN), so an item's rows nev
 other block is computed without masks (the same values: every mask there is true).
 
 Quantized pages (int8, fp8_e4m3; :mod:`pallas_kernels.kv_quant`): each page's scale row
-(``[2 * num_kv_heads * page_size]`` float32, one scale per token, head and K/V) is DMA'd with the page into a
+(``[2 * num_kv_heads * page_size]`` float32, one scale per token, head and K/V, padded to whole lanes in the
+engine's TPU caches; padding columns are masked out) is DMA'd with the page into a
 ``[pages_per_block, 2 * num_kv_heads * page_size]`` buffer on the same semaphore. Once per block the rows are
 broadcast to the block's key rows (``[kv_block, 2 * num_kv_heads * page_size]``), the diagonal ``lane %
 page_size == key % page_size`` kept, and a small MXU product with a 0/1 head selector (``sel . diag^T``, the
@@ -85,7 +86,7 @@ def _kernel(
     # Inputs (HBM).
     q_hbm,  # [num_tokens, num_q_heads, head_dim]
     kv_hbm,  # [num_pages, num_kv_heads, page_size, 2 * head_dim]
-    sc_hbm,  # [num_pages, 2 * num_kv_heads * page_size] f32 scales; a [1, 128] placeholder for float pages
+    sc_hbm,  # [num_pages, >= 2 * num_kv_heads * page_size] f32 scales (kv_quant); [1, 128] placeholder for float pages
     out_in,  # [num_tokens, num_q_heads, head_dim], aliased to out_hbm
     # Outputs.
     out_hbm,  # [num_tokens, num_q_heads, head_dim]
@@ -225,7 +226,10 @@ def _kernel(
             rows_sc = rows_sc.reshape(kv_block, width)  # key r: its page's scale row
             lane = jax.lax.broadcasted_iota(jnp.int32, (kv_block, width), 1)
             key = jax.lax.broadcasted_iota(jnp.int32, (kv_block, width), 0)
-            diag = jnp.where(lane % page_size == key % page_size, rows_sc, 0.0)  # key r: its own slot's scales
+            own = lane % page_size == key % page_size  # key r: its own slot's scales
+            if width > 2 * num_kv_heads * page_size:  # a lane-dense row's padding (kv_quant.scale_row_width)
+                own &= lane < 2 * num_kv_heads * page_size
+            diag = jnp.where(own, rows_sc, 0.0)
             hk_rows = max(8, 2 * num_kv_heads)
             sel = (
                 jax.lax.broadcasted_iota(jnp.int32, (hk_rows, width), 1) // page_size
@@ -484,7 +488,7 @@ def ragged_paged_attention_tpu(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    kv_scales: jax.Array | None = None,  # [num_pages, 2 * num_kv_heads * page_size] f32, quantized pages
+    kv_scales: jax.Array | None = None,  # [num_pages, >= 2 * num_kv_heads * page_size] f32, quantized pages
     interpret: bool | pltpu.InterpretParams = False,
     tokens_per_item: int | None = None,
     pages_per_block: int | None = None,

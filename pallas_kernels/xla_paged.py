@@ -80,7 +80,7 @@ def xla_ragged_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    kv_scales: jax.Array | None = None,  # [num_pages, num_kv_heads * 2 * page_size] f32 for quantized pages
+    kv_scales: jax.Array | None = None,  # [num_pages, >= num_kv_heads * 2 * page_size] f32, quantized pages
 ) -> jax.Array:
     """Ragged paged attention; returns ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -138,7 +138,8 @@ def xla_ragged_paged_attention(
             v = jnp.where(in_seq.reshape(rpb, ppc, 1, page_size, 1), v, 0)
             s = jnp.einsum("brkgd,bpksd->bkgrps", qb, k, preferred_element_type=jnp.float32)
             if quantized:  # per-key scales [rpb, num_kv_heads, ppc, page_size] for K and V
-                sc = kv_scales[pages].reshape(rpb, ppc, num_kv_heads, 2, page_size).transpose(3, 0, 2, 1, 4)
+                sc = kv_scales[pages][..., : 2 * num_kv_heads * page_size]  # without lane-dense padding
+                sc = sc.reshape(rpb, ppc, num_kv_heads, 2, page_size).transpose(3, 0, 2, 1, 4)
                 sc = jnp.where(in_seq.reshape(rpb, 1, ppc, page_size), sc, 0.0)
                 s = s * sc[0][:, :, None, None]
             s = apply_soft_cap(s.reshape(*s.shape[:4], chunk_len) * sm_scale, soft_cap)

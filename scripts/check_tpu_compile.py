@@ -19,11 +19,12 @@ The KV audit (``--audit``, on by default) compiles the engine's whole jitted ste
 (tiny, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m; Mistral-7B's layers are Llama-3.1-8B's) x TP
 1, 4, 8 (where the model shards) x a decode and a chunked-prefill bucket, then Llama-3.1-8B's verify step with
 n-gram speculation (k = 3: 256 tokens and sample rows; its sampler too) and its decode step with LoRA (4 slots)
-at TP 1 and 4, with the KV pages sized as the engine would size them on one chip, then small caches (explicit
-``num_pages``: page arrays of 16-32 MiB, which fit VMEM; scanned and unrolled, bf16 and float32 pages), and
-fails when the compiled HLO copies or transposes a KV page array (``paged_jax.worker.hlo_audit.kv_copies``:
-any instruction producing a KV-shaped array other than the in-place scatter) or when the temporaries that grow
-with the KV cache exceed 5% of one layer's KV pages. A failure names the config and the instruction. It also
+at TP 1 and 4, and Qwen2.5-0.5B's decode step with int8 pages, with the KV pages sized as the engine would size
+them on one chip, then small caches (explicit ``num_pages``: page arrays of 4-32 MiB, which fit VMEM; scanned
+and unrolled, bf16, float32 and int8 pages), and fails when the compiled HLO copies or transposes a KV page
+array or a quantized cache's scale array (``paged_jax.worker.hlo_audit.cache_copies``: any instruction
+producing an array of that shape other than in place, a staging in VMEM included) or when the temporaries that
+grow with the KV cache exceed 5% of one layer's KV pages. A failure names the config and the instruction. It also
 reports, per step, the bytes of per-layer weight slices the step copies to HBM
 (``paged_jax.worker.hlo_audit.weight_copies``: a scanned decoder's dynamic-slice of a stacked weight written out
 before its dot), beside the weights' size: a figure, not a failure.
@@ -67,7 +68,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from paged_jax.engine.aot import layer_weight_shapes  # noqa: E402
-from paged_jax.worker.hlo_audit import kv_copies, weight_copies  # noqa: E402
+from paged_jax.worker.hlo_audit import cache_copies, weight_copies  # noqa: E402
 from pallas_kernels.common import kv_pages_shape  # noqa: E402
 from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu  # noqa: E402
 
@@ -141,7 +142,7 @@ def _case_args(device, case: KernelCase):
         sds(pages_shape, case.dtype)
         if case.kv_dtype is None
         else kv_quant.QuantizedPages(
-            sds(pages_shape, case.kv_dtype), sds(kv_quant.scales_shape(num_pages, kvh, page), jnp.float32)
+            sds(pages_shape, case.kv_dtype), sds(kv_quant.scales_shape(num_pages, kvh, page, True), jnp.float32)
         )
     )
     return (
@@ -252,6 +253,9 @@ def compile_step(
         "kv_tokens": engine.kv_tokens,
         "local_kv_shape": engine.local_kv_shape,
         "dtype": engine.runner.kv_dtype,
+        # every array of a layer's cache the audit checks for copies: the pages, and quantized pages' scales
+        "cache_arrays": [(engine.local_kv_shape, engine.runner.kv_dtype)]
+        + ([(engine.local_scales_shape, jnp.float32)] if engine.local_scales_shape else []),
         "num_layers": engine.runner.config.num_layers,
     }
     return compiled, facts
@@ -269,18 +273,22 @@ AUDIT_ENGINES = (
     ("llama-3.1-8b", 1, "verify", _NGRAM, "ngram k=3"),
     ("llama-3.1-8b", 1, "decode", _LORA, "lora x4"),
     ("llama-3.1-8b", 4, "decode", _LORA, "lora x4"),
+    # int8 pages at full size with 64-column scale rows (2 KV heads x 16 slots x K/V): before rows were padded
+    # to whole lanes (pallas_kernels.kv_quant.scale_row_width) XLA relayouted every layer's whole scale array.
+    ("qwen2.5-0.5b", 1, "decode", (("kv_dtype", "int8"),), "int8 KV"),
 )
 # Small caches (explicit num_pages): a page array of a few MiB fits VMEM, where XLA once staged every layer's
 # whole array in and out on every step (pallas_kernels.tpu_ragged_paged_attention._in_hbm). Qwen2.5-0.5B at
 # 2,049 pages (16 MiB per layer, bf16, unrolled: 24 copies before the fix), and tiny (2 layers: fast to
 # compile) at 1,025 pages (16 MiB per layer in float32) scanned (one stacked 32 MiB array) and unrolled in a
-# prefill bucket. Not yet here: int8 pages at 1,025 pages (4.3 MiB per layer) compile with no page copy, but
-# their temporaries grow by 0.5 MiB between 64 and 1,025 pages (11% of a layer: about two copies of the
-# 0.26 MiB scale array, unexplained so far), which the growth bound fails.
+# prefill bucket. And tiny with int8 pages at 1,025 pages (4.5 MiB per layer), scanned: XLA staged the
+# scale arrays (0.5 MiB per layer) in VMEM for their scatter and copied them back, at any size that fits VMEM
+# (up to tens of MiB), until the scales were written by a Pallas kernel in HBM (pallas_kernels.tpu_scale_write).
 SMALL_CACHE_ENGINES = (
     ("qwen2.5-0.5b", 1, "decode", (("num_pages", 2049), ("scan_layers", "off")), "2049p"),
     ("tiny", 1, "decode", (("num_pages", 1025), ("scan_layers", "on")), "1025p scan"),
     ("tiny", 1, "prefill", (("num_pages", 1025), ("scan_layers", "off")), "1025p"),
+    ("tiny", 1, "decode", (("num_pages", 1025), ("scan_layers", "on"), ("kv_dtype", "int8")), "int8 1025p"),
 )
 AUDIT_TOPOLOGY = {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}  # 32 GiB chips: an 8B model fits one
 MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages (see audit())
@@ -342,7 +350,7 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
             print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
             continue
         hlo = compiled.as_text()
-        bad = kv_copies(hlo, facts["local_kv_shape"], facts["dtype"])
+        bad = cache_copies(hlo, facts["cache_arrays"])
         weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"])
         growth = max(0, temp - temp_small) / facts["layer_kv"]
         shape = "x".join(str(d) for d in facts["local_kv_shape"])
@@ -397,7 +405,7 @@ def check_families(names=tuple(FAMILY_STEPS), kind: str = "prefill") -> int:
                 print(f"FAIL {name}\n{traceback.format_exc(limit=4)}")
                 continue
             hlo = compiled.as_text()
-            bad = kv_copies(hlo, facts["local_kv_shape"], facts["dtype"])
+            bad = cache_copies(hlo, facts["cache_arrays"])
             temp = compiled.memory_analysis().temp_size_in_bytes
             grouped = len(GROUPED_MATMUL.findall(hlo))
             print(
@@ -503,7 +511,7 @@ def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
                 m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
             ) * gib
             hlo = compiled.as_text()
-            bad = kv_copies(hlo, facts["local_kv_shape"], facts["dtype"])
+            bad = cache_copies(hlo, facts["cache_arrays"])
             weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"])
             print(
                 f"{quantization or 'bf16':<8}{kv_dtype or 'bf16':<10}{facts['tokens']:>7}{facts['seqs']:>5}"

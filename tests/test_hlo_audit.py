@@ -4,14 +4,22 @@ tests/data/hlo/tpu_v6e_qwen2.5-0.5b_2049_pages.hlo.gz: every instruction of the 
 Qwen2.5-0.5B (24 layers, 2,049 pages) whose text names a layer's page array ``bf16[2049,2,16,128]``. At that
 small cache XLA placed each layer's pages in VMEM and copied them back (one copy-done per layer), beside the
 allowed producers: the donated parameters, the in-place scatter fusions, bitcasts and the attention custom
-calls."""
+calls.
+
+tpu_v6e_qwen2.5-0.5b_int8_scales_64_columns.hlo.gz: the instructions naming a layer's scale array
+``f32[287554,64]`` of the same step with int8 pages at full size, before scale rows were lane-dense: XLA kept
+the 64-column array column-major and relayouted it (``copy``) for the attention kernel in every layer.
+tpu_v6e_tiny_int8_16385_pages_scales_staged.hlo.gz: tiny (2 layers, unrolled) with int8 pages at 16,385 pages
+and lane-dense ``f32[16385,128]`` scales, the scale scatter run in VMEM: layer 0's array prefetched whole
+(``copy-done`` into memory space 1), layer 1's in slices (reassembled by a ``ConcatBitcast`` custom call), both
+written back (``copy-done``)."""
 
 import gzip
 import pathlib
 
 import jax.numpy as jnp
 
-from paged_jax.worker.hlo_audit import WeightCopies, hlo_shape, kv_copies, weight_copies
+from paged_jax.worker.hlo_audit import WeightCopies, cache_copies, hlo_shape, kv_copies, weight_copies
 
 DATA = pathlib.Path(__file__).parent / "data" / "hlo"
 KV = (2049, 2, 16, 128)
@@ -22,8 +30,10 @@ def _hlo() -> str:
 
 
 def test_finds_the_copy_of_every_layer():
+    """Each layer's pages sliced into VMEM (reassembled by ConcatBitcast) and copied back (copy-done)."""
     bad = kv_copies(_hlo(), KV, jnp.bfloat16)
-    assert len(bad) == 24 and all(" copy-done(" in line for line in bad)
+    assert len(bad) == 48
+    assert sum(" copy-done(" in line for line in bad) == 24 and sum("ConcatBitcast" in line for line in bad) == 24
 
 
 def test_in_place_producers_are_not_copies():
@@ -32,10 +42,34 @@ def test_in_place_producers_are_not_copies():
         line
         for line in hlo.splitlines()
         if any(op in line.split("=", 1)[1][:120] for op in (" parameter(", " bitcast(", " custom-call("))
+        and "ConcatBitcast" not in line
         or "scatter_fusion" in line.split("=", 1)[0]
     ]
     assert len(allowed) > 24
     assert kv_copies("\n".join(allowed), KV, jnp.bfloat16) == []
+
+
+def _data(name: str) -> str:
+    return gzip.decompress((DATA / name).read_bytes()).decode()
+
+
+def test_finds_the_relayout_of_narrow_scale_rows():
+    """The 64-column scale array of every layer relayouted (copy from column- to row-major) for the kernel."""
+    hlo = _data("tpu_v6e_qwen2.5-0.5b_int8_scales_64_columns.hlo.gz")
+    bad = kv_copies(hlo, (287554, 64), jnp.float32)
+    assert len(bad) == 24 and all(" copy(%scatter_fusion" in line for line in bad)
+    pages = ((287554, 2, 16, 128), jnp.int8)  # no page array line in the saved text
+    assert cache_copies(hlo, [pages, ((287554, 64), jnp.float32)]) == bad
+    assert cache_copies(hlo, [pages]) == []
+
+
+def test_finds_scale_arrays_staged_in_vmem():
+    """Scale arrays prefetched into VMEM for the scatter (whole: copy-done; in slices: ConcatBitcast) and
+    written back: four copies for two layers; the in-place producers (parameters, scatter fusions) are not."""
+    hlo = _data("tpu_v6e_tiny_int8_16385_pages_scales_staged.hlo.gz")
+    bad = kv_copies(hlo, (16385, 128), jnp.float32)
+    names = [line.split(" ", 1)[0] for line in bad]
+    assert names == ["%copy-done.3", "%copy-done.4", "%custom-call.76", "%copy-done.2"]
 
 
 def test_other_shapes_and_dtypes_are_ignored():

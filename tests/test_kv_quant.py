@@ -5,6 +5,7 @@ The backend tests compare with the reference run on the *dequantized* K/V, so th
 reads exactly what is stored (float tolerances of the query dtype); the quantization error itself is bounded
 separately, from the formats' rounding (int8: half a step of ``max|x| / 127``; e4m3: 3 mantissa bits)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -146,6 +147,71 @@ def test_pallas_backends_quantized(backend, kv_dtype, dtype, window, cap):
     check_case(case, kernel, dtype, sliding_window=window, soft_cap=cap)
 
 
+def test_lane_dense_scale_rows():
+    """TPU stores each page's scale row padded to whole 128-lane multiples (kv_quant.scale_row_width), each TP
+    shard's part on its own, and the page budget counts the padding; other platforms keep the exact width."""
+    assert kv_quant.lane_dense("tpu") and not kv_quant.lane_dense("gpu") and not kv_quant.lane_dense("cpu")
+    assert kv_quant.scale_row_width(2, 16) == 64 and kv_quant.scale_row_width(2, 16, dense=True) == 128
+    assert kv_quant.scale_row_width(3, 16, dense=True) == 128 and kv_quant.scale_row_width(8, 16, dense=True) == 256
+    assert kv_quant.scales_shape(10, 8, 16, dense=True, shards=8) == (10, 8 * 128)  # 32 columns per chip, padded
+    assert kv_quant.scales_shape(10, 8, 16, shards=8) == (10, 256)
+    assert kv_quant.page_bytes(2, 16, 64, jnp.int8, dense=True) == 2 * 16 * 128 + 128 * 4
+    assert kv_quant.page_bytes(2, 16, 64, jnp.int8) == 2 * 16 * 128 + 64 * 4
+    assert kv_quant.page_bytes(2, 16, 64, jnp.bfloat16, dense=True) == 2 * 16 * 128 * 2
+    padded = kv_quant.quantize_pages(jax.random.normal(jax.random.key(5), kv_pages_shape(3, 2, 16, 64)), jnp.int8, True)
+    assert padded.scales.shape == (3, 128) and np.all(np.asarray(padded.scales[:, 64:]) == 1.0)
+    exact = kv_quant.QuantizedPages(padded.pages, padded.scales[:, :64])
+    np.testing.assert_array_equal(kv_quant.dequantize_pages(padded), kv_quant.dequantize_pages(exact))
+
+
+def test_engine_budget_counts_padded_scale_rows(tiny_config):
+    """The page count a TPU engine gets divides its budget by pages with padded scale rows."""
+    from paged_jax.config.engine import EngineConfig
+    from paged_jax.model import quant
+    from paged_jax.worker.kv_budget import kv_capacity_pages
+
+    ec, stats = EngineConfig(kv_dtype="int8"), {"bytes_limit": 2**30, "bytes_in_use": 0}
+    pages = {
+        platform: kv_capacity_pages(tiny_config, ec, jnp.int8, memory_stats=stats, platform=platform)
+        for platform in ("tpu", "gpu")
+    }
+    layer = {d: kv_quant.page_bytes(tiny_config.num_kv_heads, 16, tiny_config.head_dim, jnp.int8, d) for d in (0, 1)}
+    assert layer[1] > layer[0]  # tiny: 2 KV heads x 16 slots x K/V = 64 scales, padded to 128
+    for platform, dense in (("tpu", 1), ("gpu", 0)):
+        assert pages[platform] == int(2**30 * 0.9) // (tiny_config.num_layers * layer[dense])
+        per_page = quant.kv_bytes_per_page(tiny_config, jnp.int8, 16, 1, bool(dense))
+        assert per_page == tiny_config.num_layers * layer[dense]
+
+
+@pytest.mark.parametrize("backend", ["xla", "tpu", "gpu"])
+def test_lane_dense_scale_rows_read_exactly(backend):
+    """Every backend that may meet a lane-dense scale row (XLA, the TPU and GPU kernels in interpret mode) reads
+    only the real columns: the padding is NaN here and the result still matches the dense reference."""
+    case = make_case(6, MIXED, num_tokens=64, max_seqs=8, kv_dtype=jnp.int8, **SHAPE)  # 2 heads x 8 slots: 32 columns
+    scales = jnp.pad(case.kv_scales, ((0, 0), (0, 96)), constant_values=np.nan)
+    case = dataclasses.replace(case, kv_scales=scales)
+    kernel = {
+        "xla": "xla",
+        "tpu": _tpu(tokens_per_item=4, pages_per_block=2),
+        "gpu": _gpu(q_block=4, pages_per_block=2, num_splits=2),
+    }[backend]
+    check_case(case, kernel, jnp.float32)
+
+
+def test_write_kv_leaves_lane_dense_padding():
+    """write_kv and copy_pages on lane-dense scale rows write only the real columns of a row."""
+    cache = kv_quant.allocate(4, 2, 8, 64, jnp.int8, dense=True)
+    assert cache.scales.shape == (4, 128)
+    k = jax.random.normal(jax.random.key(7), (3, 2, 64))
+    slots = jnp.array([8, 15, 17], jnp.int32)
+    out = write_kv(cache, k, 2.0 * k, slots)
+    exact = write_kv(kv_quant.allocate(4, 2, 8, 64, jnp.int8), k, 2.0 * k, slots)
+    np.testing.assert_array_equal(np.asarray(out.scales[:, :32]), np.asarray(exact.scales))
+    assert np.all(np.asarray(out.scales[:, 32:]) == 1.0)
+    copied = copy_pages(out, jnp.array([1], jnp.int32), jnp.array([3], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(copied.scales[3]), np.asarray(out.scales[1]))
+
+
 @pytest.mark.parametrize("kv_dtype,bound", [(jnp.int8, 0.02), (jnp.float8_e4m3fn, 0.075)])
 def test_attention_quantization_error_bound(kv_dtype, bound):
     """Attention over quantized pages against the float pages they came from (random K/V, unit normal): the
@@ -207,3 +273,38 @@ def test_gpu_kernel_lowers_to_triton_with_quantized_pages(kv_dtype, t, s, blocks
             fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
         )(*args)
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+def test_tpu_scale_writer_matches_the_scatter():
+    """The TPU scale writer (pallas_kernels.tpu_scale_write, interpret mode, race detection once) writes exactly
+    what the XLA scatter writes: tokens of one page out of order and in different chunks of the kernel's grid
+    (8 rows each here), padding, a stacked cache's page offset; nothing else changes (the rest random)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels import tpu_scale_write
+
+    heads, page, pages = 2, 8, 40
+    cache = kv_quant.allocate(pages, heads, page, 64, jnp.int8, dense=True)
+    cache = cache._replace(scales=jax.random.uniform(jax.random.key(8), cache.scales.shape, minval=0.5, maxval=2.0))
+    slots = np.full(20, -1, np.int32)
+    slots[:6] = [83, 80, 81, 9, -1, 200]  # page 10 out of order, page 1, padding, page 25
+    slots[[7, 11, 19]] = [319, 82, 84]  # the last slot of the last page; page 10 again in chunks 2 and 3
+    slots = jnp.asarray(slots)
+    page_ids = jnp.where(slots < 0, pages, slots // page)
+    k = jax.random.normal(jax.random.key(9), (slots.size, heads, 64))
+    values = jnp.stack(kv_quant.quantize(k, jnp.int8)[1:] + kv_quant.quantize(0.5 * k, jnp.int8)[1:], -1)
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait")
+    got = tpu_scale_write.write_scales_tpu(
+        cache.scales, page_ids, slots % page, values.reshape(-1, 2 * heads), page, params, chunk=8
+    )
+    assert ipc.races is not None and not ipc.races.races_found
+    want = write_kv(cache, k, 0.5 * k, slots)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.scales))
+    changed = np.any(np.asarray(want.scales) != np.asarray(cache.scales), axis=1)
+    assert sorted(np.flatnonzero(changed)) == [1, 10, 25, 39]
+    # Through write_kv (the engine's TPU path, default chunk), the slots relative to a page offset of 1.
+    shifted = jnp.where(slots < 0, -1, slots - page)
+    stacked = write_kv(cache, k, 0.5 * k, shifted, jnp.int32(1), "pallas-tpu-interpret")
+    np.testing.assert_array_equal(np.asarray(stacked.scales), np.asarray(want.scales))
+    np.testing.assert_array_equal(np.asarray(stacked.pages), np.asarray(want.pages))

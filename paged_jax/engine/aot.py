@@ -40,6 +40,7 @@ class AbstractEngine:
     weights_bytes: int  # one device's share of the parameters
     layer_kv_bytes: int  # one device's share of one layer's cache (pages, and scales of quantized pages)
     local_kv_shape: tuple[int, ...]  # one device's page array of one layer (scanned: of the stacked array)
+    local_scales_shape: tuple[int, ...] | None = None  # quantized pages: one device's scale array, the same way
 
     @property
     def kv_tokens(self) -> int:
@@ -91,7 +92,8 @@ def abstract_engine(
     max_model_len = ec.model_len(config.max_position_embeddings)
     kv_dtype = quant.kv_cache_dtype(ec.kv_dtype, config.dtype)
     stats = {"bytes_limit": bytes_limit, "bytes_in_use": weights_bytes}
-    num_pages = kv_capacity_pages(run_config, ec, kv_dtype, None, tp, max_model_len, memory_stats=stats)
+    platform = devices[0].platform
+    num_pages = kv_capacity_pages(run_config, ec, kv_dtype, None, tp, max_model_len, stats, platform)
     runner = make_runner(run_config, params, ec, num_pages, max_model_len, mesh if tp > 1 else None, abstract=True)
     # One KV array: layer 0's, or the scanned decoder's stacked one (`paged_jax.model.scan`), whose share of
     # one layer is its size over the layers.
@@ -103,6 +105,7 @@ def abstract_engine(
         weights_bytes,
         sum(_local_bytes(x) for x in layer) // layers,
         tuple(layer[0].sharding.shard_shape(layer[0].shape)),
+        tuple(layer[1].sharding.shard_shape(layer[1].shape)) if len(layer) > 1 else None,
     )
 
 

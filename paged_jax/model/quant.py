@@ -27,6 +27,14 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype) -> int:
     return config.num_layers * config.num_kv_heads * kv_quant.bytes_per_token_head(config.head_dim, kv_dtype)
 
 
+def kv_bytes_per_page(config: ModelConfig, kv_dtype, page_size: int, kv_shards: int = 1, dense: bool = False) -> int:
+    """Bytes of one page over all layers on one of `kv_shards` chips (each holding `num_kv_heads / kv_shards`
+    heads), scale rows included and padded to whole lanes when `dense` (TPU,
+    `pallas_kernels.kv_quant.lane_dense`): what the engine's page budget divides by."""
+    per_layer = kv_quant.page_bytes(config.num_kv_heads // kv_shards, page_size, config.head_dim, kv_dtype, dense)
+    return config.num_layers * per_layer
+
+
 def kv_token_gain(config: ModelConfig, kv_dtype) -> float:
     """Tokens that fit a byte budget with ``kv_dtype`` pages, relative to bfloat16 pages (int8: ~1.94x)."""
     return kv_bytes_per_token(config, jnp.bfloat16) / kv_bytes_per_token(config, kv_dtype)

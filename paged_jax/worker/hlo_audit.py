@@ -7,8 +7,10 @@ layer's pages, or a scanned decoder's stacked ones, ``paged_jax.model.scan``) ot
 producers are parameters, the in-place scatter (and fusions whose root is one), dynamic-update-slice,
 custom calls (the attention kernels read the pages where they are), tuples,
 get-tuple-element, bitcasts and optimization barriers. An asynchronous copy (XLA staging the array in another
-memory space, e.g. a small cache placed in TPU VMEM) shows as its ``copy-done``. Tested on saved HLO text
-(``tests/test_hlo_audit.py``).
+memory space, e.g. a small cache placed in TPU VMEM) shows as its ``copy-done``, a sliced one as the
+``ConcatBitcast`` custom call that reassembles it. Quantized pages' scale arrays (``f32[pages, row]``,
+``pallas_kernels.kv_quant``) are checked the same way (:func:`cache_copies`): a narrow row once made XLA:TPU
+relayout every layer's whole scale array each step. Tested on saved HLO text (``tests/test_hlo_audit.py``).
 
 :func:`weight_copies` measures the same for the weights: bytes of per-layer weight arrays a step materialises
 (a scanned decoder's per-layer slice of a stacked weight copied out before its dot), reported by the TPU audit.
@@ -33,6 +35,8 @@ _ALLOWED = (
     "opt-barrier(",
 )
 _IN_PLACE_FUSION = ("scatter", "dynamic-update-slice", "dynamic_update")
+# XLA:TPU's sliced prefetch: the array copied into VMEM in slices and reassembled by this custom call.
+_SLICED_PREFETCH = 'custom_call_target="ConcatBitcast"'
 
 
 def hlo_shape(shape: tuple[int, ...], dtype) -> str:
@@ -55,12 +59,18 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
             continue
         op = rhs[len(shape) :].split(" ", 2)
         opname = op[1] if len(op) > 1 else rhs
-        if opname.startswith(_ALLOWED):
+        if opname.startswith(_ALLOWED) and _SLICED_PREFETCH not in rhs:
             continue
         if opname.startswith("fusion(") and any(k in lhs for k in _IN_PLACE_FUSION):
             continue  # an in-place scatter fusion (its output aliases the donated input)
         bad.append(line[:200])
     return bad
+
+
+def cache_copies(hlo: str, arrays: list[tuple[tuple[int, ...], object]]) -> list[str]:
+    """:func:`kv_copies` of every array of a layer's cache (``(shape, dtype)`` per array: the pages, and the
+    scales of quantized pages)."""
+    return [line for shape, dtype in arrays for line in kv_copies(hlo, shape, dtype)]
 
 
 _WEIGHT_ALLOWED = ("parameter(", "get-tuple-element(", "tuple(", "bitcast(", "opt-barrier(")

@@ -22,7 +22,8 @@ import jax
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
-from paged_jax.model.quant import kv_bytes_per_token
+from paged_jax.model.quant import kv_bytes_per_page
+from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv
 
 log = logging.getLogger(__name__)
@@ -89,22 +90,25 @@ def kv_capacity_pages(
     kv_shards: int = 1,
     max_model_len: int = 8192,
     memory_stats: dict[str, int] | None = None,
+    platform: str | None = None,
 ) -> int:
     """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
-    scales of quantized pages, `paged_jax.model.quant.kv_bytes_per_token`).
+    scale rows of quantized pages, padded to whole lanes on TPU: `paged_jax.model.quant.kv_bytes_per_page`).
 
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
     `memory_stats`: `bytes_limit` and `bytes_in_use` of that chip, when it cannot be asked (a deviceless
-    compile for a target, `paged_jax.worker.aot`); default: `device.memory_stats()`.
+    compile for a target, `paged_jax.worker.aot`, which names its `platform`); default: `device.memory_stats()`.
     """
     if ec.num_pages is not None:
         return ec.num_pages
-    per_page = kv_bytes_per_token(config, kv_dtype) * ec.page_size // kv_shards
     stats = memory_stats
-    if stats is None:
+    if stats is None or platform is None:
         device = device or jax.local_devices()[0]
+        platform = platform or device.platform
+    if stats is None:
         stats = device.memory_stats() if device.platform != "cpu" else None
+    per_page = kv_bytes_per_page(config, kv_dtype, ec.page_size, kv_shards, kv_quant.lane_dense(platform))
     if stats and "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
     else:

@@ -108,7 +108,9 @@ def paged_attention(
     if isinstance(kv_pages, LayerPages):
         view, kv_pages = kv_pages, kv_pages.pages
         offset = pallas_kernels.stacked_page_offset(kv_pages, view.layer, view.num_layers)
-    kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping, offset)
+    resolved = pallas_kernels.resolve_backend(backend)
+    writer = resolved if resolved in ("pallas-tpu", "pallas-tpu-interpret") else "xla"  # scales kept in TPU HBM
+    kv_pages = pallas_kernels.write_kv(kv_pages, k, v, meta.slot_mapping, offset, writer)
     out = pallas_kernels.ragged_paged_attention(
         q,
         kv_pages,
@@ -229,20 +231,37 @@ def prompt_logprobs_function(
     return make_prompt_logprobs(model, shardings)
 
 
-def _allocate_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None):
+def _scale_layout(platform: str, mesh: jax.sharding.Mesh | None) -> dict:
+    """How quantized pages' scale rows are stored on `platform`: lane-dense on TPU, each TP shard's part of a row
+    padded on its own (`pallas_kernels.kv_quant.scales_shape`)."""
+    return {"dense": kv_quant.lane_dense(platform), "shards": 1 if mesh is None else mesh.shape[sharding.TP]}
+
+
+def _allocate_kv(
+    config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None, platform: str
+):
     """A zeroed cache of `num_pages` pages (one layer's, or all layers' stacked): a page array, or
-    `QuantizedPages` (values and scales) for int8 / fp8."""
+    `QuantizedPages` (values and scales, `_scale_layout`) for int8 / fp8."""
     device = None if mesh is None else sharding.kv_sharding(mesh)
     if kv_quant.is_quantized_dtype(kv_dtype):
         scales_device = None if mesh is None else sharding.kv_scales_sharding(mesh)
         return kv_quant.allocate(
-            num_pages, config.num_kv_heads, page_size, config.head_dim, kv_dtype, device, scales_device
+            num_pages,
+            config.num_kv_heads,
+            page_size,
+            config.head_dim,
+            kv_dtype,
+            device,
+            scales_device,
+            **_scale_layout(platform, mesh),
         )
     shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
     return jnp.zeros(shape, kv_dtype, device=device)
 
 
-def _abstract_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None, one):
+def _abstract_kv(
+    config: ModelConfig, num_pages: int, page_size: int, kv_dtype, mesh: jax.sharding.Mesh | None, one, platform: str
+):
     """One layer's cache as `jax.ShapeDtypeStruct`s (nothing allocated): on `mesh` as `_allocate_kv` places it, or
     on the single-device sharding `one`."""
     shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
@@ -250,8 +269,8 @@ def _abstract_kv(config: ModelConfig, num_pages: int, page_size: int, kv_dtype, 
     if not kv_quant.is_quantized_dtype(kv_dtype):
         return pages
     scales_on = one if mesh is None else sharding.kv_scales_sharding(mesh)
-    scales = jax.ShapeDtypeStruct(kv_quant.scales_shape(num_pages, config.num_kv_heads, page_size), jnp.float32)
-    return kv_quant.QuantizedPages(pages, jax.ShapeDtypeStruct(scales.shape, scales.dtype, sharding=scales_on))
+    scales = kv_quant.scales_shape(num_pages, config.num_kv_heads, page_size, **_scale_layout(platform, mesh))
+    return kv_quant.QuantizedPages(pages, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=scales_on))
 
 
 def _copy_all_pages(kv_caches, src, dst):
@@ -449,13 +468,14 @@ class ModelRunner:
         one = jax.tree.leaves(params)[0].sharding if abstract and mesh is None else None
         pages = num_pages * config.num_layers if self.scan else num_pages  # the scanned decoder: one stacked cache
         if abstract:
-            layer = _abstract_kv(config, pages, page_size, self.kv_dtype, mesh, one)
+            layer = _abstract_kv(config, pages, page_size, self.kv_dtype, mesh, one, platform)
             self.kv_caches = layer if self.scan else (layer,) * config.num_layers
         elif self.scan:
-            self.kv_caches = _allocate_kv(config, pages, page_size, self.kv_dtype, mesh)
+            self.kv_caches = _allocate_kv(config, pages, page_size, self.kv_dtype, mesh, platform)
         else:
             self.kv_caches = tuple(
-                _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh) for _ in range(config.num_layers)
+                _allocate_kv(config, num_pages, page_size, self.kv_dtype, mesh, platform)
+                for _ in range(config.num_layers)
             )
         # Lowering sees only these (a background compile never touches pages a running step donated).
         self._kv_specs = jax.tree.map(
