@@ -52,21 +52,24 @@ run: $(STAMP)
 demo: run
 
 # Two streams side by side, since each is one mostly single-threaded process (XLA compiles on one thread): the
-# suite, and beside it the TPU and GPU compile checks and the mesh suites (tests marked `mesh`: child pytests
-# with 8 host devices). The second stream's output is kept in out/side-checks.log and printed after the suite's;
-# either failing fails `make test`.
+# suite, and beside it the TPU and GPU compile checks, the mesh suites (tests marked `mesh`: child pytests with 8
+# host devices) and the modules tests/conftest.py marks `side` (chosen by duration so the streams end together).
+# Each part of the second stream runs whatever another part did; its output is kept in out/side-checks.log and
+# printed after the suite's; any part failing fails `make test`. Both pytests print their slowest tests.
 test: $(STAMP) $(TPU_STAMP) $(GPU_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	@mkdir -p out
-	@{ $(MAKE) --no-print-directory tpu-check && $(MAKE) --no-print-directory gpu-check && \
-	  JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m mesh tests; } > out/side-checks.log 2>&1 & \
+	@{ $(MAKE) --no-print-directory tpu-check; tpu=$$?; $(MAKE) --no-print-directory gpu-check; gpu=$$?; \
+	  JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 --durations=15 -m "mesh or side" tests; side=$$?; \
+	  echo "tpu-check exit $$tpu, gpu-check exit $$gpu, pytest -m 'mesh or side' exit $$side"; \
+	  test $$tpu -eq 0 && test $$gpu -eq 0 && test $$side -eq 0; } > out/side-checks.log 2>&1 & \
 	side=$$!; \
-	echo "make tpu-check, make gpu-check and the mesh tests started beside the suite (out/side-checks.log)"; \
-	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m "not mesh" tests; suite=$$?; \
+	echo "make tpu-check, make gpu-check and pytest -m 'mesh or side' started beside the suite (out/side-checks.log)"; \
+	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 --durations=15 -m "not mesh and not side" tests; suite=$$?; \
 	wait $$side; checks=$$?; \
-	echo "== make tpu-check, make gpu-check, pytest -m mesh (exit $$checks), run beside the suite (exit $$suite):"; \
+	echo "== make tpu-check, make gpu-check, pytest -m 'mesh or side' (exit $$checks), run beside the suite (exit $$suite):"; \
 	cat out/side-checks.log; \
 	test $$suite -eq 0 && test $$checks -eq 0
 

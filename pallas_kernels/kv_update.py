@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_quant
 from pallas_kernels.common import kv_dims
-from pallas_kernels.tpu_scale_write import write_scales_tpu
 
 
 def write_kv(
@@ -58,6 +57,8 @@ def write_kv(
     # Scale of (head h, K/V kv, slot offset) at column (2 h + kv) * page_size + offset of the page's row.
     new_scales = jnp.stack([ks, vs], axis=-1)  # [T, H, 2]
     if scale_writer.startswith("pallas-tpu"):
+        from pallas_kernels.tpu_scale_write import write_scales_tpu  # loaded only for TPU (as attention.py does)
+
         values = new_scales.reshape(-1, 2 * num_kv_heads)
         interpret = scale_writer == "pallas-tpu-interpret"
         return kv_quant.QuantizedPages(pages, write_scales_tpu(scales, page, offset, values, page_size, interpret))

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import cdiv
-from pallas_kernels.kv_quant import bytes_per_token_head, is_quantized_dtype
+from pallas_kernels.kv_quant import is_quantized_dtype, page_bytes, scale_row_width
 from pallas_kernels.tpu_plan import RangePlan, TpuPlan, item_counts, plan_items
 
 _VREG = 8 * 128  # elements of one 32-bit vreg (8 sublanes x 128 lanes)
@@ -174,14 +174,14 @@ def _range_cost(
     pages = int(counts[:, 0].sum())
     tokens = int(n.sum())
 
-    # DMA: pages (values and scale rows), queries in, outputs out.
-    hbm = pages * hkv * ps * bytes_per_token_head(d, kv_dtype) + 2 * tokens * plan.num_q_heads * d * q_itemsize
+    # DMA: pages (values and scale rows, lane-dense as the engine's TPU caches hold them), queries and outputs.
+    hbm = pages * page_bytes(hkv, ps, d, kv_dtype, dense=True) + 2 * tokens * plan.num_q_heads * d * q_itemsize
 
     # MXU: q.k^T and p.v per (block, head), rows padded to the MXU width; f32 operands take F32_PASSES.
     passes = F32_PASSES if (not quantized and jnp.dtype(kv_dtype).itemsize == 4) else 1
     m_rows = max(rows, chip.mxu_width)
     attn = blocks * hkv * 2 * (2 * m_rows * d * kv_block) * passes
-    width = 2 * hkv * ps  # one page's scale row
+    width = scale_row_width(hkv, ps, dense=True)  # one page's scale row, padded to whole lanes
     scale = blocks * 2 * max(max(8, 2 * hkv), chip.mxu_width) * width * kv_block * SCALE_PASSES if quantized else 0
 
     # VPU, in vreg operations (element operations / 1024; bf16 counted as f32, as v5e's VPU computes it). A

@@ -1,5 +1,6 @@
-"""Shared fixtures: the embedded tiny config and its random parameters (built once per session), and the
-release of each test module's compiled executables."""
+"""Shared fixtures: the embedded tiny config and its random parameters (built once per session), the release
+of each test module's compiled executables, and the `side` marker on the modules `make test` runs in its second
+stream."""
 
 from __future__ import annotations
 
@@ -16,6 +17,27 @@ import pytest
 from paged_jax.config import ModelConfig, load_model_config
 from paged_jax.model.init import Params, init_params
 from paged_jax.worker.runner import EXECUTABLES
+
+# The modules `make test` runs in its second stream, beside the rest of the suite, after the TPU and GPU compile
+# checks (with the mesh suites: `pytest -m "mesh or side"`). Chosen by measured durations (`make test` prints the
+# slowest tests of both streams) so that the two streams, each about one core's work, end together on 2 cores.
+SIDE_MODULES = frozenset(
+    {
+        "test_kernels_gpu.py",
+        "test_lora.py",
+        "test_hostile_serve.py",
+        "test_smollm2.py",
+        "test_lora_smollm2.py",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SIDE_MODULES:
+            item.add_marker(pytest.mark.side)
+
 
 MAPS = "/proc/self/maps"
 MAX_MAPS = 40_000  # Linux refuses mmap past vm.max_map_count (65,530 by default)

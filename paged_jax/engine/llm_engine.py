@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 import jax
+import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
@@ -168,7 +169,9 @@ class LLMEngine:
         )
         self.structured = StructuredRows(LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_ids, limits))
         self.kv_cache_bytes = sum(x.nbytes for x in jax.tree.leaves(self.runner.kv_caches))  # padding included
-        self.kv_token_gain = quant.kv_token_gain(config, kv_dtype)  # tokens per byte vs bfloat16 pages
+        # Tokens per byte vs bfloat16 pages of the same run config (padded scale rows included).
+        bf16_bytes = quant.kv_bytes_per_page(run_config, jnp.bfloat16, ec.page_size) * self.num_pages
+        self.kv_token_gain = bf16_bytes / self.kv_cache_bytes
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d; "
             "%s pages: %.2fx the tokens of bfloat16 in the same bytes)",

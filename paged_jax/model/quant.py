@@ -35,11 +35,6 @@ def kv_bytes_per_page(config: ModelConfig, kv_dtype, page_size: int, kv_shards: 
     return config.num_layers * per_layer
 
 
-def kv_token_gain(config: ModelConfig, kv_dtype) -> float:
-    """Tokens that fit a byte budget with ``kv_dtype`` pages, relative to bfloat16 pages (int8: ~1.94x)."""
-    return kv_bytes_per_token(config, jnp.bfloat16) / kv_bytes_per_token(config, kv_dtype)
-
-
 # -- weights ------------------------------------------------------------------------------------------------
 
 _WEIGHT_DTYPES = {"int8": jnp.dtype(jnp.int8), "w8a8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
