@@ -73,8 +73,9 @@ def test_scanned_model_is_the_unrolled_one(name):
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_tpu_stacked_order_is_the_same_model(quantization):
-    # TPU stacks gate_up_proj as [L, 2, H, I] (paged_jax.model.scan.STACKED_ORDERS): the scan step transposes each
-    # slice back, so the function is the unrolled one's; int8 values move, their per-channel scales do not.
+    # TPU stacks gate_up_proj as [L, 2, H, I] and qkv_proj as [L, Hkv, G + 2, H, D] (paged_jax.model.scan's
+    # STACKED_ORDERS): the scan step transposes each slice back, so the function is the unrolled one's; int8 values
+    # move, their per-channel scales do not.
     order = stacked_order("tpu")
     assert order and stacked_order("gpu") == stacked_order("cpu") == ()
     config, params = _family("tiny")
@@ -86,6 +87,9 @@ def test_tpu_stacked_order_is_the_same_model(quantization):
     assert values.shape == (config.num_layers, 2, h, i)
     if quantization:
         assert gate_up.scale.shape == (config.num_layers, 2, i)
+    qkv = stacked["params"]["layers"]["self_attn"]["qkv_proj"]
+    hkv, g2 = config.num_kv_heads, config.num_heads // config.num_kv_heads + 2
+    assert (qkv.values if quantization else qkv).shape == (config.num_layers, hkv, g2, h, config.head_dim)
     got, want = _logits(config, stacked, True, order), _logits(config, params, False)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     back = unstack_layers(stacked, order)
@@ -96,9 +100,10 @@ def test_tpu_stacked_order_is_the_same_model(quantization):
     init = jax.eval_shape(lambda k: model.init(k, tokens, tokens, None, DenseMeta(tokens, tokens)), jax.random.key(0))
     assert init["params"]["layers"]["mlp"]["gate_up_proj"].shape == (config.num_layers, 2, h, i)
     assert shapes["params"]["layers"]["mlp"]["gate_up_proj"].shape == (config.num_layers, h, 2, i)
-    # The partition spec is the per-layer one with the layer axis in front: the permutation keeps I (sharded) last.
-    spec = param_partition_specs(config, init)["params"]["layers"]["mlp"]["gate_up_proj"]
-    assert spec == P(None, None, None, "tp")
+    # The partition specs are the per-layer ones permuted like their leaves, the layer axis in front.
+    specs = param_partition_specs(config, init, order=order)["params"]["layers"]
+    assert specs["mlp"]["gate_up_proj"] == P(None, None, None, "tp")
+    assert specs["self_attn"]["qkv_proj"] == P(None, "tp", None, None, None)  # Hkv moved in front, sharded still
 
 
 def test_stacked_tree_is_the_scanned_models_own():

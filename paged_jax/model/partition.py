@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from paged_jax.config import ModelConfig
 from paged_jax.model.quant import QuantizedWeight
-from paged_jax.model.scan import LAYERS
+from paged_jax.model.scan import LAYERS, StackedOrder
 
 _SPECS: dict[str, Any] = {
     "qkv_proj": lambda tp: P(None, tp, None, None),  # [H, Hkv, G + 2, D]: whole (q, k, v) groups per shard
@@ -36,9 +36,11 @@ _SPECS: dict[str, Any] = {
 }
 
 
-def param_partition_specs(config: ModelConfig, params: Any, tp_axis: str = "tp") -> Any:
-    """A pytree like `params` ({"params": ...}) with a `PartitionSpec` per leaf."""
+def param_partition_specs(config: ModelConfig, params: Any, tp_axis: str = "tp", order: StackedOrder = ()) -> Any:
+    """A pytree like `params` ({"params": ...}) with a `PartitionSpec` per leaf; `order`: the stacked leaves'
+    axis order (`paged_jax.model.scan.stacked_order`), whose specs are the per-layer ones permuted likewise."""
     del config  # the layout depends only on the leaf names; kept for the contract and later variants
+    perms = dict(order)
 
     def spec(path: tuple[Any, ...], leaf: Any) -> Any:
         name = str(getattr(path[-1], "key", path[-1]))
@@ -46,9 +48,10 @@ def param_partition_specs(config: ModelConfig, params: Any, tp_axis: str = "tp")
             raise KeyError(f"{jax.tree_util.keystr(path)}: no partition rule")
         rule = tuple(_SPECS[name](tp_axis))
         layer = (None,) if any(getattr(k, "key", None) == LAYERS for k in path) else ()  # stacked: axis 0 whole
+        moved = tuple(rule[a] for a in perms[name]) if layer and name in perms else rule
         if isinstance(leaf, QuantizedWeight):  # values as the weight; scales as its output (trailing) axes
-            return leaf.replace(values=P(*layer, *rule), scale=P(*layer, *rule[leaf.contract :]))
-        return P(*layer, *rule)
+            return leaf.replace(values=P(*layer, *moved), scale=P(*layer, *rule[leaf.contract :]))
+        return P(*layer, *moved)
 
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 

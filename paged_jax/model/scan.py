@@ -11,8 +11,9 @@ quantization produce) stacked leaf by leaf on a new leading layer axis under one
     ...
     embed_tokens, norm, lm_head    as before
 
-On TPU `layers/mlp/gate_up_proj` is stacked as [L, 2, H, I] rather than [L, H, 2, I] (`STACKED_ORDERS` says
-why); the scan step transposes each layer's slice back, which XLA folds into the dot.
+On TPU `layers/mlp/gate_up_proj` is stacked as [L, 2, H, I] rather than [L, H, 2, I], and `qkv_proj` as
+[L, Hkv, G + 2, H, D] (`STACKED_ORDERS` says why); the scan step transposes each layer's slice back, which XLA
+folds into the dot.
 
 The stored form (orbax checkpoints, HF/GGUF import) stays per layer, so every checkpoint restores for either
 path; `stack_layers` runs once when a runner takes the parameters.
@@ -93,12 +94,17 @@ def is_stacked(params: Params) -> bool:
 # TPU: gate_up_proj [H, 2, I] stacked as [L, 2, H, I]. In the per-layer order, XLA:TPU tiles the stacked
 # array's two minor axes (2, I) as T(2,128) and does not fuse a dynamic-slice of that tiling into the dot:
 # each layer's slice was written to HBM before its dot (Llama-3.1-8B bf16: 7 GiB per decode step); stacked
-# as [L, 2, H, I] the minor axes are (H, I), tiled T(8,128), and the dot reads the slice in place. Every
-# permutation here keeps the sharded axis (I) last, so the stacked partition specs stay the per-layer ones
-# with the layer axis in front (`paged_jax.model.partition`). GPU and CPU keep the per-layer order (a GPU
+# as [L, 2, H, I] the minor axes are (H, I), tiled T(8,128), and the dot reads the slice in place.
+# TPU: qkv_proj [H, Hkv, G + 2, D] stacked as [L, Hkv, G + 2, H, D]. In the per-layer order the minor axes
+# (G + 2, D) are short rows (Gemma 3 4B: 4 x 256, tiled T(4,128)) that XLA:TPU relayouts for the decode dot,
+# which wants (H, D) tiles with the output axes in their order: the whole stacked qkv_proj (680 MiB) was
+# copied every Gemma decode step, and each Llama-3.1-8B slice was relaid out into VMEM on its way in; stacked
+# so, both read in place (a 512-token prefill's dot wants (D, H) instead and copies each slice: README).
+# The stacked partition specs are the per-layer ones permuted likewise, the layer axis in front
+# (`paged_jax.model.partition.param_partition_specs`' `order`). GPU and CPU keep the per-layer order (a GPU
 # GEMM reads [H, 2 * I] rows in place; [2, H, I] would need a transpose).
 StackedOrder = tuple[tuple[str, tuple[int, ...]], ...]
-STACKED_ORDERS: dict[str, StackedOrder] = {"tpu": (("gate_up_proj", (1, 0, 2)),)}
+STACKED_ORDERS: dict[str, StackedOrder] = {"tpu": (("gate_up_proj", (1, 0, 2)), ("qkv_proj", (1, 2, 0, 3)))}
 
 
 def stacked_order(platform: str) -> StackedOrder:

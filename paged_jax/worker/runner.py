@@ -191,7 +191,7 @@ def step_functions(
 
     if mesh is None:
         return model, jax.jit(forward, donate_argnums=(1,))
-    shardings = sharding.step_shardings(config, mesh, quantized_kv, weights, scan)
+    shardings = sharding.step_shardings(config, mesh, quantized_kv, weights, scan, stacked_order)
     rep = sharding.replicated(mesh)
     lora_in = None if lora is None else LoraBatch(_lora_shardings(config, mesh, lora), rep)
     shardings["in_shardings"] = (*shardings["in_shardings"], lora_in)
@@ -227,7 +227,7 @@ def prompt_logprobs_function(
 ):
     """The jitted prompt-logprob step (`paged_jax.worker.prompt_logprobs`) of `step_functions`' model."""
     model, _ = step_functions(config, backend, mesh, quantized_kv, weights, scan=scan, stacked_order=stacked_order)
-    shardings = None if mesh is None else sharding.logits_shardings(config, mesh, weights, scan)
+    shardings = None if mesh is None else sharding.logits_shardings(config, mesh, weights, scan, stacked_order)
     return make_prompt_logprobs(model, shardings)
 
 
@@ -565,7 +565,7 @@ class ModelRunner:
                 one = jax.tree.leaves(params)[0].sharding
                 return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), shapes)
             return jax.jit(stack)(params)
-        shardings = sharding.param_shardings(self.config, mesh, shapes)
+        shardings = sharding.param_shardings(self.config, mesh, shapes, self.stacked_order)
         if abstract:
             return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
         return jax.jit(stack, out_shardings=shardings)(params)

@@ -40,6 +40,7 @@ from paged_jax.model.init import param_shapes
 from paged_jax.model.loader.fuse import expand_fused_kv_heads
 from paged_jax.model.partition import param_partition_specs
 from paged_jax.model.quant import abstract_params
+from paged_jax.model.scan import LAYERS, StackedOrder, to_stacked_order
 from pallas_kernels.kv_quant import QuantizedPages
 
 TP = "tp"
@@ -100,9 +101,10 @@ def dp_device_groups(dp: int, tp: int, devices: Sequence[jax.Device] | None = No
     return [devices[i * tp : (i + 1) * tp] for i in range(dp)]
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh, params: Any | None = None) -> Any:
-    """A `NamedSharding` per parameter leaf (tree of `params`, default the config's abstract tree)."""
-    specs = param_partition_specs(config, param_shapes(config) if params is None else params, TP)
+def param_shardings(config: ModelConfig, mesh: Mesh, params: Any | None = None, order: StackedOrder = ()) -> Any:
+    """A `NamedSharding` per parameter leaf (tree of `params`, default the config's abstract tree); `order`: the
+    stacked leaves' axis order (`paged_jax.model.scan.stacked_order`)."""
+    specs = param_partition_specs(config, param_shapes(config) if params is None else params, TP, order)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -178,32 +180,46 @@ def step_shardings(
     quantized: bool = False,
     weights: tuple[str, bool, bool] | None = None,
     scan: bool = False,
+    order: StackedOrder = (),
 ) -> dict[str, Any]:
     """`jit` keyword arguments pinning the forward step's operands to `mesh`.
 
     forward(params, kv_caches, token_ids, positions, meta, logits_indices): params by their specs, the
     per-layer pages by KV heads, metadata replicated; out: logits replicated, pages as they came in, the
     hidden states replicated. `quantized`: KV pages with scales; `weights`: `paged_jax.model.quant.weights_key`
-    of quantized params; `scan`: the scanned decoder (stacked params, one stacked cache).
+    of quantized params; `scan`: the scanned decoder (stacked params in `order`, one stacked cache).
     """
     kv = kv_cache_sharding(mesh, quantized)
     kv = kv if scan else (kv,) * config.num_layers
     rep = replicated(mesh)
-    params = abstract_params(param_shapes(config, scan), weights)
+    params = _abstract_params(config, weights, scan, order)
     return {
-        "in_shardings": (param_shardings(config, mesh, params), kv, rep, rep, rep, rep),
+        "in_shardings": (param_shardings(config, mesh, params, order), kv, rep, rep, rep, rep),
         "out_shardings": (rep, kv, rep),
     }
 
 
 def logits_shardings(
-    config: ModelConfig, mesh: Mesh, weights: tuple[str, bool, bool] | None = None, scan: bool = False
+    config: ModelConfig,
+    mesh: Mesh,
+    weights: tuple[str, bool, bool] | None = None,
+    scan: bool = False,
+    order: StackedOrder = (),
 ) -> dict[str, Any]:
     """`jit` keyword arguments of a function (params, *replicated arrays) -> replicated outputs that applies the
     LM head (`paged_jax.worker.prompt_logprobs`): params by their specs, everything else replicated."""
     rep = replicated(mesh)
-    params = param_shardings(config, mesh, abstract_params(param_shapes(config, scan), weights))
+    params = param_shardings(config, mesh, _abstract_params(config, weights, scan, order), order)
     return {"in_shardings": (params, rep, rep, rep, rep), "out_shardings": rep}
+
+
+def _abstract_params(config: ModelConfig, weights: tuple[str, bool, bool] | None, scan: bool, order: StackedOrder):
+    """The abstract parameter tree a step takes: per layer, or stacked with its leaves in `order`."""
+    params = abstract_params(param_shapes(config, scan), weights)
+    if not (scan and order):
+        return params
+    layers = jax.eval_shape(functools.partial(to_stacked_order, order=order), params["params"][LAYERS])
+    return {"params": {**params["params"], LAYERS: layers}}
 
 
 __all__ = [
