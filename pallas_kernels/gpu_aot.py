@@ -33,13 +33,15 @@ import numpy as np
 
 TARGET_CONFIG = pathlib.Path(__file__).with_name("h200.txtpb")  # XLA's H100 description with H200 memory
 
-# The wrapper: the PTX input and the -v report kept per call (numbered), then the real ptxas.
+# The wrapper: the PTX input and the -v report kept per call, then the real ptxas. XLA runs ptxas from several
+# compile threads at once, so each call takes a name of its own from mktemp (numbering calls by counting the
+# logs so far gave two concurrent calls one name: one kernel's report was lost, under load only).
 _PTXAS_WRAPPER = """#!/bin/sh
-n=$(ls "$PAGED_JAX_PTX_DIR" | grep -c log)
-for a in "$@"; do case "$a" in -*) ;; *) [ -f "$a" ] && cp "$a" "$PAGED_JAX_PTX_DIR/$n.ptx";; esac; done
-"$PAGED_JAX_REAL_PTXAS" -v "$@" 2> "$PAGED_JAX_PTX_DIR/$n.log"
+n=$(mktemp "$PAGED_JAX_PTX_DIR/call.XXXXXXXX")
+for a in "$@"; do case "$a" in -*) ;; *) [ -f "$a" ] && cp "$a" "$n.ptx";; esac; done
+"$PAGED_JAX_REAL_PTXAS" -v "$@" 2> "$n.log"
 rc=$?
-cat "$PAGED_JAX_PTX_DIR/$n.log" >&2
+cat "$n.log" >&2
 exit $rc
 """
 
