@@ -37,6 +37,7 @@ import numpy as np
 from pallas_kernels.common import cdiv
 from pallas_kernels.kv_quant import is_quantized_dtype, page_bytes, scale_row_width
 from pallas_kernels.tpu_plan import RangePlan, TpuPlan, item_counts, plan_items
+from pallas_kernels.work_model import HARDWARE
 
 _VREG = 8 * 128  # elements of one 32-bit vreg (8 sublanes x 128 lanes)
 # bf16 MXU passes of one f32 x f32 product at Precision.HIGHEST (XLA's bf16_6x: each operand split in three
@@ -79,12 +80,18 @@ class TpuChip:
 # makes larger blocks faster). DMA issue/guard/wait: *estimates* (tens of scalar cycles: SMEM reads are 4
 # cycles each in the same study, a descriptor push and a branch); RPA v3 in tpu-inference issues one wait per
 # KV block for the same reason.
-CHIPS: dict[str, TpuChip] = {
-    "v5e": TpuChip("TPU v5e", 819e9, 197e12, 128, 1.5e9, 2.0, 2.0, 0.35e-6, 30 / 1.5e9, 4 / 1.5e9, 10 / 1.5e9, 0.42e-6),
-    "v6e": TpuChip(
-        "TPU v6e", 1640e9, 918e12, 256, 1.75e9, 2.0, 2.0, 0.35e-6, 30 / 1.75e9, 4 / 1.75e9, 10 / 1.75e9, 0.42e-6
-    ),
-}
+def _chip(key: str, mxu_width: int, clock_hz: float) -> TpuChip:
+    """One generation's chip: its published HBM bandwidth and bf16 peak (`work_model.HARDWARE`, the roofline's
+    figures), its MXU width and clock, and the cycle counts above at that clock."""
+    hw = HARDWARE[key]
+    cycle = 1 / clock_hz
+    return TpuChip(
+        hw.name, hw.hbm_bytes_per_s, hw.matmul_flops_per_s, mxu_width, clock_hz, 2.0, 2.0, 0.35e-6,
+        30 * cycle, 4 * cycle, 10 * cycle, 0.42e-6,
+    )  # fmt: skip
+
+
+CHIPS: dict[str, TpuChip] = {"v5e": _chip("v5e", 128, 1.5e9), "v6e": _chip("v6e", 256, 1.75e9)}
 
 TERMS = ("dma", "mxu", "vpu", "eup", "step", "issue")
 
