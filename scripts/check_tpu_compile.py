@@ -24,10 +24,10 @@ them on one chip, then small caches (explicit ``num_pages``: page arrays of 4-32
 and unrolled, bf16, float32 and int8 pages), and fails when the compiled HLO copies or transposes a KV page
 array or a quantized cache's scale array (``paged_jax.worker.hlo_audit.cache_copies``: any instruction
 producing an array of that shape other than in place, a staging in VMEM included) or when the temporaries that
-grow with the KV cache exceed 5% of one layer's KV pages. A failure names the config and the instruction. It also
-reports, per step, the bytes of per-layer weight slices the step copies to HBM
-(``paged_jax.worker.hlo_audit.weight_copies``: a scanned decoder's dynamic-slice of a stacked weight written out
-before its dot), beside the weights' size: a figure, not a failure.
+grow with the KV cache exceed 5% of one layer's KV pages, or when the step copies any per-layer weight to HBM
+(column ``w-copy``, MiB per step beside the weights' size: ``paged_jax.worker.hlo_audit.weight_copies``, e.g. a
+scanned decoder's dynamic-slice of a stacked weight written out or relaid out before its dot; every dot must
+read its weight in place, as ``check_gpu_compile.py`` requires). A failure names the config and the instruction.
 
 ``--quantized TOPOLOGY`` (default v5e:1x1) compiles the one-chip step of Llama-3.1-8B with int8 weights and int8
 (and fp8_e4m3) KV pages next to the bfloat16 ones, prints per-chip memory and KV tokens, and fails below 100k
@@ -39,7 +39,7 @@ model family beyond Llama, at the real per-layer shapes of its shipped config wi
 periods of its window pattern and one layer more, so the scanned step has a repeated group and a remainder):
 qwen3-8b (q/k norms), gemma-2-9b (soft caps, alternating windows), gemma-3-4b (windows 5:1, two RoPE bases),
 mixtral-8x7b and qwen3-30b-a3b (an MoE layer; Qwen3-MoE also at TP 4, experts split inside each expert). The
-same KV checks as the audit apply, and an MoE step must lower its experts to XLA's grouped matmul
+same KV and weight-copy checks as the audit apply, and an MoE step must lower its experts to XLA's grouped matmul
 (``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
 Run only this part with ``--topologies --sharded --quantized --no-audit`` (``--families`` with no names skips it).
 
@@ -366,8 +366,18 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
                 f"FAIL {name}: temporaries grow by {(temp - temp_small) / 2**20:.1f} MiB with the KV cache,"
                 f" over {MAX_TEMP_FRACTION:.0%} of one layer's KV pages"
             )
-        failures += bool(bad) + (growth > MAX_TEMP_FRACTION)
+        failures += bool(bad) + (growth > MAX_TEMP_FRACTION) + weight_copy_failed(name, weights)
     return failures
+
+
+def weight_copy_failed(name: str, weights) -> bool:
+    """Print a failure and return True when the step copies layer weights to HBM (`weights`: a
+    ``paged_jax.worker.hlo_audit.WeightCopies``): every dot must read its weight in place."""
+    if weights.hbm_bytes:
+        print(f"FAIL {name}: w-copy: {weights.hbm_bytes / 2**20:.1f} MiB of layer weights copied per step:")
+        for line in weights.lines[:2]:
+            print(f"       {line}")
+    return bool(weights.hbm_bytes)
 
 
 # XLA TPU compiles a ragged-dot into grouped-matmul fusions named ragged-dot-* (beside one ragged-dot-metadata
@@ -389,8 +399,8 @@ def check_families(names=tuple(FAMILY_STEPS), kind: str = "prefill") -> int:
     failures = 0
     print(f"\nmodel families: the engine's {kind} step at each family's real layer shapes, few layers, v6e")
     print(
-        f"{'config':<15}{'layers':>7}{'TP':>3}{'copies':>7}{'temp MiB':>10}{'layer KV MiB':>13}{'ragged-dot':>11}"
-        f"{'time':>7}  features"
+        f"{'config':<15}{'layers':>7}{'TP':>3}{'copies':>7}{'temp MiB':>10}{'layer KV MiB':>13}{'w-copy':>8}"
+        f"{'ragged-dot':>11}{'time':>7}  features"
     )
     for config_name in names:
         full = load_model_config(config_name)
@@ -408,16 +418,17 @@ def check_families(names=tuple(FAMILY_STEPS), kind: str = "prefill") -> int:
             bad = cache_copies(hlo, facts["cache_arrays"])
             temp = compiled.memory_analysis().temp_size_in_bytes
             grouped = len(GROUPED_MATMUL.findall(hlo))
+            weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"])
             print(
                 f"{config_name:<15}{config.num_layers:>7}{tp:>3}{len(bad):>7}{temp / 2**20:>10.1f}"
-                f"{facts['layer_kv'] / 2**20:>13.1f}{grouped:>11}{time.perf_counter() - t0:>6.0f}s  "
-                f"{config.family_summary()}"
+                f"{facts['layer_kv'] / 2**20:>13.1f}{weights.hbm_bytes / 2**20:>8.0f}{grouped:>11}"
+                f"{time.perf_counter() - t0:>6.0f}s  {config.family_summary()}"
             )
             for line in bad[:4]:
                 print(f"FAIL {name}: KV copy: {line}")
             if config.is_moe and not grouped:
                 print(f"FAIL {name}: the experts did not lower to ragged-dot (grouped matmul)")
-            failures += bool(bad) + (config.is_moe and not grouped)
+            failures += bool(bad) + (config.is_moe and not grouped) + weight_copy_failed(name, weights)
     return failures
 
 

@@ -28,7 +28,15 @@ from paged_jax.model.families import causal_lm
 from paged_jax.model.init import init_params, param_shapes
 from paged_jax.model.loader.checkpoint import save_checkpoint
 from paged_jax.model.partition import param_partition_specs
-from paged_jax.model.scan import LayerGroup, layer_groups, stack_layers, stacked_order, unstack_layers, use_scan
+from paged_jax.model.scan import (
+    LayerGroup,
+    head_batched_qkv,
+    layer_groups,
+    stack_layers,
+    stacked_order,
+    unstack_layers,
+    use_scan,
+)
 from paged_jax.offline.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.hlo_audit import kv_copies
@@ -71,13 +79,15 @@ def test_scanned_model_is_the_unrolled_one(name):
     assert (got.argmax(-1) == want.argmax(-1)).all()  # the same greedy token at every position
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8"])
 def test_tpu_stacked_order_is_the_same_model(quantization):
     # TPU stacks gate_up_proj as [L, 2, H, I] and qkv_proj as [L, Hkv, G + 2, H, D] (paged_jax.model.scan's
     # STACKED_ORDERS): the scan step transposes each slice back, so the function is the unrolled one's; int8 values
-    # move, their per-channel scales do not.
+    # move, their per-channel scales do not. Its QKV matmul is the head-batched form (head_batched_qkv), with
+    # int8 x int8 products too (w8a8).
     order = stacked_order("tpu")
     assert order and stacked_order("gpu") == stacked_order("cpu") == ()
+    assert head_batched_qkv(order) and not head_batched_qkv(stacked_order("gpu"))
     config, params = _family("tiny")
     params = quant.quantize_params(params, quantization)
     stacked = stack_layers(params, order)

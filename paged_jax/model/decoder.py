@@ -42,7 +42,15 @@ from paged_jax.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from paged_jax.model.scan import LAYERS, LayerGroup, StackedOrder, layer_groups, to_layer_order, to_stacked_order
+from paged_jax.model.scan import (
+    LAYERS,
+    LayerGroup,
+    StackedOrder,
+    head_batched_qkv,
+    layer_groups,
+    to_layer_order,
+    to_stacked_order,
+)
 
 Rope = tuple[jax.Array, jax.Array]  # cos, sin: [T, D] float32
 
@@ -63,6 +71,7 @@ class Attention(nn.Module):
     attention_fn: AttentionFn
     layer: int
     qk_norm: Any = None  # an RMSNorm module class (hidden_size, eps, dtype), or None for no q/k norm
+    head_batched_qkv: bool = False  # the QKV matmul batched over heads (`paged_jax.model.scan.head_batched_qkv`)
 
     @nn.compact
     def __call__(
@@ -79,7 +88,7 @@ class Attention(nn.Module):
         }
         if c.attention_bias:
             attn["qkv_bias"] = self.param("qkv_bias", nn.initializers.zeros, (hkv, g + 2, d), dtype)
-        q, k, v = qkv_projection(x, attn, c, lora)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        q, k, v = qkv_projection(x, attn, c, lora, self.head_batched_qkv)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         if self.qk_norm is not None:
             q = self.qk_norm(d, c.rms_norm_eps, dtype, name="q_norm")(q)
             k = self.qk_norm(d, c.rms_norm_eps, dtype, name="k_norm")(k)
@@ -130,6 +139,7 @@ class PreNormLayer(nn.Module):
     layer: int
     mlp: Any
     qk_norm: Any = None
+    head_batched_qkv: bool = False  # as in `Attention`
 
     @nn.compact
     def __call__(
@@ -138,9 +148,8 @@ class PreNormLayer(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         attn_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="input_layernorm")(x)
-        attn_out, kv_cache = Attention(c, self.attention_fn, self.layer, self.qk_norm, name="self_attn")(
-            attn_in, rope, kv_cache, meta, lora
-        )
+        attention = Attention(c, self.attention_fn, self.layer, self.qk_norm, self.head_batched_qkv, name="self_attn")
+        attn_out, kv_cache = attention(attn_in, rope, kv_cache, meta, lora)
         x = x + attn_out
         mlp_in = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
         mlp = self.mlp(c, name="mlp")
@@ -178,9 +187,12 @@ class CausalLM(nn.Module):
         if self.scan_layers:
             # Unbound layer modules (no parent), one per layer of a group (its window), each applied to one
             # layer's weights per scan step; layers differ by window alone, so any one initializes them all.
+            # The layers' QKV matmul batched over heads where the stacked qkv_proj is head-major (TPU).
             self.groups = layer_groups(c)
+            batched = head_batched_qkv(self.stacked_order)
             self.group_layers = [
-                [self.make_layer(g.start + j).clone(parent=None) for j in range(g.size)] for g in self.groups
+                [self.make_layer(g.start + j).clone(parent=None, head_batched_qkv=batched) for j in range(g.size)]
+                for g in self.groups
             ]
             if self.is_initializing():
                 self.layers = self.param(LAYERS, self._init_stacked)

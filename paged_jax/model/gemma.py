@@ -47,6 +47,7 @@ class GemmaDecoderLayer(nn.Module):
     config: ModelConfig
     attention_fn: AttentionFn
     layer: int
+    head_batched_qkv: bool = False  # as in `paged_jax.model.decoder.Attention`
 
     @nn.compact
     def __call__(
@@ -59,7 +60,7 @@ class GemmaDecoderLayer(nn.Module):
             return GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name=name)
 
         qk_norm = GemmaRMSNorm if c.model_type == "gemma3" else None
-        h, kv_cache = Attention(c, self.attention_fn, self.layer, qk_norm, name="self_attn")(
+        h, kv_cache = Attention(c, self.attention_fn, self.layer, qk_norm, self.head_batched_qkv, name="self_attn")(
             norm("input_layernorm")(x), rope, kv_cache, meta, lora
         )
         x = x + norm("post_attention_layernorm")(h)

@@ -90,11 +90,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def qkv_projection(
-    x: jax.Array, attn: dict, config: ModelConfig, lora: LoraLayer | None = None
+    x: jax.Array, attn: dict, config: ModelConfig, lora: LoraLayer | None = None, head_batched: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T, Hq, D], k and v [T, Hkv, D] from x [T, H]: one matmul with the fused `qkv_proj` [H, Hkv, G + 2, D]
-    (layout: `paged_jax.model.loader.fuse`), its bias added when the model has one, then the LoRA deltas."""
-    qkv = quant.dot(x, attn["qkv_proj"])  # [T, Hkv, G + 2, D]
+    (layout: `paged_jax.model.loader.fuse`), its bias added when the model has one, then the LoRA deltas.
+    `head_batched`: the matmul written as one batched over (Hkv, G + 2), x broadcast, for a weight stored
+    head-major ([Hkv, G + 2, H, D]: `paged_jax.model.scan.head_batched_qkv` says why); the same sums."""
+    qkv = quant.dot(x, attn["qkv_proj"], batch=2 if head_batched else 0)  # [T, Hkv, G + 2, D]
     if config.attention_bias:
         qkv = qkv + attn["qkv_bias"]
     q, k, v = split_qkv(qkv)

@@ -114,14 +114,30 @@ def quantize_params(params, quantization: str | None, *, lm_head: bool = True, n
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def dot(x: jax.Array, w, contract: int = 1, preferred_element_type=None) -> jax.Array:
+def _dot_general(x: jax.Array, w: jax.Array, contract: int, batch: int, preferred_element_type) -> jax.Array:
+    """x [T.., *K] . w [*K, *B, *N] -> [T.., *B, *N]; `batch` > 0: as a dot batched over w's `batch` axes B
+    after the contracted ones, x broadcast over them (the same products and sums, B outer)."""
+    t = x.ndim - contract
+    if not batch:
+        dims = ((tuple(range(t, x.ndim)), tuple(range(contract))), ((), ()))
+        return jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
+    b = tuple(range(batch))
+    wb = jnp.moveaxis(w, tuple(range(contract, contract + batch)), b)  # [*B, *K, *N]
+    xb = jnp.broadcast_to(x, w.shape[contract : contract + batch] + x.shape)  # [*B, T.., *K]
+    dims = ((tuple(range(batch + t, batch + x.ndim)), tuple(range(batch, batch + contract))), (b, b))
+    out = jax.lax.dot_general(xb, wb, dims, preferred_element_type=preferred_element_type)  # [*B, T.., *N]
+    return jnp.moveaxis(out, b, tuple(range(t, t + batch)))
+
+
+def dot(x: jax.Array, w, contract: int = 1, preferred_element_type=None, batch: int = 0) -> jax.Array:
     """``x [T, *K] . w [*K, *N] -> [T, *N]``, contracting x's last and w's first ``contract`` axes, for a plain
     weight or a :class:`QuantizedWeight` (the scale applied to the output, in float32). The result has x's
-    dtype, or ``preferred_element_type``."""
+    dtype, or ``preferred_element_type``. ``batch``: the first ``batch`` output axes of w become batch axes of
+    the dot (x broadcast over them): the same result, a form XLA:TPU reads a head-major weight with in place
+    (``paged_jax.model.layers.qkv_projection``)."""
     out_dtype = preferred_element_type or x.dtype
-    dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
     if not isinstance(w, QuantizedWeight):
-        return jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
+        return _dot_general(x, w, contract, batch, preferred_element_type)
     if w.contract != contract:
         raise ValueError(f"weight contracts {w.contract} axes, the call {contract}")
     if w.native_dot:  # per-token int8 activations; int8 x int8 -> int32
@@ -130,10 +146,10 @@ def dot(x: jax.Array, w, contract: int = 1, preferred_element_type=None) -> jax.
         amax = jnp.max(jnp.abs(x32), axis=k_axes, keepdims=True)
         sx = jnp.where(amax > 0, amax / 127.0, 1.0)
         xq = jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8)
-        acc = jax.lax.dot_general(xq, w.values, dims, preferred_element_type=jnp.int32)
+        acc = _dot_general(xq, w.values, contract, batch, jnp.int32)
         sx = sx.reshape(sx.shape[: x.ndim - contract] + (1,) * w.scale.ndim)
         return (acc.astype(jnp.float32) * sx * w.scale).astype(out_dtype)
-    acc = jax.lax.dot_general(x, w.values.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    acc = _dot_general(x, w.values.astype(x.dtype), contract, batch, jnp.float32)
     return (acc * w.scale).astype(out_dtype)
 
 

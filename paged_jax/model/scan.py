@@ -13,7 +13,7 @@ quantization produce) stacked leaf by leaf on a new leading layer axis under one
 
 On TPU `layers/mlp/gate_up_proj` is stacked as [L, 2, H, I] rather than [L, H, 2, I], and `qkv_proj` as
 [L, Hkv, G + 2, H, D] (`STACKED_ORDERS` says why); the scan step transposes each layer's slice back, which XLA
-folds into the dot.
+folds into the dot (qkv_proj's written batched over heads: `head_batched_qkv`).
 
 The stored form (orbax checkpoints, HF/GGUF import) stays per layer, so every checkpoint restores for either
 path; `stack_layers` runs once when a runner takes the parameters.
@@ -99,7 +99,10 @@ def is_stacked(params: Params) -> bool:
 # (G + 2, D) are short rows (Gemma 3 4B: 4 x 256, tiled T(4,128)) that XLA:TPU relayouts for the decode dot,
 # which wants (H, D) tiles with the output axes in their order: the whole stacked qkv_proj (680 MiB) was
 # copied every Gemma decode step, and each Llama-3.1-8B slice was relaid out into VMEM on its way in; stacked
-# so, both read in place (a 512-token prefill's dot wants (D, H) instead and copies each slice: README).
+# so, both read in place. For a prefill or verify step (hundreds of tokens) XLA:TPU lays the plain dot's output
+# out T-minor and then wants (D, H) tiles, relaying out each slice (Llama-3.1-8B: 1.5 GiB per step); written
+# as a dot batched over (Hkv, G + 2) with x broadcast (`head_batched_qkv`, `paged_jax.model.quant.dot`'s
+# `batch`), whose operands keep their head axes outermost, every token count reads the slice in place.
 # The stacked partition specs are the per-layer ones permuted likewise, the layer axis in front
 # (`paged_jax.model.partition.param_partition_specs`' `order`). GPU and CPU keep the per-layer order (a GPU
 # GEMM reads [H, 2 * I] rows in place; [2, H, I] would need a transpose).
@@ -110,6 +113,13 @@ STACKED_ORDERS: dict[str, StackedOrder] = {"tpu": (("gate_up_proj", (1, 0, 2)), 
 def stacked_order(platform: str) -> StackedOrder:
     """The stacked axis order of `platform` ("cpu", "tpu", "gpu"); () keeps every leaf in the per-layer order."""
     return STACKED_ORDERS.get(platform, ())
+
+
+def head_batched_qkv(order: StackedOrder) -> bool:
+    """Whether `order` stacks qkv_proj head-major ([L, Hkv, G + 2, H, D]), so that the scan step writes the QKV
+    matmul batched over (Hkv, G + 2) (`paged_jax.model.layers.qkv_projection`): the form that reads such a
+    slice in place for any token count on TPU (the comment above `STACKED_ORDERS`)."""
+    return dict(order).get("qkv_proj") == (1, 2, 0, 3)
 
 
 def _key_name(entry: Any) -> str:
@@ -177,6 +187,7 @@ __all__ = [
     "STACKED_ORDERS",
     "LayerGroup",
     "StackedOrder",
+    "head_batched_qkv",
     "is_stacked",
     "layer_groups",
     "stack_layers",
