@@ -12,9 +12,10 @@ paging: at most 1.2x).
 context), each ISA path of the C++ kernel; GB/s of KV read (K + V bytes of every visible key, scales included)
 beside a STREAM read and copy (``scripts/bench_bandwidth.py``) measured in the same run, by wall time and per
 CPU-second (bytes over the process's CPU seconds per thread: on cores shared with other work that moves far less
-with their load than wall time does). ``--baseline old=SAVED.so`` times a saved build of the kernel (e.g. of an
-older commit, copied out of the kernel cache before the edit) beside the current ones on the same operands;
-``--rounds`` repeats the whole table, STREAM included.
+with their load than wall time does). The paths' calls alternate, best of ``--iters`` each (as STREAM counts its
+runs). ``--baseline old=SAVED.so`` times a saved build of the kernel (e.g. of an older commit, copied out of the
+kernel cache before the edit) beside the current ones on the same operands; ``--rounds`` repeats the whole
+table, STREAM included.
 
 ``--section prefill``: prefill attention (the kernel's blocked matrix products) against the matmul FLOP floor of
 the same shapes (``4 * visible (query, key) pairs * head_dim * heads`` FLOPs at the peak of a large float32
@@ -259,23 +260,42 @@ def bandwidth_section(args: argparse.Namespace) -> None:
                 f"{ref[name].cpu:6.1f} per CPU-second"
             )
         print(
-            f"{'case':48s} {'dtype':>9s} {'path':>9s} {'MB':>7s} {'ms':>8s} {'GB/s':>6s} {'/read':>6s} "
+            f"{'case':48s} {'dtype':>9s} {'path':>10s} {'MB':>7s} {'ms':>8s} {'GB/s':>6s} {'/read':>6s} "
             f"{'CPU GB/s':>9s} {'/read':>6s} {'load':>5s}"
         )
         for case, kw in cases:
             for dtype in args.dtypes.split(","):
                 operands, nbytes = decode_case(**kw, dtype=dtype)
-                for name, k in kernels.items():
-                    fn = jax.jit(functools.partial(_kernel_call, sm_scale=kw["d"] ** -0.5, kernel=k))
-                    wall, cpu = timed(fn, *operands, iters=args.iters)
+                fns = {
+                    name: jax.jit(functools.partial(_kernel_call, sm_scale=kw["d"] ** -0.5, kernel=k))
+                    for name, k in kernels.items()
+                }
+                for name, (wall, cpu) in best_interleaved(fns, operands, iters=args.iters).items():
                     gbs, cpu_gbs = nbytes / wall / 1e9, nbytes / (cpu / threads) / 1e9
                     print(
-                        f"{case:48s} {dtype:>9s} {name:>9s} {nbytes / 1e6:7.0f} {wall * 1e3:8.2f} {gbs:6.1f} "
+                        f"{case:48s} {dtype:>9s} {name:>10s} {nbytes / 1e6:7.0f} {wall * 1e3:8.2f} {gbs:6.1f} "
                         f"{gbs / ref['read'].wall:6.0%} {cpu_gbs:9.1f} {cpu_gbs / ref['read'].cpu:6.0%} "
                         f"{os.getloadavg()[0]:5.1f}",
                         flush=True,
                     )
                 del operands
+
+
+def best_interleaved(fns: dict, args: tuple, iters: int) -> dict[str, tuple[float, float]]:
+    """(best wall, best process CPU) seconds of each ``fn(*args)`` over `iters` rounds in which every fn runs
+    once, in turn (so other work on shared cores slows them alike), after a warm-up call each; best, as STREAM
+    counts its runs: other processes only ever slow a call down."""
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    walls: dict[str, list[float]] = {name: [] for name in fns}
+    cpus: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn(*args))
+            walls[name].append(time.perf_counter() - t0)
+            cpus[name].append(time.process_time() - c0)
+    return {name: (min(walls[name]), min(cpus[name])) for name in fns}
 
 
 def _kernel_call(q, pages, *rest, sm_scale: float, kernel: cpu_paged.Kernel):
