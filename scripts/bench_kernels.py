@@ -369,7 +369,7 @@ def main() -> None:
         help="bandwidth: also time a saved build of the kernel (.so, e.g. from an older commit) as path LABEL",
     )
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.iters} iters, medians")
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.iters} iters (bandwidth: best, else median)")
     for name, section in (("dense", dense_section), ("bandwidth", bandwidth_section), ("prefill", prefill_section)):
         if args.section in (name, "all"):
             print(f"\n== {name} ==")
