@@ -55,8 +55,10 @@ demo: run
 # suite, and beside it the TPU and GPU compile checks, the mesh suites (tests marked `mesh`: child pytests with 8
 # host devices) and the modules tests/conftest.py marks `side` (chosen by duration so the streams end together).
 # Each part of the second stream runs whatever another part did; its output is kept in out/side-checks.log and
-# printed after the suite's; any part failing fails `make test`. Both pytests print their slowest tests.
-test: $(STAMP) $(TPU_STAMP) $(GPU_STAMP)
+# printed after the suite's; any part failing fails `make test`. Both pytests print their slowest tests. The TPU
+# and GPU venvs are installed inside the second stream (by its `make tpu-check` / `make gpu-check`), while the
+# suite already runs: only .venv is installed before both.
+test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports

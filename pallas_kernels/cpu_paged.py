@@ -146,14 +146,19 @@ def kernel(isa: str | None = None) -> Kernel | None:
         return None
     suffix = "" if isa == "native" else f"_{isa}"
     try:
-        path = build(compiler, isa)
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        k = Kernel(f"{TARGET}{suffix}", f"{TARGET}_quantized{suffix}", _library_isa(lib), path)
-        jax.ffi.register_ffi_target(k.target, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu")
-        jax.ffi.register_ffi_target(k.quantized_target, jax.ffi.pycapsule(lib.PagedAttentionQuantized), platform="cpu")
+        return load(build(compiler, isa), f"{TARGET}{suffix}")
     except Exception as e:  # a broken toolchain must not stop the engine: the XLA path is exact too
         log.warning("CPU paged-attention kernel unavailable (%s): CPU attention uses the XLA path", e)
         return None
+
+
+def load(library: Path, target: str) -> Kernel:
+    """Loads a built library (any build of these sources, e.g. a saved one from an older commit for an A/B) and
+    registers its handlers with XLA:CPU as FFI targets `target` and `target` + ``_quantized``. Raises on failure."""
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    k = Kernel(target, f"{target}_quantized", _library_isa(lib), Path(library))
+    jax.ffi.register_ffi_target(k.target, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(k.quantized_target, jax.ffi.pycapsule(lib.PagedAttentionQuantized), platform="cpu")
     return k
 
 
@@ -199,6 +204,25 @@ def cpu_ragged_paged_attention(
     k = kernel(isa)
     if k is None:
         raise RuntimeError(f"the CPU kernel ({isa or default_isa()}) is not available on this machine")
+    opts = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales)
+    return call(k, q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **opts)
+
+
+def call(
+    k: Kernel,
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    kv_scales: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`cpu_ragged_paged_attention` by one loaded library `k` (:func:`kernel` or :func:`load`)."""
     attrs = dict(
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
@@ -207,5 +231,5 @@ def cpu_ragged_paged_attention(
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     if kv_scales is None:
         return jax.ffi.ffi_call(k.target, out)(q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **attrs)
-    call = jax.ffi.ffi_call(k.quantized_target, out)
-    return call(q, kv_pages, kv_scales, kv_lens, block_tables, cu_q_lens, num_seqs, **attrs)
+    quantized = jax.ffi.ffi_call(k.quantized_target, out)
+    return quantized(q, kv_pages, kv_scales, kv_lens, block_tables, cu_q_lens, num_seqs, **attrs)

@@ -12,7 +12,6 @@ Keep the old library before editing the sources: `cp ~/.cache/paged-jax/kernels/
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import time
@@ -32,23 +31,15 @@ CASES = [(32, 192, 4, 2, 64), (32, 192, 3, 3, 64), (32, 2048, 4, 2, 64), (1, 163
 PAGE = 16
 
 
-def call(target: str, q, kv, lens, tables, cu, num_seqs):
-    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    attrs = dict(sm_scale=np.float32(q.shape[-1] ** -0.5), soft_cap=np.float32(0.0), sliding_window=np.int64(0))
-    return jax.ffi.ffi_call(target, out)(q, kv, lens, tables, cu, num_seqs, **attrs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("old", help="the other build of the kernel (.so)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    old = ctypes.cdll.LoadLibrary(args.old)
-    jax.ffi.register_ffi_target("paged_attention_ab_old", jax.ffi.pycapsule(old.PagedAttention), platform="cpu")
     new = cpu_paged.kernel()
     if new is None:
         raise SystemExit("the current kernel cannot be built here")
-    targets = {"old": "paged_attention_ab_old", "new": new.target}
+    kernels = {"old": cpu_paged.load(Path(args.old), "paged_attention_ab_old"), "new": new}
     print(f"old {args.old}\nnew {new.library} ({new.isa}); load average {os.getloadavg()[0]:.1f}")
     rng = np.random.default_rng(0)
     for batch, context, kv_heads, group, d in CASES:
@@ -60,7 +51,7 @@ def main() -> None:
         for dtype in (jnp.bfloat16, jnp.float32):
             kv = jnp.asarray(rng.standard_normal(kv_pages_shape(num_pages, kv_heads, PAGE, d), np.float32), dtype)
             q = jnp.asarray(rng.standard_normal((batch, kv_heads * group, d), np.float32), dtype)
-            fns = {k: jax.jit(lambda *a, t=t: call(t, *a)) for k, t in targets.items()}
+            fns = {n: jax.jit(lambda *a, k=k, s=d**-0.5: cpu_paged.call(k, *a, sm_scale=s)) for n, k in kernels.items()}
             outs = {k: np.asarray(f(q, kv, *meta, num_seqs).astype(jnp.float32)) for k, f in fns.items()}
             times: dict[str, list[float]] = {k: [] for k in fns}
             for _ in range(args.reps):

@@ -12,13 +12,17 @@ paging: at most 1.2x).
 context), each ISA path of the C++ kernel; GB/s of KV read (K + V bytes of every visible key, scales included)
 beside a STREAM read and copy (``scripts/bench_bandwidth.py``) measured in the same run, by wall time and per
 CPU-second (bytes over the process's CPU seconds per thread: on cores shared with other work that moves far less
-with their load than wall time does).
+with their load than wall time does). The paths' calls alternate, best of ``--iters`` each (as STREAM counts its
+runs). ``--baseline old=SAVED.so`` times a saved build of the kernel (e.g. of an older commit, copied out of the
+kernel cache before the edit) beside the current ones on the same operands; ``--rounds`` repeats the whole
+table, STREAM included.
 
 ``--section prefill``: prefill attention (the kernel's blocked matrix products) against the matmul FLOP floor of
 the same shapes (``4 * visible (query, key) pairs * head_dim * heads`` FLOPs at the peak of a large float32
 matmul measured in the same run).
 
     .venv/bin/python scripts/bench_kernels.py [--section dense|bandwidth|prefill] [--iters 5] [--quick]
+        [--rounds 3] [--dtypes float32,bfloat16] [--baseline old=SAVED.so]
 """
 
 from __future__ import annotations
@@ -227,13 +231,6 @@ def bandwidth_section(args: argparse.Namespace) -> None:
 
     threads = os.cpu_count() or 1
     mib = 256 if args.quick else 512
-    print(f"load average {os.getloadavg()[0]:.1f} before; {threads} CPUs; STREAM arrays of {mib} MiB")
-    ref = stream(threads, mib, reps=3)
-    for name in ("read", "copy"):
-        print(
-            f"STREAM {name:5s} ({threads} threads): {ref[name].wall:6.1f} GB/s wall, "
-            f"{ref[name].cpu:6.1f} per CPU-second"
-        )
     ctx = 1 if args.quick else 2
     cases = [
         (
@@ -249,32 +246,63 @@ def bandwidth_section(args: argparse.Namespace) -> None:
             dict(batch=1, context=32768 * ctx, q_heads=8, kv_heads=1, d=64, page=16),
         ),
     ]
-    isas = [i for i in ("native", "avx2") if cpu_paged.available(i)]
-    print("paths: " + ", ".join(f"{i} = {cpu_paged.kernel(i).isa}" for i in isas))
-    print(
-        f"{'case':48s} {'dtype':>9s} {'path':>7s} {'MB':>7s} {'ms':>8s} {'GB/s':>6s} {'/read':>6s} "
-        f"{'CPU GB/s':>9s} {'/read':>6s} {'load':>5s}"
-    )
-    for name, kw in cases:
-        for dtype in ("float32", "bfloat16", "int8"):
-            operands, nbytes = decode_case(**kw, dtype=dtype)
-            for isa in isas:
-                fn = jax.jit(functools.partial(_kernel_call, sm_scale=kw["d"] ** -0.5, isa=isa))
-                wall, cpu = timed(fn, *operands, iters=args.iters)
-                gbs, cpu_gbs = nbytes / wall / 1e9, nbytes / (cpu / threads) / 1e9
-                print(
-                    f"{name:48s} {dtype:>9s} {isa:>7s} {nbytes / 1e6:7.0f} {wall * 1e3:8.2f} {gbs:6.1f} "
-                    f"{gbs / ref['read'].wall:6.0%} {cpu_gbs:9.1f} {cpu_gbs / ref['read'].cpu:6.0%} "
-                    f"{os.getloadavg()[0]:5.1f}",
-                    flush=True,
-                )
+    kernels = {i: cpu_paged.kernel(i) for i in ("native", "avx2") if cpu_paged.available(i)}
+    for spec in args.baseline:  # saved builds (e.g. of an older commit), timed beside the current ones
+        label, _, path = spec.partition("=")
+        kernels[label] = cpu_paged.load(Path(path), f"paged_jax_bench_{label}")
+    print("paths: " + ", ".join(f"{name} = {k.isa} ({k.library.name})" for name, k in kernels.items()))
+    for r in range(args.rounds):
+        print(f"-- round {r + 1}: load average {os.getloadavg()[0]:.1f} before; {threads} CPUs; STREAM {mib} MiB")
+        ref = stream(threads, mib, reps=3)
+        for name in ("read", "copy"):
+            print(
+                f"STREAM {name:5s} ({threads} threads): {ref[name].wall:6.1f} GB/s wall, "
+                f"{ref[name].cpu:6.1f} per CPU-second"
+            )
+        print(
+            f"{'case':48s} {'dtype':>9s} {'path':>10s} {'MB':>7s} {'ms':>8s} {'GB/s':>6s} {'/read':>6s} "
+            f"{'CPU GB/s':>9s} {'/read':>6s} {'load':>5s}"
+        )
+        for case, kw in cases:
+            for dtype in args.dtypes.split(","):
+                operands, nbytes = decode_case(**kw, dtype=dtype)
+                fns = {
+                    name: jax.jit(functools.partial(_kernel_call, sm_scale=kw["d"] ** -0.5, kernel=k))
+                    for name, k in kernels.items()
+                }
+                for name, (wall, cpu) in best_interleaved(fns, operands, iters=args.iters).items():
+                    gbs, cpu_gbs = nbytes / wall / 1e9, nbytes / (cpu / threads) / 1e9
+                    print(
+                        f"{case:48s} {dtype:>9s} {name:>10s} {nbytes / 1e6:7.0f} {wall * 1e3:8.2f} {gbs:6.1f} "
+                        f"{gbs / ref['read'].wall:6.0%} {cpu_gbs:9.1f} {cpu_gbs / ref['read'].cpu:6.0%} "
+                        f"{os.getloadavg()[0]:5.1f}",
+                        flush=True,
+                    )
+                del operands
 
 
-def _kernel_call(q, pages, *rest, sm_scale: float, isa: str):
+def best_interleaved(fns: dict, args: tuple, iters: int) -> dict[str, tuple[float, float]]:
+    """(best wall, best process CPU) seconds of each ``fn(*args)`` over `iters` rounds in which every fn runs
+    once, in turn (so other work on shared cores slows them alike), after a warm-up call each; best, as STREAM
+    counts its runs: other processes only ever slow a call down."""
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    walls: dict[str, list[float]] = {name: [] for name in fns}
+    cpus: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn(*args))
+            walls[name].append(time.perf_counter() - t0)
+            cpus[name].append(time.process_time() - c0)
+    return {name: (min(walls[name]), min(cpus[name])) for name in fns}
+
+
+def _kernel_call(q, pages, *rest, sm_scale: float, kernel: cpu_paged.Kernel):
     from pallas_kernels import kv_quant
 
     pages, scales = kv_quant.split(pages)
-    return cpu_paged.cpu_ragged_paged_attention(q, pages, *rest, sm_scale=sm_scale, kv_scales=scales, isa=isa)
+    return cpu_paged.call(kernel, q, pages, *rest, sm_scale=sm_scale, kv_scales=scales)
 
 
 def prefill_section(args: argparse.Namespace) -> None:
@@ -316,7 +344,7 @@ def prefill_section(args: argparse.Namespace) -> None:
                 jnp.array([b], jnp.int32),
             )
             for isa in isas:
-                fn = jax.jit(functools.partial(_kernel_call, sm_scale=d**-0.5, isa=isa))
+                fn = jax.jit(functools.partial(_kernel_call, sm_scale=d**-0.5, kernel=cpu_paged.kernel(isa)))
                 wall, cpu = timed(fn, q, pages, *rest, iters=args.iters)
                 floor = flops / peak_wall
                 print(
@@ -331,8 +359,17 @@ def main() -> None:
     parser.add_argument("--section", choices=("dense", "bandwidth", "prefill", "all"), default="all")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="smaller shapes")
+    parser.add_argument("--rounds", type=int, default=1, help="bandwidth: repeat the table (STREAM included)")
+    parser.add_argument("--dtypes", default="float32,bfloat16,int8", help="bandwidth: page dtypes, comma-separated")
+    parser.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="bandwidth: also time a saved build of the kernel (.so, e.g. from an older commit) as path LABEL",
+    )
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.iters} iters, medians")
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.iters} iters (bandwidth: best, else median)")
     for name, section in (("dense", dense_section), ("bandwidth", bandwidth_section), ("prefill", prefill_section)):
         if args.section in (name, "all"):
             print(f"\n== {name} ==")

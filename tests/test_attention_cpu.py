@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_paged, dense_reference_attention, ragged_paged_attention, resolve_backend
+from pallas_kernels import cpu_paged, dense_reference_attention, kv_quant, ragged_paged_attention, resolve_backend
 from pallas_kernels.testing import assert_close, check_case, cpu_kernel_path, make_case
 
 pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="the CPU kernel needs a C++ compiler (g++)")
@@ -149,6 +149,25 @@ def test_library_is_cached_per_source_cpu_and_path(tmp_path, monkeypatch):
     assert len({cpu_paged.library_path(compiler, isa) for isa in cpu_paged.ISA_FLAGS}) == len(cpu_paged.ISA_FLAGS)
     monkeypatch.setattr(cpu_paged, "cpu_flags", lambda: "flags : fpu sse sse2 avx2 fma")
     assert cpu_paged.library_path(compiler, "generic") != path
+
+
+def test_a_saved_build_loads_under_its_own_target():
+    """cpu_paged.load registers any build of the kernel (bench_kernels' --baseline: an older commit's library)
+    under targets of its own; called through them it is the same library, exact, quantized pages included."""
+    native = cpu_paged.kernel("native")
+    saved = cpu_paged.load(native.library, "paged_jax_test_saved")
+    assert (saved.target, saved.quantized_target) == ("paged_jax_test_saved", "paged_jax_test_saved_quantized")
+    assert saved.isa == native.isa and saved.library == native.library
+
+    def saved_path(q, kv, *rest, **opts):
+        pages, scales = kv_quant.split(kv)
+        return cpu_paged.call(saved, q, pages, *rest, kv_scales=scales, **opts)
+
+    for kv_dtype in (None, jnp.int8):
+        case = make_case(13, [(1, 40), (6, 20)], num_tokens=16, max_seqs=4, kv_dtype=kv_dtype, **SHAPE)
+        out = saved_path(*case.paged_args, sm_scale=0.125)
+        np.testing.assert_array_equal(out, cpu_kernel_path("native")(*case.paged_args, sm_scale=0.125))
+        check_case(case, saved_path)
 
 
 def test_isa_env_var_is_validated(monkeypatch):

@@ -48,3 +48,31 @@ def test_kernel_rejects_a_block_table_over_smem_at_trace_time():
     )
     with pytest.raises(ValueError, match="block table .*SMEM"):
         jax.eval_shape(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.1, interpret=True, generation="v6e"), *args)
+
+
+def _sweep():
+    """scripts/check_tpu_compile.py as a module (importing it needs jax only, not libtpu)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "check_tpu_compile.py"
+    spec = importlib.util.spec_from_file_location("check_tpu_compile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_second_generation_sweep_takes_every_axis_value_of_the_full_one():
+    sweep = _sweep()
+    full, second = sweep.CASES, sweep.SECOND_GENERATION_CASES
+    assert len(second) < len(full) and set(second) <= set(full)
+
+    def bucket(c):
+        return "decode" if c.num_tokens == c.max_seqs else "prefill" if c.max_seqs <= 8 else "mixed"
+
+    axes = {field: (lambda c, f=field: getattr(c, f)) for field in sweep.KernelCase._fields}
+    axes |= {"window": lambda c: c.window is not None, "soft_cap": lambda c: c.soft_cap is not None}
+    del axes["num_tokens"], axes["max_seqs"]
+    axes["bucket"] = bucket
+    for name, value in axes.items():
+        assert {value(c) for c in second} == {value(c) for c in full}, name

@@ -7,7 +7,7 @@
 //   softmax one online-softmax step per block and head, vectorized over the block's keys;
 //   values  a tile of kDecodeHeads heads x kDecodeChunk vectors of head_dim accumulates p * V over the block's
 //           keys in registers, loaded and stored once per block.
-// The pages of the blocks two ahead are prefetched while a block is computed.
+// The rows of the block two ahead are prefetched a few keys at a time while a block's scores are computed.
 
 #pragma once
 
@@ -203,12 +203,17 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
   // bfloat16 pages with AVX-512 BF16: p . V by vdpbf16ps (p rounded to bfloat16, as the XLA path does).
   [[maybe_unused]] const bool bf16_values = kBf16Values && std::is_same_v<T, uint16_t> && D % 32 == 0;
   [[maybe_unused]] uint32_t* pairs = reinterpret_cast<uint32_t*>(alpha + G);
+  // The K|V rows of the block kPrefetchBlocks ahead: prefetched a few keys at a time while this block's scores
+  // are computed (a burst of a whole block's prefetches would stall the core on the fill buffers, with nothing
+  // computed meanwhile).
+  const T* ahead_rows[kDecodeBlock];
+  const int64_t row_bytes = kv.row_bytes();
   const int64_t first = lo / B * B;
-  for (int64_t b = 1; b <= kPrefetchBlocks; ++b) kv.prefetch(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b) kv.prefetch(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
   for (int64_t b_lo = lo; b_lo <= hi;) {
     const int64_t b_hi = std::min(hi + 1, (b_lo / B + 1) * B);
     const int64_t ahead = (b_lo / B + kPrefetchBlocks) * B;
-    if (b_lo != lo) kv.prefetch(std::max(lo, ahead), std::min(hi + 1, ahead + B));
+    const int64_t n_ahead = ahead <= hi ? kv.rows(ahead, std::min(hi + 1, ahead + B), ahead_rows) : 0;
     // The block's keys whose page exists, compacted.
     // One page lookup per run of keys in a page; the run's rows and scales are then consecutive.
     int64_t n = 0;
@@ -234,11 +239,16 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
     }
     for (int64_t i = n; i < B; ++i) kscale[i] = vscale[i] = 0.0f;
     // Scores: tiles of heads x 4 keys (a short last tile repeats its last key; the extra dots are masked).
+    int64_t fetched = 0;
     for (int64_t j = 0; j < n; j += 4) {
+      for (const int64_t stop = std::min(n_ahead, fetched + 4); fetched < stop; ++fetched) {
+        KvRows<T>::prefetch_bytes(ahead_rows[fetched], row_bytes);
+      }
       const T* k4[4];
       for (int i = 0; i < 4; ++i) k4[i] = krow[std::min<int64_t>(j + i, n - 1)];
       for_head_tiles(G, [&]<int NG>(int64_t g0) { dot_tile<NG>(q + g0 * D, qb + g0 * D, D, k4, sc + g0 * B + j, B); });
     }
+    for (; fetched < n_ahead; ++fetched) KvRows<T>::prefetch_bytes(ahead_rows[fetched], row_bytes);
     // One online-softmax step per head; the vector lanes are the block's keys, keys >= n are masked.
     for (int64_t g = 0; g < G; ++g) {
       float* s = sc + g * B;

@@ -90,13 +90,28 @@ struct KvRows {
     for (int64_t pos = a; pos < e;) {
       const int64_t stop = run_end(pos, e);
       const int64_t pg = page(pos);
+      if (pg >= 0) prefetch_bytes(row(pg, pos), (stop - pos) * row_bytes());
+      pos = stop;
+    }
+  }
+  // The K|V rows of the positions [a, e) whose page exists, in order, into out; returns how many.
+  int64_t rows(int64_t a, int64_t e, const T** out) const {
+    int64_t n = 0;
+    for (int64_t pos = a; pos < e;) {
+      const int64_t stop = run_end(pos, e);
+      const int64_t pg = page(pos);
       if (pg >= 0) {
-        const char* b = reinterpret_cast<const char*>(row(pg, pos));
-        const int64_t bytes = (stop - pos) * 2 * D * static_cast<int64_t>(sizeof(T));
-        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, 2);
+        const T* r = row(pg, pos);
+        for (int64_t j = 0; j < stop - pos; ++j) out[n++] = r + j * 2 * D;
       }
       pos = stop;
     }
+    return n;
+  }
+  int64_t row_bytes() const { return 2 * D * static_cast<int64_t>(sizeof(T)); }
+  static void prefetch_bytes(const void* p, int64_t bytes) {
+    const char* b = static_cast<const char*>(p);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, 2);
   }
 };
 
