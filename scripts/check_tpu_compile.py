@@ -356,7 +356,7 @@ def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
             continue
         hlo = compiled.as_text()
         bad = cache_copies(hlo, facts["cache_arrays"])
-        weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"])
+        weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"], facts["tokens"])
         growth = max(0, temp - temp_small) / facts["layer_kv"]
         shape = "x".join(str(d) for d in facts["local_kv_shape"])
         print(
@@ -423,7 +423,7 @@ def check_families(names=tuple(FAMILY_STEPS), kind: str = "prefill") -> int:
             bad = cache_copies(hlo, facts["cache_arrays"])
             temp = compiled.memory_analysis().temp_size_in_bytes
             grouped = len(GROUPED_MATMUL.findall(hlo))
-            weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"])
+            weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"], facts["tokens"])
             print(
                 f"{config_name:<15}{config.num_layers:>7}{tp:>3}{len(bad):>7}{temp / 2**20:>10.1f}"
                 f"{facts['layer_kv'] / 2**20:>13.1f}{weights.hbm_bytes / 2**20:>8.0f}{grouped:>11}"
@@ -530,7 +530,7 @@ def check_quantized(topo: str, config_name: str, hbm_gib: float | None) -> int:
             ) * gib
             hlo = compiled.as_text()
             bad = cache_copies(hlo, facts["cache_arrays"])
-            weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"])
+            weights = weight_copies(hlo, layer_weight_shapes(facts["engine"]), facts["num_layers"], facts["tokens"])
             print(
                 f"{quantization or 'bf16':<8}{kv_dtype or 'bf16':<10}{facts['tokens']:>7}{facts['seqs']:>5}"
                 f"{facts['weights'] * gib:>9.2f}{facts['layer_kv'] * facts['num_layers'] * gib:>8.2f}"

@@ -138,3 +138,26 @@ def test_multi_output_fusion_slices_and_stacked_relayouts_are_found():
     assert w.hbm_bytes == 2 * 5 * qkv + 34 * qkv  # two layers per trip, 5 trips; the whole stacked array once
     assert [line.split(" ", 1)[0] for line in w.lines] == ["%f", "%copy.234"]
     assert weight_copies(_GEMMA_HLO, GEMMA[1:], 34) == WeightCopies(0, 0, [])
+
+
+# tiny's down_proj [I=512, H=256] float32 and the compiled v6e 512-token prefill step's relayout of its hidden
+# states [T=512, H=256] (an activation of the same shape), beside a scan slice of the stacked weight copied out.
+TINY_DOWN = [((512, 256), jnp.float32)]
+_TINY_HLO = """\
+%body (p: (s32[])) -> (s32[]) {
+  %copy-done.2 = f32[512,256]{0,1:T(8,128)} copy-done(%copy-start.2), backend_config={"dma_priority":1}
+  %dynamic-slice_fusion.1 = f32[1,512,256]{2,1,0:T(8,128)} fusion(%gte.3, %i), kind=kLoop
+}
+
+ENTRY %main (p0: f32[2,512,256]) -> f32[512,256] {
+  %w = (s32[], f32[2,512,256]{2,1,0}) while(%i), body=%body, backend_config={"known_trip_count":{"n":"2"}}
+}
+"""
+
+
+def test_a_weight_shaped_like_the_steps_activations_is_matched_only_stacked():
+    one = 512 * 256 * 4
+    assert weight_copies(_TINY_HLO, TINY_DOWN, 2).hbm_bytes == 2 * 2 * one  # both lines, two trips each
+    w = weight_copies(_TINY_HLO, TINY_DOWN, 2, tokens=512)  # [512, 256] is also the hidden states' shape
+    assert w.hbm_bytes == 2 * one and [line.split(" ", 1)[0] for line in w.lines] == ["%dynamic-slice_fusion.1"]
+    assert weight_copies(_TINY_HLO, TINY_DOWN, 2, tokens=64).hbm_bytes == 2 * 2 * one  # another step: both

@@ -93,19 +93,24 @@ class WeightCopies:
     lines: list[str]  # the instructions, first 200 characters each
 
 
-def weight_copies(hlo: str, layer_shapes: list[tuple[tuple[int, ...], object]], num_layers: int) -> WeightCopies:
+def weight_copies(
+    hlo: str, layer_shapes: list[tuple[tuple[int, ...], object]], num_layers: int, tokens: int | None = None
+) -> WeightCopies:
     """The per-layer weight copies (:class:`WeightCopies`) of ``hlo`` for weights of ``layer_shapes`` (one
     layer's ``(shape, dtype)`` per weight, per device), also matched with a leading 1 (a scan's slice) and
     with a leading ``num_layers`` (a relayout of a whole stacked weight), and as elements of a multi-output
     fusion's tuple (XLA:GPU slices several layers of a scan step in one). Only instructions of the entry
     computation and of while bodies count (fused computations are the fusions' insides, read in place); one
     in a while body counts once per trip (its known trip count, else ``num_layers``: XLA:TPU does not
-    annotate it)."""
+    annotate it). ``tokens`` (the step's token count T): a weight whose first axis is T is matched only in
+    its stacked forms, since as itself its shape is also an activation's (tiny's down_proj [512, 256] and the
+    [T, H] hidden states of a 512-token step, which XLA:TPU relays out between fusions)."""
     itemsize = {HLO_DTYPE[np.dtype(dt).name]: np.dtype(dt).itemsize for _, dt in layer_shapes}
     wanted = set()
     for shape, dt in layer_shapes:
         if int(np.prod(shape)) * np.dtype(dt).itemsize >= _MIN_WEIGHT_BYTES:
-            wanted |= {hlo_shape(lead + shape, dt) for lead in ((), (1,), (num_layers,))}
+            leads = ((1,), (num_layers,)) if shape[:1] == (tokens,) else ((), (1,), (num_layers,))
+            wanted |= {hlo_shape(lead + shape, dt) for lead in leads}
     trips = {}  # while body -> trip count
     for line in hlo.splitlines():
         if (m := _WHILE.search(line)) is not None:
