@@ -187,9 +187,9 @@ class CausalLM(nn.Module):
         if self.scan_layers:
             # Unbound layer modules (no parent), one per layer of a group (its window), each applied to one
             # layer's weights per scan step; layers differ by window alone, so any one initializes them all.
-            # The layers' QKV matmul batched over heads where the stacked qkv_proj is head-major (TPU).
+            # The layers' QKV matmul batched over heads where that reads the stacked qkv_proj in place (TPU).
             self.groups = layer_groups(c)
-            batched = head_batched_qkv(self.stacked_order)
+            batched = head_batched_qkv(self.stacked_order, c.head_dim)
             self.group_layers = [
                 [self.make_layer(g.start + j).clone(parent=None, head_batched_qkv=batched) for j in range(g.size)]
                 for g in self.groups

@@ -115,11 +115,13 @@ def stacked_order(platform: str) -> StackedOrder:
     return STACKED_ORDERS.get(platform, ())
 
 
-def head_batched_qkv(order: StackedOrder) -> bool:
-    """Whether `order` stacks qkv_proj head-major ([L, Hkv, G + 2, H, D]), so that the scan step writes the QKV
-    matmul batched over (Hkv, G + 2) (`paged_jax.model.layers.qkv_projection`): the form that reads such a
-    slice in place for any token count on TPU (the comment above `STACKED_ORDERS`)."""
-    return dict(order).get("qkv_proj") == (1, 2, 0, 3)
+def head_batched_qkv(order: StackedOrder, head_dim: int) -> bool:
+    """Whether the scan step writes the QKV matmul batched over (Hkv, G + 2) (`paged_jax.model.layers.
+    qkv_projection`): where `order` stacks qkv_proj head-major ([L, Hkv, G + 2, H, D]) and heads are at most
+    128 wide. That form reads such a slice in place for any token count on TPU (the comment above
+    `STACKED_ORDERS`); at head_dim 256 (Gemma) XLA:TPU copies its slices out in a prefill step (Gemma-3-4B:
+    780 MiB per step, where the plain dot relays the whole stacked weight out once, 260 MiB: README)."""
+    return dict(order).get("qkv_proj") == (1, 2, 0, 3) and head_dim <= 128
 
 
 def _key_name(entry: Any) -> str:
