@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import default_xla_flags
 from grpc_health.v1 import health_pb2
 from test_serve_support import PROMPTS, shared
 
@@ -123,7 +124,8 @@ def test_serve_forever_exits_nonzero_when_the_engine_dies(monkeypatch):
 
 
 def _start_subprocess(grace: float) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    # A drain within `grace` seconds is timed: the server compiles at XLA's default level, not the suite's -O0.
+    env = default_xla_flags(dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1"))
     proc = subprocess.Popen(
         [
             sys.executable,
