@@ -192,6 +192,10 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     `warm_up`: the engine was built without warm-up; health is NOT_SERVING until its decode shapes are
     compiled, and the rest compile in the background (`GrpcServer.start_warm_up`).
     """
+    stop = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # first, so a signal never lands while threads start
+        aio_loop.add_signal_handler(sig, stop.set)
     metrics = Metrics()
     loop = EngineLoop(engine, on_step=metrics.on_step)
     for name, path in config.lora_modules:
@@ -210,8 +214,6 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     http = await start_http_front(loop, config, metrics)  # None unless --http-port
     if http is not None:
         http.front.ready = lambda: server.status == SERVING  # /health 503 while warming up, as gRPC's health
-    stop = asyncio.Event()
-    aio_loop = asyncio.get_running_loop()
     died: list[BaseException] = []
 
     def on_death(error: BaseException) -> None:  # runs on the engine loop thread
@@ -219,9 +221,7 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
         aio_loop.call_soon_threadsafe(stop.set)
 
     loop.add_death_callback(on_death)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio_loop.add_signal_handler(sig, stop.set)
-    if warm_up:
+    if warm_up and not stop.is_set():  # a SIGTERM during start-up: no compile to wait for on the way out
         server.start_warm_up(engine)
     await stop.wait()
     if died:
