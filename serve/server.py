@@ -12,6 +12,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,6 +48,7 @@ class GrpcServer:
         self._server: aio.Server | None = None
         self._warm_up_cancel = threading.Event()
         self._warm_up_thread: threading.Thread | None = None
+        self.clock: Callable[[], float] = time.monotonic  # the grace period's clock (a test steps its own)
 
     async def start(self, serving: bool = True) -> int:
         """Listen; health SERVING at once, or with `serving=False` NOT_SERVING (until `start_warm_up` is ready)."""
@@ -138,8 +140,8 @@ class GrpcServer:
         grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
         self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
-        deadline = time.monotonic() + grace
-        while self.loop.num_open and time.monotonic() < deadline:
+        deadline = self.clock() + grace
+        while self.loop.num_open and self.clock() < deadline:
             await asyncio.sleep(0.02)
         if self.loop.num_open:
             log.warning("grace period over: aborting %d open requests", self.loop.num_open)

@@ -21,13 +21,6 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 
-def default_xla_flags(env: dict[str, str]) -> dict[str, str]:
-    """`env` with $XLA_FLAGS back at XLA's default optimisation level, for a child whose test times its steps
-    (a drain grace period): -O0 programs run slower, so such a test would measure the level, not the code."""
-    flags = env.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").strip()
-    return {**env, "XLA_FLAGS": flags}
-
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
