@@ -163,11 +163,16 @@ void value_heads_bf16(const uint32_t* pp, int64_t stride, const uint16_t* const*
 inline int64_t bf16_dim(int64_t s) { return 8 * ((s % 16) / 4) + 4 * (s / 16) + s % 4; }
 
 inline void unpermute_bf16(float* acc, int64_t rows, int64_t D) {
-  float tmp[32];
+  // Slots 0..15 (h = 0) hold the dims 8 j + [0, 4), slots 16..31 the dims 8 j + [4, 8), j = 0..3: two 2-source
+  // permutes per 32 dims.
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      for (int64_t s = 0; s < 32; ++s) tmp[bf16_dim(s)] = acc[r * D + d0 + s];
-      std::copy(tmp, tmp + 32, acc + r * D + d0);
+      float* a = acc + r * D + d0;
+      const __m512 x = _mm512_loadu_ps(a), y = _mm512_loadu_ps(a + 16);
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(x, lo, y));
+      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(x, hi, y));
     }
 }
 #else

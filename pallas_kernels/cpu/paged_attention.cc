@@ -89,7 +89,9 @@ void run_item(const Problem& p, const TQ* q, const T* kv, TQ* out, const Item& i
   for (int64_t r = 0; r < R; ++r) {
     TQ* o = out + ((it.t0 + r / G) * p.num_q_heads + it.head * G + r % G) * D;
     const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : (st.l[r] == 0.0f ? 0.0f : st.l[r]);  // NaN stays NaN
-    for (int64_t d = 0; d < D; ++d) from_float(st.acc[r * D + d] * inv, o + d);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) store(o + d, load(st.acc + r * D + d) * inv);
+    for (; d < D; ++d) from_float(st.acc[r * D + d] * inv, o + d);
   }
 }
 
