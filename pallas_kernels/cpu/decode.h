@@ -7,7 +7,7 @@
 //   softmax one online-softmax step per block and head, vectorized over the block's keys;
 //   values  a tile of kDecodeHeads heads x kDecodeChunk vectors of head_dim accumulates p * V over the block's
 //           keys in registers, loaded and stored once per block.
-// The rows of the block two ahead are prefetched a few keys at a time while a block's scores are computed.
+// The rows of the next block are prefetched into L1 a few keys at a time while a block's scores are computed.
 
 #pragma once
 
@@ -20,7 +20,11 @@ namespace pja {
 constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W and of 32)
 constexpr int kDecodeHeads = W == 16 ? 4 : 2;
 constexpr int kDecodeChunk = 4;  // vectors of head_dim per value tile
-constexpr int kPrefetchBlocks = 2;
+// Blocks prefetched ahead, into L1 (prefetcht0): against 2 blocks into L2 (a whole item's start was a burst of
+// two blocks' lines) 0.80x-0.96x time per call with the pages out of cache (the model's case: a forward's
+// weights pass between two reads of a layer's pages), and less CPU time with them in L3 too.
+constexpr int kPrefetchBlocks = 1;
+constexpr int kPrefetchLocality = 3;
 
 // dots[g * stride + i] = q[g] . k_i for g < NG and the 4 key rows k_i (q rows [NG, D] float32; qb the same rows
 // in bfloat16 when T is bfloat16).
@@ -214,7 +218,7 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
   const T* ahead_rows[kDecodeBlock];
   const int64_t row_bytes = kv.row_bytes();
   const int64_t first = lo / B * B;
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) kv.prefetch(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b) kv.template prefetch<kPrefetchLocality>(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
   for (int64_t b_lo = lo; b_lo <= hi;) {
     const int64_t b_hi = std::min(hi + 1, (b_lo / B + 1) * B);
     const int64_t ahead = (b_lo / B + kPrefetchBlocks) * B;
@@ -247,13 +251,13 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
     int64_t fetched = 0;
     for (int64_t j = 0; j < n; j += 4) {
       for (const int64_t stop = std::min(n_ahead, fetched + 4); fetched < stop; ++fetched) {
-        KvRows<T>::prefetch_bytes(ahead_rows[fetched], row_bytes);
+        KvRows<T>::template prefetch_bytes<kPrefetchLocality>(ahead_rows[fetched], row_bytes);
       }
       const T* k4[4];
       for (int i = 0; i < 4; ++i) k4[i] = krow[std::min<int64_t>(j + i, n - 1)];
       for_head_tiles(G, [&]<int NG>(int64_t g0) { dot_tile<NG>(q + g0 * D, qb + g0 * D, D, k4, sc + g0 * B + j, B); });
     }
-    for (; fetched < n_ahead; ++fetched) KvRows<T>::prefetch_bytes(ahead_rows[fetched], row_bytes);
+    for (; fetched < n_ahead; ++fetched) KvRows<T>::template prefetch_bytes<kPrefetchLocality>(ahead_rows[fetched], row_bytes);
     // One online-softmax step per head; the vector lanes are the block's keys, keys >= n are masked.
     for (int64_t g = 0; g < G; ++g) {
       float* s = sc + g * B;
