@@ -200,9 +200,12 @@ inline void for_head_tiles(int64_t G, const Fn& fn) {
 // q [G, D] float32 (qb: the same in bfloat16 for bfloat16 pages); sc: scratch of decode_scratch(G) floats.
 inline int64_t decode_scratch(int64_t G) { return G * kDecodeBlock + G + G * kDecodeBlock / 2; }
 
+// next (optional): the rows of the item the thread runs next, whose keys [next_lo, next_hi] start being
+// prefetched while this item's last block is computed.
 template <typename T>
 void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const uint16_t* qb, int64_t lo, int64_t hi,
-                 const RowState& st, float* sc) {
+                 const RowState& st, float* sc, const KvRows<T>* next = nullptr, int64_t next_lo = 0,
+                 int64_t next_hi = -1) {
   const int64_t G = p.group, D = p.head_dim, B = kDecodeBlock;
   const T* krow[kDecodeBlock];
   const T* vrow[kDecodeBlock];
@@ -222,7 +225,12 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
   for (int64_t b_lo = lo; b_lo <= hi;) {
     const int64_t b_hi = std::min(hi + 1, (b_lo / B + 1) * B);
     const int64_t ahead = (b_lo / B + kPrefetchBlocks) * B;
-    const int64_t n_ahead = ahead <= hi ? kv.rows(ahead, std::min(hi + 1, ahead + B), ahead_rows) : 0;
+    int64_t n_ahead = 0;
+    if (ahead <= hi) {
+      n_ahead = kv.rows(ahead, std::min(hi + 1, ahead + B), ahead_rows);
+    } else if (next != nullptr && b_hi > hi && next_lo <= next_hi) {  // this item's last block
+      n_ahead = next->rows(next_lo, std::min(next_hi + 1, (next_lo / B + 1) * B), ahead_rows);
+    }
     // The block's keys whose page exists, compacted.
     // One page lookup per run of keys in a page; the run's rows and scales are then consecutive.
     int64_t n = 0;
