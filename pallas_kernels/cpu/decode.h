@@ -7,7 +7,7 @@
 //   softmax one online-softmax step per block and head, vectorized over the block's keys;
 //   values  a tile of kDecodeHeads heads x kDecodeChunk vectors of head_dim accumulates p * V over the block's
 //           keys in registers, loaded and stored once per block.
-// The rows of the block two ahead are prefetched a few keys at a time while a block's scores are computed.
+// The rows of the next block are prefetched into L1 a few keys at a time while a block's scores are computed.
 
 #pragma once
 
@@ -20,7 +20,11 @@ namespace pja {
 constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W and of 32)
 constexpr int kDecodeHeads = W == 16 ? 4 : 2;
 constexpr int kDecodeChunk = 4;  // vectors of head_dim per value tile
-constexpr int kPrefetchBlocks = 2;
+// Blocks prefetched ahead, into L1 (prefetcht0): against 2 blocks into L2 (a whole item's start was a burst of
+// two blocks' lines) 0.80x-0.96x time per call with the pages out of cache (the model's case: a forward's
+// weights pass between two reads of a layer's pages), and less CPU time with them in L3 too.
+constexpr int kPrefetchBlocks = 1;
+constexpr int kPrefetchLocality = 3;
 
 // dots[g * stride + i] = q[g] . k_i for g < NG and the 4 key rows k_i (q rows [NG, D] float32; qb the same rows
 // in bfloat16 when T is bfloat16).
@@ -163,11 +167,16 @@ void value_heads_bf16(const uint32_t* pp, int64_t stride, const uint16_t* const*
 inline int64_t bf16_dim(int64_t s) { return 8 * ((s % 16) / 4) + 4 * (s / 16) + s % 4; }
 
 inline void unpermute_bf16(float* acc, int64_t rows, int64_t D) {
-  float tmp[32];
+  // Slots 0..15 (h = 0) hold the dims 8 j + [0, 4), slots 16..31 the dims 8 j + [4, 8), j = 0..3: two 2-source
+  // permutes per 32 dims.
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      for (int64_t s = 0; s < 32; ++s) tmp[bf16_dim(s)] = acc[r * D + d0 + s];
-      std::copy(tmp, tmp + 32, acc + r * D + d0);
+      float* a = acc + r * D + d0;
+      const __m512 x = _mm512_loadu_ps(a), y = _mm512_loadu_ps(a + 16);
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(x, lo, y));
+      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(x, hi, y));
     }
 }
 #else
@@ -191,9 +200,12 @@ inline void for_head_tiles(int64_t G, const Fn& fn) {
 // q [G, D] float32 (qb: the same in bfloat16 for bfloat16 pages); sc: scratch of decode_scratch(G) floats.
 inline int64_t decode_scratch(int64_t G) { return G * kDecodeBlock + G + G * kDecodeBlock / 2; }
 
+// next (optional): the rows of the item the thread runs next, whose keys [next_lo, next_hi] start being
+// prefetched while this item's last block is computed.
 template <typename T>
 void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const uint16_t* qb, int64_t lo, int64_t hi,
-                 const RowState& st, float* sc) {
+                 const RowState& st, float* sc, const KvRows<T>* next = nullptr, int64_t next_lo = 0,
+                 int64_t next_hi = -1) {
   const int64_t G = p.group, D = p.head_dim, B = kDecodeBlock;
   const T* krow[kDecodeBlock];
   const T* vrow[kDecodeBlock];
@@ -209,11 +221,16 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
   const T* ahead_rows[kDecodeBlock];
   const int64_t row_bytes = kv.row_bytes();
   const int64_t first = lo / B * B;
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) kv.prefetch(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b) kv.template prefetch<kPrefetchLocality>(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
   for (int64_t b_lo = lo; b_lo <= hi;) {
     const int64_t b_hi = std::min(hi + 1, (b_lo / B + 1) * B);
     const int64_t ahead = (b_lo / B + kPrefetchBlocks) * B;
-    const int64_t n_ahead = ahead <= hi ? kv.rows(ahead, std::min(hi + 1, ahead + B), ahead_rows) : 0;
+    int64_t n_ahead = 0;
+    if (ahead <= hi) {
+      n_ahead = kv.rows(ahead, std::min(hi + 1, ahead + B), ahead_rows);
+    } else if (next != nullptr && b_hi > hi && next_lo <= next_hi) {  // this item's last block
+      n_ahead = next->rows(next_lo, std::min(next_hi + 1, (next_lo / B + 1) * B), ahead_rows);
+    }
     // The block's keys whose page exists, compacted.
     // One page lookup per run of keys in a page; the run's rows and scales are then consecutive.
     int64_t n = 0;
@@ -242,13 +259,13 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
     int64_t fetched = 0;
     for (int64_t j = 0; j < n; j += 4) {
       for (const int64_t stop = std::min(n_ahead, fetched + 4); fetched < stop; ++fetched) {
-        KvRows<T>::prefetch_bytes(ahead_rows[fetched], row_bytes);
+        KvRows<T>::template prefetch_bytes<kPrefetchLocality>(ahead_rows[fetched], row_bytes);
       }
       const T* k4[4];
       for (int i = 0; i < 4; ++i) k4[i] = krow[std::min<int64_t>(j + i, n - 1)];
       for_head_tiles(G, [&]<int NG>(int64_t g0) { dot_tile<NG>(q + g0 * D, qb + g0 * D, D, k4, sc + g0 * B + j, B); });
     }
-    for (; fetched < n_ahead; ++fetched) KvRows<T>::prefetch_bytes(ahead_rows[fetched], row_bytes);
+    for (; fetched < n_ahead; ++fetched) KvRows<T>::template prefetch_bytes<kPrefetchLocality>(ahead_rows[fetched], row_bytes);
     // One online-softmax step per head; the vector lanes are the block's keys, keys >= n are masked.
     for (int64_t g = 0; g < G; ++g) {
       float* s = sc + g * B;

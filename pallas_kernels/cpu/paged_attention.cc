@@ -49,8 +49,11 @@ constexpr int32_t kTokensPerItem = 32;
 constexpr int64_t kItemsPerThread = 2;
 constexpr int64_t kMinPartKeys = 512;
 
+// `next`: the item this thread runs after this one (null if none or unknown); a decode item prefetches the
+// first block of a decode `next` while it computes its own last block.
 template <typename TQ, typename T>
-void run_item(const Problem& p, const TQ* q, const T* kv, TQ* out, const Item& it, float* partials) {
+void run_item(const Problem& p, const TQ* q, const T* kv, TQ* out, const Item& it, float* partials,
+              const Item* next) {
   const int64_t D = p.head_dim, G = p.group;
   const int64_t tokens = it.t1 - it.t0, R = tokens * G;
   const int32_t len = p.kv_lens[it.seq];
@@ -76,7 +79,12 @@ void run_item(const Problem& p, const TQ* q, const T* kv, TQ* out, const Item& i
   if (decode) {
     const uint16_t* qb = nullptr;  // the bfloat16 query itself, for vdpbf16ps on bfloat16 pages
     if constexpr (std::is_same_v<TQ, uint16_t>) qb = qsrc;
-    decode_item(p, rows, qf, qb, it.lo, it.hi, st, work);
+    if (next != nullptr && next->t1 - next->t0 == 1) {
+      const KvRows<T> after(p, kv, next->seq, next->head);
+      decode_item(p, rows, qf, qb, it.lo, it.hi, st, work, &after, next->lo, next->hi);
+    } else {
+      decode_item(p, rows, qf, qb, it.lo, it.hi, st, work);
+    }
   } else {
     rowpos.resize(static_cast<size_t>(round_up(R, W)));
     prefill_item(p, rows, qf, R, pos0, it.lo, it.hi, st, work, rowpos.data());
@@ -89,7 +97,9 @@ void run_item(const Problem& p, const TQ* q, const T* kv, TQ* out, const Item& i
   for (int64_t r = 0; r < R; ++r) {
     TQ* o = out + ((it.t0 + r / G) * p.num_q_heads + it.head * G + r % G) * D;
     const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : (st.l[r] == 0.0f ? 0.0f : st.l[r]);  // NaN stays NaN
-    for (int64_t d = 0; d < D; ++d) from_float(st.acc[r * D + d] * inv, o + d);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) store(o + d, load(st.acc + r * D + d) * inv);
+    for (; d < D; ++d) from_float(st.acc[r * D + d] * inv, o + d);
   }
 }
 
@@ -118,8 +128,9 @@ void merge_parts(const Problem& p, const Item& it, int64_t count, const float* p
   }
 }
 
-// Runs fn(i) for i in [0, n) on the caller and on up to `threads - 1` tasks of XLA's intra-op pool, items handed
-// out one at a time (decode items are tiny and many; prefill items are few and large).
+// Runs fn(i, next) for i in [0, n) on the caller and on up to `threads - 1` tasks of XLA's intra-op pool, items
+// handed out one at a time (decode items are tiny and many; prefill items are few and large). Each thread claims
+// its next item before it runs the current one, and `next` names it (-1: none), so an item can prefetch for it.
 //
 // The caller never waits for a task that has not started: XLA may run several custom calls at once (independent
 // ops of one computation), each on a pool thread, so a task can sit queued behind the very calls waiting for it.
@@ -141,12 +152,20 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
   for (int64_t h = 0; h < helpers; ++h) {
     pool.Schedule([state, body, n] {
       state->active.fetch_add(1);
-      for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) (*body)(i);
+      for (int64_t i = state->next.fetch_add(1); i < n;) {
+        const int64_t j = state->next.fetch_add(1);
+        (*body)(i, j < n ? j : -1);
+        i = j;
+      }
       std::lock_guard<std::mutex> lock(state->mu);
       if (state->active.fetch_sub(1) == 1) state->cv.notify_all();
     });
   }
-  for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) fn(i);
+  for (int64_t i = state->next.fetch_add(1); i < n;) {
+    const int64_t j = state->next.fetch_add(1);
+    fn(i, j < n ? j : -1);
+    i = j;
+  }
   std::unique_lock<std::mutex> lock(state->mu);
   state->cv.wait(lock, [&] { return state->active.load() == 0; });
 }
@@ -204,8 +223,8 @@ void run(ffi::ThreadPool& pool, const Problem& p, const TQ* q, const T* kv, TQ* 
     if (it.partial >= 0) partial_floats += (it.t1 - it.t0) * p.group * (p.head_dim + 2);
   }
   std::vector<float> partials(static_cast<size_t>(partial_floats));
-  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
-    run_item(p, q, kv, out, items[i], partials.data());
+  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i, int64_t next) {
+    run_item(p, q, kv, out, items[i], partials.data(), next >= 0 ? &items[next] : nullptr);
   });
   for (const auto& [first, count] : groups) merge_parts(p, items[first], count, partials.data(), out);
 }

@@ -85,12 +85,14 @@ struct KvRows {
   int64_t run_end(int64_t pos, int64_t end) const { return std::min(end, (pos / S + 1) * S); }
 
   // Asks the memory system for the rows of positions [a, e) (pages are scattered, so the hardware prefetcher
-  // cannot see the next one coming); into L2, as a block is read twice (K, then V) after it arrives.
+  // cannot see the next one coming); by default into L2, as a block is read twice (K, then V) after it arrives
+  // (Locality as __builtin_prefetch's: 3 is prefetcht0, into L1 as well).
+  template <int Locality = 2>
   void prefetch(int64_t a, int64_t e) const {
     for (int64_t pos = a; pos < e;) {
       const int64_t stop = run_end(pos, e);
       const int64_t pg = page(pos);
-      if (pg >= 0) prefetch_bytes(row(pg, pos), (stop - pos) * row_bytes());
+      if (pg >= 0) prefetch_bytes<Locality>(row(pg, pos), (stop - pos) * row_bytes());
       pos = stop;
     }
   }
@@ -109,9 +111,10 @@ struct KvRows {
     return n;
   }
   int64_t row_bytes() const { return 2 * D * static_cast<int64_t>(sizeof(T)); }
+  template <int Locality = 2>
   static void prefetch_bytes(const void* p, int64_t bytes) {
     const char* b = static_cast<const char*>(p);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, 2);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, Locality);
   }
 };
 

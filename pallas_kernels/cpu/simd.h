@@ -133,6 +133,15 @@ inline vf load(const Fp8* p) {
   return reinterpret_cast<vf>(reinterpret_cast<vu>(f) | ((x & 0x80u) << 24));
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// W floats stored as the element type: float as is, bfloat16 as from_float rounds each (nearest even, NaN stays
+// NaN), lane by lane the same bits.
+inline void store(uint16_t* p, vf v) {
+  const vu bits = reinterpret_cast<vu>(v);
+  const vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const vu r = ((bits & 0x7fffffffu) > 0x7f800000u) ? ((bits >> 16) | 0x40u) : rounded;
+  const vh h = __builtin_convertvector(r, vh);
+  std::memcpy(p, &h, sizeof h);
+}
 
 inline float hsum(vf v) {
 #if defined(__AVX512F__)
