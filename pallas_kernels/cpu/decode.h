@@ -20,9 +20,9 @@ namespace pja {
 constexpr int64_t kDecodeBlock = 32;  // key positions per online-softmax step (a multiple of W and of 32)
 constexpr int kDecodeHeads = W == 16 ? 4 : 2;
 constexpr int kDecodeChunk = 4;  // vectors of head_dim per value tile
-// Blocks prefetched ahead, into L1 (prefetcht0): against 2 blocks into L2 (a whole item's start was a burst of
-// two blocks' lines) 0.80x-0.96x time per call with the pages out of cache (the model's case: a forward's
-// weights pass between two reads of a layer's pages), and less CPU time with them in L3 too.
+// Blocks prefetched ahead, into L1 (prefetcht0): a decode step's pages come from memory (the forward's weights
+// pass between two reads of a layer's pages), and two blocks into L2 made each item start with a burst of two
+// blocks' lines (README: the figures).
 constexpr int kPrefetchBlocks = 1;
 constexpr int kPrefetchLocality = 3;
 
