@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from .config import ServingConfig, ServingLimits
 
@@ -166,7 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
     end_process(status)
 
 
-def end_process(status: int) -> None:
+def end_process(status: int) -> NoReturn:
     """End the serving process with `status` without running the interpreter's finalization.
 
     By the time this is called everything the server started has been stopped and joined on purpose (the
