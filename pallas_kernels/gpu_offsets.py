@@ -11,9 +11,9 @@ the per-layer int8/fp8 page arrays of most shipped configs are 2.7-4.2 GB, so th
 :func:`install` wraps that lowering function so the decision is by element count: an array of more than 2^31
 elements is lowered as if it were 4 bytes wide for that one decision (its offsets become i64; nothing else of
 the lowering reads that width). Arrays the original rule already handles keep their lowering exactly. The GPU
-kernel installs it at import; ``tests/test_kernels_gpu.py`` lowers the kernel at real int8/fp8/bf16 sizes and
-checks the offset width of every pointer addition in the Triton IR, so a jax upgrade that changes the rule (or
-fixes it) shows up there.
+kernel installs it at import; ``tests/kernels/gpu/test_kernels_gpu.py`` lowers the kernel at real int8/fp8/bf16
+sizes and checks the offset width of every pointer addition in the Triton IR, so a jax upgrade that changes the
+rule (or fixes it) shows up there.
 """
 
 from __future__ import annotations

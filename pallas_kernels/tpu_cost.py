@@ -23,7 +23,7 @@ parallel (VLIW bundles), the DMA issue is scalar work in the same instruction st
 bundles), and the transfers run behind both through the double buffer. ``bound`` names the term that sets
 the time: ``dma`` when the transfers outlast the rest, else the largest of ``mxu``/``vpu``/``eup``, or
 ``fixed`` when the fixed costs exceed that unit's time. The chip figures below say where each comes from;
-the ones marked *estimate* are not published and stay guesses until a TPU run (``scripts/bench_kernels.py``)
+the ones marked *estimate* are not published and stay guesses until a TPU run (``scripts/bench/bench_kernels.py``)
 replaces them.
 """
 

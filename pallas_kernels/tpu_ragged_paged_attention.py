@@ -430,7 +430,7 @@ def _in_hbm(kv_pages, kv_scales, interpret):
     VMEM, ran the KV scatter and this kernel there, and copied the array back to HBM: two whole-cache copies
     per layer per step, where the kernel DMAs only the pages it reads. Pinned to HBM, the scatter writes in
     place and the kernel reads the pages where they are, at any cache size (the audit of
-    ``scripts/check_tpu_compile.py`` compiles small and full caches)."""
+    ``scripts/checks/check_tpu_compile.py`` compiles small and full caches)."""
     if interpret:
         return kv_pages, kv_scales
     return tuple(pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in (kv_pages, kv_scales))

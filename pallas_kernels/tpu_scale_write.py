@@ -3,7 +3,7 @@
 Why not the XLA scatter that writes the values (:func:`.kv_update.write_kv`): XLA:TPU's memory-space assignment
 stages a scale array that fits VMEM (up to tens of MiB: small and mid-sized caches) in VMEM for the scatter of
 its few new elements, then copies it back for the attention kernel, which reads it in HBM: two whole-array
-copies per layer per step (the compiled-step audit of ``scripts/check_tpu_compile.py`` finds them). Operands of
+copies per layer per step (the compiled-step audit of ``scripts/checks/check_tpu_compile.py`` finds them). Operands of
 a ``pallas_call`` can be pinned to HBM (``pltpu.with_memory_space_constraint``); other XLA ops cannot. Here the
 array never leaves HBM and only the touched rows move.
 

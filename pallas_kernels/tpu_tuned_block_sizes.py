@@ -13,7 +13,7 @@ the 128x128 (v5e) or 256x256 (v6e) MXU, and long items stream the chunk's KV few
 ``cdiv(chunk, tokens)`` x the context); but an item longer than the chunk computes padding rows (a 256-token
 chunk in a 512-token item issued 2.3x the useful FLOPs for SmolLM2), so 256 tokens everywhere: a 512-token
 chunk then reads its KV twice (the issue's bound is 2x), a 256-token chunk once. Replace them with a sweep on
-the device (``scripts/bench_kernels.py``).
+the device (``scripts/bench/bench_kernels.py``).
 """
 
 from __future__ import annotations

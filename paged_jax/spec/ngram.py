@@ -5,7 +5,7 @@ For n from `max_n` down to `min_n`, the last n tokens are looked up among the n-
 sequence (prompt and output); the first hit proposes up to k of the tokens that followed it. The lookup is an
 index per sequence, n-gram -> the last position it ended at, extended by the tokens added since the previous step,
 so a step costs O(new tokens x (max_n - min_n + 1)) dict operations per sequence whatever its length (a scan of
-the whole sequence, even vectorised, grows with it); `scripts/bench_spec.py` times it at batch 64.
+the whole sequence, even vectorised, grows with it); `scripts/bench/bench_spec.py` times it at batch 64.
 """
 
 from __future__ import annotations
