@@ -70,8 +70,9 @@ from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, 
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import VerifyRows, mask_rejected, verify_rows
 from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
-from pallas_kernels import cpu_paged, kv_quant
+from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv, kv_pages_shape
+from pallas_kernels.cpu import paged as cpu_paged
 
 log = logging.getLogger(__name__)
 

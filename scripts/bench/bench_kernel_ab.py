@@ -11,7 +11,7 @@ sees: its other layers' pages and its weights pass through the caches between tw
 many layers as 96 MB of pages need, so the long cases stay one layer), and reports CPU ms per layer.
 
 Keep the old library before editing the sources: `cp ~/.cache/paged-jax/kernels/paged_attention-native-*.so`
-(the newest one is the current build; `pallas_kernels.cpu_paged.kernel().library` names it).
+(the newest one is the current build; `pallas_kernels.cpu.paged.kernel().library` names it).
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 For each case (shapes, lengths) it prints, per target (TPU v5e, TPU v6e, H200), the kernel's KV bytes against
 the minimum, its issued FLOPs against the useful ones, and the roofline time ``max(bytes / bandwidth, issued
 FLOPs / peak)`` next to the ideal (minimum bytes, useful FLOPs) and next to the previous design's figures.
-The current figures come from the kernels' own plans (:mod:`pallas_kernels.tpu_plan`,
-:mod:`pallas_kernels.gpu_plan`); the previous TPU design (q-blocks of 32 flat tokens that mixed sequences,
+The current figures come from the kernels' own plans (:mod:`pallas_kernels.tpu.plan`,
+:mod:`pallas_kernels.gpu.plan`); the previous TPU design (q-blocks of 32 flat tokens that mixed sequences,
 every (sequence, KV block) pair computed over all ``group x 32`` rows) is re-derived in :func:`legacy_tpu_work`
 from that design's block table. Published chip figures are in :data:`pallas_kernels.work_model.HARDWARE`.
-The last table is the TPU kernel's predicted time per term (:mod:`pallas_kernels.tpu_cost`) for the shipped
+The last table is the TPU kernel's predicted time per term (:mod:`pallas_kernels.analysis.tpu_cost`) for the shipped
 configs' decode and prefill steps with bfloat16 and int8 pages, and the unit that bounds each.
 
     .venv/bin/python scripts/bench/bench_kernel_model.py
@@ -20,10 +20,10 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.analysis.tpu_cost import tpu_estimate
 from pallas_kernels.common import cdiv
-from pallas_kernels.tpu_cost import tpu_estimate
-from pallas_kernels.tpu_plan import item_blocks, tpu_work, useful_flops
-from pallas_kernels.tpu_ragged_paged_attention import tpu_plan_for
+from pallas_kernels.tpu.plan import item_blocks, tpu_work, useful_flops
+from pallas_kernels.tpu.ragged_paged_attention import tpu_plan_for
 from pallas_kernels.work_model import HARDWARE, KernelWork, minimum_kv_bytes, with_kv_dtype
 
 
@@ -120,7 +120,7 @@ def tpu_case(case: Case, generation: str) -> KernelWork:
 def gpu_case(case: Case, previous: bool = False) -> KernelWork | None:
     """The GPU kernel's work for the case (None when its plan module is not available)."""
     try:
-        from pallas_kernels.gpu_work_model import case_work
+        from pallas_kernels.gpu.work_model import case_work
     except ImportError:
         return None
     lens, cu = case.batch()
@@ -248,12 +248,13 @@ BREAKDOWN_STEPS = (
 
 
 def breakdown_table(configs=BREAKDOWN_CONFIGS, generations=("v5e", "v6e"), page_size: int = 16) -> None:
-    """The TPU kernel's predicted time per layer, term by term (:mod:`pallas_kernels.tpu_cost`), for the shipped
+    """The TPU kernel's predicted time per layer, term by term (:mod:`pallas_kernels.analysis.tpu_cost`), for the
+    shipped
     configs' decode and prefill steps with bfloat16 and int8 pages: which unit bounds each case."""
     from paged_jax.config import load_model_config
 
     print(
-        "\nTPU kernel per layer, predicted (pallas_kernels.tpu_cost); microseconds per term; time = step +"
+        "\nTPU kernel per layer, predicted (pallas_kernels.analysis.tpu_cost); microseconds per term; time = step +"
         " max(dma, issue + max(mxu, vpu, eup)); mxu(scale) = the int8 pages' scale transposition's share"
     )
     print(

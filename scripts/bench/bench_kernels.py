@@ -5,7 +5,7 @@ matmul FLOP floor.
 causal), both on the pages in random physical order. Dense runs on contiguous ``[batch, len, heads, dim]`` K/V,
 both as ``jax.nn.dot_product_attention`` ("sdpa") and as the plain grouped-query einsum; paged is
 :func:`pallas_kernels.ragged_paged_attention` with ``backend="xla"`` and ``backend="cpu"``
-(:mod:`pallas_kernels.cpu_paged`). The ratios are each paged path's time over the faster dense one (the goal of
+(:mod:`pallas_kernels.cpu.paged`). The ratios are each paged path's time over the faster dense one (the goal of
 paging: at most 1.2x).
 
 ``--section bandwidth``: decode over a KV cache far larger than the caches (batch 32, and batch 1 at a long
@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_paged, ragged_paged_attention
+from pallas_kernels import ragged_paged_attention
 from pallas_kernels.common import kv_pages_shape
+from pallas_kernels.cpu import paged as cpu_paged
 from pallas_kernels.testing import assert_close, median_seconds
 
 

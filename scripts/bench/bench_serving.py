@@ -102,7 +102,7 @@ def bench_paged(args) -> None:
             max_model_len=max_model_len,
             max_num_seqs=64,
             max_num_batched_tokens=512,
-            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu_paged)
+            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu.paged)
             enable_prefix_caching=not baseline,
             reserve_full_length=baseline,
         )
@@ -154,7 +154,7 @@ def bench_prefix(args) -> None:
             max_model_len=2048,
             max_num_seqs=8,
             max_num_batched_tokens=2048,
-            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu_paged)
+            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu.paged)
             enable_prefix_caching=cache,
         )
         engines[name] = LLMEngine(config, params, tok, ec)
@@ -189,7 +189,7 @@ def bench_lookahead(args) -> None:
             max_model_len=1024,
             max_num_seqs=32,
             max_num_batched_tokens=512,
-            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu_paged)
+            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu.paged)
             async_scheduling=on,
             enable_prefix_caching=False,
         )
@@ -391,7 +391,7 @@ def machine_isa() -> str:
     """This CPU's model name and vector flags (`/proc/cpuinfo`, as `lscpu` shows them), the C++ attention
     kernel's path and the oneDNN mode: what a reader needs to compare the table with another machine."""
     from paged_jax.worker import xla_flags
-    from pallas_kernels import cpu_paged
+    from pallas_kernels.cpu import paged as cpu_paged
 
     model, flags = "unknown CPU", set()
     try:
@@ -463,7 +463,7 @@ def bench_quant(args) -> None:
             max_model_len=512,
             max_num_seqs=8,
             max_num_batched_tokens=512,
-            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu_paged)
+            attention_backend="auto",  # the C++ kernel on CPU (pallas_kernels.cpu.paged)
             kv_dtype=kv,
             enable_prefix_caching=False,
             warmup=False,

@@ -63,7 +63,7 @@ def run_once(cmd: list[str], cache: Path, output: Path) -> tuple[float, float, s
     """(wall seconds, CPU seconds of the process, its summary's start-up line, its outputs). Cold means every
     cache empty: the executable store and JAX's compile cache, the converted GGUF weights (all three under
     `$PAGED_JAX_COMPILE_CACHE`), the GGUF tokenizer's files (`$PAGED_JAX_CACHE`) and the CPU attention kernel
-    (`pallas_kernels.cpu_paged`, built by g++ once per machine)."""
+    (`pallas_kernels.cpu.paged`, built by g++ once per machine)."""
     env = dict(
         os.environ,
         PAGED_JAX_COMPILE_CACHE=str(cache),

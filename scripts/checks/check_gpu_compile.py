@@ -2,7 +2,7 @@
 
 The twin of ``check_tpu_compile.py``; runs from ``.venv-gpu`` (``make gpu-check``: jax's CUDA plugin, its PJRT
 and the ``nvidia-cuda-nvcc`` wheel's ptxas; no GPU, no system CUDA). Compiles through XLA, Triton, LLVM NVPTX
-and ``ptxas -arch=sm_90a`` to SASS (:mod:`pallas_kernels.gpu_aot`) and exits non-zero on any failure.
+and ``ptxas -arch=sm_90a`` to SASS (:mod:`pallas_kernels.analysis.gpu_aot`) and exits non-zero on any failure.
 
 **Kernel cases** (:data:`KERNEL_CASES`; the base decode, prefill and int8 kernels compile in the engine steps
 below): every value of every axis once (bucket kind: decode, split-KV decode, prefill, mixed; head_dim
@@ -47,9 +47,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import kv_quant  # noqa: E402
+from pallas_kernels.analysis.gpu_aot import HEADER, H200Compiler, KernelReport  # noqa: E402
 from pallas_kernels.common import kv_pages_shape  # noqa: E402
-from pallas_kernels.gpu_aot import HEADER, H200Compiler, KernelReport  # noqa: E402
-from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu  # noqa: E402
+from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

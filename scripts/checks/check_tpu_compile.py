@@ -8,7 +8,7 @@ The kernel sweep (``CASES``) takes every value of every axis (head_dim, page siz
 group, max_model_len, bucket kind) and the pairs that interact (head_dim x group, page dtype x page size), 16
 cases on the first ``--topologies`` target (v6e) and 8 that still take every axis value on the others (v5e),
 and checks that block tables too large for SMEM are refused with an error naming the
-engine fields (``pallas_kernels.tpu_limits``) rather than failing in Mosaic.
+engine fields (``pallas_kernels.tpu.limits``) rather than failing in Mosaic.
 
     .venv/bin/python scripts/checks/check_tpu_compile.py [--topologies v6e:1x1 v5e:1x1] [--sharded v5e:2x2:4 v5e:2x4:8]
 
@@ -72,7 +72,7 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 from paged_jax.engine.aot import layer_weight_shapes  # noqa: E402
 from paged_jax.worker.hlo_audit import cache_copies, weight_copies  # noqa: E402
 from pallas_kernels.common import kv_pages_shape  # noqa: E402
-from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu  # noqa: E402
+from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu  # noqa: E402
 
 
 class KernelCase(NamedTuple):
@@ -106,7 +106,7 @@ K = 1024
 # pages {bf16, int8, fp8} (and float32), KV heads {1, 2, 8}, query groups {1, 3, 4, 7, 8}, max_model_len {2k,
 # 32k, 128k}, decode / prefill / mixed buckets -- and the pairs that interact: every head_dim x group (15
 # cases), every page dtype x page size (int8 and fp8 at 8 and 16 tokens fill a quarter or half of a (32, 128)
-# tile), long max_model_len with many sequences (the block table in SMEM: pallas_kernels.tpu_limits). Buckets:
+# tile), long max_model_len with many sequences (the block table in SMEM: pallas_kernels.tpu.limits). Buckets:
 # decode = tokens == sequences, prefill = 256-512 tokens of 8 sequences, mixed = 128 tokens of 16-32.
 CASES = [
     KernelCase(64, 64, 8, 1, 64, 8, BF16, None, 2 * K),  # decode
@@ -284,12 +284,12 @@ AUDIT_ENGINES = (
     ("qwen2.5-0.5b", 1, "decode", (("kv_dtype", "int8"),), "int8 KV"),
 )
 # Small caches (explicit num_pages): a page array of a few MiB fits VMEM, where XLA once staged every layer's
-# whole array in and out on every step (pallas_kernels.tpu_ragged_paged_attention._in_hbm). Qwen2.5-0.5B at
+# whole array in and out on every step (pallas_kernels.tpu.ragged_paged_attention._in_hbm). Qwen2.5-0.5B at
 # 2,049 pages (16 MiB per layer, bf16, unrolled: 24 copies before the fix), and tiny (2 layers: fast to
 # compile) at 1,025 pages (16 MiB per layer in float32) scanned (one stacked 32 MiB array) and unrolled in a
 # prefill bucket. And tiny with int8 pages at 1,025 pages (4.5 MiB per layer), scanned: XLA staged the
 # scale arrays (0.5 MiB per layer) in VMEM for their scatter and copied them back, at any size that fits VMEM
-# (up to tens of MiB), until the scales were written by a Pallas kernel in HBM (pallas_kernels.tpu_scale_write).
+# (up to tens of MiB), until the scales were written by a Pallas kernel in HBM (pallas_kernels.tpu.scale_write).
 SMALL_CACHE_ENGINES = (
     ("qwen2.5-0.5b", 1, "decode", (("num_pages", 2049), ("scan_layers", "off")), "2049p"),
     ("tiny", 1, "decode", (("num_pages", 1025), ("scan_layers", "on")), "1025p scan"),

@@ -1,4 +1,4 @@
-"""The C++ CPU kernel (pallas_kernels.cpu_paged): its ISA paths, work items (prefill blocks, split key ranges),
+"""The C++ CPU kernel (pallas_kernels.cpu.paged): its ISA paths, work items (prefill blocks, split key ranges),
 quantized pages, NaN edges, the backend choice on CPU, the build cache, the compiled step, concurrency. The
 semantic cases (batches, GQA, windows, soft caps, head dims, long contexts, hypothesis) run on the XLA path and
 on every ISA path of the kernel in test_attention_xla.py.
@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_paged, dense_reference_attention, kv_quant, ragged_paged_attention, resolve_backend
+from pallas_kernels import dense_reference_attention, kv_quant, ragged_paged_attention, resolve_backend
+from pallas_kernels.cpu import paged as cpu_paged
 from pallas_kernels.testing import assert_close, check_case, cpu_kernel_path, make_case
 
 pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="the CPU kernel needs a C++ compiler (g++)")

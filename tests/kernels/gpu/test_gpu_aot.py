@@ -6,7 +6,7 @@ wheels."""
 import gzip
 import pathlib
 
-from pallas_kernels.gpu_aot import _entry_body, clean_loop, kernel_reports, loop_bodies
+from pallas_kernels.analysis.gpu_aot import _entry_body, clean_loop, kernel_reports, loop_bodies
 
 DATA = pathlib.Path(__file__).parents[2] / "data" / "h200_compile"
 

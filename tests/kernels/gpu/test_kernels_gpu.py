@@ -15,9 +15,9 @@ from paged_jax.config import load_model_config
 from paged_jax.model import quant
 from paged_jax.model.init import param_shapes
 from pallas_kernels import dense_reference_attention, kv_quant
-from pallas_kernels.gpu_lowering import pointer_offsets, triton_modules
-from pallas_kernels.gpu_plan import plan_gpu
-from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+from pallas_kernels.analysis.gpu_lowering import pointer_offsets, triton_modules
+from pallas_kernels.gpu.plan import plan_gpu
+from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
 from pallas_kernels.testing import assert_close, check_case, make_case, random_seqs
 
 MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)]  # decode, chunked, prefill, empty

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gpu_plan import MMA_MIN_ROWS, gpu_plan_for, plan_gpu
-from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
-from pallas_kernels.gpu_work_model import case_work, gpu_work, gpu_work_detail, program_counts
+from pallas_kernels.gpu.plan import MMA_MIN_ROWS, gpu_plan_for, plan_gpu
+from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
+from pallas_kernels.gpu.work_model import case_work, gpu_work, gpu_work_detail, program_counts
 from pallas_kernels.testing import check_case, make_case
 from pallas_kernels.work_model import HARDWARE, minimum_kv_bytes
 

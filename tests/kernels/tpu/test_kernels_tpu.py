@@ -16,8 +16,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import dense_reference_attention
 from pallas_kernels.testing import assert_close, check_case, make_case, random_seqs
-from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
-from pallas_kernels.tpu_tuned_block_sizes import get_block_sizes, tpu_generation
+from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu
+from pallas_kernels.tpu.tuned_block_sizes import get_block_sizes, tpu_generation
 
 MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25)]  # decode, chunked, prefill, empty
 
@@ -207,7 +207,7 @@ def test_bf16_parts_sum_to_the_float32_scales_exactly():
     """The quantized pages' scale transposition runs as three one-pass bf16 products of the scales' parts: their
     float32 sum must give back every float32 value bit for bit (random mantissas over 2**-100 .. 2**100, both
     signs), which a plain bf16 cast or a two-part split does not."""
-    from pallas_kernels.tpu_ragged_paged_attention import bf16_parts
+    from pallas_kernels.tpu.ragged_paged_attention import bf16_parts
 
     rng = np.random.default_rng(0)
     x = (rng.uniform(1, 2, 100_000) * 2.0 ** rng.integers(-100, 100, 100_000)).astype(np.float32)

@@ -1,13 +1,13 @@
-"""The TPU kernel's VMEM and SMEM guards (pallas_kernels.tpu_limits): capacities per generation, the clamped
+"""The TPU kernel's VMEM and SMEM guards (pallas_kernels.tpu.limits): capacities per generation, the clamped
 scoped-VMEM limit, and the block table's SMEM check, which the kernel applies at trace time."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import tpu_limits
 from pallas_kernels.common import kv_pages_shape
-from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
+from pallas_kernels.tpu import limits as tpu_limits
+from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu
 
 MIB = 2**20
 

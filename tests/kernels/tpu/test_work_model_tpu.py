@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.testing import make_case
-from pallas_kernels.tpu_plan import item_counts, tpu_work
-from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu, tpu_plan_for
+from pallas_kernels.tpu.plan import item_counts, tpu_work
+from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu, tpu_plan_for
 from pallas_kernels.work_model import minimum_kv_bytes
 
 MIXED = [(1, 19), (0, 0), (5, 16), (12, 12), (0, 7), (1, 1), (9, 25), (1, 40)]
@@ -77,7 +77,7 @@ def test_mixed_batch_reads_each_decode_sequence_once():
 
 
 def _estimate(q_lens, kv_lens, *, num_tokens, max_seqs, heads=(32, 8, 128), kv_dtype=jnp.bfloat16, generation="v5e"):
-    from pallas_kernels.tpu_cost import tpu_estimate
+    from pallas_kernels.analysis.tpu_cost import tpu_estimate
 
     hq, hkv, d = heads
     plan = tpu_plan_for((num_tokens, hq, d), (1, hkv, 16, 2 * d), max_seqs, 2048, kv_dtype, generation)
@@ -136,7 +136,7 @@ def test_decode_only_step_prices_no_prefill_grid_steps():
 def test_only_boundary_blocks_pay_for_masks():
     """A 512-token chunk at the end of a 4096-token context: the blocks before the chunk are computed unmasked,
     so the vector work is far below that of the same blocks all masked."""
-    from pallas_kernels.tpu_plan import item_counts
+    from pallas_kernels.tpu.plan import item_counts
 
     plan, est = _estimate([512] * 8, [4096] * 8, num_tokens=4096, max_seqs=16)
     lens, cu = _batch([512] * 8, [4096] * 8, 16)
@@ -147,7 +147,7 @@ def test_only_boundary_blocks_pay_for_masks():
 
 def _all_masked_valu(plan, est):
     """The prefill range's vector work had every block been masked (the masked share priced on all blocks)."""
-    from pallas_kernels import tpu_cost
+    from pallas_kernels.analysis import tpu_cost
 
     rng = plan.prefill
     lens, cu = _batch([512] * 8, [4096] * 8, 16)

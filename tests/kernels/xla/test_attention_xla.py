@@ -1,4 +1,4 @@
-"""The CPU paged paths (plain XLA, and the C++ kernel of pallas_kernels.cpu_paged) against the dense reference;
+"""The CPU paged paths (plain XLA, and the C++ kernel of pallas_kernels.cpu.paged) against the dense reference;
 write_kv and copy_pages. The kernel's own concerns (work items, build cache, backend choice) are in
 test_attention_cpu.py."""
 
@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import copy_pages, cpu_paged, dense_reference_attention, ragged_paged_attention, write_kv
+from pallas_kernels import copy_pages, dense_reference_attention, ragged_paged_attention, write_kv
 from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.cpu import paged as cpu_paged
 from pallas_kernels.testing import assert_close, check_case, cpu_kernel_path, make_case, random_seqs
 
 SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)

@@ -96,13 +96,13 @@ def test_validation():
 def _tpu(**kw):
     from jax.experimental.pallas import tpu as pltpu
 
-    from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
+    from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu
 
     return functools.partial(ragged_paged_attention_tpu, interpret=pltpu.InterpretParams(), **kw)
 
 
 def _gpu(**kw):
-    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
 
     return functools.partial(ragged_paged_attention_gpu, interpret=True, **kw)
 
@@ -229,8 +229,8 @@ def test_attention_quantization_error_bound(kv_dtype, bound):
 def test_work_model_bytes_of_quantized_pages():
     """The TPU plan over int8 pages reads each page's values (1 byte per element) and its scale row (8 bytes per
     slot and head), with the same page count as bfloat16 pages: 264 / 512 of the bytes at head_dim 128."""
-    from pallas_kernels.tpu_plan import item_counts, tpu_work
-    from pallas_kernels.tpu_ragged_paged_attention import tpu_plan_for
+    from pallas_kernels.tpu.plan import item_counts, tpu_work
+    from pallas_kernels.tpu.ragged_paged_attention import tpu_plan_for
     from pallas_kernels.work_model import with_kv_dtype
 
     heads, page, d = 8, 16, 128
@@ -251,7 +251,7 @@ def test_gpu_kernel_lowers_to_triton_with_quantized_pages(kv_dtype, t, s, blocks
     from jax import export
     from jax.sharding import AbstractDevice, AbstractMesh
 
-    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
 
     h, kvh, d, page = 32, 8, 128, 16
     sds = jax.ShapeDtypeStruct
@@ -276,13 +276,13 @@ def test_gpu_kernel_lowers_to_triton_with_quantized_pages(kv_dtype, t, s, blocks
 
 
 def test_tpu_scale_writer_matches_the_scatter():
-    """The TPU scale writer (pallas_kernels.tpu_scale_write, interpret mode, race detection once) writes exactly
+    """The TPU scale writer (pallas_kernels.tpu.scale_write, interpret mode, race detection once) writes exactly
     what the XLA scatter writes: tokens of one page out of order and in different chunks of the kernel's grid
     (8 rows each here), padding, a stacked cache's page offset; nothing else changes (the rest random)."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     from jax.experimental.pallas import tpu as pltpu
 
-    from pallas_kernels import tpu_scale_write
+    from pallas_kernels.tpu import scale_write as tpu_scale_write
 
     heads, page, pages = 2, 8, 40
     cache = kv_quant.allocate(pages, heads, page, 64, jnp.int8, dense=True)

@@ -1,8 +1,9 @@
 """The TPU kernel's predicted time per call, term by term, from its own plan: which unit bounds each case.
 
-:func:`pallas_kernels.tpu_plan.tpu_work` counts what a call moves and multiplies; this module prices it on one
+:func:`pallas_kernels.tpu.plan.tpu_work` counts what a call moves and multiplies; this module prices it on one
 TensorCore of a named generation. Every count comes from the kernel's plan (block sizes, grid, item lists,
-pages per block), the same code the kernel runs, and mirrors what :mod:`.tpu_ragged_paged_attention` issues:
+pages per block), the same code the kernel runs, and mirrors what :mod:`pallas_kernels.tpu.ragged_paged_attention`
+issues:
 
 - **DMA** (``dma_s``): KV page bytes (quantized pages with their scale rows), queries and outputs, over the
   HBM bandwidth.
@@ -36,7 +37,7 @@ import numpy as np
 
 from pallas_kernels.common import cdiv
 from pallas_kernels.kv_quant import is_quantized_dtype, page_bytes, scale_row_width
-from pallas_kernels.tpu_plan import RangePlan, TpuPlan, item_counts, plan_items
+from pallas_kernels.tpu.plan import RangePlan, TpuPlan, item_counts, plan_items
 from pallas_kernels.work_model import HARDWARE
 
 _VREG = 8 * 128  # elements of one 32-bit vreg (8 sublanes x 128 lanes)

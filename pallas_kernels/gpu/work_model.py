@@ -1,5 +1,5 @@
 """The GPU kernel's work model: what one call moves and issues, from the kernel's own plan, work lists and KV
-ranges (:mod:`pallas_kernels.gpu_plan`), as :class:`pallas_kernels.work_model.KernelWork`.
+ranges (:mod:`pallas_kernels.gpu.plan`), as :class:`pallas_kernels.work_model.KernelWork`.
 
 **HBM model** (``kv_bytes_read``): programs are launched in grid order (split fastest, then item, then KV head)
 and ``SMs x programs_per_sm`` of them are resident at once (a *wave*). Programs of one wave that read the same
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import cdiv
-from pallas_kernels.gpu_plan import (
+from pallas_kernels.gpu.plan import (
     MMA_MIN_ROWS,
     SMEM_BYTES_PER_SM,
     GpuPlan,

@@ -1,6 +1,6 @@
 """The GPU kernel's plan: static tiling and the (sequence, q-block) work lists and KV ranges its programs walk,
-shared with :mod:`pallas_kernels.gpu_ragged_paged_attention` (which runs it) and
-:mod:`pallas_kernels.gpu_work_model` (which counts what it moves and issues).
+shared with :mod:`pallas_kernels.gpu.ragged_paged_attention` (which runs it) and
+:mod:`pallas_kernels.gpu.work_model` (which counts what it moves and issues).
 
 **Ranges.** A call is one or two launches (:class:`GpuRange`), each over the sequences whose ``q_len`` falls in
 its range. Decode buckets (``T <= 2 S``) have one range with the decode tiling (16-row tiles). Prefill and mixed
@@ -9,7 +9,7 @@ buckets have a *prefill* range (``q_len`` above the decode tile's tokens: 64-128
 computed over a 128-row prefill tile.
 
 :func:`plan_gpu` (static shapes only) picks each range's ``q_block``, ``pages_per_block``, ``num_splits``,
-``num_warps`` and ``num_stages`` from :mod:`pallas_kernels.gpu_tuned_block_sizes`; the kernel wrapper runs it.
+``num_warps`` and ``num_stages`` from :mod:`pallas_kernels.gpu.tuned_block_sizes`; the kernel wrapper runs it.
 :func:`work_list`, :func:`effective_splits` and :func:`item_kv_range` are written once for ``numpy`` and
 ``jax.numpy``: the wrapper and kernel run them on device, the work model in numpy for host-known lengths."""
 
@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from pallas_kernels.common import cdiv
-from pallas_kernels.gpu_tuned_block_sizes import BlockConfig, block_configs
+from pallas_kernels.gpu.tuned_block_sizes import BlockConfig, block_configs
 from pallas_kernels.planning import query_lens, sequence_items, visible_kv_blocks
 from pallas_kernels.work_model import HARDWARE
 

@@ -5,7 +5,7 @@ CUDA plugin needed) and returns the Triton module (``tt`` dialect text) of every
 order, by observing jax's own lowering (the module is built by jax; only its text is kept). Arguments are
 ``jax.ShapeDtypeStruct``s, so real sizes (a multi-GiB page array) cost nothing. :func:`pointer_offsets` reads
 the element type and offset width of every pointer addition (``tt.addptr``) of a module: the proof that an
-array of more than 2^31 elements is addressed with 64-bit offsets (:mod:`.gpu_offsets`).
+array of more than 2^31 elements is addressed with 64-bit offsets (:mod:`pallas_kernels.gpu.offsets`).
 """
 
 from __future__ import annotations

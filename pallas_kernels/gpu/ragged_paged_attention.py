@@ -46,8 +46,9 @@ K and V scale rows of the step's pages (``[pages_per_block, page_size]`` each, b
 values to the query dtype (exact) and applies the per-key scales to the logits (K) and to the probabilities
 (V): ``rows x keys`` multiplications, not ``keys x head_dim``, and HBM reads only the quantized bytes and scales.
 
-**Plan, tuning table and work model** (:mod:`pallas_kernels.gpu_plan`, :mod:`.gpu_tuned_block_sizes`,
-:mod:`.gpu_work_model`). :func:`plan_gpu` (static shapes) picks the tiling from the table keyed by head_dim, page
+**Plan, tuning table and work model** (:mod:`pallas_kernels.gpu.plan`, :mod:`pallas_kernels.gpu.tuned_block_sizes`,
+:mod:`pallas_kernels.gpu.work_model`). :func:`plan_gpu` (static shapes) picks the tiling from the table keyed by
+head_dim, page
 size and dtype and is what this wrapper runs; :func:`gpu_work` runs the same plan, work list and per-program KV
 ranges in numpy for host-known lengths and returns :class:`pallas_kernels.work_model.KernelWork`. The pallas_call
 gets a ``pl.CostEstimate`` from the plan at its static worst case (every slot full, every table full).
@@ -78,9 +79,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import gpu_offsets, kv_quant
+from pallas_kernels import kv_quant
 from pallas_kernels.common import MASK_VALUE, apply_soft_cap, validate_kernel_shape
-from pallas_kernels.gpu_plan import (
+from pallas_kernels.gpu import offsets as gpu_offsets
+from pallas_kernels.gpu.plan import (
     GpuPlan,
     GpuRange,
     combine_num_warps,
@@ -90,7 +92,7 @@ from pallas_kernels.gpu_plan import (
     plan_gpu,
     range_work_list,
 )
-from pallas_kernels.gpu_work_model import gpu_work
+from pallas_kernels.gpu.work_model import gpu_work
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 

@@ -2,7 +2,8 @@
 
 A block-size triple is ``(decode_kv_slots, prefill_tokens, prefill_kv_slots)``: how many KV slots
 (``pages_per_block * page_size``) one DMA'd block of a decode item holds, how many query tokens one prefill
-item owns, and the KV slots of a prefill block. The plan (:mod:`.tpu_plan`) turns them into pages and shrinks
+item owns, and the KV slots of a prefill block. The plan (:mod:`pallas_kernels.tpu.plan`) turns them into pages and
+shrinks
 the prefill item to its VMEM budget.
 
 How the entries were chosen (not yet measured on hardware: no TPU has been lent to this project). Decode is

@@ -1,6 +1,7 @@
 """Ragged paged attention on CPU as a C++ XLA FFI custom call (``cpu/paged_attention.cc``), built on first use.
 
-Why: XLA:CPU cannot fuse the page gather into a dot, so :mod:`.xla_paged` copies every page it reads into a
+Why: XLA:CPU cannot fuse the page gather into a dot, so :mod:`pallas_kernels.xla.paged` copies every page it reads
+into a
 contiguous chunk and its small per-(sequence, KV head) dots read that copy again; the C++ kernel walks each
 sequence's pages through the block table and reads every page once, in place: decode as register tiles over
 the pages, prefill as blocked matrix products (K/V widened once per block). It splits the work (sequence x KV
@@ -43,7 +44,7 @@ from pallas_kernels import kv_quant
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(sorted((Path(__file__).parent / "cpu").glob("*.[ch]*")))  # paged_attention.cc and its headers
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.[ch]*")))  # paged_attention.cc and its headers
 TARGET = "paged_jax_paged_attention"
 COMMON_FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC")
 _X86 = platform.machine().lower() in ("x86_64", "amd64")

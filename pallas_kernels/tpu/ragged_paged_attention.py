@@ -1,6 +1,6 @@
 """Ragged paged attention for TPU (Pallas/Mosaic): decode, chunked prefill and prefill.
 
-Layout and masking conventions: :mod:`pallas_kernels.common`. Work division: :mod:`pallas_kernels.tpu_plan`.
+Layout and masking conventions: :mod:`pallas_kernels.common`. Work division: :mod:`pallas_kernels.tpu.plan`.
 
 Two ranges, two ``pallas_call``s of this one kernel with different static block sizes: decode items (one
 sequence, its single query token, the ``group`` query heads of each KV head as a ``[group, head_dim]`` matrix)
@@ -45,7 +45,7 @@ V). HBM carries only the quantized values and the scales.
 
 ``stats`` (an SMEM output, ``[3 * num_items]``): pages DMA'd, blocks computed and blocks computed with masks
 per item, counted where the kernel issues them; the work model's tests compare it with
-:func:`pallas_kernels.tpu_plan.item_counts`.
+:func:`pallas_kernels.tpu.plan.item_counts`.
 Block tables live in SMEM, which bounds ``max_seqs * max_blocks_per_seq`` (as in JAX's own kernel).
 """
 
@@ -58,9 +58,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import kv_quant, tpu_limits
+from pallas_kernels import kv_quant
 from pallas_kernels.common import MASK_VALUE, apply_soft_cap, kv_dims, validate_kernel_shape
-from pallas_kernels.tpu_plan import (
+from pallas_kernels.tpu import limits as tpu_limits
+from pallas_kernels.tpu.plan import (
     RangePlan,
     TpuPlan,
     item_blocks,
@@ -70,7 +71,7 @@ from pallas_kernels.tpu_plan import (
     static_work,
     vmem_bytes,
 )
-from pallas_kernels.tpu_tuned_block_sizes import get_block_sizes, tpu_generation
+from pallas_kernels.tpu.tuned_block_sizes import get_block_sizes, tpu_generation
 
 _LANES = 128
 
@@ -356,7 +357,7 @@ def _run_range(
     generation,
 ):
     """One ``pallas_call`` over the items of one range; writes their rows into ``out`` (aliased). Its VMEM
-    and SMEM are checked against ``generation``'s (:mod:`.tpu_limits`)."""
+    and SMEM are checked against ``generation``'s (:mod:`pallas_kernels.tpu.limits`)."""
     kv_lens, tables, cu_q_lens = meta
     max_blocks = tables.shape[1]
     w, num_items = rng.tokens_per_item, rng.num_items
@@ -497,7 +498,8 @@ def ragged_paged_attention_tpu(
 ):
     """Ragged paged attention on TPU; returns ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``.
 
-    Block sizes come from :mod:`.tpu_tuned_block_sizes` for ``generation`` (by default the local TPU's, else a
+    Block sizes come from :mod:`pallas_kernels.tpu.tuned_block_sizes` for ``generation`` (by default the local TPU's,
+    else a
     heuristic); ``tokens_per_item`` and ``pages_per_block`` override them (tests). ``interpret``: True or a
     ``pltpu.InterpretParams`` runs the kernel in the TPU interpreter (CPU is fine). ``return_stats`` also
     returns ``(decode_stats, prefill_stats)``, each ``[num_items, 3]``: pages DMA'd, blocks computed and blocks

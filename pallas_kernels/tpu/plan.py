@@ -1,6 +1,7 @@
 """How the TPU kernel divides a call into work items, and what that plan moves and computes.
 
-The kernel (:mod:`.tpu_ragged_paged_attention`) runs in two ranges, each one ``pallas_call`` with static block
+The kernel (:mod:`pallas_kernels.tpu.ragged_paged_attention`) runs in two ranges, each one ``pallas_call`` with static
+block
 sizes:
 
 - **decode**: one item per sequence with exactly one query token. Its rows are the ``group`` query heads of a
@@ -100,7 +101,7 @@ def plan_tpu(
     pages_per_block: int | None = None,
 ) -> TpuPlan:
     """The static plan of one bucket. ``block_sizes`` = (decode KV slots, prefill tokens, prefill KV slots)
-    from :mod:`.tpu_tuned_block_sizes`; ``tokens_per_item``/``pages_per_block`` override the prefill range
+    from :mod:`pallas_kernels.tpu.tuned_block_sizes`; ``tokens_per_item``/``pages_per_block`` override the prefill range
     (tests force small blocks so sequences span several items and blocks)."""
     dec_slots, pre_tokens, pre_slots = block_sizes
     pages = lambda slots: max(1, min(max(1, slots // page_size), max_blocks))
