@@ -1,4 +1,4 @@
-"""Speculative decoding (paged_jax.spec): drafts change how many tokens a step yields, never which tokens.
+"""Speculative decoding (paged_jax.spec_decode): drafts change how many tokens a step yields, never which tokens.
 
 Greedy and seeded sampled outputs with speculation equal those without it, token for token (and logprob for
 logprob), under preemption, prefix sharing, n > 1, stops and mixed lengths; the rejection rule keeps the target's
@@ -19,10 +19,10 @@ from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.spec.config import SpeculativeConfig
-from paged_jax.spec.cost import CostGate, bucket_of
-from paged_jax.spec.decoder import next_draft_len
-from paged_jax.spec.ngram import NgramProposer
+from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.cost import CostGate, bucket_of
+from paged_jax.spec_decode.decoder import next_draft_len
+from paged_jax.spec_decode.ngram import NgramProposer
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import REJECTED, mask_rejected

@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paged_jax.spec.config import SpeculativeConfig
-from paged_jax.spec.cost import CostGate
-from paged_jax.spec.proposer import DraftRequest, Proposer
-from paged_jax.spec.stats import SpecStats
+from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.cost import CostGate
+from paged_jax.spec_decode.proposer import DraftRequest, Proposer
+from paged_jax.spec_decode.stats import SpecStats
 from paged_jax.worker.spec_verify import REJECTED
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ as normalize(max(0, p - q)) = p without x. So the output distribution is the tar
 tokens are those of a run without speculation.
 """
 
-from paged_jax.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from paged_jax.spec.stats import SpecStats
+from paged_jax.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from paged_jax.spec_decode.stats import SpecStats
 
 __all__ = ["MAX_SPECULATIVE_TOKENS", "SpecStats", "SpeculativeConfig"]

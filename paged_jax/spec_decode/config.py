@@ -23,12 +23,12 @@ class SpeculativeConfig:
     n-gram: the longest suffix of the sequence of `prompt_lookup_min`..`prompt_lookup_max` tokens that occurred
     earlier proposes the tokens that followed its latest occurrence.
 
-    `adaptive_k`: each sequence's draft length adapts to its own recent acceptance (`paged_jax.spec.decoder`):
+    `adaptive_k`: each sequence's draft length adapts to its own recent acceptance (`paged_jax.spec_decode.decoder`):
     it starts at k, doubles (up to k) after a verify that kept every draft and drops to one more than the drafts
     kept after one that rejected some, so a sequence copying a long span drafts k, one that just diverged drafts
     little. k is then the most a sequence drafts.
 
-    Per sequence, speculation pauses while it does not pay (`paged_jax.spec.decoder`): after `probe_tokens`
+    Per sequence, speculation pauses while it does not pay (`paged_jax.spec_decode.decoder`): after `probe_tokens`
     proposed drafts with an acceptance rate below `min_acceptance_rate` it pauses for `pause_tokens` output
     tokens, doubling up to 16x for a sequence that keeps failing; after `max_misses` steps in a row without a
     proposal it pauses for `pause_tokens` (not doubled: a step without a draft scores nothing it would not score
@@ -36,7 +36,7 @@ class SpeculativeConfig:
     `disable_by_batch_size` (vLLM's): no sequence speculates while more than this many run (a large batch is
     compute-bound, where scoring k rejected drafts costs as much as k sequences' tokens); None: no limit.
 
-    Per batch, `pause_by_cost` (`paged_jax.spec.cost`): the engine measures decode tokens per second with and
+    Per batch, `pause_by_cost` (`paged_jax.spec_decode.cost`): the engine measures decode tokens per second with and
     without speculation for each batch size; every `cost_probe_steps` speculating steps it compares them (first
     measuring plain decoding for that many steps when it has no recent figure) and, where speculating was
     slower by more than `cost_margin` (a fraction of the plain rate: timing noise alone must not pause it),

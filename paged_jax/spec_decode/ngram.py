@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paged_jax.spec.proposer import DraftRequest
+from paged_jax.spec_decode.proposer import DraftRequest
 
 
 @dataclass(slots=True)

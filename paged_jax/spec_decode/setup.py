@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from paged_jax.spec.config import SpeculativeConfig
-from paged_jax.spec.decoder import SpecDecoder
-from paged_jax.spec.ngram import NgramProposer
+from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.decoder import SpecDecoder
+from paged_jax.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from paged_jax.config import ModelConfig
@@ -27,7 +27,7 @@ def make_spec_decoder(
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
     else:
-        from paged_jax.spec.draft_model import DraftModelProposer
+        from paged_jax.spec_decode.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer.load(spec, target, ec, max_model_len, num_pages)
     return SpecDecoder(spec, proposer, max_model_len)

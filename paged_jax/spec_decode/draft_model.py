@@ -10,7 +10,7 @@ next proposal the leading ones that equal the sequence's actual tokens are kept 
 rolled back, so the draft never recomputes a token it already has right.
 
 Drafts are the draft model's argmax (point masses): the verify step's rule keeps the target's distribution for
-sampled requests too (`paged_jax.spec`).
+sampled requests too (`paged_jax.spec_decode`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.model.loader.weights import load_weights
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
-from paged_jax.spec.proposer import DraftRequest
+from paged_jax.spec_decode.proposer import DraftRequest
 from paged_jax.worker.runner import GREEDY, ModelRunner
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from paged_jax.config import ModelConfig
     from paged_jax.config.engine import EngineConfig
     from paged_jax.sched.sequence import TokenSequence
-    from paged_jax.spec.config import SpeculativeConfig
+    from paged_jax.spec_decode.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 verifies them.
 
 Proposers see the sequences' tokens only after the previous step's samples reached the host (the engine runs a
-speculating batch without the one-step lookahead, `paged_jax.spec.decoder`). Two kinds exist: `ngram` (host
+speculating batch without the one-step lookahead, `paged_jax.spec_decode.decoder`). Two kinds exist: `ngram` (host
 lookup over the sequence's own tokens) and `draft_model` (a smaller model over its own KV pages).
 
 The seam for EAGLE-style heads: such a proposer needs the target's hidden states at the positions each sequence
