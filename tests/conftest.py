@@ -103,11 +103,11 @@ def real_tokenizer_dir(tmp_path_factory) -> Callable[[str], Path]:
 def fronts(request):
     """(HTTP front, gRPC front) on the session's shared engine loop (tests/support/serve_support.py), for one test
     module; the tiny byte tokenizer gets the module's `TEMPLATE` as its chat template meanwhile."""
-    from support.serve_support import LIMITS, shared, start_server
-
     from paged_jax.tokenization.chat_template import template_from_text
     from serve.config import ServingConfig
     from serve.openai_api.server import HttpServerThread
+
+    from support.serve_support import LIMITS, shared, start_server
 
     s = shared()
     tokenizer = s.engine.tokenizer
@@ -126,9 +126,10 @@ def oai(fronts):
     """The official `openai` client on the HTTP front; after the test, every request has ended and every page is
     free (checked through gRPC GetStats)."""
     import openai
-    from support.serve_support import wait_idle
 
     from serve.client import Client
+
+    from support.serve_support import wait_idle
 
     http, grpc_front = fronts
     with openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0) as client:

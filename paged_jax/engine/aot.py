@@ -27,8 +27,10 @@ from paged_jax.engine.llm_engine import make_runner
 from paged_jax.model import quant, scan
 from paged_jax.model.init import param_shapes
 from paged_jax.worker import sharding
+from paged_jax.worker.buckets import bucket_for
+from paged_jax.worker.compile_jobs import Job
 from paged_jax.worker.kv_budget import kv_capacity_pages
-from paged_jax.worker.runner import Job, ModelRunner, bucket_for
+from paged_jax.worker.runner import ModelRunner
 from paged_jax.worker.step_inputs import SamplerFlags
 
 
@@ -133,13 +135,13 @@ def step_shape(runner: ModelRunner, kind: str) -> tuple[int, int]:
 
 def step_job(runner: ModelRunner, kind: str) -> Job:
     """The runner's own forward job of `step_shape(runner, kind)`."""
-    return runner.forward_job(*step_shape(runner, kind))
+    return runner.jobs.forward(*step_shape(runner, kind))
 
 
 def verify_sample_job(runner: ModelRunner) -> Job:
     """The runner's sampling job of a full verify step's rows (top-k/p filtered, rejected rows marked)."""
     _, s = step_shape(runner, "verify")
-    return runner.sample_job(s, runner.suppress_width, 1, SamplerFlags(True, True, False, False))
+    return runner.jobs.sample(s, runner.suppress_width, 1, SamplerFlags(True, True, False, False))
 
 
 @dataclass(frozen=True, slots=True)

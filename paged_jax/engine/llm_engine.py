@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor
+from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor, ProcessedRequest
 from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
 from paged_jax.engine.protocol import EngineStats
@@ -38,15 +38,16 @@ from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
 from paged_jax.spec_decode.decoder import SpecDecoder
-from paged_jax.spec_decode.setup import parse_spec_config
+from paged_jax.spec_decode.setup import make_spec_decoder
 from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, StructuredRows
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.executables import PROCESS as COMPILES
 from paged_jax.worker.kv_budget import kv_capacity_pages
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
-from paged_jax.worker.runner import LoraShape, ModelRunner, StepResult
+from paged_jax.worker.runner import ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
+from paged_jax.worker.step_functions import LoraShape
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ def make_runner(
     """The engine's runner for `ec` (its buckets, KV pages, LoRA slots and verify rows); `abstract`: nothing
     allocated, for compiling the engine's steps for a target without its devices (`paged_jax.engine.aot`)."""
     spec_tokens = 0
-    if ec.speculative_config is not None:
-        spec_tokens = parse_spec_config(ec.speculative_config).num_speculative_tokens
+    if ec.speculative is not None:
+        spec_tokens = ec.speculative.num_speculative_tokens
     return ModelRunner(
         run_config,
         params,
@@ -126,11 +127,7 @@ class LLMEngine:
             run_config, params = sharding.shard_params(config, params, mesh)
         self.mesh = mesh
         self.spec: SpecDecoder | None = None
-        spec_config = None
-        if ec.speculative_config is not None:
-            from paged_jax.spec_decode.setup import make_spec_decoder, parse_spec_config
-
-            spec_config = parse_spec_config(ec.speculative_config)
+        spec_config = ec.speculative
         self.num_pages = kv_capacity_pages(
             run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
         )
@@ -208,7 +205,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int] | ChatPrompt,
+        prompt: str | Sequence[int] | ChatPrompt | ProcessedRequest,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
@@ -216,7 +213,8 @@ class LLMEngine:
         group: str | None = None,
     ) -> None:
         """Queue a request (`params` None: the model's generation defaults). Raises FieldError naming the field
-        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache;
+        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache; a
+        `ProcessedRequest` (the fronts process each request once, on their own thread) is queued as it is;
         `lora_request`: run it with that adapter (`paged_jax.lora`; a LoraError, field `lora_request`, when it
         cannot be served); `group`: the client request it belongs to (the prompts of one multi-prompt API request),
         which takes one turn of the scheduler's admission round-robin for all of them (None: its own)."""
@@ -225,8 +223,14 @@ class LLMEngine:
             if self.adapters is None:
                 raise FieldError("lora_request", "LoRA is not enabled on this engine (enable_lora)")
             adapter = self.adapters.get(lora_request)
-        request = GenerationRequest(prompt, params if params is not None else {}, cache_salt=cache_salt)
-        req = self.outputs.add_request(request_id, self.inputs.process(request), arrival_time, self._check_fits)
+        if isinstance(prompt, ProcessedRequest):  # a front checked it already (`InputProcessor.process`)
+            if params is not None or cache_salt is not None:
+                raise TypeError("add_request: a ProcessedRequest carries its own params and cache_salt")
+            processed = prompt
+        else:
+            request = GenerationRequest(prompt, params if params is not None else {}, cache_salt=cache_salt)
+            processed = self.inputs.process(request)
+        req = self.outputs.add_request(request_id, processed, arrival_time, self._check_fits)
         params = req.params
         if params.structured_outputs is not None:
             if self.spec is not None:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.input_processor import ChatPrompt
+from paged_jax.engine.input_processor import ChatPrompt, ProcessedRequest
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -105,7 +105,7 @@ class Engine(Protocol):
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int] | ChatPrompt,
+        prompt: str | Sequence[int] | ChatPrompt | ProcessedRequest,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,

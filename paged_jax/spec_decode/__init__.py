@@ -1,6 +1,7 @@
 """Speculative decoding: proposers guess the next tokens of a sequence, one step of the target scores them all.
 
-- `config`: `SpeculativeConfig` (`LLM(..., speculative_config={...})`, `--speculative-config JSON`), validated.
+- `SpeculativeConfig` (in `paged_jax.config.speculative`: `LLM(..., speculative_config={...})`,
+  `--speculative-config JSON`), parsed once into `EngineConfig`.
 - `proposer`: the interface every proposer implements; `ngram`: prompt lookup on the host; `draft_model`: a smaller
   model with its own runner and KV pages.
 - `verify`: which rows a verify step keeps, on the device.
@@ -17,7 +18,7 @@ as normalize(max(0, p - q)) = p without x. So the output distribution is the tar
 tokens are those of a run without speculation.
 """
 
-from paged_jax.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from paged_jax.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from paged_jax.spec_decode.stats import SpecStats
 
 __all__ = ["MAX_SPECULATIVE_TOKENS", "SpecStats", "SpeculativeConfig"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.config.speculative import SpeculativeConfig
 from paged_jax.spec_decode.cost import CostGate
 from paged_jax.spec_decode.proposer import DraftRequest, Proposer
 from paged_jax.spec_decode.stats import SpecStats

@@ -26,14 +26,15 @@ from paged_jax.kv_cache import KVCacheManager
 from paged_jax.model.loader.weights import load_weights
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.spec_decode.proposer import DraftRequest
-from paged_jax.worker.runner import GREEDY, ModelRunner
+from paged_jax.worker.runner import ModelRunner
+from paged_jax.worker.step_functions import GREEDY
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
 
 if TYPE_CHECKING:
     from paged_jax.config import ModelConfig
     from paged_jax.config.engine import EngineConfig
+    from paged_jax.config.speculative import SpeculativeConfig
     from paged_jax.sched.sequence import TokenSequence
-    from paged_jax.spec_decode.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 

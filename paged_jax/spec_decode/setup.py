@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.config.speculative import SpeculativeConfig
 from paged_jax.spec_decode.decoder import SpecDecoder
 from paged_jax.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from paged_jax.config import ModelConfig
     from paged_jax.config.engine import EngineConfig
-
-
-def parse_spec_config(value: Mapping | str | SpeculativeConfig) -> SpeculativeConfig:
-    """The validated config (ValueError naming the `speculative_config.<field>` at fault)."""
-    return SpeculativeConfig.from_dict(value)
 
 
 def make_spec_decoder(

@@ -1,6 +1,6 @@
 """One step's device inputs, built on the host from the scheduler's output: padded numpy arrays, nothing compiled.
 
-The runner picks the token bucket `T` and the sequence bucket `S` (`paged_jax.worker.runner`); this module fills the
+The runner picks the token bucket `T` and the sequence bucket `S` (`paged_jax.worker.buckets`); this module fills the
 arrays. Padding is inert: padding tokens write nowhere (slot -1) and sit past `cu_q_lens[num_seqs]`, padding
 sequences have no keys and point every block at the null page 0, padding sample rows are greedy and ignored.
 
@@ -36,7 +36,8 @@ class SamplerFlags(NamedTuple):
 
 @dataclass(slots=True)
 class StepInputs:
-    """The forward step's inputs, padded to `T` tokens and `S` sequences (see `paged_jax.worker.runner.PagedMeta`)."""
+    """The forward step's inputs, padded to `T` tokens and `S` sequences (see
+    `paged_jax.worker.paged_attention.PagedMeta`)."""
 
     token_ids: np.ndarray  # [T] i32; 0 for padding and for ids still on the device
     positions: np.ndarray  # [T] i32 position of each token in its sequence

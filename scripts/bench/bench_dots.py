@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from paged_jax.engine.load import load_model  # noqa: E402
 from paged_jax.model import quant  # noqa: E402
 from paged_jax.worker import xla_flags  # noqa: E402
-from paged_jax.worker.runner import step_functions  # noqa: E402
+from paged_jax.worker.step_functions import StepKey, step_functions  # noqa: E402
 
 # The weight kinds of a Llama-style layer and the axes each contracts (as paged_jax.model.layers calls them).
 LAYER_WEIGHTS = (
@@ -72,7 +72,7 @@ def dot_sets(config, params) -> dict[str, Dot]:
         w = [p[layer][block][name] for layer in layers]
         fn = functools.partial(lambda x, w, onednn, c: quant.dot(x, w, c), c=contract)
         sets[name] = Dot(fn, w, w[0].shape[:contract], int(np.prod(w[0].shape[contract:])))
-    model, _ = step_functions(config, "auto")
+    model, _ = step_functions(StepKey(config, "auto"))
 
     def logits(x, params, onednn):
         return model.apply(params, x, round_to_dtype=onednn, method="compute_logits")

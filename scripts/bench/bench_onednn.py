@@ -98,7 +98,7 @@ def step_inputs(config, batch: int, q_len: int, context: int, page_size: int = 1
     `context` keys after them (decode: q_len 1; prefill: batch 1, q_len = context), pages scattered."""
     import jax.numpy as jnp
 
-    from paged_jax.worker.runner import PagedMeta
+    from paged_jax.worker.paged_attention import PagedMeta
     from pallas_kernels.common import kv_pages_shape
 
     rng = np.random.default_rng(seed)
@@ -130,7 +130,7 @@ def step_times(config, params, rounds: int) -> dict[str, dict[str, float]]:
     Both settings at every size: the runner itself uses oneDNN only from `xla_flags.ONEDNN_MIN_TOKENS` tokens."""
     import jax
 
-    from paged_jax.worker.runner import step_functions
+    from paged_jax.worker.step_functions import StepKey, step_functions
 
     cases = {"decode b8 ctx192": (8, 1, 192), "decode b32 ctx192": (32, 1, 192), "prefill 1x256": (1, 256, 256)}
     out: dict[str, dict[str, float]] = {}
@@ -138,7 +138,7 @@ def step_times(config, params, rounds: int) -> dict[str, dict[str, float]]:
         kv, meta, tokens, positions, rows = step_inputs(config, batch, q_len, context)
         compiled = {}
         for onednn in (False, True):
-            _, forward = step_functions(config, "auto", onednn=onednn)
+            _, forward = step_functions(StepKey(config, "auto", onednn=onednn))
             lowered = forward.lower(params, kv, tokens, positions, meta, rows)
             compiled[onednn] = lowered.compile(compiler_options=dict(xla_flags.forward_compiler_options(onednn)))
         state = {"kv": kv}

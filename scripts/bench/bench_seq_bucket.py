@@ -22,7 +22,8 @@ import numpy as np
 
 from paged_jax.config import ModelConfig
 from paged_jax.model.init import init_params
-from paged_jax.worker.runner import PagedMeta, step_functions
+from paged_jax.worker.paged_attention import PagedMeta
+from paged_jax.worker.step_functions import StepKey, step_functions
 from pallas_kernels.common import cdiv, kv_pages_shape
 
 
@@ -85,7 +86,7 @@ def main() -> None:
     config = smollm_like(args.layers, args.vocab)
     params = init_params(config)
     page_size, max_blocks = 16, 2048 // 16
-    _, forward = step_functions(config, "xla")
+    _, forward = step_functions(StepKey(config, "xla"))
     cases = [
         ("decode", 16, 16),
         ("decode", 32, 32),

@@ -34,8 +34,9 @@ import pallas_kernels  # noqa: E402
 from paged_jax.engine.load import load_model  # noqa: E402
 from paged_jax.model import layers  # noqa: E402
 from paged_jax.worker import xla_flags  # noqa: E402
-from paged_jax.worker.runner import PagedMeta, step_functions  # noqa: E402
+from paged_jax.worker.paged_attention import PagedMeta  # noqa: E402
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample  # noqa: E402
+from paged_jax.worker.step_functions import StepKey, step_functions  # noqa: E402
 from pallas_kernels.common import kv_pages_shape  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def profile(model: str, dtype: str, batch: int, context: int, reps: int) -> list
         return fn.lower(*args).compile(compiler_options=options)
 
     # The whole step: the runner's forward (all layers + LM head on 32 rows) and each sampler variant.
-    model, forward = step_functions(c, "auto", onednn=onednn)
+    model, forward = step_functions(StepKey(c, "auto", onednn=onednn))
     sample_rows = jnp.arange(batch, dtype=jnp.int32)
     forward = compiled(forward, params, kv, tokens, positions, meta, sample_rows)
     state = {"kv": kv}

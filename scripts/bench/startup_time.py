@@ -103,7 +103,9 @@ def layer_case(name: str, scan: str) -> dict:
 
     from paged_jax.config import load_model_config
     from paged_jax.model.init import init_params, param_shapes
-    from paged_jax.worker.runner import ModelRunner, PagedMeta, step_functions
+    from paged_jax.worker.paged_attention import PagedMeta
+    from paged_jax.worker.runner import ModelRunner
+    from paged_jax.worker.step_functions import StepKey, step_functions
     from paged_jax.worker.warmup import WarmupPlan, run_warmup
     from pallas_kernels.common import kv_pages_shape
 
@@ -117,7 +119,7 @@ def layer_case(name: str, scan: str) -> dict:
         kv_pages_shape(pages * (config.num_layers if on else 1), config.num_kv_heads, page_size, config.head_dim),
         jnp.dtype(config.dtype),
     )
-    _, forward = step_functions(config, "auto", scan=on)
+    _, forward = step_functions(StepKey(config, "auto", scan=on))
     meta = PagedMeta(i32(t), i32(s), i32(s, max_blocks), i32(s + 1), i32(1))
     t0 = time.perf_counter()
     lowered = forward.lower(
@@ -142,7 +144,7 @@ def layer_case(name: str, scan: str) -> dict:
     out["warmup_executables"] = run_warmup(runner, WarmupPlan(), progress=False, workers=2)
     out["warmup_s"] = time.perf_counter() - t0
     seqs, keys = 16, 128  # decode: one token per sequence, each sequence's pages consecutive from page 1
-    step = runner._executable(runner.forward_job(16, runner.seq_bucket(16)))
+    step = runner._executable(runner.jobs.forward(16, runner.seq_bucket(16)))
     sb = runner.seq_bucket(16)
     blocks = keys // page_size
     tables = np.zeros((sb, runner.max_blocks), np.int32)

@@ -9,7 +9,7 @@ from paged_jax.engine.aot import abstract_engine, step_job, step_shape, verify_s
 from paged_jax.engine.llm_engine import make_runner
 from paged_jax.model import quant
 from paged_jax.worker.kv_budget import kv_capacity_pages
-from paged_jax.worker.runner import LoraShape
+from paged_jax.worker.step_functions import LoraShape
 
 LIMIT = 2**30  # bytes one device reports
 

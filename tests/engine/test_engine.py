@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.model.llama import LlamaForCausalLM
@@ -15,6 +14,8 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.executables import persistent_cache_summary
 from paged_jax.worker.sampler import sample
+
+from support.engines import make_engine
 
 MAX_TOKENS = 12
 
@@ -37,17 +38,6 @@ def reference(tiny_config, tiny_params):
         return cache[key]
 
     return greedy
-
-
-def make_engine(tiny_config, tiny_params, **options) -> LLMEngine:
-    options = {
-        "num_pages": 96,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 64,
-        "attention_backend": "xla",
-        "warmup": False,
-    } | options
-    return LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(**options))
 
 
 def run_workload(

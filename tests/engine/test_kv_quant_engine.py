@@ -7,23 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenization.tokenizer import ByteTokenizer
 from pallas_kernels.kv_quant import QuantizedPages
 
-
-def make_engine(config, params, **options) -> LLMEngine:
-    options = {
-        "num_pages": 96,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 64,
-        "attention_backend": "xla",
-        "warmup": False,
-    } | options
-    return LLMEngine(config, params, ByteTokenizer(), EngineConfig(**options))
+from support.engines import make_engine
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[list[int]]]:

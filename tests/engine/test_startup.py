@@ -12,15 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2
 
-from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.warmup import (
     GREEDY,
     WarmupPlan,
@@ -31,19 +29,13 @@ from paged_jax.worker.warmup import (
     token_buckets,
 )
 
+from support.engines import make_engine as _make_engine
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def make_engine(tiny_config, tiny_params, **options) -> LLMEngine:
-    options = {
-        "num_pages": 96,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 128,
-        "attention_backend": "xla",
-        "warmup": False,
-    } | options
-    return LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(**options))
+make_engine = partial(_make_engine, max_num_batched_tokens=128)
 
 
 def test_sampler_variants_are_the_or_closure_of_the_requests():

@@ -17,7 +17,6 @@ import weakref
 
 import grpc
 import pytest
-from support.serve_support import LIMITS, shared, wait_idle, wait_until
 
 from paged_jax.errors import FieldError
 from paged_jax.tokenization.chat_template import template_from_text
@@ -25,6 +24,8 @@ from serve.client import Client, build_request, chat_input
 from serve.config import ServingConfig
 from serve.json_body import MAX_DEPTH, load_json
 from serve.openai_api.server import HttpServerThread
+
+from support.serve_support import LIMITS, shared, wait_idle, wait_until
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"

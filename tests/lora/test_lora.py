@@ -12,17 +12,6 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.lora_adapters import (
-    GREEDY,
-    OPTIONS,
-    TINY,
-    lora_engine,
-    make_tiny_adapters,
-    merged_params,
-    prompts,
-    serve,
-    write_adapter,
-)
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
@@ -37,6 +26,18 @@ from paged_jax.model.init import init_params
 from paged_jax.model.scan import stack_layers
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import ByteTokenizer
+
+from support.lora_adapters import (
+    GREEDY,
+    OPTIONS,
+    TINY,
+    lora_engine,
+    make_tiny_adapters,
+    merged_params,
+    prompts,
+    serve,
+    write_adapter,
+)
 
 DATA = Path(__file__).parents[1] / "data"
 LORA = DATA / "lora"

@@ -10,13 +10,14 @@ import urllib.request
 
 import grpc
 import pytest
-from support.lora_adapters import GREEDY, TINY, lora_engine, make_tiny_adapters, prompts, serve
 
 from serve.client import Client
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.openai_api.server import HttpServerThread
 from serve.server import ServerThread
+
+from support.lora_adapters import GREEDY, TINY, lora_engine, make_tiny_adapters, prompts, serve
 
 
 @pytest.fixture(scope="module")

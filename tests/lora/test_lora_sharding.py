@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from support.lora_adapters import GREEDY, lora_engine, make_tiny_adapters, prompts, serve
 from support.mesh_child import CHILD, run_mesh_child
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.mesh_child import CHILD, NUM_DEVICES, run_mesh_child
 
 from paged_jax.config import ModelConfig
+
+from support.mesh_child import CHILD, NUM_DEVICES, run_mesh_child
 
 BASE = dict(
     vocab_size=320,

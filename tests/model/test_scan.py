@@ -217,7 +217,7 @@ def test_scanned_step_copies_no_kv(tiny_config, tiny_params, backend, kv_dtype):
     )
     pages = kv_quant.split(runner.kv_caches)[0]
     assert runner.scan and pages.shape[0] == 32 * tiny_config.num_layers  # one stacked cache
-    hlo = runner.forward_job(64, 8).lower().compile().as_text()
+    hlo = runner.jobs.forward(64, 8).lower().compile().as_text()
     assert " while(" in hlo  # the layers are one loop
     assert kv_copies(hlo, pages.shape, pages.dtype) == []
 

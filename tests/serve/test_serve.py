@@ -13,11 +13,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from support.serve_support import GREEDY, PROMPTS, SAMPLED, shared, start_server, stop_case, wait_idle, wait_until
 
 from serve.client import Client
 from serve.config import ServingConfig
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+from support.serve_support import GREEDY, PROMPTS, SAMPLED, shared, start_server, stop_case, wait_idle, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.serve_support import LIMITS, run_offline
 
 from paged_jax.config import load_model_config
 from paged_jax.config.engine import EngineConfig
@@ -25,6 +24,8 @@ from serve.engine_loop import EngineLoop
 from serve.metrics import Metrics
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 from serve.server import ServerThread
+
+from support.serve_support import LIMITS, run_offline
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"

@@ -18,13 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from support.serve_support import shared, wait_idle
 
 from paged_jax.model.families import causal_lm
 from paged_jax.model.reference import full_logits
 from paged_jax.sampling_params import MAX_LOGIT_BIAS
 from paged_jax.tokenization.chat_template import apply_chat_template
 from serve.client import Client
+
+from support.serve_support import shared, wait_idle
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
 PROMPT = "The capital of France is Paris, and"

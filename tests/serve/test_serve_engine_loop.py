@@ -7,13 +7,14 @@ import time
 
 import grpc
 import pytest
-from support.serve_support import shared
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
 from serve.convert import RequestError
 from serve.engine_loop import EngineLoop, Submission
+
+from support.serve_support import shared
 
 
 def small_engine() -> LLMEngine:

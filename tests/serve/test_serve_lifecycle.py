@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from support.serve_support import PROMPTS, shared, start_server, wait_until
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
@@ -25,6 +24,8 @@ from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 from serve.server import EXIT_ENGINE_DIED, ServerThread, serve_forever
+
+from support.serve_support import PROMPTS, shared, start_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

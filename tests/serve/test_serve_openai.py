@@ -21,6 +21,15 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.tokenization.chat_template import apply_chat_template
+from serve.client import Client
+from serve.config import ServingConfig
+from serve.engine_loop import EngineLoop
+from serve.openai_api.server import HttpServerThread
+
 from support.serve_support import (
     GREEDY,
     LIMITS,
@@ -31,14 +40,6 @@ from support.serve_support import (
     wait_idle,
     wait_until,
 )
-
-from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.llm_engine import LLMEngine
-from paged_jax.tokenization.chat_template import apply_chat_template
-from serve.client import Client
-from serve.config import ServingConfig
-from serve.engine_loop import EngineLoop
-from serve.openai_api.server import HttpServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = (

@@ -9,11 +9,12 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.serve_support import ENGINE_CONFIG, LIMITS, PROMPTS, shared, start_server, wait_idle
 
 from serve.client import Client, build_request
 from serve.config import ServingLimits
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+from support.serve_support import ENGINE_CONFIG, LIMITS, PROMPTS, shared, start_server, wait_idle
 
 FIELD_MESSAGE = re.compile(r"^[a-z_]+(\.[a-z_]+)?(\[\d+\])?: ")
 GENERATE = "/paged_jax.v1.GenerationService/GenerateUnary"

@@ -14,34 +14,26 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from paged_jax.config.engine import EngineConfig
+from paged_jax.config.speculative import SpeculativeConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.spec_decode.config import SpeculativeConfig
 from paged_jax.spec_decode.cost import CostGate, bucket_of
 from paged_jax.spec_decode.decoder import next_draft_len
 from paged_jax.spec_decode.ngram import NgramProposer
-from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import REJECTED, mask_rejected
 from paged_jax.worker.step_inputs import SamplerFlags
 from paged_jax.worker.warmup import GREEDY, WarmupPlan
 
+from support.engines import make_engine as _make_engine
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_engine(tiny_config, tiny_params, spec: dict | None, **options) -> LLMEngine:
-    options = {
-        "num_pages": 96,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 64,
-        "attention_backend": "xla",
-        "warmup": False,
-        "speculative_config": spec,
-    } | options
-    return LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(**options))
+    return _make_engine(tiny_config, tiny_params, speculative_config=spec, **options)
 
 
 def workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:

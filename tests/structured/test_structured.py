@@ -6,6 +6,7 @@ The real-model checks (SmolLM2 and 20 JSON Schemas) are in test_structured_smoll
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.sched.sequence import FinishReason
@@ -25,16 +25,14 @@ from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
 from paged_jax.worker.warmup import plan_for_requests
 from pallas_kernels.common import MASK_VALUE
 
+from support.engines import make_engine as _make_engine
+
 V = 320  # the tiny config's vocabulary (the byte tokenizer's)
 REGEX = r"[0-9]{3}-[a-z]{2}"
 CHOICES = ["yes", "no", "maybe so"]
 
 
-def make_engine(tiny_config, tiny_params, **options) -> LLMEngine:
-    defaults = {"num_pages": 96, "max_num_seqs": 16, "max_num_batched_tokens": 64, "attention_backend": "xla"}
-    return LLMEngine(
-        tiny_config, tiny_params, ByteTokenizer(), EngineConfig(**(defaults | {"warmup": False} | options))
-    )
+make_engine = partial(_make_engine, max_num_seqs=16)
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict[str, list]:

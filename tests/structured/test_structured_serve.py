@@ -12,12 +12,13 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from support.serve_support import LIMITS, shared, start_server, wait_idle
 
 from serve.client import Client
 from serve.config import ServingConfig
 from serve.openai_api.server import HttpServerThread
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
+
+from support.serve_support import LIMITS, shared, start_server, wait_idle
 
 SCHEMA = {
     "type": "object",

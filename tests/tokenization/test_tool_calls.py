@@ -9,12 +9,13 @@ import json
 import jsonschema
 import openai
 import pytest
-from support.serve_support import shared
 
 from paged_jax.engine.input_processor import ChatPrompt, chat_prompt_ids
 from paged_jax.tokenization.chat_template import template_from_text
 from paged_jax.tokenization.tool_calls import FORMATS, history_tool_calls, tool_format
 from serve.openai_api.responses import ToolStream
+
+from support.serve_support import shared
 
 HERMES_TEMPLATE = (
     "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"

@@ -77,11 +77,11 @@ def test_a_changed_shape_or_option_misses(tiny_config, tiny_params, tmp_path, fr
     # the step shapes of the 64-token engine load; the 128-token bucket's forward and merge are new
     assert s.executables_loaded > 0 and s.compile_count == 2
     runner = bigger.runner
-    job = runner.forward_job(16, 8)
+    job = runner.jobs.forward(16, 8)
     other = job.key[:-1] + ((("xla_cpu_use_onednn", True),),)
     digests = ExecutableStore(store)
     assert digests.digest(job.key) != digests.digest(other)
-    assert digests.digest(job.key) != digests.digest(runner.forward_job(32, 8).key)
+    assert digests.digest(job.key) != digests.digest(runner.jobs.forward(32, 8).key)
     assert digests.path(job.key).exists() and not digests.path(other).exists()
 
 
@@ -150,13 +150,13 @@ def test_an_executable_xla_cannot_serialize_is_logged_and_compiled_by_the_next_r
         return ModelRunner(config, params, **shape, max_num_batched_tokens=32, executable_store=str(tmp_path))
 
     first = runner()
-    assert first.forward_job(32, 8).options  # the oneDNN dot options
+    assert first.jobs.forward(32, 8).options  # the oneDNN dot options
     with caplog.at_level(logging.WARNING, logger="paged_jax.worker.executable_store"):
-        first.compile([first.forward_job(32, 8), first.forward_job(16, 8)], workers=1)
+        first.compile([first.jobs.forward(32, 8), first.jobs.forward(16, 8)], workers=1)
     assert [r.getMessage() for r in caplog.records if "oneDNN" in r.getMessage()]
     EXECUTABLES.clear()
     second = runner()
-    second.compile([second.forward_job(32, 8), second.forward_job(16, 8)], workers=1)
+    second.compile([second.jobs.forward(32, 8), second.jobs.forward(16, 8)], workers=1)
     assert second.compile_stats.loaded == 1 and second.compile_stats.count == 1  # the 16-token step has XLA's dots
 
 

@@ -3,6 +3,8 @@ stay the model's own; validated at the edge."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.logit_bias import apply_logit_bias, fill_logit_bias
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
+
+from support.engines import make_engine as _make_engine
 
 
 def test_apply_logit_bias_adds_at_the_ids_and_nowhere_else():
@@ -62,9 +66,7 @@ def test_plus_100_forces_and_minus_100_bans_on_greedy_and_sampled_rows(do_filter
     np.testing.assert_array_equal(np.asarray(out.top_ids)[:, 0], top)
 
 
-def make_engine(config, params, **options) -> LLMEngine:
-    options = {"num_pages": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64, "attention_backend": "xla"}
-    return LLMEngine(config, params, ByteTokenizer(), EngineConfig(warmup=False, **options))
+make_engine = partial(_make_engine, num_pages=64)
 
 
 def generate(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:

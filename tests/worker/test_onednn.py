@@ -137,14 +137,14 @@ def test_engine_compiles_bf16_steps_with_onednn_once(bf16_model, monkeypatch):
     assert all(len(t) == 6 for t in first + again)
     assert engine.runner.compile_stats.count == compiled
     on = xla_flags.forward_compiler_options(True)
-    small, large = engine.runner.forward_job(16, 8), engine.runner.forward_job(xla_flags.ONEDNN_MIN_TOKENS, 8)
+    small, large = engine.runner.jobs.forward(16, 8), engine.runner.jobs.forward(xla_flags.ONEDNN_MIN_TOKENS, 8)
     assert small.options == () and large.options == on and on in large.key and small.key != large.key
     if cpu_has_avx512_bf16():
         hlo = {job: engine.runner._executable(job).as_text() for job in (small, large)}
         assert ONEDNN_FUSION in hlo[large] and ONEDNN_FUSION not in hlo[small]
 
     def options(engine: LLMEngine) -> tuple:
-        return engine.runner.forward_job(64, 8).options
+        return engine.runner.jobs.forward(64, 8).options
 
     assert options(engine) == on
     assert options(LLMEngine(config, quant.quantize_params(params, "int8"), ByteTokenizer(), cfg)) == ()

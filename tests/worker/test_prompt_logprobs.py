@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
 from paged_jax.model.families import causal_lm
 from paged_jax.model.reference import full_logits
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
-from paged_jax.tokenization.tokenizer import ByteTokenizer
+
+from support.engines import make_engine
 
 DATA = Path(__file__).parents[1] / "data"
 HF_VARIANTS = ("gqa", "mqa", "tied", "llama3_rope", "head_dim128", "qwen2", "sharded")
@@ -33,17 +33,6 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     top = x.max(-1, keepdims=True)
     return x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
-
-
-def make_engine(config, params, **options) -> LLMEngine:
-    options = {
-        "num_pages": 96,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 64,
-        "attention_backend": "xla",
-        "warmup": False,
-    } | options
-    return LLMEngine(config, params, ByteTokenizer(), EngineConfig(**options))
 
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:

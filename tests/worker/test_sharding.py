@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.mesh_child import CHILD, NUM_DEVICES, run_mesh_child
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
@@ -27,6 +26,8 @@ from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.offline.batch import run_batch
+
+from support.mesh_child import CHILD, NUM_DEVICES, run_mesh_child
 
 main_only = pytest.mark.skipif(CHILD, reason="runs in the parent process")
 
@@ -227,7 +228,7 @@ else:
     from paged_jax.model.init import init_params
     from paged_jax.sampling_params import SamplingParams
     from paged_jax.tokenization.tokenizer import ByteTokenizer
-    from paged_jax.worker.runner import PagedMeta
+    from paged_jax.worker.paged_attention import PagedMeta
     from paged_jax.worker.sampler import sample
 
     CONFIGS = {kv: small_config(kv) for kv in (8, 2)}

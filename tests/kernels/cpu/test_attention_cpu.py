@@ -180,11 +180,12 @@ def test_isa_env_var_is_validated(monkeypatch):
 def test_engine_step_reads_pages_in_place(tiny_config, tiny_params):
     """The compiled CPU step of the engine (the tiny model, a decode bucket) calls the kernel once per layer on
     the donated page arrays themselves: no copy of a page array anywhere in the optimized HLO."""
-    from paged_jax.worker.runner import PagedMeta, step_functions
+    from paged_jax.worker.paged_attention import PagedMeta
+    from paged_jax.worker.step_functions import StepKey, step_functions
     from pallas_kernels.common import kv_pages_shape
 
     c = tiny_config
-    _, forward = step_functions(c, "auto")
+    _, forward = step_functions(StepKey(c, "auto"))
     pages = jax.ShapeDtypeStruct(kv_pages_shape(64, c.num_kv_heads, 16, c.head_dim), jnp.dtype(c.dtype))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     meta = PagedMeta(i32(16), i32(16), i32(16, 8), i32(17), i32(1))
