@@ -126,7 +126,8 @@ def build_sampling_inputs(
     pending_rows = np.full(s, -1, np.int32)
     pending_cols = np.zeros(s, np.int32)
     do_sample = do_filter = want_logprobs = False
-    for r, (seq, _, draft_prefix) in enumerate(rows):
+    for r, row in enumerate(rows):
+        seq, draft_prefix = row.seq, row.draft_prefix
         p = seq.params
         n_out = len(seq.output_token_ids) + len(draft_prefix)  # output index of the token this row draws
         m.temperature[r] = p.temperature
