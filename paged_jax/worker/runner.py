@@ -35,6 +35,7 @@ forward step takes the arrays and each token's slot id; its shapes do not depend
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -42,7 +43,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -124,7 +125,7 @@ def paged_attention(
         sliding_window=sliding_window,
         backend=backend,
     )
-    return out, kv_pages if view is None else view.replace(pages=kv_pages)
+    return out, kv_pages if view is None else dataclasses.replace(view, pages=kv_pages)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -177,7 +178,7 @@ def step_functions(
     params by their partition specs, KV pages by KV heads, metadata and logits replicated, LoRA arrays
     like their base weights (`paged_jax.lora.weights`).
     """
-    attn = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
+    attn: Callable[..., Any] = partial(paged_attention, backend=backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh, quantized_kv)
     model = causal_lm(config, attn, mesh, scan_layers=scan, stacked_order=stacked_order)
@@ -193,7 +194,7 @@ def step_functions(
         return model, jax.jit(forward, donate_argnums=(1,))
     shardings = sharding.step_shardings(config, mesh, quantized_kv, weights, scan, stacked_order)
     rep = sharding.replicated(mesh)
-    lora_in = None if lora is None else LoraBatch(_lora_shardings(config, mesh, lora), rep)
+    lora_in = None if lora is None else LoraBatch(_lora_shardings(config, mesh, lora), rep)  # type: ignore[arg-type]  # shardings stand in for arrays
     shardings["in_shardings"] = (*shardings["in_shardings"], lora_in)
     return model, jax.jit(forward, donate_argnums=(1,), **shardings)
 
@@ -270,7 +271,7 @@ def _abstract_kv(
         return pages
     scales_on = one if mesh is None else sharding.kv_scales_sharding(mesh)
     scales = kv_quant.scales_shape(num_pages, config.num_kv_heads, page_size, **_scale_layout(platform, mesh))
-    return kv_quant.QuantizedPages(pages, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=scales_on))
+    return kv_quant.QuantizedPages(pages, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=scales_on))  # type: ignore[arg-type]  # abstract leaves stand in for arrays
 
 
 def _copy_all_pages(kv_caches, src, dst):
@@ -312,7 +313,7 @@ def _sample_rows(
         do_penalty=do_penalty,
         want_logprobs=want_logprobs,
     )
-    tokens = out.tokens if verify is None else mask_rejected(out.tokens, verify.next_draft, verify.row_start)
+    tokens = out.tokens if verify is None else mask_rejected(out.tokens, verify.next_draft, verify.row_start)  # type: ignore[arg-type]  # VerifyRows is typed as its host arrays; traced here
     return out._replace(tokens=jnp.pad(tokens, (0, width - tokens.shape[0])))
 
 
@@ -592,6 +593,7 @@ class ModelRunner:
 
     def load_lora(self, load: SlotLoad) -> None:
         """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
+        assert self.lora is not None, "adapter loads are scheduled only when LoRA is on"
         arrays, scaling = lora_weights.slot_arrays(load.adapter, self.config, self.lora.max_rank)
         write = self._executable(self.lora_write_job())
         self.lora_weights = write(self.lora_weights, np.int32(load.slot), arrays, scaling)
@@ -652,7 +654,7 @@ class ModelRunner:
         model's proposals, `paged_jax.spec.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
         fwd = self._forward_step(sched, None)
         s = fwd.s
-        meta = SamplingMeta(**empty_meta(s, self.suppress_width))
+        meta = SamplingMeta(**empty_meta(s, self.suppress_width))  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         job = self.sample_job(s, self.suppress_width, 1, GREEDY)
         return self._executable(job)(fwd.logits, meta, self._bitmask(s, None), None).tokens
 
@@ -671,10 +673,11 @@ class ModelRunner:
         self.padded_tokens += t - sched.num_tokens
         token_ids = step.token_ids
         if step.has_pending:
+            assert prev_samples is not None, "a pending token comes from the previous step's samples"
             token_ids = self._executable(self.merge_job(t))(token_ids, step.prev_rows, prev_samples.tokens)
-        meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
+        meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         forward = self._executable(self.forward_job(t, s))
-        lora = None if self.lora is None else LoraBatch(self.lora_weights, step.lora_slots)
+        lora = None if self.lora is None else LoraBatch(self.lora_weights, step.lora_slots)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
@@ -753,8 +756,9 @@ class ModelRunner:
 
         def lower() -> jax.stages.Lowered:
             i32 = self._spec
-            meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))
-            lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))
+            meta = PagedMeta(i32(t), i32(s), i32(s, self.max_blocks), i32(s + 1), i32(1))  # type: ignore[arg-type]  # abstract leaves stand in for arrays
+            lora = None if self.lora is None else LoraBatch(self._lora_specs(), i32(t))  # type: ignore[arg-type]  # abstract leaves stand in for arrays
+            assert forward is not None
             return forward.lower(self.params, self._kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
         onednn = self._forward_onednn is not None and t >= xla_flags.ONEDNN_MIN_TOKENS
@@ -773,11 +777,11 @@ class ModelRunner:
         def lower() -> jax.stages.Lowered:
             shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len, logit_bias_width).items()}
             dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
-            meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
+            meta = SamplingMeta(**{k: self._spec(*shapes[k], dtype=dtypes[k]) for k in shapes})  # type: ignore[arg-type]  # abstract leaves stand in for arrays
             logits = self._spec(s, self.config.vocab_size, dtype=jnp.float32)
             bitmask = self._spec(s, mask_words(self.config.vocab_size))
             width = self.seq_buckets[-1]
-            rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None
+            rows = VerifyRows(self._spec(s), self._spec(s)) if verify else None  # type: ignore[arg-type]  # abstract leaves stand in for arrays
             return _sample_rows.lower(logits, meta, bitmask, rows, width=width, **SamplerFlags(*flags)._asdict())
 
         return Job(
@@ -823,6 +827,7 @@ class ModelRunner:
         """Writing one adapter into one LoRA slot (the slot a traced scalar: one executable for all)."""
 
         def lower() -> jax.stages.Lowered:
+            assert self.lora is not None, "a LoRA write job exists only when LoRA is on"
             one = lora_weights.abstract_weights(self.config, 1, self.lora.max_rank)
             arrays = {
                 k: self._spec(*_drop_axis(x.shape, lora_weights.slot_axis(k, x.ndim)), dtype=x.dtype)
