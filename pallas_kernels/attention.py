@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,9 @@ def ragged_paged_attention(
     if page_offset is not None:
         block_tables = block_tables + jnp.asarray(page_offset, block_tables.dtype)
     args = (q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
-    opts = dict(sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales)
+    opts: dict[str, Any] = dict(
+        sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales
+    )
     concrete = resolve_backend(backend)
     if concrete == "cpu" and cpu_paged.available() and cpu_paged.supports(q, kv_pages, kv_scales):
         return cpu_paged.cpu_ragged_paged_attention(*args, **opts)

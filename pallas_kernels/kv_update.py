@@ -89,7 +89,7 @@ def copy_pages(
     return kv_pages.at[dst].set(kv_pages[src], mode="drop")
 
 
-def stacked_page_offset(kv_pages, layer: jax.Array, num_layers: int) -> jax.Array:
+def stacked_page_offset(kv_pages, layer: jax.Array | int, num_layers: int) -> jax.Array:
     """The id of layer ``layer``'s first page in a cache of ``num_layers`` layers stacked on the page axis
     (``[num_layers * P, ...]``, layer ``l``'s page ``p`` at ``l * P + p``); int32 scalar."""
     pages, _ = kv_quant.split(kv_pages)

@@ -174,7 +174,8 @@ def audit_step(compiled: jax.stages.Compiled, engine: AbstractEngine) -> StepAud
     """The KV copies and memory of one of `engine`'s compiled steps."""
     from paged_jax.worker.hlo_audit import kv_copies
 
-    m = compiled.memory_analysis()
+    m, text = compiled.memory_analysis(), compiled.as_text()
+    assert m is not None and text is not None, "XLA reports the memory and the HLO of a compiled step"
     peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    copies = kv_copies(compiled.as_text(), engine.local_kv_shape, engine.runner.kv_dtype)
+    copies = kv_copies(text, engine.local_kv_shape, engine.runner.kv_dtype)
     return StepAudit(copies, m.temp_size_in_bytes, peak)

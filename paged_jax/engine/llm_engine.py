@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -129,7 +130,7 @@ class LLMEngine:
         self.spec: SpecDecoder | None = None
         spec_config = ec.speculative
         self.num_pages = kv_capacity_pages(
-            run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
+            run_config, ec, kv_dtype, None if mesh is None or devices is None else devices[0], tp, self.max_model_len
         )
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
         self.adapters, lora_slots = None, None
@@ -289,14 +290,15 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
-        spec = {} if self.spec is None else self.spec.stats.as_dict()
+        spec: dict[str, Any] = {} if self.spec is None else self.spec.stats.as_dict()
+        compiles: dict[str, Any] = self.runner.compile_stats.as_dict()
         return EngineStats(
             **spec,
             **asdict(self.kv.stats()),
             num_preemptions=self.scheduler.num_preemptions,
             num_waiting=self.num_waiting,
             num_running=self.num_running,
-            **self.runner.compile_stats.as_dict(),
+            **compiles,
             step_tokens=self.runner.real_tokens,
             step_padding_tokens=self.runner.padded_tokens,
             kv_cache_tokens=(self.num_pages - 1) * self.engine_config.page_size,
@@ -323,7 +325,7 @@ class LLMEngine:
         spec = self.spec
         collected = None if prev is None else prev.sched
         synced = prev is not None and spec is not None and spec.needs_sync(prev.sched, self.scheduler.running, self.kv)
-        if synced:
+        if synced and prev is not None:
             outputs, prev = self.finish_step(prev), None  # speculating: the next step's drafts need these tokens
         if prev is not None:
             self.lookahead.mark_pending(prev, self._is_live, self.outputs.is_last_token)
@@ -375,6 +377,7 @@ class LLMEngine:
         dispatch its sampling."""
         t0 = time.perf_counter()
         bitmask = self.structured.bitmask(self._constrained_rows(launched.sched), len(launched.sched.sample_rows))
+        assert launched.forward is not None, "sampling is launched once, after its forward step"
         samples = self.runner.launch_sample(launched.forward, bitmask)
         prompt = launched.forward.prompt_logprobs
         return Launched(launched.sched, samples, launched.host_seconds + time.perf_counter() - t0, None, prompt)
@@ -395,6 +398,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = launched.sched
         device0 = self.runner.device_seconds
+        assert launched.samples is not None, "a step is finished after its sampling was launched"
         result = self.runner.collect(
             launched.samples, len(sched.sample_rows), launched.prompt_logprobs, num_prompt_rows(sched)
         )
@@ -413,7 +417,8 @@ class LLMEngine:
             except Exception as e:  # one request's failure (e.g. its tokenizer) ends that request alone
                 log.exception("request %s failed", req.request_id)
                 touched.pop(req.request_id, None)
-                outputs.append(self.fail(req.request_id, f"{type(e).__name__}: {e}"))
+                if (failed := self.fail(req.request_id, f"{type(e).__name__}: {e}")) is not None:
+                    outputs.append(failed)
                 continue
             touched[req.request_id] = req
         if self.spec is not None:

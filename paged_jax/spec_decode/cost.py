@@ -119,9 +119,11 @@ class CostGate:
             self._decide(costs)
 
     def _decide(self, costs: BucketCosts) -> None:
-        if costs.plain_rate is None or self.step - costs.plain_at > self.refresh_steps:
+        spec_rate, plain_rate = costs.spec_rate, costs.plain_rate
+        assert spec_rate is not None, "decided right after a speculating step was recorded"
+        if plain_rate is None or self.step - costs.plain_at > self.refresh_steps:
             costs.paused_until = self.step + self.probe_steps + 1  # measure plain decoding (+1: the switch)
-        elif costs.spec_rate < (1 - self.margin) * costs.plain_rate:
+        elif spec_rate < (1 - self.margin) * plain_rate:
             costs.paused_until = self.step + max(self.pause_steps * costs.factor, self._bounding_pause(costs))
             costs.factor = min(2 * costs.factor, MAX_PAUSE_FACTOR)
             costs.pauses += 1
@@ -135,8 +137,10 @@ class CostGate:
         own steps cost more than the steps it saves) is probed rarely, one where it barely loses often."""
         if self.margin <= 0:
             return 0
+        spec_rate, plain_rate = costs.spec_rate, costs.plain_rate
+        assert spec_rate is not None and plain_rate is not None, "both rates are measured before a pause"
         probe = self.probe_steps * costs.spec.seconds
-        lost = probe * (1 - costs.spec_rate / costs.plain_rate)
+        lost = probe * (1 - spec_rate / plain_rate)
         steps = (lost / self.margin - probe) / costs.plain.seconds
         return min(max(0, math.ceil(steps)), MAX_PAUSE_FACTOR * self.pause_steps)
 

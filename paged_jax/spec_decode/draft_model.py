@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -81,6 +81,7 @@ class DraftModelProposer:
     def load(
         cls, spec: SpeculativeConfig, target: ModelConfig, ec: EngineConfig, max_model_len: int, num_pages: int
     ) -> DraftModelProposer:
+        assert spec.model is not None, "validated: method draft_model names its model"
         loaded = load_weights(spec.model, quantization=spec.quantization)
         config, params = loaded.config, loaded.params
         check_draft(config, target, max_model_len)
@@ -150,7 +151,7 @@ class DraftModelProposer:
         """Compute each sequence's tokens [start, start + n) in steps of at most the token budget; returns each
         sequence's argmax after its last token (its first draft)."""
         firsts: dict[str, int] = {}
-        queue = [list(w) for w in work]
+        queue: list[list[Any]] = [list(w) for w in work]  # [seq, start, n], advanced in place
         while queue:
             sched, budget, rows = SchedulerOutput(), self.budget, []
             while queue and budget > 0 and len(sched.scheduled) < self.runner.max_num_seqs:

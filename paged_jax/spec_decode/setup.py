@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from paged_jax.config.speculative import SpeculativeConfig
 from paged_jax.spec_decode.decoder import SpecDecoder
 from paged_jax.spec_decode.ngram import NgramProposer
+from paged_jax.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
     from paged_jax.config import ModelConfig
@@ -18,6 +19,7 @@ def make_spec_decoder(
 ) -> SpecDecoder:
     """The decoder with its proposer; a draft model is loaded and checked against the target here (its KV pool
     has `num_pages`, the target's, unless the config says `draft_num_pages`)."""
+    proposer: Proposer
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
     else:

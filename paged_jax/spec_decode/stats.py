@@ -44,7 +44,7 @@ class SpecStats:
         pairs = zip(self.accepted_per_position, self.proposed_per_position, strict=True)
         return tuple(a / p if p else 0.0 for a, p in pairs)
 
-    def as_dict(self) -> dict[str, float | int | tuple[int, ...]]:
+    def as_dict(self) -> dict[str, float | int | tuple[float, ...]]:
         return {
             "spec_drafts": self.drafts,
             "spec_draft_tokens": self.draft_tokens,

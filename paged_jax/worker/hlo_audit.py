@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 HLO_DTYPE = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int8": "s8", "float8_e4m3fn": "f8e4m3fn"}
 _ALLOWED = (
@@ -94,7 +95,7 @@ class WeightCopies:
 
 
 def weight_copies(
-    hlo: str, layer_shapes: list[tuple[tuple[int, ...], object]], num_layers: int, tokens: int | None = None
+    hlo: str, layer_shapes: list[tuple[tuple[int, ...], DTypeLike]], num_layers: int, tokens: int | None = None
 ) -> WeightCopies:
     """The per-layer weight copies (:class:`WeightCopies`) of ``hlo`` for weights of ``layer_shapes`` (one
     layer's ``(shape, dtype)`` per weight, per device), also matched with a leading 1 (a scan's slice) and

@@ -9,6 +9,8 @@ and slot mappings name pages of one layer and each layer's attention call adds i
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 
@@ -64,4 +66,4 @@ def paged_attention(
         sliding_window=sliding_window,
         backend=backend,
     )
-    return out, kv_pages if view is None else view.replace(pages=kv_pages)
+    return out, kv_pages if view is None else dataclasses.replace(view, pages=kv_pages)

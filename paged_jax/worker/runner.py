@@ -367,6 +367,7 @@ class ModelRunner:
 
     def load_lora(self, load: SlotLoad) -> None:
         """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
+        assert self.lora is not None, "adapter loads are scheduled only when LoRA is on"
         arrays, scaling = lora_weights.slot_arrays(load.adapter, self.config, self.lora.max_rank)
         write = self._executable(self.jobs.lora_write())
         self.lora_weights = write(self.lora_weights, np.int32(load.slot), arrays, scaling)
@@ -428,6 +429,7 @@ class ModelRunner:
         self.padded_tokens += t - sched.num_tokens
         token_ids = step.token_ids
         if step.has_pending:
+            assert prev_samples is not None, "a pending token comes from the previous step's samples"
             token_ids = self._executable(self.jobs.merge(t))(token_ids, step.prev_rows, prev_samples.tokens)
         meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
         forward = self._executable(self.jobs.forward(t, s))

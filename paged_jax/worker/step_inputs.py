@@ -121,13 +121,13 @@ def build_sampling_inputs(
     with a biased row carries `logit_bias_width` bias columns (none otherwise)."""
     penalized = any(row.seq.params.uses_penalties for row in rows)
     biased = any(row.seq.params.logit_bias for row in rows)
-    m = SamplingMeta(
-        **empty_meta(s, suppress_width, history_len if penalized else 1, logit_bias_width if biased else 0)
-    )
+    host = empty_meta(s, suppress_width, history_len if penalized else 1, logit_bias_width if biased else 0)
+    m = SamplingMeta(**host)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
     pending_rows = np.full(s, -1, np.int32)
     pending_cols = np.zeros(s, np.int32)
     do_sample = do_filter = want_logprobs = False
-    for r, (seq, _, draft_prefix) in enumerate(rows):
+    for r, row in enumerate(rows):
+        seq, draft_prefix = row.seq, row.draft_prefix
         p = seq.params
         n_out = len(seq.output_token_ids) + len(draft_prefix)  # output index of the token this row draws
         m.temperature[r] = p.temperature
@@ -139,7 +139,7 @@ def build_sampling_inputs(
         if p.logprobs is not None:
             want_logprobs = True
         if p.logit_bias:
-            fill_logit_bias(m.logit_bias_ids[r], m.logit_bias[r], p.logit_bias)
+            fill_logit_bias(m.logit_bias_ids[r], m.logit_bias[r], p.logit_bias)  # type: ignore[arg-type]  # numpy here
         seed = (seq.seed + seq.index) % 2**64
         m.seed[r] = (seed & 0xFFFFFFFF, seed >> 32)
         m.step[r] = n_out

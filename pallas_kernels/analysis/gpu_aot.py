@@ -144,7 +144,11 @@ class H200Compiler:
         mesh = mesh or jax.sharding.Mesh(np.array(self.devices[:1]), ("x",))
         try:
             with jax.set_mesh(mesh):
-                lowered = jax.jit(fn).lower(*args) if lower is None else lower()
+                if lower is None:
+                    assert fn is not None, "compile() needs fn or lower"
+                    lowered = jax.jit(fn).lower(*args)
+                else:
+                    lowered = lower()
                 compiled = lowered.compile(
                     {
                         **dict(options),

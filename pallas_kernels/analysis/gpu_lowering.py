@@ -38,7 +38,9 @@ def triton_modules(fn: Callable, *args) -> list[TritonModule]:
 
     def observe(jaxpr, grid_mapping, *rest, **kwargs):
         result = original(jaxpr, grid_mapping, *rest, **kwargs)
-        seen.append(TritonModule(jaxpr.debug_info.func_name, result.module.operation.get_asm()))
+        asm = result.module.operation.get_asm()  # str (jaxlib's ir.pyi says object: binary=True gives bytes)
+        assert isinstance(asm, str)
+        seen.append(TritonModule(jaxpr.debug_info.func_name, asm))
         return result
 
     _triton_lowering.lower_jaxpr_to_triton_module = observe

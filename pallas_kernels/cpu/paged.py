@@ -15,10 +15,11 @@ Instruction set: one library per ISA path (``cpu/simd.h``): ``native`` (``-march
 AVX2 + FMA baseline, ``-march=haswell``) and ``generic`` (no vector ISA beyond the architecture's baseline).
 ``$PAGED_JAX_CPU_ISA`` picks the path the engine uses (default ``native``); tests build each.
 
-Build: ``g++ -O3`` with the path's flags against the FFI headers jaxlib ships (``jax.ffi.include_dir()``), into
-a cache directory (``$PAGED_JAX_KERNEL_CACHE``, default ``~/.cache/paged-jax/kernels``) keyed by the sources,
-the compiler, the flags, jaxlib and this CPU's instruction-set flags, so another machine or version never loads
-a stale library. Without a C++ compiler (or if the build fails) :func:`available` is False, a warning says why
+Build: ``g++ -O3 -Wall -Wextra -Werror`` with the path's flags against the FFI headers jaxlib ships
+(``jax.ffi.include_dir()``, included as system headers so their own warnings are not ours), into a cache
+directory (``$PAGED_JAX_KERNEL_CACHE``, default ``~/.cache/paged-jax/kernels``) keyed by the sources, the
+compiler, the flags, jaxlib and this CPU's instruction-set flags, so another machine or version never loads a
+stale library. Without a C++ compiler (or if the build fails) :func:`available` is False, a warning says why
 once, and ``backend="auto"`` uses the XLA path.
 """
 
@@ -46,7 +47,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.[ch]*")))  # paged_attention.cc and its headers
 TARGET = "paged_jax_paged_attention"
+# Warnings are errors: every path the tests build is warning-free (jaxlib's FFI headers are -isystem, theirs).
 COMMON_FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC")
+WARNING_FLAGS = ("-Wall", "-Wextra", "-Werror")
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Instruction-set paths and their target flags (the AVX2 baseline is Haswell's: AVX2, FMA, F16C, BMI2).
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
@@ -77,7 +80,7 @@ def default_isa() -> str:
 
 
 def flags(isa: str) -> tuple[str, ...]:
-    return (*COMMON_FLAGS, *ISA_FLAGS[isa])
+    return (*COMMON_FLAGS, *WARNING_FLAGS, *ISA_FLAGS[isa])
 
 
 def cpu_flags() -> str:
@@ -114,7 +117,7 @@ def build(compiler: str, isa: str = "native") -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         lib = Path(tmp) / out.name
         source = SOURCES[[f.name for f in SOURCES].index("paged_attention.cc")]
-        cmd = [compiler, *flags(isa), f"-I{jax.ffi.include_dir()}", str(source), "-o", str(lib)]
+        cmd = [compiler, *flags(isa), "-isystem", jax.ffi.include_dir(), str(source), "-o", str(lib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -205,8 +208,19 @@ def cpu_ragged_paged_attention(
     k = kernel(isa)
     if k is None:
         raise RuntimeError(f"the CPU kernel ({isa or default_isa()}) is not available on this machine")
-    opts = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales)
-    return call(k, q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **opts)
+    return call(
+        k,
+        q,
+        kv_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        kv_scales=kv_scales,
+    )
 
 
 def call(

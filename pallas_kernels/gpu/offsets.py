@@ -47,7 +47,7 @@ def _by_elements(original):
             )
         return original(block_info, nd_indexer)
 
-    compute_offsets.paged_jax_by_elements = True
+    compute_offsets.__dict__["paged_jax_by_elements"] = True  # marks the rule as ours (a function attribute)
     return compute_offsets
 
 

@@ -196,6 +196,7 @@ def plan_gpu(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    ranges: tuple[GpuRange, ...]
     if decode or one_range:
         ranges = (
             _make_range(

@@ -22,7 +22,7 @@ pages, blocks and matmul rows, so the work model cannot drift from the kernel.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -65,9 +65,9 @@ class TpuPlan:
 class Items(NamedTuple):
     """One range's work list; arrays of ``[num_items]`` int32. Real items first, then ``n == 0`` padding."""
 
-    seq: object  # sequence of the item
-    t0: object  # first flat query token of the item
-    n: object  # real query tokens of the item (0: padding item)
+    seq: Any  # sequence of the item (numpy or jax arrays: plan_items' `xp`)
+    t0: Any  # first flat query token of the item
+    n: Any  # real query tokens of the item (0: padding item)
 
 
 def vmem_bytes(plan: TpuPlan, rng: RangePlan) -> int:

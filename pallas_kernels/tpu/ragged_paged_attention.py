@@ -52,6 +52,7 @@ Block tables live in SMEM, which bounds ``max_seqs * max_blocks_per_seq`` (as in
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -523,7 +524,9 @@ def ragged_paged_attention_tpu(
     meta = (kv_lens, block_tables, cu_q_lens)
     if generation is None:
         generation = tpu_generation()
-    opts = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+    opts: dict[str, Any] = dict(
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret
+    )
     opts["generation"] = generation
     out = jnp.zeros(q.shape, q.dtype)  # padding rows stay zero; every real row is written by one item
     stats = []

@@ -66,7 +66,7 @@ def get_block_sizes(num_kv_heads: int, head_dim: int, dtype, generation: str | N
     itemsize = jax.numpy.dtype(dtype).itemsize
     if generation is None:
         generation = tpu_generation()
-    key = (generation, jax.numpy.dtype(dtype).name, head_dim)
+    key = (generation or "", jax.numpy.dtype(dtype).name, head_dim)  # off a TPU: "" matches no entry
     dec, tokens, pre = TUNED_BLOCK_SIZES.get(key) or heuristic_block_sizes(num_kv_heads, head_dim, itemsize)
     # The KV buffers hold all KV heads: shrink for wide models so two buffers stay within budget.
     budget = lambda slots: 2 * slots * 2 * num_kv_heads * head_dim * itemsize <= 4 * _KV_BUFFER_BYTES

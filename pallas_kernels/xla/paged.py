@@ -138,6 +138,7 @@ def xla_ragged_paged_attention(
             v = jnp.where(in_seq.reshape(rpb, ppc, 1, page_size, 1), v, 0)
             s = jnp.einsum("brkgd,bpksd->bkgrps", qb, k, preferred_element_type=jnp.float32)
             if quantized:  # per-key scales [rpb, num_kv_heads, ppc, page_size] for K and V
+                assert kv_scales is not None
                 sc = kv_scales[pages][..., : 2 * num_kv_heads * page_size]  # without lane-dense padding
                 sc = sc.reshape(rpb, ppc, num_kv_heads, 2, page_size).transpose(3, 0, 2, 1, 4)
                 sc = jnp.where(in_seq.reshape(rpb, 1, ppc, page_size), sc, 0.0)
