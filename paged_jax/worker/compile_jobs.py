@@ -119,8 +119,9 @@ class CompileJobs:
 
         def lower() -> jax.stages.Lowered:
             i32 = self.spec
-            meta = PagedMeta(i32(t), i32(s), i32(s, self.key.max_blocks), i32(s + 1), i32(1))
-            lora = None if self.lora is None else LoraBatch(self.lora_specs, i32(t))
+            meta = PagedMeta(i32(t), i32(s), i32(s, self.key.max_blocks), i32(s + 1), i32(1))  # type: ignore[arg-type]  # abstract leaves stand in for arrays
+            assert self.lora is None or self.lora_specs is not None
+            lora = None if self.lora_specs is None else LoraBatch(self.lora_specs, i32(t))  # type: ignore[arg-type]  # abstract leaves stand in for arrays
             return forward.lower(self.params, self.kv_specs, i32(t), i32(t), meta, i32(s), lora)
 
         options = xla_flags.forward_compiler_options(onednn, self.scanned_gpu)
@@ -138,10 +139,10 @@ class CompileJobs:
         def lower() -> jax.stages.Lowered:
             shapes = {k: v.shape for k, v in empty_meta(s, suppress_width, history_len, logit_bias_width).items()}
             dtypes = {k: v.dtype for k, v in empty_meta(1).items()}
-            meta = SamplingMeta(**{k: self.spec(*shapes[k], dtype=dtypes[k]) for k in shapes})
+            meta = SamplingMeta(**{k: self.spec(*shapes[k], dtype=dtypes[k]) for k in shapes})  # type: ignore[arg-type]  # abstract leaves stand in for arrays
             logits = self.spec(s, self.config.vocab_size, dtype=jnp.float32)
             bitmask = self.spec(s, mask_words(self.config.vocab_size))
-            rows = VerifyRows(self.spec(s), self.spec(s)) if verify else None
+            rows = VerifyRows(self.spec(s), self.spec(s)) if verify else None  # type: ignore[arg-type]  # abstract leaves stand in for arrays
             return sample_rows.lower(logits, meta, bitmask, rows, width=width, **SamplerFlags(*flags)._asdict())
 
         return Job(

@@ -56,4 +56,4 @@ def abstract_kv(
         return pages
     scales_on = one if mesh is None else sharding.kv_scales_sharding(mesh)
     scales = kv_quant.scales_shape(num_pages, config.num_kv_heads, page_size, **scale_layout(platform, mesh))
-    return kv_quant.QuantizedPages(pages, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=scales_on))
+    return kv_quant.QuantizedPages(pages, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=scales_on))  # type: ignore[arg-type]  # abstract leaves stand in for arrays

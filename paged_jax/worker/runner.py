@@ -410,7 +410,7 @@ class ModelRunner:
         model's proposals, `paged_jax.spec_decode.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
         fwd = self._forward_step(sched, None)
         s = fwd.s
-        meta = SamplingMeta(**empty_meta(s, self.suppress_width))
+        meta = SamplingMeta(**empty_meta(s, self.suppress_width))  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         job = self.jobs.sample(s, self.suppress_width, 1, GREEDY)
         return self._executable(job)(fwd.logits, meta, self._bitmask(s, None), None).tokens
 
@@ -431,9 +431,9 @@ class ModelRunner:
         if step.has_pending:
             assert prev_samples is not None, "a pending token comes from the previous step's samples"
             token_ids = self._executable(self.jobs.merge(t))(token_ids, step.prev_rows, prev_samples.tokens)
-        meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)
+        meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         forward = self._executable(self.jobs.forward(t, s))
-        lora = None if self.lora is None else LoraBatch(self.lora_weights, step.lora_slots)
+        lora = None if self.lora_weights is None else LoraBatch(self.lora_weights, step.lora_slots)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )

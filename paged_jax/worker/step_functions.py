@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +76,7 @@ def step_functions(key: StepKey):
         `LoraBatch`, or None when off.
     """
     config, mesh = key.config, key.mesh
-    attn = partial(paged_attention, backend=key.backend, sliding_window=config.sliding_window)
+    attn: Callable[..., Any] = partial(paged_attention, backend=key.backend, sliding_window=config.sliding_window)
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh, key.quantized_kv)
     model = causal_lm(config, attn, mesh, scan_layers=key.scan, stacked_order=key.stacked_order)
@@ -91,7 +93,7 @@ def step_functions(key: StepKey):
         return model, jax.jit(forward, donate_argnums=(1,))
     shardings = sharding.step_shardings(config, mesh, key.quantized_kv, key.weights, scan, key.stacked_order)
     rep = sharding.replicated(mesh)
-    lora_in = None if key.lora is None else LoraBatch(lora_shardings(config, mesh, key.lora), rep)
+    lora_in = None if key.lora is None else LoraBatch(lora_shardings(config, mesh, key.lora), rep)  # type: ignore[arg-type]  # shardings stand in for arrays
     shardings["in_shardings"] = (*shardings["in_shardings"], lora_in)
     return model, jax.jit(forward, donate_argnums=(1,), **shardings)
 
@@ -163,5 +165,5 @@ def sample_rows(
         do_penalty=do_penalty,
         want_logprobs=want_logprobs,
     )
-    tokens = out.tokens if verify is None else mask_rejected(out.tokens, verify.next_draft, verify.row_start)
+    tokens = out.tokens if verify is None else mask_rejected(out.tokens, verify.next_draft, verify.row_start)  # type: ignore[arg-type]  # VerifyRows is typed as its host arrays; traced here
     return out._replace(tokens=jnp.pad(tokens, (0, width - tokens.shape[0])))
