@@ -27,6 +27,8 @@ import textwrap
 import tokenize
 from typing import Any
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the records' modules import jax; the build needs no device
+
 MARKER = re.compile(r"^<!-- reference: (record|cli) (\S+) -->$", re.MULTILINE)
 HELP_WIDTH = 110  # columns of the rendered --help text
 SECTIONS = {"user/": "User guide", "architecture/": "Architecture"}
@@ -85,7 +87,6 @@ def render_record(target: str) -> str:
 def render_cli(command: str) -> str:
     """The `--help` text of `paged-jax COMMAND`, as a code block."""
     os.environ["COLUMNS"] = str(HELP_WIDTH)  # argparse's HelpFormatter reads the width from here
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the flags' module imports jax; no device is needed
     from serve.main import build_parser
 
     parser = build_parser()
