@@ -15,7 +15,7 @@ sampled ids (and requested logprobs).
 
 Which parts need the sequence bucket: the token-level work (embedding, projections, RoPE, the KV write, the
 MLP) depends on `T` alone; `S` sizes the attention metadata, the LM head's rows and sampling, and only the
-last two cost anything when padded (README: "Sequence buckets"). So `S` is derived from `T`,
+last two cost anything when padded (docs/benchmarks/host.md). So `S` is derived from `T`,
 `S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens), raised only when one step
 samples more rows than that (`n` > 1 samples of a short prompt): one executable per token bucket, not one per
 (T, S) pair. The sampler's output ids are padded to the largest `S`, so the lookahead's on-device merge of
