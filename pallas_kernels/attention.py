@@ -7,15 +7,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, cpu_paged, kv_quant
-from pallas_kernels.xla_paged import xla_ragged_paged_attention
+from pallas_kernels import common, kv_quant
+from pallas_kernels.cpu import paged as cpu_paged
+from pallas_kernels.xla.paged import xla_ragged_paged_attention
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """Maps a backend request to ``xla``, ``cpu``, ``pallas-tpu[-interpret]`` or ``pallas-gpu[-interpret]``.
 
     ``auto`` picks by platform (tpu: the Mosaic kernel, gpu: the Triton kernel, cpu: the C++ kernel of
-    :mod:`.cpu_paged` when it builds on this machine, else XLA). ``pallas`` is the
+    :mod:`pallas_kernels.cpu.paged` when it builds on this machine, else XLA). ``pallas`` is the
     platform's Pallas kernel; ``pallas-interpret`` is that kernel in interpret mode, and on CPU it means the
     TPU kernel (the one whose DMAs and semaphores the interpreter simulates).
     """
@@ -88,9 +89,9 @@ def ragged_paged_attention(
     if concrete in ("xla", "cpu"):
         return xla_ragged_paged_attention(*args, **opts)
     if concrete.startswith("pallas-tpu"):
-        from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
+        from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(*args, **opts, interpret=concrete.endswith("interpret"))
-    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
 
     return ragged_paged_attention_gpu(*args, **opts, interpret=concrete.endswith("interpret"))

@@ -183,9 +183,9 @@ def check_case(case: PagedCase, backend: str | Callable[..., jax.Array], dtype=j
 
 
 def cpu_kernel_path(isa: str) -> Callable[..., jax.Array]:
-    """The C++ CPU kernel forced onto one instruction-set path (:data:`pallas_kernels.cpu_paged.ISA_FLAGS`), as a
+    """The C++ CPU kernel forced onto one instruction-set path (:data:`pallas_kernels.cpu.paged.ISA_FLAGS`), as a
     kernel :func:`check_case` takes (the paged arguments, quantized pages included, and the options)."""
-    from pallas_kernels import cpu_paged
+    from pallas_kernels.cpu import paged as cpu_paged
 
     def run(q, kv, *rest, **opts):
         pages, scales = kv_quant.split(kv)

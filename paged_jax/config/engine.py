@@ -53,7 +53,7 @@ class EngineConfig:
     # Structured outputs (paged_jax.structured): bounds on one request's constraint, against hostile schemas.
     structured_max_grammar_bytes: int = 64 * 1024  # size of the schema / regex / grammar / choices text
     structured_compile_timeout_s: float = 5.0  # wall time to compile one grammar; slower ones are refused
-    # Speculative decoding (paged_jax.spec.SpeculativeConfig fields, vLLM's names), e.g. {"method": "ngram",
+    # Speculative decoding (paged_jax.spec_decode.SpeculativeConfig fields, vLLM's names), e.g. {"method": "ngram",
     # "num_speculative_tokens": 3}; None: off. Validated when the engine starts.
     speculative_config: dict | None = None
 

@@ -6,7 +6,8 @@ H200): the same run config (KV heads replicated for TP), parameter layout (`page
 count (`kv_capacity_pages` with the memory the target would report, the weights in use), LoRA slots and verify
 rows (`make_runner`), but abstract: parameters, pages and adapter slots are `jax.ShapeDtypeStruct`s and nothing
 is allocated. Its jobs (`forward_job`, `sample_job`, ...) are the ones warm-up compiles, so the compile checks
-(`scripts/check_tpu_compile.py`, `scripts/check_gpu_compile.py`) compile exactly the engine's executables and
+(`scripts/checks/check_tpu_compile.py`, `scripts/checks/check_gpu_compile.py`) compile exactly the engine's
+executables and
 follow every change to the step's operands.
 """
 

@@ -230,7 +230,7 @@ ENGINE_FLAGS = (
     EngineFlag(
         "speculative_config",
         'speculative decoding, vLLM\'s fields: e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-        "(paged_jax.spec.SpeculativeConfig; docs/user/speculative_decoding.md)",
+        "(paged_jax.spec_decode.SpeculativeConfig; docs/user/speculative_decoding.md)",
         parse=_json_object,
         metavar="JSON",
     ),

@@ -5,7 +5,7 @@ runs it on the device (`paged_jax.worker.runner`), appends the sampled tokens, h
 (`paged_jax.engine.output_processor`: stop checks, detokenization, outputs) and frees the pages of every sequence
 that finished. Every page a request holds goes back when it finishes, is aborted, or fails. With
 `async_scheduling` the step looks one step ahead (`paged_jax.engine.lookahead`). With a `speculative_config` a
-step also verifies drafts (`paged_jax.spec`). A request with structured outputs
+step also verifies drafts (`paged_jax.spec_decode`). A request with structured outputs
 gets one grammar matcher per sample when it is added (`paged_jax.structured`); each sampled token advances
 it, and each step's constrained rows get their bitmask filled while the device runs the forward pass.
 """
@@ -37,8 +37,8 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
-from paged_jax.spec.decoder import SpecDecoder
-from paged_jax.spec.setup import parse_spec_config
+from paged_jax.spec_decode.decoder import SpecDecoder
+from paged_jax.spec_decode.setup import parse_spec_config
 from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, StructuredRows
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
@@ -128,7 +128,7 @@ class LLMEngine:
         self.spec: SpecDecoder | None = None
         spec_config = None
         if ec.speculative_config is not None:
-            from paged_jax.spec.setup import make_spec_decoder, parse_spec_config
+            from paged_jax.spec_decode.setup import make_spec_decoder, parse_spec_config
 
             spec_config = parse_spec_config(ec.speculative_config)
         self.num_pages = kv_capacity_pages(

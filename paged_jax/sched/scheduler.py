@@ -7,7 +7,7 @@ round-robin between client requests (`paged_jax.sched.waiting`: arrival order un
 prompts) while the token budget, the sequence limit and the pages last; their cached prefix blocks are skipped.
 A prompt longer than the budget (or the chunk size) is prefilled in chunks.
 
-Speculative decoding (`paged_jax.spec`): a decoding sequence may carry draft tokens (`draft_token_ids`, set by
+Speculative decoding (`paged_jax.spec_decode`): a decoding sequence may carry draft tokens (`draft_token_ids`, set by
 the engine's proposer before the step); they are scheduled after its last token inside the same token budget,
 with KV slots reserved for them, and dropped (never preempting anyone) when the budget or the pages run short.
 Each scheduled draft adds one sample row, so the step scores 1 + k positions of that sequence.

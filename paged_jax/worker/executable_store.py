@@ -43,7 +43,7 @@ import jax
 from jax.experimental import serialize_executable
 
 import pallas_kernels
-from pallas_kernels.cpu_paged import cpu_flags
+from pallas_kernels.cpu.paged import cpu_flags
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ get-tuple-element, bitcasts and optimization barriers. An asynchronous copy (XLA
 memory space, e.g. a small cache placed in TPU VMEM) shows as its ``copy-done``, a sliced one as the
 ``ConcatBitcast`` custom call that reassembles it. Quantized pages' scale arrays (``f32[pages, row]``,
 ``pallas_kernels.kv_quant``) are checked the same way (:func:`cache_copies`): a narrow row once made XLA:TPU
-relayout every layer's whole scale array each step. Tested on saved HLO text (``tests/test_hlo_audit.py``).
+relayout every layer's whole scale array each step. Tested on saved HLO text (``tests/worker/test_hlo_audit.py``).
 
 :func:`weight_copies` measures the same for the weights: bytes of per-layer weight arrays a step materialises
 (a scanned decoder's per-layer slice of a stacked weight copied out before its dot), reported by the TPU audit.

@@ -70,8 +70,9 @@ from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows, 
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta, sample
 from paged_jax.worker.spec_verify import VerifyRows, mask_rejected, verify_rows
 from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
-from pallas_kernels import cpu_paged, kv_quant
+from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv, kv_pages_shape
+from pallas_kernels.cpu import paged as cpu_paged
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +398,7 @@ class ModelRunner:
 
     `mesh`: None for the default device; otherwise `params` must already be placed on it
     (`sharding.shard_params`, which also gives the `config` to pass here) and the pages are created on it.
-    `num_speculative_tokens` > 0: steps may verify that many drafts per sequence (`paged_jax.spec`): the sequence
+    `num_speculative_tokens` > 0: steps may verify that many drafts per sequence (`paged_jax.spec_decode`): the sequence
     buckets then reach the sample rows of a full verify step, and the sampler marks the rejected rows.
     `scan_layers` ("auto" | "on" | "off", `paged_jax.model.scan.use_scan`): the scanned decoder, whose weights
     the runner stacks once and whose KV cache is one stacked array (`self.scan` says which was chosen).
@@ -649,7 +650,7 @@ class ModelRunner:
 
     def launch_greedy(self, sched: SchedulerOutput) -> jax.Array:
         """One step of `sched` taking each sample row's argmax whatever its sequence's sampling parameters (a draft
-        model's proposals, `paged_jax.spec.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
+        model's proposals, `paged_jax.spec_decode.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
         fwd = self._forward_step(sched, None)
         s = fwd.s
         meta = SamplingMeta(**empty_meta(s, self.suppress_width))

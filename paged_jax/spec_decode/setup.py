@@ -1,0 +1,33 @@
+"""Building an engine's speculative decoder from its `speculative_config`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.decoder import SpecDecoder
+from paged_jax.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from paged_jax.config import ModelConfig
+    from paged_jax.config.engine import EngineConfig
+
+
+def parse_spec_config(value: Mapping | str | SpeculativeConfig) -> SpeculativeConfig:
+    """The validated config (ValueError naming the `speculative_config.<field>` at fault)."""
+    return SpeculativeConfig.from_dict(value)
+
+
+def make_spec_decoder(
+    spec: SpeculativeConfig, target: ModelConfig, ec: EngineConfig, max_model_len: int, num_pages: int
+) -> SpecDecoder:
+    """The decoder with its proposer; a draft model is loaded and checked against the target here (its KV pool
+    has `num_pages`, the target's, unless the config says `draft_num_pages`)."""
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+    else:
+        from paged_jax.spec_decode.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer.load(spec, target, ec, max_model_len, num_pages)
+    return SpecDecoder(spec, proposer, max_model_len)
