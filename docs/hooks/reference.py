@@ -81,7 +81,7 @@ def render_record(target: str) -> str:
     for f in dataclasses.fields(cls):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         rows.append(f"| `{f.name}` | `{_cell(kind)}` | {_cell(_default(f))} | {_cell(comments.get(f.name, ''))} |")
-    return f"`{module_name}.{class_name}`: {doc}\n\n" + "\n".join(rows) + "\n"
+    return f"From `{module_name}.{class_name}`:\n\n{doc}\n\n" + "\n".join(rows) + "\n"
 
 
 def render_cli(command: str) -> str:
