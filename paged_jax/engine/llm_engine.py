@@ -231,16 +231,18 @@ class LLMEngine:
         else:
             request = GenerationRequest(prompt, params if params is not None else {}, cache_salt=cache_salt)
             processed = self.inputs.process(request)
-        req = self.outputs.add_request(request_id, processed, arrival_time, self._check_fits)
+        self.outputs.check_request_id(request_id)
+        self._check_fits(len(processed.prompt_token_ids) + processed.params.max_tokens)
+        req = self.outputs.add_request(request_id, processed, arrival_time)
         params = req.params
         if params.structured_outputs is not None:
             if self.spec is not None:
-                del self.outputs.requests[request_id]
+                self.outputs.pop(request_id)
                 raise FieldError("structured_outputs", "not supported together with speculative decoding (yet)")
             try:
                 req.matchers = self.structured.matchers(params.structured_outputs, params.n)
             except ValueError:
-                del self.outputs.requests[request_id]
+                self.outputs.pop(request_id)
                 raise
         for seq in req.seqs:
             seq.lora = adapter
@@ -265,7 +267,7 @@ class LLMEngine:
         return out
 
     def _end(self, request_id: str, reason: FinishReason) -> RequestOutput | None:
-        req = self.outputs.requests.pop(request_id, None)
+        req = self.outputs.pop(request_id)
         if req is None:
             return None
         for seq in req.seqs:
@@ -279,7 +281,7 @@ class LLMEngine:
         check_manager_invariants(self.kv)
 
     def has_unfinished(self) -> bool:
-        return bool(self.outputs.requests)
+        return len(self.outputs) > 0
 
     @property
     def num_waiting(self) -> int:
@@ -348,7 +350,7 @@ class LLMEngine:
             self.spec.observe(sched, synced, self.num_appended - appended, time.perf_counter() - t0)
 
     def _is_live(self, seq: TokenSequence) -> bool:
-        return not seq.finished and seq.request_id in self.outputs.requests
+        return not seq.finished and seq.request_id in self.outputs
 
     def launch_step(self, prev: Launched | None = None, defer_masks: bool = False) -> Launched | None:
         """First half of `step`: schedule and dispatch to the device without waiting (None: nothing to run).
@@ -387,7 +389,7 @@ class LLMEngine:
         rows = []
         for r, row in enumerate(sched.sample_rows):
             seq = row.seq
-            req = self.outputs.requests.get(seq.request_id)
+            req = self.outputs.get(seq.request_id)
             m = None if req is None or seq.finished else req.matcher(seq)
             if m is not None:
                 rows.append((m, r))
@@ -408,7 +410,7 @@ class LLMEngine:
             self._record_prompt_logprobs(sched, result.prompt_logprobs)
         for r, row in enumerate(sched.sample_rows):
             seq = row.seq
-            req = self.outputs.requests.get(seq.request_id)
+            req = self.outputs.get(seq.request_id)
             if req is None or seq.finished or result.tokens[r] == REJECTED:
                 continue  # finished, aborted or failed while this step was in flight (or earlier in this loop); or a
                 # row after a rejected draft
@@ -427,7 +429,7 @@ class LLMEngine:
             done = req.finished
             outputs.append(self.outputs.output(req, final=done))
             if done:
-                del self.outputs.requests[req.request_id]
+                self.outputs.pop(req.request_id)
         self.num_steps += 1
         self.host_seconds += launched.host_seconds + time.perf_counter() - t0 - (self.runner.device_seconds - device0)
         return outputs
@@ -437,7 +439,7 @@ class LLMEngine:
         row = 0
         for item in sched.scheduled:
             positions = item.prompt_logprob_positions
-            req = self.outputs.requests.get(item.seq.request_id)
+            req = self.outputs.get(item.seq.request_id)
             if positions and req is not None:
                 self.outputs.add_prompt_logprobs(req, positions, values, row)
             row += len(positions)

@@ -10,7 +10,7 @@ that finished (the scheduler's `remove`). Nothing here touches the device, the s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,24 +66,33 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._rng = np.random.default_rng(seed)
 
-    # -- new requests ---------------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        request: ProcessedRequest,
-        arrival_time: float | None,
-        check_fits: Callable[[int], None],
-    ) -> RequestState:
-        """Register a request the input processor accepted; returns it with its sequences (not yet scheduled).
+    # -- the request table (owned here; the engine asks, never reaches in) -------------------------------
+    def get(self, request_id: str) -> RequestState | None:
+        return self.requests.get(request_id)
 
-        Raises FieldError for a request id that is not a non-empty string or is in use; `check_fits(total_tokens)`
-        raises when prompt + max_tokens can never fit the KV cache (checked last)."""
+    def pop(self, request_id: str) -> RequestState | None:
+        """Forget a request (finished, aborted or refused after registration); None if it is unknown."""
+        return self.requests.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    # -- new requests ---------------------------------------------------------------------------------
+    def check_request_id(self, request_id: str) -> None:
+        """FieldError for a request id that is not a non-empty string or is in use."""
         if not isinstance(request_id, str) or not request_id:
             raise FieldError("request_id", "must be a non-empty string")
         if request_id in self.requests:
             raise FieldError("request_id", f"{request_id!r} is already in use")
+
+    def add_request(self, request_id: str, request: ProcessedRequest, arrival_time: float | None) -> RequestState:
+        """Register a request the input processor accepted (and the engine found room for); returns it with its
+        sequences (not yet scheduled). Raises FieldError for a bad or used request id."""
+        self.check_request_id(request_id)
         params, ids = request.params, request.prompt_token_ids
-        check_fits(len(ids) + params.max_tokens)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [
