@@ -114,7 +114,8 @@ def resolve_model(spec: str | Path) -> ModelSource:
         if snapshot is not None:
             return ModelSource(text, "hub", snapshot, text)
         raise ConfigError(
-            f"model: {text!r} is neither a local directory nor in the Hugging Face cache ({hub_cache_dir()}); "
+            f"model: {text!r} is neither a local directory nor in the Hugging Face cache ({hub_cache_dir()})"
+            f"{_did_you_mean(text)}; "
             f"paged-jax does not download: fetch it with `huggingface-cli download {text}`, then pass the id "
             "or its directory"
         )
