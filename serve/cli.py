@@ -243,16 +243,10 @@ def model_arg(args: argparse.Namespace) -> str:
     return model
 
 
-def quiet_logging() -> None:
-    """INFO logs of our own; JAX's platform probing ("Unable to initialize backend 'tpu'") only as warnings."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Check every flag and both ports, load the model, serve until SIGTERM. A bad flag, a port in use or a
     model that cannot be found is a UsageError (one line, exit status 2) before anything loads."""
-    from paged_jax.engine.args import build_engine, engine_config_from_args
+    from paged_jax.engine.args import build_engine, engine_config_from_args, setup_logging
     from paged_jax.lora.named import check_lora_modules
     from paged_jax.model.loader.resolve import resolve_model
 
@@ -264,7 +258,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config_from_args(args)  # flags checked before the model loads
     resolve_model(args.model)  # found, or one line saying why not
     check_ports_free(config.host, ports)
-    quiet_logging()
+    setup_logging()
     if ports.note:
         print(f"paged-jax serve: note: {ports.note}", file=sys.stderr)
 

@@ -38,6 +38,13 @@ MODEL_HELP = (
 )
 
 
+def setup_logging() -> None:
+    """The commands' log: INFO of our own, JAX's platform probe ("Unable to initialize backend 'tpu'" on a
+    machine without one) only when it is a warning."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument("--model", default=None, help=f"the model (required): {MODEL_HELP}")
@@ -305,6 +312,8 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     # executables from the executable store (no lowering), anything else from JAX's persistent cache.
     cache = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
     enable_persistent_cache(cache)
+    if args.model is None:  # never a silent default: a random model's text and throughput would mislead
+        raise UsageError(f"--model is required: {MODEL_HELP}")
     ec = engine_config_from_args(args)
     source = resolve_model(args.model)
     if source.random_weights:
