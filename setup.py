@@ -22,7 +22,7 @@ setup(
         "pallas_kernels": [
             "cpu/*.cc",
             "cpu/*.h",
-            "h200.txtpb",
+            "analysis/h200.txtpb",
         ],  # the CPU kernel's source (built on first use); the H200 target
         "paged_jax.serve.proto.paged_jax.v1": ["*.proto", "*.pyi"],
     },

@@ -140,7 +140,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens kept as written, runs decoded alone
     detokenize: bool = True  # False: token ids only, no text (as vLLM's); stop strings then cannot be matched
-    speculate: bool = True  # False: no speculative drafts for this request (`paged_jax.spec`)
+    speculate: bool = True  # False: no speculative drafts for this request (`paged_jax.spec_decode`)
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:

@@ -1,8 +1,9 @@
 """Paged attention for paged-jax: one ragged kernel for decode and (chunked) prefill, on TPU, GPU and CPU.
 
 Layout of the pages and the masking conventions: :mod:`pallas_kernels.common`. Backends: the plain-XLA path
-(:mod:`.xla_paged`, also the CPU fast path), the Mosaic TPU kernel (:mod:`.tpu_ragged_paged_attention`) and
-the Triton GPU kernel (:mod:`.gpu_ragged_paged_attention`); :func:`ragged_paged_attention` picks one."""
+(:mod:`pallas_kernels.xla.paged`, also the CPU fast path), the Mosaic TPU kernel
+(:mod:`pallas_kernels.tpu.ragged_paged_attention`) and
+the Triton GPU kernel (:mod:`pallas_kernels.gpu.ragged_paged_attention`); :func:`ragged_paged_attention` picks one."""
 
 from pallas_kernels.attention import ragged_paged_attention, resolve_backend
 from pallas_kernels.common import MASK_VALUE

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, cpu_paged, kv_quant
-from pallas_kernels.xla_paged import xla_ragged_paged_attention
+from pallas_kernels import common, kv_quant
+from pallas_kernels.cpu import paged as cpu_paged
+from pallas_kernels.xla.paged import xla_ragged_paged_attention
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """Maps a backend request to ``xla``, ``cpu``, ``pallas-tpu[-interpret]`` or ``pallas-gpu[-interpret]``.
 
     ``auto`` picks by platform (tpu: the Mosaic kernel, gpu: the Triton kernel, cpu: the C++ kernel of
-    :mod:`.cpu_paged` when it builds on this machine, else XLA). ``pallas`` is the
+    :mod:`pallas_kernels.cpu.paged` when it builds on this machine, else XLA). ``pallas`` is the
     platform's Pallas kernel; ``pallas-interpret`` is that kernel in interpret mode, and on CPU it means the
     TPU kernel (the one whose DMAs and semaphores the interpreter simulates).
     """
@@ -81,16 +83,18 @@ def ragged_paged_attention(
     if page_offset is not None:
         block_tables = block_tables + jnp.asarray(page_offset, block_tables.dtype)
     args = (q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
-    opts = dict(sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales)
+    opts: dict[str, Any] = dict(
+        sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window, kv_scales=kv_scales
+    )
     concrete = resolve_backend(backend)
     if concrete == "cpu" and cpu_paged.available() and cpu_paged.supports(q, kv_pages, kv_scales):
         return cpu_paged.cpu_ragged_paged_attention(*args, **opts)
     if concrete in ("xla", "cpu"):
         return xla_ragged_paged_attention(*args, **opts)
     if concrete.startswith("pallas-tpu"):
-        from pallas_kernels.tpu_ragged_paged_attention import ragged_paged_attention_tpu
+        from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(*args, **opts, interpret=concrete.endswith("interpret"))
-    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
 
     return ragged_paged_attention_gpu(*args, **opts, interpret=concrete.endswith("interpret"))

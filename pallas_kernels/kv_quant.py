@@ -30,7 +30,7 @@ Why one scale per token and head, not one per page and head (the work model deci
   narrower than the 128 lanes (``2 * num_kv_heads * page_size`` = 64 for two KV heads of 16-token pages)
   column-major, but the attention kernel DMAs rows, so every step relayouted every layer's whole scale
   array (written in one layout, copied to the other: the compiled-step audit of
-  ``scripts/check_tpu_compile.py`` finds such copies). On TPU the row is padded to a multiple of 128
+  ``scripts/checks/check_tpu_compile.py`` finds such copies). On TPU the row is padded to a multiple of 128
   columns: the same HBM a row-major array of the narrow width takes in (8, 128) tiles, and counted in the
   engine's page budget (:func:`page_bytes`). Padding columns hold 1.0, are never written, and no reader
   uses them. Other platforms keep the exact width.

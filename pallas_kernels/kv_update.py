@@ -32,7 +32,8 @@ def write_kv(
     Slots must be distinct (one physical slot per new token). In place when the caller's jit donates
     ``kv_pages``: one scatter of ``[num_kv_heads, 2 * head_dim]`` rows indexed by (page, offset), and for
     quantized pages the ``[num_kv_heads, 2]`` scales of each token written by ``scale_writer``: ``xla`` (one
-    scatter), ``pallas-tpu`` (the TPU kernel that keeps the scale array in HBM, :mod:`.tpu_scale_write`) or
+    scatter), ``pallas-tpu`` (the TPU kernel that keeps the scale array in HBM, :mod:`pallas_kernels.tpu.scale_write`)
+    or
     ``pallas-tpu-interpret`` (that kernel in the interpreter).
     """
     pages, scales = kv_quant.split(kv_pages)
@@ -57,7 +58,7 @@ def write_kv(
     # Scale of (head h, K/V kv, slot offset) at column (2 h + kv) * page_size + offset of the page's row.
     new_scales = jnp.stack([ks, vs], axis=-1)  # [T, H, 2]
     if scale_writer.startswith("pallas-tpu"):
-        from pallas_kernels.tpu_scale_write import write_scales_tpu  # loaded only for TPU (as attention.py does)
+        from pallas_kernels.tpu.scale_write import write_scales_tpu  # loaded only for TPU (as attention.py does)
 
         values = new_scales.reshape(-1, 2 * num_kv_heads)
         interpret = scale_writer == "pallas-tpu-interpret"
@@ -88,7 +89,7 @@ def copy_pages(
     return kv_pages.at[dst].set(kv_pages[src], mode="drop")
 
 
-def stacked_page_offset(kv_pages, layer: jax.Array, num_layers: int) -> jax.Array:
+def stacked_page_offset(kv_pages, layer: jax.Array | int, num_layers: int) -> jax.Array:
     """The id of layer ``layer``'s first page in a cache of ``num_layers`` layers stacked on the page axis
     (``[num_layers * P, ...]``, layer ``l``'s page ``p`` at ``l * P + p``); int32 scalar."""
     pages, _ = kv_quant.split(kv_pages)

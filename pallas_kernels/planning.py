@@ -5,7 +5,8 @@ consecutive query tokens of one sequence: sequence ``s`` contributes ``counts[s]
 sequences are concatenated in sequence order (:func:`sequence_items`). An item whose first query sits at
 position ``first_pos`` and which holds ``n`` queries sees the KV blocks ``[b_lo, b_hi)`` of
 :func:`visible_kv_blocks` (the masking convention of :mod:`.common`). The TPU plan
-(:mod:`.tpu_plan`) and the GPU plan (:mod:`.gpu_plan`) build their work lists and KV ranges from these, in
+(:mod:`pallas_kernels.tpu.plan`) and the GPU plan (:mod:`pallas_kernels.gpu.plan`) build their work lists and KV
+ranges from these, in
 their wrappers, in their kernels and in their work models alike.
 
 Everything here works for ``numpy`` and ``jax.numpy`` (``xp``); :func:`visible_kv_blocks` also on Python ints

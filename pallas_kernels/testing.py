@@ -145,7 +145,7 @@ def random_seqs(rng: np.random.Generator, num_tokens: int, max_seqs: int, max_kv
     """A random mix of decode, chunked-prefill, full-prefill and empty sequences that fits the bucket."""
     seqs, budget = [], num_tokens
     for _ in range(int(rng.integers(1, max_seqs + 1))):
-        kind = rng.choice(["decode", "chunk", "prefill", "empty"], p=[0.4, 0.25, 0.25, 0.1])
+        kind = str(rng.choice(["decode", "chunk", "prefill", "empty"], p=[0.4, 0.25, 0.25, 0.1]))
         kv = int(rng.integers(1, max_kv + 1))
         q = {"decode": 1, "chunk": int(rng.integers(1, kv + 1)), "prefill": kv, "empty": 0}[kind]
         if kind == "empty" and rng.random() < 0.5:
@@ -157,7 +157,7 @@ def random_seqs(rng: np.random.Generator, num_tokens: int, max_seqs: int, max_kv
     return seqs
 
 
-def assert_close(out: jax.Array, ref: jax.Array, dtype) -> None:
+def assert_close(out: jax.Array | np.ndarray, ref: jax.Array | np.ndarray, dtype) -> None:
     """float32 to about 1e-5, bfloat16 to about 1e-2, relative to the reference's scale; NaN fails."""
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.all(np.isfinite(out)), "kernel output has non-finite values"
@@ -183,9 +183,9 @@ def check_case(case: PagedCase, backend: str | Callable[..., jax.Array], dtype=j
 
 
 def cpu_kernel_path(isa: str) -> Callable[..., jax.Array]:
-    """The C++ CPU kernel forced onto one instruction-set path (:data:`pallas_kernels.cpu_paged.ISA_FLAGS`), as a
+    """The C++ CPU kernel forced onto one instruction-set path (:data:`pallas_kernels.cpu.paged.ISA_FLAGS`), as a
     kernel :func:`check_case` takes (the paged arguments, quantized pages included, and the options)."""
-    from pallas_kernels import cpu_paged
+    from pallas_kernels.cpu import paged as cpu_paged
 
     def run(q, kv, *rest, **opts):
         pages, scales = kv_quant.split(kv)

@@ -3,8 +3,9 @@
 Each backend exposes a ``plan`` (the static tiling plus the per-call work list its grid walks) and a ``work``
 function that sums what that plan moves and issues. Nothing here re-derives a kernel's choices: the numbers
 come from the same planning code the kernel runs, so a change of tiling shows up here at once. The figures
-feed ``pl.pallas_call(cost_estimate=...)`` and ``scripts/bench_kernels.py``'s device estimates; the TPU
-kernel's time per unit (MXU padding, vector and EUP work, fixed costs) is priced in :mod:`.tpu_cost`.
+feed ``pl.pallas_call(cost_estimate=...)`` and ``scripts/bench/bench_kernels.py``'s device estimates; the TPU
+kernel's time per unit (MXU padding, vector and EUP work, fixed costs) is priced in
+:mod:`pallas_kernels.analysis.tpu_cost`.
 
 Definitions (per call, one layer):
 - ``kv_bytes_read``: bytes of KV pages the kernel copies from HBM (whole pages: a partial last page is read

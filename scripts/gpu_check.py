@@ -9,7 +9,7 @@ appended to ``$OUT/gpu_check.jsonl`` as soon as it is measured (a run cut short 
 table is printed at the end. Cases, in order (cheapest and most decisive first):
 
 - ``target``: the real device's ``target_config`` written to ``$OUT/target_config.txtpb`` (to replace the
-  hand-written ``pallas_kernels/h200.txtpb`` of the deviceless compile check), device kind and memory.
+  hand-written ``pallas_kernels/analysis/h200.txtpb`` of the deviceless compile check), device kind and memory.
 - ``bandwidth``: a device-to-device copy of 4 GiB (read + write counted).
 - ``correct/*``: every backend (``pallas-gpu``: the Triton kernel; ``xla``: the plain-XLA path) against the
   dense reference on random mixed batches with NaN-poisoned pages: decode, chunked prefill, split-KV, GQA/MQA,
@@ -23,7 +23,7 @@ table is printed at the end. Cases, in order (cheapest and most decisive first):
 - ``engine/*``: the engine end to end with random Llama-3.1-8B weights initialised on the device: TTFT, TPOT
   and output tok/s at batch 1/32/128.
 
-Every timing row carries the work model's estimate (``pallas_kernels.gpu_plan.gpu_work``) for its plan.
+Every timing row carries the work model's estimate (``pallas_kernels.gpu.plan.gpu_work``) for its plan.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import numpy as np
 
 from pallas_kernels import dense_reference_attention, kv_quant
 from pallas_kernels.common import kv_pages_shape
-from pallas_kernels.gpu_plan import gpu_plan_for
-from pallas_kernels.gpu_tuned_block_sizes import TUNED_BLOCK_CONFIGS
-from pallas_kernels.gpu_work_model import gpu_work_detail
+from pallas_kernels.gpu.plan import gpu_plan_for
+from pallas_kernels.gpu.tuned_block_sizes import TUNED_BLOCK_CONFIGS
+from pallas_kernels.gpu.work_model import gpu_work_detail
 from pallas_kernels.work_model import HARDWARE
 
 PEAK_BW = HARDWARE["h200"].hbm_bytes_per_s
@@ -186,7 +186,7 @@ DECODE = [  # (batch, q heads, kv heads, head_dim, context, page, kv dtype)
 
 def _decode(shape) -> Callable[[dict], dict]:
     def run(ctx: dict) -> dict:
-        from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+        from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
         from pallas_kernels.testing import assert_close
 
         b, qh, kvh, d, ctx_len, page, kv_dtype = shape
@@ -214,7 +214,7 @@ def _decode(shape) -> Callable[[dict], dict]:
 
 def _big_int8(ctx: dict) -> dict:
     """An int8 page array over 2^31 elements (2.1 GiB): the last pages must be read from the right place."""
-    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
 
     kvh, d, page = 8, 128, 16
     per_page = kvh * page * 2 * d
@@ -238,7 +238,7 @@ def _big_int8(ctx: dict) -> dict:
 
 
 def _prefill(ctx: dict) -> dict:
-    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
     from pallas_kernels.testing import assert_close
 
     s, new, ctx_len, qh, kvh, d, page = 8, 512, 4096, 32, 8, 128, 16
@@ -271,7 +271,7 @@ SWEEP_CONFIGS = [(keys, warps, stages) for keys in (32, 64, 128) for warps in (4
 
 def _sweep(ctx: dict) -> dict:
     """Decode configs (KV keys x warps x stages) of the (128, 16, bf16) table entry, best written to $OUT."""
-    from pallas_kernels.gpu_ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention_gpu
 
     b, qh, kvh, d, ctx_len, page, kv_dtype = 64, 32, 8, 128, 4096, 16, "bfloat16"
     q, pages, lens, tables, cu, n, _, _ = _decode_batch(b, qh, kvh, d, ctx_len, page, kv_dtype)

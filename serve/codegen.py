@@ -3,7 +3,7 @@
 protoc runs with the repository root as its include path (so the generated modules never shadow the
 `paged_jax` package); the gRPC module's import of its messages is then made relative, since `serve/` installs
 as `paged_jax.serve`. The generated `*_pb2.py`,
-`*_pb2_grpc.py` and `*_pb2.pyi` files are committed; `tests/test_serve_proto.py` regenerates them into
+`*_pb2_grpc.py` and `*_pb2.pyi` files are committed; `tests/serve/test_serve_proto.py` regenerates them into
 a temporary directory and fails when the committed ones drift from the `.proto`.
 """
 

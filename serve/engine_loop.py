@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from paged_jax.engine.input_processor import ProcessedRequest
 from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError
 from paged_jax.lora.named import ServedAdapters
@@ -323,9 +324,8 @@ class EngineLoop:
             return  # aborted before it reached the engine
         r = cmd.request
         try:
-            self.engine.add_request(
-                rid, r.prompt_token_ids, r.params, cache_salt=r.cache_salt, lora_request=r.lora_request, group=cmd.group
-            )
+            processed = ProcessedRequest(rid, None, r.prompt_token_ids, r.params, r.cache_salt)
+            self.engine.add_request(rid, processed, lora_request=r.lora_request, group=cmd.group)
         except ValueError as e:
             refused = e if isinstance(e, FieldError) else None
             self._close(rid, Event(code=grpc.StatusCode.INVALID_ARGUMENT, message=str(e), field_error=refused))

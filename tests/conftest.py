@@ -13,9 +13,8 @@ from pathlib import Path
 
 # The suite compiles thousands of small executables and runs each a few times, so most of its time is XLA:CPU
 # compiling. Its LLVM backend at -O0 builds the same programs (XLA's HLO passes and fusion decisions do not
-# depend on the level, and no level enables fast math) in about a quarter less time (tests/test_prompt_logprobs.py:
-# 236 s against 314 s, run side by side). Set before JAX starts its CPU client; child processes (the CLI, the
-# mesh suites) inherit it. A level given in $XLA_FLAGS is kept.
+# depend on the level, and no level enables fast math) in about a quarter less time. Set before JAX starts its
+# CPU client; child processes (the CLI, the mesh suites) inherit it. A level given in $XLA_FLAGS is kept.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
@@ -78,7 +77,7 @@ def tiny_params(tiny_config: ModelConfig) -> Params:
     return init_params(tiny_config, seed=0)
 
 
-TOKENIZER_DATA = Path(__file__).resolve().parent / "data" / "tokenizers"
+TOKENIZER_DATA = Path(__file__).resolve().parents[0] / "data" / "tokenizers"
 
 
 @pytest.fixture(scope="session")
@@ -102,13 +101,13 @@ def real_tokenizer_dir(tmp_path_factory) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="module")
 def fronts(request):
-    """(HTTP front, gRPC front) on the session's shared engine loop (tests/test_serve_support.py), for one test
+    """(HTTP front, gRPC front) on the session's shared engine loop (tests/support/serve_support.py), for one test
     module; the tiny byte tokenizer gets the module's `TEMPLATE` as its chat template meanwhile."""
-    from test_serve_support import LIMITS, shared, start_server
-
     from paged_jax.tokenization.chat_template import template_from_text
     from serve.config import ServingConfig
     from serve.openai_api.server import HttpServerThread
+
+    from support.serve_support import LIMITS, shared, start_server
 
     s = shared()
     tokenizer = s.engine.tokenizer
@@ -127,9 +126,10 @@ def oai(fronts):
     """The official `openai` client on the HTTP front; after the test, every request has ended and every page is
     free (checked through gRPC GetStats)."""
     import openai
-    from test_serve_support import wait_idle
 
     from serve.client import Client
+
+    from support.serve_support import wait_idle
 
     http, grpc_front = fronts
     with openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0) as client:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from paged_jax.config import KV_DTYPE_CHOICES
+from paged_jax.config.speculative import SpeculativeConfig
 from paged_jax.sampling_params import MAX_LOGIT_BIAS
 from pallas_kernels.common import BACKENDS
 
@@ -53,9 +55,20 @@ class EngineConfig:
     # Structured outputs (paged_jax.structured): bounds on one request's constraint, against hostile schemas.
     structured_max_grammar_bytes: int = 64 * 1024  # size of the schema / regex / grammar / choices text
     structured_compile_timeout_s: float = 5.0  # wall time to compile one grammar; slower ones are refused
-    # Speculative decoding (paged_jax.spec.SpeculativeConfig fields, vLLM's names), e.g. {"method": "ngram",
-    # "num_speculative_tokens": 3}; None: off. Validated when the engine starts.
-    speculative_config: dict | None = None
+    # Speculative decoding (paged_jax.config.speculative.SpeculativeConfig; vLLM's names); None: off. A mapping or
+    # its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 3}, is parsed here, once, into the record
+    # (ValueError naming `speculative_config.<field>`).
+    speculative_config: SpeculativeConfig | Mapping | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative config (None: off)."""
+        assert self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig)
+        return self.speculative_config
 
     def model_len(self, max_position_embeddings: int) -> int:
         """Prompt + output tokens per sequence: `max_model_len`, default min(the model's maximum, 8192)."""

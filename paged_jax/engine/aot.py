@@ -6,7 +6,8 @@ H200): the same run config (KV heads replicated for TP), parameter layout (`page
 count (`kv_capacity_pages` with the memory the target would report, the weights in use), LoRA slots and verify
 rows (`make_runner`), but abstract: parameters, pages and adapter slots are `jax.ShapeDtypeStruct`s and nothing
 is allocated. Its jobs (`forward_job`, `sample_job`, ...) are the ones warm-up compiles, so the compile checks
-(`scripts/check_tpu_compile.py`, `scripts/check_gpu_compile.py`) compile exactly the engine's executables and
+(`scripts/checks/check_tpu_compile.py`, `scripts/checks/check_gpu_compile.py`) compile exactly the engine's
+executables and
 follow every change to the step's operands.
 """
 
@@ -26,8 +27,10 @@ from paged_jax.engine.llm_engine import make_runner
 from paged_jax.model import quant, scan
 from paged_jax.model.init import param_shapes
 from paged_jax.worker import sharding
+from paged_jax.worker.buckets import bucket_for
+from paged_jax.worker.compile_jobs import Job
 from paged_jax.worker.kv_budget import kv_capacity_pages
-from paged_jax.worker.runner import Job, ModelRunner, bucket_for
+from paged_jax.worker.runner import ModelRunner
 from paged_jax.worker.step_inputs import SamplerFlags
 
 
@@ -132,13 +135,13 @@ def step_shape(runner: ModelRunner, kind: str) -> tuple[int, int]:
 
 def step_job(runner: ModelRunner, kind: str) -> Job:
     """The runner's own forward job of `step_shape(runner, kind)`."""
-    return runner.forward_job(*step_shape(runner, kind))
+    return runner.jobs.forward(*step_shape(runner, kind))
 
 
 def verify_sample_job(runner: ModelRunner) -> Job:
     """The runner's sampling job of a full verify step's rows (top-k/p filtered, rejected rows marked)."""
     _, s = step_shape(runner, "verify")
-    return runner.sample_job(s, runner.suppress_width, 1, SamplerFlags(True, True, False, False))
+    return runner.jobs.sample(s, runner.suppress_width, 1, SamplerFlags(True, True, False, False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +174,8 @@ def audit_step(compiled: jax.stages.Compiled, engine: AbstractEngine) -> StepAud
     """The KV copies and memory of one of `engine`'s compiled steps."""
     from paged_jax.worker.hlo_audit import kv_copies
 
-    m = compiled.memory_analysis()
+    m, text = compiled.memory_analysis(), compiled.as_text()
+    assert m is not None and text is not None, "XLA reports the memory and the HLO of a compiled step"
     peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    copies = kv_copies(compiled.as_text(), engine.local_kv_shape, engine.runner.kv_dtype)
+    copies = kv_copies(text, engine.local_kv_shape, engine.runner.kv_dtype)
     return StepAudit(copies, m.temp_size_in_bytes, peak)

@@ -25,7 +25,6 @@ from paged_jax.engine.load import load_model
 from paged_jax.errors import UsageError
 from paged_jax.model.loader.named import NAMED_MODELS
 from paged_jax.model.loader.resolve import ModelSource, resolve_model
-from paged_jax.spec.config import SpeculativeConfig
 from paged_jax.tokenization.chat_template import load_chat_template
 from paged_jax.worker.executables import enable_persistent_cache
 from pallas_kernels.common import BACKENDS
@@ -131,11 +130,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     flags = (*ENGINE_FLAGS, *LORA_FLAGS)
     fields = {flag.field: flag.value(args) for flag in flags}
     fields["enable_lora"] = fields["enable_lora"] or bool(args.lora_modules)
-    ec = EngineConfig(**fields)
     try:
+        ec = EngineConfig(**fields)  # parses the speculative config
         ec.validate()
-        if ec.speculative_config is not None:
-            SpeculativeConfig.from_dict(ec.speculative_config)
     except ValueError as e:
         field, _, why = str(e).partition(": ")
         head = field.split(".", 1)[0]
@@ -294,7 +291,7 @@ ENGINE_FLAGS = (
     EngineFlag(
         "speculative_config",
         'speculative decoding, vLLM\'s fields: e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-        "(paged_jax.spec.SpeculativeConfig; README: speculative decoding)",
+        "(paged_jax.config.speculative.SpeculativeConfig; README: speculative decoding)",
         parse=_json_object,
         metavar="JSON",
     ),

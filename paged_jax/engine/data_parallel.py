@@ -18,7 +18,7 @@ import jax
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.input_processor import ChatPrompt
+from paged_jax.engine.input_processor import ChatPrompt, ProcessedRequest
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.protocol import EngineStats
 from paged_jax.errors import FieldError
@@ -91,7 +91,7 @@ class DataParallelEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Seq[int] | ChatPrompt,
+        prompt: str | Seq[int] | ChatPrompt | ProcessedRequest,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,

@@ -233,7 +233,7 @@ class InputProcessor:
             return None, self._chat(prompt, limit), "messages"
         if isinstance(prompt, str | bytes | Mapping) or not isinstance(prompt, Sequence | np.ndarray):
             raise FieldError("prompt_token_ids", f"must be a list of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
+        ids: list[Any] = list(prompt)  # each checked by _is_token_id below
         if not ids:
             raise FieldError("prompt_token_ids", "must not be empty")
         if limit is not None and len(ids) > limit:  # bound the input before looking at every id
@@ -325,7 +325,7 @@ def _logprob_entries(r: ProcessedRequest) -> int:
 
 
 def _is_token_id(t: Any, vocab_size: int) -> bool:
-    return not isinstance(t, bool) and isinstance(t, (int, np.integer)) and 0 <= t < vocab_size
+    return not isinstance(t, bool) and isinstance(t, (int, np.integer)) and 0 <= int(t) < vocab_size
 
 
 def _is_int(value: Any) -> bool:

@@ -5,7 +5,7 @@ runs it on the device (`paged_jax.worker.runner`), appends the sampled tokens, h
 (`paged_jax.engine.output_processor`: stop checks, detokenization, outputs) and frees the pages of every sequence
 that finished. Every page a request holds goes back when it finishes, is aborted, or fails. With
 `async_scheduling` the step looks one step ahead (`paged_jax.engine.lookahead`). With a `speculative_config` a
-step also verifies drafts (`paged_jax.spec`). A request with structured outputs
+step also verifies drafts (`paged_jax.spec_decode`). A request with structured outputs
 gets one grammar matcher per sample when it is added (`paged_jax.structured`); each sampled token advances
 it, and each step's constrained rows get their bitmask filled while the device runs the forward pass.
 """
@@ -16,13 +16,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor
+from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor, ProcessedRequest
 from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
 from paged_jax.engine.protocol import EngineStats
@@ -37,16 +38,17 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
-from paged_jax.spec.decoder import SpecDecoder
-from paged_jax.spec.setup import parse_spec_config
+from paged_jax.spec_decode.decoder import SpecDecoder
+from paged_jax.spec_decode.setup import make_spec_decoder
 from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, StructuredRows
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.executables import PROCESS as COMPILES
 from paged_jax.worker.kv_budget import kv_capacity_pages
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
-from paged_jax.worker.runner import LoraShape, ModelRunner, StepResult
+from paged_jax.worker.runner import ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
+from paged_jax.worker.step_functions import LoraShape
 from paged_jax.worker.warmup import WarmupPlan, run_warmup
 
 log = logging.getLogger(__name__)
@@ -66,8 +68,8 @@ def make_runner(
     """The engine's runner for `ec` (its buckets, KV pages, LoRA slots and verify rows); `abstract`: nothing
     allocated, for compiling the engine's steps for a target without its devices (`paged_jax.engine.aot`)."""
     spec_tokens = 0
-    if ec.speculative_config is not None:
-        spec_tokens = parse_spec_config(ec.speculative_config).num_speculative_tokens
+    if ec.speculative is not None:
+        spec_tokens = ec.speculative.num_speculative_tokens
     return ModelRunner(
         run_config,
         params,
@@ -126,13 +128,9 @@ class LLMEngine:
             run_config, params = sharding.shard_params(config, params, mesh)
         self.mesh = mesh
         self.spec: SpecDecoder | None = None
-        spec_config = None
-        if ec.speculative_config is not None:
-            from paged_jax.spec.setup import make_spec_decoder, parse_spec_config
-
-            spec_config = parse_spec_config(ec.speculative_config)
+        spec_config = ec.speculative
         self.num_pages = kv_capacity_pages(
-            run_config, ec, kv_dtype, None if mesh is None else devices[0], tp, self.max_model_len
+            run_config, ec, kv_dtype, None if mesh is None or devices is None else devices[0], tp, self.max_model_len
         )
         self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
         self.adapters, lora_slots = None, None
@@ -208,7 +206,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int] | ChatPrompt,
+        prompt: str | Sequence[int] | ChatPrompt | ProcessedRequest,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
@@ -216,7 +214,8 @@ class LLMEngine:
         group: str | None = None,
     ) -> None:
         """Queue a request (`params` None: the model's generation defaults). Raises FieldError naming the field
-        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache;
+        when the request is invalid (`paged_jax.engine.input_processor`) or can never fit the KV cache; a
+        `ProcessedRequest` (the fronts process each request once, on their own thread) is queued as it is;
         `lora_request`: run it with that adapter (`paged_jax.lora`; a LoraError, field `lora_request`, when it
         cannot be served); `group`: the client request it belongs to (the prompts of one multi-prompt API request),
         which takes one turn of the scheduler's admission round-robin for all of them (None: its own)."""
@@ -225,8 +224,14 @@ class LLMEngine:
             if self.adapters is None:
                 raise FieldError("lora_request", "LoRA is not enabled on this engine (enable_lora)")
             adapter = self.adapters.get(lora_request)
-        request = GenerationRequest(prompt, params if params is not None else {}, cache_salt=cache_salt)
-        req = self.outputs.add_request(request_id, self.inputs.process(request), arrival_time, self._check_fits)
+        if isinstance(prompt, ProcessedRequest):  # a front checked it already (`InputProcessor.process`)
+            if params is not None or cache_salt is not None:
+                raise TypeError("add_request: a ProcessedRequest carries its own params and cache_salt")
+            processed = prompt
+        else:
+            request = GenerationRequest(prompt, params if params is not None else {}, cache_salt=cache_salt)
+            processed = self.inputs.process(request)
+        req = self.outputs.add_request(request_id, processed, arrival_time, self._check_fits)
         params = req.params
         if params.structured_outputs is not None:
             if self.spec is not None:
@@ -285,14 +290,15 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def stats(self) -> EngineStats:
-        spec = {} if self.spec is None else self.spec.stats.as_dict()
+        spec: dict[str, Any] = {} if self.spec is None else self.spec.stats.as_dict()
+        compiles: dict[str, Any] = self.runner.compile_stats.as_dict()
         return EngineStats(
             **spec,
             **asdict(self.kv.stats()),
             num_preemptions=self.scheduler.num_preemptions,
             num_waiting=self.num_waiting,
             num_running=self.num_running,
-            **self.runner.compile_stats.as_dict(),
+            **compiles,
             step_tokens=self.runner.real_tokens,
             step_padding_tokens=self.runner.padded_tokens,
             kv_cache_tokens=(self.num_pages - 1) * self.engine_config.page_size,
@@ -319,7 +325,7 @@ class LLMEngine:
         spec = self.spec
         collected = None if prev is None else prev.sched
         synced = prev is not None and spec is not None and spec.needs_sync(prev.sched, self.scheduler.running, self.kv)
-        if synced:
+        if synced and prev is not None:
             outputs, prev = self.finish_step(prev), None  # speculating: the next step's drafts need these tokens
         if prev is not None:
             self.lookahead.mark_pending(prev, self._is_live, self.outputs.is_last_token)
@@ -371,6 +377,7 @@ class LLMEngine:
         dispatch its sampling."""
         t0 = time.perf_counter()
         bitmask = self.structured.bitmask(self._constrained_rows(launched.sched), len(launched.sched.sample_rows))
+        assert launched.forward is not None, "sampling is launched once, after its forward step"
         samples = self.runner.launch_sample(launched.forward, bitmask)
         prompt = launched.forward.prompt_logprobs
         return Launched(launched.sched, samples, launched.host_seconds + time.perf_counter() - t0, None, prompt)
@@ -391,6 +398,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = launched.sched
         device0 = self.runner.device_seconds
+        assert launched.samples is not None, "a step is finished after its sampling was launched"
         result = self.runner.collect(
             launched.samples, len(sched.sample_rows), launched.prompt_logprobs, num_prompt_rows(sched)
         )
@@ -409,7 +417,8 @@ class LLMEngine:
             except Exception as e:  # one request's failure (e.g. its tokenizer) ends that request alone
                 log.exception("request %s failed", req.request_id)
                 touched.pop(req.request_id, None)
-                outputs.append(self.fail(req.request_id, f"{type(e).__name__}: {e}"))
+                if (failed := self.fail(req.request_id, f"{type(e).__name__}: {e}")) is not None:
+                    outputs.append(failed)
                 continue
             touched[req.request_id] = req
         if self.spec is not None:

@@ -117,7 +117,8 @@ class OutputProcessor:
         if seq.first_token_time is None:
             seq.first_token_time = now
         n_out = len(seq.output_token_ids)
-        reason, stop_reason = None, None
+        reason: FinishReason | None = None
+        stop_reason: str | int | None = None  # the stop token id or stop string
         if not p.ignore_eos and token in self.eos_token_ids and n_out >= p.min_tokens:
             reason = FinishReason.EOS
         elif token in p.stop_token_ids and n_out >= p.min_tokens:
@@ -140,6 +141,7 @@ class OutputProcessor:
         the logprob of prompt token p + 1 (positions come in order, each once)."""
         assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == positions.start + 1, positions
         k = req.params.prompt_logprobs
+        assert k is not None, "prompt logprobs recorded for a request that asked for them"
         ids = req.prompt_token_ids
         req.prompt_logprobs.extend(values.entry(first_row + i, ids[p + 1], k) for i, p in enumerate(positions))
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.input_processor import ChatPrompt
+from paged_jax.engine.input_processor import ChatPrompt, ProcessedRequest
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -51,7 +51,8 @@ class EngineStats:
     executable_load_seconds: float = 0.0  # looking them up and loading them (summed over threads)
     kv_cache_tokens: int = 0  # token slots of the KV pages (page 0 not counted)
     kv_cache_token_gain: float = 1.0  # tokens per KV byte relative to bfloat16 pages (int8 pages: ~1.94)
-    # Speculative decoding (paged_jax.spec.SpecStats): runs verified, drafts scored, drafts kept, their ratio, kept
+    # Speculative decoding (paged_jax.spec_decode.SpecStats): runs verified, drafts scored, drafts kept, their ratio,
+    # kept
     # per run, and per draft position the share kept.
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
@@ -104,7 +105,7 @@ class Engine(Protocol):
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int] | ChatPrompt,
+        prompt: str | Sequence[int] | ChatPrompt | ProcessedRequest,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,

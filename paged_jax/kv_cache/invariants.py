@@ -7,12 +7,14 @@ Raises ``RuntimeError`` (not ``assert``, which ``python -O`` strips) naming the 
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from paged_jax.kv_cache.manager import KVCacheManager
 from paged_jax.kv_cache.page_bounds import cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise RuntimeError(f"KV cache invariant broken: {msg}")
 
 

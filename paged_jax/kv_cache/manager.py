@@ -10,7 +10,7 @@ page_size)``. So only the last page can be partially filled, and it is the only 
 write into; a prefix-cache hit always covers whole pages. That is why copy-on-write only ever concerns
 the last page, and only after a ``fork``.
 
-Speculative decoding (``paged_jax.spec``) reserves slots past ``num_computed`` for a step's draft tokens
+Speculative decoding (``paged_jax.spec_decode``) reserves slots past ``num_computed`` for a step's draft tokens
 (``allocate_slots(num_draft=k)``); those slots hold unverified KV until ``accept_drafts`` keeps the accepted
 ones and returns the pages only the rejected ones needed. A block is never hashed while it holds a draft.
 

@@ -64,7 +64,7 @@ class FreePageQueue:
     def popleft(self) -> Page:
         """Remove and return the page at the head (the least recently freed, or a hash-less one)."""
         page = self.head.next_free
-        if page is self.tail:
+        if page is self.tail or page is None:
             raise RuntimeError("free list is empty")
         self.remove(page)
         return page
@@ -82,6 +82,7 @@ class FreePageQueue:
     def append(self, page: Page) -> None:
         """Insert at the tail: evicted last."""
         last = self.tail.prev_free
+        assert last is not None, "the tail sentinel always has a predecessor"
         page.prev_free, page.next_free = last, self.tail
         last.next_free = page
         self.tail.prev_free = page
@@ -90,6 +91,7 @@ class FreePageQueue:
     def appendleft(self, page: Page) -> None:
         """Insert at the head: evicted first (used for pages that hold nothing reusable)."""
         first = self.head.next_free
+        assert first is not None, "the head sentinel always has a successor"
         page.prev_free, page.next_free = self.head, first
         first.prev_free = page
         self.head.next_free = page
@@ -100,6 +102,7 @@ class FreePageQueue:
         out: list[int] = []
         node = self.head.next_free
         while node is not self.tail:
+            assert node is not None, "the list ends at the tail sentinel"
             out.append(node.page_id)
             node = node.next_free
         return out

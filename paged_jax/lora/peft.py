@@ -165,7 +165,7 @@ def adapter_layers(
     """The per-layer (A, B) pairs of PEFT `tensors`, checked against `config` (LoraError naming the tensor)."""
     num_layers = config.num_layers if num_layers is None else num_layers
     shapes = _shapes(config)
-    halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    halves: dict[tuple[int, str], dict[str, tuple[str, np.ndarray]]] = {}  # half "A"/"B" -> (key, tensor)
     for key, value in tensors.items():
         m = _KEY.search(key)
         if m is None:

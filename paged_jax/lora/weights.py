@@ -112,14 +112,16 @@ _SPECS = {
 
 def partition_specs(config: ModelConfig, max_loras: int, max_rank: int, tp_axis: str = "tp") -> LoraWeights:
     """A `LoraWeights` of `PartitionSpec` leaves (module docstring)."""
-    return LoraWeights({k: P(None, *_SPECS[k](tp_axis)) for k in layer_shapes(config, max_loras, max_rank)}, P())
+    specs = {k: P(None, *_SPECS[k](tp_axis)) for k in layer_shapes(config, max_loras, max_rank)}
+    return LoraWeights(specs, P())  # type: ignore[arg-type]  # partition specs stand in for arrays
 
 
 def abstract_weights(config: ModelConfig, max_loras: int, max_rank: int) -> LoraWeights:
     """`jax.ShapeDtypeStruct` leaves of the stacked arrays in the model dtype (scaling float32)."""
     dtype, n = jnp.dtype(config.dtype), config.num_layers
     arrays = {k: jax.ShapeDtypeStruct((n, *v), dtype) for k, v in layer_shapes(config, max_loras, max_rank).items()}
-    return LoraWeights(arrays, jax.ShapeDtypeStruct((max_loras,), jnp.float32))
+    scaling = jax.ShapeDtypeStruct((max_loras,), jnp.float32)
+    return LoraWeights(arrays, scaling)  # type: ignore[arg-type]  # abstract leaves stand in for arrays
 
 
 def allocate(config: ModelConfig, max_loras: int, max_rank: int, shardings: LoraWeights | None = None) -> LoraWeights:

@@ -272,7 +272,7 @@ class CausalLM(nn.Module):
                 view = None if kv is None else LayerPages(kv, layer, c.num_layers)
                 rope = ropes[c.layer_sliding_window(group.start + j) is not None]
                 adapters = None if layer_lora is None else layer_lora.at(layer)
-                x, view = module.apply({"params": weights}, x, rope, view, meta, adapters)
+                x, view = module.apply({"params": weights}, x, rope, view, meta, adapters)  # type: ignore[assignment]  # flax types apply() as `out | (out, variables)` whatever `mutable` is
                 kv = None if view is None else view.pages
             return (g + 1, x, kv), None
 

@@ -24,9 +24,10 @@ from paged_jax.config import ModelConfig
 from paged_jax.lora.delta import LoraLayer
 from paged_jax.model.attention import AttentionFn
 from paged_jax.model.decoder import Attention, CausalLM, GatedMLP, Rope
+from paged_jax.model.layers import RMSNorm
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """y = (x * rsqrt(mean(x^2) + eps)) * (1 + weight), all in float32, then cast to x.dtype. x: [..., H]."""
 
     hidden_size: int

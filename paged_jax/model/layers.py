@@ -1,7 +1,7 @@
 """Building blocks of the Llama decoder: RMSNorm, rotary embeddings, the projections, SwiGLU MLP.
 
 The projections are plain functions over a layer's parameter dict (`qkv_projection`, `out_projection`,
-`gated_mlp`): one call site each, used by the modules and by `scripts/profile_decode.py`. Each takes the
+`gated_mlp`): one call site each, used by the modules and by `scripts/bench/profile_decode.py`. Each takes the
 layer's optional `LoraLayer` and adds the batch's LoRA deltas to its outputs (`paged_jax.lora.delta`).
 
 Numerics follow Hugging Face transformers: RMSNorm in float32 then cast back before the weight;

@@ -11,6 +11,7 @@ leading layer axis whole on every chip (each chip holds its slice of every layer
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -50,7 +51,8 @@ def param_partition_specs(config: ModelConfig, params: Any, tp_axis: str = "tp",
         layer = (None,) if any(getattr(k, "key", None) == LAYERS for k in path) else ()  # stacked: axis 0 whole
         moved = tuple(rule[a] for a in perms[name]) if layer and name in perms else rule
         if isinstance(leaf, QuantizedWeight):  # values as the weight; scales as its output (trailing) axes
-            return leaf.replace(values=P(*layer, *moved), scale=P(*layer, *rule[leaf.contract :]))
+            values, scale = P(*layer, *moved), P(*layer, *rule[leaf.contract :])
+            return dataclasses.replace(leaf, values=values, scale=scale)  # type: ignore[arg-type]  # specs, not arrays
         return P(*layer, *moved)
 
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

@@ -124,8 +124,8 @@ def _dot_general(x: jax.Array, w: jax.Array, contract: int, batch: int, preferre
     b = tuple(range(batch))
     wb = jnp.moveaxis(w, tuple(range(contract, contract + batch)), b)  # [*B, *K, *N]
     xb = jnp.broadcast_to(x, w.shape[contract : contract + batch] + x.shape)  # [*B, T.., *K]
-    dims = ((tuple(range(batch + t, batch + x.ndim)), tuple(range(batch, batch + contract))), (b, b))
-    out = jax.lax.dot_general(xb, wb, dims, preferred_element_type=preferred_element_type)  # [*B, T.., *N]
+    bdims = ((tuple(range(batch + t, batch + x.ndim)), tuple(range(batch, batch + contract))), (b, b))
+    out = jax.lax.dot_general(xb, wb, bdims, preferred_element_type=preferred_element_type)  # [*B, T.., *N]
     return jnp.moveaxis(out, b, tuple(range(t, t + batch)))
 
 

@@ -28,7 +28,7 @@ def full_logits(model: nn.Module, params: Params, token_ids: jax.Array, length: 
     num = token_ids.shape[0]
     meta = DenseMeta.single(num, length)
     hidden, _ = model.apply(params, token_ids, meta.positions, None, meta)
-    return model.apply(params, hidden, method="compute_logits")
+    return model.apply(params, hidden, method="compute_logits")  # type: ignore[return-value]  # flax types apply() as `out | (out, variables)` whatever `mutable` is
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

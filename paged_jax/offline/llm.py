@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -79,8 +80,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, Iterable):
             raise FieldError("prompts", f"expected a prompt or a list of prompts, got {type(prompts).__name__}")
-        prompts = [prompt_input(p) for p in prompts]
-        return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+        inputs = [prompt_input(p) for p in prompts]
+        return self._run(inputs, sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(
         self,
@@ -103,10 +104,14 @@ class LLM:
         """
         if isinstance(messages, (str, Mapping)) or not messages:
             raise FieldError("messages", "must be a non-empty list of messages, or a list of such lists")
-        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        if isinstance(messages[0], Mapping):  # one conversation
+            conversations = [cast(Conversation, messages)]
+        else:
+            conversations = list(cast(Sequence[Conversation], messages))
         template = template_from_text(chat_template) if chat_template is not None else None
+        tool_list = None if tools is None else list(tools)
         chats = [
-            ChatPrompt(c, add_generation_prompt, tools, chat_template_kwargs or {}, template) for c in conversations
+            ChatPrompt(c, add_generation_prompt, tool_list, chat_template_kwargs or {}, template) for c in conversations
         ]
         several = len(chats) > 1
         names = [FieldNames({"messages": f"messages[{i}]"}) if several else None for i in range(len(chats))]
@@ -114,7 +119,7 @@ class LLM:
 
     def _run(
         self,
-        prompts: list[str | list[int] | ChatPrompt],
+        prompts: Sequence[str | list[int] | ChatPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         names: Sequence[FieldNames | None] | None = None,
@@ -143,7 +148,7 @@ class LLM:
                 try:
                     self.engine.add_request(rid, prompt, params, lora_request=lora)
                 except FieldError as e:
-                    raise e.renamed(names[i]) if names and names[i] is not None else e from None
+                    raise e.renamed(name) if names and (name := names[i]) is not None else e from None
                 order[rid] = i
             while self.engine.has_unfinished():
                 for out in self.engine.step():

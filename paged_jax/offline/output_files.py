@@ -11,6 +11,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from paged_jax.offline.lines import id_key
 from paged_jax.outputs import CompletionOutput, RequestOutput
@@ -142,12 +143,12 @@ class LineWriter:
 
 
 def _logprobs(c: CompletionOutput) -> list[dict]:
-    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs or ()]
 
 
 def result_line(out: RequestOutput, rid: str | int) -> dict:
     first = out.outputs[0]
-    line = {
+    line: dict[str, Any] = {
         "id": rid,
         "text": first.text,
         "token_ids": first.token_ids,

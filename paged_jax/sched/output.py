@@ -8,7 +8,6 @@ runner never talks to the KV manager; this record is the whole contract between 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from paged_jax.kv_cache import PageCopy
 from paged_jax.lora.registry import SlotLoad
@@ -33,7 +32,8 @@ class ScheduledSeq:
         return self.num_new + len(self.draft)
 
 
-class SampleRow(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class SampleRow:
     """One row of the step's samples: `seq` draws its next token from the logits of the last token of
     `scheduled[index]` (its own entry, or its leader's on the step a shared prompt completes).
 

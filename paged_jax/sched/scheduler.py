@@ -7,7 +7,7 @@ round-robin between client requests (`paged_jax.sched.waiting`: arrival order un
 prompts) while the token budget, the sequence limit and the pages last; their cached prefix blocks are skipped.
 A prompt longer than the budget (or the chunk size) is prefilled in chunks.
 
-Speculative decoding (`paged_jax.spec`): a decoding sequence may carry draft tokens (`draft_token_ids`, set by
+Speculative decoding (`paged_jax.spec_decode`): a decoding sequence may carry draft tokens (`draft_token_ids`, set by
 the engine's proposer before the step); they are scheduled after its last token inside the same token budget,
 with KV slots reserved for them, and dropped (never preempting anyone) when the budget or the pages run short.
 Each scheduled draft adds one sample row, so the step scores 1 + k positions of that sequence.
@@ -21,6 +21,8 @@ holds no pages and has none computed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.lora.registry import SlotTable
@@ -126,7 +128,7 @@ class Scheduler:
         blocked: list[TokenSequence] = []  # waiting for a LoRA slot: the ones behind them go first
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seq.lora is not None and not self.lora_slots.can_acquire(seq.lora):
+            if seq.lora is not None and not self._slots().can_acquire(seq.lora):
                 blocked.append(self.waiting.popleft())
                 continue
             wanted = promised + 1 + len(seq.forked_children)
@@ -161,17 +163,22 @@ class Scheduler:
         """Give a sequence starting to run its adapter's device slot (loading the adapter there if needed)."""
         if seq.lora is None:
             return
-        seq.lora_slot, load = self.lora_slots.acquire(seq.lora)
+        seq.lora_slot, load = self._slots().acquire(seq.lora)
         if load is not None:
             out.lora_loads.append(load)
 
+    def _slots(self) -> SlotTable:
+        """The adapter slots; a sequence with an adapter exists only when LoRA is on (the engine checks)."""
+        assert self.lora_slots is not None, "a LoRA request reached a scheduler without adapter slots"
+        return self.lora_slots
+
     def _release_slot(self, seq: TokenSequence) -> None:
         if seq.lora is not None:
-            self.lora_slots.release(seq.lora_slot)
+            self._slots().release(seq.lora_slot)
             seq.lora_slot = 0
 
     def _schedule(
-        self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str], draft: list[int] = ()
+        self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str], draft: Sequence[int] = ()
     ) -> None:
         """Record `num_new` tokens (and `draft`) of `seq`, already allocated (so its computed count already
         includes the new tokens)."""

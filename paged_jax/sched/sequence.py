@@ -76,7 +76,7 @@ class TokenSequence:
     # `prompt_logprobs` requests: the prompt positions [0, this) whose next-token logprob a launched step computes
     # (the leader's; the request's prompt logprobs are its own, not each sample's)
     prompt_logprobs_done: int = 0
-    # Speculative decoding (`paged_jax.spec`): tokens proposed to follow the last one, scored by the next step if
+    # Speculative decoding (`paged_jax.spec_decode`): tokens proposed to follow the last one, scored by the next step if
     # the scheduler finds room (it takes them: a draft is for one step).
     draft_token_ids: list[int] = field(default_factory=list)
 

@@ -56,14 +56,16 @@ class Matcher(Protocol):
         ...
 
 
-class GrammarBackend(Protocol):
+class GrammarBackend[M: Matcher](Protocol):
+    """Builds matchers of its own kind `M` and fills the bitmask rows of those matchers."""
+
     vocab_size: int  # the mask covers this many token ids (the model's vocabulary, padding included)
 
-    def matcher(self, spec: StructuredOutputs) -> Matcher:
+    def matcher(self, spec: StructuredOutputs) -> M:
         """A matcher at the start of `spec`'s grammar. Raises `GrammarError` naming the field."""
         ...
 
-    def fill(self, rows: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+    def fill(self, rows: Sequence[tuple[M, int]], bitmask: np.ndarray) -> None:
         """Write each matcher's allowed next tokens into its row of `bitmask` (int32 [R, ceil(V / 32)]), in
         parallel where the backend can; rows not named are left as they are."""
         ...

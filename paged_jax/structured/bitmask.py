@@ -4,7 +4,7 @@ Format (xgrammar's, outlines-core's and llguidance's): int32 `[rows, ceil(V / 32
 32 i + j, 1 = allowed. A row without a constraint is all ones (-1 in every word). `apply_bitmask` is the one
 op the sampler calls; it unpacks the words with shifts (no [rows, V] mask crosses the host-device link) and
 sets every disallowed score to `MASK` (finite, so max - max stays finite). The unpack is skipped with a
-`lax.cond` when every word is -1: no row is constrained (scripts/bench_structured.py measures both ways).
+`lax.cond` when every word is -1: no row is constrained (scripts/bench/bench_structured.py measures both ways).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import concurrent.futures
 import json
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy
@@ -29,7 +29,10 @@ from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.structured.backend import GrammarError, StructuredLimits
 from paged_jax.tokenization.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the extension's stub only
+
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = {"type": "object"}  # `json=True` (OpenAI's json_object)
 
 
@@ -121,7 +124,7 @@ def grammar_text(spec: StructuredOutputs) -> tuple[str, int]:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value), len(value.encode())
     if kind == "choice":
-        return llguidance.grammar_from("choice", list(value)), sum(len(c.encode()) for c in value)
+        return llguidance.grammar_from("choice", json.dumps(list(value))), sum(len(c.encode()) for c in value)
     if kind == "grammar":
         return llguidance.grammar_from("grammar", value), len(value.encode())  # Lark, or GBNF converted
     text = value if isinstance(value, str) else json.dumps(value)

@@ -10,7 +10,7 @@ constrained row is dispatched in two halves: its forward pass at once (it needs 
 the device is merged there), its sampling only after step n's tokens are on the host, have advanced the
 matchers, and the masks are filled. Unconstrained steps are dispatched whole, as before. What the split costs
 is the host time between step n's samples and step n+1's sampling (finishing step n, then the fill) that the
-device no longer hides behind step n+1's forward pass: `scripts/bench_structured.py` measures it.
+device no longer hides behind step n+1's forward pass: `scripts/bench/bench_structured.py` measures it.
 """
 
 from __future__ import annotations

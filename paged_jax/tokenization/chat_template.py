@@ -102,7 +102,8 @@ def load_chat_template(model_dir: str | Path | None, override_file: str | Path |
     named_dir = model_dir / "chat_templates"
     if named_dir.is_dir():
         for path in sorted(named_dir.glob("*.jinja")):
-            templates.setdefault(path.stem, read_text(model_file(named_dir, path.name)))
+            if (found := model_file(named_dir, path.name)) is not None:  # None: removed since the glob
+                templates.setdefault(path.stem, read_text(found))
         source = source or f"{named_dir.name}/"
     return ChatTemplate(templates, source) if templates else None
 

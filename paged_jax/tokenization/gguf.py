@@ -172,7 +172,7 @@ def _sentencepiece_model(meta: dict[str, Any]) -> Any:
     unk_id = meta.get("unk_id")
     unk = tokens[unk_id] if unk_id is not None else None
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    steps = [normalizers.Replace(" ", "▁")]
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", "▁")]
     if meta.get("add_space_prefix", True):
         steps.insert(0, normalizers.Prepend("▁"))
     tok.normalizer = normalizers.Sequence(steps)
@@ -237,7 +237,9 @@ def _post_processor(tok: Any, meta: dict[str, Any]) -> None:
     single = " ".join(p for p in (bos and f"{bos}:0", "$A:0", eos and f"{eos}:0") if p)
     pair = " ".join(p for p in (single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1") if p)
     specials = [(t, tokens.index(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
-    template = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    template: processors.PostProcessor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
     if meta["model"] == "gpt2":
         template = processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
     tok.post_processor = template

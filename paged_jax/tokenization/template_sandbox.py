@@ -105,10 +105,11 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
         if ints and left.bit_length() + right.bit_length() > limits.max_int_bits:
             raise TemplateBudgetError(f"a product larger than {limits.max_int_bits} bits")
         for seq, times in ((left, right), (right, left)):
-            if _size(seq) is not None and isinstance(times, int) and _size(seq) * times > limits.max_value_chars:
+            size = _size(seq)
+            if size is not None and isinstance(times, int) and size * times > limits.max_value_chars:
                 raise TemplateBudgetError(f"a repetition of more than {limits.max_value_chars} items")
-    elif operator == "+" and _size(left) is not None and _size(right) is not None:
-        if _size(left) + _size(right) > limits.max_value_chars:
+    elif operator == "+" and (left_size := _size(left)) is not None and (right_size := _size(right)) is not None:
+        if left_size + right_size > limits.max_value_chars:
             raise TemplateBudgetError(f"a concatenation of more than {limits.max_value_chars} items")
     elif operator == "%" and isinstance(left, str) and _FORMAT_WIDTH.search(left):
         raise TemplateBudgetError("a %-format with a width or precision of a million or more")

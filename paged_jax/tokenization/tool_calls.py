@@ -94,7 +94,7 @@ def _one_of(functions: Mapping[str, Mapping[str, Any]], args_key: str) -> dict[s
 def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
+    args: Any = next((obj[k] for k in args_keys if k in obj), {})
     if isinstance(args, str):
         try:
             args = json.loads(args)

@@ -4,7 +4,7 @@ JAX's persistent compilation cache keys an entry by the lowered StableHLO, so ev
 executable is in that cache traces and lowers each one to find it (most of a warm start's time on CPU). The
 executable store keys an entry by what determines the executable instead, known before anything is traced:
 
-- the job's key (`paged_jax.worker.runner.Job`): the function's kind, the runner's configuration (model
+- the job's key (`paged_jax.worker.compile_jobs.Job`): the function's kind, the runner's configuration (model
   config, attention backend and CPU kernel library, mesh, quantization, LoRA shape, scan, buckets, the
   parameters' and pages' shapes, dtypes and shardings) and the job's static shape, flags and XLA compiler
   options, as its `repr` (every part is a plain value);
@@ -43,7 +43,7 @@ import jax
 from jax.experimental import serialize_executable
 
 import pallas_kernels
-from pallas_kernels.cpu_paged import cpu_flags
+from pallas_kernels.cpu.paged import cpu_flags
 
 log = logging.getLogger(__name__)
 

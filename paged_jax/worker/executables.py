@@ -104,7 +104,7 @@ class _ProcessCounters:
             with self.lock:
                 self.misses += 1
 
-    def _on_duration(self, event: str, duration: float, **_) -> None:
+    def _on_duration(self, event: str, duration_secs: float, **_) -> None:
         if event == _BACKEND_COMPILE:
             with self.lock:
                 self.backend_compiles += 1
@@ -250,7 +250,7 @@ class Executables:
         """The future of `key`'s compile and whether the caller must run it (no one else is)."""
         with self._lock:
             if key in self._done:
-                future = concurrent.futures.Future()
+                future: concurrent.futures.Future = concurrent.futures.Future()
                 future.set_result(self._done[key])
                 return future, False
             if key in self._pending:

@@ -10,7 +10,7 @@ get-tuple-element, bitcasts and optimization barriers. An asynchronous copy (XLA
 memory space, e.g. a small cache placed in TPU VMEM) shows as its ``copy-done``, a sliced one as the
 ``ConcatBitcast`` custom call that reassembles it. Quantized pages' scale arrays (``f32[pages, row]``,
 ``pallas_kernels.kv_quant``) are checked the same way (:func:`cache_copies`): a narrow row once made XLA:TPU
-relayout every layer's whole scale array each step. Tested on saved HLO text (``tests/test_hlo_audit.py``).
+relayout every layer's whole scale array each step. Tested on saved HLO text (``tests/worker/test_hlo_audit.py``).
 
 :func:`weight_copies` measures the same for the weights: bytes of per-layer weight arrays a step materialises
 (a scanned decoder's per-layer slice of a stacked weight copied out before its dot), reported by the TPU audit.
@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 HLO_DTYPE = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int8": "s8", "float8_e4m3fn": "f8e4m3fn"}
 _ALLOWED = (
@@ -94,7 +95,7 @@ class WeightCopies:
 
 
 def weight_copies(
-    hlo: str, layer_shapes: list[tuple[tuple[int, ...], object]], num_layers: int, tokens: int | None = None
+    hlo: str, layer_shapes: list[tuple[tuple[int, ...], DTypeLike]], num_layers: int, tokens: int | None = None
 ) -> WeightCopies:
     """The per-layer weight copies (:class:`WeightCopies`) of ``hlo`` for weights of ``layer_shapes`` (one
     layer's ``(shape, dtype)`` per weight, per device), also matched with a leading 1 (a scan's slice) and

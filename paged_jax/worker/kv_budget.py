@@ -107,6 +107,7 @@ def kv_capacity_pages(
         device = device or jax.local_devices()[0]
         platform = platform or device.platform
     if stats is None:
+        assert device is not None  # set above
         stats = device.memory_stats() if device.platform != "cpu" else None
     per_page = kv_bytes_per_page(config, kv_dtype, ec.page_size, kv_shards, kv_quant.lane_dense(platform))
     if stats and "bytes_limit" in stats:

@@ -10,7 +10,7 @@ request's own seed and its output position, so a seeded request draws the same t
 batch. It replaced Gumbel-max, which drew V uniforms per row (threefry: most of the old sampling step's time
 on CPU; JAX's `rbg` keys were slower still on XLA:CPU); the distribution is the same, the draws for a given
 seed are not. Greedy rows never build a [S, V] log-softmax (the chosen token's logprob is its logit minus
-the row's logsumexp) and take the argmax blockwise (`first_argmax`). `scripts/bench_sampler.py` measures it
+the row's logsumexp) and take the argmax blockwise (`first_argmax`). `scripts/bench/bench_sampler.py` measures it
 against the old sampler.
 """
 

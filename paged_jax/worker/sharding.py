@@ -25,6 +25,7 @@ per host (see `paged_jax.offline.multihost` for that decision).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -118,7 +119,7 @@ def kv_scales_sharding(mesh: Mesh) -> NamedSharding:
 
 def kv_cache_spec(quantized: bool):
     """The partition spec (pytree) of one layer's cache: the pages, or quantized pages and their scales."""
-    return QuantizedPages(KV_SPEC, KV_SCALES_SPEC) if quantized else KV_SPEC
+    return QuantizedPages(KV_SPEC, KV_SCALES_SPEC) if quantized else KV_SPEC  # type: ignore[arg-type]  # partition specs stand in for arrays
 
 
 def kv_cache_sharding(mesh: Mesh, quantized: bool):
@@ -162,7 +163,7 @@ def shard_attention(
         body = functools.partial(attention_fn, sm_scale=sm_scale, **layer_options)  # per-layer window and cap
         kv = kv_cache_spec(quantized)
         if isinstance(kv_pages, LayerPages):  # a scanned layer's view: the stacked pages as above, its index whole
-            kv = kv_pages.replace(pages=kv, layer=P())
+            kv = dataclasses.replace(kv_pages, pages=kv, layer=P())  # type: ignore[arg-type]  # partition specs stand in for arrays
         return jax.shard_map(
             body,
             mesh=mesh,

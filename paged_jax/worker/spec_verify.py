@@ -3,7 +3,7 @@
 A speculating sequence has 1 + k consecutive sample rows (`paged_jax.sched.output.SampleRow`): row j draws the
 token after its last real token and its first j drafts. The sampler draws every row from the target's
 distribution as it would without speculation; row j is kept iff each earlier row i < j drew exactly draft i
-(see `paged_jax.spec` for why that is the rejection rule for point-mass drafts). Rows not kept read `REJECTED`
+(see `paged_jax.spec_decode` for why that is the rejection rule for point-mass drafts). Rows not kept read `REJECTED`
 in the step's tokens, so the host appends the kept ones in row order and nothing else.
 """
 

@@ -1,6 +1,6 @@
 """One step's device inputs, built on the host from the scheduler's output: padded numpy arrays, nothing compiled.
 
-The runner picks the token bucket `T` and the sequence bucket `S` (`paged_jax.worker.runner`); this module fills the
+The runner picks the token bucket `T` and the sequence bucket `S` (`paged_jax.worker.buckets`); this module fills the
 arrays. Padding is inert: padding tokens write nowhere (slot -1) and sit past `cu_q_lens[num_seqs]`, padding
 sequences have no keys and point every block at the null page 0, padding sample rows are greedy and ignored.
 
@@ -36,7 +36,8 @@ class SamplerFlags(NamedTuple):
 
 @dataclass(slots=True)
 class StepInputs:
-    """The forward step's inputs, padded to `T` tokens and `S` sequences (see `paged_jax.worker.runner.PagedMeta`)."""
+    """The forward step's inputs, padded to `T` tokens and `S` sequences (see
+    `paged_jax.worker.paged_attention.PagedMeta`)."""
 
     token_ids: np.ndarray  # [T] i32; 0 for padding and for ids still on the device
     positions: np.ndarray  # [T] i32 position of each token in its sequence
@@ -120,13 +121,13 @@ def build_sampling_inputs(
     with a biased row carries `logit_bias_width` bias columns (none otherwise)."""
     penalized = any(row.seq.params.uses_penalties for row in rows)
     biased = any(row.seq.params.logit_bias for row in rows)
-    m = SamplingMeta(
-        **empty_meta(s, suppress_width, history_len if penalized else 1, logit_bias_width if biased else 0)
-    )
+    host = empty_meta(s, suppress_width, history_len if penalized else 1, logit_bias_width if biased else 0)
+    m = SamplingMeta(**host)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
     pending_rows = np.full(s, -1, np.int32)
     pending_cols = np.zeros(s, np.int32)
     do_sample = do_filter = want_logprobs = False
-    for r, (seq, _, draft_prefix) in enumerate(rows):
+    for r, row in enumerate(rows):
+        seq, draft_prefix = row.seq, row.draft_prefix
         p = seq.params
         n_out = len(seq.output_token_ids) + len(draft_prefix)  # output index of the token this row draws
         m.temperature[r] = p.temperature
@@ -138,7 +139,7 @@ def build_sampling_inputs(
         if p.logprobs is not None:
             want_logprobs = True
         if p.logit_bias:
-            fill_logit_bias(m.logit_bias_ids[r], m.logit_bias[r], p.logit_bias)
+            fill_logit_bias(m.logit_bias_ids[r], m.logit_bias[r], p.logit_bias)  # type: ignore[arg-type]  # numpy here
         seed = (seq.seed + seq.index) % 2**64
         m.seed[r] = (seed & 0xFFFFFFFF, seed >> 32)
         m.step[r] = n_out

@@ -1,7 +1,7 @@
 """Which step shapes does a run compile before its first step, and how?
 
 A `WarmupPlan` names the shapes: every token bucket up to the most tokens one step of the run can hold (each
-with its sequence bucket, see `paged_jax.worker.runner`), the sampler variants its requests can combine (each
+with its sequence bucket, see `paged_jax.worker.buckets`), the sampler variants its requests can combine (each
 also with logit-bias columns when requests may bias), the prompt-logprob step of each token bucket when
 requests may ask for prompt logprobs, and the lookahead's merge. Compiling more than a run reaches is time the
 user waits for nothing (on TPU tens of seconds a shape), so:
@@ -29,8 +29,12 @@ import jax
 from tqdm.auto import tqdm
 
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker.buckets import bucket_for
+from paged_jax.worker.compile_jobs import Job
 from paged_jax.worker.executables import persistent_cache_summary
-from paged_jax.worker.runner import GREEDY, Job, ModelRunner, SamplerFlags, bucket_for
+from paged_jax.worker.runner import ModelRunner
+from paged_jax.worker.step_functions import GREEDY
+from paged_jax.worker.step_inputs import SamplerFlags
 
 log = logging.getLogger(__name__)
 
@@ -110,24 +114,24 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     history merge where a variant has penalties), prompt logprobs, the lookahead's merges, copies."""
     buckets = token_buckets(runner, plan)
     shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t, forks=plan.copies)]
-    out = [runner.forward_job(t, s) for t, s in shapes]
+    out = [runner.jobs.forward(t, s) for t, s in shapes]
     bias_widths = (0, runner.logit_bias_width) if plan.logit_bias else (0,)
     for s in sorted({s for _, s in shapes}):
         out += [
-            runner.sample_job(s, runner.suppress_width, runner.history_len if flags.do_penalty else 1, flags, width)
+            runner.jobs.sample(s, runner.suppress_width, runner.history_len if flags.do_penalty else 1, flags, width)
             for flags in plan.sampler_flags
             for width in bias_widths
         ]
         if any(flags.do_penalty for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
-            out.append(runner.history_job(s))
+            out.append(runner.jobs.history(s))
     if plan.prompt_logprobs:
-        out += [runner.prompt_logprobs_job(t) for t in buckets]
+        out += [runner.jobs.prompt_logprobs(t) for t in buckets]
     if plan.lookahead:
-        out += [runner.merge_job(t) for t in buckets]
+        out += [runner.jobs.merge(t) for t in buckets]
     if plan.copies:
-        out += [runner.copy_job(n) for n in runner.copy_buckets]
+        out += [runner.jobs.copy(n) for n in runner.copy_buckets]
     if runner.lora is not None:
-        out.append(runner.lora_write_job())
+        out.append(runner.jobs.lora_write())
     return out
 
 

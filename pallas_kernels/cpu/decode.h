@@ -108,7 +108,8 @@ template <int NG, typename T>
 void value_heads(const float* p, int64_t stride, const T* const* v, int64_t n, const float* alpha, float* acc,
                  int64_t D) {
   int64_t d0 = 0;
-  for (; d0 + kDecodeChunk * W <= D; d0 += kDecodeChunk * W) value_tile<NG, kDecodeChunk>(p, stride, v, n, alpha, acc, D, d0);
+  for (; d0 + kDecodeChunk * W <= D; d0 += kDecodeChunk * W)
+    value_tile<NG, kDecodeChunk>(p, stride, v, n, alpha, acc, D, d0);
   for (; d0 + W <= D; d0 += W) value_tile<NG, 1>(p, stride, v, n, alpha, acc, D, d0);
   for (; d0 < D; ++d0) {  // head_dim not a multiple of W
     for (int g = 0; g < NG; ++g) {
@@ -189,10 +190,17 @@ inline void for_head_tiles(int64_t G, const Fn& fn) {
   int64_t g0 = 0;
   for (; g0 + kDecodeHeads <= G; g0 += kDecodeHeads) fn.template operator()<kDecodeHeads>(g0);
   switch (G - g0) {
-    case 1: fn.template operator()<1>(g0); break;
-    case 2: if constexpr (kDecodeHeads > 2) fn.template operator()<2>(g0); break;
-    case 3: if constexpr (kDecodeHeads > 3) fn.template operator()<3>(g0); break;
-    default: break;
+    case 1:
+      fn.template operator()<1>(g0);
+      break;
+    case 2:
+      if constexpr (kDecodeHeads > 2) fn.template operator()<2>(g0);
+      break;
+    case 3:
+      if constexpr (kDecodeHeads > 3) fn.template operator()<3>(g0);
+      break;
+    default:
+      break;
   }
 }
 
@@ -221,7 +229,8 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
   const T* ahead_rows[kDecodeBlock];
   const int64_t row_bytes = kv.row_bytes();
   const int64_t first = lo / B * B;
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) kv.template prefetch<kPrefetchLocality>(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b)
+    kv.template prefetch<kPrefetchLocality>(std::max(lo, first + b * B), std::min(hi + 1, first + (b + 1) * B));
   for (int64_t b_lo = lo; b_lo <= hi;) {
     const int64_t b_hi = std::min(hi + 1, (b_lo / B + 1) * B);
     const int64_t ahead = (b_lo / B + kPrefetchBlocks) * B;
@@ -265,7 +274,8 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
       for (int i = 0; i < 4; ++i) k4[i] = krow[std::min<int64_t>(j + i, n - 1)];
       for_head_tiles(G, [&]<int NG>(int64_t g0) { dot_tile<NG>(q + g0 * D, qb + g0 * D, D, k4, sc + g0 * B + j, B); });
     }
-    for (; fetched < n_ahead; ++fetched) KvRows<T>::template prefetch_bytes<kPrefetchLocality>(ahead_rows[fetched], row_bytes);
+    for (; fetched < n_ahead; ++fetched)
+      KvRows<T>::template prefetch_bytes<kPrefetchLocality>(ahead_rows[fetched], row_bytes);
     // One online-softmax step per head; the vector lanes are the block's keys, keys >= n are masked.
     for (int64_t g = 0; g < G; ++g) {
       float* s = sc + g * B;
@@ -294,24 +304,26 @@ void decode_item(const Problem& p, const KvRows<T>& kv, const float* q, const ui
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (bf16_values) {
-      // p rounded to bfloat16 (nearest even) 32 at a time, in key order: the pairs (p[i], p[i + 1]) are then
-      // consecutive 32-bit words. The block's keys >= n have p = 0 (masked above), so an odd last key's partner
-      // weighs 0.
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t i = 0; i < B; i += 32) {
-          const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + g * B + i + 16), _mm512_loadu_ps(sc + g * B + i));
-          _mm512_storeu_si512(pairs + g * (B / 2) + i / 2, reinterpret_cast<__m512i>(r));
+        // p rounded to bfloat16 (nearest even) 32 at a time, in key order: the pairs (p[i], p[i + 1]) are then
+        // consecutive 32-bit words. The block's keys >= n have p = 0 (masked above), so an odd last key's partner
+        // weighs 0.
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t i = 0; i < B; i += 32) {
+            const __m512bh r =
+                _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + g * B + i + 16), _mm512_loadu_ps(sc + g * B + i));
+            _mm512_storeu_si512(pairs + g * (B / 2) + i / 2, reinterpret_cast<__m512i>(r));
+          }
         }
-      }
-      for_head_tiles(G, [&]<int NG>(int64_t g0) {
-        value_heads_bf16<NG>(pairs + g0 * (B / 2), B / 2, vrow, n, alpha + g0, st.acc + g0 * D, D);
-      });
-      b_lo = b_hi;
-      continue;
+        for_head_tiles(G, [&]<int NG>(int64_t g0) {
+          value_heads_bf16<NG>(pairs + g0 * (B / 2), B / 2, vrow, n, alpha + g0, st.acc + g0 * D, D);
+        });
+        b_lo = b_hi;
+        continue;
       }
     }
 #endif
-    for_head_tiles(G, [&]<int NG>(int64_t g0) { value_heads<NG>(sc + g0 * B, B, vrow, n, alpha + g0, st.acc + g0 * D, D); });
+    for_head_tiles(
+        G, [&]<int NG>(int64_t g0) { value_heads<NG>(sc + g0 * B, B, vrow, n, alpha + g0, st.acc + g0 * D, D); });
     b_lo = b_hi;
   }
 #if defined(__AVX512BF16__)

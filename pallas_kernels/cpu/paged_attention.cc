@@ -52,8 +52,7 @@ constexpr int64_t kMinPartKeys = 512;
 // `next`: the item this thread runs after this one (null if none or unknown); a decode item prefetches the
 // first block of a decode `next` while it computes its own last block.
 template <typename TQ, typename T>
-void run_item(const Problem& p, const TQ* q, const T* kv, TQ* out, const Item& it, float* partials,
-              const Item* next) {
+void run_item(const Problem& p, const TQ* q, const T* kv, TQ* out, const Item& it, float* partials, const Item* next) {
   const int64_t D = p.head_dim, G = p.group;
   const int64_t tokens = it.t1 - it.t0, R = tokens * G;
   const int32_t len = p.kv_lens[it.seq];
@@ -341,9 +340,7 @@ ffi::Error ImplQuantized(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
 }  // namespace pja
 
 // The instruction-set path this library was built for ("avx512+bf16", "avx512", "avx2" or "generic").
-extern "C" const char* PagedAttentionIsa() {
-  return pja::kHasBf16Dot ? "avx512+bf16" : pja::kIsa;
-}
+extern "C" const char* PagedAttentionIsa() { return pja::kHasBf16Dot ? "avx512+bf16" : pja::kIsa; }
 
 // exp_nonpositive on n floats (tests pin its accuracy and its edges: below -87 and -inf give 0, NaN gives NaN).
 extern "C" void PagedAttentionExp(const float* x, float* y, int64_t n) {

@@ -13,7 +13,7 @@ namespace pja {
 
 struct Problem {
   int64_t num_tokens, num_q_heads, head_dim, num_pages, num_kv_heads, page_size, max_seqs, max_blocks;
-  int64_t group;  // query heads per KV head
+  int64_t group;             // query heads per KV head
   float sm_scale, soft_cap;  // soft_cap 0: none
   int64_t window;            // 0: none
   const int32_t* kv_lens;

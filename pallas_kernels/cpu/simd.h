@@ -17,7 +17,12 @@
 #include <cstring>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
+// GCC before 12.3 reports its own _mm512_undefined_* (`__m512i __Y = __Y;`) as -Wmaybe-uninitialized once
+// inlined into our loops (GCC bug 105593); the false positive is silenced for the intrinsics header only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #endif
 
 namespace pja {
@@ -61,8 +66,9 @@ inline float to_float(uint16_t bf16) {
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(Fp8 x) {
   const int mag = x.bits & 0x7f, exp = mag >> 3, man = mag & 7;
-  float f = mag == 0x7f ? NAN : exp == 0 ? std::ldexp(static_cast<float>(man), -9)
-                                         : std::ldexp(static_cast<float>(8 + man), exp - 10);
+  float f = mag == 0x7f ? NAN
+            : exp == 0  ? std::ldexp(static_cast<float>(man), -9)
+                        : std::ldexp(static_cast<float>(8 + man), exp - 10);
   return (x.bits & 0x80) ? -f : f;
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from types import SimpleNamespace
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ def _culprit(config: ModelConfig) -> str:
     }
 
     def shrunk(name: str) -> int:  # the formula alone: a config with that field at 1 need not be valid
-        return ModelConfig.num_params(SimpleNamespace(**fields | {name: 1}))
+        return ModelConfig.num_params(cast(ModelConfig, SimpleNamespace(**fields | {name: 1})))  # duck-typed
 
     return min(SIZE_FIELDS, key=shrunk)
 

@@ -22,6 +22,7 @@ cost is as much the call as the FLOPs; one call reads x once and makes one large
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -99,7 +100,7 @@ def expand_fused_kv_heads(params: Params, r: int) -> Params:
     def leaf(path: tuple[Any, ...], x: Any) -> Any:
         name = str(getattr(path[-1], "key", path[-1]))
         if name == "qkv_proj" and isinstance(x, QuantizedWeight):  # scales [Hkv, G + 2, D] expand alike
-            return x.replace(values=expand(x.values), scale=expand(x.scale))
+            return dataclasses.replace(x, values=expand(x.values), scale=expand(x.scale))
         return expand(x) if name in ("qkv_proj", "qkv_bias") else x
 
     return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

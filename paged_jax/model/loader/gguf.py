@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,7 @@ def config_from_gguf(gguf: GGUFFile, name: str | None = None, dtype: str = "floa
             f"general.architecture: {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
         )
 
-    def key(suffix: str, default: object = ...) -> object:
+    def key(suffix: str, default: Any = ...) -> Any:
         return gguf.get(f"{arch}.{suffix}", default)
 
     scaling = key("rope.scaling.type", "none")

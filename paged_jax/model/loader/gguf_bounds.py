@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -35,12 +35,15 @@ _MAX_DIMS = 4  # GGML_MAX_DIMS
 _DEFAULT_ALIGNMENT = 32
 
 
+ByteOrder = Literal["<", ">"]  # struct's (and numpy's) little / big endian
+
+
 @dataclass(slots=True)
 class _Cursor:
     """A read position in the file's bytes; every read is checked against the end."""
 
     data: memoryview
-    order: str  # struct byte order: "<" or ">"
+    order: ByteOrder
     pos: int = 0
 
     @property
@@ -75,7 +78,7 @@ def _min_bytes(vtype: int) -> int:
     return _MIN_STRING_BYTES if vtype == _STRING else _MIN_ARRAY_BYTES
 
 
-def _scalar_dtype(vtype: int, order: str) -> np.dtype:
+def _scalar_dtype(vtype: int, order: ByteOrder) -> np.dtype:
     return np.dtype(_SCALAR_NUMPY[vtype]).newbyteorder(order)
 
 
@@ -168,7 +171,7 @@ class GGUFHeader:
 
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
-    order: str
+    order: ByteOrder
 
 
 def read_header(data: np.ndarray) -> GGUFHeader:

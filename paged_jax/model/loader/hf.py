@@ -38,7 +38,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         weight_map = read_json_object(model_dir, index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise WeightsError(f"{model_dir / index}: no 'weight_map' object")
-        names = {}
+        names: dict[str, str] = {}
         for name, f in weight_map.items():
             if not isinstance(f, str):
                 raise WeightsError(f"{name}: its shard {f!r} in {index} is not a file inside {model_dir}")
@@ -57,7 +57,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     elif (single := model_file(model_dir, "model.safetensors")) is not None:
         files = [single]
     else:
-        files = [model_file(model_dir, p.name) for p in sorted(model_dir.glob("*.safetensors"))]
+        found = (model_file(model_dir, p.name) for p in sorted(model_dir.glob("*.safetensors")))
+        files = [f for f in found if f is not None]
     if not files:
         raise WeightsError(f"{model_dir}: no *.safetensors files (pickled .bin checkpoints are not read)")
     return files
@@ -176,12 +177,12 @@ def hf_name_map(config: ModelConfig) -> Rules:
 def _get(tree: dict, path: tuple[Any, ...]) -> jax.ShapeDtypeStruct:
     """The abstract leaf at `path`; a trailing expert index gives that expert's row of the stacked leaf."""
     *keys, last = path
+    node: Any = tree
     for key in keys:
-        tree = tree[key]
+        node = node[key]
     if isinstance(last, int):
-        leaf = tree
-        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)  # type: ignore[union-attr]
-    return tree[last]  # type: ignore[return-value]
+        return jax.ShapeDtypeStruct(node.shape[1:], node.dtype)
+    return node[last]
 
 
 def _set(tree: dict, path: tuple[Any, ...], value: jax.Array) -> None:

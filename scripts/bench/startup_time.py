@@ -1,0 +1,239 @@
+"""How long does `make run` take from command to summary, cold and warm, and are the outputs the same?
+
+Runs the `paged-jax generate` command of the Makefile's `run` target in fresh processes: first cold (empty
+compile caches, no converted weights or tokenizer files and no built CPU attention kernel), then warm (the
+caches the cold run filled), `--rounds` times each, alternating, and prints each run's wall time (process
+start to exit: the summary is its last output) and CPU time, the start-up line of its summary, whether every
+run wrote the same token ids and text, and the goals (issue 28, SmolLM2-135M-Instruct: cold <= 40 s, warm <=
+15 s on 2 cores). The machine's load average is printed too: on a shared machine the wall times move with it
+(the CPU times much less), so compare runs of one invocation.
+
+    .venv/bin/python scripts/bench/startup_time.py [--rounds 1] [--keep DIR]
+
+`--layers` measures the scanned decoder (`paged_jax.model.scan`) against the unrolled one instead, each case in
+a fresh process with no persistent compile cache: trace + lower and XLA:CPU compile seconds of one forward
+bucket (64 tokens x 64 sequences, abstract weights, so the 8B shape costs no memory) for tiny, SmolLM2-135M
+(30 layers) and the Llama-3.2-1B layer shape at 16 and 32 layers (the 32-layer one is Llama-3.1-8B's depth);
+for tiny and SmolLM2 (random weights) also the whole warm-up (`paged_jax.worker.warmup`, the `make run`
+engine shape: 256 tokens, 16 sequences, 2 compile threads) and the steady decode step (16 sequences at 128
+keys, the compiled forward alone, median of 30).
+
+    .venv/bin/python scripts/bench/startup_time.py --layers [--cases tiny smollm2-135m llama-16 llama-32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GOAL_COLD_S, GOAL_WARM_S = 40.0, 15.0
+
+
+def make_run_command() -> list[str]:
+    """The `paged-jax generate ...` line of the Makefile's `run` target, as an argument list."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    recipe = re.search(r"^run:.*?\n((?:\t.*\n)+)", text, re.M)
+    if recipe is None:
+        raise SystemExit("Makefile: no `run` target")
+    line = next((x for x in recipe.group(1).splitlines() if "paged-jax generate" in x), None)
+    if line is None:
+        raise SystemExit("Makefile: the `run` target has no `paged-jax generate` command")
+    args = shlex.split(line.split("paged-jax", 1)[1])
+    return [sys.executable, "-m", "serve", *args]
+
+
+def with_output(cmd: list[str], output: Path) -> list[str]:
+    out = list(cmd)
+    i = out.index("--output")
+    out[i + 1] = str(output)
+    return out
+
+
+def run_once(cmd: list[str], cache: Path, output: Path) -> tuple[float, float, str, list]:
+    """(wall seconds, CPU seconds of the process, its summary's start-up line, its outputs). Cold means every
+    cache empty: the executable store and JAX's compile cache, the converted GGUF weights (all three under
+    `$PAGED_JAX_COMPILE_CACHE`), the GGUF tokenizer's files (`$PAGED_JAX_CACHE`) and the CPU attention kernel
+    (`pallas_kernels.cpu.paged`, built by g++ once per machine)."""
+    env = dict(
+        os.environ,
+        PAGED_JAX_COMPILE_CACHE=str(cache),
+        PAGED_JAX_KERNEL_CACHE=str(cache / "kernels"),
+        PAGED_JAX_CACHE=str(cache / "paged-jax"),
+    )
+    output.unlink(missing_ok=True)
+    output.with_name(output.stem + ".errors.jsonl").unlink(missing_ok=True)
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [*with_output(cmd, output), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    seconds = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    if proc.returncode != 0:
+        raise SystemExit(f"command failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    startup = next((x.strip() for x in proc.stdout.splitlines() if x.startswith("start-up")), "")
+    rows = sorted((json.loads(x) for x in output.read_text().splitlines()), key=lambda d: str(d["id"]))
+    return seconds, cpu, startup, [(d["id"], d["token_ids"], d["text"]) for d in rows]
+
+
+LAYER_CASES = {  # name: (config, layers or None for the config's own, whether concrete weights are affordable)
+    "tiny": ("tiny", None, True),
+    "smollm2-135m": ("smollm2-135m", None, True),
+    "llama-16": ("llama-3.2-1b", 16, False),
+    "llama-32": ("llama-3.2-1b", 32, False),
+}
+
+
+def layer_case(name: str, scan: str) -> dict:
+    """One `--layers` measurement in this process (see the module docstring); a dict of seconds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paged_jax.config import load_model_config
+    from paged_jax.model.init import init_params, param_shapes
+    from paged_jax.worker.paged_attention import PagedMeta
+    from paged_jax.worker.runner import ModelRunner
+    from paged_jax.worker.step_functions import StepKey, step_functions
+    from paged_jax.worker.warmup import WarmupPlan, run_warmup
+    from pallas_kernels.common import kv_pages_shape
+
+    config_name, layers, concrete = LAYER_CASES[name]
+    config = load_model_config(config_name)
+    config = config if layers is None else config.replace(num_layers=layers)
+    on = scan == "on"
+    t, s, pages, page_size, max_blocks = 64, 64, 512, 16, 64
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    kv = jax.ShapeDtypeStruct(
+        kv_pages_shape(pages * (config.num_layers if on else 1), config.num_kv_heads, page_size, config.head_dim),
+        jnp.dtype(config.dtype),
+    )
+    _, forward = step_functions(StepKey(config, "auto", scan=on))
+    meta = PagedMeta(i32(t), i32(s), i32(s, max_blocks), i32(s + 1), i32(1))
+    t0 = time.perf_counter()
+    lowered = forward.lower(
+        param_shapes(config, on), kv if on else (kv,) * config.num_layers, i32(t), i32(t), meta, i32(s), None
+    )
+    t1 = time.perf_counter()
+    lowered.compile()
+    out = {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+    if not concrete:
+        return out
+    runner = ModelRunner(
+        config,
+        init_params(config),
+        num_pages=pages,
+        page_size=page_size,
+        max_model_len=1024,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        scan_layers=scan,
+    )
+    t0 = time.perf_counter()
+    out["warmup_executables"] = run_warmup(runner, WarmupPlan(), progress=False, workers=2)
+    out["warmup_s"] = time.perf_counter() - t0
+    seqs, keys = 16, 128  # decode: one token per sequence, each sequence's pages consecutive from page 1
+    step = runner._executable(runner.jobs.forward(16, runner.seq_bucket(16)))
+    sb = runner.seq_bucket(16)
+    blocks = keys // page_size
+    tables = np.zeros((sb, runner.max_blocks), np.int32)
+    tables[:seqs, :blocks] = 1 + np.arange(seqs * blocks).reshape(seqs, blocks)
+    kv_lens = np.zeros(sb, np.int32)
+    kv_lens[:seqs] = keys
+    cu = np.minimum(np.arange(sb + 1), seqs).astype(np.int32)
+    slots = (tables[:seqs, blocks - 1] * page_size + page_size - 1).astype(np.int32)
+    meta = PagedMeta(slots, kv_lens, tables, cu, np.array([seqs], np.int32))
+    tokens, positions = np.full(16, 5, np.int32), np.full(16, keys - 1, np.int32)
+    rows = np.arange(sb, dtype=np.int32)
+    times = []
+    for _ in range(33):
+        t0 = time.perf_counter()
+        logits, runner.kv_caches, _ = step(runner.params, runner.kv_caches, tokens, positions, meta, rows, None)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - t0)
+    out["decode_ms"] = float(np.median(times[3:]) * 1e3)
+    return out
+
+
+def layers_main(cases: list[str]) -> int:
+    """`--layers`: every case scanned and unrolled, each in a fresh process; prints one table."""
+    print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE="off")
+    cols = ("lower_s", "compile_s", "warmup_s", "warmup_executables", "decode_ms")
+    print(f"{'case':<14}{'scan':>5}" + "".join(f"{c:>20}" for c in cols) + f"{'load':>7}")
+    rows = {}
+    for name in cases:
+        for scan in ("on", "off"):
+            code = f"import json, startup_time as st; print('RESULT', json.dumps(st.layer_case({name!r}, {scan!r})))"
+            proc = subprocess.run(
+                [sys.executable, "-c", code], cwd=ROOT / "scripts" / "bench", env=env, capture_output=True, text=True
+            )
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                raise SystemExit(f"{name} scan={scan} failed:\n{proc.stderr[-3000:]}")
+            row = rows[name, scan] = json.loads(line.removeprefix("RESULT "))
+            cells = "".join(f"{row[c]:>20.2f}" if c in row else f"{'-':>20}" for c in cols)
+            print(f"{name:<14}{scan:>5}{cells}{os.getloadavg()[0]:>7.1f}", flush=True)
+    for scan in ("on", "off"):  # issue 28's goal: the 32-layer shape compiles in <= 1.5x the 16-layer one's time
+        if ("llama-16", scan) in rows and ("llama-32", scan) in rows:
+            deep, shallow = rows["llama-32", scan], rows["llama-16", scan]
+            ratio = (deep["lower_s"] + deep["compile_s"]) / (shallow["lower_s"] + shallow["compile_s"])
+            print(f"scan {scan}: lower + compile, 32 layers / 16 layers = {ratio:.2f}x (goal <= 1.5x scanned)")
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=1, help="cold and warm runs each")
+    ap.add_argument("--keep", type=Path, default=None, help="work directory to keep (default: a temporary one)")
+    ap.add_argument("--layers", action="store_true", help="scanned vs unrolled compile and decode times instead")
+    ap.add_argument("--cases", nargs="+", default=list(LAYER_CASES), choices=list(LAYER_CASES))
+    args = ap.parse_args()
+    if args.layers:
+        return layers_main(args.cases)
+    cmd = make_run_command()
+    work = args.keep or Path(tempfile.mkdtemp(prefix="paged-jax-startup-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print("command:", " ".join(shlex.quote(c) for c in cmd))
+    print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    times: dict[str, list[float]] = {"cold": [], "warm": []}
+    outputs = []
+    for r in range(args.rounds):
+        cache = work / f"cache-{r}"
+        subprocess.run(["rm", "-rf", str(cache)], check=True)
+        for kind in ("cold", "warm"):
+            seconds, cpu, startup, rows = run_once(cmd, cache, work / f"{kind}-{r}.jsonl")
+            times[kind].append(seconds)
+            outputs.append(rows)
+            load = os.getloadavg()[0]
+            print(f"{kind} #{r + 1}: {seconds:6.1f} s wall, {cpu:5.1f} s CPU (load {load:.1f})  {startup}")
+    same = all(rows == outputs[0] for rows in outputs)
+    cold, warm = min(times["cold"]), min(times["warm"])
+    print(
+        f"\ncold {cold:.1f} s (goal <= {GOAL_COLD_S:.0f} s: {'met' if cold <= GOAL_COLD_S else 'NOT met'}), "
+        f"warm {warm:.1f} s (goal <= {GOAL_WARM_S:.0f} s: {'met' if warm <= GOAL_WARM_S else 'NOT met'}), "
+        f"warm/cold {warm / cold:.2f}; outputs identical across runs: {same}"
+    )
+    for scan in ("on", "off"):  # issue 28's goal: the 32-layer shape compiles in <= 1.5x the 16-layer one's time
+        if ("llama-16", scan) in rows and ("llama-32", scan) in rows:
+            deep, shallow = rows["llama-32", scan], rows["llama-16", scan]
+            ratio = (deep["lower_s"] + deep["compile_s"]) / (shallow["lower_s"] + shallow["compile_s"])
+            print(f"scan {scan}: lower + compile, 32 layers / 16 layers = {ratio:.2f}x (goal <= 1.5x scanned)")
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

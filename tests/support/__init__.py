@@ -1,0 +1,1 @@
+"""Helpers shared by the test packages (importable as `support.*`: pytest puts tests/ on sys.path)."""
