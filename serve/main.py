@@ -236,30 +236,34 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The `paged-jax` parser and each subcommand's own (its errors are reported under its name)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `paged-jax` parser, one subparser per command (its errors are reported under its own name)."""
     parser = Parser(prog="paged-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    subparsers = {}
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help, formatter_class=HelpFormatter)
         command.add_args(p)
         p.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its line")
-        subparsers[name] = p
-    return parser, subparsers
+    return parser
+
+
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The subparser of command `name` in `parser` (from `build_parser`)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     """Parse `argv`; an unknown flag is reported by its subcommand with the closest known spellings."""
-    parser, subparsers = build_parser()
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    command_parser = subparsers[args.command]
+    command = command_parser(parser, args.command)
     if extra:
-        known = [o for a in command_parser._actions for o in a.option_strings]
+        known = [o for a in command._actions for o in a.option_strings]
         close = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], known, 1)]
         hint = f" (did you mean {' / '.join(close)}?)" if close else ""
-        command_parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
-    return args, command_parser
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args, command
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -291,7 +291,7 @@ ENGINE_FLAGS = (
     EngineFlag(
         "speculative_config",
         'speculative decoding, vLLM\'s fields: e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-        "(paged_jax.config.speculative.SpeculativeConfig; README: speculative decoding)",
+        "(paged_jax.config.speculative.SpeculativeConfig; docs/user/speculative_decoding.md)",
         parse=_json_object,
         metavar="JSON",
     ),

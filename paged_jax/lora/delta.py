@@ -13,7 +13,7 @@ shapes depend on (T, L, R) alone: changing which adapters run never recompiles. 
 adapter skips the deltas (`LoraLayer.active`, a `lax.cond` around each projection's delta: the base model's
 work alone). Projections that read the same input share one shrink: q/k/v one, gate/up one. The other formulation, a
 gather of every token's own A and B (`A[slots] [T, in, R]`), reads T copies of the weights instead of L;
-`scripts/bench/bench_lora.py` measures both and the README gives the figures and the reason for this choice.
+`scripts/bench/bench_lora.py` measures both and docs/benchmarks/lora.md gives the figures behind this choice.
 
 The shrink is accumulated in float32 and its result cast to the activation dtype before the expand (PEFT runs
 `lora_B(lora_A(x))` in the adapter dtype); the delta is added to the base projection's output in that dtype.

@@ -78,7 +78,7 @@ def use_scan(scan_layers: str) -> bool:
     On every platform: on CPU too the scan pays for a real model (one layer body compiled instead of L; XLA:CPU
     copies each layer's weight slice before its dot, which a quiet machine reads back from cache:
     `scripts/bench/startup_time.py --layers`); "off" stays for the few-layer models and loaded machines where the
-    unrolled decode step is faster (README)."""
+    unrolled decode step is faster (docs/benchmarks/startup.md)."""
     if scan_layers not in SCAN_CHOICES:
         raise ValueError(f"scan_layers: must be one of {SCAN_CHOICES}, got {scan_layers!r}")
     return scan_layers != "off"
@@ -120,7 +120,8 @@ def head_batched_qkv(order: StackedOrder, head_dim: int) -> bool:
     qkv_projection`): where `order` stacks qkv_proj head-major ([L, Hkv, G + 2, H, D]) and heads are at most
     128 wide. That form reads such a slice in place for any token count on TPU (the comment above
     `STACKED_ORDERS`); at head_dim 256 (Gemma) XLA:TPU copies its slices out in a prefill step (Gemma-3-4B:
-    780 MiB per step, where the plain dot relays the whole stacked weight out once, 260 MiB: README)."""
+    780 MiB per step, where the plain dot relays the whole stacked weight out once, 260 MiB:
+    docs/benchmarks/compile_checks.md)."""
     return dict(order).get("qkv_proj") == (1, 2, 0, 3) and head_dim <= 128
 
 

@@ -5,7 +5,7 @@ Each step's inputs are numpy arrays padded to a token bucket `T` (powers of two 
 the attention metadata, the LM head's rows and sampling, and only the last two cost anything when padded. So `S`
 is derived from `T`, `S = bucket(min(T, max_num_seqs))` (a step never holds more sequences than tokens), raised
 only when one step samples more rows than that (`n` > 1 samples of a short prompt): one executable per token
-bucket, not one per (T, S) pair.
+bucket, not one per (T, S) pair (docs/benchmarks/host.md).
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ float32 (the whole weight converted on every call), so the LM head rounds its fl
 bfloat16 under this option (what transformers' bfloat16 LM head returns), and they are widened after. Models
 with int8/fp8 weights (their dequantizing dots accumulate in float32) keep XLA's dots.
 Only steps of at least ``ONEDNN_MIN_TOKENS`` tokens (the token bucket) use it: with fewer rows oneDNN's dots
-were slower than XLA's (a decode step of 8 sequences), from 32 rows on faster (README).
+were slower than XLA's (a decode step of 8 sequences), from 32 rows on faster (docs/benchmarks/cpu_step.md).
 ``PAGED_JAX_ONEDNN``: ``auto`` (default: as above), ``1`` (also without AMX, and for float32 models too),
 ``0`` (off). Float32 forward steps take oneDNN's AVX-512/AVX2 float32 GEMMs only under ``1``: they cost less CPU
-than XLA's default dots on the peers' 56M model (README), but XLA:CPU cannot serialize a oneDNN fusion, so under
+than XLA's default dots on the peers' 56M model, but XLA:CPU cannot serialize a oneDNN fusion, so under
 ``auto`` a float32 model's warm start keeps loading every step from the executable store.
-Figures: README, "XLA:CPU flags".
+Figures: docs/benchmarks/cpu_step.md.
 
 GPU: a scanned decoder's forward step (`paged_jax.model.scan`) with float weights is compiled with XLA's Triton
 GEMM fusions off (``xla_gpu_enable_triton_gemm=false``, ``SCANNED_GPU_OPTIONS``), so its dots are cuBLAS calls.

@@ -22,7 +22,7 @@ constexpr int kDecodeHeads = W == 16 ? 4 : 2;
 constexpr int kDecodeChunk = 4;  // vectors of head_dim per value tile
 // Blocks prefetched ahead, into L1 (prefetcht0): a decode step's pages come from memory (the forward's weights
 // pass between two reads of a layer's pages), and two blocks into L2 made each item start with a burst of two
-// blocks' lines (README: the figures).
+// blocks' lines (docs/benchmarks/kernels.md: the figures).
 constexpr int kPrefetchBlocks = 1;
 constexpr int kPrefetchLocality = 3;
 

@@ -15,7 +15,7 @@ engine's venv does not carry). The script
    choices lie within `--tie` nats), the loglikelihoods (largest difference), and the generated answers, and
    prints the scores. Exit status 0 when every question agrees.
 
-Not in `make test` (minutes of CPU and a second venv); the README's "Evaluating a model" shows the command.
+Not in `make test` (minutes of CPU and a second venv); docs/user/prompt_logprobs.md shows the command.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """`scripts/bench/load_test.py --soak`: its arguments, and the table and verdict it prints for a soak's result (a
-made-up
-result here; the soak itself is a script run, its figures in the README's reliability section)."""
+made-up result here; the soak itself is a script run, its figures in docs/benchmarks/soak.md)."""
 
 import dataclasses
 import importlib.util

@@ -15,7 +15,7 @@ import pytest
 
 from paged_jax.engine.args import MODEL_HELP
 from paged_jax.errors import UsageError
-from serve.main import build_parser, main
+from serve.main import build_parser, command_parser, main
 from serve.ports import Ports, resolve_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ def test_debug_shows_the_traceback(cli):
 
 
 def ports(*argv: str) -> Ports:
-    args = build_parser()[1]["serve"].parse_args(["tiny", *argv])
+    args = command_parser(build_parser(), "serve").parse_args(["tiny", *argv])
     return resolve_ports(args)
 
 
@@ -163,7 +163,7 @@ def test_old_spellings_keep_working_where_they_are_not_ambiguous():
 
 
 def test_help_shows_every_flag_with_help_and_its_default(capsys):
-    parser = build_parser()[1]["serve"]
+    parser = command_parser(build_parser(), "serve")
     missing = [a.option_strings or a.dest for a in parser._actions if not a.help]
     assert missing == []
     with pytest.raises(SystemExit):
@@ -184,12 +184,12 @@ def test_help_shows_every_flag_with_help_and_its_default(capsys):
 def test_vllm_spellings_set_our_fields():
     from paged_jax.engine.args import engine_config_from_args
 
-    args = build_parser()[1]["serve"].parse_args(
+    args = command_parser(build_parser(), "serve").parse_args(
         ["tiny", "--block-size", "32", "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8"]
     )
     ec = engine_config_from_args(args)
     assert (ec.page_size, ec.kv_cache_memory_fraction, ec.kv_dtype) == (32, 0.5, "fp8_e4m3")
-    parse = build_parser()[1]["serve"].parse_args
+    parse = command_parser(build_parser(), "serve").parse_args
     for argv, on in ([], True), (["--no-enable-prefix-caching"], False), (["--no-prefix-caching"], False):
         assert engine_config_from_args(parse(["tiny", *argv])).enable_prefix_caching is on
     assert engine_config_from_args(parse(["tiny", "--kv-cache-dtype", "auto"])).kv_dtype is None
@@ -198,7 +198,7 @@ def test_vllm_spellings_set_our_fields():
 def test_api_key_sources(monkeypatch, tmp_path):
     from serve.cli import api_key
 
-    parse = build_parser()[1]["serve"].parse_args
+    parse = command_parser(build_parser(), "serve").parse_args
     for name in ("PAGED_JAX_API_KEY", "PAGED_JAX_AUTH_TOKEN", "VLLM_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     assert api_key(parse(["tiny"])) is None

@@ -3,7 +3,7 @@
 Loading a GGUF file costs its header (the vocabulary and merges are ~100k strings: `gguf_bounds.read_header`) and
 then, mostly, dequantizing every quantized tensor with numpy and converting it to the model's layout. `load_cached`
 keeps the result (the config and the converted parameters, one `.npy` file per leaf, memory-mapped when read) in a
-cache directory, so a warm start reads the arrays instead (README: start-up). An entry's key hashes the file's
+cache directory, so a warm start reads the arrays instead (docs/user/startup.md). An entry's key hashes the file's
 path, size and modification time, the load's `dtype` and model name, and the sources of `paged_jax.model` and
 `paged_jax.config` (the conversion code): a changed file, option or loader never reads a stale entry. Models whose
 converted parameters exceed `MAX_CACHED_BYTES` are not cached (a dequantized 8B model would take 32 GB of disk).
