@@ -252,7 +252,7 @@ def add_args(parser) -> None:
     parser.add_argument("--input", required=True, type=Path, help="JSONL prompts")
     parser.add_argument("--output", required=True, type=Path, help="JSONL results (appended; re-runs resume)")
     parser.add_argument("--errors", type=Path, default=None, help="JSONL of rejected lines (default: beside output)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs and the summary stay)")
     g = parser.add_argument_group("multi-host (each process takes every count-th line; process 0 merges)")
     g.add_argument(
         "--distributed",
@@ -260,8 +260,8 @@ def add_args(parser) -> None:
         help="call jax.distributed.initialize() (on a TPU slice it finds the other hosts itself)",
     )
     g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (implies --distributed)")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the job (default: found by JAX)")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index (default: found by JAX)")
     add_engine_args(parser)
 
 

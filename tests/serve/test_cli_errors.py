@@ -15,7 +15,7 @@ import pytest
 
 from paged_jax.engine.args import MODEL_HELP
 from paged_jax.errors import UsageError
-from serve.main import build_parser, command_parser, main
+from serve.main import COMMANDS, build_parser, command_parser, main
 from serve.ports import Ports, resolve_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,9 +163,10 @@ def test_old_spellings_keep_working_where_they_are_not_ambiguous():
 
 
 def test_help_shows_every_flag_with_help_and_its_default(capsys):
+    for command in COMMANDS:
+        actions = command_parser(build_parser(), command)._actions
+        assert [a.option_strings or a.dest for a in actions if not a.help] == [], command
     parser = command_parser(build_parser(), "serve")
-    missing = [a.option_strings or a.dest for a in parser._actions if not a.help]
-    assert missing == []
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
