@@ -6,9 +6,12 @@ so installing paged-jax beside another project never adds a top-level `serve` or
 Code in `serve/` imports itself relatively for that reason.
 """
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
-PACKAGES = find_packages(include=["paged_jax", "paged_jax.*", "pallas_kernels", "pallas_kernels.*"])
+# The kernels' folders include data-only ones (cpu/: the C++ kernel's source, built on first use): found as
+# namespace packages, so setuptools installs them instead of warning that they would be ignored.
+KERNELS = find_namespace_packages(include=["pallas_kernels", "pallas_kernels.*"], exclude=["*.__pycache__"])
+PACKAGES = [*find_packages(include=["paged_jax", "paged_jax.*"]), *KERNELS]
 SERVE = ["paged_jax.serve", *(f"paged_jax.serve.{p}" for p in find_packages("serve"))]
 
 setup(

@@ -37,3 +37,8 @@ class FieldNames:
         cut = min((i for i in (engine_field.find("["), engine_field.find(".")) if i >= 0), default=len(engine_field))
         head, rest = engine_field[:cut], engine_field[cut:]
         return (self.table[head] if head in self.table else self.prefix + head) + rest
+
+
+class UsageError(ValueError):
+    """A command-line value that is wrong (a flag out of range, a bad JSON field, a port in use); the message
+    starts with the flag. The `paged-jax` commands print it as one line and exit with status 2."""

@@ -11,34 +11,69 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from paged_jax.errors import UsageError
+
 from .config import ServingConfig, ServingLimits
+from .ports import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, PortInUseError, Ports, check_ports_free, resolve_ports
+
+API_KEY_ENV = ("PAGED_JAX_API_KEY", "PAGED_JAX_AUTH_TOKEN", "VLLM_API_KEY")  # read in this order
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from paged_jax.engine.args import add_engine_args
+    """`paged-jax serve [MODEL]`, shaped like `vllm serve`: the model as the positional argument, the OpenAI
+    API on `--port`, gRPC on `--grpc-port`."""
+    from paged_jax.engine.args import MODEL_HELP, add_engine_args
 
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=f"the model: {MODEL_HELP}")
     add_engine_args(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    g.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    g.add_argument("--host", default="127.0.0.1", help="bind address of every port (0.0.0.0: all interfaces)")
+    g.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"the OpenAI-compatible HTTP API, as vLLM's --port (default: {DEFAULT_HTTP_PORT}; 0 picks a free port)",
+    )
+    g.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help=f"the gRPC API (default: {DEFAULT_GRPC_PORT}; 0 picks a free port)",
+    )
     g.add_argument(
         "--http-port",
         type=int,
         default=None,
-        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
-        "port of --host (default: off; 0 picks a free port)",
+        help="the old spelling of --port; `--port G --http-port H` without --grpc-port keeps its old meaning "
+        "(gRPC on G, HTTP on H)",
     )
+    g.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    g.add_argument("--no-grpc", action="store_true", help="serve the HTTP API only")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names clients use in `model` (the first is the one replies carry; default: the model's name, "
+        "for a Hugging Face id the id)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="the bearer token clients must send (default: $PAGED_JAX_API_KEY, $PAGED_JAX_AUTH_TOKEN or "
+        "$VLLM_API_KEY; none: no auth)",
+    )
+    g.add_argument("--auth-token-file", default=None, help="a file holding the bearer token (instead of --api-key)")
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (default: off)")
-    g.add_argument("--metrics-host", default="127.0.0.1")
+    g.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
     g.add_argument(
         "--metrics-auth",
         action="store_true",
         help="require the bearer token on HTTP /metrics and on the metrics port too (default: they are open)",
     )
-    g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS)")
-    g.add_argument("--tls-key", default=None)
-    g.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
-    g.add_argument("--max-queued-requests", type=int, default=256, help=">= 1")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on both APIs)")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--max-queued-requests", type=int, default=256, help="requests accepted but not yet started")
     g.add_argument(
         "--multi-prompt-queue-share",
         type=float,
@@ -70,21 +105,34 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     d = ServingLimits()
-    g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0: the model's length")
-    g.add_argument("--max-tokens-limit", type=int, default=d.max_tokens)
-    g.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
-    g.add_argument("--max-n", type=int, default=d.max_n)
-    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
-    g.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars)
-    g.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
-    g.add_argument("--max-chat-messages", type=int, default=d.max_chat_messages, help="messages in one conversation")
-    g.add_argument(
+    lim = parser.add_argument_group("request limits (a request beyond one is refused, naming the field)")
+    lim.add_argument(
+        "--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="prompt tokens (0: the model's length)"
+    )
+    lim.add_argument("--max-tokens-limit", type=int, default=d.max_tokens, help="the largest max_tokens accepted")
+    lim.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=d.default_max_tokens,
+        help="max_tokens of a request that sets none and whose model sets none (default: as vLLM, the rest of the "
+        "context for a conversation, 16 for a plain prompt; both capped by --max-tokens-limit)",
+    )
+    lim.add_argument("--max-n", type=int, default=d.max_n, help="samples per prompt (n)")
+    lim.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    lim.add_argument(
+        "--max-stop-string-chars", type=int, default=d.max_stop_string_chars, help="characters of one stop string"
+    )
+    lim.add_argument(
+        "--max-message-bytes", type=int, default=d.max_message_bytes, help="bytes of one gRPC message or HTTP body"
+    )
+    lim.add_argument("--max-chat-messages", type=int, default=d.max_chat_messages, help="messages in one conversation")
+    lim.add_argument(
         "--max-request-tokens",
         type=int,
         default=d.max_request_tokens,
         help="prompts x n x max_tokens one request may ask for",
     )
-    g.add_argument(
+    lim.add_argument(
         "--max-logprob-entries",
         type=int,
         default=d.max_logprob_entries,
@@ -92,16 +140,51 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
+def api_key(args: argparse.Namespace) -> str | None:
+    """The bearer token: --api-key, --auth-token-file, else the first of `API_KEY_ENV` that is set."""
+    if args.api_key is not None and args.auth_token_file:
+        raise UsageError("--api-key, --auth-token-file: give one of them")
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise UsageError("--api-key: is empty; leave it out to serve without auth")
+        return args.api_key.strip()
+    if args.auth_token_file:
+        try:
+            token = Path(args.auth_token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(
+                f"--auth-token-file: {args.auth_token_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
+        if not token:
+            raise UsageError(f"--auth-token-file: {args.auth_token_file} is empty")
+        return token
+    for name in API_KEY_ENV:
+        token = os.environ.get(name)
+        if token is not None:
+            if not token.strip():  # set but empty: a mistake, never "no auth"
+                raise UsageError(f"{name}: is set but empty; unset it to serve without auth")
+            return token.strip()
+    return None
+
+
+# ServingConfig fields whose flag is not `--<field>`
+_SERVING_FLAGS = {
+    "port": "--grpc-port",
+    "http_port": "--port",
+    "auth_token": "--api-key",
+    "tls_cert_file": "--tls-cert",
+    "stream_stall_timeout_s": "--stream-stall-timeout",
+    "http_send_timeout_s": "--http-send-timeout",
+    "grace_period_s": "--grace-period",
+    "max_tokens": "--max-tokens-limit",
+}
+
+
+def serving_config_from_args(args: argparse.Namespace, ports: Ports | None = None) -> ServingConfig:
+    """The ServingConfig of the flags, validated: UsageError naming the flag."""
     from paged_jax.lora.named import parse_lora_modules
 
-    token = os.environ.get("PAGED_JAX_AUTH_TOKEN")
-    if token is not None and not token.strip():  # set but empty: a mistake, never "no auth"
-        raise ValueError("PAGED_JAX_AUTH_TOKEN: is set but empty; unset it to serve without auth")
-    if args.auth_token_file:
-        token = Path(args.auth_token_file).read_text().strip()
-        if not token:
-            raise ValueError(f"--auth-token-file: {args.auth_token_file} is empty")
+    ports = ports or resolve_ports(args)
     limits = ServingLimits(
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens=args.max_tokens_limit,
@@ -114,16 +197,19 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         max_request_tokens=args.max_request_tokens,
         max_logprob_entries=args.max_logprob_entries,
     )
+    names = tuple(args.served_model_name or ())
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        raise UsageError(f"--served-model-name: names must be non-empty and distinct, got {list(names)}")
     config = ServingConfig(
         host=args.host,
-        port=args.port,
-        http_port=args.http_port,
+        port=ports.grpc,
+        http_port=ports.http,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         metrics_auth=args.metrics_auth,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
-        auth_token=token,
+        auth_token=api_key(args),
         max_queued_requests=args.max_queued_requests,
         multi_prompt_queue_share=args.multi_prompt_queue_share,
         max_stream_backlog=args.max_stream_backlog,
@@ -134,22 +220,47 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         limits=limits,
         lora_modules=tuple(parse_lora_modules(args.lora_modules)),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        served_model_names=names,
     )
-    config.validate()
+    try:
+        config.validate()
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        flag = _SERVING_FLAGS.get(field, "--" + field.replace("_", "-"))
+        raise UsageError(f"{flag}: {why}" if why else str(e)) from None
     return config
 
 
+def model_arg(args: argparse.Namespace) -> str:
+    """The model of `paged-jax serve MODEL` (or `--model`); UsageError when none or two different ones."""
+    from paged_jax.engine.args import MODEL_HELP
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise UsageError(f"--model: {args.model!r} and the positional MODEL {args.model_tag!r} differ; give one")
+    model = args.model_tag or args.model
+    if model is None:
+        raise UsageError(f"MODEL is required (paged-jax serve MODEL): {MODEL_HELP}")
+    return model
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    from paged_jax.engine.args import build_engine
+    """Check every flag and both ports, load the model, serve until SIGTERM. A bad flag, a port in use or a
+    model that cannot be found is a UsageError (one line, exit status 2) before anything loads."""
+    from paged_jax.engine.args import build_engine, engine_config_from_args, setup_logging
     from paged_jax.lora.named import check_lora_modules
+    from paged_jax.model.loader.resolve import resolve_model
 
     from .server import serve_forever
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = serving_config_from_args(args)
-    except ValueError as e:
-        raise SystemExit(f"paged-jax serve: {e}") from None
+    args.model = model_arg(args)
+    ports = resolve_ports(args)
+    config = serving_config_from_args(args, ports)
+    engine_config_from_args(args)  # flags checked before the model loads
+    resolve_model(args.model)  # found, or one line saying why not
+    check_ports_free(config.host, ports)
+    setup_logging()
+    if ports.note:
+        print(f"paged-jax serve: note: {ports.note}", file=sys.stderr)
 
     def stop_during_startup(signum, frame) -> None:
         end_process(0)  # nothing is serving yet, so there is nothing to drain
@@ -160,8 +271,12 @@ def run_serve(args: argparse.Namespace) -> int:
         try:  # every --lora-modules adapter read now, not on first use
             check_lora_modules(config.lora_modules, engine.config, engine.engine_config.max_lora_rank)
         except ValueError as e:
-            raise SystemExit(f"paged-jax serve: {e}") from None
-        status = asyncio.run(serve_forever(engine, config, warm_up=not args.no_warmup))
+            raise UsageError(str(e)) from None
+        try:
+            status = asyncio.run(serve_forever(engine, config, warm_up=not args.no_warmup))
+        except PortInUseError as e:  # taken since the check: the engine's threads are running, end them all
+            print(f"paged-jax serve: error: {e}", file=sys.stderr)
+            end_process(2)
     finally:
         signal.signal(signal.SIGTERM, previous)
     end_process(status)
@@ -191,14 +306,14 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
         "--chat", action="store_true", help="send the prompt as a user message, rendered with the model's chat template"
     )
     parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
-    parser.add_argument("--target", default="127.0.0.1:50051")
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--n", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--target", default="127.0.0.1:50051", help="the server's gRPC address (--grpc-port)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: the server's)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
+    parser.add_argument("--top-k", type=int, default=None, help="top-k sampling (default: the model's)")
+    parser.add_argument("--seed", type=int, default=None, help="the request's sampling seed (default: none)")
+    parser.add_argument("--n", type=int, default=None, help="samples to stream, [i]-prefixed (default: 1)")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat for several)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--tls-ca", default=None, help="PEM root certificate(s) to trust (turns TLS on)")
     parser.add_argument("--tls", action="store_true", help="TLS with the system's roots")

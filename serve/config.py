@@ -19,6 +19,9 @@ class Backpressure:
     stall_timeout_s: float | None = None
 
 
+PROMPT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) max_tokens of a completions request that sets none
+
+
 @dataclass(slots=True)
 class ServingLimits:
     """Per-request limits; a request beyond any of them gets INVALID_ARGUMENT naming the field.
@@ -29,7 +32,9 @@ class ServingLimits:
 
     max_prompt_tokens: int = 0
     max_tokens: int = 4096  # upper bound for SamplingParams.max_tokens
-    default_max_tokens: int = 16  # when the request leaves max_tokens unset
+    # When the request and the model leave max_tokens unset. None: vLLM's defaults, the rest of the context for a
+    # conversation (OpenAI chat) and 16 for a plain prompt (OpenAI completions); both capped by `max_tokens`.
+    default_max_tokens: int | None = None
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
@@ -46,7 +51,6 @@ class ServingLimits:
     def validate(self) -> None:
         for name in (
             "max_tokens",
-            "default_max_tokens",
             "max_n",
             "max_message_bytes",
             "max_chat_messages",
@@ -55,15 +59,16 @@ class ServingLimits:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
-        if self.default_max_tokens > self.max_tokens:
-            raise ValueError("default_max_tokens: must be <= max_tokens")
+        if self.default_max_tokens is not None and not 1 <= self.default_max_tokens <= self.max_tokens:
+            raise ValueError(f"default_max_tokens: must be in [1, max_tokens ({self.max_tokens})]")
 
     def input_limits(self) -> InputLimits:
         """The bounds the engine's input processor applies to each request (all but the message size)."""
         return InputLimits(
             max_prompt_tokens=self.max_prompt_tokens,
             max_tokens=self.max_tokens,
-            default_max_tokens=self.default_max_tokens,
+            default_max_tokens=PROMPT_MAX_TOKENS if self.default_max_tokens is None else self.default_max_tokens,
+            default_chat_max_tokens=self.max_tokens if self.default_max_tokens is None else self.default_max_tokens,
             max_n=self.max_n,
             max_stop_strings=self.max_stop_strings,
             max_stop_string_chars=self.max_stop_string_chars,
@@ -78,10 +83,10 @@ class ServingLimits:
 
 @dataclass(slots=True)
 class ServingConfig:
-    """The gRPC server. Binds to loopback unless told otherwise; TLS and auth are off unless configured."""
+    """The gRPC and HTTP fronts. Bind to loopback unless told otherwise; TLS and auth are off unless configured."""
 
     host: str = "127.0.0.1"
-    port: int = 50051  # 0 picks a free port
+    port: int | None = 50051  # gRPC (None: not listening, 0: a free port)
     http_port: int | None = None  # the OpenAI-compatible HTTP front on `host` (None: off, 0: a free port)
     metrics_port: int | None = None  # Prometheus endpoint on its own port (None: off, 0: a free port)
     metrics_host: str = "127.0.0.1"
@@ -113,6 +118,9 @@ class ServingConfig:
     # whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (off unless asked, as in vLLM).
     lora_modules: tuple[tuple[str, str], ...] = ()
     enable_lora_runtime_updates: bool = False
+    # The names the model is served under (`--served-model-name`); the first is the one replies carry. Empty:
+    # the model's own name.
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -135,6 +143,8 @@ class ServingConfig:
             raise ValueError("http_send_timeout_s: must be > 0")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError("http_port: must be in [0, 65536)")
+        if self.port is not None and not 0 <= self.port < 65536:
+            raise ValueError("port: must be in [0, 65536)")
         if self.metrics_auth and self.auth_token is None:
             raise ValueError("metrics_auth: needs a bearer token (--auth-token-file or PAGED_JAX_AUTH_TOKEN)")
         if self.grace_period_s < 0:

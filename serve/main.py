@@ -11,10 +11,12 @@ module) and register them: `COMMANDS["name"] = Command(help, add_args, run)`.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from paged_jax.config import DTYPES, WEIGHT_QUANTIZATIONS
 
@@ -175,7 +177,12 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from paged_jax.engine.args import MODEL_HELP
+    from paged_jax.errors import UsageError
     from paged_jax.offline import batch
+
+    if args.model is None:  # never a silent random model: its throughput and text would mislead
+        raise UsageError(f"--model is required: {MODEL_HELP}")
 
     return batch.run(args)
 
@@ -199,7 +206,9 @@ COMMANDS: dict[str, Command] = {
         run_info,
     ),
     "serve": Command(
-        "start the gRPC server", lambda p: _serve_cli().add_serve_args(p), lambda a: _serve_cli().run_serve(a)
+        "serve a model: the OpenAI-compatible HTTP API on --port and gRPC on --grpc-port",
+        lambda p: _serve_cli().add_serve_args(p),
+        lambda a: _serve_cli().run_serve(a),
     ),
     "client": Command(
         "stream a completion from a running server to the terminal",
@@ -209,34 +218,76 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each flag's default, unless the help states it in words or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors on one line, `paged-jax serve: error: <why>` and exit status 2, without the usage
+    block (`--help` shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The `paged-jax` parser, one subparser per command (its errors are reported under its own name)."""
+    parser = Parser(prog="paged-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, command in COMMANDS.items():
-        command.add_args(sub.add_parser(name, help=command.help, description=command.help))
+        p = sub.add_parser(name, help=command.help, description=command.help, formatter_class=HelpFormatter)
+        command.add_args(p)
+        p.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its line")
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The subparser of command `name` in `parser` (from `build_parser`)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """Parse `argv`; an unknown flag is reported by its subcommand with the closest known spellings."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    command = command_parser(parser, args.command)
+    if extra:
+        known = [o for a in command._actions for o in a.option_strings]
+        close = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], known, 1)]
+        hint = f" (did you mean {' / '.join(close)}?)" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args, command
+
+
 def _user_errors() -> tuple[type[Exception], ...]:
-    """Errors that are the input's fault (a model file, a config field); their messages name the field."""
+    """Errors that are the input's fault (a flag, a model file, a config field); their messages name the field."""
     from paged_jax.config import ConfigError
     from paged_jax.config.model_files import ModelFileError
+    from paged_jax.errors import UsageError
     from paged_jax.model.loader.gguf_bounds import GGUFError
     from paged_jax.model.loader.hf import WeightsError
     from paged_jax.tokenization.chat_template import ChatTemplateError
 
-    return (ConfigError, WeightsError, GGUFError, ModelFileError, ChatTemplateError)
+    return (UsageError, ConfigError, WeightsError, GGUFError, ModelFileError, ChatTemplateError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; a model or config error is one clean line on stderr and exit status 2, not a traceback."""
-    args = build_parser().parse_args(argv)
+    """Run one subcommand; a flag, model or config error is one clean line on stderr
+    (`paged-jax serve: error: <field>: <why>`) and exit status 2, not a traceback (`--debug` shows it)."""
+    args, parser = parse_args(argv)
     try:
         return COMMANDS[args.command].run(args)
     except ValueError as e:
-        if not isinstance(e, _user_errors()):
+        if args.debug or not isinstance(e, _user_errors()):
             raise
-        print(f"paged-jax {args.command}: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
 
 

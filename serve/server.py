@@ -28,9 +28,12 @@ from .config import ServingConfig
 from .engine_loop import EngineLoop
 from .metrics import Metrics
 from .openai_api.server import start_http_front
+from .ports import PortInUseError
 from .servicer import SERVICE_NAME, GenerationServicer, generic_handler
 
 log = logging.getLogger(__name__)
+
+
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -50,7 +53,7 @@ class GrpcServer:
         self._warm_up_thread: threading.Thread | None = None
         self.clock: Callable[[], float] = time.monotonic  # the grace period's clock (a test steps its own)
 
-    async def start(self, serving: bool = True) -> int:
+    async def start(self, serving: bool = True) -> int | None:
         """Listen; health SERVING at once, or with `serving=False` NOT_SERVING (until `start_warm_up` is ready)."""
         cfg = self.config
         interceptors = [BearerTokenInterceptor(cfg.auth_token, cfg.auth_exempt_health)] if cfg.auth_token else []
@@ -64,24 +67,30 @@ class GrpcServer:
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
         )
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls:
-            self.port = server.add_secure_port(address, server_credentials(cfg.tls_cert_file, cfg.tls_key_file))
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if cfg.port is None:  # --no-grpc: the server still holds health and the drain, listening nowhere
+                pass
+            elif cfg.tls:
+                self.port = server.add_secure_port(address, server_credentials(cfg.tls_cert_file, cfg.tls_key_file))
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc's "Failed to bind": the port was taken after the start-up check
+            raise PortInUseError(f"--grpc-port: {address} cannot be bound ({e}); pick another port, or 0") from None
         await server.start()
         self._server = server
         aio_loop = asyncio.get_running_loop()
         self.loop.add_death_callback(lambda e: aio_loop.call_soon_threadsafe(self._on_engine_death, e))
         await self._set_all(SERVING if serving and self.loop.alive else NOT_SERVING)
         self.metrics.queued_fn = lambda: self.loop.num_queued
-        log.info(
-            "serving %s on %s:%d (tls %s, auth %s)",
-            SERVICE_NAME,
-            cfg.host,
-            self.port,
-            cfg.tls,
-            cfg.auth_token is not None,
-        )
+        if self.port is not None:
+            log.info(
+                "serving %s on %s:%d (tls %s, auth %s)",
+                SERVICE_NAME,
+                cfg.host,
+                self.port,
+                cfg.tls,
+                cfg.auth_token is not None,
+            )
         return self.port
 
     def start_warm_up(self, engine) -> threading.Thread:
@@ -212,8 +221,10 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
         log.info("metrics on %s://%s:%d/metrics (auth %s)", scheme, config.metrics_host, port, token is not None)
     server = GrpcServer(loop, config, metrics)
     port = await server.start(serving=not warm_up)
-    print(f"paged-jax serving {engine.config.name} on {config.host}:{port}", flush=True)
-    http = await start_http_front(loop, config, metrics)  # None unless --http-port
+    name = config.served_model_names[0] if config.served_model_names else engine.config.name
+    if port is not None:
+        print(f"paged-jax serving {name} on {config.host}:{port} (gRPC)", flush=True)
+    http = await start_http_front(loop, config, metrics)  # None unless an HTTP port is set
     if http is not None:
         http.front.ready = lambda: server.status == SERVING  # /health 503 while warming up, as gRPC's health
     died: list[BaseException] = []

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import typing
 from collections.abc import Callable
@@ -21,20 +22,34 @@ from paged_jax.config.engine import SCAN_CHOICES, EngineConfig
 from paged_jax.config.generation_defaults import load_generation_defaults
 from paged_jax.engine.data_parallel import make_engine
 from paged_jax.engine.load import load_model
+from paged_jax.errors import UsageError
+from paged_jax.model.loader.named import NAMED_MODELS
+from paged_jax.model.loader.resolve import ModelSource, resolve_model
 from paged_jax.tokenization.chat_template import load_chat_template
 from paged_jax.worker.executables import enable_persistent_cache
 from pallas_kernels.common import BACKENDS
 
+log = logging.getLogger(__name__)
+MODEL_HELP = (
+    "a Hugging Face directory, GGUF file, Hugging Face id in the local hub cache (ORG/NAME), named model "
+    "(smollm2-135m-instruct), orbax checkpoint from `paged-jax convert`, or a config name such as tiny "
+    "(random weights)"
+)
+
+
+def setup_logging() -> None:
+    """The commands' log: INFO of our own, JAX's platform probe ("Unable to initialize backend 'tpu'" on a
+    machine without one) only when it is a warning."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=None, help=f"the model (required): {MODEL_HELP}")
     g.add_argument(
-        "--model",
-        default="tiny",
-        help="HF directory, GGUF file, named model (smollm2-135m-instruct), orbax checkpoint from "
-        "`paged-jax convert`, or config name (random weights)",
+        "--dtype", choices=("float32", "bfloat16"), default=None, help="override the model dtype (default: its own)"
     )
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the model dtype")
     g.add_argument(
         "--quantization",
         choices=WEIGHT_QUANTIZATIONS,
@@ -91,7 +106,7 @@ def apply_model_text_args(args: argparse.Namespace, tokenizer, ec: EngineConfig 
 
 
 def apply_model_text(
-    model: str,
+    model: str | Path | ModelSource,
     tokenizer,
     chat_template: str | None = None,
     generation_config: str = "auto",
@@ -101,17 +116,30 @@ def apply_model_text(
     (`generation_config`: "auto", "none" or a directory), also set on `ec`."""
     if chat_template is not None:
         tokenizer.chat_template = load_chat_template(None, chat_template)
-    defaults = load_generation_defaults(model, generation_config)
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    folder = source.path if source.path is not None and source.path.is_dir() else None
+    defaults = load_generation_defaults(folder, generation_config)
     if ec is not None:
         ec.sampling_defaults = dict(defaults)
     return defaults
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the flags of `add_engine_args` describe (`--lora-modules` implies `--enable-lora`)."""
-    fields = {flag.field: flag.value(args) for flag in (*ENGINE_FLAGS, *LORA_FLAGS)}
+    """The EngineConfig the flags of `add_engine_args` describe (`--lora-modules` implies `--enable-lora`),
+    validated with its speculative config: UsageError naming the flag, before any model loads."""
+    flags = (*ENGINE_FLAGS, *LORA_FLAGS)
+    fields = {flag.field: flag.value(args) for flag in flags}
     fields["enable_lora"] = fields["enable_lora"] or bool(args.lora_modules)
-    return EngineConfig(**fields)
+    try:
+        ec = EngineConfig(**fields)  # parses the speculative config
+        ec.validate()
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        head = field.split(".", 1)[0]
+        flag = next((f.flag for f in flags if f.field == head), None)
+        sub = field[len(head) :].removeprefix(".")
+        raise UsageError(f"{flag}: {sub + ': ' if sub else ''}{why}" if flag and why else str(e)) from None
+    return ec
 
 
 def _json_object(text: str) -> dict:
@@ -133,7 +161,7 @@ class EngineFlag:
     does not give (JSON)."""
 
     field: str
-    help: str | None = None
+    help: str
     name: str | None = None
     short: str | None = None
     choices: tuple[str, ...] | None = None
@@ -141,6 +169,8 @@ class EngineFlag:
     scale: int | None = None
     parse: Callable[[str], Any] | None = None
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings (vLLM's name where ours differs)
+    negated_alias: str | None = None  # with a `--x/--no-x` pair: an old `--no-...` spelling of `--no-x`
 
     @property
     def flag(self) -> str:
@@ -154,15 +184,26 @@ class EngineFlag:
         default = _FIELDS[self.field].default
         if self.negate:
             assert default is True, f"{self.field}: a --no- switch needs a field that defaults to True"
-        if self.negate or default is False:  # a switch: --no-<x> turns a True field off, --<x> a False one on
-            group.add_argument(self.flag, action="store_true", help=self.help)
+        if self.negated_alias is not None:  # --x / --no-x, and the old spelling of --no-x
+            group.add_argument(self.flag, action=argparse.BooleanOptionalAction, default=default, help=self.help)
+            no = "--no-" + self.flag.removeprefix("--")
+            group.add_argument(self.negated_alias, dest=self.dest, action="store_false", help=f"the same as {no}")
             return
-        names = (self.flag, self.short) if self.short else (self.flag,)
+        if self.negate or default is False:  # a switch: --no-<x> turns a True field off, --<x> a False one on
+            group.add_argument(self.flag, *self.aliases, action="store_true", help=self.help)
+            return
+        names = (self.flag, *self.aliases, *((self.short,) if self.short else ()))
         parse = self.parse or _scalar_type(self.field)
         if self.scale is not None:
             parse = float
         group.add_argument(
-            *names, type=parse, default=default, choices=self.choices, metavar=self.metavar, help=self.help
+            *names,
+            dest=self.dest,
+            type=parse,
+            default=default,
+            choices=self.choices,
+            metavar=self.metavar,
+            help=self.help,
         )
 
     def value(self, args: argparse.Namespace) -> Any:
@@ -185,6 +226,14 @@ def _scalar_type(name: str) -> type:
     return kinds[0]
 
 
+def _kv_dtype(text: str) -> str | None:
+    """`--kv-dtype` / vLLM's `--kv-cache-dtype`: "auto" is the model's dtype, "fp8" is fp8_e4m3."""
+    value = {"auto": None, "fp8": "fp8_e4m3"}.get(text, text)
+    if value is not None and value not in KV_DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(f"must be one of auto, {', '.join(KV_DTYPE_CHOICES)}, fp8; got {text!r}")
+    return value
+
+
 LORA_FLAGS = (
     EngineFlag("enable_lora", "serve PEFT LoRA adapters beside the base model"),
     EngineFlag("max_loras", "adapters resident on the device at once"),
@@ -193,9 +242,14 @@ LORA_FLAGS = (
 )
 ENGINE_FLAGS = (
     EngineFlag("seed", "random weights and unseeded requests"),
-    EngineFlag("page_size"),
+    EngineFlag("page_size", "token slots per KV page (vLLM: --block-size)", aliases=("--block-size",)),
     EngineFlag("num_pages", "KV pages (default: from the memory budget)"),
-    EngineFlag("kv_cache_memory_fraction"),
+    EngineFlag(
+        "kv_cache_memory_fraction",
+        "share of the accelerator memory left after the weights that KV pages take (vLLM's "
+        "--gpu-memory-utilization, which counts the weights too, is accepted as this flag)",
+        aliases=("--gpu-memory-utilization",),
+    ),
     EngineFlag(
         "cpu_kv_cache_bytes",
         "KV budget on CPU (default: 4 GiB, capped at half the available memory and at "
@@ -203,12 +257,16 @@ ENGINE_FLAGS = (
         name="--cpu-kv-cache-gib",
         scale=2**30,
     ),
-    EngineFlag("max_num_seqs"),
-    EngineFlag("max_num_batched_tokens"),
-    EngineFlag("max_model_len"),
-    EngineFlag("chunk_size", "max prompt tokens of one sequence per step"),
-    EngineFlag("enable_prefix_caching", name="--no-prefix-caching", negate=True),
-    EngineFlag("attention_backend", choices=BACKENDS),
+    EngineFlag("max_num_seqs", "sequences in one step (the decode batch)"),
+    EngineFlag("max_num_batched_tokens", "tokens in one step (decodes and prompt chunks together)"),
+    EngineFlag("max_model_len", "prompt + output tokens per sequence (default: the model's maximum, at most 8192)"),
+    EngineFlag("chunk_size", "max prompt tokens of one sequence per step (default: the step's token budget)"),
+    EngineFlag(
+        "enable_prefix_caching",
+        "reuse the KV pages of prompt prefixes already computed",
+        negated_alias="--no-prefix-caching",
+    ),
+    EngineFlag("attention_backend", "the paged attention kernel (auto: the platform's fastest)", choices=BACKENDS),
     EngineFlag(
         "scan_layers",
         "the layers as scanned steps (auto, on: every model and platform) or unrolled (off)",
@@ -217,8 +275,11 @@ ENGINE_FLAGS = (
     EngineFlag("warmup", "compile step shapes lazily instead of at start-up", name="--no-warmup", negate=True),
     EngineFlag(
         "kv_dtype",
-        "KV page dtype (default: model); int8 / fp8_e4m3 store quantized pages with per-token scales",
-        choices=KV_DTYPE_CHOICES,
+        "KV page dtype: auto (the model's), float32, bfloat16, or quantized pages with per-token scales: int8, "
+        "fp8_e4m3 (fp8)",
+        aliases=("--kv-cache-dtype",),
+        parse=_kv_dtype,
+        metavar="DTYPE",
     ),
     EngineFlag("watermark", "fraction of pages admission keeps free"),
     EngineFlag(
@@ -242,12 +303,24 @@ ENGINE_FLAGS = (
 def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     """Load the model named by `--model` and start an engine with the flags' options.
 
-    `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs."""
+    `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs.
+    Random weights (a config name) are announced with a warning: their text is noise."""
     # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU): the step
     # executables from the executable store (no lowering), anything else from JAX's persistent cache.
     cache = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
     enable_persistent_cache(cache)
+    if args.model is None:  # never a silent default: a random model's text and throughput would mislead
+        raise UsageError(f"--model is required: {MODEL_HELP}")
     ec = engine_config_from_args(args)
+    source = resolve_model(args.model)
+    if source.random_weights:
+        log.warning(
+            "%s is an architecture config: random weights (seed %d), so its text is noise; for a real model "
+            "pass a directory, a GGUF file, a Hugging Face id or %s",
+            args.model,
+            args.seed,
+            ", ".join(NAMED_MODELS),
+        )
     if cache != "off" and ec.executable_store is None:
         ec.executable_store = os.path.join(cache, "executables")
     if warmup is not None:
@@ -257,11 +330,11 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
     with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else contextlib.nullcontext():
         config, params, tokenizer = load_model(
-            args.model,
+            source,
             dtype=args.dtype,
             seed=args.seed,
             quantization=args.quantization,
             weights_cache=None if cache == "off" else Path(cache) / "weights",
         )
-    apply_model_text_args(args, tokenizer, ec)
+    apply_model_text(source, tokenizer, args.chat_template, args.generation_config, ec)
     return make_engine(config, params, tokenizer, ec)

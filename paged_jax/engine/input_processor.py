@@ -61,12 +61,15 @@ class GenerationRequest:
 @dataclass(frozen=True, slots=True)
 class InputLimits:
     """A server's bounds on a request (None: no bound beyond the model's). `default_max_tokens`: a server's
-    max_tokens when the request and the model's defaults give none, capped by `max_tokens` and the room the
-    prompt leaves; without it an unset max_tokens is `SamplingParams`' default."""
+    max_tokens when the request and the model's defaults give none, capped by `max_tokens`, the room the
+    prompt leaves and `max_request_tokens / n`; without it an unset max_tokens is `SamplingParams`' default.
+    `default_chat_max_tokens`: the same for a conversation (None: `default_max_tokens`); vLLM's servers give
+    a conversation the rest of the context and a plain prompt 16."""
 
     max_prompt_tokens: int | None = None  # None: only prompt + max_tokens is bounded; 0: the model's length - 1
     max_tokens: int | None = None
     default_max_tokens: int | None = None
+    default_chat_max_tokens: int | None = None
     max_n: int | None = None
     max_stop_strings: int | None = None
     max_stop_string_chars: int | None = None
@@ -185,7 +188,7 @@ class InputProcessor:
                 f"the prompt has {len(ids)} tokens, more than the limit of {self.max_prompt_tokens} "
                 f"(max_model_len {self.max_model_len})",
             )
-        params = self._sampling(req.sampling, len(ids))
+        params = self._sampling(req.sampling, len(ids), chat=isinstance(req.prompt, ChatPrompt))
         if len(ids) + params.max_tokens > self.max_model_len:
             raise FieldError(
                 "max_tokens",
@@ -258,7 +261,9 @@ class InputProcessor:
         return chat_prompt_ids(self.tokenizer, chat, self.max_prompt_chars)
 
     # -- sampling ---------------------------------------------------------------------------------------
-    def _sampling(self, sampling: SamplingParams | Mapping[str, Any], prompt_len: int) -> SamplingParams:
+    def _sampling(
+        self, sampling: SamplingParams | Mapping[str, Any], prompt_len: int, chat: bool = False
+    ) -> SamplingParams:
         lim = self.limits
         max_n = self.max_n if lim.max_n is None else min(self.max_n, lim.max_n)
         if isinstance(sampling, SamplingParams):
@@ -277,10 +282,18 @@ class InputProcessor:
                 "max_tokens",
                 f"prompt ({prompt_len} tokens) + max_tokens ({explicit}) exceeds max_model_len ({self.max_model_len})",
             )
-        if explicit is None and lim.default_max_tokens is not None:
-            # a server's default: the model's max_new_tokens, else its own; never past the limit or the room left
-            default = self.defaults.get("max_tokens", lim.default_max_tokens)
-            fields["max_tokens"] = min(default, lim.max_tokens or default, self.max_model_len - prompt_len)
+        own = (
+            lim.default_chat_max_tokens if chat and lim.default_chat_max_tokens is not None else lim.default_max_tokens
+        )
+        if explicit is None and own is not None:
+            # a server's default: the model's max_new_tokens, else its own; never past the limit, the room left,
+            # or what the request's samples may generate together
+            default = self.defaults.get("max_tokens", own)
+            n = fields.get("n", self.defaults.get("n", 1))
+            share = lim.max_request_tokens // n if lim.max_request_tokens and _is_int(n) and n > 0 else default
+            fields["max_tokens"] = max(
+                0, min(default, lim.max_tokens or default, self.max_model_len - prompt_len, share)
+            )
         params = SamplingParams(**{**self.defaults, **fields})
         return self._bounded(params).validate(self.vocab_size, max_n, self.max_logit_bias)
 

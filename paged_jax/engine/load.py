@@ -7,13 +7,13 @@ from pathlib import Path
 
 from paged_jax.config import ModelConfig
 from paged_jax.model.init import Params
-from paged_jax.model.loader.weights import LoadedWeights, load_weights
+from paged_jax.model.loader.weights import LoadedWeights, ModelSource, load_weights
 from paged_jax.tokenization.gguf import gguf_tokenizer_dir
 from paged_jax.tokenization.tokenizer import Tokenizer, load_tokenizer
 
 
 def load_model(
-    model: str | Path,
+    model: str | Path | ModelSource,
     dtype: str | None = None,
     seed: int = 0,
     quantization: str | None = None,

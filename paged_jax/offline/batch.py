@@ -18,7 +18,6 @@ the job goes on, and a re-run retries it without repeating error lines already r
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from paged_jax.engine.args import add_engine_args, build_engine
+from paged_jax.engine.args import add_engine_args, build_engine, setup_logging
 from paged_jax.engine.protocol import Engine
 from paged_jax.lora.named import ServedAdapters, UnknownAdapterError, check_lora_modules, parse_lora_modules
 from paged_jax.lora.request import LoRARequest
@@ -101,15 +100,15 @@ class BatchSummary:
         c = self.compile
         if not c:
             return []
-        waste = c["step_padding_tokens"] / c["step_tokens"] if c["step_tokens"] else 0.0
+        filler = c["step_padding_tokens"] / c["step_tokens"] if c["step_tokens"] else 0.0
         return [
             f"start-up           {self.startup_seconds:.1f}s: {c['executables_loaded']} executables loaded in "
             f"{c['executable_load_seconds']:.1f} s, {c['compile_count']} compiled in "
             f"{c['compile_seconds']:.1f} compile-s ({c['compile_lower_seconds']:.1f} lowering, "
             f"{c['compile_seconds'] - c['compile_lower_seconds']:.1f} XLA compile or cache lookup; "
             f"{c['compile_cache_hits']} from the persistent cache), {c['compiles_after_warmup']} after warm-up",
-            f"padding            {waste:.1%} of step tokens ({c['step_padding_tokens']} padding / "
-            f"{c['step_tokens']} real)",
+            f"step shapes        {filler:.2f} filler tokens per real token: steps run at a few compiled sizes, "
+            f"so a step is padded to the next one ({c['step_padding_tokens']} filler, {c['step_tokens']} real)",
         ]
 
 
@@ -253,7 +252,7 @@ def add_args(parser) -> None:
     parser.add_argument("--input", required=True, type=Path, help="JSONL prompts")
     parser.add_argument("--output", required=True, type=Path, help="JSONL results (appended; re-runs resume)")
     parser.add_argument("--errors", type=Path, default=None, help="JSONL of rejected lines (default: beside output)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs and the summary stay)")
     g = parser.add_argument_group("multi-host (each process takes every count-th line; process 0 merges)")
     g.add_argument(
         "--distributed",
@@ -261,8 +260,8 @@ def add_args(parser) -> None:
         help="call jax.distributed.initialize() (on a TPU slice it finds the other hosts itself)",
     )
     g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (implies --distributed)")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the job (default: found by JAX)")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index (default: found by JAX)")
     add_engine_args(parser)
 
 
@@ -271,7 +270,7 @@ def default_errors_path(output_path: Path) -> Path:
 
 
 def run(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     if not args.input.exists():
         raise SystemExit(f"--input: {args.input} does not exist")
     try:  # before the model loads: a collision is a mistake in the command line

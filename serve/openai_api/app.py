@@ -1,5 +1,5 @@
 """The ASGI app (FastAPI): the OpenAI routes, vLLM's tokenizer routes (`/tokenize`, `/detokenize`,
-`/tokenizer_info`), `/health`, `/metrics`, and errors in OpenAI's shape.
+`/tokenizer_info`), `/health` (and vLLM's `/ping`), `/version`, `/metrics`, and errors in OpenAI's shape.
 
 Auth (when a token is configured) covers `/v1/*` and the tokenizer routes; `/health` follows the gRPC rule for
 health checks (`auth_exempt_health`, on by default) so load balancers need no token; `/metrics` too unless
@@ -7,6 +7,8 @@ health checks (`auth_exempt_health`, on by default) so load balancers need no to
 """
 
 from __future__ import annotations
+
+import importlib.metadata
 
 import grpc
 from fastapi import FastAPI
@@ -18,6 +20,11 @@ from starlette.responses import JSONResponse, Response
 from ..convert import RequestError
 from .errors import error_response
 from .front import OpenAIFront
+
+try:
+    VERSION = importlib.metadata.version("paged-jax")
+except importlib.metadata.PackageNotFoundError:  # a checkout run without installing
+    VERSION = "unknown"
 
 _HTTP_CODES = {404: grpc.StatusCode.NOT_FOUND}
 
@@ -82,6 +89,16 @@ def create_app(front: OpenAIFront) -> FastAPI:
         if why is None:
             return JSONResponse({"status": "ok"})
         return error_response(grpc.StatusCode.UNAVAILABLE, f"server: {why}")
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping(request: Request) -> Response:
+        """vLLM's (SageMaker's) health route: the same answer as /health."""
+        return await health(request)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """{"version": the installed paged-jax's}, as vLLM's /version (no auth, like vLLM's)."""
+        return JSONResponse({"version": VERSION})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -57,7 +57,9 @@ class OpenAIFront:
     def __init__(self, loop: EngineLoop, config: ServingConfig, metrics: Metrics) -> None:
         self.loop, self.config, self.metrics = loop, config, metrics
         engine = loop.engine
-        self.model_name: str = engine.config.name
+        # The names the model answers to (`--served-model-name`); replies carry the first.
+        self.model_names: tuple[str, ...] = config.served_model_names or (engine.config.name,)
+        self.model_name: str = self.model_names[0]
         self.tokenizer = engine.tokenizer
         self.inputs = convert.serving_inputs(engine, config.limits)
         self.draining = False  # set on shutdown: new generations get 503
@@ -89,12 +91,12 @@ class OpenAIFront:
 
     def _model(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names (None: the base model); NOT_FOUND naming it when nothing is served so."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.model_names:
             return None
         try:
             return self.loop.adapters.get(model)
         except UnknownAdapterError:
-            served = [self.model_name, *self.loop.adapters.names()]
+            served = [*self.model_names, *self.loop.adapters.names()]
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
                 f"model: {model!r} is not served here (GET /v1/models lists {', '.join(map(repr, served))})",
@@ -310,14 +312,15 @@ class OpenAIFront:
 
     # -- the rest -------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
-        """The base model, then every served LoRA adapter as its own model with the base as `parent`."""
+        """The base model under each served name, then every served LoRA adapter as its own model with the base
+        as `parent`."""
         engine = self.loop.engine
         base = {"object": "model", "created": 0, "owned_by": "paged-jax", "max_model_len": engine.max_model_len}
         adapters = [self.loop.adapters.get(name) for name in self.loop.adapters.names()]
         return {
             "object": "list",
             "data": [
-                {"id": self.model_name, **base, "root": self.model_name, "parent": None},
+                *({"id": name, **base, "root": self.model_name, "parent": None} for name in self.model_names),
                 *({"id": a.lora_name, **base, "root": a.lora_path, "parent": self.model_name} for a in adapters),
             ],
         }

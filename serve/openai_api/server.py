@@ -21,6 +21,7 @@ from ..background import BackgroundServer
 from ..config import ServingConfig
 from ..engine_loop import EngineLoop
 from ..metrics import Metrics
+from ..ports import PortInUseError
 from .app import create_app
 from .front import OpenAIFront
 
@@ -61,7 +62,10 @@ class HttpServer:
             timeout_graceful_shutdown=5,
         )
         self._server = _Uvicorn(config)
-        sock = config.bind_socket()
+        try:
+            sock = config.bind_socket()
+        except SystemExit:  # uvicorn exits when it cannot bind: the port was taken after the start-up check
+            raise PortInUseError(f"--port: {cfg.host}:{port} cannot be bound; pick another port, or 0") from None
         _bound_unread(sock, cfg.http_send_timeout_s)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:  # uvicorn binds in serve(); a failure ends the task

@@ -35,7 +35,7 @@ def test_every_flag_sets_its_field():
         0.2,
         7,
     )
-    assert ec.speculative_config == {"method": "ngram"}
+    assert ec.speculative_config.method == "ngram"  # parsed once, into the typed record
     assert args.no_warmup  # the batch job reads this switch by its flag's name
 
 

@@ -95,7 +95,8 @@ def test_stray_lines_in_the_output_are_skipped_with_a_warning(engine, tmp_path: 
 def _cli(inp: Path, out: Path, file_limit: int | None) -> subprocess.CompletedProcess:
     """`paged-jax generate` in a child; with `file_limit` it runs under RLIMIT_FSIZE, SIGXFSZ ignored (so a write
     past the limit fails with EFBIG), both set by a tiny launcher that then execs the job (no fork hook here)."""
-    args = ["-m", "paged_jax.offline.batch", "--input", str(inp), "--output", str(out), "--no-progress"]
+    args = ["-m", "paged_jax.offline.batch", "--model", "tiny", "--input", str(inp), "--output", str(out)]
+    args += ["--no-progress"]
     args += ["--no-warmup", "--num-pages", "64", "--max-num-seqs", "4", "--attention-backend", "xla"]
     launcher = (
         "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "

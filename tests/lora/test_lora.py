@@ -6,6 +6,7 @@ tensor parallelism never change a request's result. Every engine test ends with 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_invalid_adapters_are_refused_naming_the_adapter_and_the_problem(case, t
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
-def test_lora_modules_are_read_at_start_up_and_a_bad_one_stops_it(command, tmp_path, monkeypatch):
+def test_lora_modules_are_read_at_start_up_and_a_bad_one_stops_it(command, tmp_path, monkeypatch, capsys):
     """`--lora-modules` adapters are checked when the command starts (before warm-up and any request), the error
     naming the flag, the adapter and what is wrong: a missing directory, a rank above --max-lora-rank."""
     from serve.main import main
@@ -148,13 +149,22 @@ def test_lora_modules_are_read_at_start_up_and_a_bad_one_stops_it(command, tmp_p
     big = write_adapter(tmp_path / "big", TINY, rank=32)
     (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi", "max_tokens": 2}\n')
     argv = {
-        "serve": ["serve", "--port", "0", "--no-warmup"],
+        "serve": ["serve", "--port", "0", "--grpc-port", "0", "--no-warmup"],
         "generate": ["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
     }[command] + ["--model", "tiny", "--dtype", "float32", "--max-lora-rank", "16", "--lora-modules", f"ok={good}"]
-    with pytest.raises(SystemExit, match=r"--lora-modules gone=.*adapter 'gone': no adapter_config.json"):
-        main([*argv, f"gone={tmp_path / 'gone'}"])
-    with pytest.raises(SystemExit, match=r"--lora-modules big=.*adapter 'big'.*32"):
-        main([*argv, f"big={big}"])
+
+    def fails(arg: str) -> str:
+        if command == "generate":
+            with pytest.raises(SystemExit) as e:
+                main([*argv, arg])
+            return str(e.value.code)
+        assert main([*argv, arg]) == 2  # one line on stderr, exit status 2
+        return capsys.readouterr().err
+
+    assert re.search(
+        r"--lora-modules gone=.*adapter 'gone': no adapter_config.json", fails(f"gone={tmp_path / 'gone'}")
+    )
+    assert re.search(r"--lora-modules big=.*adapter 'big'.*32", fails(f"big={big}"))
     assert not (tmp_path / "out.jsonl").exists()
 
 

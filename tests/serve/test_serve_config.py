@@ -13,7 +13,7 @@ from serve.config import ServingConfig
 def args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    return parser.parse_args(["--model", "tiny", *argv])
+    return parser.parse_args(["tiny", *argv])
 
 
 def test_an_empty_auth_token_is_refused(monkeypatch, tmp_path):
@@ -32,7 +32,7 @@ def test_an_empty_auth_token_is_refused(monkeypatch, tmp_path):
 
 def test_a_queue_of_zero_is_refused():
     """Issue 14.12: --max-queued-requests 0 passed validation and then refused every request."""
-    with pytest.raises(ValueError, match="^max_queued_requests:"):
+    with pytest.raises(ValueError, match="^--max-queued-requests:"):
         serving_config_from_args(args("--max-queued-requests", "0"))
     assert serving_config_from_args(args("--max-queued-requests", "1")).max_queued_requests == 1
 

@@ -406,8 +406,8 @@ def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
 
 
 @pytest.mark.slow  # a fresh process (start-up and compiles)
-def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
-    """`python -m serve serve --http-port 0`: the HTTP front in the serving process; SIGTERM turns /health 503,
+def test_paged_jax_serve_port_sigterm_drains_both_fronts():
+    """`python -m serve serve --port 0`: the HTTP front in the serving process; SIGTERM turns /health 503,
     refuses new work 503, ends an open stream with finish_reason `abort` after the grace period, exits 0."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
@@ -418,9 +418,9 @@ def test_paged_jax_serve_http_port_sigterm_drains_both_fronts():
             "serve",
             "--model",
             "tiny",
-            "--port",
+            "--grpc-port",
             "0",
-            "--http-port",
+            "--port",
             "0",
             "--num-pages",
             "300",

@@ -21,7 +21,9 @@ from serve.server import ServerThread
 PROMPTS = ["Hello, my name is", "The capital of France is", "a", "Once upon a time, in a land far away, there"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
-LIMITS = ServingLimits(max_tokens=1800, max_n=8, max_stop_strings=4, max_stop_string_chars=32)
+# default_max_tokens 16 for chat too (a server's own default is the rest of the context): these tests' unset
+# max_tokens stay short on the random tiny model.
+LIMITS = ServingLimits(max_tokens=1800, default_max_tokens=16, max_n=8, max_stop_strings=4, max_stop_string_chars=32)
 ENGINE_CONFIG = EngineConfig(
     num_pages=1024, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla", max_model_len=2048
 )

@@ -24,7 +24,7 @@ from paged_jax.model.loader.checkpoint import is_checkpoint, load_checkpoint
 from paged_jax.model.loader.gguf_cache import load_cached
 from paged_jax.model.loader.gguf_file import GGUFFile, is_gguf
 from paged_jax.model.loader.hf import load_hf_params
-from paged_jax.model.loader.named import named_model_path
+from paged_jax.model.loader.resolve import ModelSource, resolve_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +40,14 @@ class LoadedWeights:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A named model's GGUF path, else `model` as a path."""
-    return named_model_path(str(model)) or Path(model)
+    """The file or directory `model` names (a named model's GGUF, a hub cache snapshot, a path); ConfigError
+    when it names none (`resolve.resolve_model`)."""
+    source = resolve_model(model)
+    return source.path if source.path is not None else Path(model)
 
 
 def load_weights(
-    model: str | Path,
+    model: str | Path | ModelSource,
     dtype: str | None = None,
     seed: int = 0,
     quantization: str | None = None,
@@ -68,16 +70,19 @@ def load_weights(
     return loaded
 
 
-def _load(model: str | Path, dtype: str | None, seed: int, weights_cache: Path | None) -> LoadedWeights:
-    path = resolve_model_path(model)
+def _load(model: str | Path | ModelSource, dtype: str | None, seed: int, weights_cache: Path | None) -> LoadedWeights:
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    path = source.path if source.path is not None else Path(source.spec)
     if is_gguf(path):
-        name = str(model) if named_model_path(str(model)) else None
+        name = source.name if source.kind == "named" else None
         got = load_cached(path, dtype, name, weights_cache)
         return LoadedWeights(got.config, got.params, None, got.gguf, path, got.has_vocab)
     if path.is_dir() and is_checkpoint(path):
         config, params = load_checkpoint(path, dtype)
         return LoadedWeights(config, params, path)
-    config = load_model_config(model)
+    config = load_model_config(source.load_as)
+    if source.kind == "hub":  # its directory is named by a commit hash: the config takes the hub id
+        config = config.replace(name=source.name)
     if dtype is not None:
         config = config.replace(dtype=dtype)
     check_fits(config)
@@ -86,4 +91,4 @@ def _load(model: str | Path, dtype: str | None, seed: int, weights_cache: Path |
     return LoadedWeights(config, init_params(config, seed), None)
 
 
-__all__ = ["LoadedWeights", "load_weights", "resolve_model_path"]
+__all__ = ["LoadedWeights", "ModelSource", "load_weights", "resolve_model_path"]

@@ -1,0 +1,106 @@
+"""`paged-jax serve MODEL --port P` as a vLLM user runs it, in a real process: a Hugging Face id found in the local
+hub cache, the official `openai` client with `--served-model-name` (two names) and `--api-key`, vLLM's `/version`,
+`/ping` and `/health`, a chat reply that may run to the end of the context when max_tokens is unset, gRPC on
+`--grpc-port` beside it, a quiet start-up, and SIGTERM ending it with status 0."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from grpc_health.v1 import health_pb2
+
+from serve.client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+MAX_MODEL_LEN = 48
+
+
+def get(url: str, method: str = "GET") -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method)) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.slow  # a fresh process (start-up and the first request's compiles)
+def test_serve_model_with_the_openai_client(hub_cache, tmp_path):
+    hub_cache("acme/gqa-tiny")
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    for name in ("PAGED_JAX_API_KEY", "PAGED_JAX_AUTH_TOKEN", "VLLM_API_KEY"):
+        env.pop(name, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve", "serve", "acme/gqa-tiny", "--port", "0", "--grpc-port", "0"]
+        + ["--served-model-name", "gqa", "gqa-alias", "--api-key", "sesame", "--chat-template", str(template)]
+        + ["--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "32", "--max-num-seqs", "2"]
+        + ["--max-num-batched-tokens", "16", "--attention-backend", "xla", "--no-warmup"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        target = base_url = None
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"paged-jax serving gqa on (\S+) \(gRPC\)", line):
+                target = m.group(1)
+            if m := re.search(r"paged-jax OpenAI API on (http://\S+/v1)", line):
+                base_url = m.group(1)
+                break
+        assert target is not None and base_url is not None, "".join(lines[-30:])
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        root = base_url.removesuffix("/v1")
+
+        assert get(root + "/version") == (200, {"version": importlib.metadata.version("paged-jax")})
+        assert get(root + "/health") == (200, {"status": "ok"})  # no token needed (load balancers)
+        assert get(root + "/ping") == get(root + "/ping", "POST") == (200, {"status": "ok"})
+
+        with openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0) as intruder:
+            with pytest.raises(openai.AuthenticationError):
+                intruder.models.list()
+        with openai.OpenAI(base_url=base_url, api_key="sesame", max_retries=0) as client:
+            assert [m.id for m in client.models.list()] == ["gqa", "gqa-alias"]
+            reply = client.chat.completions.create(
+                model="gqa-alias",
+                messages=[{"role": "user", "content": "Hi"}],
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert reply.model == "gqa"  # replies carry the first served name
+            assert reply.choices[0].finish_reason == "length"
+            assert reply.usage.prompt_tokens + reply.usage.completion_tokens == MAX_MODEL_LEN  # the rest of the context
+            plain = client.completions.create(model="gqa", prompt="Hi", temperature=0, extra_body={"ignore_eos": True})
+            assert plain.usage.completion_tokens == 16  # OpenAI's completions default, as vLLM
+            with pytest.raises(openai.NotFoundError, match="'tiny' is not served here"):
+                client.completions.create(model="tiny", prompt="Hi", max_tokens=1)
+        with Client(target, token="sesame") as grpc_client:
+            assert grpc_client.health() == health_pb2.HealthCheckResponse.SERVING
+            assert grpc_client.generate("Hi", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = "".join(lines)
+    assert "random weights" not in log  # a real model: no warning
+    assert "Unable to initialize backend" not in log  # JAX's platform probe stays quiet
+    assert "Traceback" not in log
