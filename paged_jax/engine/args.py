@@ -7,11 +7,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,10 +17,10 @@ import jax
 from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS
 from paged_jax.config.engine import SCAN_CHOICES, EngineConfig
 from paged_jax.config.generation_defaults import load_generation_defaults
+from paged_jax.engine.compile_cache import use_compile_cache
 from paged_jax.engine.data_parallel import make_engine
 from paged_jax.engine.load import load_model
 from paged_jax.tokenization.chat_template import load_chat_template
-from paged_jax.worker.executables import enable_persistent_cache
 from pallas_kernels.common import BACKENDS
 
 
@@ -245,11 +243,8 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs."""
     # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU): the step
     # executables from the executable store (no lowering), anything else from JAX's persistent cache.
-    cache = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
-    enable_persistent_cache(cache)
     ec = engine_config_from_args(args)
-    if cache != "off" and ec.executable_store is None:
-        ec.executable_store = os.path.join(cache, "executables")
+    cache = use_compile_cache(ec)
     if warmup is not None:
         ec.warmup = warmup
     # With several chips per process, load into host memory and let each engine place its shards
@@ -261,7 +256,7 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
             dtype=args.dtype,
             seed=args.seed,
             quantization=args.quantization,
-            weights_cache=None if cache == "off" else Path(cache) / "weights",
+            weights_cache=None if cache is None else cache / "weights",
         )
     apply_model_text_args(args, tokenizer, ec)
     return make_engine(config, params, tokenizer, ec)
