@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 import time
@@ -13,7 +12,7 @@ from tqdm.auto import tqdm
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.args import apply_model_text
-from paged_jax.engine.compile_cache import ENV, use_compile_cache
+from paged_jax.engine.compile_cache import use_compile_cache
 from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
@@ -76,19 +75,18 @@ class LLM:
             weights_cache=None if cache is None else cache / "weights",
         )
         apply_model_text(model, tokenizer, chat_template, generation_config, ec)
-        self.engine = LLMEngine(config, params, tokenizer, dataclasses.replace(ec, warmup=False))
-        self.engine.engine_config.warmup = ec.warmup
+        plan = first_use_plan(SamplingParams(**ec.sampling_defaults), ec.async_scheduling)
+        self.engine = LLMEngine(config, params, tokenizer, ec, warmup_plan=plan)
         self.config, self.tokenizer = config, tokenizer
         self._ids = itertools.count()
         runner = self.engine.runner
         runner.show_compiles = True  # a generate call that meets a new shape says what it waits for
         if ec.warmup:
-            self.engine.warmup(first_use_plan(self.get_default_sampling_params(), ec.async_scheduling))
             c = runner.compile_stats
             print(
                 f"paged-jax: ready in {time.perf_counter() - t0:.1f} s ({c.loaded} step executables loaded, "
                 f"{c.count} compiled; other shapes compile on first use; "
-                f"store: {ec.executable_store or f'off ({ENV}=off)'})",
+                f"executable store: {ec.executable_store or 'off'})",
                 file=sys.stderr,
                 flush=True,
             )
