@@ -77,7 +77,7 @@ def use_scan(scan_layers: str) -> bool:
 
     On every platform: on CPU too the scan pays for a real model (one layer body compiled instead of L; XLA:CPU
     copies each layer's weight slice before its dot, which a quiet machine reads back from cache:
-    `scripts/startup_time.py --layers`); "off" stays for the few-layer models and loaded machines where the
+    `scripts/bench/startup_time.py --layers`); "off" stays for the few-layer models and loaded machines where the
     unrolled decode step is faster (README)."""
     if scan_layers not in SCAN_CHOICES:
         raise ValueError(f"scan_layers: must be one of {SCAN_CHOICES}, got {scan_layers!r}")
