@@ -1,6 +1,6 @@
 """Shared fixtures: the embedded tiny config and its random parameters (built once per session), the release
 of each test module's compiled executables, the `side` marker on the modules `make test` runs in its second
-stream, and the XLA:CPU optimisation level of the test processes."""
+stream, the XLA:CPU optimisation level of the test processes, and no compile cache unless a test asks for one."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ from pathlib import Path
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+# The Python API keeps compiled executables in the user's cache by default (`paged_jax.engine.compile_cache`).
+# Tests start without it, so that what one test compiles or counts never depends on what an earlier run (or an
+# earlier test) left on disk; a test that exercises the cache points the variable at its own directory.
+os.environ.setdefault("PAGED_JAX_COMPILE_CACHE", "off")
 
 
 import jax  # noqa: E402

@@ -8,11 +8,9 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,13 +18,13 @@ import jax
 from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS
 from paged_jax.config.engine import SCAN_CHOICES, EngineConfig
 from paged_jax.config.generation_defaults import load_generation_defaults
+from paged_jax.engine.compile_cache import use_compile_cache
 from paged_jax.engine.data_parallel import make_engine
 from paged_jax.engine.load import load_model
 from paged_jax.errors import UsageError
 from paged_jax.model.loader.named import NAMED_MODELS
 from paged_jax.model.loader.resolve import ModelSource, resolve_model
 from paged_jax.tokenization.chat_template import load_chat_template
-from paged_jax.worker.executables import enable_persistent_cache
 from pallas_kernels.common import BACKENDS
 
 log = logging.getLogger(__name__)
@@ -307,8 +305,6 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     Random weights (a config name) are announced with a warning: their text is noise."""
     # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU): the step
     # executables from the executable store (no lowering), anything else from JAX's persistent cache.
-    cache = os.environ.get("PAGED_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/paged-jax/xla"))
-    enable_persistent_cache(cache)
     if args.model is None:  # never a silent default: a random model's text and throughput would mislead
         raise UsageError(f"--model is required: {MODEL_HELP}")
     ec = engine_config_from_args(args)
@@ -321,8 +317,7 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
             args.seed,
             ", ".join(NAMED_MODELS),
         )
-    if cache != "off" and ec.executable_store is None:
-        ec.executable_store = os.path.join(cache, "executables")
+    cache = use_compile_cache(ec)
     if warmup is not None:
         ec.warmup = warmup
     # With several chips per process, load into host memory and let each engine place its shards
@@ -334,7 +329,7 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
             dtype=args.dtype,
             seed=args.seed,
             quantization=args.quantization,
-            weights_cache=None if cache == "off" else Path(cache) / "weights",
+            weights_cache=None if cache is None else cache / "weights",
         )
     apply_model_text(source, tokenizer, args.chat_template, args.generation_config, ec)
     return make_engine(config, params, tokenizer, ec)

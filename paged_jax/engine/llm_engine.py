@@ -95,7 +95,8 @@ class LLMEngine:
 
     `devices`: the group this engine runs on (`tensor_parallel_size` of them); default: the default device
     when TP is 1 (the single-device path), else the first `tensor_parallel_size` local devices. For
-    several replicas use `paged_jax.engine.data_parallel.make_engine`.
+    several replicas use `paged_jax.engine.data_parallel.make_engine`. `warmup_plan`: the shapes compiled at
+    start-up when `warmup` is on (default: every shape; `paged_jax.worker.warmup`).
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class LLMEngine:
         tokenizer: Tokenizer,
         engine_config: EngineConfig | None = None,
         devices: Sequence[jax.Device] | None = None,
+        warmup_plan: WarmupPlan | None = None,
     ):
         ec = engine_config or EngineConfig()
         ec.validate()
@@ -188,7 +190,7 @@ class LLMEngine:
         self.num_appended = 0  # tokens appended to sequences (the speculation cost gate's yield)
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
         if ec.warmup:
-            self.warmup()
+            self.warmup(warmup_plan)
 
     def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up", cancel=None) -> int:
         """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.worker.warmup`. Safe

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import itertools
+import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import cast
 
@@ -11,6 +13,7 @@ from tqdm.auto import tqdm
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.args import apply_model_text
+from paged_jax.engine.compile_cache import use_compile_cache
 from paged_jax.engine.input_processor import ChatPrompt
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
@@ -20,6 +23,7 @@ from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.chat_template import Conversation, template_from_text
+from paged_jax.worker.warmup import first_use_plan
 
 Prompt = str | Mapping[str, Sequence[int]]  # text, or {"prompt_token_ids": [...]}
 
@@ -43,6 +47,11 @@ class LLM:
     instead of the model's; `generation_config` "auto" takes the sampling defaults of the model's
     `generation_config.json` (used when `sampling_params` is None), "none" turns them off. Other keywords
     are `EngineConfig` fields.
+
+    Start-up (docs/user/startup.md): compiled step executables are kept in `$PAGED_JAX_COMPILE_CACHE`
+    (default `~/.cache/paged-jax/xla`, `off`: none; `paged_jax.engine.compile_cache`), and warm-up compiles
+    only what a first `generate` with the default parameters needs (`paged_jax.worker.warmup.first_use_plan`);
+    every other shape compiles once, on its first use.
     """
 
     def __init__(
@@ -56,12 +65,32 @@ class LLM:
         generation_config: str = "auto",
         **engine_options,
     ) -> None:
-        config, params, tokenizer = load_model(model, dtype=dtype, seed=seed, quantization=quantization)
+        t0 = time.perf_counter()
         ec = EngineConfig(seed=seed, **engine_options)
+        cache = use_compile_cache(ec)
+        config, params, tokenizer = load_model(
+            model,
+            dtype=dtype,
+            seed=seed,
+            quantization=quantization,
+            weights_cache=None if cache is None else cache / "weights",
+        )
         apply_model_text(model, tokenizer, chat_template, generation_config, ec)
-        self.engine = LLMEngine(config, params, tokenizer, ec)
+        plan = first_use_plan(SamplingParams(**ec.sampling_defaults), ec.async_scheduling)
+        self.engine = LLMEngine(config, params, tokenizer, ec, warmup_plan=plan)
         self.config, self.tokenizer = config, tokenizer
         self._ids = itertools.count()
+        runner = self.engine.runner
+        runner.show_compiles = True  # a generate call that meets a new shape says what it waits for
+        if ec.warmup:
+            c = runner.compile_stats
+            print(
+                f"paged-jax: ready in {time.perf_counter() - t0:.1f} s ({c.loaded} step executables loaded, "
+                f"{c.count} compiled; other shapes compile on first use; "
+                f"executable store: {ec.executable_store or 'off'})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation defaults (what `sampling_params=None` uses)."""

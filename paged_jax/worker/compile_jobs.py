@@ -149,7 +149,7 @@ class CompileJobs:
             ("sample", self.key, s, suppress_width, history_len, flags, width, verify, logit_bias_width),
             lower,
             f"sample rows={s} suppress={suppress_width} history={history_len} logit_bias={logit_bias_width} "
-            + " ".join(n for n, on in SamplerFlags(*flags)._asdict().items() if on),
+            + (" ".join(n for n, on in SamplerFlags(*flags)._asdict().items() if on) or "greedy"),
         )
 
     def prompt_logprobs(self, t: int) -> Job:

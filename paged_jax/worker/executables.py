@@ -7,8 +7,11 @@ set of static shapes. `Executables` holds the compiled form of each (function, s
 - warm-up compiles many shapes at once on a thread pool, each thread lowering and compiling whole jobs (XLA
   compiles release the GIL; lowering all jobs on one thread and only compiling on the pool measured 2x
   slower on this 2-core machine);
-- a shape needed after warm-up is compiled once, counted and logged as a warning naming the shape;
-- a shape being compiled in the background is waited for, never compiled twice;
+- a shape needed after warm-up is compiled once, counted and logged naming the shape: as a warning when the
+  warm-up missed it, as info when the warm-up left it to its first use on purpose (the Python API's rarer
+  sampler variants, for example), with a progress bar on stderr while the step waits where asked;
+- a shape being compiled in the background is waited for, never compiled twice; one the background has not
+  started yet is compiled by the step that needs it at once, never queued behind the rest of the warm-up;
 - every compile is timed and, through JAX's monitoring events, attributed to the persistent compilation
   cache (a hit: loaded from disk) or not (a miss: compiled by XLA);
 - with an executable store (`paged_jax.worker.executable_store`) a job is first looked up there by its key,
@@ -30,6 +33,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import jax
+from tqdm.auto import tqdm
 
 from paged_jax.worker.executable_store import ExecutableStore
 
@@ -186,28 +190,39 @@ class Executables:
         describe: str = "",
         options: CompilerOptions = (),
         store: ExecutableStore | None = None,
+        deferred: bool = False,
+        show: bool = False,
     ) -> jax.stages.Compiled:
         """The executable for `key`, compiled now if needed (`lower()` gives its lowering, `options` the XLA
         compiler options; `key` must tell option sets apart). `warm`: warm-up is over, so a compile here stalls
-        a step and is logged as a warning with `describe` (the shape). `store`: looked up first, written after
+        a step: counted in `after_warmup` and logged with `describe` (the shape), as a warning unless
+        `deferred` (the warm-up left this shape to its first use on purpose: logged as info); `show`: a
+        progress bar on stderr names the shape while the step waits. `store`: looked up first, written after
         a compile (`key`'s repr must then name everything the executable depends on)."""
-        while True:
-            compiled = self._done.get(key)
-            if compiled is not None:
-                return compiled
-            future, owner = self._claim(key)
-            if owner:
-                if warm:
-                    stats.after_warmup += 1
+        compiled = self._done.get(key)
+        if compiled is not None:
+            return compiled
+        future, owner = self._claim(key)
+        if owner:
+            bar = None
+            if warm:
+                stats.after_warmup += 1
+                if deferred:
+                    log.info("compiling %s on its first use", describe or key)
+                else:
                     log.warning(
                         "compiling a new step shape after warm-up: %s (the step waits; warm-up missed it)",
                         describe or key,
                     )
-                self._compile(key, lower, stats, future, options=options, store=store)
+                if show:
+                    bar = tqdm(total=1, desc=f"compiling {describe or key}", unit="shape", leave=False)
             try:
-                return future.result()
-            except concurrent.futures.CancelledError:  # a cancelled warm-up let go of it: compile it here
-                continue
+                self._compile(key, lower, stats, future, options, store)
+            finally:
+                if bar is not None:
+                    bar.update(1)
+                    bar.close()
+        return future.result()
 
     def compile_all(
         self,
@@ -221,27 +236,30 @@ class Executables:
         cancel: threading.Event | None = None,
         store: ExecutableStore | None = None,
     ) -> list[Hashable]:
-        """Compile every job (key, lower[, compiler options]) not yet compiled on `workers` threads;
-        `progress(key)` after each. Returns the keys this call compiled. Once `cancel` is set no new compile
-        starts (the running ones finish): the jobs left are released, and a step that needs one compiles it
-        itself. `store`: as in `get`."""
-        todo = []
-        for key, lower, *rest in jobs:
-            options = rest[0] if rest else ()
+        """Compile every job (key, lower[, compiler options]) not yet compiled on `workers` threads, in order;
+        `progress(key)` after each. Returns the keys this call compiled. A job is claimed only when a thread
+        starts it, so a step that needs a shape the warm-up has not reached compiles it at once itself (it never
+        waits behind the warm-up's queue) and the warm-up then waits for that compile instead of repeating it.
+        Once `cancel` is set no new compile starts (the running ones finish). `store`: as in `get`."""
+
+        def run(key: Hashable, lower: Callable[[], jax.stages.Lowered], options: CompilerOptions):
+            if cancel is not None and cancel.is_set():
+                return None, False
             future, owner = self._claim(key)
-            todo.append((key, lower, options, future, owner))
-        mine = [key for key, *_, owner in todo if owner]
+            if owner:
+                self._compile(key, lower, stats, future, options, store)
+            return future, owner
+
+        mine = []
         with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="compile") as pool:
-            for key, lower, options, future, owner in todo:
-                if owner:
-                    pool.submit(self._compile, key, lower, stats, future, cancel, options, store)
-            for key, _, _, future, _ in todo:
-                try:
-                    future.result()
-                except concurrent.futures.CancelledError:
-                    if key in mine:
-                        mine.remove(key)
+            started = [(key, pool.submit(run, key, lower, rest[0] if rest else ())) for key, lower, *rest in jobs]
+            for key, started_job in started:
+                future, owner = started_job.result()
+                if future is None:  # cancelled before it started
                     continue
+                future.result()
+                if owner:
+                    mine.append(key)
                 if progress is not None:
                     progress(key)
         return mine
@@ -269,13 +287,9 @@ class Executables:
         lower: Callable[[], jax.stages.Lowered],
         stats: CompileStats,
         future: concurrent.futures.Future,
-        cancel: threading.Event | None = None,
         options: CompilerOptions = (),
         store: ExecutableStore | None = None,
     ) -> None:
-        if cancel is not None and cancel.is_set():
-            self._fail(key, future, concurrent.futures.CancelledError())
-            return
         if store is not None:
             t0 = time.perf_counter()
             try:

@@ -175,7 +175,9 @@ class ModelRunner:
         self.store = None if abstract or not executable_store else open_store(executable_store)
         self.device_seconds = 0.0  # time blocked waiting for the device (host idle)
         self.compile_stats = CompileStats()
-        self.warm = False  # warm-up is over: a compile now stalls a step and is logged as a warning
+        self.warm = False  # warm-up is over: a compile now stalls a step and is logged (`Executables.get`)
+        self.deferred = False  # the warm-up left shapes to their first use: such a compile is no warning
+        self.show_compiles = False  # a step waiting for a compile shows a progress bar on stderr (Python API)
         self.real_tokens = 0  # tokens of scheduled work, summed over steps
         self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
 
@@ -501,6 +503,8 @@ class ModelRunner:
             describe=job.describe,
             options=job.options,
             store=self.store,
+            deferred=self.deferred,
+            show=self.show_compiles,
         )
 
     def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:

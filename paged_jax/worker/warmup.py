@@ -7,9 +7,17 @@ requests may ask for prompt logprobs, and the lookahead's merge. Compiling more 
 user waits for nothing (on TPU tens of seconds a shape), so:
 
 - the batch job knows every prompt and `max_tokens` before it starts (`plan_for_requests`);
+- the Python API (`paged_jax.offline.llm.LLM`) compiles the forward step of every token bucket with its
+  sequence bucket, the sampler variant of its default sampling parameters and the lookahead's merges
+  (`first_use_plan`); the rest (other sampler variants, logit bias, prompt logprobs, `n` > 1 copies and
+  sequence buckets) compiles on first use, once per shape, with a progress bar while the step waits;
 - the server compiles its decode buckets with the common sampler variants first (`serving_plans`), reports
-  NOT_SERVING until they are ready, and compiles the rest in the background;
+  NOT_SERVING until they are ready, and compiles the rest in the background (a request that needs a shape the
+  background has not reached compiles it at once: `paged_jax.worker.executables`);
 - an engine built with `warmup=True` and no plan compiles everything (`WarmupPlan()`).
+
+A plan that leaves shapes to their first use says so (`complete=False`): a compile after it is then logged as
+info, not as the warning of a shape the warm-up missed.
 
 `run_warmup` compiles a plan's shapes on a thread pool with a progress bar and logs what it cost: how many
 executables the executable store served (no lowering), how many were compiled, and how many of those compiles
@@ -59,6 +67,7 @@ class WarmupPlan:
     copies: bool = True  # requests with n > 1: copy-on-write of pages, and their children's sample rows
     logit_bias: bool = True  # every sampler variant also with bias columns (requests with logit_bias)
     prompt_logprobs: bool = True  # the prompt-logprob step of every token bucket (requests with prompt_logprobs)
+    complete: bool = True  # every shape the run can reach; False: the rest compile on first use, on purpose
 
 
 def request_flags(params: SamplingParams) -> SamplerFlags:
@@ -96,10 +105,26 @@ def plan_for_requests(
     )
 
 
+def first_use_plan(default_params: SamplingParams, lookahead: bool = True) -> WarmupPlan:
+    """The Python API's plan: what a first `generate` with the default parameters needs (a prompt of any length
+    up to the token budget, then decode), nothing else; every other shape compiles on its first use."""
+    return WarmupPlan(
+        None,
+        (request_flags(default_params),),
+        lookahead,
+        copies=False,
+        logit_bias=False,
+        prompt_logprobs=False,
+        complete=False,
+    )
+
+
 def serving_plans(max_num_seqs: int, lookahead: bool = True) -> tuple[WarmupPlan, WarmupPlan]:
     """The server's plans: decode steps (at most `max_num_seqs` tokens) with the common sampler variants, which
     it compiles before it reports SERVING; then everything, compiled in the background."""
-    first = WarmupPlan(max_num_seqs, COMMON_SAMPLERS, lookahead, False, logit_bias=False, prompt_logprobs=False)
+    first = WarmupPlan(
+        max_num_seqs, COMMON_SAMPLERS, lookahead, False, logit_bias=False, prompt_logprobs=False, complete=False
+    )
     return first, WarmupPlan(lookahead=lookahead)
 
 
@@ -149,7 +174,8 @@ def run_warmup(
     cancel: threading.Event | None = None,
 ) -> int:
     """Compile (or load) the plan's executables in parallel; returns how many were new to the process.
-    Afterwards a compile a step needs (a shape no plan named) is logged as a warning."""
+    Afterwards a compile a step needs (a shape no plan named) is logged: as a warning after a complete plan,
+    as info after one that left shapes to their first use."""
     todo = jobs(runner, plan)
     workers = workers or default_workers()
     stats = runner.compile_stats
@@ -160,7 +186,7 @@ def run_warmup(
         new = runner.compile(todo, workers, progress=lambda _: bar.update(1), cancel=cancel)
     finally:
         bar.close()
-    runner.warm = True
+    runner.warm, runner.deferred = True, not plan.complete
     cache = persistent_cache_summary()
     cache_dir = jax.config.jax_compilation_cache_dir
     store = runner.store

@@ -19,6 +19,19 @@ engine shape: 256 tokens, 16 sequences, 2 compile threads) and the steady decode
 keys, the compiled forward alone, median of 30).
 
     .venv/bin/python scripts/bench/startup_time.py --layers [--cases tiny smollm2-135m llama-16 llama-32]
+
+`--llm` measures the Python API's start-up, `LLM(model)` (default options) to its first generated token, each
+case in a fresh process, side by side: "before" is the start-up the API had without the executable store and
+with every step shape warmed up (`WarmupPlan()`: every token and sequence bucket, all 12 sampler variants with
+and without logit bias, prompt logprobs, copies), "cold" today's start-up with an empty compile cache and
+"warm" the same again with the cache the cold run filled (docs/user/startup.md). For each: step executables
+compiled and loaded from the store, seconds to ready and to the first token, the process's CPU seconds to
+then (which move less than wall seconds on a shared machine), and compiles after warm-up. The CPU attention
+kernel is built once per machine and shared by every case. By default the engine is smaller than `LLM`'s
+defaults (`--max-num-seqs 16 --max-num-batched-tokens 128`) so that the full warm-up of "before" fits in a few
+minutes on 2 cores; the executable counts of the default options are printed first (counted, not compiled).
+
+    .venv/bin/python scripts/bench/startup_time.py --llm [--models tiny smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -177,7 +190,7 @@ def layers_main(cases: list[str]) -> int:
         for scan in ("on", "off"):
             code = f"import json, startup_time as st; print('RESULT', json.dumps(st.layer_case({name!r}, {scan!r})))"
             proc = subprocess.run(
-                [sys.executable, "-c", code], cwd=ROOT / "scripts" / "bench", env=env, capture_output=True, text=True
+                [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True
             )
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
@@ -194,18 +207,111 @@ def layers_main(cases: list[str]) -> int:
     return 0
 
 
+LLM_MODES = ("before", "cold", "warm")
+
+
+def llm_case(model: str, mode: str, options: dict) -> dict:
+    """One `--llm` measurement in this process (see the module docstring); seconds from before the import.
+    `options`: `LLM`'s engine keywords."""
+    t0 = time.perf_counter()
+    from paged_jax import LLM, SamplingParams
+    from paged_jax.worker.warmup import WarmupPlan
+
+    if mode == "before":
+        llm = LLM(model, warmup=False, **options)
+        llm.engine.warmup(WarmupPlan(lookahead=llm.engine.engine_config.async_scheduling), progress=False)
+    else:
+        llm = LLM(model, **options)
+    ready = time.perf_counter() - t0
+    llm.generate(["Hello, my name is"], SamplingParams(max_tokens=1), use_tqdm=False)
+    first = time.perf_counter() - t0
+    s = llm.stats()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "compiled": s.compile_count,
+        "loaded": s.executables_loaded,
+        "ready_s": ready,
+        "first_token_s": first,
+        "cpu_s": usage.ru_utime + usage.ru_stime,  # every thread's, to the first token: moves less with load
+        "after_warmup": s.compiles_after_warmup,
+    }
+
+
+def llm_counts(model: str, options: dict) -> tuple[int, int]:
+    """(executables of the full warm-up, of the Python API's first-use plan) for `LLM(model, **options)`,
+    counted from the plans without compiling anything."""
+    os.environ["PAGED_JAX_COMPILE_CACHE"] = "off"
+    from paged_jax import LLM, SamplingParams
+    from paged_jax.worker.warmup import WarmupPlan, first_use_plan, jobs
+
+    llm = LLM(model, warmup=False, **options)
+    ec = llm.engine.engine_config
+    full = WarmupPlan(lookahead=ec.async_scheduling)
+    first = first_use_plan(SamplingParams(**ec.sampling_defaults), ec.async_scheduling)
+    return len(jobs(llm.engine.runner, full)), len(jobs(llm.engine.runner, first))
+
+
+def llm_main(models: list[str], work: Path, options: dict) -> int:
+    """`--llm`: before / cold / warm for every model, each in a fresh process; prints one table."""
+    print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for model in models:
+        full, first = llm_counts(model, {})
+        print(f"{model}, LLM's default options: full warm-up {full} executables, first-use plan {first}")
+    print(f"measured with {options}")
+    cols = ("compiled", "loaded", "ready_s", "first_token_s", "cpu_s", "after_warmup")
+    print(f"{'model':<24}{'case':>7}" + "".join(f"{c:>15}" for c in cols) + f"{'load':>7}")
+    for model in models:
+        cache = work / f"cache-{model}"
+        subprocess.run(["rm", "-rf", str(cache)], check=True)
+        rows = {}
+        for mode in LLM_MODES:
+            env = dict(
+                os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE="off" if mode == "before" else str(cache)
+            )
+            case = f"st.llm_case({model!r}, {mode!r}, {options!r})"
+            code = f"import json, startup_time as st; print('RESULT', json.dumps({case}))"
+            proc = subprocess.run(
+                [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True
+            )
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                raise SystemExit(f"{model} {mode} failed:\n{proc.stderr[-3000:]}")
+            row = rows[mode] = json.loads(line.removeprefix("RESULT "))
+            cells = "".join(f"{row[c]:>15.1f}" if c.endswith("_s") else f"{row[c]:>15d}" for c in cols)
+            print(f"{model:<24}{mode:>7}{cells}{os.getloadavg()[0]:>7.1f}", flush=True)
+        before = rows["before"]
+        for mode in ("cold", "warm"):
+            row = rows[mode]
+            print(
+                f"{model} {mode} / before: executables compiled {row['compiled']} / {before['compiled']}, "
+                f"to first token {row['first_token_s'] / before['first_token_s']:.2f}x wall, "
+                f"{row['cpu_s'] / before['cpu_s']:.2f}x CPU"
+            )
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (a shared machine: seconds are noisy)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1, help="cold and warm runs each")
     ap.add_argument("--keep", type=Path, default=None, help="work directory to keep (default: a temporary one)")
     ap.add_argument("--layers", action="store_true", help="scanned vs unrolled compile and decode times instead")
     ap.add_argument("--cases", nargs="+", default=list(LAYER_CASES), choices=list(LAYER_CASES))
+    ap.add_argument("--llm", action="store_true", help="LLM(model) start-up before / cold / warm instead")
+    ap.add_argument("--models", nargs="+", default=["tiny"], help="with --llm: the models (LLM's model names)")
+    # The full warm-up of LLM's default options (64 sequences, 512 tokens: 100 executables) takes minutes on 2
+    # loaded cores; these keep `--llm` under 3 minutes there (the default options' counts are printed too).
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="with --llm")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=128, help="with --llm")
     args = ap.parse_args()
     if args.layers:
         return layers_main(args.cases)
-    cmd = make_run_command()
     work = args.keep or Path(tempfile.mkdtemp(prefix="paged-jax-startup-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.llm:
+        options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+        return llm_main(args.models, work, options)
+    cmd = make_run_command()
     print("command:", " ".join(shlex.quote(c) for c in cmd))
     print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     times: dict[str, list[float]] = {"cold": [], "warm": []}
