@@ -138,6 +138,8 @@ class LLM:
         else:
             conversations = list(cast(Sequence[Conversation], messages))
         template = template_from_text(chat_template) if chat_template is not None else None
+        if tools is not None and (isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence)):
+            raise FieldError("tools", f"must be a list of tools, got {type(tools).__name__}")
         tool_list = None if tools is None else list(tools)
         chats = [
             ChatPrompt(c, add_generation_prompt, tool_list, chat_template_kwargs or {}, template) for c in conversations

@@ -113,6 +113,8 @@ def test_kill_9_loses_nothing(tmp_path):
         sys.executable,
         "-m",
         "paged_jax.offline.batch",
+        "--model",
+        "tiny",
         "--input",
         str(tmp_path / "in.jsonl"),
         "--output",

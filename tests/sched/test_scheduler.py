@@ -30,7 +30,8 @@ def test_children_of_a_running_leader_keep_their_slots():
         out = sched.schedule()
         assert len(sched.running) <= 8 and len(out.sample_rows) <= 8
         most = max(most, len(sched.running))
-        for seq, *_ in out.sample_rows:  # every sample gets a token and runs on
+        for row in out.sample_rows:  # every sample gets a token and runs on
+            seq = row.seq
             seq.append_token(5)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 sched.remove(seq, FinishReason.LENGTH)

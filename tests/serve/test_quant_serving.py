@@ -56,6 +56,8 @@ def test_batch_cli_with_quantization(tmp_path):
         sys.executable,
         "-m",
         "paged_jax.offline.batch",
+        "--model",
+        "tiny",
         "--input",
         str(tmp_path / "in.jsonl"),
         "--output",
