@@ -381,7 +381,9 @@ def test_cli_flag_and_batch_summary(tiny_config, tiny_params):
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_engine_args(parser)
     args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
-    assert engine_config_from_args(args).speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert engine_config_from_args(args).speculative_config == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=2
+    )
     for bad in ("{not json", "[1, 2]"):
         with pytest.raises(argparse.ArgumentError, match="speculative-config"):
             parser.parse_args(["--speculative-config", bad])
