@@ -159,11 +159,11 @@ def api_key(args: argparse.Namespace) -> str | None:
             raise UsageError(f"--auth-token-file: {args.auth_token_file} is empty")
         return token
     for name in API_KEY_ENV:
-        token = os.environ.get(name)
-        if token is not None:
-            if not token.strip():  # set but empty: a mistake, never "no auth"
+        value = os.environ.get(name)
+        if value is not None:
+            if not value.strip():  # set but empty: a mistake, never "no auth"
                 raise UsageError(f"{name}: is set but empty; unset it to serve without auth")
-            return token.strip()
+            return value.strip()
     return None
 
 

@@ -34,7 +34,7 @@ def build_request(
     *,
     request_id: str | None = None,
     cache_salt: str | None = None,
-    output_mode: int = pb.OUTPUT_MODE_UNSPECIFIED,
+    output_mode: pb.OutputMode = pb.OUTPUT_MODE_UNSPECIFIED,
     lora_name: str | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
@@ -155,4 +155,5 @@ class Client:
     def health(self, service: str = "", timeout: float | None = 5.0) -> int:
         """The grpc.health.v1 status (health_pb2.HealthCheckResponse.SERVING, NOT_SERVING, ...)."""
         req = health_pb2.HealthCheckRequest(service=service)
-        return self.health_stub.Check(req, timeout=timeout, metadata=self.metadata).status
+        # types-grpcio-health-checking's HealthStub lacks the methods its __init__ sets (Check, Watch)
+        return self.health_stub.Check(req, timeout=timeout, metadata=self.metadata).status  # type: ignore[attr-defined]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paged_jax.engine.input_processor import InputLimits
 
@@ -113,7 +113,7 @@ class ServingConfig:
     # every stream: an operator's debugging tool, refused (PERMISSION_DENIED) unless turned on.
     allow_invariant_checks: bool = False
     grace_period_s: float = 30.0  # on SIGTERM, in-flight requests get this long before they are aborted
-    limits: ServingLimits | None = None
+    limits: ServingLimits = field(default_factory=ServingLimits)
     # LoRA adapters served as their own model names (`--lora-modules name=path`, paged_jax.lora.named), and
     # whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (off unless asked, as in vLLM).
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -121,10 +121,6 @@ class ServingConfig:
     # The names the model is served under (`--served-model-name`); the first is the one replies carry. Empty:
     # the model's own name.
     served_model_names: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.limits is None:
-            self.limits = ServingLimits()
 
     def validate(self) -> None:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -158,6 +154,13 @@ class ServingConfig:
     @property
     def tls(self) -> bool:
         return self.tls_cert_file is not None
+
+    @property
+    def tls_files(self) -> tuple[str, str] | None:
+        """(certificate, key) when TLS is on (`validate` refuses one without the other)."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return self.tls_cert_file, self.tls_key_file
 
     def warnings(self) -> list[str]:
         """Risky but valid settings, for the log at start-up."""

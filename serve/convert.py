@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from paged_jax.engine.input_processor import (
@@ -155,7 +155,7 @@ def _is_repeated(field: FieldDescriptor) -> bool:
 
 def lenient_deserializer(message_type: type[Message]) -> Callable[[bytes], Message | InvalidRequest]:
     """A request deserializer that turns parse failures into an `InvalidRequest` naming the field."""
-    descriptor: Descriptor = message_type.DESCRIPTOR
+    descriptor = message_type.DESCRIPTOR
     twin = message_factory.GetMessageClass(_TWIN_POOL.FindMessageTypeByName(descriptor.full_name))
 
     def deserialize(data: bytes) -> Message | InvalidRequest:
@@ -262,7 +262,7 @@ def _json_field(field: str, text: str, kind: type) -> Any:
 
 def chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
     """A ChatInput as the engine's `ChatPrompt` (its JSON fields parsed: INVALID_ARGUMENT naming them)."""
-    messages = []
+    messages: list[dict[str, Any]] = []
     for m in chat.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.HasField("name"):
@@ -333,7 +333,9 @@ def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
 
 def _prompt_logprobs(out: RequestOutput) -> list[pb.TokenLogprob]:
     """The prompt logprobs after the first token's (which has none), when the request asked for them."""
-    return _logprobs(out.prompt_logprobs[1:]) if out.prompt_logprobs else []
+    if not out.prompt_logprobs:
+        return []
+    return _logprobs([lp for lp in out.prompt_logprobs[1:] if lp is not None])  # only the first token has none
 
 
 def _set_finish(msg: pb.Completion, c: CompletionOutput) -> None:

@@ -156,7 +156,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}  # open requests; guarded by _lock
         self._num_queued = 0  # open requests without an output yet; guarded by _lock
-        self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._death_callbacks: list[Callable[[BaseException], object]] = []
         self._checked_at = 0.0  # when `_abort_stalled` last looked
         self._stop = False
         self.error: BaseException | None = None  # set when the loop died
@@ -179,7 +179,7 @@ class EngineLoop:
     def num_open(self) -> int:
         return len(self._streams)
 
-    def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
+    def add_death_callback(self, fn: Callable[[BaseException], object]) -> None:
         """`fn(error)` runs on the loop thread if the loop dies (at once if it already has)."""
         with self._lock:
             if self.error is None:
@@ -357,9 +357,9 @@ class EngineLoop:
         for stream in streams:
             inbox = stream.inbox
             if id(inbox) not in why:
-                why[id(inbox)] = inbox.stalled(now)
-                if why[id(inbox)] is not None:
-                    self._abort_inbox(inbox, why[id(inbox)])
+                why[id(inbox)] = reason = inbox.stalled(now)
+                if reason is not None:
+                    self._abort_inbox(inbox, reason)
 
     def _abort_inbox(self, inbox: Inbox, why: str) -> None:
         """Abort every open request of `inbox`'s client request: the engine stops generating for them and their pages
@@ -389,7 +389,9 @@ class EngineLoop:
                 stream.push(Event(output=out))
                 bound = stream.inbox.backpressure.max_backlog
                 if bound is not None and stream.inbox.backlog > bound:
-                    self._abort_inbox(stream.inbox, stream.inbox.stalled(time.monotonic()))
+                    why = stream.inbox.stalled(time.monotonic())
+                    assert why is not None  # over the backlog bound
+                    self._abort_inbox(stream.inbox, why)
         except Exception as e:  # noqa: BLE001 - this request fails alone
             error = internal_error(f"delivering output of {rid} failed: {type(e).__name__}: {e}", exc_info=True)
             self.engine.fail(rid, str(e))

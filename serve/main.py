@@ -221,7 +221,7 @@ COMMANDS: dict[str, Command] = {
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """`--help` with each flag's default, unless the help states it in words or there is none to show."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
             return text

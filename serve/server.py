@@ -46,7 +46,7 @@ class GrpcServer:
         self.metrics = metrics or Metrics()
         self.servicer = GenerationServicer(loop, config, self.metrics)
         self.health = health_aio.HealthServicer()
-        self.status = NOT_SERVING  # the health status last set (the HTTP front's /health follows it)
+        self.status: int = NOT_SERVING  # the health status last set (the HTTP front's /health follows it)
         self.port: int | None = None
         self._server: aio.Server | None = None
         self._warm_up_cancel = threading.Event()
@@ -70,8 +70,8 @@ class GrpcServer:
         try:
             if cfg.port is None:  # --no-grpc: the server still holds health and the drain, listening nowhere
                 pass
-            elif cfg.tls:
-                self.port = server.add_secure_port(address, server_credentials(cfg.tls_cert_file, cfg.tls_key_file))
+            elif (tls := cfg.tls_files) is not None:
+                self.port = server.add_secure_port(address, server_credentials(*tls))
             else:
                 self.port = server.add_insecure_port(address)
         except RuntimeError as e:  # grpc's "Failed to bind": the port was taken after the start-up check
@@ -158,10 +158,12 @@ class GrpcServer:
             flush_deadline = time.monotonic() + 5.0
             while self.loop.num_open and time.monotonic() < flush_deadline:
                 await asyncio.sleep(0.02)
+        assert self._server is not None  # started
         await self._server.stop(grace=1.0)  # lets the final messages reach their clients
         await self.stop_warm_up()
 
     async def wait_for_termination(self) -> None:
+        assert self._server is not None  # started
         await self._server.wait_for_termination()
 
 
@@ -215,10 +217,12 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     metrics.engine_alive.set(1)
     if config.metrics_port is not None:
         token = config.auth_token if config.metrics_auth else None
-        tls = (config.tls_cert_file, config.tls_key_file) if token is not None and config.tls else None
-        port = metrics.serve(config.metrics_host, config.metrics_port, token=token, tls=tls)
+        tls = config.tls_files if token is not None else None
+        metrics_port = metrics.serve(config.metrics_host, config.metrics_port, token=token, tls=tls)
         scheme = "https" if tls else "http"
-        log.info("metrics on %s://%s:%d/metrics (auth %s)", scheme, config.metrics_host, port, token is not None)
+        log.info(
+            "metrics on %s://%s:%d/metrics (auth %s)", scheme, config.metrics_host, metrics_port, token is not None
+        )
     server = GrpcServer(loop, config, metrics)
     port = await server.start(serving=not warm_up)
     name = config.served_model_names[0] if config.served_model_names else engine.config.name

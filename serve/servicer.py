@@ -87,6 +87,7 @@ class GenerationServicer:
                 if event.code is not None:
                     done = True
                     raise RequestError(event.code, event.message)
+                assert event.output is not None  # an event without a code carries an output
                 done = event.output.finished
                 yield event
                 if done:
@@ -125,6 +126,7 @@ class GenerationServicer:
             ended: set[int] = set()  # samples whose last chunk (with its finish reason) went out
             async for event in self._events(stream):
                 out = event.output
+                assert out is not None  # `_events` raises the events with a code
                 for c in out.outputs:
                     if c.new_token_ids or c.new_text or (c.finished and c.index not in ended):
                         if c.finished:
@@ -139,6 +141,7 @@ class GenerationServicer:
             parsed = await self._off_loop(self._parse, request)
             stream = self._submit(parsed)
             async for event in self._events(stream):
+                assert event.output is not None  # `_events` raises the events with a code
                 if event.output.finished:
                     self.metrics.on_finished(event.output)
                     return convert.unary(event.output, parsed.output_mode, event.message)
@@ -176,7 +179,7 @@ class GenerationServicer:
         try:
             if isinstance(request, InvalidRequest):
                 raise invalid(request.message)
-            convert.check_text_length("text", request.text, self.inputs.max_prompt_tokens)
+            convert.check_text_length("text", request.text, self.inputs.max_prompt_tokens or self.max_model_len)
         except RequestError as e:
             await context.abort(e.code, e.message)
         add = (

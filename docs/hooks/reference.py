@@ -63,6 +63,8 @@ def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return f"`{f.default!r}`"
     if f.default_factory is not dataclasses.MISSING:
+        if dataclasses.is_dataclass(f.default_factory):  # a nested record: its own table says its defaults
+            return f"`{f.default_factory.__name__}()`"
         return f"`{f.default_factory()!r}`"
     return "required"
 

@@ -141,6 +141,7 @@ class OpenAIFront:
                 functions = {name: functions[name]}
             constraint = fmt.grammar(functions)  # one call (of any tool, or of the named one)
             for g in req.generates:
+                assert isinstance(g.sampling, dict)  # parse_body gives each prompt its fields by name
                 g.sampling["structured_outputs"] = constraint
         return fmt
 
@@ -250,6 +251,7 @@ class OpenAIFront:
                 if event.code is not None:
                     raise _event_error(event, field_names(req.kind, req.max_tokens_name, req.structured_param))
                 out = event.output
+                assert out is not None  # an event without a code carries an output
                 builder.seen(i, out)
                 for c in out.outputs:
                     index = i * n + c.index
@@ -334,6 +336,7 @@ class OpenAIFront:
         for field, value in (("lora_name", name), ("lora_path", path)):
             if not isinstance(value, str) or not value:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: must be a non-empty string", field)
+        assert isinstance(name, str) and isinstance(path, str)  # checked just above
         if name == self.model_name or name in self.loop.adapters:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name: {name!r} is already served", "lora_name")
         config = self.loop.engine.config
@@ -396,7 +399,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def _firsts(inbox: Inbox, k: int, names: FieldNames) -> list[tuple[int, Event]]:
     """The inbox's events until each of its `k` prompts has had one (the engine took them all), in arrival order;
     a prompt the engine refused raises its RequestError."""
-    events, seen = [], set()
+    events: list[tuple[int, Event]] = []
+    seen: set[int] = set()
     while len(seen) < k:
         i, event = await inbox.get()
         if event.code is not None:
@@ -408,11 +412,16 @@ async def _firsts(inbox: Inbox, k: int, names: FieldNames) -> list[tuple[int, Ev
 
 async def _finals(inbox: Inbox, firsts: list[tuple[int, Event]], k: int, names: FieldNames) -> list[RequestOutput]:
     """Each of the `k` prompts' final output, in prompt order (reading the inbox on from `firsts`)."""
-    finals: dict[int, RequestOutput] = {i: e.output for i, e in firsts if e.output.finished}
+    finals: dict[int, RequestOutput] = {}
+    for i, e in firsts:  # events without a code (`_firsts` raised the others): each carries an output
+        assert e.output is not None
+        if e.output.finished:
+            finals[i] = e.output
     while len(finals) < k:
         i, event = await inbox.get()
         if event.code is not None:
             raise _event_error(event, names)
+        assert event.output is not None  # an event without a code carries an output
         if event.output.finished:
             finals[i] = event.output
     return [finals[i] for i in range(k)]
@@ -435,6 +444,7 @@ def _event_error(event: Event, names: FieldNames) -> RequestError:
     """The RequestError of a request the engine ended with an error status (a refused field in `names`' words)."""
     if event.field_error is not None:
         return convert.field_error(event.field_error, names)
+    assert event.code is not None  # called for the events that end a request with a status
     return RequestError(event.code, event.message)
 
 

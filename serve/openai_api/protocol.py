@@ -10,7 +10,7 @@ silently ignoring them. A completions request may carry several prompts: one Gen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, check_message_count
 from paged_jax.errors import FieldError, FieldNames
@@ -37,7 +37,7 @@ _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_pena
 _UINTS = ("n", "min_tokens")
 _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "speculate")
 # Options that change what OpenAI would return and that we do not implement: refused unless at their default.
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
     "completion": {"suffix": ("",)},
     "chat": {
         "echo": (False,),  # vLLM's chat echo repeats the last message; the completions echo is the one lm-eval uses
@@ -206,7 +206,7 @@ def _uint(body: dict, name: str, bound: int = _UINT32, param: str | None = None)
     return value
 
 
-def _is_ids(value: Any) -> bool:
+def _is_ids(value: Any) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )

@@ -179,7 +179,7 @@ class ResponseBuilder:
         choice: dict[str, Any] = {"index": index}
         if self.kind == "completion":
             ids: list[int] = list(token_ids)
-            entries: list[TokenLogprob | None] = list(logprobs or [None] * len(ids))
+            entries: list[TokenLogprob | None] = list(logprobs) if logprobs else [None] * len(ids)
             start = 0 if final else self._text_offsets.get(index, 0)
             if self.echo is not None and (final or index not in self._text_offsets):  # the prompt goes first, once
                 echo = self.echo[prompt]
@@ -207,6 +207,7 @@ class ResponseBuilder:
 
     def _with_tool_calls(self, msg: dict[str, Any], c: CompletionOutput, text: str, final: bool, offset: int) -> bool:
         """Put the reply's tool calls into `msg` (a message, or a stream delta); True when it has some."""
+        assert self.tool_format is not None  # called for requests with tools only
         if final:
             parsed = self.tool_format.parse(text)
             msg["content"], calls = parsed.content, parsed.tool_calls
@@ -228,7 +229,10 @@ class ResponseBuilder:
         token) giving null logprob and alternatives; alternatives as {token: logprob} holding the token itself
         and the `logprobs` most likely; `text_offset` the running length of the token strings from `start`."""
         k = self.logprobs or 0
-        tokens, offsets, token_logprobs, tops = [], [], [], []
+        tokens: list[str] = []
+        offsets: list[int] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
         offset = start
         for token_id, lp in zip(ids, entries, strict=True):
             tokens.append(self.token_text(token_id))
@@ -238,8 +242,9 @@ class ResponseBuilder:
                 token_logprobs.append(None)
                 tops.append(None)
                 continue
-            token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
-            top = {tokens[-1]: token_logprobs[-1]}
+            logprob = max(lp.logprob, LOGPROB_FLOOR)
+            token_logprobs.append(logprob)
+            top = {tokens[-1]: logprob}
             for t, v in lp.top[:k]:
                 top.setdefault(self.token_text(t), max(v, LOGPROB_FLOOR))
             tops.append(top)

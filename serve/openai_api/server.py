@@ -95,6 +95,7 @@ class HttpServer:
         self.front.draining = True
         if self._server is not None:
             self._server.should_exit = True
+            assert self._task is not None  # set with the server
             await self._task
 
 

@@ -98,4 +98,5 @@ def _one(param: str, kind: str, value: Any) -> StructuredOutputs:
         return StructuredOutputs(structural_tag=value)
     if not isinstance(value, str) or not value:
         raise invalid(f"{param}: must be a non-empty string", param)
-    return StructuredOutputs(**{kind: value})
+    field: dict[str, Any] = {kind: value}  # json, regex or grammar
+    return StructuredOutputs(**field)
