@@ -2,13 +2,13 @@
 top-k + top-p (and top-p alone) filtering of S rows of float32 logits.
 
 "old" is `paged_jax.worker.sampler.sample` as it was on `main` before the sampler branch (Gumbel-max over V threefry
-uniforms per row, a full [S, V] log-softmax for the chosen token's logprob, `jnp.argmax`), copied below
-unchanged so that both run in the same process on the same inputs. Reference rows measure the alternatives
-tried for the sampled path (Gumbel-max with JAX's `rbg` / `unsafe_rbg` key implementations instead of
-threefry). Rounds are interleaved (each variant `--reps` calls, then the next, `--rounds` times) so that
-load drifting on a shared machine hits every variant alike; the table gives the fastest wall time, the median
-CPU time (`time.process_time`: all threads of this process, which moves far less with other jobs' load) and
-the ratio old / variant of the median CPU times (> 1: faster than old).
+uniforms per row, a full [S, V] log-softmax for the chosen token's logprob, `jnp.argmax`), copied below unchanged
+(but for the pieces the new one kept, imported from it) so that both run in the same process on the same inputs.
+Reference rows measure the alternatives tried for the sampled path (Gumbel-max with JAX's `rbg` / `unsafe_rbg` key
+implementations instead of threefry). Rounds are interleaved (each variant `--reps` calls, then the next, `--rounds`
+times) so that load drifting on a shared machine hits every variant alike; the table gives the fastest wall time,
+the median CPU time (`time.process_time`: all threads of this process, which moves far less with other jobs' load)
+and the ratio old / variant of the median CPU times (> 1: faster than old).
 
     python scripts/bench/bench_sampler.py [--rows 32] [--vocab 32000 49152] [--reps 10] [--rounds 3]
 """
@@ -20,40 +20,20 @@ import os
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+from paged_jax.sampling_params import MAX_LOGPROBS
+from paged_jax.worker import xla_flags
+from paged_jax.worker.sampler import MIN_TEMPERATURE, SamplerOutput, SamplingMeta, empty_meta, sample
+from paged_jax.worker.sampler import _apply_penalties as _old_apply_penalties  # the same in both
+from paged_jax.worker.sampler import _order_keys as _old_order_keys  # the same in both
+from pallas_kernels.common import MASK_VALUE as MASK
 
-from paged_jax.sampling_params import MAX_LOGPROBS  # noqa: E402
-from paged_jax.worker import xla_flags  # noqa: E402
-from paged_jax.worker.sampler import MIN_TEMPERATURE, SamplerOutput, SamplingMeta, empty_meta, sample  # noqa: E402
-from pallas_kernels.common import MASK_VALUE as MASK  # noqa: E402
-
-# ---- the old sampler (main at d669d3f, paged_jax/worker/sampler.py), unchanged but for names and the key impl ----
-
-
-def _old_apply_penalties(logits: jax.Array, meta: SamplingMeta) -> jax.Array:
-    num_rows, vocab = logits.shape
-    hist = meta.history
-    valid = hist >= 0
-    ids = jnp.where(valid, hist, vocab)
-    is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= meta.num_prompt[:, None])
-    rows = jnp.arange(num_rows)[:, None]
-    out_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32), mode="drop")
-    seen = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, ids].set(valid, mode="drop")
-    rp = meta.repetition_penalty[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    logits = logits - meta.frequency_penalty[:, None] * out_counts
-    return logits - meta.presence_penalty[:, None] * (out_counts > 0)
-
-
-def _old_order_keys(x: jax.Array) -> jax.Array:
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+# ---- the old sampler (main at d669d3f, paged_jax/worker/sampler.py), unchanged but for names and the key impl;
+# its penalties and its float -> ordered-key map are the new sampler's, imported above ----
 
 
 def old_filter_mask(y: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
