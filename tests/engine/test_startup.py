@@ -7,10 +7,8 @@ import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -30,6 +28,7 @@ from paged_jax.worker.warmup import (
 )
 
 from support.engines import make_engine as _make_engine
+from support.serve_process import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -194,58 +193,24 @@ def test_cache_entries_that_cannot_be_loaded_are_counted_and_logged(tmp_path):
 def test_server_is_not_serving_until_its_decode_shapes_are_compiled():
     from serve.client import Client
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PAGED_JAX_COMPILE_CACHE="off")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serve",
-            "serve",
-            "--model",
-            "tiny",
-            "--grpc-port",
-            "0",
-            "--no-http",
-            "--num-pages",
-            "100",
-            "--max-num-seqs",
-            "16",
-            "--max-num-batched-tokens",
-            "64",
-            "--attention-backend",
-            "xla",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if m := re.search(r"paged-jax serving \S+ on (\S+)", line):
-                target = m.group(1)
-                break
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-        reader.start()
+    with ServeProcess(
+        *("--model", "tiny", "--grpc-port", "0", "--no-http", "--num-pages", "100", "--max-num-seqs", "16"),
+        *("--max-num-batched-tokens", "64", "--attention-backend", "xla"),
+        env={"PAGED_JAX_COMPILE_CACHE": "off"},
+    ) as server:
+        target = server.wait_for(r"paged-jax serving \S+ on (\S+)").group(1)
+        server.drain()
         with Client(target) as client:
             # The warm-up thread starts after this line: its first compile cannot be done yet.
             assert client.health() == NOT_SERVING
             deadline = time.monotonic() + 300  # a hang guard, not a timing assertion
             while client.health() != SERVING:
-                assert time.monotonic() < deadline and proc.poll() is None
+                assert time.monotonic() < deadline and server.proc.poll() is None
                 time.sleep(0.05)
-            assert any("paged_jax.worker.warmup: warm-up:" in x for x in lines)
+            assert any("paged_jax.worker.warmup: warm-up:" in x for x in server.lines)
             final = client.generate("hello", max_tokens=3, temperature=0.0)
             assert final.usage.completion_tokens == 3
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert server.sigterm() == 0
 
 
 @pytest.mark.parametrize("plan", [WarmupPlan(max_step_tokens=1), WarmupPlan(max_step_tokens=10_000)])

@@ -7,15 +7,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -23,7 +16,8 @@ from grpc_health.v1 import health_pb2
 
 from serve.client import Client
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.serve_process import ServeProcess
+
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 MAX_MODEL_LEN = 48
 
@@ -41,32 +35,16 @@ def test_serve_model_with_the_openai_client(hub_cache, tmp_path):
     hub_cache("acme/gqa-tiny")
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    for name in ("PAGED_JAX_API_KEY", "PAGED_JAX_AUTH_TOKEN", "VLLM_API_KEY"):
-        env.pop(name, None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serve", "serve", "acme/gqa-tiny", "--port", "0", "--grpc-port", "0"]
-        + ["--served-model-name", "gqa", "gqa-alias", "--api-key", "sesame", "--chat-template", str(template)]
-        + ["--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "32", "--max-num-seqs", "2"]
-        + ["--max-num-batched-tokens", "16", "--attention-backend", "xla", "--no-warmup"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    try:
-        target = base_url = None
-        for line in proc.stdout:
-            lines.append(line)
-            if m := re.search(r"paged-jax serving gqa on (\S+) \(gRPC\)", line):
-                target = m.group(1)
-            if m := re.search(r"paged-jax OpenAI API on (http://\S+/v1)", line):
-                base_url = m.group(1)
-                break
-        assert target is not None and base_url is not None, "".join(lines[-30:])
-        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    with ServeProcess(
+        *("acme/gqa-tiny", "--port", "0", "--grpc-port", "0"),
+        *("--served-model-name", "gqa", "gqa-alias", "--api-key", "sesame", "--chat-template", str(template)),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "32", "--max-num-seqs", "2"),
+        *("--max-num-batched-tokens", "16", "--attention-backend", "xla", "--no-warmup"),
+        unset=("PAGED_JAX_API_KEY", "PAGED_JAX_AUTH_TOKEN", "VLLM_API_KEY"),
+    ) as server:
+        target = server.wait_for(r"paged-jax serving gqa on (\S+) \(gRPC\)").group(1)
+        base_url = server.wait_for(r"paged-jax OpenAI API on (http://\S+/v1)").group(1)
+        server.drain()
         root = base_url.removesuffix("/v1")
 
         assert get(root + "/version") == (200, {"version": importlib.metadata.version("paged-jax")})
@@ -94,13 +72,8 @@ def test_serve_model_with_the_openai_client(hub_cache, tmp_path):
         with Client(target, token="sesame") as grpc_client:
             assert grpc_client.health() == health_pb2.HealthCheckResponse.SERVING
             assert grpc_client.generate("Hi", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log = "".join(lines)
+        assert server.sigterm() == 0
+    log = "".join(server.lines)
     assert "random weights" not in log  # a real model: no warning
     assert "Unable to initialize backend" not in log  # JAX's platform probe stays quiet
     assert "Traceback" not in log

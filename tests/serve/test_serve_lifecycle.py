@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,9 +20,9 @@ from serve.engine_loop import EngineLoop
 from serve.proto.paged_jax.v1 import generate_pb2 as pb
 from serve.server import EXIT_ENGINE_DIED, ServerThread, serve_forever
 
+from support.serve_process import ServeProcess
 from support.serve_support import PROMPTS, shared, start_server, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -165,111 +160,47 @@ def test_drain_lets_open_streams_finish_then_aborts_the_rest_at_the_deadline():
         server.stop()
 
 
-def _start_subprocess(grace: float) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serve",
-            "serve",
-            "--model",
-            "tiny",
-            "--grpc-port",
-            "0",
-            "--no-http",
-            "--num-pages",
-            "300",
-            "--max-num-seqs",
-            "8",
-            "--max-num-batched-tokens",
-            "16",
-            "--attention-backend",
-            "xla",
-            "--grace-period",
-            str(grace),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+def _start_subprocess(grace: float) -> tuple[ServeProcess, str]:
+    """A serving process on the tiny model, returned once its background warm-up has compiled every shape."""
+    server = ServeProcess(
+        *("--model", "tiny", "--grpc-port", "0", "--no-http", "--num-pages", "300", "--max-num-seqs", "8"),
+        *("--max-num-batched-tokens", "16", "--attention-backend", "xla", "--grace-period", str(grace)),
     )
-    lines, target = [], None
-    deadline = time.monotonic() + 300  # a hang guard
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if m := re.search(r"serving \S+ on (\S+:\d+)", line):
-            target = m.group(1)
-        if target is not None and "background warm-up:" in line:  # every shape compiled: health SERVING
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-            with Client(target) as client:
-                assert client.health() == SERVING
-            return proc, target
-    proc.kill()
-    raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
+    try:
+        target = server.wait_for(r"serving \S+ on (\S+:\d+)").group(1)
+        server.wait_for("background warm-up:")  # every shape compiled: health SERVING
+        server.drain()
+        with Client(target) as client:
+            assert client.health() == SERVING
+    except BaseException:
+        server.__exit__(None, None, None)  # killed
+        raise
+    return server, target
 
 
 @pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_sigterm_aborts_open_streams_and_exits_zero():
     """SIGTERM reaches the drain of a real process (the drain itself: the test above): with no grace period,
     a stream far from its end gets a final ABORT message naming the shutdown, and the process exits 0."""
-    proc, target = _start_subprocess(grace=0.0)
-    try:
+    server, target = _start_subprocess(grace=0.0)
+    with server:
         with Client(target) as client:
             long = client.generate_stream(PROMPTS[1], timeout=60, temperature=0, max_tokens=1800, ignore_eos=True)
             assert next(long).HasField("chunk")
-            proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(signal.SIGTERM)
             long_final = [r for r in long if r.HasField("final")]
             assert [s.finish_reason for s in long_final[0].final.samples] == [pb.FINISH_REASON_ABORT]
             assert "shutting down" in long_final[0].final.message
             assert 0 < long_final[0].final.usage.completion_tokens < 1800
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert server.proc.wait(timeout=30) == 0
 
 
 @pytest.mark.slow  # a fresh process (start-up and compiles)
 def test_sigterm_during_warmup_exits_zero():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PAGED_JAX_COMPILE_CACHE="off")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serve",
-            "serve",
-            "--model",
-            "tiny",
-            "--grpc-port",
-            "0",
-            "--no-http",
-            "--num-pages",
-            "300",
-            "--max-num-seqs",
-            "64",
-            "--max-num-batched-tokens",
-            "512",
-            "--attention-backend",
-            "xla",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        for line in proc.stdout:  # the engine logs its KV capacity just before warm-up starts
-            if "KV cache:" in line:
-                break
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with ServeProcess(
+        *("--model", "tiny", "--grpc-port", "0", "--no-http", "--num-pages", "300", "--max-num-seqs", "64"),
+        *("--max-num-batched-tokens", "512", "--attention-backend", "xla"),
+        env={"PAGED_JAX_COMPILE_CACHE": "off"},
+    ) as server:
+        server.wait_for("KV cache:")  # the engine logs its KV capacity just before warm-up starts
+        assert server.sigterm() == 0

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -30,6 +25,7 @@ from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.openai_api.server import HttpServerThread
 
+from support.serve_process import ServeProcess
 from support.serve_support import (
     GREEDY,
     LIMITS,
@@ -41,7 +37,6 @@ from support.serve_support import (
     wait_until,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -409,46 +404,12 @@ def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
 def test_paged_jax_serve_port_sigterm_drains_both_fronts():
     """`python -m serve serve --port 0`: the HTTP front in the serving process; SIGTERM turns /health 503,
     refuses new work 503, ends an open stream with finish_reason `abort` after the grace period, exits 0."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serve",
-            "serve",
-            "--model",
-            "tiny",
-            "--grpc-port",
-            "0",
-            "--port",
-            "0",
-            "--num-pages",
-            "300",
-            "--max-num-seqs",
-            "8",
-            "--max-num-batched-tokens",
-            "16",
-            "--attention-backend",
-            "xla",
-            "--grace-period",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if m := re.search(r"OpenAI API on (http://\S+/v1)", line):
-                base_url = m.group(1)
-                break
-        else:
-            raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+    with ServeProcess(
+        *("--model", "tiny", "--grpc-port", "0", "--port", "0", "--num-pages", "300", "--max-num-seqs", "8"),
+        *("--max-num-batched-tokens", "16", "--attention-backend", "xla", "--grace-period", "1"),
+    ) as server:
+        base_url = server.wait_for(r"OpenAI API on (http://\S+/v1)").group(1)
+        server.drain()
         assert base_url.startswith("http://127.0.0.1:")  # loopback unless --host
 
         def health() -> int:
@@ -472,17 +433,13 @@ def test_paged_jax_serve_port_sigterm_drains_both_fronts():
             )
             chunks = iter(long)
             next(chunks)
-            proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(signal.SIGTERM)
             wait_until(lambda: health() == 503, "/health to turn 503 after SIGTERM")
             e = _status(lambda: client.completions.create(model="tiny", prompt="hi", max_tokens=2))
             assert e.status_code == 503
             reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
             assert reasons == ["abort"]
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert server.proc.wait(timeout=60) == 0
 
 
 @pytest.mark.parametrize(
