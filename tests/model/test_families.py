@@ -6,7 +6,6 @@ through `LLM.generate` (scanned decoder, paged KV, chunked prefill, prefix cachi
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,22 +21,17 @@ from paged_jax.model.scan import stack_layers
 from paged_jax.offline.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 
-DATA = Path(__file__).parents[1] / "data"
+from support.hf_golden import DATA, load_golden
+
 FAMILIES = ("qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
 ATOL = 1e-4
-
-
-def _golden(directory: Path) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    data = np.load(directory / "golden.npz")
-    count = len([k for k in data.files if k.startswith("prompt_")])
-    return [(data[f"prompt_{i}"], data[f"logits_{i}"], data[f"greedy_{i}"]) for i in range(count)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     directory = DATA / f"hf_{request.param}"
     config, params, _ = load_model(directory, dtype="float32")
-    return request.param, config, params, _golden(directory)
+    return request.param, config, params, load_golden(directory)
 
 
 def packed_logits(config, params, golden, scan: bool = False) -> np.ndarray:
@@ -92,7 +86,7 @@ def test_scanned_gemma_matches_hf(name):
     greedy continuations."""
     directory = DATA / f"hf_{name}"
     config, params, _ = load_model(directory, dtype="float32")
-    golden = _golden(directory)
+    golden = load_golden(directory)
     err = np.abs(packed_logits(config, params, golden, scan=True) - np.concatenate([g for _, g, _ in golden])).max()
     assert err < ATOL, f"{name} scanned: max abs logit error {err}"
     model, stacked = causal_lm(config, scan_layers=True), stack_layers(params)
@@ -141,7 +135,7 @@ FEATURES = [  # (variant, config change that removes one feature): the golden lo
 def test_each_feature_is_exercised(name, change):
     directory = DATA / f"hf_{name}"
     config, params, _ = load_model(directory, dtype="float32")
-    golden = _golden(directory)
+    golden = load_golden(directory)
     logits = packed_logits(config.replace(**change), params, golden)
     assert np.abs(logits - np.concatenate([g for _, g, _ in golden])).max() > 1e-2
 

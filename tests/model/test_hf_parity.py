@@ -3,8 +3,6 @@ scripts/golden/make_hf_golden.py): float32 logits within 1e-4 and identical gree
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,22 +12,17 @@ from paged_jax.model.attention import DenseMeta
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.reference import greedy_generate
 
-DATA = Path(__file__).parents[1] / "data"
+from support.hf_golden import DATA, load_golden
+
 VARIANTS = ("gqa", "mqa", "tied", "llama3_rope", "head_dim128", "qwen2", "sharded")
 ATOL = 1e-4
-
-
-def _golden(directory: Path) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    data = np.load(directory / "golden.npz")
-    count = len([k for k in data.files if k.startswith("prompt_")])
-    return [(data[f"prompt_{i}"], data[f"logits_{i}"], data[f"greedy_{i}"]) for i in range(count)]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def variant(request):
     directory = DATA / f"hf_{request.param}"
     config, params, _ = load_model(directory, dtype="float32")
-    return request.param, config, params, _golden(directory)
+    return request.param, config, params, load_golden(directory)
 
 
 def test_variant_shapes_are_what_they_claim():
@@ -67,7 +60,7 @@ def test_greedy_matches_hf(variant):
 
 def test_llama3_scaling_is_exercised():
     config, params, _ = load_model(DATA / "hf_llama3_rope")
-    prompt, want, _ = _golden(DATA / "hf_llama3_rope")[2]
+    prompt, want, _ = load_golden(DATA / "hf_llama3_rope")[2]
     plain = LlamaForCausalLM(config.replace(rope_scaling=None))
     meta = DenseMeta.single(len(prompt))
     hidden, _ = plain.apply(params, jnp.asarray(prompt), meta.positions, None, meta)
