@@ -145,7 +145,7 @@ def watch_cache_rejections() -> None:
         PROCESS.on_warning(message)
         shown(message, category, filename, lineno, file, line)
 
-    showwarning.paged_jax_watch = True  # type: ignore[attr-defined]
+    showwarning.paged_jax_watch = True  # type: ignore[attr-defined]  # our marker: a function has no such attribute
     warnings.showwarning = showwarning
 
 

@@ -234,7 +234,14 @@ class ModelRunner:
         self._scanned_gpu = self.scan and platform == "gpu" and weights is None
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)
         key = StepKey(
-            config, attention_backend, mesh, quantized_kv, weights, self.lora, False, self.scan, self.stacked_order
+            config=config,
+            backend=attention_backend,
+            mesh=mesh,
+            quantized_kv=quantized_kv,
+            weights=weights,
+            lora=self.lora,
+            scan=self.scan,
+            stacked_order=self.stacked_order,
         )
         self.model, self._forward = step_functions(key)
         # The forward step of token buckets >= ONEDNN_MIN_TOKENS with oneDNN dots (its LM head rounded), or None.
@@ -275,12 +282,12 @@ class ModelRunner:
     def _init_jobs(self, step_key: StepKey, platform: str) -> CompileJobs:
         """The runner's compile jobs, keyed by what makes two runners' executables interchangeable."""
         key = RunnerKey(
-            dataclasses.replace(step_key, onednn=self._onednn),
-            resolved_backend(step_key.backend, platform),
-            self.max_blocks,
-            self.buckets.seqs[-1],
-            fingerprint(self.params),
-            fingerprint(self._kv_specs),
+            step=dataclasses.replace(step_key, onednn=self._onednn),
+            resolved_backend=resolved_backend(step_key.backend, platform),
+            max_blocks=self.max_blocks,
+            max_seq_bucket=self.buckets.seqs[-1],
+            params=fingerprint(self.params),
+            kv_pages=fingerprint(self._kv_specs),
         )
         lora_specs = None
         if self.lora_weights is not None:
