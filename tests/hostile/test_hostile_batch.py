@@ -17,23 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.offline.batch import run_batch
 from paged_jax.offline.output_files import BatchPathError
-from paged_jax.tokenization.tokenizer import ByteTokenizer
+
+from support.engines import make_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_config, tiny_params):
-    return LLMEngine(
-        tiny_config,
-        tiny_params,
-        ByteTokenizer(),
-        EngineConfig(num_pages=64, max_num_seqs=4, max_num_batched_tokens=32, attention_backend="xla", warmup=False),
-    )
+    return make_engine(tiny_config, tiny_params, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32)
 
 
 def _input(path: Path, n: int) -> Path:

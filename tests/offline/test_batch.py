@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.offline.batch import run_batch
 from paged_jax.offline.lines import parse_line
@@ -21,6 +19,8 @@ from paged_jax.offline.multihost import _append_new
 from paged_jax.offline.output_files import LineWriter, OutputLockedError, completed_ids
 from paged_jax.offline.plan import plan_for_input
 from paged_jax.tokenization.tokenizer import ByteTokenizer
+
+from support.engines import make_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,12 +52,7 @@ def write_input(path: Path, n: int, bad_lines: bool = True) -> set[str]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_config, tiny_params):
-    return LLMEngine(
-        tiny_config,
-        tiny_params,
-        ByteTokenizer(),
-        EngineConfig(num_pages=128, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla", warmup=False),
-    )
+    return make_engine(tiny_config, tiny_params, num_pages=128)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -8,23 +8,11 @@ import time
 import grpc
 import pytest
 
-from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
 from serve.convert import RequestError
 from serve.engine_loop import EngineLoop, Submission
 
-from support.serve_support import shared
-
-
-def small_engine() -> LLMEngine:
-    s = shared()
-    return LLMEngine(
-        s.engine.config,
-        s.params,
-        s.engine.tokenizer,
-        EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16, attention_backend="xla", warmup=False),
-    )
+from support.serve_support import small_engine
 
 
 def test_a_request_that_cannot_be_scheduled_does_not_spin_the_thread(monkeypatch):

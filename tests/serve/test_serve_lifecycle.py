@@ -12,8 +12,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.llm_engine import LLMEngine
 from serve.client import Client
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
@@ -21,19 +19,13 @@ from serve.proto.paged_jax.v1 import generate_pb2 as pb
 from serve.server import EXIT_ENGINE_DIED, ServerThread, serve_forever
 
 from support.serve_process import ServeProcess
-from support.serve_support import PROMPTS, shared, start_server, wait_until
+from support.serve_support import PROMPTS, shared, small_engine, start_server, wait_until
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_engine_loop_death_ends_every_stream_unavailable(monkeypatch):
-    s = shared()  # a second engine (this one dies) on the shared engine's weights
-    engine = LLMEngine(
-        s.engine.config,
-        s.params,
-        s.engine.tokenizer,
-        EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16, attention_backend="xla", warmup=False),
-    )
+    engine = small_engine()  # a second engine (this one dies) on the shared engine's weights
     loop = EngineLoop(engine).start()
     server = ServerThread(loop, ServingConfig(port=0)).start()
     try:
@@ -74,13 +66,7 @@ def test_engine_loop_death_ends_every_stream_unavailable(monkeypatch):
 def test_serve_forever_exits_nonzero_when_the_engine_dies(monkeypatch):
     """A dead engine loop ends open streams UNAVAILABLE and then the serving process itself, with a non-zero
     status, so a supervisor restarts it (it used to stay up, NOT_SERVING, for ever)."""
-    s = shared()
-    engine = LLMEngine(
-        s.engine.config,
-        s.params,
-        s.engine.tokenizer,
-        EngineConfig(num_pages=200, max_num_seqs=8, max_num_batched_tokens=16, attention_backend="xla", warmup=False),
-    )
+    engine = small_engine()
     fail = threading.Event()
     real_step = engine.step
 

@@ -17,8 +17,6 @@ import urllib.request
 import openai
 import pytest
 
-from paged_jax.config.engine import EngineConfig
-from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.tokenization.chat_template import apply_chat_template
 from serve.client import Client
 from serve.config import ServingConfig
@@ -32,6 +30,7 @@ from support.serve_support import (
     PROMPTS,
     SAMPLED,
     shared,
+    small_engine,
     stop_case,
     wait_idle,
     wait_until,
@@ -346,13 +345,7 @@ def test_auth_and_draining(fronts):
 
 def test_queue_full_is_429_and_dead_engine_is_503(monkeypatch):
     """One sequence at a time, one waiting: a third request is refused 429; a dead engine loop answers 503."""
-    s = shared()
-    engine = LLMEngine(
-        s.engine.config,
-        s.params,
-        s.engine.tokenizer,
-        EngineConfig(num_pages=200, max_num_seqs=1, max_num_batched_tokens=16, attention_backend="xla", warmup=False),
-    )
+    engine = small_engine(max_num_seqs=1)
     loop = EngineLoop(engine).start()
     http = HttpServerThread(loop, ServingConfig(port=0, http_port=0, max_queued_requests=1, limits=LIMITS)).start()
     try:

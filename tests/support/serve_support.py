@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
@@ -17,6 +18,8 @@ from serve.config import ServingConfig, ServingLimits
 from serve.engine_loop import EngineLoop
 from serve.metrics import Metrics
 from serve.server import ServerThread
+
+from support.engines import make_engine
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "a", "Once upon a time, in a land far away, there"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -58,6 +61,14 @@ def shared() -> Shared:
     metrics = Metrics()
     loop = EngineLoop(engine, on_step=metrics.on_step).start()
     return Shared(engine, params, loop, metrics, greedy, sampled)
+
+
+def small_engine(**options: Any) -> LLMEngine:
+    """A second engine on the shared engine's model (its own pages, for its own loop): 200 pages, 8 sequences,
+    16-token steps, the plain-XLA attention, no warm-up; `options` (EngineConfig fields) override them."""
+    s = shared()
+    options = {"num_pages": 200, "max_num_batched_tokens": 16} | options
+    return make_engine(s.engine.config, s.params, s.engine.tokenizer, **options)
 
 
 def start_server(**overrides) -> ServerThread:

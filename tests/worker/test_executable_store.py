@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker.executable_store import ExecutableStore, open_store
 from paged_jax.worker.executables import persistent_cache_summary
 from paged_jax.worker.runner import EXECUTABLES
 from paged_jax.worker.warmup import jobs, plan_for_requests
+
+from support.engines import make_engine
 
 PROMPTS = [list(range(3 + i, 30 + 3 * i)) for i in range(3)]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
@@ -24,8 +24,8 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
 
 def engine(tiny_config, tiny_params, store: Path, **options) -> LLMEngine:
     # num_pages unique to this module: no other module's executables are shared with these engines.
-    options = {"num_pages": 83, "max_num_seqs": 4, "max_num_batched_tokens": 64, "warmup": False} | options
-    return LLMEngine(tiny_config, tiny_params, ByteTokenizer(), EngineConfig(executable_store=str(store), **options))
+    options = {"num_pages": 83, "max_num_seqs": 4, "attention_backend": "auto"} | options
+    return make_engine(tiny_config, tiny_params, executable_store=str(store), **options)
 
 
 def warm_and_run(e: LLMEngine) -> list[list[int]]:
