@@ -246,7 +246,7 @@ def model_arg(args: argparse.Namespace) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     """Check every flag and both ports, load the model, serve until SIGTERM. A bad flag, a port in use or a
     model that cannot be found is a UsageError (one line, exit status 2) before anything loads."""
-    from paged_jax.engine.args import build_engine, engine_config_from_args, setup_logging
+    from paged_jax.engine.args import build_engine, check_model_text_args, engine_config_from_args, setup_logging
     from paged_jax.lora.named import check_lora_modules
     from paged_jax.model.loader.resolve import resolve_model
 
@@ -256,6 +256,7 @@ def run_serve(args: argparse.Namespace) -> int:
     ports = resolve_ports(args)
     config = serving_config_from_args(args, ports)
     engine_config_from_args(args)  # flags checked before the model loads
+    check_model_text_args(args)
     resolve_model(args.model)  # found, or one line saying why not
     check_ports_free(config.host, ports)
     setup_logging()

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from paged_jax.engine.protocol import Engine, EngineStats
 from paged_jax.outputs import RequestOutput
+from paged_jax.worker.warmup import WarmupProgress
 
 _PADDING_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -110,6 +112,8 @@ class Metrics:
         self._seen: dict[str, float] = {}  # last value of each engine counter mirrored by a Counter
         self.queued_fn = lambda: 0
         self.queue_depth.set_function(lambda: self.queued_fn())
+        self.warmup_fn: Callable[[], WarmupProgress | None] = lambda: None  # the server's warm-up, once started
+        r.register(_WarmupCollector(self))
 
     def on_step(self, engine: Engine) -> None:
         """Engine gauges; runs on the engine loop thread after every step."""
@@ -185,6 +189,29 @@ class Metrics:
         if http is not None:
             http.shutdown()
             http.server_close()
+
+
+class _WarmupCollector:
+    """`paged_jax_warmup_shapes_planned{phase}` and `..._done{phase}`: the step shapes of each warm-up phase
+    ("warm-up", which health waits for, then "background warm-up"), read from the server's `WarmupProgress`
+    at each scrape (no step runs while the first phase compiles, so `on_step` could not update them)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        planned = GaugeMetricFamily(
+            "paged_jax_warmup_shapes_planned", "Step shapes a warm-up phase compiles or loads", labels=["phase"]
+        )
+        done = GaugeMetricFamily(
+            "paged_jax_warmup_shapes_done", "Step shapes of a warm-up phase compiled or loaded so far", labels=["phase"]
+        )
+        progress = self.metrics.warmup_fn()
+        for what, phase in list(progress.phases.items()) if progress is not None else ():
+            planned.add_metric([what], phase.planned)
+            done.add_metric([what], phase.done)
+        yield planned
+        yield done
 
 
 class _Quiet(WSGIRequestHandler):

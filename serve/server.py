@@ -20,7 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from paged_jax.engine.protocol import Engine
-from paged_jax.worker.warmup import serving_plans
+from paged_jax.worker.warmup import WarmupProgress, serving_plans
 
 from .auth import BearerTokenInterceptor, server_credentials
 from .background import BackgroundServer
@@ -51,6 +51,7 @@ class GrpcServer:
         self._server: aio.Server | None = None
         self._warm_up_cancel = threading.Event()
         self._warm_up_thread: threading.Thread | None = None
+        self.warmup_progress: WarmupProgress | None = None  # set by start_warm_up (/health and metrics read it)
         self.clock: Callable[[], float] = time.monotonic  # the grace period's clock (a test steps its own)
 
     async def start(self, serving: bool = True) -> int | None:
@@ -96,11 +97,13 @@ class GrpcServer:
     def start_warm_up(self, engine) -> threading.Thread:
         """Compile the decode shapes on a background thread (health stays NOT_SERVING), then report SERVING and
         compile every other shape on the same thread; a step that needs one of those waits for its compile.
-        Returns the thread; `stop_warm_up` ends it."""
+        Returns the thread; `stop_warm_up` ends it. Its progress is `warmup_progress` (also the metrics')."""
         ec = engine.engine_config
         first, rest = serving_plans(ec.max_num_seqs, ec.async_scheduling)
         aio_loop = asyncio.get_running_loop()
         cancel = self._warm_up_cancel
+        tracker = self.warmup_progress = WarmupProgress()
+        self.metrics.warmup_fn = lambda: tracker
 
         def ready() -> None:
             if self.loop.alive and not self.servicer.draining:
@@ -108,18 +111,21 @@ class GrpcServer:
 
         def work() -> None:
             try:
-                engine.warmup(first, False, cancel=cancel)
+                engine.warmup(first, False, cancel=cancel, tracker=tracker)
             except Exception:  # noqa: BLE001 - a shape that cannot compile: stay NOT_SERVING, say why
                 log.exception("warm-up failed: health stays NOT_SERVING")
+                tracker.finish()
                 return
             try:
                 aio_loop.call_soon_threadsafe(ready)
             except RuntimeError:  # the event loop has closed (shut down during warm-up): nothing to report to
+                tracker.finish()
                 return
             try:
-                engine.warmup(rest, False, what="background warm-up", cancel=cancel)
+                engine.warmup(rest, False, what="background warm-up", cancel=cancel, tracker=tracker)
             except Exception:  # noqa: BLE001 - what it missed compiles when a step first needs it
                 log.exception("background warm-up failed")
+            tracker.finish()
 
         thread = self._warm_up_thread = threading.Thread(target=work, name="warm-up", daemon=True)
         thread.start()
@@ -231,6 +237,7 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     http = await start_http_front(loop, config, metrics)  # None unless an HTTP port is set
     if http is not None:
         http.front.ready = lambda: server.status == SERVING  # /health 503 while warming up, as gRPC's health
+        http.front.warmup = lambda: server.warmup_progress  # and says how far it has got
     died: list[BaseException] = []
 
     def on_death(error: BaseException) -> None:  # runs on the engine loop thread

@@ -99,6 +99,21 @@ def add_model_text_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_model_text_args(args: argparse.Namespace) -> None:
+    """UsageError naming the flag when `--chat-template` is not a readable template or `--generation-config` is
+    neither auto, none nor a directory: checked before the model loads, not after."""
+    if args.chat_template is not None:
+        try:
+            load_chat_template(None, args.chat_template)
+        except (ValueError, OSError) as e:
+            why = str(e) if isinstance(e, ValueError) else f"{args.chat_template}: {e.strerror}"
+            why = why.removeprefix("chat_template: ").removeprefix("--chat-template ")
+            raise UsageError(f"--chat-template: {why}") from None
+    setting = args.generation_config
+    if setting not in ("auto", "none") and not Path(setting).is_dir():
+        raise UsageError(f"--generation-config: {setting} is not a directory (give auto, none or a directory)")
+
+
 def apply_model_text_args(args: argparse.Namespace, tokenizer, ec: EngineConfig | None = None) -> dict:
     """`apply_model_text` with the flags of `add_model_text_args`."""
     return apply_model_text(args.model, tokenizer, args.chat_template, args.generation_config, ec)
@@ -309,6 +324,7 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     if args.model is None:  # never a silent default: a random model's text and throughput would mislead
         raise UsageError(f"--model is required: {MODEL_HELP}")
     ec = engine_config_from_args(args)
+    check_model_text_args(args)
     source = resolve_model(args.model)
     if source.random_weights:
         log.warning(

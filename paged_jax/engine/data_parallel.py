@@ -84,9 +84,9 @@ class DataParallelEngine:
         self.router = LeastLoadedRouter(len(self.replicas))
         self.num_steps = 0
 
-    def warmup(self, plan=None, progress: bool = True, what: str = "warm-up", cancel=None) -> int:
+    def warmup(self, plan=None, progress: bool = True, what: str = "warm-up", cancel=None, tracker=None) -> int:
         """Every replica's `LLMEngine.warmup` (each replica has its own devices, so its own executables)."""
-        return sum(r.warmup(plan, progress, what, cancel) for r in self.replicas)
+        return sum(r.warmup(plan, progress, what, cancel, tracker) for r in self.replicas)
 
     def add_request(
         self,

@@ -49,7 +49,7 @@ from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
 from paged_jax.worker.runner import ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
 from paged_jax.worker.step_functions import LoraShape
-from paged_jax.worker.warmup import WarmupPlan, run_warmup
+from paged_jax.worker.warmup import WarmupPlan, WarmupProgress, run_warmup
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +192,20 @@ class LLMEngine:
         if ec.warmup:
             self.warmup(warmup_plan)
 
-    def warmup(self, plan: WarmupPlan | None = None, progress: bool = True, what: str = "warm-up", cancel=None) -> int:
+    def warmup(
+        self,
+        plan: WarmupPlan | None = None,
+        progress: bool = True,
+        what: str = "warm-up",
+        cancel=None,
+        tracker: WarmupProgress | None = None,
+    ) -> int:
         """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.worker.warmup`. Safe
-        to call from another thread while steps run (it only compiles); `cancel` (a threading.Event) stops it."""
+        to call from another thread while steps run (it only compiles); `cancel` (a threading.Event) stops it;
+        `tracker` counts the shapes done (the server's /health and metrics)."""
         lookahead = self.engine_config.async_scheduling
-        return run_warmup(self.runner, plan or WarmupPlan(lookahead=lookahead), progress, what=what, cancel=cancel)
+        plan = plan or WarmupPlan(lookahead=lookahead)
+        return run_warmup(self.runner, plan, progress, what=what, cancel=cancel, tracker=tracker)
 
     @property
     def max_n(self) -> int:

@@ -20,7 +20,7 @@ from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.tokenizer import Tokenizer
-from paged_jax.worker.warmup import WarmupPlan
+from paged_jax.worker.warmup import WarmupPlan, WarmupProgress
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,4 +131,5 @@ class Engine(Protocol):
         progress: bool = True,
         what: str = "warm-up",
         cancel: threading.Event | None = None,
+        tracker: WarmupProgress | None = None,
     ) -> int: ...

@@ -21,7 +21,8 @@ info, not as the warning of a shape the warm-up missed.
 
 `run_warmup` compiles a plan's shapes on a thread pool with a progress bar and logs what it cost: how many
 executables the executable store served (no lowering), how many were compiled, and how many of those compiles
-the persistent compilation cache served.
+the persistent compilation cache served. Given a `WarmupProgress` it also counts each shape done there (the
+server's `/health` and metrics read it) and logs the count at every tenth of the plan.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 from tqdm.auto import tqdm
@@ -68,6 +69,49 @@ class WarmupPlan:
     logit_bias: bool = True  # every sampler variant also with bias columns (requests with logit_bias)
     prompt_logprobs: bool = True  # the prompt-logprob step of every token bucket (requests with prompt_logprobs)
     complete: bool = True  # every shape the run can reach; False: the rest compile on first use, on purpose
+
+
+@dataclass(slots=True)
+class PhaseProgress:
+    """One warm-up plan's shapes: how many it holds and how many are compiled (or loaded) so far."""
+
+    planned: int = 0
+    done: int = 0
+
+
+@dataclass
+class WarmupProgress:
+    """How far a warm-up has got, by phase (`run_warmup`'s `what`: the server's "warm-up", which health waits
+    for, then its "background warm-up"), in the order the phases ran. Written by the warm-up thread only;
+    other threads read it (each read is of one int or one dict entry)."""
+
+    phases: dict[str, PhaseProgress] = field(default_factory=dict)
+    current: str | None = None  # the phase compiling now (None before the first and after the last)
+    finished: bool = False  # every phase ran (or was cancelled)
+
+    def start(self, what: str, planned: int) -> None:
+        """A phase of `planned` shapes starts (a phase started again, as by each data-parallel replica, adds)."""
+        self.phases.setdefault(what, PhaseProgress()).planned += planned
+        self.current = what
+
+    def advance(self) -> PhaseProgress:
+        assert self.current is not None, "a shape done outside a phase"
+        phase = self.phases[self.current]
+        phase.done += 1
+        return phase
+
+    def finish(self) -> None:
+        self.current, self.finished = None, True
+
+    def describe(self) -> str:
+        """One line: "warm-up 3/7, background warm-up 0/93 step shapes" (what /health says while warming up)."""
+        parts = [f"{what} {p.done}/{p.planned}" for what, p in self.phases.items()]
+        return (", ".join(parts) + " step shapes") if parts else "not started"
+
+    def as_dict(self) -> dict:
+        """JSON for /health: the phase compiling now ("done" once all ran) and each phase's counts."""
+        phase = self.current or ("done" if self.finished else "not started")
+        return {"phase": phase, **{what: {"done": p.done, "planned": p.planned} for what, p in self.phases.items()}}
 
 
 def request_flags(params: SamplingParams) -> SamplerFlags:
@@ -172,18 +216,29 @@ def run_warmup(
     workers: int | None = None,
     what: str = "warm-up",
     cancel: threading.Event | None = None,
+    tracker: WarmupProgress | None = None,
 ) -> int:
     """Compile (or load) the plan's executables in parallel; returns how many were new to the process.
     Afterwards a compile a step needs (a shape no plan named) is logged: as a warning after a complete plan,
-    as info after one that left shapes to their first use."""
+    as info after one that left shapes to their first use. `tracker`: counts the plan's shapes as `what`."""
     todo = jobs(runner, plan)
+    if tracker is not None:
+        tracker.start(what, len(todo))
     workers = workers or default_workers()
     stats = runner.compile_stats
     before = stats.count, stats.seconds, stats.cache_hits, stats.lower_seconds, stats.loaded, stats.load_seconds
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc=what, unit="shape", disable=not progress, leave=False)
+
+    def one_done(_) -> None:
+        bar.update(1)
+        if tracker is not None:
+            phase = tracker.advance()
+            if phase.done * 10 // phase.planned > (phase.done - 1) * 10 // phase.planned:  # each tenth
+                log.info("%s: %d/%d step shapes ready", what, phase.done, phase.planned)
+
     try:
-        new = runner.compile(todo, workers, progress=lambda _: bar.update(1), cancel=cancel)
+        new = runner.compile(todo, workers, progress=one_done, cancel=cancel)
     finally:
         bar.close()
     runner.warm, runner.deferred = True, not plan.complete

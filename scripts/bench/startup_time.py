@@ -32,6 +32,16 @@ defaults (`--max-num-seqs 16 --max-num-batched-tokens 128`) so that the full war
 minutes on 2 cores; the executable counts of the default options are printed first (counted, not compiled).
 
     .venv/bin/python scripts/bench/startup_time.py --llm [--models tiny smollm2-135m-instruct]
+        [--modes cold warm] [--llm-defaults]
+
+`--counts` prints, for the first of `--models`, the executables each entry point compiles before it is ready
+and in all, before and now (default options, by kind; counted from the plans, nothing compiled): `LLM`,
+`serve`, a LoRA engine and speculative engines (n-gram, draft model).
+
+    .venv/bin/python scripts/bench/startup_time.py --counts [--models smollm2-135m-instruct]
+
+`--modes cold warm` leaves out "before" (the full warm-up of a real model takes many minutes on 2 cores);
+`--llm-defaults` measures `LLM(model)` exactly as a user writes it (64 sequences, 512 tokens per step).
 """
 
 from __future__ import annotations
@@ -251,8 +261,8 @@ def llm_counts(model: str, options: dict) -> tuple[int, int]:
     return len(jobs(llm.engine.runner, full)), len(jobs(llm.engine.runner, first))
 
 
-def llm_main(models: list[str], work: Path, options: dict) -> int:
-    """`--llm`: before / cold / warm for every model, each in a fresh process; prints one table."""
+def llm_main(models: list[str], work: Path, options: dict, modes: tuple[str, ...] = LLM_MODES) -> int:
+    """`--llm`: `modes` (before / cold / warm) for every model, each in a fresh process; prints one table."""
     print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for model in models:
         full, first = llm_counts(model, {})
@@ -264,7 +274,7 @@ def llm_main(models: list[str], work: Path, options: dict) -> int:
         cache = work / f"cache-{model}"
         subprocess.run(["rm", "-rf", str(cache)], check=True)
         rows = {}
-        for mode in LLM_MODES:
+        for mode in modes:
             env = dict(
                 os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE="off" if mode == "before" else str(cache)
             )
@@ -279,15 +289,68 @@ def llm_main(models: list[str], work: Path, options: dict) -> int:
             row = rows[mode] = json.loads(line.removeprefix("RESULT "))
             cells = "".join(f"{row[c]:>15.1f}" if c.endswith("_s") else f"{row[c]:>15d}" for c in cols)
             print(f"{model:<24}{mode:>7}{cells}{os.getloadavg()[0]:>7.1f}", flush=True)
-        before = rows["before"]
+        before = rows.get("before")
         for mode in ("cold", "warm"):
-            row = rows[mode]
+            row = rows.get(mode)
+            if before is None or row is None:
+                continue
             print(
                 f"{model} {mode} / before: executables compiled {row['compiled']} / {before['compiled']}, "
                 f"to first token {row['first_token_s'] / before['first_token_s']:.2f}x wall, "
                 f"{row['cpu_s'] / before['cpu_s']:.2f}x CPU"
             )
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (a shared machine: seconds are noisy)")
+    return 0
+
+
+def count_kinds(runner, plan) -> dict[str, int]:
+    """Executables of `plan` on `runner`, by kind (forward, sample, merge, ...), counted without compiling."""
+    from collections import Counter
+
+    from paged_jax.worker.warmup import jobs
+
+    return dict(Counter(job.key[0] for job in jobs(runner, plan)))
+
+
+def counts_main(model: str) -> int:
+    """`--counts`: the executables each entry point compiles before it is ready and in all, before this change
+    (every entry point warmed every shape, `WarmupPlan()`) and now, with `LLM`'s / `serve`'s default options
+    (64 sequences, 512 tokens per step), by kind. Nothing is compiled (`warmup=False`, plans counted)."""
+    os.environ["PAGED_JAX_COMPILE_CACHE"] = "off"
+    from dataclasses import replace
+
+    from paged_jax import LLM, SamplingParams
+    from paged_jax.worker.warmup import WarmupPlan, first_use_plan, serving_plans
+
+    def fmt(kinds: dict[str, int]) -> str:
+        return f"{sum(kinds.values()):>4} ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})"
+
+    cases = {
+        "LLM": {},
+        "LLM, LoRA (4 slots)": {"enable_lora": True, "max_loras": 4},
+        "LLM, ngram speculation": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+        "LLM, draft-model speculation": {
+            "speculative_config": {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+        },
+    }
+    print(f"{model}, LLM's default options; executables counted from the plans, nothing compiled")
+    for name, options in cases.items():
+        llm = LLM(model, warmup=False, **options)
+        ec, runner = llm.engine.engine_config, llm.engine.runner
+        full = WarmupPlan(lookahead=ec.async_scheduling)
+        first = first_use_plan(SamplingParams(**ec.sampling_defaults), ec.async_scheduling)
+        print(f"{name:<30} before (every shape) {fmt(count_kinds(runner, full))}")
+        print(f"{'':<30} now (first-use plan) {fmt(count_kinds(runner, first))}; the rest on first use")
+        draft = getattr(getattr(llm.engine.spec, "proposer", None), "runner", None)
+        if draft is not None:  # the draft model warms its forward steps and the greedy sampler, as before
+            plan = replace(full, sampler_flags=full.sampler_flags[:1], lookahead=False, copies=False)
+            plan = replace(plan, logit_bias=False, prompt_logprobs=False)
+            print(f"{'':<30} + the draft model's   {fmt(count_kinds(draft, plan))} (before and now)")
+        if name == "LLM":
+            ready, rest = serving_plans(ec.max_num_seqs, ec.async_scheduling)
+            print(f"{'serve':<30} before health SERVING {fmt(count_kinds(runner, ready))}")
+            print(f"{'':<30} in all (background)  {fmt(count_kinds(runner, rest))}; the same before and now")
+        del llm
     return 0
 
 
@@ -298,19 +361,32 @@ def main() -> int:
     ap.add_argument("--layers", action="store_true", help="scanned vs unrolled compile and decode times instead")
     ap.add_argument("--cases", nargs="+", default=list(LAYER_CASES), choices=list(LAYER_CASES))
     ap.add_argument("--llm", action="store_true", help="LLM(model) start-up before / cold / warm instead")
+    ap.add_argument(
+        "--counts", action="store_true", help="executables of each entry point (LLM, serve, LoRA, speculative)"
+    )
     ap.add_argument("--models", nargs="+", default=["tiny"], help="with --llm: the models (LLM's model names)")
     # The full warm-up of LLM's default options (64 sequences, 512 tokens: 100 executables) takes minutes on 2
     # loaded cores; these keep `--llm` under 3 minutes there (the default options' counts are printed too).
     ap.add_argument("--max-num-seqs", type=int, default=16, help="with --llm")
     ap.add_argument("--max-num-batched-tokens", type=int, default=128, help="with --llm")
+    ap.add_argument(
+        "--llm-defaults", action="store_true", help="with --llm: LLM's own default options instead of the two above"
+    )
+    ap.add_argument(
+        "--modes", nargs="+", default=list(LLM_MODES), choices=LLM_MODES, help="with --llm: the cases to run, in order"
+    )
     args = ap.parse_args()
     if args.layers:
         return layers_main(args.cases)
+    if args.counts:
+        return counts_main(args.models[0])
     work = args.keep or Path(tempfile.mkdtemp(prefix="paged-jax-startup-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.llm:
         options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-        return llm_main(args.models, work, options)
+        if "warm" in args.modes and "cold" not in args.modes:
+            ap.error("--modes: warm needs cold before it (it reuses the cache cold fills)")
+        return llm_main(args.models, work, {} if args.llm_defaults else options, tuple(args.modes))
     cmd = make_run_command()
     print("command:", " ".join(shlex.quote(c) for c in cmd))
     print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

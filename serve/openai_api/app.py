@@ -83,11 +83,13 @@ def create_app(front: OpenAIFront) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """200 while serving; 503 while warming up, draining, or once the engine loop died."""
+        """200 while serving (with the warm-up's progress by phase, when the server warms up); 503 while warming up
+        (saying how far it has got), draining, or once the engine loop died."""
         front.check_auth(request, exempt=True)
         why = front.health()
         if why is None:
-            return JSONResponse({"status": "ok"})
+            progress = front.warmup()  # the background warm-up's progress, once it serves
+            return JSONResponse({"status": "ok", **({"warmup": progress.as_dict()} if progress is not None else {})})
         return error_response(grpc.StatusCode.UNAVAILABLE, f"server: {why}")
 
     @app.api_route("/ping", methods=["GET", "POST"])

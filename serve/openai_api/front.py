@@ -35,6 +35,7 @@ from paged_jax.lora.peft import read_adapter
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.tokenization.tool_calls import ToolFormat, function_specs, tool_format
+from paged_jax.worker.warmup import WarmupProgress
 
 from .. import convert
 from ..config import ServingConfig
@@ -64,6 +65,7 @@ class OpenAIFront:
         self.inputs = convert.serving_inputs(engine, config.limits)
         self.draining = False  # set on shutdown: new generations get 503
         self.ready: Callable[[], bool] = lambda: True  # False while the server warms up (/health 503 meanwhile)
+        self.warmup: Callable[[], WarmupProgress | None] = lambda: None  # the server's warm-up, when it runs one
         self._cpu = ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="openai-cpu")
 
     # -- checks ---------------------------------------------------------------------------------------
@@ -83,7 +85,10 @@ class OpenAIFront:
             return "draining"
         if not self.loop.alive:
             return "engine not running"
-        return None if self.ready() else "warming up"
+        if self.ready():
+            return None
+        progress = self.warmup()
+        return "warming up" + (f" ({progress.describe()})" if progress is not None else "")
 
     # -- generation ---------------------------------------------------------------------------------
     def _adapter(self, req: OpenAIRequest) -> LoRARequest | None:

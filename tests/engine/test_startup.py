@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from functools import partial
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from grpc_health.v1 import health_pb2
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.warmup import (
     GREEDY,
+    PhaseProgress,
     WarmupPlan,
+    WarmupProgress,
     jobs,
     or_closure,
     plan_for_requests,
@@ -189,28 +193,76 @@ def test_cache_entries_that_cannot_be_loaded_are_counted_and_logged(tmp_path):
     assert [d["token_ids"] for d in first] == [d["token_ids"] for d in again]
 
 
+def _http(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 @pytest.mark.slow  # a fresh process (start-up and compiles)
-def test_server_is_not_serving_until_its_decode_shapes_are_compiled():
+def test_server_is_not_serving_until_its_decode_shapes_are_compiled_and_shows_its_progress():
+    """Health waits for the decode shapes; /health and /metrics say how far each warm-up phase has got; once
+    the background warm-up is done, a request compiles nothing (every step shape was in a plan)."""
     from serve.client import Client
 
     with ServeProcess(
-        *("--model", "tiny", "--grpc-port", "0", "--no-http", "--num-pages", "100", "--max-num-seqs", "16"),
-        *("--max-num-batched-tokens", "64", "--attention-backend", "xla"),
+        *("tiny", "--grpc-port", "0", "--port", "0", "--num-pages", "100", "--max-num-seqs", "8"),
+        *("--max-num-batched-tokens", "32", "--attention-backend", "xla"),
         env={"PAGED_JAX_COMPILE_CACHE": "off"},
     ) as server:
         target = server.wait_for(r"paged-jax serving \S+ on (\S+)").group(1)
+        root = server.wait_for(r"paged-jax OpenAI API on (http://\S+)/v1").group(1)
         server.drain()
+        proc = server.proc
         with Client(target) as client:
-            # The warm-up thread starts after this line: its first compile cannot be done yet.
+            # The warm-up thread starts after these lines: its first compile cannot be done yet.
             assert client.health() == NOT_SERVING
+            status, body = _http(root + "/health")
+            assert status == 503 and "warming up" in body
             deadline = time.monotonic() + 300  # a hang guard, not a timing assertion
             while client.health() != SERVING:
-                assert time.monotonic() < deadline and server.proc.poll() is None
+                assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
-            assert any("paged_jax.worker.warmup: warm-up:" in x for x in server.lines)
+            while (health := json.loads(_http(root + "/health")[1]))["warmup"]["phase"] != "done":
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+            first, rest = health["warmup"]["warm-up"], health["warmup"]["background warm-up"]
+            assert first["done"] == first["planned"] > 0 and rest["done"] == rest["planned"] > first["planned"]
             final = client.generate("hello", max_tokens=3, temperature=0.0)
             assert final.usage.completion_tokens == 3
+            final = client.generate("hello", max_tokens=3, temperature=0.8, top_p=0.9, n=2)
+        metrics = _http(root + "/metrics")[1]
+        assert f'paged_jax_warmup_shapes_done{{phase="background warm-up"}} {float(rest["done"])}' in metrics
+        assert "paged_jax_compiles_after_warmup_total 0.0" in metrics  # steady state: nothing left to compile
+        # every executable compiled once: the background plan holds the first one's (store off: none loaded)
+        assert f"paged_jax_compiles_total {float(rest['planned'])}" in metrics
+        ready = f"background warm-up: {rest['planned']}/{rest['planned']} step shapes ready"
+        assert any(ready in x for x in server.lines)
         assert server.sigterm() == 0
+
+
+def test_warm_up_progress_is_counted_logged_and_exported(tiny_config, tiny_params, caplog):
+    from serve.metrics import Metrics
+
+    engine = make_engine(tiny_config, tiny_params, num_pages=83)
+    plan = plan_for_requests([(20, SamplingParams(max_tokens=3, temperature=0.0))], 128)
+    tracker, metrics = WarmupProgress(), Metrics()
+    metrics.warmup_fn = lambda: tracker
+    assert tracker.describe() == "not started" and tracker.as_dict() == {"phase": "not started"}
+    with caplog.at_level(logging.INFO, logger="paged_jax.worker.warmup"):
+        engine.warmup(plan, progress=False, tracker=tracker)
+    n = len(jobs(engine.runner, plan))
+    assert tracker.phases == {"warm-up": PhaseProgress(n, n)} and tracker.current == "warm-up"
+    tracker.finish()
+    assert tracker.as_dict() == {"phase": "done", "warm-up": {"done": n, "planned": n}}
+    assert tracker.describe() == f"warm-up {n}/{n} step shapes"
+    ticks = [r.getMessage() for r in caplog.records if "step shapes ready" in r.getMessage()]
+    assert ticks[-1] == f"warm-up: {n}/{n} step shapes ready" and len(ticks) == min(n, 10)
+    value = metrics.registry.get_sample_value
+    assert value("paged_jax_warmup_shapes_done", {"phase": "warm-up"}) == n
+    assert value("paged_jax_warmup_shapes_planned", {"phase": "warm-up"}) == n
 
 
 @pytest.mark.parametrize("plan", [WarmupPlan(max_step_tokens=1), WarmupPlan(max_step_tokens=10_000)])

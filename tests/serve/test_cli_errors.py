@@ -95,6 +95,8 @@ def test_a_model_is_required(cli):
         (["--port", "70000"], "--port: must be in [0, 65536), got 70000"),
         (["zzzz-model"], "model: unknown model 'zzzz-model'; real models: "),
         (["/no/such/model/dir"], "model: /no/such/model/dir: no such file or directory"),
+        (["--chat-template", "/no/such.jinja"], "--chat-template: /no/such.jinja is not a file"),
+        (["--generation-config", "/no/such/dir"], "--generation-config: /no/such/dir is not a directory"),
     ],
 )
 def test_a_bad_flag_is_one_line_before_loading(cli, argv, line):
