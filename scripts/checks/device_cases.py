@@ -367,8 +367,8 @@ def gpu_groups() -> list[Group]:
         if kv == "int8":
             cases.append(_probe_named("probe", b["mixed"], _shape(b["mixed"], 128, kv, "float32"), pk))
         groups.append(Group(f"probe-{kv}", 1, 150, tuple(cases)))
-    exact = [_random_case(s, be) for s in RANDOM_SPECS for be in (pk, "xla")]
-    groups.insert(3, Group("exact", 1, 180, tuple(exact)))
+    groups.insert(3, Group("exact", 1, 150, tuple(_random_case(s, pk) for s in RANDOM_SPECS)))
+    groups.insert(6, Group("exact-xla", 1, 150, tuple(_random_case(s, "xla") for s in RANDOM_SPECS)))
     addr = (
         Batch("decode-b8x4k", ((1, 4096),) * 8, 8, 8),
         b["deep"],
@@ -405,6 +405,7 @@ def _gpu_part2() -> list[Group]:
         _timing_case(f"timing/{b['decode'].label}-d128-bfloat16-xla", _shape(b["decode"], 128, "bfloat16"), "xla", 20),
     ]
     groups = [Group("timing", 2, 240, tuple(timing))]
+    groups.append(Group("exact-large", 2, 150, tuple(_random_case(s, pk) for s in LARGE_RANDOM_SPECS)))
     for d in (64, 256):
         cases = [
             _probe_named("probe", b[k], _shape(b[k], d, kv), pk)
@@ -412,7 +413,6 @@ def _gpu_part2() -> list[Group]:
             for k in ("decode", "prefill")
         ]
         groups.append(Group(f"probe-d{d}", 2, 180, tuple(cases)))
-    groups.append(Group("exact-large", 2, 150, tuple(_random_case(s, pk) for s in LARGE_RANDOM_SPECS)))
     shape = _shape(b["decode"], 128, "bfloat16")
     sweep = [
         Case(f"sweep/decode-k{k}-w{w}-s{st}", _sweep(shape, k, w, st), {"kv_keys": k, "num_warps": w, "num_stages": st})
@@ -447,6 +447,14 @@ def cpu_groups() -> list[Group]:
         Group("addressing", 1, 60, (addr,)),
         Group("timing", 2, 60, (timing,)),
     ]
+
+
+# What the device check leaves out, and why (summary.json's ``not_covered``).
+NOT_COVERED = {
+    "engine end to end": "imports flax, tqdm, jinja2, tokenizers, safetensors: not on the bare device image",
+    "fused model step vs paged_jax.model.reference": "the model is a flax module: not on the bare device image",
+    "cuDNN dot_product_attention baseline": "not built yet",
+}
 
 
 def groups_for(platform: str) -> list[Group]:

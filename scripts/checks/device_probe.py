@@ -315,25 +315,23 @@ def run_probe(shape: ProbeShape, backend: str, corrupt: bool = False, seed: int 
         sm_scale=shape.head_dim**-0.5,
         backend=backend,
     )
-    expect = functools.partial(
-        _expected, inputs, shape.page_size, shape.head_dim, shape.num_q_heads, shape.num_kv_heads, shape.num_tokens
-    )
-    verdict = judge(
-        out, expect(inputs.block_tables), expect(inputs.corrupted_tables), inputs.real_tokens, shape.q_dtype
-    )
+    exp = expected_for(shape, inputs, inputs.block_tables)
+    wrong = expected_for(shape, inputs, inputs.corrupted_tables)
+    verdict = judge(out, exp, wrong, inputs.real_tokens, shape.q_dtype)
     return {**verdict.fields(), **({"corrupted_table": True} if corrupt else {})}
 
 
-def _expected(inputs: ProbeInputs, page_size, head_dim, num_q_heads, num_kv_heads, num_tokens, tables):
+def expected_for(shape: ProbeShape, inputs: ProbeInputs, tables: jax.Array) -> jax.Array:
+    """:func:`expected_output` of a built probe read through ``tables`` (its own, or the corrupted ones)."""
     return expected_output(
         tables,
         inputs.kv_lens,
         inputs.cu_q_lens,
         inputs.num_seqs,
         inputs.page_offset,
-        page_size=page_size,
-        head_dim=head_dim,
-        num_kv_heads=num_kv_heads,
-        group=num_q_heads // num_kv_heads,
-        num_tokens=num_tokens,
+        page_size=shape.page_size,
+        head_dim=shape.head_dim,
+        num_kv_heads=shape.num_kv_heads,
+        group=shape.num_q_heads // shape.num_kv_heads,
+        num_tokens=shape.num_tokens,
     )

@@ -37,6 +37,7 @@ for _path in (str(_HERE), str(_REPO)):  # the project is not installed on the de
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import device_cases  # noqa: E402
 import device_report  # noqa: E402
 
 DEADLINE_S = 510.0  # of a 10-minute command: start-up, the last group's kill and the summary fit in the rest
@@ -65,8 +66,6 @@ def _selected(args) -> list:
     """The groups of ``--part`` (or ``--groups``), each cut to the cases ``--only`` names."""
     import dataclasses
 
-    import device_cases
-
     groups = device_cases.groups_for(args.platform)
     if args.groups:
         names = args.groups.split(",")
@@ -87,8 +86,6 @@ def _selected(args) -> list:
 
 def run_child(args) -> int:
     """Runs one group's cases in this process, a ``started`` and a ``finished`` row each."""
-    import device_cases
-
     group = next(g for g in _selected(args) if g.name == args.child)
     ctx = device_cases.Context(out=args.out, platform=args.platform, corrupt_table=args.corrupt_table)
     for case in group.cases:
@@ -150,6 +147,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / device_report.ROWS).unlink(missing_ok=True)
     meta = {"part": args.part, "platform": args.platform, "dry_run": args.dry_run, "deadline_s": args.deadline_s}
+    meta["not_covered"] = device_cases.NOT_COVERED
     meta |= {
         "corrupt_table": args.corrupt_table,
         "command": " ".join(sys.argv),
