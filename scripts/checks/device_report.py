@@ -17,7 +17,19 @@ import time
 
 ROWS = "rows.jsonl"
 # Columns of summary.md beyond case, status and seconds, when a row has them.
-COLUMNS = ("score", "wrong_page_score", "err_rel_rms", "tol_rel_rms", "kernel_us", "wall_us", "GBps", "pct_of_copy_bw")
+COLUMNS = (
+    "score",
+    "wrong_page_score",
+    "err_rel_rms",
+    "tol_rel_rms",
+    "kernel_us",
+    "wall_us",
+    "model_us",
+    "copy_GBps",
+    "GBps",
+    "pct_of_copy_bw",
+    "useful_TFLOPs",
+)
 
 
 def append_row(out: pathlib.Path, row: dict) -> None:
@@ -77,13 +89,19 @@ def markdown(summary: dict) -> str:
     for g in summary["groups"]:
         head += f"| {g['group']} | {g['state']} | {g.get('rc', '')} | {g.get('seconds', '')} | {g['timeout_s']} |\n"
     cols = [c for c in COLUMNS if any(c in r for r in summary["rows"])]
-    table = "\n| case | state | status | s | " + " | ".join(cols) + " | note |\n"
-    table += "|---" * (len(cols) + 5) + "|\n"
+    header = ["case", "state", "status", "s", *cols, "note"]
+    table = "\n| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|\n"
     for r in summary["rows"]:
-        vals = [_fmt(r.get(c)) for c in cols]
         note = str(r.get("reason") or r.get("error") or "")[:160].replace("|", "/").replace("\n", " ")
-        table += f"| {r['case']} | {r.get('state', '')} | {r['status']} | {_fmt(r.get('seconds'))} | "
-        table += " | ".join(vals) + f" | {note} |\n"
+        cells = [
+            r["case"],
+            r.get("state", ""),
+            r["status"],
+            _fmt(r.get("seconds")),
+            *(_fmt(r.get(c)) for c in cols),
+            note,
+        ]
+        table += "| " + " | ".join(cells) + " |\n"
     return head + table
 
 

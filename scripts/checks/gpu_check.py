@@ -87,7 +87,18 @@ def _selected(args) -> list:
 def run_child(args) -> int:
     """Runs one group's cases in this process, a ``started`` and a ``finished`` row each."""
     group = next(g for g in _selected(args) if g.name == args.child)
+    if args.platform == "gpu":  # later groups and part 2 reuse earlier compiles (write_kv, references, kernels)
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(_REPO / "out" / "device_check_jax_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     ctx = device_cases.Context(out=args.out, platform=args.platform, corrupt_table=args.corrupt_table)
+    backend = _backend()
+    if backend != args.platform:  # e.g. the CUDA plugin failed to load: never run full sizes on the CPU
+        for case in group.cases:
+            row = {"case": case.name, "group": group.name, "state": "finished", "status": "error"}
+            device_report.append_row(args.out, row | {"error": f"JAX backend is {backend}, not {args.platform}"})
+        return 1
     for case in group.cases:
         device_report.append_row(args.out, {"case": case.name, "group": group.name, "state": "started"})
         print(f"start {case.name}", flush=True)
@@ -103,6 +114,15 @@ def run_child(args) -> int:
         device_report.append_row(args.out, row)
         print(f"{status:<8} {case.name} {row['seconds']}s {result.get('reason', result.get('error', ''))}", flush=True)
     return 0
+
+
+def _backend() -> str:
+    import jax
+
+    try:
+        return jax.default_backend()
+    except RuntimeError as e:  # no backend at all
+        return f"none ({e})"
 
 
 def _run_group(args, group, timeout_s: float) -> dict:

@@ -52,6 +52,7 @@ def test_the_blocker_blocks(tmp_path):
     assert res.returncode != 0 and "blocked: not on the device image" in res.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_lists_the_gpu_cases_and_writes_the_files(tmp_path):
     res = _run(tmp_path, "--dry-run")
     assert res.returncode == 0, res.stderr
@@ -105,3 +106,13 @@ def test_a_corrupted_block_table_fails_the_probe(tmp_path):
     (row,) = _summary(tmp_path)["rows"]
     assert row["state"] == "finished" and row["status"] == "FAIL" and row["corrupted_table"]
     assert row["finite"] and row["score"] > 4 and "x the bound" in row["reason"]
+
+
+@pytest.mark.slow
+def test_a_gpu_run_without_a_gpu_backend_runs_nothing(tmp_path):
+    """If the CUDA plugin does not load, JAX falls back to the CPU: no full-size case may run there."""
+    res = _run(tmp_path, "--groups", "env,bandwidth")
+    assert res.returncode == 1
+    rows = _summary(tmp_path)["rows"]
+    assert [r["status"] for r in rows] == ["error", "error"]
+    assert all("JAX backend is cpu, not gpu" in r["error"] for r in rows)
