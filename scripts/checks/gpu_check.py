@@ -11,11 +11,12 @@ to ``$OUT`` (``--out``; default ``out/device_check``): ``rows.jsonl`` (a ``start
 case, flushed as they happen), ``summary.json`` and ``summary.md`` (rewritten after every group), ``env/``
 (``nvidia-smi -q``, ``jax.print_environment_info()``, the XLA/JAX variables) and ``logs/<group>.log``.
 
-Each group of cases (:mod:`device_cases`) runs in a child process with its own timeout: a crash, an illegal
-address or a hang ends that group only, its running case gets a ``crashed``/``timeout`` row and the next group
-starts. A global deadline (``--deadline-s``, 510 s) skips the groups that no longer fit (``skipped: deadline``
-rows; rerun them with ``--groups``). The engine end to end and the fused model step are not here: they import
-flax (and the engine tqdm, jinja2, tokenizers, ...), which the bare image does not have.
+Each group of cases (:mod:`device_groups`; how a case runs: :mod:`device_cases`) runs in a child process with
+its own timeout: a crash, an illegal address or a hang ends that group only, its running case gets a
+``crashed``/``timeout`` row and the next group starts. A global deadline (``--deadline-s``, 510 s) skips the
+groups that no longer fit (``skipped: deadline`` rows; rerun them with ``--groups``). The engine end to end and
+the fused model step are not here: they import flax (and the engine tqdm, jinja2, tokenizers, ...), which the
+bare image does not have.
 
 Exit status: 0 when every case that ran passed, 1 otherwise, 2 for bad arguments.
 """
@@ -38,6 +39,7 @@ for _path in (str(_HERE), str(_REPO)):  # the project is not installed on the de
         sys.path.insert(0, _path)
 
 import device_cases  # noqa: E402
+import device_groups  # noqa: E402
 import device_report  # noqa: E402
 
 DEADLINE_S = 510.0  # of a 10-minute command: start-up, the last group's kill and the summary fit in the rest
@@ -66,7 +68,7 @@ def _selected(args) -> list:
     """The groups of ``--part`` (or ``--groups``), each cut to the cases ``--only`` names."""
     import dataclasses
 
-    groups = device_cases.groups_for(args.platform)
+    groups = device_groups.groups_for(args.platform)
     if args.groups:
         names = args.groups.split(",")
         unknown = sorted(set(names) - {g.name for g in groups})
@@ -152,6 +154,7 @@ def _run_group(args, group, timeout_s: float) -> dict:
             continue
         status = state if row is not None else "not run"
         reason = f"group {state} (rc {rc}) " + ("while this case ran" if row else "before this case started")
+        reason += f"; rerun with --groups {group.name} --only {case.name}"
         device_report.append_row(
             args.out, {"case": case.name, "group": group.name, "state": "finished", "status": status, "reason": reason}
         )
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / device_report.ROWS).unlink(missing_ok=True)
     meta = {"part": args.part, "platform": args.platform, "dry_run": args.dry_run, "deadline_s": args.deadline_s}
-    meta["not_covered"] = device_cases.NOT_COVERED
+    meta["not_covered"] = device_groups.NOT_COVERED
     meta |= {
         "corrupt_table": args.corrupt_table,
         "command": " ".join(sys.argv),
