@@ -116,3 +116,34 @@ def test_a_gpu_run_without_a_gpu_backend_runs_nothing(tmp_path):
     rows = _summary(tmp_path)["rows"]
     assert [r["status"] for r in rows] == ["error", "error"]
     assert all("JAX backend is cpu, not gpu" in r["error"] for r in rows)
+
+
+@pytest.mark.slow
+def test_a_killed_or_crashed_group_leaves_finished_rows(tmp_path):
+    """A group past its timeout is killed and a child that dies leaves no case unaccounted for."""
+    import dataclasses
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)  # puts scripts/checks on sys.path
+    import device_groups
+    import device_report
+
+    args = gpu_check._parse(["--platform", "cpu", "--out", str(tmp_path)])
+    group = next(g for g in device_groups.cpu_groups() if g.name == "probe")
+    assert gpu_check._run_group(args, group, timeout_s=1.0)["state"] == "timeout"  # killed while importing jax
+    rows = device_report.latest_by_case(device_report.read_rows(tmp_path))
+    assert {rows[c.name]["status"] for c in group.cases} <= {"timeout", "not run"}
+    assert all(rows[c.name]["state"] == "finished" for c in group.cases)
+    assert f"--groups probe --only {group.cases[0].name}" in rows[group.cases[0].name]["reason"]
+
+    other = tmp_path / "crash"
+    other.mkdir()
+    args = gpu_check._parse(["--platform", "cpu", "--out", str(other)])
+    gone = dataclasses.replace(group, name="no-such-group")  # the child dies before its first case
+    info = gpu_check._run_group(args, gone, timeout_s=120)
+    assert info["state"] == "crashed" and info["rc"] != 0
+    rows = device_report.latest_by_case(device_report.read_rows(other))
+    assert {rows[c.name]["status"] for c in group.cases} == {"not run"}
+    assert "StopIteration" in (other / "logs" / "no-such-group.log").read_text()
