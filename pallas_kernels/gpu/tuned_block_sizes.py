@@ -1,7 +1,7 @@
 """The GPU kernel's tuning table: block configs keyed by head_dim, page size and dtype, with a heuristic fallback.
 
 :func:`pallas_kernels.gpu.plan.plan_gpu` takes each range's query rows, KV keys per step, warps and stages from
-here (``scripts/gpu_check.py``'s block-config sweep measures replacements on a GPU)."""
+here (the ``sweep`` group of ``scripts/checks/gpu_check.py --part 2`` measures replacements on a GPU)."""
 
 from __future__ import annotations
 

@@ -89,6 +89,9 @@ def xla_ragged_paged_attention(
     max_seqs, max_blocks = block_tables.shape
     plan = _plan(num_tokens, max_seqs, page_size, max_blocks, num_kv_heads, head_dim, kv_pages.dtype.itemsize)
     quantized = kv_scales is not None
+    # float32 queries get float32 dots: without it XLA:GPU runs f32 einsums as TF32 (10-bit mantissa) on
+    # Ampere and newer. bfloat16 dots are exact products with f32 accumulation either way.
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     rpc, rpb, ppc = plan.rows_per_chunk, plan.rows_per_block, plan.pages_per_chunk
     num_rows = cdiv(plan.num_rows, rpb) * rpb
     chunk_len = ppc * page_size
@@ -136,7 +139,7 @@ def xla_ragged_paged_attention(
             in_seq = k_pos[None, :] < lens_b[:, None]  # [rpb, chunk_len]
             # Slots past kv_len may hold anything (NaN too).
             v = jnp.where(in_seq.reshape(rpb, ppc, 1, page_size, 1), v, 0)
-            s = jnp.einsum("brkgd,bpksd->bkgrps", qb, k, preferred_element_type=jnp.float32)
+            s = jnp.einsum("brkgd,bpksd->bkgrps", qb, k, preferred_element_type=jnp.float32, precision=precision)
             if quantized:  # per-key scales [rpb, num_kv_heads, ppc, page_size] for K and V
                 assert kv_scales is not None
                 sc = kv_scales[pages][..., : 2 * num_kv_heads * page_size]  # without lane-dense padding
@@ -154,7 +157,7 @@ def xla_ragged_paged_attention(
             if quantized:
                 p = p * sc[1][:, :, None, None]
             p = p.astype(v.dtype)
-            pv = jnp.einsum("bkgrps,bpksd->bkgrd", p, v, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("bkgrps,bpksd->bkgrd", p, v, preferred_element_type=jnp.float32, precision=precision)
             return m_new, den, alpha[..., None] * acc + pv
 
         shape = (rpb, num_kv_heads, group, rpc)

@@ -255,3 +255,15 @@ def test_copy_pages_with_padding_pairs():
     expect = pages.copy()
     expect[4], expect[1] = pages[2], pages[5]
     np.testing.assert_array_equal(out, expect)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_path_asks_for_float32_dots_on_float32_queries(dtype):
+    """XLA:GPU runs a float32 dot without a precision as TF32; the XLA path asks for HIGHEST on float32 queries
+    (both its dots), and leaves bfloat16 dots at the default."""
+    from pallas_kernels.xla.paged import xla_ragged_paged_attention
+
+    case = make_case(0, [(1, 20), (5, 9)], num_tokens=8, max_seqs=4, dtype=dtype, **SHAPE)
+    text = xla_ragged_paged_attention.lower(*case.paged_args, sm_scale=0.125).as_text()
+    assert text.count("dot_general") == 2
+    assert text.count("HIGHEST") == (4 if dtype == jnp.float32 else 0)  # [lhs, rhs] of both dots
