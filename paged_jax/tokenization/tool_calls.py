@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_jax.bounded_json import load_json
+from paged_jax.errors import FieldError
 from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.tokenization.chat_template import ChatTemplate
 
@@ -183,21 +185,20 @@ def tool_format(template: ChatTemplate | None) -> ToolFormat | None:
 
 def history_tool_calls(calls: Any, field_name: str) -> list[dict[str, Any]]:
     """An assistant message's OpenAI `tool_calls` as chat templates read them: `function.arguments` an object
-    (OpenAI sends its JSON text). Raises ValueError naming the entry at fault."""
+    (OpenAI sends its JSON text, parsed here with the bounds of `paged_jax.bounded_json`). Raises FieldError
+    naming the entry at fault (`messages[1].tool_calls[0].function.arguments`)."""
     if not isinstance(calls, list):
-        raise ValueError(f"{field_name}: must be a list of tool calls")
+        raise FieldError(field_name, "must be a list of tool calls")
     out = []
     for i, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"{field_name}[{i}].function: must be an object with a name and arguments")
+            raise FieldError(f"{field_name}[{i}].function", "must be an object with a name and arguments")
+        where = f"{field_name}[{i}].function.arguments"
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{field_name}[{i}].function.arguments: not valid JSON ({e.msg})") from None
+            args = load_json(args, where) if args.strip() else {}
         if not isinstance(args, Mapping):
-            raise ValueError(f"{field_name}[{i}].function.arguments: must be a JSON object")
+            raise FieldError(where, "must be a JSON object")
         out.append({**call, "type": "function", "function": {**fn, "arguments": dict(args)}})
     return out
