@@ -65,7 +65,7 @@ def load_json(data: bytes | str, field: str = "body") -> Any:
         refused.append(_Refused(f"{name} is not a JSON number"))
         return refused[-1]
 
-    too_deep = _depth(raw) > MAX_DEPTH
+    too_deep = nesting_depth(raw) > MAX_DEPTH
     try:
         value = json.loads(raw, parse_int=parse_int, parse_constant=parse_constant)
     except RecursionError:
@@ -118,10 +118,11 @@ def bounded_dumps(value: Any, field: str, max_bytes: int) -> str:
     return text
 
 
-def _depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in a JSON text: escape pairs dropped, so every quote left opens or
-    closes a string; then only quotes and brackets kept, and the brackets outside strings counted (numpy
-    throughout: no Python work per byte)."""
+def nesting_depth(data: bytes | str) -> int:
+    """How deep arrays and objects nest in a JSON text (or in JSON followed by other text): escape pairs
+    dropped, so every quote left opens or closes a string; then only quotes and brackets kept, and the
+    brackets outside strings counted (numpy throughout: no Python work per byte)."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     text = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
     lower = text | 32  # [ and { both become {, ] and } both }
     marks = text[(text == ord('"')) | (lower == ord("{")) | (lower == ord("}"))]
@@ -180,4 +181,4 @@ def _place(field: str, path: tuple) -> str:
     return out
 
 
-__all__ = ["MAX_DEPTH", "MAX_INT", "bounded_dumps", "load_json"]
+__all__ = ["MAX_DEPTH", "MAX_INT", "bounded_dumps", "load_json", "nesting_depth"]
