@@ -100,6 +100,12 @@ class StructuredOutputs:
         return self
 
 
+def _id_range(vocab_size: int | None) -> str:
+    """Where token ids lie, for a message: the model's range, or (validated before a model is known, as the
+    batch job's lines are) only that they are not negative."""
+    return f" in [0, {vocab_size})" if vocab_size else " (a non-negative integer)"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -230,7 +236,7 @@ class SamplingParams:
             raise FieldError("stop_token_ids", f"{len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
-                raise FieldError("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
+                raise FieldError("stop_token_ids", f"{t!r:.40} is not a token id{_id_range(vocab_size)}")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"must be a boolean, got {getattr(self, name)!r}")
@@ -258,6 +264,6 @@ class SamplingParams:
             raise FieldError("logit_bias", f"{len(bias)} entries, more than {max_entries}")
         for t, v in bias.items():
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
-                raise FieldError("logit_bias", f"{t!r} is not a token id in [0, {vocab_size})")
+                raise FieldError("logit_bias", f"{t!r:.40} is not a token id{_id_range(vocab_size)}")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
                 raise FieldError("logit_bias", f"the bias of token {t} must be a number in [-100, 100], got {v!r}")

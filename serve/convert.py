@@ -20,6 +20,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from paged_jax.bounded_json import load_json
 from paged_jax.engine.input_processor import (
     MAX_CHARS_PER_TOKEN,
     ChatPrompt,
@@ -34,7 +35,6 @@ from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.tokenization.tool_calls import history_tool_calls
 
 from .config import ServingLimits
-from .json_body import load_json
 from .proto.paged_jax.v1 import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -273,8 +273,8 @@ def chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
             field = f"chat.messages[{len(messages)}].tool_calls_json"
             try:
                 message["tool_calls"] = history_tool_calls(_json_field(field, m.tool_calls_json, list), field)
-            except ValueError as e:
-                raise invalid(str(e), field) from None
+            except FieldError as e:
+                raise invalid(str(e), e.field) from None
         messages.append(message)
     tools = _json_field("chat.tools_json", chat.tools_json, list)
     extra = _json_field("chat.chat_template_kwargs_json", chat.chat_template_kwargs_json, dict) or {}

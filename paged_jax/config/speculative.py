@@ -4,14 +4,29 @@ name the field."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from paged_jax.bounded_json import load_json
 from paged_jax.config import WEIGHT_QUANTIZATIONS
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts per sequence per step: each is a sample row and a KV slot of the verify step
+MAX_PROMPT_LOOKUP = 32  # n-gram lengths: each step's lookup on the engine thread grows with it
+MAX_COUNT = 1_000_000  # the step and token counters of the pause rules (probe_tokens, pause_tokens, ...)
+MAX_BATCH_SIZE = 2**20  # disable_by_batch_size
+MAX_DRAFT_PAGES = 2**24  # draft_num_pages
+MAX_MODEL_CHARS = 4096  # model (a path or a Hugging Face id)
+# field -> (lowest, highest) of the integer fields
+INT_BOUNDS = {
+    "prompt_lookup_min": (1, MAX_PROMPT_LOOKUP),
+    "prompt_lookup_max": (1, MAX_PROMPT_LOOKUP),
+    "probe_tokens": (1, MAX_COUNT),
+    "max_misses": (1, MAX_COUNT),
+    "pause_tokens": (1, MAX_COUNT),
+    "cost_probe_steps": (1, MAX_COUNT),
+    "cost_pause_steps": (1, MAX_COUNT),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +85,7 @@ class SpeculativeConfig:
             value.validate()
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+            value = load_json(value, "speculative_config")  # FieldError naming the place (depth, huge numbers)
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config: expected a mapping, got {type(value).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -85,10 +97,12 @@ class SpeculativeConfig:
         return config
 
     def validate(self) -> None:
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"speculative_config.{name}: {why}, got {getattr(self, name)!r}")
+        """Every field's type and bounds; ValueError `speculative_config.<field>: ...` (one line)."""
 
-        if self.method not in METHODS:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"speculative_config.{name}: {why}, got {getattr(self, name)!r:.80}")
+
+        if not isinstance(self.method, str) or self.method not in METHODS:
             fail("method", f"must be one of {METHODS}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -96,30 +110,37 @@ class SpeculativeConfig:
         for name in ("pause_by_cost", "adaptive_k"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
-        ints = ("prompt_lookup_min", "prompt_lookup_max", "probe_tokens", "max_misses", "pause_tokens")
-        for name in (*ints, "cost_probe_steps", "cost_pause_steps"):
+        for name, (low, high) in INT_BOUNDS.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail(name, "must be an int >= 1")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                fail(name, f"must be an int in [{low}, {high}]")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             fail("prompt_lookup_min", f"must not exceed prompt_lookup_max ({self.prompt_lookup_max})")
-        if not isinstance(self.min_acceptance_rate, (int, float)) or not 0 <= self.min_acceptance_rate <= 1:
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
             fail("min_acceptance_rate", "must be in [0, 1]")
         margin = self.cost_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             fail("cost_margin", "must be in [0, 1)")
+        if self.model is not None and (not isinstance(self.model, str) or not 0 < len(self.model) <= MAX_MODEL_CHARS):
+            fail("model", f"must be a path or model id of 1 to {MAX_MODEL_CHARS} characters")
         if self.method == "draft_model":
             if not self.model:
                 fail("model", 'is required with method "draft_model"')
         elif self.model is not None:
             fail("model", f'is only for method "draft_model", not {self.method!r}')
-        if self.quantization is not None and self.quantization not in WEIGHT_QUANTIZATIONS:
+        if self.quantization is not None and (
+            not isinstance(self.quantization, str) or self.quantization not in WEIGHT_QUANTIZATIONS
+        ):
             fail("quantization", f"must be one of {WEIGHT_QUANTIZATIONS}")
         if self.disable_by_batch_size is not None and (
             isinstance(self.disable_by_batch_size, bool)
             or not isinstance(self.disable_by_batch_size, int)
-            or self.disable_by_batch_size < 1
+            or not 1 <= self.disable_by_batch_size <= MAX_BATCH_SIZE
         ):
-            fail("disable_by_batch_size", "must be an int >= 1 or null")
-        if self.draft_num_pages is not None and (not isinstance(self.draft_num_pages, int) or self.draft_num_pages < 2):
-            fail("draft_num_pages", "must be an int >= 2")
+            fail("disable_by_batch_size", f"must be an int in [1, {MAX_BATCH_SIZE}] or null")
+        pages = self.draft_num_pages
+        if pages is not None and (
+            isinstance(pages, bool) or not isinstance(pages, int) or not 2 <= pages <= MAX_DRAFT_PAGES
+        ):
+            fail("draft_num_pages", f"must be an int in [2, {MAX_DRAFT_PAGES}] or null")

@@ -9,6 +9,11 @@ PEFT stores, per adapted linear layer, `...layers.{i}.{self_attn|mlp}.{name}.lor
     q_proj: A [H, r], B [r, Hq, D]      k_proj, v_proj: A [H, r], B [r, Hkv, D]
     o_proj: A [Hq, D, r], B [r, H]      gate_proj, up_proj: A [H, r], B [r, I]      down_proj: A [I, r], B [r, H]
 
+The directory is read as a model directory is (`paged_jax.config.model_files`): regular files inside it only
+(weights linked from elsewhere on the machine are refused), `adapter_config.json` capped at 1 MiB, UTF-8, and
+parsed with the bounds of `paged_jax.bounded_json`; every weight must be finite and at most `MAX_ABS_WEIGHT`
+in magnitude, the scaling at most `MAX_SCALING` (huge-but-finite weights turn every output into padding).
+
 Anything this engine would silently compute differently is refused, naming the adapter and the field or
 tensor: DoRA, LoRA biases, `modules_to_save` (whole replaced layers), per-module `rank_pattern` /
 `alpha_pattern`, `fan_in_fan_out`, target modules other than the seven above (embeddings, the LM head), MLP
@@ -28,13 +33,18 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from paged_jax.bounded_json import load_json
 from paged_jax.config import ModelConfig
+from paged_jax.config.model_files import ModelFileError, model_file, read_text
 from paged_jax.errors import FieldError
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 MODULES = ATTENTION_MODULES + MLP_MODULES
 
+MAX_CONFIG_BYTES = 2**20  # adapter_config.json (PEFT writes about 1 KiB)
+MAX_ABS_WEIGHT = 1e4  # |w| of any A or B entry (trained adapters stay far below 10)
+MAX_SCALING = 1e4  # |lora_alpha / r| (or / sqrt(r)): what multiplies every delta
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _REFUSED_TRUE = {
     "use_dora": "DoRA (use_dora) adapters are not supported",
@@ -70,6 +80,11 @@ class LoraAdapter:
     @property
     def num_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
+
+
+def _clip(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -120,13 +135,40 @@ def parse_adapter_config(raw: dict, name: str, config: ModelConfig, max_rank: in
         if raw.get(key):
             raise fail(f"{key}: per-module ranks and alphas are not supported, got {raw[key]!r}")
     targets = raw.get("target_modules")
+    if targets is not None and not isinstance(targets, str | list):
+        raise fail(f"target_modules: must be a list of module names or a regex string, got {_clip(targets)}")
     if isinstance(targets, list):
+        if not all(isinstance(t, str) for t in targets):
+            raise fail(f"target_modules: must be a list of module names (strings), got {_clip(targets)}")
         bad = [t for t in targets if t.rsplit(".", 1)[-1] not in MODULES]
         if bad:
             raise fail(f"target_modules: {bad} are not among the supported projections {list(MODULES)}")
     scaling = alpha / math.sqrt(r) if raw.get("use_rslora") else alpha / r
+    if abs(scaling) > MAX_SCALING:
+        raise fail(f"lora_alpha: a scaling of {scaling:g} (lora_alpha / r), more than {MAX_SCALING:g} in magnitude")
     del config
     return r, float(scaling)
+
+
+def _adapter_file(root: Path, name: str, file: str) -> Path | None:
+    """`root/file` if it is a regular file inside the adapter directory (`paged_jax.config.model_files`: a link
+    out of it, a FIFO or a device is refused as a model directory's would be), None when absent."""
+    try:
+        return model_file(root, file)
+    except ModelFileError as e:
+        raise LoraError(f"adapter {name!r}: {e}") from None
+
+
+def read_adapter_config(path: Path, name: str) -> dict:
+    """`adapter_config.json` as a dict: at most `MAX_CONFIG_BYTES`, UTF-8, JSON within the bounds of
+    `paged_jax.bounded_json` (depth, integer size), or LoraError naming the file and the place."""
+    try:
+        raw = load_json(read_text(path, MAX_CONFIG_BYTES), "adapter_config.json")
+    except (ModelFileError, FieldError) as e:
+        raise LoraError(f"adapter {name!r}: {e}") from None
+    if not isinstance(raw, dict):
+        raise LoraError(f"adapter {name!r}: adapter_config.json: must hold a JSON object")
+    return raw
 
 
 def read_adapter(
@@ -134,18 +176,14 @@ def read_adapter(
 ) -> LoraAdapter:
     """Load the adapter directory `path` for a base model of `config` (LoraError when it cannot be served)."""
     root = Path(path)
-    cfg_file, weights_file = root / "adapter_config.json", root / "adapter_model.safetensors"
-    if not cfg_file.is_file():
+    cfg_file = _adapter_file(root, name, "adapter_config.json")
+    weights_file = _adapter_file(root, name, "adapter_model.safetensors")
+    if cfg_file is None:
         raise LoraError(f"adapter {name!r}: no adapter_config.json in {str(root)!r}")
-    if not weights_file.is_file():
+    if weights_file is None:
         hint = " (adapter_model.bin is a pickle and is not read)" if (root / "adapter_model.bin").exists() else ""
         raise LoraError(f"adapter {name!r}: no adapter_model.safetensors in {str(root)!r}{hint}")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoraError(f"adapter {name!r}: adapter_config.json: {e}") from e
-    if not isinstance(raw, dict):
-        raise LoraError(f"adapter {name!r}: adapter_config.json: must hold a JSON object")
+    raw = read_adapter_config(cfg_file, name)
     rank, scaling = parse_adapter_config(raw, name, config, max_rank)
     blob = weights_file.read_bytes()
     try:
@@ -195,8 +233,14 @@ def adapter_layers(
                 f"adapter {name!r}: tensor {b_key!r}: shape {list(b.shape)}, expected {[math.prod(outs), rank]}"
             )
         a32, b32 = a.astype(np.float32), b.astype(np.float32)
-        if not (np.isfinite(a32).all() and np.isfinite(b32).all()):
-            raise LoraError(f"adapter {name!r}: tensor {a_key!r} or its lora_B holds NaN or infinity")
+        for key, w in ((a_key, a32), (b_key, b32)):
+            if not np.isfinite(w).all():
+                raise LoraError(f"adapter {name!r}: tensor {key!r} holds NaN or infinity")
+            if w.size and (peak := float(np.abs(w).max())) > MAX_ABS_WEIGHT:
+                raise LoraError(
+                    f"adapter {name!r}: tensor {key!r} holds {peak:g}, more than {MAX_ABS_WEIGHT:g} in magnitude "
+                    "(trained LoRA weights are small; this would drown the base model's activations)"
+                )
         layers[layer][module] = (a32.T.reshape(*ins, rank), b32.T.reshape(rank, *outs))
     if not any(layers):
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")

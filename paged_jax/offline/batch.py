@@ -32,7 +32,7 @@ from paged_jax.engine.protocol import Engine
 from paged_jax.lora.named import ServedAdapters, UnknownAdapterError, check_lora_modules, parse_lora_modules
 from paged_jax.lora.request import LoRARequest
 from paged_jax.offline import multihost
-from paged_jax.offline.lines import BatchItem, parse_line
+from paged_jax.offline.lines import BatchItem, LineError, parse_line
 from paged_jax.offline.output_files import (
     BatchPathError,
     LineWriter,
@@ -130,10 +130,11 @@ def read_items(
             try:
                 item = parse_line(line, lineno, defaults)
                 if item.key in seen:
-                    raise ValueError(f"id: {item.id!r} appears twice in the input")
+                    raise LineError("id", f"{item.id!r} appears twice in the input", item.id)
                 seen.add(item.key)
-            except (ValueError, RecursionError) as e:
-                errors.write({"line": lineno, "error": str(e)})
+            except (ValueError, RecursionError) as e:  # the line's id kept where it was read
+                rid = e.id if isinstance(e, LineError) else None
+                errors.write({"line": lineno, **({} if rid is None else {"id": rid}), "error": str(e)})
                 summary.errors += 1
                 continue
             if item.key in skip:

@@ -28,6 +28,7 @@ class StructuredLimits:
     """Bounds on what one request may ask of the grammar compiler (hostile schemas), from the engine config."""
 
     max_grammar_bytes: int = 64 * 1024  # the constraint's text (schema JSON, regex, grammar, choices)
+    max_regex_expansion: int = 10_000  # atoms of one regex with its counted repetitions written out
     compile_timeout_s: float = 5.0  # wall time for one grammar to compile; slower ones are refused
     max_grammar_size: int = 200_000  # llguidance: symbols in the compiled grammar's productions
     initial_lexer_fuel: int = 1_000_000  # llguidance: work to build the lexer (~50k units per ms)

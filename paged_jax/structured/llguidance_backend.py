@@ -8,9 +8,10 @@ own threads (`LLExecutor`), with the GIL released.
 
 JSON is generated compactly (`", "` and `": "` between items, no free whitespace elsewhere): a model left free
 whitespace can emit it forever and never close the object. Hostile constraints are bounded by
-`StructuredLimits`: the text's size before anything is compiled, llguidance's fuel limits while compiling and
-per mask, and a wall-clock timeout on the compile (run on a worker thread; the request is refused when it
-passes).
+`StructuredLimits`: the text's size before anything parses or converts it, a JSON text's depth and numbers
+while it is parsed, the expansion of every regex (counted repetitions written out) before it compiles,
+llguidance's fuel limits while compiling and per mask, and a wall-clock timeout on the compile (run on a
+worker thread; the request is refused when it passes).
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
+from paged_jax.bounded_json import bounded_dumps, load_json
+from paged_jax.errors import FieldError
 from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.structured.backend import GrammarError, StructuredLimits
+from paged_jax.structured.regex_bounds import lark_regexes, lark_schemas, regex_expansion, schema_patterns
 from paged_jax.tokenization.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -89,10 +93,10 @@ def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[
     raise TypeError(f"structured outputs: no grammar vocabulary for a {type(tokenizer).__name__}")
 
 
-def _structural_tag_grammar(value: dict[str, Any] | str) -> str:
+def _structural_tag_grammar(data: Any, check_schema: Callable[[Any, str], None]) -> str:
     """vLLM's structural tag (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`) as a
-    llguidance grammar: free text, and wherever a trigger appears, begin + JSON per schema + end."""
-    data = json.loads(value) if isinstance(value, str) else value
+    llguidance grammar: free text, and wherever a trigger appears, begin + JSON per schema + end. Each schema
+    goes through `check_schema(schema, where)` before it is used."""
     if not isinstance(data, dict):
         raise ValueError("must be an object with 'structures' and 'triggers'")
     structures, triggers = data.get("structures"), data.get("triggers")
@@ -106,29 +110,76 @@ def _structural_tag_grammar(value: dict[str, Any] | str) -> str:
         if trigger is None:
             raise ValueError(f"structures[{i}]: its begin {s['begin']!r} starts with none of the triggers")
         schema = s.get("schema", ANY_JSON_OBJECT)
+        check_schema(schema, f"structures[{i}].schema")
         schema = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s.get("end", "")))
     return llguidance.StructTag.to_grammar(tags)
 
 
-def grammar_text(spec: StructuredOutputs) -> tuple[str, int]:
-    """(llguidance grammar, size in bytes of the user's constraint) for `spec` (validated). Raises ValueError
-    with the reason for text llguidance cannot even read (a JSON syntax error, GBNF it cannot convert)."""
+def grammar_text(spec: StructuredOutputs, limits: StructuredLimits) -> str:
+    """The llguidance grammar of `spec` (validated), or a GrammarError naming its field. Every bound that can
+    be checked on the user's text is checked before that text is parsed or converted: its size in bytes, the
+    depth and numbers of a JSON text (`paged_jax.bounded_json`), then the expansion of each regex it holds
+    (`paged_jax.structured.regex_bounds`); llguidance's own refusals (a JSON syntax error, GBNF it cannot
+    convert) name the field too."""
     kind, value = spec.kind, getattr(spec, spec.kind)
-    if kind == "json":
-        schema = ANY_JSON_OBJECT if value is True else json.loads(value) if isinstance(value, str) else value
-        if not isinstance(schema, dict):
-            raise ValueError("a JSON Schema must be an object")
-        text = json.dumps(schema)
-        return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS), len(text)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(value), len(value.encode())
-    if kind == "choice":
-        return llguidance.grammar_from("choice", json.dumps(list(value))), sum(len(c.encode()) for c in value)
-    if kind == "grammar":
-        return llguidance.grammar_from("grammar", value), len(value.encode())  # Lark, or GBNF converted
-    text = value if isinstance(value, str) else json.dumps(value)
-    return _structural_tag_grammar(value), len(text.encode())
+    field = f"structured_outputs.{kind}"
+
+    def check_size(size: int) -> None:
+        if size > limits.max_grammar_bytes:
+            raise GrammarError(field, f"{size} bytes, more than the server's limit of {limits.max_grammar_bytes}")
+
+    def check_regex(regex: str, where: str = "") -> None:
+        size = regex_expansion(regex, limits.max_regex_expansion)
+        if size > limits.max_regex_expansion:
+            raise GrammarError(
+                field + where,
+                f"the regex {_clip(regex)!r} expands to more than {limits.max_regex_expansion} atoms with its "
+                "counted repetitions written out (the server's limit): nested repetitions such as (a{100}){100} "
+                "multiply",
+            )
+
+    def json_value(value: Any) -> Any:
+        """A JSON value given as text (size checked, then parsed with bounds) or as Python objects (walked with
+        bounds, never past the size limit)."""
+        if isinstance(value, str):
+            check_size(len(value.encode("utf-8", "surrogatepass")))
+            return load_json(value, field)
+        bounded_dumps(value, field, limits.max_grammar_bytes)
+        return value
+
+    def check_schema(schema: Any, where: str = "") -> None:
+        for place, regex in schema_patterns(schema):
+            check_regex(regex, (f".{where}" if where else "") + place)
+
+    try:
+        if kind == "json":
+            schema = ANY_JSON_OBJECT if value is True else json_value(value)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON Schema must be an object")
+            check_schema(schema)
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+        if kind == "regex":
+            check_size(len(value.encode("utf-8", "surrogatepass")))
+            check_regex(value)
+            return llguidance.LLMatcher.grammar_from_regex(value)
+        if kind == "choice":
+            check_size(sum(len(c.encode("utf-8", "surrogatepass")) for c in value))
+            return llguidance.grammar_from("choice", json.dumps(list(value)))
+        if kind == "grammar":
+            check_size(len(value.encode("utf-8", "surrogatepass")))
+            for regex in lark_regexes(value):
+                check_regex(regex)
+            for schema in lark_schemas(value):
+                check_schema(schema)
+            return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted
+        return _structural_tag_grammar(json_value(value), check_schema)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, GrammarError):
+            raise
+        if isinstance(e, FieldError):
+            raise GrammarError(e.field, e.message) from None
+        raise GrammarError(field, _first_line(str(e))) from None
 
 
 class LLGuidanceBackend:
@@ -166,12 +217,7 @@ class LLGuidanceBackend:
 
     def matcher(self, spec: StructuredOutputs) -> LLGuidanceMatcher:
         field = f"structured_outputs.{spec.kind}"
-        try:
-            grammar, size = grammar_text(spec)
-        except (ValueError, TypeError) as e:
-            raise GrammarError(field, str(e).strip()) from None
-        if size > self.limits.max_grammar_bytes:
-            raise GrammarError(field, f"{size} bytes, more than the server's limit of {self.limits.max_grammar_bytes}")
+        grammar = grammar_text(spec, self.limits)
         tok = self.ll_tokenizer
         job = self._compiler.submit(self._compile, grammar, tok)
         try:
@@ -192,6 +238,13 @@ class LLGuidanceBackend:
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m._m, r) for m, r in rows], bitmask)
 
 
+MAX_ERROR_CHARS = 300  # llguidance quotes the grammar in some errors: a client's 64 KiB are not echoed back
+
+
 def _first_line(error: str) -> str:
-    """llguidance's error without its trailing context (the grammar source, the parser state)."""
-    return error.strip().split("\n<state>")[0].strip()
+    """llguidance's error without its trailing context (the grammar source, the parser state), clipped."""
+    return _clip(error.strip().split("\n<state>")[0].strip(), MAX_ERROR_CHARS)
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

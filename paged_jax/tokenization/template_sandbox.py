@@ -10,6 +10,11 @@ model (`tokenizer_config.json` of a downloaded directory), so it is treated as u
 - every call and filter refuses an integer argument above `max_value_chars` (`'a'.ljust(10**9)`,
   `'a'|center(10**9)`) and any str/list argument or result larger than it; `range` is capped at
   `max_range` items; `namespace()` attributes are size-checked when set;
+- the filters whose work grows with an argument are refused from their arguments before they run (one
+  Python call cannot be stopped by the deadline): `indent` by the size it would build (lines x width),
+  `replace` and `join` likewise, `wordwrap` and `urlize` (Python work per word) by their input
+  (`MAX_TEXT_FILTER_CHARS`), `slice`/`batch` by their count, `tojson` by its indent, `format` by its widths,
+  and the `lipsum` global by its words (`MAX_LIPSUM_WORDS`);
 - the deadline (`timeout_s`) is checked at every call, operator, `range` step and output chunk, and the
   output is streamed and refused past `max_chars`;
 - any failure while compiling or rendering (syntax, `raise_exception`, the sandbox, a `TypeError`, a
@@ -175,16 +180,138 @@ class _BoundedCodeGenerator(CodeGenerator):
         self.write("))")
 
 
+MAX_TEXT_FILTER_CHARS = 2**20  # input of the filters that do Python work per word (wordwrap, urlize)
+MAX_LIPSUM_WORDS = 10_000  # lipsum(n, max=...): n paragraphs of up to `max` words
+MAX_SLICES = 100_000  # slice(n) builds n lists, batch(n) lists of n items
+MAX_JSON_INDENT = 64  # tojson(indent=...)
+
+
+def _width(value: Any) -> int:
+    """What `indent` adds per line: an integer width, or a string's length."""
+    return len(value) if isinstance(value, str) else value if isinstance(value, int) else 0
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else str(value) if isinstance(value, int | float) else ""
+
+
+def _check_result_size(estimate: int, what: str) -> None:
+    limit = _budget().limits.max_value_chars
+    if estimate > limit:
+        raise TemplateBudgetError(f"{what} would build about {estimate} characters (at most {limit})")
+
+
+def _check_text_filter(name: str, s: Any) -> None:
+    if len(_text(s)) > MAX_TEXT_FILTER_CHARS:
+        raise TemplateBudgetError(
+            f"filter {name}: {len(_text(s))} characters of input (at most {MAX_TEXT_FILTER_CHARS})"
+        )
+
+
+def _pre_indent(a: Mapping[str, Any]) -> None:
+    s = _text(a.get("s"))
+    _check_result_size(len(s) + (s.count("\n") + 1) * _width(a.get("width", 4)), "filter indent")
+
+
+def _pre_wordwrap(a: Mapping[str, Any]) -> None:
+    _check_text_filter("wordwrap", a.get("s"))
+    width = a.get("width", 79)
+    if isinstance(width, int) and not isinstance(width, bool) and width < 1:
+        raise TemplateBudgetError("filter wordwrap: width must be at least 1")
+
+
+def _pre_replace(a: Mapping[str, Any]) -> None:
+    s, old, new = _text(a.get("s")), a.get("old"), a.get("new")
+    if isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
+        count = s.count(old) if old else len(s) + 1
+        if isinstance(a.get("count"), int) and a["count"] >= 0:
+            count = min(count, a["count"])
+        _check_result_size(len(s) + count * (len(new) - len(old)), "filter replace")
+
+
+def _pre_join(a: Mapping[str, Any]) -> None:
+    value, sep = a.get("value"), a.get("d", "")
+    if isinstance(value, list | tuple) and a.get("attribute") is None:
+        items = sum(len(v) if isinstance(v, str) else 24 for v in value)
+        _check_result_size(items + max(len(value) - 1, 0) * len(_text(sep)), "filter join")
+
+
+def _pre_tojson(a: Mapping[str, Any]) -> None:
+    indent = a.get("indent")
+    if isinstance(indent, int) and indent > MAX_JSON_INDENT:
+        raise TemplateBudgetError(f"filter tojson: indent {indent} (at most {MAX_JSON_INDENT})")
+
+
+def _pre_count(name: str, key: str) -> Any:
+    def check(a: Mapping[str, Any]) -> None:
+        n = a.get(key)
+        if isinstance(n, int) and n > MAX_SLICES:
+            raise TemplateBudgetError(f"filter {name}: {key} {n} (at most {MAX_SLICES})")
+
+    return check
+
+
+def _pre_format(a: Mapping[str, Any]) -> None:
+    if isinstance(a.get("value"), str) and _FORMAT_WIDTH.search(a["value"]):
+        raise TemplateBudgetError("filter format: a width or precision of a million or more")
+
+
+# Filters whose work grows with an argument, checked from their arguments before they run (the deadline cannot
+# stop one Python call): by jinja2's parameter names, bound to the call's arguments.
+_PRECHECKS: dict[str, Any] = {
+    "indent": _pre_indent,
+    "wordwrap": _pre_wordwrap,
+    "urlize": lambda a: _check_text_filter("urlize", a.get("value")),
+    "replace": _pre_replace,
+    "join": _pre_join,
+    "tojson": _pre_tojson,
+    "slice": _pre_count("slice", "slices"),
+    "batch": _pre_count("batch", "linecount"),
+    "format": _pre_format,
+}
+
+
+_CONTEXTS = frozenset({"eval_ctx", "environment", "env", "context"})
+
+
+def bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 - jinja2's
+    """jinja2's `lipsum` global, refused before it runs when `n` paragraphs of up to `max` words pass
+    `MAX_LIPSUM_WORDS`."""
+    from jinja2.utils import generate_lorem_ipsum
+
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (n, min, max))
+    if not ints or n < 0 or min < 1 or max < min or n * max > MAX_LIPSUM_WORDS:
+        raise TemplateBudgetError(
+            f"lipsum({n!r:.20}, min={min!r:.20}, max={max!r:.20}): at most {MAX_LIPSUM_WORDS} words"
+        )
+    return generate_lorem_ipsum(n, html, min, max)
+
+
+bounded_lipsum.template_name = "lipsum"  # type: ignore[attr-defined]
+
+
 def _bounded_filter(name: str, function: Any) -> Any:
-    """`function` with its parameters (not the filtered value) and its result size-checked."""
+    """`function` with its parameters (not the filtered value) and its result size-checked, and the filters of
+    `_PRECHECKS` refused from their arguments before they run."""
     import functools
+    import inspect
 
     pass_arg = getattr(function, "jinja_pass_arg", None)
     skip = 2 if pass_arg is not None else 1  # (context|environment|eval_ctx, value) or (value,)
+    precheck = _PRECHECKS.get(name)
+    signature = inspect.signature(function) if precheck is not None else None
+    # jinja2's async variants pass the context but show the signature of the function they wrap, without it
+    drop = int(pass_arg is not None and signature is not None and next(iter(signature.parameters)) not in _CONTEXTS)
 
     @functools.wraps(function)
     def bounded(*args: Any, **kwargs: Any) -> Any:
         _check_arguments(args[skip:], kwargs, f"filter {name}")
+        if precheck is not None and signature is not None:
+            try:
+                bound = signature.bind(*args[drop:], **kwargs)
+            except TypeError as e:
+                raise TemplateError(f"filter {name}: {e}") from None
+            precheck(bound.arguments)
         return _check_size(function(*args, **kwargs), f"the result of filter {name}")
 
     return bounded
@@ -200,6 +327,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(**options)
         self.globals["range"] = _BoundedRange
         self.globals["namespace"] = _BoundedNamespace
+        self.globals["lipsum"] = bounded_lipsum
         self.bounded_concat = _bounded_concat
 
     def bound_filters(self) -> None:

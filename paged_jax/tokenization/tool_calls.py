@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_jax.bounded_json import MAX_DEPTH, load_json, nesting_depth
+from paged_jax.errors import FieldError
 from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.tokenization.chat_template import ChatTemplate
 
@@ -97,10 +99,15 @@ def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
     args: Any = next((obj[k] for k in args_keys if k in obj), {})
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = load_json(args, "arguments")
+        except ValueError:  # not JSON, or past the bounds: not a call
             return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+
+def _content(pieces: Sequence[str]) -> str | None:
+    """The reply's text outside its calls: each piece stripped, the non-empty ones one per line."""
+    return "\n".join(p.strip() for p in pieces if p.strip()) or None
 
 
 class HermesFormat(ToolFormat):
@@ -113,19 +120,23 @@ class HermesFormat(ToolFormat):
         return StructuredOutputs(grammar=f'start: "{self.START}\\n" %json {schema} "\\n{self.END}"\n')
 
     def parse(self, text: str) -> ParsedReply:
-        calls = []
+        """Every `<tool_call>` block, each parsed with the bounds of `paged_jax.bounded_json` (a reply nested
+        thousands deep is text, never a RecursionError); the text before, between and after the calls is the
+        content. A malformed call leaves the whole reply as text."""
+        calls, outside, pos = [], [], 0
         for m in self._CALL.finditer(text):
             try:
-                call = _call(json.loads(m.group(1)), ("arguments", "parameters"))
-            except json.JSONDecodeError:
+                call = _call(load_json(m.group(1), "tool call"), ("arguments", "parameters"))
+            except ValueError:
                 call = None
             if call is None:
                 return ParsedReply(text, [])  # a malformed call: the reply stays text
             calls.append(call)
+            outside.append(text[pos : m.start()])
+            pos = m.end()
         if not calls:
             return ParsedReply(text, [])
-        content = text[: text.index(self.START)].strip()
-        return ParsedReply(content or None, calls)
+        return ParsedReply(_content([*outside, text[pos:]]), calls)
 
     def may_start(self, text: str) -> int | None:
         i = text.find(self.START)
@@ -145,19 +156,28 @@ class Llama3Format(ToolFormat):
         return StructuredOutputs(json=_one_of(functions, "parameters"))
 
     def parse(self, text: str) -> ParsedReply:
+        """One JSON call, or several separated by `;` (Llama 3.2), read one after another with
+        `raw_decode` once the reply's nesting is known to be within `MAX_DEPTH` (no unbounded recursion);
+        text after the last call is the content."""
         body = text.strip().removeprefix(self.TAG).strip()
-        if not body.startswith("{"):
+        if not body.startswith("{") or nesting_depth(body) > MAX_DEPTH:
             return ParsedReply(text, [])
-        calls = []
-        for part in body.split(";"):  # Llama 3.2 may separate several calls with ';'
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while pos < len(body) and body[pos] == "{":
             try:
-                call = _call(json.loads(part), ("parameters", "arguments"))
-            except json.JSONDecodeError:
-                call = None
+                obj, end = decoder.raw_decode(body, pos)
+            except ValueError:  # not JSON, or an integer of more digits than int() reads
+                break
+            call = _call(obj, ("parameters", "arguments"))
             if call is None:
-                return ParsedReply(text, [])
+                break
             calls.append(call)
-        return ParsedReply(None, calls)
+            pos = end
+            while pos < len(body) and body[pos] in " \t\r\n;":
+                pos += 1
+        if not calls:
+            return ParsedReply(text, [])
+        return ParsedReply(_content([body[pos:]]), calls)
 
     def may_start(self, text: str) -> int | None:
         head = text.lstrip()
@@ -183,21 +203,20 @@ def tool_format(template: ChatTemplate | None) -> ToolFormat | None:
 
 def history_tool_calls(calls: Any, field_name: str) -> list[dict[str, Any]]:
     """An assistant message's OpenAI `tool_calls` as chat templates read them: `function.arguments` an object
-    (OpenAI sends its JSON text). Raises ValueError naming the entry at fault."""
+    (OpenAI sends its JSON text, parsed here with the bounds of `paged_jax.bounded_json`). Raises FieldError
+    naming the entry at fault (`messages[1].tool_calls[0].function.arguments`)."""
     if not isinstance(calls, list):
-        raise ValueError(f"{field_name}: must be a list of tool calls")
+        raise FieldError(field_name, "must be a list of tool calls")
     out = []
     for i, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"{field_name}[{i}].function: must be an object with a name and arguments")
+            raise FieldError(f"{field_name}[{i}].function", "must be an object with a name and arguments")
+        where = f"{field_name}[{i}].function.arguments"
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{field_name}[{i}].function.arguments: not valid JSON ({e.msg})") from None
+            args = load_json(args, where) if args.strip() else {}
         if not isinstance(args, Mapping):
-            raise ValueError(f"{field_name}[{i}].function.arguments: must be a JSON object")
+            raise FieldError(where, "must be a JSON object")
         out.append({**call, "type": "function", "function": {**fn, "arguments": dict(args)}})
     return out

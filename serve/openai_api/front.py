@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from paged_jax.engine.input_processor import ProcessedRequest
 from paged_jax.errors import FieldError, FieldNames
-from paged_jax.lora.named import UnknownAdapterError
+from paged_jax.lora.named import AdapterNameTaken, UnknownAdapterError
 from paged_jax.lora.peft import read_adapter
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
@@ -334,22 +334,32 @@ class OpenAIFront:
 
     async def load_adapter(self, request: Request) -> JSONResponse:
         """POST /v1/load_lora_adapter {"lora_name", "lora_path"}: read the adapter now (INVALID_ARGUMENT naming
-        what is wrong with it) and serve it under its name."""
+        what is wrong with it) and serve it under its name. The name is held while the adapter is read
+        (`ServedAdapters.reserve`), so a name served or being loaded is ALREADY_EXISTS (HTTP 409) at once and
+        of concurrent loads of one new name exactly one succeeds."""
         self.check_auth(request)
         body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
         name, path = body.get("lora_name"), body.get("lora_path")
-        for field, value in (("lora_name", name), ("lora_path", path)):
-            if not isinstance(value, str) or not value:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: must be a non-empty string", field)
-        assert isinstance(name, str) and isinstance(path, str)  # checked just above
-        if name == self.model_name or name in self.loop.adapters:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name: {name!r} is already served", "lora_name")
+        if not isinstance(path, str) or not path:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: must be a non-empty string", "lora_path")
+        try:
+            if name in self.model_names:
+                raise AdapterNameTaken(name)
+            self.loop.adapters.reserve(name)
+        except AdapterNameTaken as e:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, str(e), "lora_name") from None
+        except FieldError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         config = self.loop.engine.config
         max_rank = self.loop.engine.engine_config.max_lora_rank
         try:
             await self._off_loop(read_adapter, path, name, config, max_rank)  # refused here, not at first use
         except FieldError as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, e.message, "lora_path") from None
+            self.loop.adapters.release(name)
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {e.message}", "lora_path") from None
+        except BaseException:
+            self.loop.adapters.release(name)
+            raise
         self.loop.adapters.add(name, path)
         return JSONResponse({"status": "ok", "lora_name": name})
 

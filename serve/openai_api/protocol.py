@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
+from paged_jax.bounded_json import load_json
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, check_message_count
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.sampling_params import logit_bias_from_json
 from paged_jax.tokenization.tool_calls import function_specs, history_tool_calls
 
 from ..convert import RequestError, invalid
-from ..json_body import load_json
 from .structured import structured_output
 
 Kind = Literal["completion", "chat"]
@@ -84,7 +84,7 @@ def _bad(param: str, text: str) -> RequestError:
 
 
 def json_value(raw: bytes) -> Any:
-    """A body's JSON value, bounded (`serve.json_body`); INVALID_ARGUMENT naming where it is at fault."""
+    """A body's JSON value, bounded (`paged_jax.bounded_json`); INVALID_ARGUMENT naming where it is at fault."""
     try:
         return load_json(raw, "body")
     except FieldError as e:
@@ -248,8 +248,8 @@ def chat_prompt(body: dict, max_messages: int | None = None) -> ChatPrompt:
         if m.get("tool_calls"):
             try:
                 calls = history_tool_calls(m["tool_calls"], f"{where}.tool_calls")
-            except ValueError as e:
-                raise invalid(str(e), str(e).partition(":")[0]) from None
+            except FieldError as e:
+                raise invalid(str(e), e.field) from None
         role = typed(m, "role", str, f"{where}.role")
         content = m.get("content")
         if content is None and calls:

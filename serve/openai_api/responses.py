@@ -294,8 +294,9 @@ class ToolStream:
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the held-back content, the calls) once the reply ended."""
-        parsed = self.fmt.parse(self.text)
+        """(the held-back content, the calls) once the reply ended: what was held back starts where a call may
+        begin, so its parse gives the calls and the content between and after them."""
+        parsed = self.fmt.parse(self.text[self.sent :])
         if parsed.tool_calls:
-            return "", parsed.tool_calls
+            return parsed.content or "", parsed.tool_calls
         return self.text[self.sent :], []

@@ -114,3 +114,25 @@ def test_a_full_disk_is_one_clean_line_and_a_rerun_resumes(tmp_path: Path) -> No
     rerun = _cli(inp, out, file_limit=None)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert sorted(_ids(out)) == sorted(f"q{i}" for i in range(12))
+
+
+def test_error_lines_keep_the_input_id_and_name_real_bounds(engine, tmp_path: Path) -> None:
+    """Issue 41: a validation error lost the line's `id`, and a token-id error printed its bound as `None`."""
+    lines = [
+        {"id": "bias", "prompt": "x", "logit_bias": {"-1": 1}},
+        {"id": 7, "prompt": "x", "stop_token_ids": [-3]},
+        {"id": "deep-tools", "messages": [{"role": "user", "content": "x"}], "tools": "nope"},
+        {"id": "good", "prompt": "x", "max_tokens": 2, "temperature": 0},
+        {"id": "big-bias", "prompt": "x", "logit_bias": {"100000": 1}},  # checked by the engine, its vocabulary
+    ]
+    text = "\n".join(json.dumps(line) for line in lines)
+    text += '\n{"id": "digits", "prompt": "x", "max_tokens": ' + "7" * 5000 + "}\n"
+    (tmp_path / "in.jsonl").write_text(text)
+    summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    errors = {e["id"]: e["error"] for e in map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())}
+    assert summary.errors == 5 and sorted(errors, key=str) == [7, "bias", "big-bias", "deep-tools", "digits"]
+    assert errors["bias"] == "logit_bias: -1 is not a token id (a non-negative integer)"
+    assert errors[7].startswith("stop_token_ids: -3 is not a token id")
+    assert "[0, 320)" in errors["big-bias"] and "None" not in "".join(errors.values())
+    assert errors["digits"].startswith("max_tokens: an integer of 5000 digits")
+    assert engine.kv.stats().pages_in_use == 0

@@ -18,11 +18,11 @@ import weakref
 import grpc
 import pytest
 
+from paged_jax.bounded_json import MAX_DEPTH, load_json
 from paged_jax.errors import FieldError
 from paged_jax.tokenization.chat_template import template_from_text
 from serve.client import Client, build_request, chat_input
 from serve.config import ServingConfig
-from serve.json_body import MAX_DEPTH, load_json
 from serve.openai_api.server import HttpServerThread
 
 from support.serve_support import LIMITS, shared, wait_idle, wait_until
@@ -47,7 +47,13 @@ def _post(base_url: str, route: str, body: bytes) -> tuple[int, dict]:
 
 
 def _chat(**extra) -> bytes:
-    return json.dumps({"messages": USER, "max_tokens": 2, **extra}).encode()
+    return json.dumps({"messages": USER, "max_tokens": 2} | extra).encode()
+
+
+def _assistant_call(arguments: str) -> dict:
+    """An assistant message of the history that called `f` with `arguments` (JSON text, as OpenAI sends it)."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
 def _with(body: bytes, key: str, raw_value: str) -> bytes:
@@ -101,6 +107,42 @@ HOSTILE_HTTP = {
     "range-too-big": ("chat/completions", _chat(chat_template_kwargs={"n": 10**12}), "chat_template_kwargs"),
     "range-not-int": ("chat/completions", _chat(chat_template_kwargs={"n": "many"}), "chat_template_kwargs"),
     "range-float": ("chat/completions", _chat(chat_template_kwargs={"n": 2.5}), "chat_template_kwargs"),
+    # JSON inside string fields (issue 41): a RecursionError (HTTP 500) or Python's int() text as `param`
+    "json-string-nested": (
+        "chat/completions",
+        _chat(structured_outputs={"json": "[" * 3000 + "]" * 3000}),
+        "structured_outputs.json",
+    ),
+    "structural-tag-string-nested": (
+        "completions",
+        json.dumps({"prompt": "a", "structured_outputs": {"structural_tag": "{" * 3000}}).encode(),
+        "structured_outputs.structural_tag",
+    ),
+    "tool-arguments-nested": (
+        "chat/completions",
+        _chat(messages=[*USER, _assistant_call("[" * 5000 + "]" * 5000)]),
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    "tool-arguments-digits": (
+        "chat/completions",
+        _chat(messages=[*USER, _assistant_call('{"x": ' + DIGITS + "}")]),
+        "messages[1].tool_calls[0].function.arguments.x",
+    ),
+    "regex-nested-repeats": (
+        "completions",
+        json.dumps({"prompt": "a", "structured_outputs": {"regex": "(a{700}){700}"}}).encode(),
+        "structured_outputs.regex",
+    ),
+    "pattern-nested-repeats": (
+        "chat/completions",
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(a{1000}){1000}"}},
+            }
+        ),
+        "response_format.json.pattern",
+    ),
 }
 
 

@@ -38,6 +38,19 @@ BOMBS = {
     "type-error": "{{ 1 + 'a' }}",
     "output-bomb": "{% for i in range(100000) %}{% for j in range(1000) %}{{ 'abcdefgh' }}{% endfor %}{% endfor %}",
 }
+# One filter call the deadline cannot stop (issue 41): each refused from its arguments before it runs.
+ARGUMENT_BOMBS = {
+    "indent": ("{{ ('a\n' * 1000000)|indent(1000000) }}", "filter indent would build"),
+    "wordwrap": ("{{ ('ab ' * 5000000)|wordwrap(1) }}", "filter wordwrap: 15000000 characters of input"),
+    "urlize": ("{{ ('a.com ' * 1000000)|urlize }}", "filter urlize"),
+    "lipsum": ("{{ lipsum(20000) }}", "lipsum(20000"),
+    "replace": ("{{ ('a' * 100000)|replace('a', 'b' * 1000) }}", "filter replace would build"),
+    "join": ("{{ (['x' * 1000000] * 1000)|join }}", "filter join would build"),
+    "slice": ("{{ [1]|slice(10000000)|list|length }}", "filter slice"),
+    "tojson-indent": ("{{ [[1]]|tojson(indent=1000000) }}", "filter tojson: indent"),
+    "format-filter": ("{{ '%1000000d'|format(1) }}", "filter format"),
+}
+BOMBS.update({f"arg-{name}": source for name, (source, _) in ARGUMENT_BOMBS.items()})
 
 
 @pytest.mark.parametrize("source", BOMBS.values(), ids=BOMBS.keys())
@@ -52,6 +65,25 @@ def test_template_bombs_are_template_errors(source: str) -> None:
         tracemalloc.stop()
     assert time.perf_counter() - start < 10.0
     assert peak < 200 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("name", ARGUMENT_BOMBS)
+def test_filters_are_refused_from_their_arguments_before_they_run(name: str, monkeypatch) -> None:
+    """Refused before the filter runs: the filter itself would be reached only through jinja2's code, so the
+    check is that the error names the bound (not the deadline, which fires only between calls)."""
+    source, words = ARGUMENT_BOMBS[name]
+    with pytest.raises(ChatTemplateError) as e:
+        render(template_from_text(source), MESSAGES, {}, limits=RenderLimits(timeout_s=1000.0))
+    assert words in str(e.value) and "longer than" not in str(e.value), str(e.value)
+
+
+def test_filters_within_their_bounds_still_work() -> None:
+    source = (
+        "{{ 'a\nb'|indent(2) }}|{{ 'aa bb'|wordwrap(2) }}|{{ 'xx'|replace('x', 'yy') }}|{{ ['a', 'b']|join(',') }}"
+        "|{{ [1, 2, 3]|slice(2)|list|length }}|{{ [1]|tojson(indent=2) }}|{{ '%3d'|format(1) }}"
+        "|{{ lipsum(1, html=False, min=3, max=4)|wordcount > 2 }}"
+    )
+    assert render(template_from_text(source), MESSAGES, {}) == "a\n  b|aa\nbb|yyyy|a,b|2|[\n  1\n]|  1|True"
 
 
 def test_nested_loops_stop_at_the_deadline() -> None:

@@ -115,7 +115,7 @@ def test_hf_tokenizer_matcher_forces_the_choice_text(real_tokenizer_dir):
     [
         (StructuredOutputs(regex="a("), "structured_outputs.regex: "),
         (StructuredOutputs(json={"type": "foo"}), "structured_outputs.json: Invalid type: foo"),
-        (StructuredOutputs(json="{not json"), "structured_outputs.json: Expecting property name"),
+        (StructuredOutputs(json="{not json"), "structured_outputs.json: not valid JSON (Expecting property name"),
         (StructuredOutputs(json={"$ref": "#/nope"}), "structured_outputs.json: "),
         (StructuredOutputs(grammar="start: undefined_rule"), "structured_outputs.grammar: "),
         (StructuredOutputs(structural_tag={"structures": [], "triggers": []}), "structured_outputs.structural_tag: "),

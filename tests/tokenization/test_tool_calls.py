@@ -82,6 +82,39 @@ def test_llama3_parse():
     assert fmt.parse("The weather is fine.").tool_calls == []
 
 
+DEEP_ARGS = "[" * 3000 + "]" * 3000
+
+
+@pytest.mark.parametrize(
+    ("family", "reply"),
+    [
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": ' + DEEP_ARGS + "}\n</tool_call>"),
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": "' + DEEP_ARGS + '"}\n</tool_call>'),
+        ("llama3", '{"name": "f", "parameters": {"x": ' + DEEP_ARGS + "}}"),
+        ("llama3", '{"name": "f", "parameters": "' + DEEP_ARGS + '"}'),
+        ("llama3", '{"name": "f", "parameters": {"x": ' + "7" * 5000 + "}}"),
+    ],
+)
+def test_deep_or_huge_json_in_a_reply_stays_text(family, reply):
+    """A reply nested thousands deep (or with an integer past int()'s digits) was a RecursionError (HTTP 500);
+    it is the reply's text, with no calls."""
+    parsed = FORMATS[family].parse(reply)
+    assert parsed.tool_calls == [] and parsed.content == reply
+
+
+def test_text_between_and_after_calls_is_kept():
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    reply = FORMATS["hermes"].parse(f"hi {call} mid {call} end")
+    assert reply.content == "hi\nmid\nend" and [c.name for c in reply.tool_calls] == ["f", "f"]
+    reply = FORMATS["llama3"].parse('{"name": "f", "parameters": {"a": ";"}}; {"name": "g", "parameters": {}} done')
+    assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("f", {"a": ";"}), ("g", {})]
+    assert reply.content == "done"
+    s = ToolStream(FORMATS["hermes"])
+    assert s.feed(f"hi {call} mid") == "hi "
+    rest, calls = s.finish()
+    assert rest == "mid" and [c.name for c in calls] == ["f"]
+
+
 def test_stream_holds_back_text_from_where_a_call_may_begin():
     s = ToolStream(FORMATS["hermes"])
     assert s.feed("Sure, ") == "Sure, "

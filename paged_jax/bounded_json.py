@@ -9,12 +9,17 @@ with a `FieldError` naming where the value sits (`messages[0].name`, `chat.tools
 every front answers INVALID_ARGUMENT (HTTP 400) instead of an internal error.
 
 The HTTP body, the lora load/unload bodies and gRPC's JSON string fields (`chat.tools_json`,
-`chat.chat_template_kwargs_json`, `tool_calls_json`, `structured_output.json_schema`) all come through here.
+`chat.chat_template_kwargs_json`, `tool_calls_json`, `structured_output.json_schema`) all come through here, and
+so does every JSON text inside a string field (`structured_outputs.json`, `structural_tag`, a history call's
+`function.arguments`, a tool call in the model's reply). `bounded_dumps` is the other direction: a value built
+in Python (the `LLM` API's schema dicts) serialized only after a walk, bounded by the size it may reach, has
+found it within the same depth, integer and size limits.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -60,7 +65,7 @@ def load_json(data: bytes | str, field: str = "body") -> Any:
         refused.append(_Refused(f"{name} is not a JSON number"))
         return refused[-1]
 
-    too_deep = _depth(raw) > MAX_DEPTH
+    too_deep = nesting_depth(raw) > MAX_DEPTH
     try:
         value = json.loads(raw, parse_int=parse_int, parse_constant=parse_constant)
     except RecursionError:
@@ -73,10 +78,51 @@ def load_json(data: bytes | str, field: str = "body") -> Any:
     return value
 
 
-def _depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in a JSON text: escape pairs dropped, so every quote left opens or
-    closes a string; then only quotes and brackets kept, and the brackets outside strings counted (numpy
-    throughout: no Python work per byte)."""
+def bounded_dumps(value: Any, field: str, max_bytes: int) -> str:
+    """`json.dumps(value)`, or a FieldError naming `field` when `value` nests deeper than MAX_DEPTH, holds an
+    integer beyond MAX_INT or a non-finite float, or is more than `max_bytes` long as JSON. The check walks
+    `value` iteratively and stops once the text it adds up passes `max_bytes`, so a huge value costs no more
+    than `max_bytes` of work before it is refused (and `json.dumps` never sees it)."""
+    size = 0  # never more than the length of `json.dumps(value)`: a value within the limit is never refused
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if depth >= MAX_DEPTH:
+                raise FieldError(field, f"nested deeper than the limit of {MAX_DEPTH} levels")
+            size += 2 + 2 * max(len(item) - 1, 0)  # brackets and separators
+            if isinstance(item, dict):
+                size += sum(len(str(k)) + 4 for k in item)  # quotes, ": "
+                stack.extend((v, depth + 1) for v in item.values())
+            else:
+                stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, str):
+            size += len(item) + 2
+        elif isinstance(item, bool) or item is None:
+            size += 4
+        elif isinstance(item, int):
+            if abs(item) >= MAX_INT:
+                raise FieldError(field, "an integer beyond the limit of 2^64")
+            size += len(str(item))
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise FieldError(field, f"{item} is not a JSON number")
+            size += len(repr(item))
+        else:
+            raise FieldError(field, f"a {type(item).__name__} is not a JSON value")
+        if size > max_bytes:
+            raise FieldError(field, f"more than {max_bytes} bytes as JSON, the server's limit")
+    text = json.dumps(value)
+    if len(text) > max_bytes:
+        raise FieldError(field, f"{len(text)} bytes as JSON, more than the server's limit of {max_bytes}")
+    return text
+
+
+def nesting_depth(data: bytes | str) -> int:
+    """How deep arrays and objects nest in a JSON text (or in JSON followed by other text): escape pairs
+    dropped, so every quote left opens or closes a string; then only quotes and brackets kept, and the
+    brackets outside strings counted (numpy throughout: no Python work per byte)."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     text = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
     lower = text | 32  # [ and { both become {, ] and } both }
     marks = text[(text == ord('"')) | (lower == ord("{")) | (lower == ord("}"))]
@@ -135,4 +181,4 @@ def _place(field: str, path: tuple) -> str:
     return out
 
 
-__all__ = ["MAX_DEPTH", "MAX_INT", "load_json"]
+__all__ = ["MAX_DEPTH", "MAX_INT", "bounded_dumps", "load_json", "nesting_depth"]
