@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from paged_jax.engine.input_processor import ProcessedRequest
 from paged_jax.errors import FieldError, FieldNames
-from paged_jax.lora.named import AdapterNameTaken, UnknownAdapterError
+from paged_jax.lora.named import AdapterNameTaken, UnknownAdapterError, check_adapter_name
 from paged_jax.lora.peft import read_adapter
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
@@ -343,6 +343,7 @@ class OpenAIFront:
         if not isinstance(path, str) or not path:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: must be a non-empty string", "lora_path")
         try:
+            name = check_adapter_name(name)
             if name in self.model_names:
                 raise AdapterNameTaken(name)
             self.loop.adapters.reserve(name)
