@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import jax
@@ -26,7 +25,7 @@ from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor, ProcessedRequest
 from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
-from paged_jax.engine.protocol import EngineStats
+from paged_jax.engine.protocol import EngineStats, kv_fields
 from paged_jax.errors import FieldError
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.kv_cache.invariants import check_manager_invariants
@@ -298,7 +297,7 @@ class LLMEngine:
         compiles: dict[str, Any] = self.runner.compile_stats.as_dict()
         return EngineStats(
             **spec,
-            **asdict(self.kv.stats()),
+            **kv_fields(self.kv.stats()),
             num_preemptions=self.scheduler.num_preemptions,
             num_waiting=self.num_waiting,
             num_running=self.num_running,
