@@ -54,7 +54,7 @@ class EngineStats:
     kv_cache_token_gain: float = 1.0  # tokens per KV byte relative to bfloat16 pages (int8 pages: ~1.94)
     # layer-token slots some layer can still read / those of the pages in use (`KVCacheStats.kv_utilization`)
     kv_utilization: float = 1.0
-    kv_groups: tuple[GroupStats, ...] = ()  # per KV cache group: window, layers, pages in use and cached
+    kv_groups: tuple[GroupStats, ...] = ()  # per KV cache group: its window, layers and pages in use
     # Speculative decoding (paged_jax.spec_decode.SpecStats): runs verified, drafts scored, drafts kept, their ratio,
     # kept
     # per run, and per draft position the share kept.
@@ -80,17 +80,9 @@ class EngineStats:
         sums["prefix_hit_rate"] = sums["prefix_hits"] / queries if queries else 0.0
         sums["slot_utilization"] = sum(s.slot_utilization * s.pages_in_use for s in per) / in_use if in_use else 1.0
         sums["kv_utilization"] = sum(s.kv_utilization * s.pages_in_use for s in per) / in_use if in_use else 1.0
-        sums["kv_groups"] = (
-            tuple(
-                dataclasses.replace(
-                    g,
-                    pages_in_use=sum(s.kv_groups[i].pages_in_use for s in per),
-                    pages_cached=sum(s.kv_groups[i].pages_cached for s in per),
-                )
-                for i, g in enumerate(per[0].kv_groups)
-            )
-            if per
-            else ()
+        sums["kv_groups"] = tuple(
+            dataclasses.replace(g, pages_in_use=sum(s.kv_groups[i].pages_in_use for s in per))
+            for i, g in enumerate(per[0].kv_groups if per else ())
         )
         sums["kv_cache_token_gain"] = per[0].kv_cache_token_gain if per else 1.0  # the same pages everywhere
         drafts, tokens = sums["spec_drafts"], sums["spec_draft_tokens"]

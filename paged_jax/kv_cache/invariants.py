@@ -43,8 +43,12 @@ def check_manager_invariants(m: KVCacheManager) -> None:
             _fail(f"request {rid!r}: {st.num_cached_blocks} blocks offered to the cache, {num_full} full")
         if m.enable_prefix_caching and len(st.block_hashes) < num_full:
             _fail(f"request {rid!r}: {len(st.block_hashes)} hashes for {num_full} full blocks")
+        if len(st.ids) != m.num_groups:
+            _fail(f"request {rid!r} has {len(st.ids)} id lists for {m.num_groups} groups")
         for g, (group, table) in enumerate(zip(m.groups, st.tables, strict=True)):
             ids = [b.page_id for b in table]
+            if st.ids[g] != ids:
+                _fail(f"request {rid!r} group {g}: page ids {st.ids[g]} are not its table {ids}")
             if any(b is not pages[b.page_id] for b in table):
                 _fail(f"request {rid!r} holds a block object that is not the pool's")
             if len(ids) != cdiv(written, ps):
@@ -72,6 +76,11 @@ def check_manager_invariants(m: KVCacheManager) -> None:
             if fill and ids:
                 if partial_fill.setdefault(ids[-1], fill) != fill:
                     _fail(f"page {ids[-1]} is shared by requests that disagree on how full it is")
+    held = [0] * m.num_groups
+    for g in group_of.values():
+        held[g] += 1
+    if held != m._group_pages:
+        _fail(f"groups hold {held} distinct pages, the manager counts {m._group_pages}")
     if not full_pages.isdisjoint(partial_fill):
         _fail(f"pages both full and partial: {sorted(full_pages & set(partial_fill))}")
 

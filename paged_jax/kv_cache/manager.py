@@ -73,6 +73,11 @@ class RequestPages:
     """The first block's extra hash keys (cache salt, adapter): ``paged_jax.kv_cache.hashing``."""
     dropped: list[int]
     """Per distinct window (the manager's ``windows``): leading blocks dropped from its groups' tables."""
+    ids: list[list[int]]
+    """``tables`` as page ids (0 for a dropped block), kept in step with every change: what the scheduler hands the
+    runner each step is a copy of these lists, not a walk over the tables."""
+    drop_at: int = 0
+    """The first step start at which some window group drops another block (the decode fast path's test)."""
     num_draft: int = 0
     """Slots past ``num_computed`` written with unverified draft tokens this step (speculative decoding); the
     tables cover them."""
@@ -124,6 +129,7 @@ class KVCacheManager:
         self._key_suffix = [b""] + [bytes([i]) if i < 256 else i.to_bytes(4, "little") for i in range(1, len(groups))]
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._group_pages = [0] * len(groups)  # per group: distinct pages its tables hold (refcount > 0)
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -172,11 +178,11 @@ class KVCacheManager:
 
     def page_ids(self, request_id: str, group: int = 0) -> list[int]:
         """The request's block table of ``group`` as physical page ids (a fresh list; 0: a dropped block)."""
-        return [p.page_id for p in self._get(request_id).tables[group]]
+        return list(self._get(request_id).ids[group])
 
     def block_tables(self, request_id: str) -> list[list[int]]:
-        """Every group's block table as physical page ids, in group order."""
-        return [[p.page_id for p in table] for table in self._get(request_id).tables]
+        """Every group's block table as physical page ids, in group order (a window group's dropped blocks: 0)."""
+        return [list(ids) for ids in self._get(request_id).ids]
 
     def block_table_row(self, request_id: str, width: int, group: int = 0) -> np.ndarray:
         """The block table of ``group`` as an int32 row of ``width`` entries, padded with the null page."""
@@ -256,15 +262,18 @@ class KVCacheManager:
         if self.num_groups * (need - num_hits) + num_revived > self.pool.free_queue.num_free:
             return None
         # Revive every group's hits first: they leave the free list, so the allocation below cannot evict them.
-        for group_hits in hits:
+        for g, group_hits in enumerate(hits):
             for page in group_hits:
+                self._group_pages[g] += page.ref_cnt == 0
                 self.pool.touch(page)
         tables = []
-        for lo, group_hits in zip(first, hits, strict=True):
+        for g, (lo, group_hits) in enumerate(zip(first, hits, strict=True)):
             table = [self._null] * lo + group_hits
             table.extend(self.pool.allocate(need - num_hits))
+            self._group_pages[g] += need - num_hits
             tables.append(table)
-        state = RequestPages(tables, total, hashes, num_hits, extra_keys, dropped)
+        ids = [[p.page_id for p in table] for table in tables]
+        state = RequestPages(tables, total, hashes, num_hits, extra_keys, dropped, ids, self._drop_at(dropped))
         self.requests[request_id] = state
         self._cache_full_blocks(state, token_ids)
         if read_cache:
@@ -292,13 +301,27 @@ class KVCacheManager:
         with them but not counted as computed and never hashed; the step's ``accept_drafts`` settles them.
         """
         state = self._get(request_id)
+        start = state.num_computed
+        total = start + num_new_tokens
+        # Fast path (most decode steps): nothing to drop, copy or allocate; every group alike.
+        if (
+            not num_draft
+            and not state.num_draft
+            and not state.may_share
+            and 0 <= num_new_tokens
+            and start < state.drop_at
+            and total <= len(state.tables[0]) * self.page_size
+            and len(token_ids) >= total
+        ):
+            state.num_computed = total
+            if cache and total // self.page_size > state.num_cached_blocks:
+                self._cache_full_blocks(state, token_ids)
+            return []
         if num_new_tokens < 0 or num_draft < 0:
             raise ValueError(f"num_new_tokens and num_draft must be >= 0, got {num_new_tokens}, {num_draft}")
         if state.num_draft:
             raise ValueError(f"request {request_id!r}: the previous step's drafts were not settled (accept_drafts)")
         ps = self.page_size
-        start = state.num_computed
-        total = start + num_new_tokens
         if len(token_ids) < total:
             raise ValueError(f"request {request_id!r}: {total} tokens to compute, {len(token_ids)} given")
         tables = state.tables
@@ -334,13 +357,18 @@ class KVCacheManager:
             src = tables[g][index]
             dst = self.pool.allocate(1)[0]
             tables[g][index] = dst
+            state.ids[g][index] = dst.page_id
+            self._group_pages[g] += 1
             self.pool.release(src)  # refcount was > 1: src stays in use by its other holders
             copies.append(PageCopy(src.page_id, dst.page_id))
         if writes:
             state.may_share = False
         if num_new_pages > 0:
-            for table in tables:
-                table.extend(self.pool.allocate(num_new_pages))
+            for g, (table, ids) in enumerate(zip(tables, state.ids, strict=True)):
+                new = self.pool.allocate(num_new_pages)
+                table.extend(new)
+                ids.extend([p.page_id for p in new])
+                self._group_pages[g] += num_new_pages
         state.num_computed = total
         state.num_draft = num_draft
         if cache and total // ps > state.num_cached_blocks:
@@ -359,9 +387,10 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r}: {computed} tokens computed, {len(token_ids)} given")
         state.num_computed, state.num_draft = computed, 0
         keep = cdiv(computed, self.page_size)
-        for table in state.tables:
+        for g, (table, ids) in enumerate(zip(state.tables, state.ids, strict=True)):
             while len(table) > keep:  # fresh pages of this step: refcount 1, never hashed
-                self.pool.release(table.pop())
+                self._release(table.pop(), g)
+                ids.pop()
         self._cache_full_blocks(state, token_ids)
 
     def num_draft_slots(self, request_id: str) -> int:
@@ -395,6 +424,8 @@ class KVCacheManager:
             parent.num_cached_blocks,
             parent.extra_keys,
             list(parent.dropped),
+            [list(ids) for ids in parent.ids],
+            parent.drop_at,
             may_share=True,
         )
 
@@ -410,35 +441,51 @@ class KVCacheManager:
         null = self._null
         tables = state.tables
         for i in range(len(tables[0]) - 1, -1, -1):
-            for table in tables:
+            for g, table in enumerate(tables):
                 page = table[i]
                 if page is not null:
-                    self.pool.release(page)
+                    self._release(page, g)
 
     # ----------------------------------------------------------------------------------- introspection
 
     def stats(self) -> KVCacheStats:
-        """A snapshot: O(requests) for one full-attention group, O(pages held) with window groups."""
+        """A snapshot; O(requests x groups).
+
+        Token slots: every page in use is full but some request's partial last block (its holders agree on the
+        fill), and in a window group the first live page of a table may start below the window's reach: those
+        slots count as unreadable once per page (the fewest any holder leaves unread; a page that is another
+        holder's inner, wholly read page then counts too low, so `kv_utilization` is a lower bound with sharing).
+        """
         ps = self.page_size
         pool = self.pool
         total = self.num_pages - 1
         in_use = total - pool.free_queue.num_free
-        if self.windows or self.num_groups > 1:
-            slot_util, kv_util, per_group = self._group_usage(in_use)
-        else:
-            # Only a request's last page can be partial, and holders of a shared page agree on its fill.
-            empty_slots = 0
-            seen: set[int] = set()
-            for state in self.requests.values():
-                fill = (state.num_computed + state.num_draft) % ps
-                last = state.tables[0][-1].page_id if state.tables[0] else NULL_PAGE
-                if fill and last not in seen:
-                    seen.add(last)
-                    empty_slots += ps - fill
-            slot_util = (in_use * ps - empty_slots) / (in_use * ps) if in_use else 1.0
-            kv_util = slot_util
-            cached_in_use = len(pool.cached) - pool.num_cached_free
-            per_group = (GroupStats(None, len(self.groups[0].layers), in_use, cached_in_use),)
+        empty: dict[int, int] = {}  # partial last page -> its empty slots
+        unread: dict[int, int] = {}  # a window table's first live page -> slots below the reach (min over holders)
+        group_empty = [0] * self.num_groups
+        group_unread = [0] * self.num_groups
+        for state in self.requests.values():
+            written = state.num_computed + state.num_draft
+            fill = written % ps
+            for g, (group, ids) in enumerate(zip(self.groups, state.ids, strict=True)):
+                if fill and ids and ids[-1] not in empty:
+                    empty[ids[-1]] = ps - fill
+                    group_empty[g] += ps - fill
+                if group.window is None:
+                    continue
+                lo_tok = max(0, state.num_computed - group.window + 1)
+                first = lo_tok // ps
+                if first < len(ids) and ids[first] != NULL_PAGE and lo_tok % ps:
+                    pid, n = ids[first], lo_tok % ps
+                    if n < unread.get(pid, ps + 1):
+                        group_unread[g] += n - unread.get(pid, 0)
+                        unread[pid] = n
+        slot_util = (in_use * ps - sum(empty.values())) / (in_use * ps) if in_use else 1.0
+        layers = [len(group.layers) or 1 for group in self.groups]
+        slabs = max(layers)
+        readable = sum(
+            layers[g] * (self._group_pages[g] * ps - group_empty[g] - group_unread[g]) for g in range(self.num_groups)
+        )
         queries, hits = self._prefix_queries, self._prefix_hits
         return KVCacheStats(
             pages_total=total,
@@ -446,48 +493,15 @@ class KVCacheManager:
             pages_cached_free=pool.num_cached_free,
             pages_in_use=in_use,
             slot_utilization=slot_util,
-            kv_utilization=kv_util,
+            kv_utilization=readable / (in_use * ps * slabs) if in_use else 1.0,
             prefix_queries=queries,
             prefix_hits=hits,
             prefix_hit_rate=hits / queries if queries else 0.0,
             evictions=pool.num_evictions,
-            groups=per_group,
+            groups=tuple(
+                GroupStats(group.window, len(group.layers), self._group_pages[g]) for g, group in enumerate(self.groups)
+            ),
         )
-
-    def _group_usage(self, in_use: int) -> tuple[float, float, tuple[GroupStats, ...]]:
-        """Slot utilization, KV utilization and per-group pages of a manager with groups (``KVCacheStats``)."""
-        ps, null = self.page_size, self._null
-        live: dict[int, int] = {}  # page -> token slots some holder wrote
-        readable: dict[int, int] = {}  # page -> token slots some holder's future queries still read
-        group_of: dict[int, int] = {}
-        for state in self.requests.values():
-            written = state.num_computed + state.num_draft
-            for g, (group, table) in enumerate(zip(self.groups, state.tables, strict=True)):
-                lo_tok = 0 if group.window is None else max(0, state.num_computed - group.window + 1)
-                for i, page in enumerate(table):
-                    if page is null:
-                        continue
-                    pid = page.page_id
-                    group_of[pid] = g
-                    end = min((i + 1) * ps, written)
-                    live[pid] = max(live.get(pid, 0), end - i * ps)
-                    readable[pid] = max(readable.get(pid, 0), max(0, end - max(i * ps, lo_tok)))
-        held = [0] * self.num_groups
-        cached = [0] * self.num_groups
-        for pid, g in group_of.items():
-            held[g] += 1
-            cached[g] += self.pool.pages[pid].block_hash is not None
-        per_group = tuple(
-            GroupStats(group.window, len(group.layers), held[g], cached[g]) for g, group in enumerate(self.groups)
-        )
-        if not in_use:
-            return 1.0, 1.0, per_group
-        # In layer slabs: a page is `slabs` layer slabs of page_size slots; a slot counts once per layer of its
-        # group that can still read it.
-        layers = [len(group.layers) or 1 for group in self.groups]
-        slabs = max(layers)
-        read_slots = sum(n * layers[group_of[pid]] for pid, n in readable.items())
-        return sum(live.values()) / (in_use * ps), read_slots / (in_use * ps * slabs), per_group
 
     # ---------------------------------------------------------------------------------------- internal
 
@@ -508,15 +522,28 @@ class KVCacheManager:
     def _drop(self, state: RequestPages, wi: int, upto: int) -> None:
         """Window ``wi``'s groups' blocks ``[dropped, upto)`` leave their tables (oldest first, so among cached
         ones the oldest is evicted first)."""
-        null, release = self._null, self.pool.release
+        null, release = self._null, self._release
         for g in self._window_groups[wi]:
-            table = state.tables[g]
+            table, ids = state.tables[g], state.ids[g]
             for i in range(state.dropped[wi], upto):
                 page = table[i]
                 if page is not null:
                     table[i] = null
-                    release(page)
+                    ids[i] = NULL_PAGE
+                    release(page, g)
         state.dropped[wi] = upto
+        state.drop_at = self._drop_at(state.dropped)
+
+    def _release(self, page: Page, group: int) -> None:
+        """Drop one reference of a page of ``group``; the group's count of pages loses it at refcount 0."""
+        self.pool.release(page)
+        if page.ref_cnt == 0:
+            self._group_pages[group] -= 1
+
+    def _drop_at(self, dropped: Sequence[int]) -> int:
+        """The smallest step start at which a window drops its next block (its keys all below start - W + 1)."""
+        ps = self.page_size
+        return min(((d + 1) * ps + w - 1 for d, w in zip(dropped, self.windows, strict=True)), default=1 << 62)
 
     def _hit_blocks(self, token_ids: Sequence[int], extra_keys: tuple[str, ...], hashes: list[BlockHash]) -> int:
         """Leading full blocks every group can serve from the cache (module docstring); fills ``hashes`` on the way.

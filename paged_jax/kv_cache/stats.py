@@ -14,9 +14,7 @@ class GroupStats:
     num_layers: int
     """Layers in the group (0: a manager not told about layers)."""
     pages_in_use: int
-    """Pages some request's table of this group holds."""
-    pages_cached: int
-    """Of those, pages that also hold a findable prefix block."""
+    """Distinct pages some request's table of this group holds."""
 
 
 @dataclass(slots=True, frozen=True)

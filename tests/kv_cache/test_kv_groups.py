@@ -68,6 +68,10 @@ def test_admit_allocates_every_group_then_window_drops() -> None:
     assert m.free_page_ids() == [9, 10, 4, 5]
     st = m.stats()
     assert [(g.window, g.pages_in_use) for g in st.groups] == [(None, 4), (8, 2)]
+    # 25 tokens in 6 pages of 8: 23 empty slots... 7 in each group's last page; the window group's first live
+    # page (block 2, keys 16..23) has 18 - 16 = 2 slots below the reach of the query at 25 (keys 18..).
+    assert st.slot_utilization == pytest.approx((48 - 14) / 48)
+    assert st.kv_utilization == pytest.approx((32 - 7 + 16 - 7 - 2) / 48)
     check_manager_invariants(m)
     m.free("a")
     assert m.num_free_pages() == 10
