@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_jax.kv_cache import FULL, NULL_PAGE, KVCacheManager, KVGroup
-from paged_jax.kv_cache.page_bounds import cdiv
 from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.kv_cache.page_bounds import cdiv
 
 PS = 8
 NUM_PAGES = 16
