@@ -184,6 +184,13 @@ class KVCacheManager:
         """Every group's block table as physical page ids, in group order (a window group's dropped blocks: 0)."""
         return [list(ids) for ids in self._get(request_id).ids]
 
+    def live_tables(self, request_id: str) -> tuple[list[int], list[list[int]]]:
+        """Per group, the first block its table still holds (0 in a full group) and the page ids from there on:
+        what a step needs, without the dropped blocks' zeros (fresh lists)."""
+        state = self._get(request_id)
+        first = self._first_blocks(state.dropped)
+        return first, [ids[lo:] for lo, ids in zip(first, state.ids, strict=True)]
+
     def block_table_row(self, request_id: str, width: int, group: int = 0) -> np.ndarray:
         """The block table of ``group`` as an int32 row of ``width`` entries, padded with the null page."""
         pages = self._get(request_id).tables[group]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache import NULL_PAGE, KVCacheManager
 from paged_jax.lora.registry import SlotTable
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
@@ -185,8 +185,12 @@ class Scheduler:
         includes the new tokens)."""
         scheduled.add(seq.seq_id)
         end = self.kv.num_computed_tokens(seq.seq_id)
-        tables = self.kv.block_tables(seq.seq_id)
-        item = ScheduledSeq(seq, end - num_new, num_new, tables[0], list(draft), tables[1:])
+        if self.kv.num_groups == 1:
+            item = ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id), list(draft))
+        else:  # group 0's whole table, the other groups' from their first block still held
+            first, live = self.kv.live_tables(seq.seq_id)
+            page_ids = [NULL_PAGE] * first[0] + live[0] if first[0] else live[0]
+            item = ScheduledSeq(seq, end - num_new, num_new, page_ids, list(draft), live[1:], first[1:])
         if seq.needs_prompt_logprobs:
             assert item.start <= seq.prompt_logprobs_done, (item.start, seq.prompt_logprobs_done)
             stop = min(end, len(seq.prompt_token_ids) - 1)

@@ -83,8 +83,8 @@ def build_step_inputs(
         if len(item.group_page_ids) != num_groups - 1:
             raise ValueError(f"{seq.seq_id}: {1 + len(item.group_page_ids)} block tables for {num_groups} KV groups")
         tables[0, i, : len(item.page_ids)] = item.page_ids
-        for g, ids in enumerate(item.group_page_ids[: num_groups - 1], 1):
-            tables[g, i, : len(ids)] = ids
+        for g, (lo, ids) in enumerate(zip(item.group_first_blocks, item.group_page_ids, strict=True), 1):
+            tables[g, i, lo : lo + len(ids)] = ids
         if n == 1 and not item.draft:
             if seq.pending is not None and start == seq.num_tokens - 1:
                 prev_rows[off] = seq.pending.row

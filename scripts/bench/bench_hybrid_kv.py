@@ -10,7 +10,8 @@ and the KV utilization (layer-token slots some layer can still read over the lay
 a window layer reading the last ``W - 1`` tokens), both after ``--warmup`` steps, and preemptions.
 
 Part 2 (host time). ``--running`` decoding requests grow by one token per step (``allocate_slots``, then the
-block tables the scheduler hands the runner): the median step time with the model's groups against one group.
+block tables the scheduler hands the runner, a window group's from its first block still held): the median
+step time with the model's groups against one group.
 
     .venv/bin/python scripts/bench/bench_hybrid_kv.py
     .venv/bin/python scripts/bench/bench_hybrid_kv.py --model gemma-3-4b --lengths 8192 32768 --steps 3000
@@ -139,8 +140,11 @@ def host_time(config: ModelConfig, layout: KVLayout, args: argparse.Namespace) -
             if kv.allocate_slots(rid, t, 1) is None:
                 raise SystemExit("host-time pool too small")
         t1 = time.perf_counter_ns()
-        for rid in tokens:
-            kv.block_tables(rid)
+        for rid in tokens:  # what `Scheduler._schedule` hands the runner
+            if kv.num_groups == 1:
+                kv.page_ids(rid)
+            else:
+                kv.live_tables(rid)
         t2 = time.perf_counter_ns()
         alloc.append(t1 - t0)
         tables.append(t2 - t1)
