@@ -51,6 +51,17 @@ class Metrics:
         self.kv_slot_utilization = Gauge(
             "paged_jax_kv_slot_utilization", "Live token slots / slots of pages in use", registry=r
         )
+        self.kv_utilization = Gauge(
+            "paged_jax_kv_utilization",
+            "Layer-token KV slots some layer can still read / those of the pages in use (sliding windows count theirs)",
+            registry=r,
+        )
+        self.kv_group_pages = Gauge(
+            "paged_jax_kv_group_pages_in_use",
+            "KV pages in use per KV cache group (window: its sliding window in tokens, 'full' for full attention)",
+            ["group", "window"],
+            registry=r,
+        )
         self.prefix_hit_rate = Gauge(
             "paged_jax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
         )
@@ -122,6 +133,10 @@ class Metrics:
         self.running.set(s.num_running)
         self.pages_in_use_ratio.set(s.pages_in_use_ratio)
         self.kv_slot_utilization.set(s.slot_utilization)
+        self.kv_utilization.set(s.kv_utilization)
+        for i, group in enumerate(s.kv_groups):
+            window = "full" if group.window is None else str(group.window)
+            self.kv_group_pages.labels(group=str(i), window=window).set(group.pages_in_use)
         self.prefix_hit_rate.set(s.prefix_hit_rate)
         new = s.num_preemptions - self._preemptions_seen
         if new > 0:

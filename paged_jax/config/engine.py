@@ -30,6 +30,10 @@ class EngineConfig:
     # The decoder's layers as scanned steps (paged_jax.model.scan; every model scans): "auto" and "on" scan, "off"
     # is a Python loop over the layers.
     scan_layers: str = "auto"
+    # KV cache groups (paged_jax.kv_cache.groups): on a model with sliding-window layers, their block tables keep
+    # only the pages their window still reads, beside the full-attention layers' (scanned decoder only). False:
+    # every layer keeps full-length pages (one group).
+    hybrid_kv: bool = True
     kv_dtype: str | None = None  # default: the model dtype; int8 / fp8_e4m3: quantized pages (paged_jax.model.quant)
     seed: int = 0  # seeds requests that do not set their own
     max_n: int = 64  # samples per request (also capped by max_num_seqs: a request's samples run together)

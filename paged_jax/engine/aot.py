@@ -29,7 +29,7 @@ from paged_jax.model.init import param_shapes
 from paged_jax.worker import sharding
 from paged_jax.worker.buckets import bucket_for
 from paged_jax.worker.compile_jobs import Job
-from paged_jax.worker.kv_budget import kv_capacity_pages
+from paged_jax.worker.kv_budget import engine_kv_layout, kv_capacity_pages
 from paged_jax.worker.runner import ModelRunner
 from paged_jax.worker.step_inputs import SamplerFlags
 
@@ -96,12 +96,15 @@ def abstract_engine(
     kv_dtype = quant.kv_cache_dtype(ec.kv_dtype, config.dtype)
     stats = {"bytes_limit": bytes_limit, "bytes_in_use": weights_bytes}
     platform = devices[0].platform
-    num_pages = kv_capacity_pages(run_config, ec, kv_dtype, None, tp, max_model_len, stats, platform)
-    runner = make_runner(run_config, params, ec, num_pages, max_model_len, mesh if tp > 1 else None, abstract=True)
+    layout = engine_kv_layout(config, ec)
+    num_pages = kv_capacity_pages(run_config, ec, kv_dtype, None, tp, max_model_len, stats, platform, layout)
+    runner = make_runner(
+        run_config, params, ec, num_pages, max_model_len, mesh if tp > 1 else None, layout, abstract=True
+    )
     # One KV array: layer 0's, or the scanned decoder's stacked one (`paged_jax.model.scan`), whose share of
     # one layer is its size over the layers.
     layer = jax.tree.leaves(runner.kv_caches if runner.scan else runner.kv_caches[0])
-    layers = run_config.num_layers if runner.scan else 1
+    layers = runner.num_slabs if runner.scan else 1
     return AbstractEngine(
         runner,
         mesh,

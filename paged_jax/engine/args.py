@@ -286,6 +286,12 @@ ENGINE_FLAGS = (
         "the layers as scanned steps (auto, on: every model and platform) or unrolled (off)",
         choices=SCAN_CHOICES,
     ),
+    EngineFlag(
+        "hybrid_kv",
+        "full-length KV pages for sliding-window layers too (no KV cache groups)",
+        name="--no-hybrid-kv",
+        negate=True,
+    ),
     EngineFlag("warmup", "compile step shapes lazily instead of at start-up", name="--no-warmup", negate=True),
     EngineFlag(
         "kv_dtype",

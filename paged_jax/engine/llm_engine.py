@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import jax
@@ -26,9 +25,9 @@ from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor, ProcessedRequest
 from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
-from paged_jax.engine.protocol import EngineStats
+from paged_jax.engine.protocol import EngineStats, kv_fields
 from paged_jax.errors import FieldError
-from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache import KVCacheManager, KVLayout
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.lora.registry import AdapterCache, SlotTable
 from paged_jax.lora.request import LoRARequest
@@ -44,7 +43,7 @@ from paged_jax.structured import LLGuidanceBackend, Matcher, StructuredLimits, S
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.executables import PROCESS as COMPILES
-from paged_jax.worker.kv_budget import kv_capacity_pages
+from paged_jax.worker.kv_budget import engine_kv_layout, kv_capacity_pages
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
 from paged_jax.worker.runner import ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
@@ -63,6 +62,7 @@ def make_runner(
     num_pages: int,
     max_model_len: int,
     mesh: jax.sharding.Mesh | None,
+    kv_layout: KVLayout | None = None,
     abstract: bool = False,
 ) -> ModelRunner:
     """The engine's runner for `ec` (its buckets, KV pages, LoRA slots and verify rows); `abstract`: nothing
@@ -87,6 +87,7 @@ def make_runner(
         abstract=abstract,
         scan_layers=ec.scan_layers,
         executable_store=ec.executable_store,
+        kv_layout=kv_layout,
     )
 
 
@@ -131,10 +132,24 @@ class LLMEngine:
         self.mesh = mesh
         self.spec: SpecDecoder | None = None
         spec_config = ec.speculative
+        self.kv_layout = engine_kv_layout(config, ec)
         self.num_pages = kv_capacity_pages(
-            run_config, ec, kv_dtype, None if mesh is None or devices is None else devices[0], tp, self.max_model_len
+            run_config,
+            ec,
+            kv_dtype,
+            None if mesh is None or devices is None else devices[0],
+            tp,
+            self.max_model_len,
+            layout=self.kv_layout,
         )
-        self.kv = KVCacheManager(self.num_pages, ec.page_size, ec.enable_prefix_caching)
+        spec_tokens = 0 if spec_config is None else spec_config.num_speculative_tokens
+        self.kv = KVCacheManager(
+            self.num_pages,
+            ec.page_size,
+            ec.enable_prefix_caching,
+            groups=self.kv_layout.groups,
+            max_step_tokens=(ec.chunk_size or ec.max_num_batched_tokens) + spec_tokens,
+        )
         self.adapters, lora_slots = None, None
         if ec.enable_lora:  # adapters are checked against the model's own shapes, slots use the run config's
             self.adapters = AdapterCache(config, ec.max_lora_rank, ec.max_cpu_loras or ec.max_loras)
@@ -149,7 +164,7 @@ class LLMEngine:
             watermark=ec.watermark,
             lora_slots=lora_slots,
         )
-        self.runner = make_runner(run_config, params, ec, self.num_pages, self.max_model_len, mesh)
+        self.runner = make_runner(run_config, params, ec, self.num_pages, self.max_model_len, mesh, self.kv_layout)
         if spec_config is not None:
             self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len, self.num_pages)
         self.inputs = InputProcessor(
@@ -170,7 +185,8 @@ class LLMEngine:
         self.structured = StructuredRows(LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_ids, limits))
         self.kv_cache_bytes = sum(x.nbytes for x in jax.tree.leaves(self.runner.kv_caches))  # padding included
         # Tokens per byte vs bfloat16 pages of the same run config (padded scale rows included).
-        bf16_bytes = quant.kv_bytes_per_page(run_config, jnp.bfloat16, ec.page_size) * self.num_pages
+        slabs = self.kv_layout.slots_per_page
+        bf16_bytes = quant.kv_bytes_per_page(run_config, jnp.bfloat16, ec.page_size, num_slabs=slabs) * self.num_pages
         self.kv_token_gain = bf16_bytes / self.kv_cache_bytes
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head_dim %d; "
@@ -263,7 +279,7 @@ class LLMEngine:
         if not self.kv.can_ever_fit(total_tokens):
             raise FieldError(
                 "prompt",
-                f"{total_tokens} tokens need {self.kv.pages_needed(total_tokens)} KV pages but "
+                f"{total_tokens} tokens need {self.kv.peak_pages(total_tokens)} KV pages but "
                 f"the cache has {self.num_pages - 1}",
             )
 
@@ -307,7 +323,7 @@ class LLMEngine:
         compiles: dict[str, Any] = self.runner.compile_stats.as_dict()
         return EngineStats(
             **spec,
-            **asdict(self.kv.stats()),
+            **kv_fields(self.kv.stats()),
             num_preemptions=self.scheduler.num_preemptions,
             num_waiting=self.num_waiting,
             num_running=self.num_running,

@@ -16,6 +16,7 @@ from typing import Protocol
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.input_processor import ChatPrompt, ProcessedRequest
+from paged_jax.kv_cache import GroupStats, KVCacheStats
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -51,6 +52,9 @@ class EngineStats:
     executable_load_seconds: float = 0.0  # looking them up and loading them (summed over threads)
     kv_cache_tokens: int = 0  # token slots of the KV pages (page 0 not counted)
     kv_cache_token_gain: float = 1.0  # tokens per KV byte relative to bfloat16 pages (int8 pages: ~1.94)
+    # layer-token slots some layer can still read / those of the pages in use (`KVCacheStats.kv_utilization`)
+    kv_utilization: float = 1.0
+    kv_groups: tuple[GroupStats, ...] = ()  # per KV cache group: its window, layers and pages in use
     # Speculative decoding (paged_jax.spec_decode.SpecStats): runs verified, drafts scored, drafts kept, their ratio,
     # kept
     # per run, and per draft position the share kept.
@@ -70,16 +74,27 @@ class EngineStats:
     @classmethod
     def combine(cls, per: Sequence[EngineStats]) -> EngineStats:
         """Replicas' stats as one: counts summed, rates recomputed from the sums, `replicas` = `per`."""
-        skip = ("replicas", "spec_acceptance_per_position")
+        skip = ("replicas", "spec_acceptance_per_position", "kv_groups")
         sums = {f.name: sum(getattr(s, f.name) for s in per) for f in dataclasses.fields(cls) if f.name not in skip}
         queries, in_use = sums["prefix_queries"], sums["pages_in_use"]
         sums["prefix_hit_rate"] = sums["prefix_hits"] / queries if queries else 0.0
         sums["slot_utilization"] = sum(s.slot_utilization * s.pages_in_use for s in per) / in_use if in_use else 1.0
+        sums["kv_utilization"] = sum(s.kv_utilization * s.pages_in_use for s in per) / in_use if in_use else 1.0
+        sums["kv_groups"] = tuple(
+            dataclasses.replace(g, pages_in_use=sum(s.kv_groups[i].pages_in_use for s in per))
+            for i, g in enumerate(per[0].kv_groups if per else ())
+        )
         sums["kv_cache_token_gain"] = per[0].kv_cache_token_gain if per else 1.0  # the same pages everywhere
         drafts, tokens = sums["spec_drafts"], sums["spec_draft_tokens"]
         sums["spec_acceptance_rate"] = sums["spec_accepted_tokens"] / tokens if tokens else 0.0
         sums["spec_mean_accepted_length"] = sums["spec_accepted_tokens"] / drafts if drafts else 0.0
-        return cls(**sums, replicas=tuple(per))
+        return cls(**sums, replicas=tuple(per))  # type: ignore[arg-type]  # each field's sum has its type
+
+
+def kv_fields(kv: KVCacheStats) -> dict:
+    """The `EngineStats` fields of a KV manager's snapshot (its per-group records kept as records)."""
+    fields = {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv) if f.name != "groups"}
+    return {**fields, "kv_groups": kv.groups}
 
 
 class Engine(Protocol):

@@ -19,42 +19,68 @@ def _fail(msg: str) -> NoReturn:
 
 
 def check_manager_invariants(m: KVCacheManager) -> None:
-    """Every page in exactly one state, refcounts == table holders, sound free list, cache map and tables."""
+    """Every page in exactly one state, refcounts == table holders (every group's), sound free list, cache map and
+    tables (a window group's null entries only below what its future queries read)."""
     pool = m.pool
     ps = m.page_size
     pages = pool.pages
     if len(pages) != m.num_pages or any(p.page_id != i for i, p in enumerate(pages)):
         _fail("pool pages are not exactly pages 0..num_pages-1 in order")
 
-    # Tables: no null page, no page twice in one table, length matches computed tokens, hashes agree.
+    # Tables: one per group, all of one length matching the computed tokens; the null page only where a window
+    # group dropped blocks no future query reads; no page twice, nor in two groups; hashes agree.
     holders = [0] * m.num_pages
-    partial_fill: dict[int, int] = {}  # page -> fill, for pages that are some request's partial last page
+    partial_fill: dict[int, int] = {}  # page -> fill, for pages that are some request's partial last block
     full_pages: set[int] = set()
+    group_of: dict[int, int] = {}
+    window_index = {w: i for i, w in enumerate(m.windows)}
     for rid, st in m.requests.items():
-        ids = [b.page_id for b in st.pages]
-        if any(b is not pages[b.page_id] for b in st.pages):
-            _fail(f"request {rid!r} holds a block object that is not the pool's")
-        if NULL_PAGE in ids:
-            _fail(f"request {rid!r} holds the null page: {ids}")
-        if len(set(ids)) != len(ids):
-            _fail(f"request {rid!r} holds a page twice: {ids}")
+        if len(st.tables) != m.num_groups or len(st.dropped) != len(m.windows):
+            _fail(f"request {rid!r} has {len(st.tables)} tables and {len(st.dropped)} window counts")
         written = st.num_computed + st.num_draft  # draft slots are held until the step's drafts are settled
-        if len(ids) != cdiv(written, ps):
-            _fail(f"request {rid!r} has {len(ids)} pages for {st.num_computed} computed tokens + {st.num_draft} drafts")
         num_full = st.num_computed // ps
         if st.num_cached_blocks != num_full:
             _fail(f"request {rid!r}: {st.num_cached_blocks} blocks offered to the cache, {num_full} full")
         if m.enable_prefix_caching and len(st.block_hashes) < num_full:
             _fail(f"request {rid!r}: {len(st.block_hashes)} hashes for {num_full} full blocks")
-        for i, b in enumerate(st.pages):
-            holders[b.page_id] += 1
-            if b.block_hash is not None and (i >= num_full or b.block_hash != st.block_hashes[i]):
-                _fail(f"request {rid!r} block {i} (page {b.page_id}) is cached under a hash not its own")
-        full_pages.update(ids[:num_full])
-        fill = written % ps
-        if fill:
-            if partial_fill.setdefault(ids[-1], fill) != fill:
-                _fail(f"page {ids[-1]} is shared by requests that disagree on how full it is")
+        if len(st.ids) != m.num_groups:
+            _fail(f"request {rid!r} has {len(st.ids)} id lists for {m.num_groups} groups")
+        for g, (group, table) in enumerate(zip(m.groups, st.tables, strict=True)):
+            ids = [b.page_id for b in table]
+            if st.ids[g] != ids:
+                _fail(f"request {rid!r} group {g}: page ids {st.ids[g]} are not its table {ids}")
+            if any(b is not pages[b.page_id] for b in table):
+                _fail(f"request {rid!r} holds a block object that is not the pool's")
+            if len(ids) != cdiv(written, ps):
+                _fail(
+                    f"request {rid!r} group {g} has {len(ids)} pages for {st.num_computed} computed tokens + "
+                    f"{st.num_draft} drafts"
+                )
+            lo = 0 if group.window is None else st.dropped[window_index[group.window]]
+            if group.window is not None and lo > m.first_readable_block(st.num_computed, group.window):
+                _fail(f"request {rid!r} group {g} dropped {lo} blocks, a future query still reads some")
+            if any(i != NULL_PAGE for i in ids[:lo]) or NULL_PAGE in ids[lo:]:
+                _fail(f"request {rid!r} group {g}: the null page is not exactly its {lo} dropped blocks: {ids}")
+            live = ids[lo:]
+            if len(set(live)) != len(live):
+                _fail(f"request {rid!r} group {g} holds a page twice: {ids}")
+            for i in range(lo, len(ids)):
+                b = table[i]
+                if group_of.setdefault(b.page_id, g) != g:
+                    _fail(f"page {b.page_id} is held by groups {group_of[b.page_id]} and {g}")
+                holders[b.page_id] += 1
+                if b.block_hash is not None and (i >= num_full or b.block_hash != m.cache_key(st.block_hashes[i], g)):
+                    _fail(f"request {rid!r} group {g} block {i} (page {b.page_id}) is cached under a key not its own")
+            full_pages.update(ids[lo:num_full])
+            fill = written % ps
+            if fill and ids:
+                if partial_fill.setdefault(ids[-1], fill) != fill:
+                    _fail(f"page {ids[-1]} is shared by requests that disagree on how full it is")
+    held = [0] * m.num_groups
+    for g in group_of.values():
+        held[g] += 1
+    if held != m._group_pages:
+        _fail(f"groups hold {held} distinct pages, the manager counts {m._group_pages}")
     if not full_pages.isdisjoint(partial_fill):
         _fail(f"pages both full and partial: {sorted(full_pages & set(partial_fill))}")
 

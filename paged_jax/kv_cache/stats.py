@@ -6,6 +6,18 @@ from dataclasses import dataclass
 
 
 @dataclass(slots=True, frozen=True)
+class GroupStats:
+    """One KV cache group's pages (`paged_jax.kv_cache.groups`)."""
+
+    window: int | None
+    """The group's sliding window in tokens; None: full attention."""
+    num_layers: int
+    """Layers in the group (0: a manager not told about layers)."""
+    pages_in_use: int
+    """Distinct pages some request's table of this group holds."""
+
+
+@dataclass(slots=True, frozen=True)
 class KVCacheStats:
     """Counts are in pages unless the name says tokens; prefix counters are cumulative since start-up.
 
@@ -21,6 +33,9 @@ class KVCacheStats:
     pages_in_use: int
     slot_utilization: float
     """Token slots holding live tokens over token slots in pages in use (1.0 when none in use)."""
+    kv_utilization: float
+    """Layer-token slots some layer can still read (a window layer reads only its window) over the layer-token
+    slots of the pages in use (1.0 when none in use); equals ``slot_utilization`` without windows."""
     prefix_queries: int
     """Prompt tokens looked up at admission (``admit`` calls that succeeded)."""
     prefix_hits: int
@@ -29,3 +44,5 @@ class KVCacheStats:
     """``prefix_hits / prefix_queries`` (0.0 before the first query)."""
     evictions: int
     """Cached pages whose hash was dropped because the page was reused."""
+    groups: tuple[GroupStats, ...] = ()
+    """Per KV cache group, in the manager's group order."""

@@ -27,12 +27,20 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype) -> int:
     return config.num_layers * config.num_kv_heads * kv_quant.bytes_per_token_head(config.head_dim, kv_dtype)
 
 
-def kv_bytes_per_page(config: ModelConfig, kv_dtype, page_size: int, kv_shards: int = 1, dense: bool = False) -> int:
-    """Bytes of one page over all layers on one of `kv_shards` chips (each holding `num_kv_heads / kv_shards`
-    heads), scale rows included and padded to whole lanes when `dense` (TPU,
-    `pallas_kernels.kv_quant.lane_dense`): what the engine's page budget divides by."""
+def kv_bytes_per_page(
+    config: ModelConfig,
+    kv_dtype,
+    page_size: int,
+    kv_shards: int = 1,
+    dense: bool = False,
+    num_slabs: int | None = None,
+) -> int:
+    """Bytes of one page over all layers (or over `num_slabs` layer slabs: KV cache groups,
+    `paged_jax.kv_cache.groups`) on one of `kv_shards` chips (each holding `num_kv_heads / kv_shards` heads),
+    scale rows included and padded to whole lanes when `dense` (TPU, `pallas_kernels.kv_quant.lane_dense`): what
+    the engine's page budget divides by."""
     per_layer = kv_quant.page_bytes(config.num_kv_heads // kv_shards, page_size, config.head_dim, kv_dtype, dense)
-    return config.num_layers * per_layer
+    return (num_slabs or config.num_layers) * per_layer
 
 
 # -- weights ------------------------------------------------------------------------------------------------

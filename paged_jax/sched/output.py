@@ -23,6 +23,11 @@ class ScheduledSeq:
     num_new: int
     page_ids: list[int]  # the sequence's block table after this step's allocation: logical block i -> page
     draft: list[int] = field(default_factory=list)  # unverified draft tokens at [start + num_new, ... + len(draft))
+    # KV cache groups 1, 2, ... (`paged_jax.kv_cache.groups`; `page_ids` is group 0's): each one's block table from
+    # its first block still held (`group_first_blocks`, 0 in a full group; a window group dropped those before), so
+    # block `group_first_blocks[g] + j` -> page `group_page_ids[g][j]`; both empty for a model of one group
+    group_page_ids: list[list[int]] = field(default_factory=list)
+    group_first_blocks: list[int] = field(default_factory=list)
     # prompt positions p whose logits give the logprob of prompt token p + 1 this step (`prompt_logprobs`)
     prompt_logprob_positions: range = range(0)
 

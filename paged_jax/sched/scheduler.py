@@ -1,7 +1,8 @@
 """Who gets to run this step? Continuous batching with one token budget per step.
 
 Running sequences go first (decodes and unfinished prompt chunks), in admission order; when one
-cannot get a page, the most recently admitted running sequence is preempted (its pages freed, its
+cannot get its pages (those of every KV cache group, allocated at once), the most recently admitted running
+sequence is preempted (its pages freed, its
 full blocks left in the prefix cache) and later recomputed. Waiting sequences are then admitted
 round-robin between client requests (`paged_jax.sched.waiting`: arrival order unless a request brought several
 prompts) while the token budget, the sequence limit and the pages last; their cached prefix blocks are skipped.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache import NULL_PAGE, KVCacheManager
 from paged_jax.lora.registry import SlotTable
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
@@ -141,7 +142,7 @@ class Scheduler:
             read_cache = self.enable_prefix_caching and not seq.needs_prompt_logprobs
             cached = self.kv.lookup_prefix(tokens, seq.prefix_keys) if read_cache else 0
             num_new = min(len(tokens) - cached, budget, self.chunk_size)
-            new_pages = self.kv.pages_needed(cached + num_new) - cached // self.kv.page_size
+            new_pages = self.kv.pages_to_grow(cached, cached + num_new)  # in every KV cache group
             if self.running and self.kv.num_free_pages() - new_pages < self.watermark_pages:
                 break  # keep a few pages for the running sequences to grow into (fewer preemptions)
             got = self.kv.admit(seq.seq_id, tokens, num_new, seq.prefix_keys, read_cache=read_cache)
@@ -184,7 +185,12 @@ class Scheduler:
         includes the new tokens)."""
         scheduled.add(seq.seq_id)
         end = self.kv.num_computed_tokens(seq.seq_id)
-        item = ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id), list(draft))
+        if self.kv.num_groups == 1:
+            item = ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id), list(draft))
+        else:  # group 0's whole table, the other groups' from their first block still held
+            first, live = self.kv.live_tables(seq.seq_id)
+            page_ids = [NULL_PAGE] * first[0] + live[0] if first[0] else live[0]
+            item = ScheduledSeq(seq, end - num_new, num_new, page_ids, list(draft), live[1:], first[1:])
         if seq.needs_prompt_logprobs:
             assert item.start <= seq.prompt_logprobs_done, (item.start, seq.prompt_logprobs_done)
             stop = min(end, len(seq.prompt_token_ids) - 1)

@@ -119,7 +119,9 @@ class CompileJobs:
 
         def lower() -> jax.stages.Lowered:
             i32 = self.spec
-            meta = PagedMeta(i32(t), i32(s), i32(s, self.key.max_blocks), i32(s + 1), i32(1))  # type: ignore[arg-type]  # abstract leaves stand in for arrays
+            grouped = self.key.step.grouped
+            g = () if grouped is None else (grouped.num_groups,)  # one block table and slot mapping per group
+            meta = PagedMeta(i32(*g, t), i32(s), i32(*g, s, self.key.max_blocks), i32(s + 1), i32(1))  # type: ignore[arg-type]  # abstract leaves stand in for arrays
             assert self.lora is None or self.lora_specs is not None
             lora = None if self.lora_specs is None else LoraBatch(self.lora_specs, i32(t))  # type: ignore[arg-type]  # abstract leaves stand in for arrays
             return forward.lower(self.params, self.kv_specs, i32(t), i32(t), meta, i32(s), lora)

@@ -22,7 +22,9 @@ import jax
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
+from paged_jax.kv_cache import KVLayout, kv_layout
 from paged_jax.model.quant import kv_bytes_per_page
+from paged_jax.model.scan import use_scan
 from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv
 
@@ -91,6 +93,7 @@ def kv_capacity_pages(
     max_model_len: int = 8192,
     memory_stats: dict[str, int] | None = None,
     platform: str | None = None,
+    layout: KVLayout | None = None,
 ) -> int:
     """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
     scale rows of quantized pages, padded to whole lanes on TPU: `paged_jax.model.quant.kv_bytes_per_page`).
@@ -99,9 +102,12 @@ def kv_capacity_pages(
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
     `memory_stats`: `bytes_limit` and `bytes_in_use` of that chip, when it cannot be asked (a deviceless
     compile for a target, `paged_jax.worker.aot`, which names its `platform`); default: `device.memory_stats()`.
+    `layout`: the KV cache groups (`engine_kv_layout`): a page is its `slots_per_page` layer slabs, and the CPU cap
+    counts one page per group for each block of a sequence; None: one group of every layer.
     """
     if ec.num_pages is not None:
         return ec.num_pages
+    slabs, groups = (None, 1) if layout is None else (layout.slots_per_page, len(layout.groups))
     stats = memory_stats
     if stats is None or platform is None:
         device = device or jax.local_devices()[0]
@@ -109,13 +115,22 @@ def kv_capacity_pages(
     if stats is None:
         assert device is not None  # set above
         stats = device.memory_stats() if device.platform != "cpu" else None
-    per_page = kv_bytes_per_page(config, kv_dtype, ec.page_size, kv_shards, kv_quant.lane_dense(platform))
+    per_page = kv_bytes_per_page(
+        config, kv_dtype, ec.page_size, kv_shards, kv_quant.lane_dense(platform), num_slabs=slabs
+    )
     if stats and "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
     else:
         cpu = cpu_kv_budget(
-            ec.cpu_kv_cache_bytes, per_page // ec.page_size, ec.max_num_seqs, max_model_len, ec.page_size
+            ec.cpu_kv_cache_bytes, groups * per_page // ec.page_size, ec.max_num_seqs, max_model_len, ec.page_size
         )
         log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30, cpu.reason)
         budget = cpu.bytes
     return max(2, budget // per_page)
+
+
+def engine_kv_layout(config: ModelConfig, ec: EngineConfig) -> KVLayout:
+    """The engine's KV cache groups (`paged_jax.kv_cache.groups.kv_layout`): hybrid (a window group's tables keep
+    only what its window reads) when `ec.hybrid_kv` and the decoder scans (the grouped pages are a stacked
+    cache's), else one group of every layer."""
+    return kv_layout(config, hybrid=ec.hybrid_kv and use_scan(ec.scan_layers))

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.config import ModelConfig
-from paged_jax.kv_cache import PageCopy
+from paged_jax.kv_cache import KVGroup, KVLayout, PageCopy
 from paged_jax.lora import weights as lora_weights
 from paged_jax.lora.delta import LoraBatch
 from paged_jax.lora.registry import SlotLoad
@@ -54,7 +54,7 @@ from paged_jax.worker.compile_jobs import CompileJobs, Job, RunnerKey, fingerpri
 from paged_jax.worker.executable_store import open_store
 from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.kv_allocation import abstract_kv, allocate_kv
-from paged_jax.worker.paged_attention import PagedMeta
+from paged_jax.worker.paged_attention import GroupedPages, PagedMeta
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta
 from paged_jax.worker.spec_verify import VerifyRows, verify_rows
@@ -126,6 +126,9 @@ class ModelRunner:
     allocated, no KV pages, no LoRA slots: the runner's jobs lower and compile exactly as the engine's, for
     a target this process cannot run on (`paged_jax.engine.aot`: deviceless TPU and GPU topologies); it cannot
     run a step.
+    `kv_layout`: the KV cache groups (`paged_jax.kv_cache.groups.kv_layout`, the engine's KV manager's): a page is
+    `slots_per_page` layer slabs and each group's layers read their own block table; several groups need the
+    scanned decoder. None: one group, every layer's slab in every page.
     `executable_store`: a directory of serialized executables (`paged_jax.worker.executable_store`) that
     compiling looks in first and writes to; None: off (an abstract runner never uses one).
     """
@@ -149,6 +152,7 @@ class ModelRunner:
         scan_layers: str = "auto",
         abstract: bool = False,
         executable_store: str | None = None,
+        kv_layout: KVLayout | None = None,
     ) -> None:
         self.config = config
         self.abstract = abstract
@@ -156,10 +160,11 @@ class ModelRunner:
         self.mesh = mesh
         self.page_size = page_size
         self.max_blocks = -(-max_model_len // page_size)
-        self.num_pages = num_pages  # per layer
+        self.num_pages = num_pages  # per layer slab
         self.num_speculative_tokens = num_speculative_tokens
         platform = self._platform(params, mesh, abstract)
         self.scan = use_scan(scan_layers)
+        self._init_groups(kv_layout)
         self.stacked_order = stacked_order(platform) if self.scan else ()  # the stacked weights' axis order
         self.params = self._stack(params, mesh, abstract) if self.scan else params
         self._init_buckets(max_model_len, max_num_seqs, max_num_batched_tokens, max_logit_bias)
@@ -192,6 +197,17 @@ class ModelRunner:
             return next(iter(jax.tree.leaves(params)[0].sharding.device_set)).platform
         return jax.devices()[0].platform
 
+    def _init_groups(self, kv_layout: KVLayout | None) -> None:
+        """The KV cache groups (`paged_jax.kv_cache.groups`): a page of `num_slabs` layer slabs and one block table
+        per group; None or one group: every layer's own slab of each page, one table."""
+        num_layers = self.config.num_layers
+        self.kv_layout = kv_layout or KVLayout((KVGroup(None, tuple(range(num_layers))),), num_layers)
+        self.grouped = GroupedPages.of(self.kv_layout, num_layers)
+        if self.grouped is not None and not self.scan:
+            raise ValueError("kv_layout: KV cache groups need the scanned decoder (scan_layers 'auto' or 'on')")
+        self.num_kv_groups = len(self.kv_layout.groups)
+        self.num_slabs = self.kv_layout.slots_per_page  # num_layers for one group
+
     def _init_buckets(
         self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, max_logit_bias: int
     ) -> None:
@@ -208,7 +224,7 @@ class ModelRunner:
         """The page arrays (one stacked cache when scanned), or their specs for an abstract runner; lowering sees
         only `_kv_specs` (a background compile never touches pages a running step donated)."""
         config, mesh = self.config, self.mesh
-        pages = self.num_pages * config.num_layers if self.scan else self.num_pages
+        pages = self.num_pages * self.num_slabs if self.scan else self.num_pages
         if self.abstract:
             layer = abstract_kv(config, pages, self.page_size, self.kv_dtype, mesh, one, platform)
             self.kv_caches = layer if self.scan else (layer,) * config.num_layers
@@ -242,6 +258,7 @@ class ModelRunner:
             lora=self.lora,
             scan=self.scan,
             stacked_order=self.stacked_order,
+            grouped=self.grouped,
         )
         self.model, self._forward = step_functions(key)
         # The forward step of token buckets >= ONEDNN_MIN_TOKENS with oneDNN dots (its LM head rounded), or None.
@@ -256,7 +273,7 @@ class ModelRunner:
                 xla_flags.onednn_mode(),
             )
         self._prompt_logprobs = prompt_logprobs_function(key)
-        self._copy = copy_pages_function(config.num_layers, self.scan, mesh, quantized_kv)
+        self._copy = copy_pages_function(self.num_slabs, self.scan, mesh, quantized_kv)
         self._onednn = onednn
         return key
 
@@ -356,15 +373,17 @@ class ModelRunner:
 
     def layer_cache(self, layer: int):
         """Layer `layer`'s KV cache (pages, or `QuantizedPages`) as one layer's array: a copy when scanned (for
-        tests and inspection; the step never slices)."""
+        tests and inspection; the step never slices). With KV cache groups: its slab of every page (a page holds
+        this layer's KV only where its group's tables name it)."""
         if not self.scan:
             return self.kv_caches[layer]
         p = self.num_pages
-        return jax.tree.map(lambda x: x[layer * p : (layer + 1) * p], self.kv_caches)
+        slab = self.kv_layout.slot_of_layer(self.config.num_layers)[layer]
+        return jax.tree.map(lambda x: x[slab * p : (slab + 1) * p], self.kv_caches)
 
     # -- host side ----------------------------------------------------------------------------------
     def copy_pages(self, ops: list[PageCopy]) -> None:
-        """Run the KV manager's copy-on-write instructions on every layer, in place."""
+        """Run the KV manager's copy-on-write instructions on every layer slab, in place."""
         top = self.copy_buckets[-1]
         for start in range(0, len(ops), top):  # copies are independent: chunks of the largest compiled bucket
             chunk = ops[start : start + top]
@@ -433,7 +452,7 @@ class ModelRunner:
             self.load_lora(load)
         t = bucket_for(sched.num_tokens, self.token_buckets)
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
-        step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks)
+        step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks, self.num_kv_groups)
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
         token_ids = step.token_ids

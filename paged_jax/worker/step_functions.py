@@ -26,7 +26,7 @@ from paged_jax.lora.delta import LoraBatch
 from paged_jax.model.families import causal_lm
 from paged_jax.model.scan import StackedOrder
 from paged_jax.worker import sharding
-from paged_jax.worker.paged_attention import PagedMeta, paged_attention
+from paged_jax.worker.paged_attention import GroupedPages, PagedMeta, paged_attention
 from paged_jax.worker.prompt_logprobs import make_prompt_logprobs
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, sample
 from paged_jax.worker.spec_verify import VerifyRows, mask_rejected
@@ -54,7 +54,9 @@ class StepKey:
     (`paged_jax.worker.xla_flags`), so the LM head returns its logits rounded to the model's dtype (the form
     oneDNN's dot takes) before they are widened to float32. `scan`: the scanned decoder (kv_caches is the one
     stacked cache and params the stacked tree, `paged_jax.model.scan`), else a tuple of per-layer caches;
-    `stacked_order`: the stacked weights' axis order (`paged_jax.model.scan.stacked_order`)."""
+    `stacked_order`: the stacked weights' axis order (`paged_jax.model.scan.stacked_order`). `grouped`: the KV cache
+    groups' per-layer tables and slabs (`paged_jax.worker.paged_attention.GroupedPages`; scanned only), None for
+    one group."""
 
     config: ModelConfig
     backend: str
@@ -65,6 +67,7 @@ class StepKey:
     onednn: bool = False
     scan: bool = False
     stacked_order: StackedOrder = ()
+    grouped: GroupedPages | None = None
 
 
 @functools.cache
@@ -76,7 +79,9 @@ def step_functions(key: StepKey):
         `LoraBatch`, or None when off.
     """
     config, mesh = key.config, key.mesh
-    attn: Callable[..., Any] = partial(paged_attention, backend=key.backend, sliding_window=config.sliding_window)
+    attn: Callable[..., Any] = partial(
+        paged_attention, backend=key.backend, sliding_window=config.sliding_window, grouped=key.grouped
+    )
     if mesh is not None:
         attn = sharding.shard_attention(attn, mesh, key.quantized_kv)
     model = causal_lm(config, attn, mesh, scan_layers=key.scan, stacked_order=key.stacked_order)

@@ -41,9 +41,12 @@ class StepInputs:
 
     token_ids: np.ndarray  # [T] i32; 0 for padding and for ids still on the device
     positions: np.ndarray  # [T] i32 position of each token in its sequence
-    slot_mapping: np.ndarray  # [T] i32 physical slot (page * page_size + offset) of each new token; -1: padding
+    # [T] i32 physical slot (page * page_size + offset) of each new token; -1: padding. KV cache groups: [G, T],
+    # row g in group g's pages
+    slot_mapping: np.ndarray
     kv_lens: np.ndarray  # [S] i32 keys per sequence after this step (0 for padding sequences)
-    block_tables: np.ndarray  # [S, max_blocks] i32 page of each logical block (0 = the null page)
+    # [S, max_blocks] i32 page of each logical block (0 = the null page); KV cache groups: [G, S, max_blocks]
+    block_tables: np.ndarray
     cu_q_lens: np.ndarray  # [S + 1] i32 cumulative query counts
     num_seqs: np.ndarray  # [1] i32 real sequences
     logits_indices: np.ndarray  # [S] i32 the flat token whose logits sample row r draws from
@@ -56,8 +59,11 @@ class StepInputs:
         return bool((self.prev_rows >= 0).any())
 
 
-def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, max_blocks: int) -> StepInputs:
-    """The step inputs of `sched` for token bucket `t` and sequence bucket `s` (both at least what it holds)."""
+def build_step_inputs(
+    sched: SchedulerOutput, t: int, s: int, page_size: int, max_blocks: int, num_groups: int = 1
+) -> StepInputs:
+    """The step inputs of `sched` for token bucket `t` and sequence bucket `s` (both at least what it holds);
+    `num_groups` > 1: one block table and slot mapping per KV cache group (`ScheduledSeq.group_page_ids`)."""
     if sched.num_tokens > t or max(len(sched.scheduled), len(sched.sample_rows)) > s:
         raise ValueError(
             f"a step of {sched.num_tokens} tokens, {len(sched.scheduled)} sequences and "
@@ -65,16 +71,20 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
         )
     token_ids = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
-    slots = np.full(t, -1, np.int32)
+    slots = np.full((num_groups, t), -1, np.int32)
     kv_lens = np.zeros(s, np.int32)
-    tables = np.zeros((s, max_blocks), np.int32)
+    tables = np.zeros((num_groups, s, max_blocks), np.int32)
     cu = np.zeros(s + 1, np.int32)
     prev_rows = np.full(t, -1, np.int32)
     lora_slots = np.zeros(t, np.int32)
     off = 0
     for i, item in enumerate(sched.scheduled):
         seq, start, n = item.seq, item.start, item.num_scheduled
-        tables[i, : len(item.page_ids)] = item.page_ids
+        if len(item.group_page_ids) != num_groups - 1:
+            raise ValueError(f"{seq.seq_id}: {1 + len(item.group_page_ids)} block tables for {num_groups} KV groups")
+        tables[0, i, : len(item.page_ids)] = item.page_ids
+        for g, (lo, ids) in enumerate(zip(item.group_first_blocks, item.group_page_ids, strict=True), 1):
+            tables[g, i, lo : lo + len(ids)] = ids
         if n == 1 and not item.draft:
             if seq.pending is not None and start == seq.num_tokens - 1:
                 prev_rows[off] = seq.pending.row
@@ -85,7 +95,7 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
             token_ids[off + item.num_new : off + n] = item.draft
         pos = np.arange(start, start + n, dtype=np.int32)
         positions[off : off + n] = pos
-        slots[off : off + n] = tables[i, pos // page_size] * page_size + pos % page_size
+        slots[:, off : off + n] = tables[:, i, pos // page_size] * page_size + pos % page_size
         lora_slots[off : off + n] = seq.lora_slot
         off += n
         kv_lens[i] = start + n
@@ -95,6 +105,8 @@ def build_step_inputs(sched: SchedulerOutput, t: int, s: int, page_size: int, ma
     for r, row in enumerate(sched.sample_rows):
         logits_indices[r] = cu[row.index + 1] - 1 - len(sched.scheduled[row.index].draft) + len(row.draft_prefix)
     num_seqs = np.array([len(sched.scheduled)], np.int32)
+    if num_groups == 1:
+        slots, tables = slots[0], tables[0]
     return StepInputs(token_ids, positions, slots, kv_lens, tables, cu, num_seqs, logits_indices, prev_rows, lora_slots)
 
 

@@ -19,7 +19,7 @@ def test_both_engines_offer_every_method_and_property_of_the_protocol():
 
 
 def stats(**counts) -> EngineStats:
-    zero = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name != "replicas"}
+    zero = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("replicas", "kv_groups")}
     return EngineStats(**(zero | counts))
 
 
@@ -46,6 +46,7 @@ def test_replica_stats_combine_by_sums_and_recomputed_rates():
         step_tokens=3,
     )
     c = EngineStats.combine([a, b])
+    assert c.kv_groups == ()
     assert (c.pages_total, c.pages_in_use, c.num_preemptions, c.step_tokens) == (20, 5, 3, 10)
     assert c.compile_seconds == pytest.approx(2.0)
     assert c.prefix_hit_rate == pytest.approx(50 / 400)  # from the summed counts, not the mean of the rates

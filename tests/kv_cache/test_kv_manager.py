@@ -332,7 +332,7 @@ def test_check_invariants_detects_corruption(kind: str) -> None:
     elif kind == "free list":
         pool.free_queue.remove(pool.pages[2])  # a refcount-0 page missing from the list
     elif kind == "null page":
-        m.requests["b"].pages.append(pool.pages[0])
+        m.requests["b"].tables[0].append(pool.pages[0])
     elif kind == "stale hash":
         pool.pages[1].block_hash = None  # map still points at page 1
     else:

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache import FULL, NULL_PAGE, KVCacheManager, KVGroup
 from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.kv_cache.page_bounds import cdiv
 
 PS = 8
 NUM_PAGES = 16
@@ -28,9 +29,12 @@ token_lists = st.lists(st.integers(0, 3), max_size=20)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    GROUPS: tuple[KVGroup, ...] = (FULL,)
+    NUM_PAGES = NUM_PAGES
+
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(num_pages=NUM_PAGES, page_size=PS)
+        self.m = KVCacheManager(num_pages=self.NUM_PAGES, page_size=PS, groups=self.GROUPS)
         self.tokens: dict[str, list[int]] = {}  # running: every known token
         self.salt: dict[str, str | None] = {}
         self.waiting: dict[str, list[int]] = {}  # preempted, to resume later
@@ -46,18 +50,26 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self) -> tuple:
         m = self.m
-        tables = {r: (m.page_ids(r), m.num_computed_tokens(r)) for r in m.requests}
-        return m.free_page_ids(), tables, [m.page_ref_count(p) for p in range(NUM_PAGES)], dict(m.pool.cached)
+        tables = {r: (m.block_tables(r), m.num_computed_tokens(r)) for r in m.requests}
+        return m.free_page_ids(), tables, [m.page_ref_count(p) for p in range(m.num_pages)], dict(m.pool.cached)
 
     def _write(self, rid: str, start: int, stop: int, fresh_from: int) -> None:
-        """Poison pages new to the table (index >= fresh_from), then write tokens [start, stop)."""
-        table = self.m.page_ids(rid)
-        for page in table[fresh_from:]:
-            self.device[page] = [None] * PS
-        for pos in range(start, stop):
-            page = table[pos // PS]
-            assert self.m.page_ref_count(page) == 1, f"{rid} writes into shared page {page}"
-            self.device[page][pos % PS] = self.tokens[rid][pos]
+        """Poison pages new to the tables (index >= fresh_from), then write tokens [start, stop) in every group."""
+        for table in self.m.block_tables(rid):
+            for page in table[fresh_from:]:
+                self.device[page] = [None] * PS
+            for pos in range(start, stop):
+                page = table[pos // PS]
+                assert page != NULL_PAGE, f"{rid} writes position {pos} into a dropped block"
+                assert self.m.page_ref_count(page) == 1, f"{rid} writes into shared page {page}"
+                self.device[page][pos % PS] = self.tokens[rid][pos]
+
+    def _live_pages(self, num_computed: int, num_tokens: int) -> int:
+        """Pages (all groups) a request holds after computing up to `num_tokens` from `num_computed`."""
+        need = cdiv(num_tokens, PS)
+        return sum(
+            need - (0 if g.window is None else self.m.first_readable_block(num_computed, g.window)) for g in self.GROUPS
+        )
 
     def _admit(self, rid: str, tokens: list[int], chunk: int, salt: str | None) -> None:
         m = self.m
@@ -109,10 +121,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         if nc == len(tokens):  # prompt done: decode new tokens
             tokens = tokens + (new or [0])
         n = min(n, len(tokens) - nc)
-        old_table = m.page_ids(rid)
-        shared = nc % PS != 0 and m.page_ref_count(old_table[nc // PS]) > 1
+        old_tables = m.block_tables(rid)
+        i = nc // PS
+        shared = [g for g, old in enumerate(old_tables) if nc % PS != 0 and m.page_ref_count(old[i]) > 1]
         before = self._snapshot()
-        if m.pages_needed(nc + n) > NUM_PAGES - 1:
+        if cdiv(nc + n, PS) > len(old_tables[0]) and self._live_pages(nc, nc + n) > m.num_pages - 1:
             with pytest.raises(ValueError):
                 m.allocate_slots(rid, tokens, n)
             assert self._snapshot() == before
@@ -122,16 +135,16 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self._snapshot() == before
             return
         self.tokens[rid] = tokens
-        table = m.page_ids(rid)
-        assert table[: len(old_table)] == old_table or shared
-        if shared:
-            i = nc // PS
-            assert copies == [(old_table[i], table[i])]
-            assert table[:i] == old_table[:i]
-            self.device[table[i]] = list(self.device[old_table[i]])
-        else:
-            assert copies == []
-        self._write(rid, nc, nc + n, len(old_table))
+        tables = m.block_tables(rid)
+        assert copies == [(old_tables[g][i], tables[g][i]) for g in shared]
+        for g, (group, old, table) in enumerate(zip(self.GROUPS, old_tables, tables, strict=True)):
+            lo = 0 if group.window is None else m.first_readable_block(nc, group.window)
+            assert table[:lo] == [NULL_PAGE] * lo  # what the window no longer reads is dropped
+            kept = [j for j in range(lo, len(old)) if not (g in shared and j == i)]
+            assert [table[j] for j in kept] == [old[j] for j in kept]
+            if g in shared:
+                self.device[table[i]] = list(self.device[old_tables[g][i]])
+        self._write(rid, nc, nc + n, len(old_tables[0]))
 
     @precondition(lambda self: self.tokens)
     @rule(n=st.integers(1, 9), new=token_lists)
@@ -146,7 +159,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child = self._new_id()
         self.m.fork(parent, child)
-        assert self.m.page_ids(child) == self.m.page_ids(parent)
+        assert self.m.block_tables(child) == self.m.block_tables(parent)
         self.tokens[child] = list(self.tokens[parent])
         self.salt[child] = self.salt[parent]
 
@@ -200,16 +213,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         check_manager_invariants(m)
         in_use: set[int] = set()
         for rid, tokens in self.tokens.items():
-            table = m.page_ids(rid)
-            in_use.update(table)
-            for pos in range(m.num_computed_tokens(rid)):
-                assert self.device[table[pos // PS]][pos % PS] == tokens[pos], f"{rid} reads wrong KV at {pos}"
-        assert m.num_free_pages() == NUM_PAGES - 1 - len(in_use)
+            nc = m.num_computed_tokens(rid)
+            for group, table in zip(self.GROUPS, m.block_tables(rid), strict=True):
+                in_use.update(p for p in table if p != NULL_PAGE)
+                reach = 0 if group.window is None else max(0, nc - group.window + 1)  # what future queries read
+                for pos in range(reach, nc):
+                    page = table[pos // PS]
+                    assert page != NULL_PAGE and self.device[page][pos % PS] == tokens[pos], f"{rid} reads wrong KV"
+        assert m.num_free_pages() == m.num_pages - 1 - len(in_use)
 
     def teardown(self) -> None:
         for rid in list(self.tokens):
             self.m.free(rid)
-        assert self.m.num_free_pages() == NUM_PAGES - 1
+        assert self.m.num_free_pages() == self.m.num_pages - 1
         assert self.m.stats().pages_in_use == 0
         check_manager_invariants(self.m)
 
@@ -221,3 +237,14 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_kv_cache_state_machine = KVCacheMachine.TestCase
+
+
+class GroupedKVCacheMachine(KVCacheMachine):
+    """The same rules over a full-attention group and two window groups (windows below and above a page)."""
+
+    GROUPS = (KVGroup(None, (0,)), KVGroup(5, (1,)), KVGroup(12, (2,)))
+    NUM_PAGES = 31
+
+
+GroupedKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
+test_grouped_kv_cache_state_machine = GroupedKVCacheMachine.TestCase

@@ -228,6 +228,8 @@ def test_metrics_endpoint():
         "paged_jax_queue_depth",
         "paged_jax_running",
         "paged_jax_kv_pages_in_use_ratio",
+        "paged_jax_kv_utilization",
+        "paged_jax_kv_group_pages_in_use",
         "paged_jax_prefix_cache_hit_rate",
         "paged_jax_preemptions_total",
     ):

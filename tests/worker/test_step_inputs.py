@@ -112,3 +112,15 @@ def test_a_greedy_step_uses_the_cheapest_sampler_and_no_history():
     rows = [SampleRow(seq("g", [1, 2, 3]), 0)]
     x = build_sampling_inputs(rows, s=8, suppress_width=8, history_len=16, eos_token_ids=(2,))
     assert x.flags == (False, False, False, False) and x.meta.history.shape == (8, 1)
+
+
+def test_kv_cache_groups_get_one_table_and_slot_mapping_each():
+    """Group 1 (a window group) dropped blocks 0 and 1: its row starts at block 2; its tokens' slots are its pages'."""
+    a = seq("a", list(range(100, 120)))  # positions 18, 19 computed now, in block 2
+    item = ScheduledSeq(a, 18, 2, [3, 5, 6], group_page_ids=[[9]], group_first_blocks=[2])
+    x = build_step_inputs(step([item], [SampleRow(a, 0)]), t=16, s=8, page_size=PS, max_blocks=4, num_groups=2)
+    assert x.block_tables.shape == (2, 8, 4) and x.slot_mapping.shape == (2, 16)
+    assert x.block_tables[:, 0].tolist() == [[3, 5, 6, 0], [0, 0, 9, 0]]
+    assert x.slot_mapping[:, :3].tolist() == [[50, 51, -1], [74, 75, -1]]
+    with pytest.raises(ValueError, match="block tables for 3 KV groups"):
+        build_step_inputs(step([item], [SampleRow(a, 0)]), t=16, s=8, page_size=PS, max_blocks=4, num_groups=3)
