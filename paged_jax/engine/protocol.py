@@ -88,7 +88,7 @@ class EngineStats:
         drafts, tokens = sums["spec_drafts"], sums["spec_draft_tokens"]
         sums["spec_acceptance_rate"] = sums["spec_accepted_tokens"] / tokens if tokens else 0.0
         sums["spec_mean_accepted_length"] = sums["spec_accepted_tokens"] / drafts if drafts else 0.0
-        return cls(**sums, replicas=tuple(per))  # type: ignore[arg-type]  # each field's sum has its type
+        return cls(**sums, replicas=tuple(per))
 
 
 def kv_fields(kv: KVCacheStats) -> dict:

@@ -80,7 +80,7 @@ def kv_layout(config: ModelConfig, hybrid: bool = True) -> KVLayout:
         window = windows[0] if len(kinds) == 1 else None
         return KVLayout((KVGroup(window, tuple(range(config.num_layers))),), config.num_layers)
     size = min(len(layers) for layers in kinds.values())
-    groups = []
+    groups: list[KVGroup] = []
     for window in sorted(kinds, key=lambda w: (w is not None, w or 0)):  # full attention first, then by window
         layers = kinds[window]
         groups.extend(KVGroup(window, tuple(layers[i : i + size])) for i in range(0, len(layers), size))
