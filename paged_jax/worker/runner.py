@@ -159,7 +159,7 @@ class ModelRunner:
         self.num_pages = num_pages  # per layer
         self.num_speculative_tokens = num_speculative_tokens
         platform = self._platform(params, mesh, abstract)
-        self.scan = use_scan(scan_layers)
+        self.scan = use_scan(scan_layers, platform)
         self.stacked_order = stacked_order(platform) if self.scan else ()  # the stacked weights' axis order
         self.params = self._stack(params, mesh, abstract) if self.scan else params
         self._init_buckets(max_model_len, max_num_seqs, max_num_batched_tokens, max_logit_bias)

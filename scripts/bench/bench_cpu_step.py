@@ -1,0 +1,159 @@
+"""The CPU decode step scanned (`--scan-layers on`) against unrolled (`auto` on CPU), side by side in one process.
+
+Why: a scanned decoder on XLA:CPU copies every layer's weight slices out of the stacked arrays before its dots on
+every step (`paged_jax.model.scan.use_scan`); this is the before/after of making "auto" unroll on CPU.
+
+Per engine (the peers' 56M Llama in float32 by default: hidden 512, 8 layers, vocabulary 32,000, random weights):
+
+- the compiled decode step's weight copies (`paged_jax.worker.hlo_audit.weight_copies` with the matrix forms),
+  MiB per step, from the HLO: deterministic;
+- the peers' workload shape: `--batch` prompts of `--prompt-len` random ids, `--max-tokens` greedy new tokens
+  with EOS ignored, one untimed run each to compile, then `--rounds` runs alternating the engines (the order
+  flipped every round, so load drift on a shared machine falls on both): generated tokens per wall second and
+  per CPU second (this process's, all threads: on loaded cores it moves far less with other work than wall);
+- greedy tokens of the two engines compared;
+- the sampler of a plain greedy batch (the rows and vocabulary of the decode step) with the all-ones bitmask
+  the runner passes when no row is constrained and without any, beside the forward step: median CPU ms of
+  `--reps` calls, what the structured-output operand costs a step that does not use it.
+
+    python -m scripts.bench.bench_cpu_step  # or: python scripts/bench/bench_cpu_step.py [--model DIR|JSON]
+        [--dtype float32] [--batch 32] [--prompt-len 128] [--max-tokens 64] [--rounds 4] [--reps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from paged_jax import LLM, SamplingParams
+from paged_jax.engine.aot import step_job
+from paged_jax.model.scan import LAYERS
+from paged_jax.structured.bitmask import all_allowed
+from paged_jax.worker.hlo_audit import weight_copies, with_matrix_forms
+from paged_jax.worker.runner import ModelRunner
+from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
+
+PEER_56M = {  # /work/shared/peers/make_model.py's LlamaConfig
+    "name": "peer-56m",
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_layers": 8,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_ids": [2],
+}
+MODES = ("on", "auto")  # before (scanned on CPU) and after (auto: unrolled on CPU)
+
+
+def decode_weight_copies_mib(runner: ModelRunner) -> float:
+    """MiB of layer weights the runner's compiled decode step copies per step."""
+    tree = runner.params["params"]
+    leaves = jax.tree.leaves(tree[LAYERS] if runner.scan else tree["layers_0"])
+    shapes = with_matrix_forms([(tuple(x.shape[1:] if runner.scan else x.shape), np.dtype(x.dtype)) for x in leaves])
+    hlo = step_job(runner, "decode").lower().compile().as_text()
+    return weight_copies(hlo, shapes, runner.config.num_layers).hbm_bytes / 2**20
+
+
+def median_cpu_ms(fn, reps: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        c0 = time.process_time()
+        jax.block_until_ready(fn())
+        times.append(time.process_time() - c0)
+    return float(np.median(times)) * 1e3
+
+
+def sampler_rows(batch: int, vocab: int, reps: int) -> list[tuple[str, float]]:
+    """Median CPU ms of the greedy sampler on [batch, vocab] logits, with the all-ones bitmask and without."""
+    logits = jax.random.normal(jax.random.key(0), (batch, vocab))
+    meta = SamplingMeta(**{k: jax.numpy.asarray(v) for k, v in empty_meta(batch).items()})
+    mask = jax.numpy.asarray(all_allowed(batch, vocab))
+    flags = dict(do_sample=False, do_filter=False, do_penalty=False, want_logprobs=False)
+    with_mask = jax.jit(lambda lg, m, b: sample(lg, m, b, **flags))
+    without = jax.jit(lambda lg, m: sample(lg, m, None, **flags))
+    return [
+        ("greedy sampler, all-ones bitmask (as run)", median_cpu_ms(lambda: with_mask(logits, meta, mask), reps)),
+        ("greedy sampler, no bitmask", median_cpu_ms(lambda: without(logits, meta), reps)),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model (config name, JSON, HF dir); default: the peers' 56M Llama")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        model = str(Path(tempfile.mkdtemp()) / "peer-56m.json")
+        Path(model).write_text(json.dumps(PEER_56M))
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}")
+    print(f"load average before: {os.getloadavg()}")
+    llms = {
+        m: LLM(
+            model,
+            dtype=args.dtype,
+            max_model_len=args.prompt_len + args.max_tokens + 16,
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=1024,
+            num_pages=args.batch * (-(-(args.prompt_len + args.max_tokens + 16) // 16)) + 1,
+            warmup=False,
+            scan_layers=m,
+        )
+        for m in MODES
+    }
+    copies = {m: decode_weight_copies_mib(llm.engine.runner) for m, llm in llms.items()}
+    vocab = llms["auto"].config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(3, vocab, args.prompt_len).tolist()} for _ in range(args.batch)]
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+    )
+    tokens = {m: [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] for m, llm in llms.items()}
+    rates: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    for r in range(args.rounds):
+        for m in MODES if r % 2 == 0 else MODES[::-1]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs = llms[m].generate(prompts, sp, use_tqdm=False)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            gen = sum(len(o.outputs[0].token_ids) for o in outs)
+            rates[m].append((gen / wall, gen / cpu))
+            print(f"round {r} scan_layers={m}: {gen / wall:.1f} tok/s wall, {gen / cpu:.1f} tok per CPU-s", flush=True)
+    med = {m: (float(np.median([w for w, _ in rates[m]])), float(np.median([c for _, c in rates[m]]))) for m in MODES}
+    print(f"\n{'scan_layers':<12} {'scan':>5} {'w-copy MiB/step':>16} {'tok/s wall':>11} {'tok/CPU-s':>10}")
+    for m in MODES:
+        print(f"{m:<12} {llms[m].engine.runner.scan!s:>5} {copies[m]:>16.1f} {med[m][0]:>11.1f} {med[m][1]:>10.1f}")
+    a, b = med["on"], med["auto"]
+    print(f"auto / on: {b[0] / a[0]:.2f}x wall, {b[1] / a[1]:.2f}x per CPU-s (medians of {args.rounds} rounds)")
+    print(f"greedy tokens equal: {tokens['on'] == tokens['auto']}")
+    print(f"\nper-step work of a plain greedy batch ({args.batch} rows x {vocab}), median CPU ms of {args.reps}:")
+    for name, ms in sampler_rows(args.batch, vocab, args.reps):
+        print(f"  {name:<44} {ms:7.2f}")
+    step_ms = 1e3 * args.batch / b[1]
+    print(f"  {'a whole step: batch / tok per CPU-s (auto)':<44} {step_ms:7.2f}")
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
