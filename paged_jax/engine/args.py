@@ -283,7 +283,8 @@ ENGINE_FLAGS = (
     EngineFlag("attention_backend", "the paged attention kernel (auto: the platform's fastest)", choices=BACKENDS),
     EngineFlag(
         "scan_layers",
-        "the layers as scanned steps (auto, on: every model and platform) or unrolled (off)",
+        "the layers as scanned steps (on; auto on TPU and GPU) or unrolled (off; auto on CPU, where XLA copies "
+        "a scanned layer's weights every step)",
         choices=SCAN_CHOICES,
     ),
     EngineFlag("warmup", "compile step shapes lazily instead of at start-up", name="--no-warmup", negate=True),

@@ -11,7 +11,8 @@ Per engine (the peers' 56M Llama in float32 by default: hidden 512, 8 layers, vo
   with EOS ignored, one untimed run each to compile, then `--rounds` runs alternating the engines (the order
   flipped every round, so load drift on a shared machine falls on both): generated tokens per wall second and
   per CPU second (this process's, all threads: on loaded cores it moves far less with other work than wall);
-- greedy tokens of the two engines compared;
+- greedy tokens of the two engines compared, and the wall time of each engine's first run (its compiles
+  included: what unrolling costs at start-up);
 - the sampler of a plain greedy batch (the rows and vocabulary of the decode step) with the all-ones bitmask
   the runner passes when no row is constrained and without any, beside the forward step: median CPU ms of
   `--reps` calls, what the structured-output operand costs a step that does not use it.
@@ -130,7 +131,11 @@ def main() -> None:
     sp = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True, detokenize=False
     )
-    tokens = {m: [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] for m, llm in llms.items()}
+    tokens, first = {}, {}
+    for m, llm in llms.items():  # the first run compiles each step shape it meets
+        t0 = time.perf_counter()
+        tokens[m] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        first[m] = time.perf_counter() - t0
     rates: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     for r in range(args.rounds):
         for m in MODES if r % 2 == 0 else MODES[::-1]:
@@ -141,9 +146,11 @@ def main() -> None:
             rates[m].append((gen / wall, gen / cpu))
             print(f"round {r} scan_layers={m}: {gen / wall:.1f} tok/s wall, {gen / cpu:.1f} tok per CPU-s", flush=True)
     med = {m: (float(np.median([w for w, _ in rates[m]])), float(np.median([c for _, c in rates[m]]))) for m in MODES}
-    print(f"\n{'scan_layers':<12} {'scan':>5} {'w-copy MiB/step':>16} {'tok/s wall':>11} {'tok/CPU-s':>10}")
+    head = f"{'scan_layers':<12} {'scan':>5} {'w-copy MiB/step':>16} {'tok/s wall':>11} {'tok/CPU-s':>10}"
+    print(f"\n{head} {'first run s':>12}")
     for m in MODES:
-        print(f"{m:<12} {llms[m].engine.runner.scan!s:>5} {copies[m]:>16.1f} {med[m][0]:>11.1f} {med[m][1]:>10.1f}")
+        row = f"{m:<12} {llms[m].engine.runner.scan!s:>5} {copies[m]:>16.1f} {med[m][0]:>11.1f} {med[m][1]:>10.1f}"
+        print(f"{row} {first[m]:>12.1f}")
     a, b = med["on"], med["auto"]
     print(f"auto / on: {b[0] / a[0]:.2f}x wall, {b[1] / a[1]:.2f}x per CPU-s (medians of {args.rounds} rounds)")
     print(f"greedy tokens equal: {tokens['on'] == tokens['auto']}")
