@@ -13,6 +13,9 @@ Per engine (the peers' 56M Llama in float32 by default: hidden 512, 8 layers, vo
   per CPU second (this process's, all threads: on loaded cores it moves far less with other work than wall);
 - greedy tokens of the two engines compared, and the wall time of each engine's first run (its compiles
   included: what unrolling costs at start-up);
+- the jitted forward step alone (the runner's `step_functions`, scanned and unrolled) on one decode batch of
+  `--batch` sequences at `--prompt-len + --max-tokens` keys, rounds alternating: median wall and CPU ms per step,
+  the logits of both compared for equality;
 - the sampler of a plain greedy batch (the rows and vocabulary of the decode step) with the all-ones bitmask
   the runner passes when no row is constrained and without any, beside the forward step: median CPU ms of
   `--reps` calls, what the structured-output operand costs a step that does not use it.
@@ -32,15 +35,20 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.engine.aot import step_job
-from paged_jax.model.scan import LAYERS
+from paged_jax.engine.load import load_model
+from paged_jax.model.scan import LAYERS, stack_layers
 from paged_jax.structured.bitmask import all_allowed
 from paged_jax.worker.hlo_audit import weight_copies, with_matrix_forms
+from paged_jax.worker.paged_attention import PagedMeta
 from paged_jax.worker.runner import ModelRunner
 from paged_jax.worker.sampler import SamplingMeta, empty_meta, sample
+from paged_jax.worker.step_functions import StepKey, step_functions
+from pallas_kernels.common import kv_pages_shape
 
 PEER_56M = {  # /work/shared/peers/make_model.py's LlamaConfig
     "name": "peer-56m",
@@ -93,6 +101,54 @@ def sampler_rows(batch: int, vocab: int, reps: int) -> list[tuple[str, float]]:
         ("greedy sampler, all-ones bitmask (as run)", median_cpu_ms(lambda: with_mask(logits, meta, mask), reps)),
         ("greedy sampler, no bitmask", median_cpu_ms(lambda: without(logits, meta), reps)),
     ]
+
+
+def forward_steps(model: str, dtype: str, batch: int, context: int, rounds: int) -> dict[bool, tuple[float, float]]:
+    """The jitted forward step alone (all layers + LM head, the runner's own `step_functions`), scanned and
+    unrolled, on one decode batch: `batch` sequences of `context` keys on scattered pages. Rounds of 5 steps
+    alternate (order flipped each round); per variant (median wall ms, median CPU ms) per step. Also checks that
+    both give the same logits."""
+    config, params, _ = load_model(model, dtype=dtype)
+    rng = np.random.default_rng(0)
+    blocks, page = -(-(context + 1) // 16), 16
+    num_pages = batch * blocks + 1
+    tables = rng.permutation(np.arange(1, num_pages, dtype=np.int32)).reshape(batch, blocks)
+    pos = np.full(batch, context, np.int32)
+    slots = tables[np.arange(batch), pos // page] * page + pos % page
+    meta = PagedMeta(
+        jnp.asarray(slots),
+        jnp.asarray(pos + 1),
+        jnp.asarray(tables),
+        jnp.arange(batch + 1, dtype=jnp.int32),
+        jnp.asarray([batch], jnp.int32),
+    )
+    shape = kv_pages_shape(num_pages, config.num_kv_heads, page, config.head_dim)
+    layers = [rng.standard_normal(shape, np.float32) * 0.5 for _ in range(config.num_layers)]
+    tokens, positions = jnp.asarray(rng.integers(3, config.vocab_size, batch), jnp.int32), jnp.asarray(pos)
+    rows, steps, logits = jnp.arange(batch, dtype=jnp.int32), {}, {}
+    for scan in (True, False):
+        _, fwd = step_functions(StepKey(config, "auto", scan=scan))
+        p = stack_layers(params) if scan else params
+        dt = jnp.dtype(config.dtype)
+        kv = jnp.asarray(np.concatenate(layers), dt) if scan else tuple(jnp.asarray(x, dt) for x in layers)
+        state = {"kv": kv}  # layer l's page p at l * num_pages + p when stacked
+
+        def step(fwd=fwd, p=p, state=state):
+            out, state["kv"], _ = fwd(p, state["kv"], tokens, positions, meta, rows)
+            return out
+
+        logits[scan], steps[scan] = np.asarray(step()), step
+    assert np.array_equal(logits[True], logits[False]), "scanned and unrolled logits differ"
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    cpus: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for scan in (True, False) if r % 2 == 0 else (False, True):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(5):
+                jax.block_until_ready(steps[scan]())
+            walls[scan].append((time.perf_counter() - t0) / 5 * 1e3)
+            cpus[scan].append((time.process_time() - c0) / 5 * 1e3)
+    return {s: (float(np.median(walls[s])), float(np.median(cpus[s]))) for s in (True, False)}
 
 
 def main() -> None:
@@ -159,6 +215,11 @@ def main() -> None:
         print(f"  {name:<44} {ms:7.2f}")
     step_ms = 1e3 * args.batch / b[1]
     print(f"  {'a whole step: batch / tok per CPU-s (auto)':<44} {step_ms:7.2f}")
+    fwd = forward_steps(model, args.dtype, args.batch, args.prompt_len + args.max_tokens, 4 * args.rounds)
+    print(f"\nforward step alone, {args.batch} decode rows (median of {4 * args.rounds} rounds of 5; same logits):")
+    for scan, (wall, cpu) in fwd.items():
+        print(f"  {'scanned' if scan else 'unrolled':<9} {wall:7.1f} wall ms {cpu:7.1f} CPU ms")
+    print(f"  scanned / unrolled: {fwd[True][0] / fwd[False][0]:.2f}x wall, {fwd[True][1] / fwd[False][1]:.2f}x CPU")
     print(f"load average after: {os.getloadavg()}")
 
 
