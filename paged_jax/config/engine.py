@@ -27,8 +27,8 @@ class EngineConfig:
     chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # one of pallas_kernels.common.BACKENDS (auto | xla | pallas | ...)
-    # The decoder's layers as scanned steps (paged_jax.model.scan; every model scans): "auto" and "on" scan, "off"
-    # is a Python loop over the layers.
+    # The decoder's layers as scanned steps (paged_jax.model.scan; every model scans): "on" scans, "auto" scans on
+    # TPU and GPU and loops on CPU (XLA:CPU copies a scanned layer's weights every step), "off" is a Python loop.
     scan_layers: str = "auto"
     # KV cache groups (paged_jax.kv_cache.groups): on a model with sliding-window layers, their block tables keep
     # only the pages their window still reads, beside the full-attention layers' (scanned decoder only). False:

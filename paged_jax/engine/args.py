@@ -283,7 +283,9 @@ ENGINE_FLAGS = (
     EngineFlag("attention_backend", "the paged attention kernel (auto: the platform's fastest)", choices=BACKENDS),
     EngineFlag(
         "scan_layers",
-        "the layers as scanned steps (auto, on: every model and platform) or unrolled (off)",
+        "the layers as scanned steps (on; auto on TPU and GPU, and on CPU for sliding-window models, whose KV "
+        "cache groups need it) or unrolled (off; auto on CPU otherwise, where XLA copies a scanned layer's "
+        "weights every step)",
         choices=SCAN_CHOICES,
     ),
     EngineFlag(

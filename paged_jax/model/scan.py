@@ -72,16 +72,21 @@ def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
     return tuple(groups)
 
 
-def use_scan(scan_layers: str) -> bool:
-    """Whether a runner scans: `scan_layers` "off" never, "on" and "auto" always (every model scans).
+def use_scan(scan_layers: str, platform: str, grouped: bool = False) -> bool:
+    """Whether a runner on `platform` ("cpu", "tpu", "gpu") scans: "off" never, "on" always, "auto" on TPU and
+    GPU, and on CPU only for a model whose KV is in several cache groups (`grouped`: sliding-window layers with
+    hybrid KV, `paged_jax.kv_cache.groups`), since the groups' per-layer tables are read by the scanned decoder.
 
-    On every platform: on CPU too the scan pays for a real model (one layer body compiled instead of L; XLA:CPU
-    copies each layer's weight slice before its dot, which a quiet machine reads back from cache:
-    `scripts/bench/startup_time.py --layers`); "off" stays for the few-layer models and loaded machines where the
-    unrolled decode step is faster (docs/benchmarks/startup.md)."""
+    Why not on CPU: XLA:CPU's dots cannot read a slice of a stacked array in place, so a scanned step copies
+    every layer's weight slices into buffers of their own before its dots (a dynamic-slice fusion per weight,
+    also when the scan is unrolled), which reads the layer weights twice and writes them once more on every step;
+    unrolled, each dot reads its own per-layer parameter. The compiled step is checked for such copies
+    (`paged_jax.worker.hlo_audit.weight_copies`, `tests/model/test_cpu_step.py`) and the two compared in
+    `scripts/bench/bench_cpu_step.py`. "on" still scans on CPU (one layer body compiled instead of L: a shorter
+    start-up for deep models, at that per-step cost)."""
     if scan_layers not in SCAN_CHOICES:
         raise ValueError(f"scan_layers: must be one of {SCAN_CHOICES}, got {scan_layers!r}")
-    return scan_layers != "off"
+    return scan_layers == "on" or (scan_layers == "auto" and (platform != "cpu" or grouped))
 
 
 def is_stacked(params: Params) -> bool:

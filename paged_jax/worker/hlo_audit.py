@@ -13,7 +13,9 @@ memory space, e.g. a small cache placed in TPU VMEM) shows as its ``copy-done``,
 relayout every layer's whole scale array each step. Tested on saved HLO text (``tests/worker/test_hlo_audit.py``).
 
 :func:`weight_copies` measures the same for the weights: bytes of per-layer weight arrays a step materialises
-(a scanned decoder's per-layer slice of a stacked weight copied out before its dot), reported by the TPU audit.
+(a scanned decoder's per-layer slice of a stacked weight copied out before its dot), reported by the TPU audit
+and checked on the CPU decode step; :func:`with_matrix_forms` adds the 2-D forms a slice takes on its way into
+a dot (XLA:CPU copies a slice already reshaped to the dot's matrix).
 """
 
 from __future__ import annotations
@@ -146,3 +148,17 @@ def weight_copies(
                 hbm += size
         lines.append(line.strip()[:200])
     return WeightCopies(hbm, vmem, lines)
+
+
+def with_matrix_forms(layer_shapes: list[tuple[tuple[int, ...], DTypeLike]]) -> list[tuple[tuple[int, ...], DTypeLike]]:
+    """``layer_shapes`` and every 2-D collapse of each (``[a * b, c * d]`` of ``[a, b, c, d]`` at each split):
+    the matrix a dot reads a weight as, the shape XLA:CPU gives a layer's slice when it copies it out of a
+    stacked weight (``qkv_proj`` [H, Hkv, G + 2, D] as [H, Hkv * (G + 2) * D], ``o_proj`` [Hq, D, H] as
+    [Hq * D, H]), for :func:`weight_copies`."""
+    out = list(layer_shapes)
+    for shape, dt in layer_shapes:
+        for k in range(1, len(shape)):
+            form = ((int(np.prod(shape[:k])), int(np.prod(shape[k:]))), dt)
+            if len(shape) > 2 and form not in out:
+                out.append(form)
+    return out

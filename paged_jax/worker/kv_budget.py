@@ -24,7 +24,6 @@ from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
 from paged_jax.kv_cache import KVLayout, kv_layout
 from paged_jax.model.quant import kv_bytes_per_page
-from paged_jax.model.scan import use_scan
 from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv
 
@@ -131,6 +130,7 @@ def kv_capacity_pages(
 
 def engine_kv_layout(config: ModelConfig, ec: EngineConfig) -> KVLayout:
     """The engine's KV cache groups (`paged_jax.kv_cache.groups.kv_layout`): hybrid (a window group's tables keep
-    only what its window reads) when `ec.hybrid_kv` and the decoder scans (the grouped pages are a stacked
-    cache's), else one group of every layer."""
-    return kv_layout(config, hybrid=ec.hybrid_kv and use_scan(ec.scan_layers))
+    only what its window reads) when `ec.hybrid_kv` and `ec.scan_layers` is not "off" (the grouped pages are a
+    stacked cache's; "auto" scans a grouped model on every platform, `paged_jax.model.scan.use_scan`), else one
+    group of every layer."""
+    return kv_layout(config, hybrid=ec.hybrid_kv and ec.scan_layers != "off")

@@ -163,7 +163,8 @@ class ModelRunner:
         self.num_pages = num_pages  # per layer slab
         self.num_speculative_tokens = num_speculative_tokens
         platform = self._platform(params, mesh, abstract)
-        self.scan = use_scan(scan_layers)
+        grouped = kv_layout is not None and len(kv_layout.groups) > 1
+        self.scan = use_scan(scan_layers, platform, grouped)
         self._init_groups(kv_layout)
         self.stacked_order = stacked_order(platform) if self.scan else ()  # the stacked weights' axis order
         self.params = self._stack(params, mesh, abstract) if self.scan else params

@@ -31,7 +31,7 @@ def test_record_has_one_row_per_field_with_its_default_and_comment(hook):
     assert list(rows) == [f.name for f in dataclasses.fields(EngineConfig)]
     assert f"`{EngineConfig().max_num_seqs!r}`" in rows["max_num_seqs"]
     assert "token slots per KV page" in rows["page_size"]  # a trailing comment
-    assert '"auto" and "on" scan' in rows["scan_layers"]  # the comment lines above a field
+    assert '"on" scans, "auto" scans on' in rows["scan_layers"]  # the comment lines above a field
 
 
 def test_markers_in_the_pages_are_replaced(hook):

@@ -15,7 +15,7 @@ LIMIT = 2**30  # bytes one device reports
 
 
 def test_sized_like_the_engine_and_nothing_allocated(tiny_config):
-    ec = EngineConfig(attention_backend="xla", enable_lora=True, max_loras=2)
+    ec = EngineConfig(attention_backend="xla", enable_lora=True, max_loras=2, scan_layers="on")
     engine = abstract_engine(tiny_config, ec, jax.devices()[:1], LIMIT)
     runner = engine.runner
     kv_dtype = quant.kv_cache_dtype(None, tiny_config.dtype)
@@ -24,7 +24,7 @@ def test_sized_like_the_engine_and_nothing_allocated(tiny_config):
     assert pages == (LIMIT - engine.weights_bytes) * 0.9 // (quant.kv_bytes_per_token(tiny_config, kv_dtype) * 16)
     leaves = jax.tree.leaves((runner.params, runner.kv_caches, runner.lora_weights))
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-    assert runner.scan  # LoRA engines scan too: one page array stacked over the layers
+    assert runner.scan  # LoRA engines scan too (as "auto" does on TPU and GPU): one page array stacked over the layers
     assert engine.local_kv_shape[0] == pages * tiny_config.num_layers and engine.kv_tokens == (pages - 1) * 16
     assert runner.lora == LoraShape(2, 16)
     per_layer = quant.kv_bytes_per_token(tiny_config, kv_dtype) // tiny_config.num_layers

@@ -161,9 +161,11 @@ def test_layer_groups_are_the_window_periods():
 
 
 def test_which_runners_scan():
-    assert use_scan("auto") and use_scan("on") and not use_scan("off")
+    assert use_scan("auto", "tpu") and use_scan("auto", "gpu") and not use_scan("auto", "cpu")
+    assert use_scan("on", "cpu") and not use_scan("off", "tpu")
+    assert use_scan("auto", "cpu", grouped=True) and not use_scan("off", "cpu", grouped=True)
     with pytest.raises(ValueError, match="^scan_layers: must be one of"):
-        use_scan("yes")
+        use_scan("yes", "cpu")
 
 
 def _generate(scan: str, backend: str, kv_dtype: str | None):

@@ -295,11 +295,12 @@ else:
     def test_eight_devices():
         assert jax.device_count() == NUM_DEVICES
 
-    TP_CASES = [(kv, tp, "auto") for kv in (8, 2) for tp in (1, 2, 4, 8)] + [(8, 4, "off"), (2, 4, "off")]
+    TP_CASES = [(kv, tp, "on") for kv in (8, 2) for tp in (1, 2, 4, 8)] + [(8, 4, "off"), (2, 4, "off")]
 
     @pytest.mark.parametrize("kv, tp, scan", TP_CASES, ids=[f"kv{k}-tp{t}-scan_{s}" for k, t, s in TP_CASES])
     def test_tensor_parallel_matches_single_device(single_device, kv, tp, scan):
-        """TP engines (scanned, the default; also unrolled at TP 4) against the unrolled single device."""
+        """TP engines (scanned, as "auto" runs them on TPU and GPU; also unrolled at TP 4) against the unrolled
+        single device."""
         engine = make_engine(kv, tensor_parallel_size=tp, scan_layers=scan)
         assert engine.runner.scan == (scan != "off")
         if tp > 1:
