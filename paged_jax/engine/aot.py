@@ -144,7 +144,9 @@ def step_job(runner: ModelRunner, kind: str) -> Job:
 def verify_sample_job(runner: ModelRunner) -> Job:
     """The runner's sampling job of a full verify step's rows (top-k/p filtered, rejected rows marked)."""
     _, s = step_shape(runner, "verify")
-    return runner.jobs.sample(s, runner.suppress_width, 1, SamplerFlags(True, True, False, False))
+    return runner.jobs.sample(
+        s, runner.suppress_width, 1, SamplerFlags(True, True, False, False), runner.logit_bias_width
+    )
 
 
 @dataclass(frozen=True, slots=True)

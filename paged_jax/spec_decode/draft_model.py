@@ -73,8 +73,8 @@ class DraftModelProposer:
             executable_store=ec.executable_store,
         )
         self.drafts: dict[str, list[int]] = {}  # seq id -> the drafts its draft slots hold
-        if ec.warmup:  # its forward steps and the greedy sampler: no lookahead, copies, bias or prompt logprobs
-            plan = WarmupPlan(sampler_flags=(GREEDY,), lookahead=False, copies=False, logit_bias=False)
+        if ec.warmup:  # its forward steps and the greedy sampler: no lookahead, copies or prompt logprobs
+            plan = WarmupPlan(sampler_flags=(GREEDY,), lookahead=False, copies=False)
             run_warmup(self.runner, replace(plan, prompt_logprobs=False), what="draft")
 
     @classmethod

@@ -129,9 +129,7 @@ class CompileJobs:
         options = xla_flags.forward_compiler_options(onednn, self.scanned_gpu)
         return Job(("forward", self.key, t, s, options), lower, f"forward tokens={t} seqs={s}", options)
 
-    def sample(
-        self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags, logit_bias_width: int = 0
-    ) -> Job:
+    def sample(self, s: int, suppress_width: int, history_len: int, flags: SamplerFlags, logit_bias_width: int) -> Job:
         """Sampling of `s` rows with the given static flags (do_sample, do_filter, do_penalty, want_logprobs)
         and bias columns. The argument specs are built only when the executable is compiled (this runs every
         step)."""

@@ -1,8 +1,10 @@
 """Logit bias (`SamplingParams.logit_bias`): a per-request map of token id -> bias added to the logits on device.
 
 The sampler's input is two fixed-width arrays per step, `ids [S, W]` (-1 = no entry) and `values [S, W]`, with
-`W` the engine's `max_logit_bias`; a step where no row has a bias passes `W = 0` and the sampler traces no
-bias at all (one more compiled sampler variant per shape, and nothing for the requests that never ask).
+`W` the engine's `max_logit_bias`. Every engine step carries them, all -1 where no row has a bias: ids of -1
+are dropped by the scatter, so an unbiased row's logits are unchanged bit for bit, and one compiled sampler
+serves biased and unbiased steps (a scatter of `S x W` entries, where a second executable per sampler
+variant and row bucket would be compiled). `W = 0` traces no bias at all (tests, tools).
 """
 
 from __future__ import annotations

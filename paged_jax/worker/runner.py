@@ -439,8 +439,8 @@ class ModelRunner:
         model's proposals, `paged_jax.spec_decode.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
         fwd = self._forward_step(sched, None)
         s = fwd.s
-        meta = SamplingMeta(**empty_meta(s, self.suppress_width))  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
-        job = self.jobs.sample(s, self.suppress_width, 1, GREEDY)
+        meta = SamplingMeta(**empty_meta(s, self.suppress_width, 1, self.logit_bias_width))  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
+        job = self.jobs.sample(s, self.suppress_width, 1, GREEDY, self.logit_bias_width)
         return self._executable(job)(fwd.logits, meta, self._bitmask(s, None), None).tokens
 
     def _forward_step(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None) -> _Forward:

@@ -129,11 +129,10 @@ def build_sampling_inputs(
     logit_bias_width: int = 0,
 ) -> SamplingInputs:
     """The sampling inputs of `rows` padded to `s`. The ban list is `suppress_width` wide; a step with a
-    penalized row carries every row's token history in `history_len` columns (1 column otherwise); a step
-    with a biased row carries `logit_bias_width` bias columns (none otherwise)."""
+    penalized row carries every row's token history in `history_len` columns (1 column otherwise); every step
+    carries `logit_bias_width` bias columns (-1 where a row has no bias: one sampler executable for both)."""
     penalized = any(row.seq.params.uses_penalties for row in rows)
-    biased = any(row.seq.params.logit_bias for row in rows)
-    host = empty_meta(s, suppress_width, history_len if penalized else 1, logit_bias_width if biased else 0)
+    host = empty_meta(s, suppress_width, history_len if penalized else 1, logit_bias_width)
     m = SamplingMeta(**host)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
     pending_rows = np.full(s, -1, np.int32)
     pending_cols = np.zeros(s, np.int32)

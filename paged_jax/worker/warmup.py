@@ -2,14 +2,14 @@
 
 A `WarmupPlan` names the shapes: every token bucket up to the most tokens one step of the run can hold (each
 with its sequence bucket, see `paged_jax.worker.buckets`), the sampler variants its requests can combine (each
-also with logit-bias columns when requests may bias), the prompt-logprob step of each token bucket when
+with the logit-bias columns, `paged_jax.worker.logit_bias`), the prompt-logprob step of each token bucket when
 requests may ask for prompt logprobs, and the lookahead's merge. Compiling more than a run reaches is time the
 user waits for nothing (on TPU tens of seconds a shape), so:
 
 - the batch job knows every prompt and `max_tokens` before it starts (`plan_for_requests`);
 - the Python API (`paged_jax.offline.llm.LLM`) compiles the forward step of every token bucket with its
   sequence bucket, the sampler variant of its default sampling parameters and the lookahead's merges
-  (`first_use_plan`); the rest (other sampler variants, logit bias, prompt logprobs, `n` > 1 copies and
+  (`first_use_plan`); the rest (other sampler variants, prompt logprobs, `n` > 1 copies and
   sequence buckets) compiles on first use, once per shape, with a progress bar while the step waits;
 - the server compiles its decode buckets with the common sampler variants first (`serving_plans`), reports
   NOT_SERVING until they are ready, and compiles the rest in the background (a request that needs a shape the
@@ -66,7 +66,6 @@ class WarmupPlan:
     sampler_flags: tuple[SamplerFlags, ...] = ALL_SAMPLERS
     lookahead: bool = True  # the merge of the previous step's ids (async scheduling)
     copies: bool = True  # requests with n > 1: copy-on-write of pages, and their children's sample rows
-    logit_bias: bool = True  # every sampler variant also with bias columns (requests with logit_bias)
     prompt_logprobs: bool = True  # the prompt-logprob step of every token bucket (requests with prompt_logprobs)
     complete: bool = True  # every shape the run can reach; False: the rest compile on first use, on purpose
 
@@ -137,15 +136,14 @@ def plan_for_requests(
 
     A step holds at most the token budget, and never more tokens than the requests have in all (prompts,
     plus outputs recomputed after a preemption)."""
-    total, flags, copies, bias, prompt = 0, set(), False, False, False
+    total, flags, copies, prompt = 0, set(), False, False
     for prompt_tokens, params in requests:
         total += params.n * (prompt_tokens + params.max_tokens)
         flags.add(request_flags(params))
         copies |= params.n > 1
-        bias |= bool(params.logit_bias)
         prompt |= params.prompt_logprobs is not None
     return WarmupPlan(
-        min(total, max_num_batched_tokens), or_closure(flags) if flags else (GREEDY,), lookahead, copies, bias, prompt
+        min(total, max_num_batched_tokens), or_closure(flags) if flags else (GREEDY,), lookahead, copies, prompt
     )
 
 
@@ -157,7 +155,6 @@ def first_use_plan(default_params: SamplingParams, lookahead: bool = True) -> Wa
         (request_flags(default_params),),
         lookahead,
         copies=False,
-        logit_bias=False,
         prompt_logprobs=False,
         complete=False,
     )
@@ -166,9 +163,7 @@ def first_use_plan(default_params: SamplingParams, lookahead: bool = True) -> Wa
 def serving_plans(max_num_seqs: int, lookahead: bool = True) -> tuple[WarmupPlan, WarmupPlan]:
     """The server's plans: decode steps (at most `max_num_seqs` tokens) with the common sampler variants, which
     it compiles before it reports SERVING; then everything, compiled in the background."""
-    first = WarmupPlan(
-        max_num_seqs, COMMON_SAMPLERS, lookahead, False, logit_bias=False, prompt_logprobs=False, complete=False
-    )
+    first = WarmupPlan(max_num_seqs, COMMON_SAMPLERS, lookahead, False, prompt_logprobs=False, complete=False)
     return first, WarmupPlan(lookahead=lookahead)
 
 
@@ -184,12 +179,12 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     buckets = token_buckets(runner, plan)
     shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t, forks=plan.copies)]
     out = [runner.jobs.forward(t, s) for t, s in shapes]
-    bias_widths = (0, runner.logit_bias_width) if plan.logit_bias else (0,)
     for s in sorted({s for _, s in shapes}):
         out += [
-            runner.jobs.sample(s, runner.suppress_width, runner.history_len if flags.do_penalty else 1, flags, width)
+            runner.jobs.sample(
+                s, runner.suppress_width, runner.history_len if flags.do_penalty else 1, flags, runner.logit_bias_width
+            )
             for flags in plan.sampler_flags
-            for width in bias_widths
         ]
         if any(flags.do_penalty for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
             out.append(runner.jobs.history(s))

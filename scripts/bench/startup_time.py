@@ -344,7 +344,7 @@ def counts_main(model: str) -> int:
         draft = getattr(getattr(llm.engine.spec, "proposer", None), "runner", None)
         if draft is not None:  # the draft model warms its forward steps and the greedy sampler, as before
             plan = replace(full, sampler_flags=full.sampler_flags[:1], lookahead=False, copies=False)
-            plan = replace(plan, logit_bias=False, prompt_logprobs=False)
+            plan = replace(plan, prompt_logprobs=False)
             print(f"{'':<30} + the draft model's   {fmt(count_kinds(draft, plan))} (before and now)")
         if name == "LLM":
             ready, rest = serving_plans(ec.max_num_seqs, ec.async_scheduling)

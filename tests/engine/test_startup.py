@@ -287,6 +287,20 @@ def test_cpu_kv_budget_defaults_to_4_gib_capped_by_memory_and_by_what_the_engine
     assert asked.bytes == gib and "as requested" in asked.reason
 
 
+def test_the_default_kv_cache_holds_max_num_seqs_sequences_of_max_model_len_and_the_flags_override_it():
+    """The Python API's default engine on CPU gets exactly max_num_seqs x cdiv(max_model_len, page_size) pages
+    plus the null page (the tiny model's 64 x 2048 tokens are far below 4 GiB), as `make run`'s flags get theirs."""
+    from paged_jax.offline.llm import LLM
+
+    def pages(**options) -> int:
+        return LLM("tiny", warmup=False, **options).engine.num_pages
+
+    assert pages() == 64 * (2048 // 16) + 1
+    assert pages(max_num_seqs=8, max_model_len=500) == 8 * 32 + 1  # 500 tokens round up to 32 pages of 16
+    assert pages(num_pages=100) == 100
+    assert pages(cpu_kv_cache_bytes=2**20) == 2**20 // (16 * 2048)  # the tiny model's page: 16 x 2 KiB
+
+
 def test_prometheus_mirrors_compile_counts_and_padding(tiny_config, tiny_params):
     from serve.metrics import Metrics
 

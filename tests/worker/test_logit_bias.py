@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,6 +43,28 @@ def biased_meta(rows: int, bias: list[dict[int, float]], temperature: list[float
     for r, b in enumerate(bias):
         fill_logit_bias(m["logit_bias_ids"][r], m["logit_bias"][r], b)
     return SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()})
+
+
+def test_empty_bias_columns_leave_every_output_bit_for_bit_as_without_them():
+    """Every engine step carries the bias columns (one sampler executable for biased and unbiased steps): rows
+    without entries draw the same tokens with the same logprobs as a sampler traced without bias."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 6, 700
+    logits = jnp.asarray((3 * rng.normal(size=(rows, vocab))).astype(np.float32))
+    history = rng.integers(0, vocab, size=(rows, 5))
+    outs = []
+    for width in (0, 300):
+        m = empty_meta(rows, history_len=5, logit_bias_width=width)
+        m["temperature"][:] = [0.0, 0.7, 1.3, 0.0, 2.0, 0.9]
+        m["seed"][:, 0] = np.arange(rows) + 11
+        m["step"][:] = 4
+        m["repetition_penalty"][:] = 1.3
+        m["history"][:] = history
+        meta = SamplingMeta(**{k: jnp.asarray(v) for k, v in m.items()})
+        flags = dict(do_sample=True, do_filter=False, do_penalty=True, want_logprobs=True)
+        outs.append(jax.tree.map(np.asarray, sample(logits, meta, **flags)))
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("do_filter", [False, True])
