@@ -100,7 +100,7 @@ TEMPLATE = (
     "{% if tools %}<tools>call one as <tool_call>{json}</tool_call></tools>{% endif %}"
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 )
-MODEL_NAMES = ('"smollm2-135m-instruct"', '"path/to/hf-llama-dir"')
+MODEL_NAMES = ('"smollm2-135m-instruct"', '"path/to/hf-llama-dir"', '"google/gemma-3-4b-it"')
 SERVER_MARKERS = ("OpenAI(", "Client(")  # a block that talks to a running server
 
 
