@@ -20,6 +20,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv
 from pallas_kernels.gpu.tuned_block_sizes import BlockConfig, block_configs
 from pallas_kernels.planning import query_lens, sequence_items, visible_kv_blocks
@@ -181,7 +182,10 @@ def plan_gpu(
     group_p = 1 << (group - 1).bit_length()
     decode = num_tokens <= 2 * max_seqs
     itemsize = jnp.dtype(dtype).itemsize
-    cfg_decode, cfg_prefill = block_configs(head_dim, page_size, dtype)
+    # Quantized values are cast to the query's dtype in registers, so float32 queries over int8/fp8 pages hold
+    # float32 K and V tiles: tiled as float32 pages are (the KV bytes still size shared memory).
+    f32_tiles = kv_quant.is_quantized_dtype(dtype) and q_dtype is not None and jnp.dtype(q_dtype) == jnp.float32
+    cfg_decode, cfg_prefill = block_configs(head_dim, page_size, jnp.float32 if f32_tiles else dtype)
     common = dict(
         num_tokens=num_tokens,
         max_seqs=max_seqs,

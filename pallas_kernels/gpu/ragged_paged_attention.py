@@ -40,6 +40,8 @@ and after them, where the causal, window and length masks apply and V slots outs
 (a select between load and dot, which costs a shared-memory round trip, so only there) so stale or NaN slots
 cannot leak. Online softmax in float32 with a finite mask value, in base 2: ``log2(e)`` is folded into the
 logits' scale and every exponential is one ``exp2`` (the combine's ``m`` are in the same units).
+Both dots run on the tensor cores with float32 accumulation; float32 operands as three TF32 products
+(:func:`dot_precision`).
 
 **Quantized pages** (int8, fp8_e4m3; :mod:`pallas_kernels.kv_quant`): a program also gathers its KV head's
 K and V scale rows of the step's pages (``[pages_per_block, page_size]`` each, beside the values), casts the
@@ -99,6 +101,17 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 gpu_offsets.install()  # int8/fp8 page arrays of 2-4 GiB need 64-bit offsets (jax 0.11.2 decides by bytes)
 
 
+def dot_precision(compute_dtype, interpret: bool):
+    """The kernel's two dots: 16-bit operands exactly (tensor cores, float32 accumulate); float32 operands as
+    three TF32 products (``a_hi b_hi + a_hi b_lo + a_lo b_hi``, each operand split into two TF32 halves: 22 of
+    float32's 24 significand bits, a relative error per product near 2^-21) on the tensor cores, since Triton's
+    exact-f32 dot is an FMA loop whose operand layouts spill at every tile the MMA minimum allows. The Pallas
+    interpreter (XLA on CPU, which has no TF32) computes the float32 dots exactly."""
+    if jnp.dtype(compute_dtype) == jnp.float32 and not interpret:
+        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return jax.lax.Precision.HIGHEST
+
+
 def _kernel(
     # Work list (global memory, read as scalars), [num_items] int32 each.
     seq_ref,
@@ -119,6 +132,7 @@ def _kernel(
     sliding_window: int | None,
     count: bool,
     quantized: bool,
+    interpret: bool,
 ):
     qb, gp, group, d, ppb, page = (
         rng.q_block,
@@ -157,6 +171,7 @@ def _kernel(
         row_ok3 = jnp.broadcast_to((j3 < n) & (g3 < group), (qb, gp, d))
         q_view = q_ref.at[pl.ds(tok0, qb), pl.ds(h * group, gp)]
         cdt = q_ref.dtype if quantized else k_ref.dtype  # quantized values are cast exactly to q's dtype
+        precision = dot_precision(cdt, interpret)
         q = pltriton.load(q_view, mask=row_ok3, other=0).reshape(rows, d).astype(cdt)
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
         q_pos = pos0 + r // gp  # [rows, 1]
@@ -183,7 +198,7 @@ def _kernel(
                 v_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)
                 v = jnp.where((v_pos >= first_key) & (v_pos <= last_key), v, jnp.zeros_like(v))
             k_pos = b * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
-            logits = pltriton.dot(q, k, trans_b=True, allow_tf32=False)  # float32 accumulate
+            logits = pltriton.dot(q, k, trans_b=True, precision=precision)  # float32 accumulate
             if quantized:  # per-key scales; zero outside the item's keys (stale slots may hold NaN scales)
                 k_scale, v_scale = ks_ref[pages].reshape(1, kv_block), vs_ref[pages].reshape(1, kv_block)
                 if masked:
@@ -207,7 +222,7 @@ def _kernel(
             if masked:
                 p = jnp.where(mask, p, 0.0)
             pv = p * v_scale if quantized else p
-            acc = alpha[:, None] * acc + pltriton.dot(pv.astype(v.dtype), v, allow_tf32=False)
+            acc = alpha[:, None] * acc + pltriton.dot(pv.astype(v.dtype), v, precision=precision)
             if count:  # KV steps, and distinct in-range pages gathered (the clamped slots re-read one of them)
                 first, last = jnp.maximum(b * ppb, p_lo), jnp.minimum(b * ppb + ppb - 1, p_hi)
                 stats = stats + jnp.where(jnp.arange(2) == 0, 1, jnp.maximum(last - first + 1, 0))
@@ -488,6 +503,7 @@ def _launch(
         sliding_window=sliding_window,
         count=count,
         quantized=quantized,
+        interpret=interpret,
     )
     outs = pl.pallas_call(
         kernel,

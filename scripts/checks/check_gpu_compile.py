@@ -4,16 +4,16 @@ The twin of ``check_tpu_compile.py``; runs from ``.venv-gpu`` (``make gpu-check`
 and the ``nvidia-cuda-nvcc`` wheel's ptxas; no GPU, no system CUDA). Compiles through XLA, Triton, LLVM NVPTX
 and ``ptxas -arch=sm_90a`` to SASS (:mod:`pallas_kernels.analysis.gpu_aot`) and exits non-zero on any failure.
 
-**Kernel cases** (:data:`KERNEL_CASES`; the base decode, prefill and int8 kernels compile in the engine steps
-below): every value of every axis once (bucket kind: decode, split-KV decode, prefill, mixed; head_dim
-64/128/256; page size 16/32/64/128; KV dtype bf16/int8/fp8_e4m3; query group 1/3/4/7/8; sliding window; soft
-cap), plus the pairs that interact (dtype x page size, dtype x prefill, head_dim x prefill, group x prefill,
-window x prefill), not the full product. Per kernel it prints registers, spill bytes, shared memory, threads,
-grid, whether the loop's loads are asynchronous copies (``cp.async``/TMA), which MMA it issues (wgmma or
-mma.sync), and whether some KV loop feeds the MMA with no select in between. It fails on a spill (spills are
-fatal to the compile), on shared memory over the H200's 227 KiB per block (XLA refuses it), when the attention
-kernel of a decode or prefill case loses its asynchronous page gather or its unmasked KV loop, and when a
-prefill kernel of head_dim >= 128 does not issue wgmma.
+**Kernel cases** (:data:`KERNEL_CASES`; the base decode, prefill and int8 kernels compile in the engine steps below):
+every value of every axis once (bucket kind: decode, split-KV decode, prefill, mixed; head_dim 64/128/256; page size
+16/32/64/128; KV dtype bf16/int8/fp8_e4m3/f32, and float32 queries over int8; query group 1/3/4/7/8; sliding window;
+soft cap), plus the pairs that interact (dtype x page size, dtype x prefill, head_dim x prefill, group x prefill,
+window x prefill), not the full product. Per kernel it prints registers, spill bytes, shared memory, threads, grid,
+whether the loop's loads are asynchronous copies (``cp.async``/TMA), which MMA it issues (wgmma or mma.sync), and
+whether some KV loop feeds the MMA with no select in between. It fails on a spill (spills are fatal to the compile),
+on shared memory over the H200's 227 KiB per block (XLA refuses it), when the attention kernel of a decode or prefill
+case loses its asynchronous page gather or its unmasked KV loop, and when a prefill kernel of head_dim >= 128 does not
+issue wgmma.
 
 **Engine steps** (:data:`STEP_CASES`): the engine's own jitted forward step (the runner an ``LLMEngine``
 builds, abstract: :mod:`paged_jax.engine.aot`) for a few representative engines: Llama-3.1-8B at TP 1 and 8
@@ -65,6 +65,7 @@ class KernelCase:
     head_dim: int = 128
     page_size: int = 16
     kv_dtype: str = "bfloat16"
+    q_dtype: str = "bfloat16"
     sliding_window: int | None = None
     soft_cap: float | None = None
 
@@ -77,7 +78,7 @@ class KernelCase:
             scales = sds(kv_quant.scales_shape(num_pages, self.num_kv_heads, self.page_size), jnp.float32)
             kv = kv_quant.QuantizedPages(kv, scales)
         return (
-            sds((self.num_tokens, self.num_q_heads, self.head_dim), jnp.bfloat16),
+            sds((self.num_tokens, self.num_q_heads, self.head_dim), jnp.dtype(self.q_dtype)),
             kv,
             sds((self.max_seqs,), jnp.int32),
             sds((self.max_seqs, self.max_blocks), jnp.int32),
@@ -119,6 +120,11 @@ KERNEL_CASES = (
     KernelCase("hd64-prefill", head_dim=64, **_PREFILL),
     KernelCase("group8-prefill", num_q_heads=64, **_PREFILL),
     KernelCase("window-softcap-prefill", sliding_window=4096, soft_cap=50.0, **_PREFILL),
+    KernelCase("f32", q_dtype="float32", kv_dtype="float32"),
+    KernelCase("f32-prefill", q_dtype="float32", kv_dtype="float32", **_PREFILL),
+    KernelCase("f32-split", q_dtype="float32", kv_dtype="float32", **_SPLIT),
+    KernelCase("f32q-int8", q_dtype="float32", kv_dtype="int8"),
+    KernelCase("f32q-int8-prefill", q_dtype="float32", kv_dtype="int8", **_PREFILL),
     KernelCase("hd256-fp8-split", num_q_heads=16, head_dim=256, kv_dtype="float8_e4m3fn", **_SPLIT),
 )
 

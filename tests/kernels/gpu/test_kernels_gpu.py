@@ -3,6 +3,7 @@ and its lowering to Triton IR for an H200 without one. Pages are ``[pages, kv_he
 unused pages, slots past ``kv_len`` and padding queries are NaN."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -245,6 +246,27 @@ def test_lowers_to_triton_for_h200(t, s, h, kvh, d, page, blocks):
     modules = triton_modules(fn, *_abstract_args(t, s, h, kvh, d, page, blocks))
     assert modules and all(m.name.startswith("ragged_paged_attention_gpu") for m in modules)
     assert all("tt.dot" in m.text for m in modules if not m.name.endswith("_combine"))
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,precision,keys",
+    [
+        (jnp.float32, jnp.float32, "tf32x3", 32),
+        (jnp.float32, jnp.int8, "tf32x3", 32),  # int8 values cast to float32 in registers: float32 tiles
+        (jnp.bfloat16, jnp.int8, None, 64),
+        (jnp.bfloat16, jnp.bfloat16, None, 64),
+    ],
+)
+def test_float32_dots_are_three_tf32_products_on_the_device(q_dtype, kv_dtype, precision, keys):
+    """On the device, float32 operands take the tensor cores as three TF32 products (Triton's exact float32 dot
+    spills: docs/benchmarks/compile_checks.md) over float32-sized KV steps; 16-bit operands take plain MMAs."""
+    args = list(_abstract_args(64, 64, 32, 8, 128, 16, 64, kv_dtype))
+    args[0] = jax.ShapeDtypeStruct(args[0].shape, q_dtype)
+    (module,) = triton_modules(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=0.1), *args)
+    dots = [line for line in module.text.splitlines() if "tt.dot" in line]
+    assert len(dots) == 4  # q @ k and p @ v, in the interior and the boundary loops
+    assert {(re.findall(r"inputPrecision = (\w+)", d) or [None])[0] for d in dots} == {precision}
+    assert all(f"tensor<16x{keys}xf32>" in d or f"tensor<16x{keys}x" in d for d in dots)
 
 
 # Bytes of one H200 (h200.txtpb's device_memory_size) and the engine's share of it for KV.
