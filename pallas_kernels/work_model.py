@@ -15,6 +15,7 @@ Definitions (per call, one layer):
   (8 sublanes on TPU, 16-row MMA on GPU), for both QK^T and PV.
 - ``useful_flops``: the same for the rows and keys that are real and visible (causal, window), unpadded.
 - ``programs``: independent units of work in flight at once (grid size on GPU; work items on TPU).
+- ``flop_cost``: dense-bf16 FLOPs per issued FLOP (float32 dots on the GPU: 6).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class KernelWork:
     useful_flops: int
     exps: int  # exponentials evaluated (softmax), over issued rows x keys
     programs: int
+    # What one issued FLOP costs in dense-bf16 FLOPs at the chip's matmul peak: 1 for 16-bit operands; 6 for the
+    # GPU kernel's float32 dots (three TF32 products, TF32 at half the bf16 rate).
+    flop_cost: float = 1.0
 
     @property
     def hbm_bytes(self) -> int:
@@ -45,7 +49,8 @@ class KernelWork:
         fewer programs than the chip has cores (SMs) reaches only ``programs / num_cores`` of both (a program
         runs on one core; the previous GPU design ran a batch-4 32k decode on 8 of 132 SMs)."""
         share = min(1.0, self.programs / hw.num_cores) if self.programs else 1.0
-        return max(self.hbm_bytes / hw.hbm_bytes_per_s, self.issued_flops / hw.matmul_flops_per_s) / share
+        flop_s = self.issued_flops * self.flop_cost / hw.matmul_flops_per_s
+        return max(self.hbm_bytes / hw.hbm_bytes_per_s, flop_s) / share
 
 
 @dataclasses.dataclass(frozen=True)

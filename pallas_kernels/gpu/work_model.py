@@ -31,6 +31,14 @@ from pallas_kernels.gpu.plan import (
 )
 from pallas_kernels.work_model import HARDWARE, KernelWork
 
+F32_FLOP_COST = 6.0  # three TF32 products per float32 product, TF32 at half the dense-bf16 rate (H200: 495 vs 989)
+
+
+def f32_dots(plan: GpuPlan) -> bool:
+    """Whether the kernel's dots run on float32 operands: float32 pages, or quantized (1-byte) pages under float32
+    queries (their values are cast to the query dtype)."""
+    return plan.itemsize == 4 or (plan.itemsize == 1 and plan.q_itemsize == 4)
+
 
 def _batch(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int):
     kv = np.zeros(plan.max_seqs, np.int64)
@@ -113,8 +121,10 @@ def gpu_work_detail(
     kv_in, cu_in = np.asarray(kv_lens, np.int64)[:num_seqs], np.asarray(cu_q_lens, np.int64)[: num_seqs + 1]
     q_lens = cu_in[1:] - cu_in[:-1]
     h_n, page, d = plan.num_kv_heads, plan.page_size, plan.head_dim
-    page_bytes = page * d * 2 * plan.itemsize  # K and V of one KV head
+    # K and V of one KV head, plus their float32 scale rows on quantized (1-byte) pages
+    page_bytes = page * d * 2 * plan.itemsize + (page * 2 * 4 if plan.itemsize == 1 else 0)
     q_tok_bytes = plan.num_q_heads * d * plan.q_itemsize
+    flop_cost = F32_FLOP_COST if f32_dots(plan) else 1.0
     all_counts, works = [], []
     kv_steps = gathered = distinct = grid_programs = in_flight = 0
     for rng in plan.ranges:
@@ -144,6 +154,7 @@ def gpu_work_detail(
                 useful_flops=0,
                 exps=r_steps * rng.rows * (rng.kv_block + 1),
                 programs=programs,
+                flop_cost=flop_cost,
             )
         )
     pos_q = [np.arange(k - q, k) for k, q in zip(kv_in, q_lens, strict=True)]
@@ -157,6 +168,7 @@ def gpu_work_detail(
         useful_flops=useful,
         exps=sum(w.exps for w in works),
         programs=sum(w.programs for w in works),
+        flop_cost=flop_cost,
     )
     min_pages = sum(cdiv(int(k), page) for k, q in zip(kv_in, q_lens, strict=True) if q > 0)
     return dict(

@@ -341,3 +341,36 @@ def test_positions_past_32k():
         )
         ref = dense_reference_attention(*case.dense_args, sm_scale=0.125, sliding_window=window)
         assert_close(out, ref, jnp.float32)
+
+
+def _tf32(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to TF32's 10 explicit significand bits (to nearest, as ``cvt.rna.tf32.f32``)."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def test_three_tf32_products_keep_float32_accuracy():
+    """The device's float32 dots, emulated: each operand split into TF32 halves, ``a_lo b_hi + a_hi b_lo + a_hi
+    b_hi`` with float32 accumulation (TF32 x TF32 products are exact in float32). Attention over 4k random keys
+    stays as close to a float64 reference as float32 dots do, far inside the float32 tolerance the kernel tests
+    hold the device to (``assert_close``: 2e-5 of the output's scale)."""
+
+    def dot3(a, b):
+        ah, bh = _tf32(a), _tf32(b)
+        al, bl = _tf32(a - ah), _tf32(b - bh)
+        f = lambda x, y: np.matmul(x, y, dtype=np.float32)
+        return f(al, bh) + f(ah, bl) + f(ah, bh)
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((16, 128), (4096, 128), (4096, 128)))
+    logits = q.astype(np.float64) @ k.T.astype(np.float64) / np.sqrt(128)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    ref = p / p.sum(1, keepdims=True) @ v.astype(np.float64)
+    errors = {}
+    for name, dot in (("tf32x3", dot3), ("f32", lambda a, b: np.matmul(a, b, dtype=np.float32))):
+        logits32 = dot(q, k.T) * np.float32(128**-0.5)
+        p32 = np.exp(logits32 - logits32.max(1, keepdims=True))
+        errors[name] = float(np.max(np.abs(dot(p32, v) / p32.sum(1, keepdims=True) - ref)))
+    assert errors["tf32x3"] < 4 * errors["f32"] + 1e-7
+    assert errors["tf32x3"] < 2e-5 / 20
+    assert float(np.max(np.abs(_tf32(q) - q) / np.abs(q))) > 1e-4  # one TF32 product alone would not do

@@ -256,3 +256,26 @@ def test_item_bounds_hold_for_any_batch_in_the_bucket(seed):
                 t0 = cu[seq[i]] + (i - np.searchsorted(seq, seq[i])) * r.q_block
                 covered[t0 : t0 + n_tok[i]] += 1
         assert np.all(covered[: cu[-1]] == 1) and not covered[cu[-1] :].any()
+
+
+def test_quantized_pages_count_their_scales_and_float32_dots_cost_six():
+    """int8 pages read their float32 scale rows with them (2 x 4 bytes per key and KV head beside 2 x head_dim
+    values); float32 dots (float32 pages, or float32 queries over int8) are priced as three TF32 products at
+    half the bf16 rate, and a compute-bound prefill's roofline time moves by that factor."""
+    kv, q = [4096] * 8, [512] * 8
+    cu = np.concatenate([[0], np.cumsum(q)])
+    plan = lambda kv_dtype, q_dtype: plan_gpu(4096, 8, 256, QH, KVH, D, 16, kv_dtype, q_dtype)
+    details = [
+        gpu_work_detail(plan(*k), kv, cu, len(q))
+        for k in [(jnp.bfloat16, jnp.bfloat16), (jnp.int8, jnp.bfloat16), (jnp.int8, jnp.float32)]
+    ]
+    bf16, int8, int8_f32q = (d["work"] for d in details)
+    assert details[0]["distinct_pages"] == details[1]["distinct_pages"]  # the same tiles walk the same pages
+    gathered = [d["kv_bytes_gathered"] for d in details[:2]]
+    assert gathered[1] * (2 * D * 2) == gathered[0] * (2 * D + 2 * 4)
+    assert (bf16.flop_cost, int8.flop_cost, int8_f32q.flop_cost) == (1.0, 1.0, 6.0)
+    h200 = HARDWARE["h200"]
+    flops_bound = lambda w: w.issued_flops * w.flop_cost / h200.matmul_flops_per_s
+    assert flops_bound(int8_f32q) == pytest.approx(6 * int8_f32q.issued_flops / h200.matmul_flops_per_s)
+    assert int8_f32q.seconds(h200) >= flops_bound(int8_f32q)
+    assert int8_f32q.seconds(h200) > 3 * int8.seconds(h200)  # the prefill is compute-bound
