@@ -71,13 +71,14 @@ class KVLayout:
 
 def kv_layout(config: ModelConfig, hybrid: bool = True) -> KVLayout:
     """The groups of `config`'s layers. ``hybrid=False``: one group of every layer with full-length pages (the
-    baseline without window groups; a model whose every layer slides still keeps its window there)."""
+    baseline without window groups, for a model whose every layer slides too; the layers still attend by their
+    windows, only no page leaves a table)."""
     windows = [config.layer_sliding_window(i) for i in range(config.num_layers)]
     kinds: dict[int | None, list[int]] = {}
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
     if len(kinds) == 1 or not hybrid:
-        window = windows[0] if len(kinds) == 1 else None
+        window = windows[0] if len(kinds) == 1 and hybrid else None
         return KVLayout((KVGroup(window, tuple(range(config.num_layers))),), config.num_layers)
     size = min(len(layers) for layers in kinds.values())
     groups: list[KVGroup] = []

@@ -1,4 +1,5 @@
-"""Full consistency check of a ``KVCacheManager`` (O(pages + table entries); tests and debugging).
+"""Full consistency check of a ``KVCacheManager`` (O(pages + table entries + persistent table rows); tests and
+debugging).
 
 Called from outside the manager (the engine's `check_invariants`, tests), so the manager never imports it.
 
@@ -34,6 +35,8 @@ def check_manager_invariants(m: KVCacheManager) -> None:
     full_pages: set[int] = set()
     group_of: dict[int, int] = {}
     window_index = {w: i for i, w in enumerate(m.windows)}
+    array = m.block_tables_array.array  # [G, rows, width]: a held row mirrors its tables, every other row is zeros
+    rows_held: dict[int, str] = {}
     for rid, st in m.requests.items():
         if len(st.tables) != m.num_groups or len(st.dropped) != len(m.windows):
             _fail(f"request {rid!r} has {len(st.tables)} tables and {len(st.dropped)} window counts")
@@ -43,12 +46,19 @@ def check_manager_invariants(m: KVCacheManager) -> None:
             _fail(f"request {rid!r}: {st.num_cached_blocks} blocks offered to the cache, {num_full} full")
         if m.enable_prefix_caching and len(st.block_hashes) < num_full:
             _fail(f"request {rid!r}: {len(st.block_hashes)} hashes for {num_full} full blocks")
-        if len(st.ids) != m.num_groups:
-            _fail(f"request {rid!r} has {len(st.ids)} id lists for {m.num_groups} groups")
+        if st.row in rows_held:
+            _fail(f"requests {rows_held[st.row]!r} and {rid!r} hold block table row {st.row}")
+        rows_held[st.row] = rid
+        if m.block_tables_array.lengths[st.row] != len(st.tables[0]):
+            _fail(
+                f"request {rid!r}: persistent row length {m.block_tables_array.lengths[st.row]}, "
+                f"{len(st.tables[0])} blocks"
+            )
         for g, (group, table) in enumerate(zip(m.groups, st.tables, strict=True)):
             ids = [b.page_id for b in table]
-            if st.ids[g] != ids:
-                _fail(f"request {rid!r} group {g}: page ids {st.ids[g]} are not its table {ids}")
+            mirrored = array[g, st.row].tolist()
+            if mirrored != ids + [NULL_PAGE] * (len(mirrored) - len(ids)):
+                _fail(f"request {rid!r} group {g}: persistent block table row {mirrored} is not its table {ids}")
             if any(b is not pages[b.page_id] for b in table):
                 _fail(f"request {rid!r} holds a block object that is not the pool's")
             if len(ids) != cdiv(written, ps):
@@ -76,6 +86,11 @@ def check_manager_invariants(m: KVCacheManager) -> None:
             if fill and ids:
                 if partial_fill.setdefault(ids[-1], fill) != fill:
                     _fail(f"page {ids[-1]} is shared by requests that disagree on how full it is")
+    if array.shape[0] != m.num_groups:
+        _fail(f"persistent block tables for {array.shape[0]} groups, the manager has {m.num_groups}")
+    free_rows = [r for r in range(array.shape[1]) if r not in rows_held]
+    if array[:, free_rows].any() or m.block_tables_array.lengths[free_rows].any():
+        _fail("a block table row no request holds is not all null pages of length 0")
     held = [0] * m.num_groups
     for g in group_of.values():
         held[g] += 1

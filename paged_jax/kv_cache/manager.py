@@ -23,6 +23,10 @@ pages are its own (the cache key is the block hash plus the group), so the longe
 found by lowering ``h`` group by group until no group lowers it (a fixed point: a full group's condition holds for
 every shorter ``h``, a window group's must be re-checked).
 
+Persistent block tables (``paged_jax.kv_cache.block_table``): each request also holds a row of one numpy array that
+mirrors its tables as page ids; every change above writes there too (a page crossing takes every group's pages in
+one pool call and writes them as one column), and ``step_tables`` gathers a step's rows in one copy.
+
 Speculative decoding (``paged_jax.spec_decode``) reserves slots past ``num_computed`` for a step's draft tokens
 (``allocate_slots(num_draft=k)``); those slots hold unverified KV until ``accept_drafts`` keeps the accepted
 ones and returns the pages only the rejected ones needed. A block is never hashed while it holds a draft.
@@ -41,6 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from paged_jax.kv_cache.block_table import BlockTables
 from paged_jax.kv_cache.groups import FULL, KVGroup
 from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
 from paged_jax.kv_cache.page_bounds import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
@@ -73,9 +78,9 @@ class RequestPages:
     """The first block's extra hash keys (cache salt, adapter): ``paged_jax.kv_cache.hashing``."""
     dropped: list[int]
     """Per distinct window (the manager's ``windows``): leading blocks dropped from its groups' tables."""
-    ids: list[list[int]]
-    """``tables`` as page ids (0 for a dropped block), kept in step with every change: what the scheduler hands the
-    runner each step is a copy of these lists, not a walk over the tables."""
+    row: int
+    """The request's row of the manager's persistent ``BlockTables`` (``tables`` as page ids, 0 for a dropped
+    block), written where ``tables`` change: what a step hands the runner is gathered from there."""
     drop_at: int = 0
     """The first step start at which some window group drops another block (the decode fast path's test)."""
     num_draft: int = 0
@@ -130,6 +135,14 @@ class KVCacheManager:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._group_pages = [0] * len(groups)  # per group: distinct pages its tables hold (refcount > 0)
+        self.block_tables_array = BlockTables(len(groups))
+        # Each window's groups are consecutive (`kv_layout` orders groups by window): rows [g0, g1) of the tables.
+        self._window_group_span = [(members[0], members[-1] + 1) for members in self._window_groups]
+        if any(
+            list(members) != list(range(g0, g1))
+            for members, (g0, g1) in zip(self._window_groups, self._window_group_span, strict=True)
+        ):
+            raise ValueError(f"groups: the groups of one window must be consecutive, got {groups!r}")
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -178,18 +191,22 @@ class KVCacheManager:
 
     def page_ids(self, request_id: str, group: int = 0) -> list[int]:
         """The request's block table of ``group`` as physical page ids (a fresh list; 0: a dropped block)."""
-        return list(self._get(request_id).ids[group])
+        return [p.page_id for p in self._get(request_id).tables[group]]
 
     def block_tables(self, request_id: str) -> list[list[int]]:
         """Every group's block table as physical page ids, in group order (a window group's dropped blocks: 0)."""
-        return [list(ids) for ids in self._get(request_id).ids]
+        return [[p.page_id for p in table] for table in self._get(request_id).tables]
 
-    def live_tables(self, request_id: str) -> tuple[list[int], list[list[int]]]:
-        """Per group, the first block its table still holds (0 in a full group) and the page ids from there on:
-        what a step needs, without the dropped blocks' zeros (fresh lists)."""
-        state = self._get(request_id)
-        first = self._first_blocks(state.dropped)
-        return first, [ids[lo:] for lo, ids in zip(first, state.ids, strict=True)]
+    def step_tables(self, request_ids: Sequence[str]) -> np.ndarray:
+        """The block tables of ``request_ids``, in order, as one ``[G, len(request_ids), width]`` int32 array (a
+        copy; 0: the null page, for a dropped block and past a table's end; ``width``: the longest of them), gathered
+        from the persistent tables (`paged_jax.kv_cache.block_table`): what a step hands the runner."""
+        requests = self.requests
+        try:
+            rows = [requests[rid].row for rid in request_ids]
+        except KeyError as e:
+            raise KeyError(f"unknown request {e.args[0]!r}") from None
+        return self.block_tables_array.gather(rows)
 
     def block_table_row(self, request_id: str, width: int, group: int = 0) -> np.ndarray:
         """The block table of ``group`` as an int32 row of ``width`` entries, padded with the null page."""
@@ -273,14 +290,17 @@ class KVCacheManager:
             for page in group_hits:
                 self._group_pages[g] += page.ref_cnt == 0
                 self.pool.touch(page)
+        fresh = need - num_hits
+        new = self.pool.allocate(self.num_groups * fresh)  # every group's at once
         tables = []
         for g, (lo, group_hits) in enumerate(zip(first, hits, strict=True)):
-            table = [self._null] * lo + group_hits
-            table.extend(self.pool.allocate(need - num_hits))
-            self._group_pages[g] += need - num_hits
-            tables.append(table)
-        ids = [[p.page_id for p in table] for table in tables]
-        state = RequestPages(tables, total, hashes, num_hits, extra_keys, dropped, ids, self._drop_at(dropped))
+            tables.append([self._null] * lo + group_hits + new[g * fresh : (g + 1) * fresh])
+            self._group_pages[g] += fresh
+        row = self.block_tables_array.new_row()
+        self.block_tables_array.reserve(need)
+        self.block_tables_array.array[:, row, :need] = [[p.page_id for p in table] for table in tables]
+        self.block_tables_array.lengths[row] = need
+        state = RequestPages(tables, total, hashes, num_hits, extra_keys, dropped, row, self._drop_at(dropped))
         self.requests[request_id] = state
         self._cache_full_blocks(state, token_ids)
         if read_cache:
@@ -310,16 +330,21 @@ class KVCacheManager:
         state = self._get(request_id)
         start = state.num_computed
         total = start + num_new_tokens
-        # Fast path (most decode steps): nothing to drop, copy or allocate; every group alike.
+        # Fast path (most decode steps): nothing to copy or allocate, so nothing can fail; a window drop that is due
+        # only frees pages.
         if (
             not num_draft
             and not state.num_draft
             and not state.may_share
             and 0 <= num_new_tokens
-            and start < state.drop_at
             and total <= len(state.tables[0]) * self.page_size
             and len(token_ids) >= total
         ):
+            if start >= state.drop_at:
+                for wi, window in enumerate(self.windows):
+                    upto = max(0, start - window + 1) // self.page_size  # first_readable_block
+                    if upto > state.dropped[wi]:
+                        self._drop(state, wi, upto)
             state.num_computed = total
             if cache and total // self.page_size > state.num_cached_blocks:
                 self._cache_full_blocks(state, token_ids)
@@ -337,15 +362,18 @@ class KVCacheManager:
         # Window drops: which blocks leave, and how many pages that frees.
         drops: list[tuple[int, int]] = []
         gain = 0
+        dropped = state.dropped
         for wi, window in enumerate(self.windows):
-            upto = self.first_readable_block(start, window)
-            if upto > state.dropped[wi]:
+            upto = max(0, start - window + 1) // ps  # first_readable_block
+            lo = dropped[wi]
+            if upto > lo:
                 drops.append((wi, upto))
                 for g in self._window_groups[wi]:
-                    gain += sum(1 for p in tables[g][state.dropped[wi] : upto] if p.ref_cnt == 1)
+                    for page in tables[g][lo:upto]:
+                        gain += page.ref_cnt == 1
         if num_new_pages > 0 and need > self.num_pages - 1:
-            dropped = dict(drops)
-            first = self._first_blocks([dropped.get(wi, d) for wi, d in enumerate(state.dropped)])
+            after = dict(drops)
+            first = self._first_blocks([after.get(wi, d) for wi, d in enumerate(dropped)])
             live = sum(need - lo for lo in first)
             if live > self.num_pages - 1:
                 raise ValueError(f"request {request_id!r} needs {live} pages, the pool has {self.num_pages - 1}")
@@ -360,22 +388,19 @@ class KVCacheManager:
             self._drop(state, wi, upto)
         copies: list[PageCopy] = []
         for g in cow:
+            array = self.block_tables_array.array
             index = start // ps
             src = tables[g][index]
             dst = self.pool.allocate(1)[0]
             tables[g][index] = dst
-            state.ids[g][index] = dst.page_id
+            array[g, state.row, index] = dst.page_id
             self._group_pages[g] += 1
             self.pool.release(src)  # refcount was > 1: src stays in use by its other holders
             copies.append(PageCopy(src.page_id, dst.page_id))
         if writes:
             state.may_share = False
         if num_new_pages > 0:
-            for g, (table, ids) in enumerate(zip(tables, state.ids, strict=True)):
-                new = self.pool.allocate(num_new_pages)
-                table.extend(new)
-                ids.extend([p.page_id for p in new])
-                self._group_pages[g] += num_new_pages
+            self._append_pages(state, num_new_pages)
         state.num_computed = total
         state.num_draft = num_draft
         if cache and total // ps > state.num_cached_blocks:
@@ -394,10 +419,13 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r}: {computed} tokens computed, {len(token_ids)} given")
         state.num_computed, state.num_draft = computed, 0
         keep = cdiv(computed, self.page_size)
-        for g, (table, ids) in enumerate(zip(state.tables, state.ids, strict=True)):
-            while len(table) > keep:  # fresh pages of this step: refcount 1, never hashed
-                self._release(table.pop(), g)
-                ids.pop()
+        held = len(state.tables[0])
+        if held > keep:
+            for g, table in enumerate(state.tables):
+                while len(table) > keep:  # fresh pages of this step: refcount 1, never hashed
+                    self._release(table.pop(), g)
+            self.block_tables_array.array[:, state.row, keep:held] = NULL_PAGE
+            self.block_tables_array.lengths[state.row] = keep
         self._cache_full_blocks(state, token_ids)
 
     def num_draft_slots(self, request_id: str) -> int:
@@ -424,6 +452,11 @@ class KVCacheManager:
                 if page is not null:
                     self.pool.touch(page)
         parent.may_share = True
+        row = self.block_tables_array.new_row()
+        array = self.block_tables_array.array
+        held = len(parent.tables[0])
+        array[:, row, :held] = array[:, parent.row, :held]
+        self.block_tables_array.lengths[row] = held
         self.requests[child_id] = RequestPages(
             [list(table) for table in parent.tables],
             parent.num_computed,
@@ -431,7 +464,7 @@ class KVCacheManager:
             parent.num_cached_blocks,
             parent.extra_keys,
             list(parent.dropped),
-            [list(ids) for ids in parent.ids],
+            row,
             parent.drop_at,
             may_share=True,
         )
@@ -452,6 +485,7 @@ class KVCacheManager:
                 page = table[i]
                 if page is not null:
                     self._release(page, g)
+        self.block_tables_array.free_row(state.row)
 
     # ----------------------------------------------------------------------------------- introspection
 
@@ -474,16 +508,16 @@ class KVCacheManager:
         for state in self.requests.values():
             written = state.num_computed + state.num_draft
             fill = written % ps
-            for g, (group, ids) in enumerate(zip(self.groups, state.ids, strict=True)):
-                if fill and ids and ids[-1] not in empty:
-                    empty[ids[-1]] = ps - fill
+            for g, (group, table) in enumerate(zip(self.groups, state.tables, strict=True)):
+                if fill and table and table[-1].page_id not in empty:
+                    empty[table[-1].page_id] = ps - fill
                     group_empty[g] += ps - fill
                 if group.window is None:
                     continue
                 lo_tok = max(0, state.num_computed - group.window + 1)
                 first = lo_tok // ps
-                if first < len(ids) and ids[first] != NULL_PAGE and lo_tok % ps:
-                    pid, n = ids[first], lo_tok % ps
+                if first < len(table) and table[first].page_id != NULL_PAGE and lo_tok % ps:
+                    pid, n = table[first].page_id, lo_tok % ps
                     if n < unread.get(pid, ps + 1):
                         group_unread[g] += n - unread.get(pid, 0)
                         unread[pid] = n
@@ -530,16 +564,38 @@ class KVCacheManager:
         """Window ``wi``'s groups' blocks ``[dropped, upto)`` leave their tables (oldest first, so among cached
         ones the oldest is evicted first)."""
         null, release = self._null, self._release
+        lo = state.dropped[wi]
         for g in self._window_groups[wi]:
-            table, ids = state.tables[g], state.ids[g]
-            for i in range(state.dropped[wi], upto):
+            table = state.tables[g]
+            for i in range(lo, upto):
                 page = table[i]
                 if page is not null:
                     table[i] = null
-                    ids[i] = NULL_PAGE
                     release(page, g)
+        g0, g1 = self._window_group_span[wi]
+        self.block_tables_array.array[g0:g1, state.row, lo:upto] = NULL_PAGE
         state.dropped[wi] = upto
         state.drop_at = self._drop_at(state.dropped)
+
+    def _append_pages(self, state: RequestPages, n: int) -> None:
+        """Every group's table grows by ``n`` fresh pages, taken from the pool in one call (the caller checked
+        they are free)."""
+        num_groups = self.num_groups
+        new = self.pool.allocate(num_groups * n)
+        held = len(state.tables[0])
+        group_pages = self._group_pages
+        for g, table in enumerate(state.tables):
+            table.extend(new[g * n : (g + 1) * n])
+            group_pages[g] += n
+        tables = self.block_tables_array
+        if held + n > tables.width:
+            tables.reserve(held + n)
+        if n == 1:
+            tables.array[:, state.row, held] = [p.page_id for p in new]
+        else:
+            ids = np.fromiter((p.page_id for p in new), np.int32, num_groups * n)
+            tables.array[:, state.row, held : held + n] = ids.reshape(num_groups, n)
+        tables.lengths[state.row] = held + n
 
     def _release(self, page: Page, group: int) -> None:
         """Drop one reference of a page of ``group``; the group's count of pages loses it at refcount 0."""
@@ -598,11 +654,13 @@ class KVCacheManager:
         if num_full <= state.num_cached_blocks:
             return
         if self.enable_prefix_caching:
-            self.hasher.extend(state.block_hashes, token_ids, num_full, state.extra_keys)
-            null = self._null
+            hashes = state.block_hashes
+            self.hasher.extend(hashes, token_ids, num_full, state.extra_keys)
+            null, cache, lo = self._null, self.pool.cache, state.num_cached_blocks
             for g, table in enumerate(state.tables):
-                for i in range(state.num_cached_blocks, num_full):
+                suffix = self._key_suffix[g]
+                for i in range(lo, num_full):
                     page = table[i]
                     if page is not null:
-                        self.pool.cache(page, self.cache_key(state.block_hashes[i], g))
+                        cache(page, BlockHash(hashes[i] + suffix) if g else hashes[i])  # cache_key
         state.num_cached_blocks = num_full

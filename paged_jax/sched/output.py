@@ -1,13 +1,15 @@
 """The scheduler's output: everything the runner needs for one step and nothing more.
 
-Each scheduled sequence's token range and its page ids, the rows that sample, the pages to copy and the LoRA
-adapters to write into device slots first. The
-runner never talks to the KV manager; this record is the whole contract between them.
+Each scheduled sequence's token range, every scheduled sequence's block tables (one array), the rows that sample,
+the pages to copy and the LoRA adapters to write into device slots first. The runner never talks to the KV manager;
+this record is the whole contract between them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from paged_jax.kv_cache import PageCopy
 from paged_jax.lora.registry import SlotLoad
@@ -21,13 +23,7 @@ class ScheduledSeq:
     seq: TokenSequence
     start: int
     num_new: int
-    page_ids: list[int]  # the sequence's block table after this step's allocation: logical block i -> page
     draft: list[int] = field(default_factory=list)  # unverified draft tokens at [start + num_new, ... + len(draft))
-    # KV cache groups 1, 2, ... (`paged_jax.kv_cache.groups`; `page_ids` is group 0's): each one's block table from
-    # its first block still held (`group_first_blocks`, 0 in a full group; a window group dropped those before), so
-    # block `group_first_blocks[g] + j` -> page `group_page_ids[g][j]`; both empty for a model of one group
-    group_page_ids: list[list[int]] = field(default_factory=list)
-    group_first_blocks: list[int] = field(default_factory=list)
     # prompt positions p whose logits give the logprob of prompt token p + 1 this step (`prompt_logprobs`)
     prompt_logprob_positions: range = range(0)
 
@@ -53,6 +49,10 @@ class SampleRow:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # [G, len(scheduled), width] i32: row i is scheduled[i]'s block table after this step's allocation in every KV
+    # cache group (`paged_jax.kv_cache.groups`), logical block j -> page; 0: the null page (a window group's dropped
+    # blocks, and past a table's end); width: the longest table. `KVCacheManager.step_tables`.
+    block_tables: np.ndarray = field(default_factory=lambda: np.zeros((1, 0, 0), np.int32))
     sample_rows: list[SampleRow] = field(default_factory=list)  # row r of the step's samples
     copy_ops: list[PageCopy] = field(default_factory=list)  # copy-on-write, before the step writes
     lora_loads: list[SlotLoad] = field(default_factory=list)  # adapters to write into device slots, before the step

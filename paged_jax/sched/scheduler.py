@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paged_jax.kv_cache import NULL_PAGE, KVCacheManager
+from paged_jax.kv_cache import KVCacheManager
 from paged_jax.lora.registry import SlotTable
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
@@ -112,6 +112,9 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget, scheduled)
         out.num_tokens = sum(s.num_scheduled for s in out.scheduled)
+        # One gather of the persistent tables (a scheduled sequence's tables do not change later in the step: it
+        # allocated once, and a victim of preemption is never one already scheduled).
+        out.block_tables = self.kv.step_tables([s.seq.seq_id for s in out.scheduled])
         return out
 
     def _drafts(self, seq: TokenSequence, num_new: int, budget: int) -> list[int]:
@@ -185,12 +188,7 @@ class Scheduler:
         includes the new tokens)."""
         scheduled.add(seq.seq_id)
         end = self.kv.num_computed_tokens(seq.seq_id)
-        if self.kv.num_groups == 1:
-            item = ScheduledSeq(seq, end - num_new, num_new, self.kv.page_ids(seq.seq_id), list(draft))
-        else:  # group 0's whole table, the other groups' from their first block still held
-            first, live = self.kv.live_tables(seq.seq_id)
-            page_ids = [NULL_PAGE] * first[0] + live[0] if first[0] else live[0]
-            item = ScheduledSeq(seq, end - num_new, num_new, page_ids, list(draft), live[1:], first[1:])
+        item = ScheduledSeq(seq, end - num_new, num_new, list(draft))
         if seq.needs_prompt_logprobs:
             assert item.start <= seq.prompt_logprobs_done, (item.start, seq.prompt_logprobs_done)
             stop = min(end, len(seq.prompt_token_ids) - 1)

@@ -109,10 +109,11 @@ class DraftModelProposer:
             sched = SchedulerOutput()
             for seq in active:
                 prev = drafts[seq.seq_id][-1]
-                item = ScheduledSeq(seq, seq.num_tokens + j - 1, 0, self.kv.page_ids(seq.seq_id), [prev])
+                item = ScheduledSeq(seq, seq.num_tokens + j - 1, 0, [prev])
                 sched.scheduled.append(item)
                 sched.sample_rows.append(SampleRow(seq, len(sched.scheduled) - 1, (prev,)))
             sched.num_tokens = len(active)
+            sched.block_tables = self.kv.step_tables([seq.seq_id for seq in active])
             ids = np.asarray(jax.device_get(self.runner.launch_greedy(sched)))
             for r, seq in enumerate(active):
                 drafts[seq.seq_id].append(int(ids[r]))
@@ -157,7 +158,7 @@ class DraftModelProposer:
             while queue and budget > 0 and len(sched.scheduled) < self.runner.max_num_seqs:
                 seq, start, n = queue[0]
                 chunk = min(n, budget)
-                sched.scheduled.append(ScheduledSeq(seq, start, chunk, self.kv.page_ids(seq.seq_id)))
+                sched.scheduled.append(ScheduledSeq(seq, start, chunk))
                 budget -= chunk
                 if chunk == n:
                     queue.pop(0)
@@ -166,6 +167,7 @@ class DraftModelProposer:
                 else:
                     queue[0] = [seq, start + chunk, n - chunk]
             sched.num_tokens = self.budget - budget
+            sched.block_tables = self.kv.step_tables([item.seq.seq_id for item in sched.scheduled])
             ids = np.asarray(jax.device_get(self.runner.launch_greedy(sched)))
             firsts.update({key: int(ids[r]) for r, key in enumerate(rows)})
         return firsts

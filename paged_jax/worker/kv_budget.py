@@ -130,7 +130,11 @@ def kv_capacity_pages(
 
 def engine_kv_layout(config: ModelConfig, ec: EngineConfig) -> KVLayout:
     """The engine's KV cache groups (`paged_jax.kv_cache.groups.kv_layout`): hybrid (a window group's tables keep
-    only what its window reads) when `ec.hybrid_kv` and `ec.scan_layers` is not "off" (the grouped pages are a
-    stacked cache's; "auto" scans a grouped model on every platform, `paged_jax.model.scan.use_scan`), else one
-    group of every layer."""
-    return kv_layout(config, hybrid=ec.hybrid_kv and ec.scan_layers != "off")
+    only what its window reads) when `ec.hybrid_kv`, and for a model of several groups only when `ec.scan_layers`
+    is not "off" (the grouped pages are a stacked cache's; "auto" scans a grouped model on every platform,
+    `paged_jax.model.scan.use_scan`; a model whose every layer slides is one group either way); else one group of
+    every layer with full-length pages."""
+    layout = kv_layout(config, hybrid=ec.hybrid_kv)
+    if len(layout.groups) > 1 and ec.scan_layers == "off":
+        return kv_layout(config, hybrid=False)
+    return layout

@@ -63,28 +63,32 @@ def build_step_inputs(
     sched: SchedulerOutput, t: int, s: int, page_size: int, max_blocks: int, num_groups: int = 1
 ) -> StepInputs:
     """The step inputs of `sched` for token bucket `t` and sequence bucket `s` (both at least what it holds);
-    `num_groups` > 1: one block table and slot mapping per KV cache group (`ScheduledSeq.group_page_ids`)."""
-    if sched.num_tokens > t or max(len(sched.scheduled), len(sched.sample_rows)) > s:
+    `num_groups` > 1: one block table and slot mapping per KV cache group (`SchedulerOutput.block_tables`)."""
+    num_seqs = len(sched.scheduled)
+    if sched.num_tokens > t or max(num_seqs, len(sched.sample_rows)) > s:
         raise ValueError(
-            f"a step of {sched.num_tokens} tokens, {len(sched.scheduled)} sequences and "
+            f"a step of {sched.num_tokens} tokens, {num_seqs} sequences and "
             f"{len(sched.sample_rows)} sample rows does not fit buckets T={t}, S={s}"
+        )
+    given = sched.block_tables
+    if given.shape[0] != num_groups or given.shape[1] != num_seqs or given.shape[2] > max_blocks:
+        raise ValueError(
+            f"block tables of shape {given.shape} for {num_groups} KV groups, {num_seqs} sequences and at most "
+            f"{max_blocks} blocks"
         )
     token_ids = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
+    seq_of_token = np.zeros(t, np.intp)
     slots = np.full((num_groups, t), -1, np.int32)
     kv_lens = np.zeros(s, np.int32)
     tables = np.zeros((num_groups, s, max_blocks), np.int32)
+    tables[:, :num_seqs, : given.shape[2]] = given
     cu = np.zeros(s + 1, np.int32)
     prev_rows = np.full(t, -1, np.int32)
     lora_slots = np.zeros(t, np.int32)
     off = 0
     for i, item in enumerate(sched.scheduled):
         seq, start, n = item.seq, item.start, item.num_scheduled
-        if len(item.group_page_ids) != num_groups - 1:
-            raise ValueError(f"{seq.seq_id}: {1 + len(item.group_page_ids)} block tables for {num_groups} KV groups")
-        tables[0, i, : len(item.page_ids)] = item.page_ids
-        for g, (lo, ids) in enumerate(zip(item.group_first_blocks, item.group_page_ids, strict=True), 1):
-            tables[g, i, lo : lo + len(ids)] = ids
         if n == 1 and not item.draft:
             if seq.pending is not None and start == seq.num_tokens - 1:
                 prev_rows[off] = seq.pending.row
@@ -93,21 +97,37 @@ def build_step_inputs(
         else:
             token_ids[off : off + item.num_new] = seq.all_token_ids[start : start + item.num_new]
             token_ids[off + item.num_new : off + n] = item.draft
-        pos = np.arange(start, start + n, dtype=np.int32)
-        positions[off : off + n] = pos
-        slots[:, off : off + n] = tables[:, i, pos // page_size] * page_size + pos % page_size
-        lora_slots[off : off + n] = seq.lora_slot
+        if n == 1:
+            positions[off] = start
+            seq_of_token[off] = i
+            lora_slots[off] = seq.lora_slot
+        else:
+            positions[off : off + n] = np.arange(start, start + n, dtype=np.int32)
+            seq_of_token[off : off + n] = i
+            lora_slots[off : off + n] = seq.lora_slot
         off += n
         kv_lens[i] = start + n
         cu[i + 1] = off
-    cu[len(sched.scheduled) + 1 :] = off
+    cu[num_seqs + 1 :] = off
+    pos = positions[:off]
+    slots[:, :off] = tables[:, seq_of_token[:off], pos // page_size] * page_size + pos % page_size
     logits_indices = np.zeros(s, np.int32)
     for r, row in enumerate(sched.sample_rows):
         logits_indices[r] = cu[row.index + 1] - 1 - len(sched.scheduled[row.index].draft) + len(row.draft_prefix)
-    num_seqs = np.array([len(sched.scheduled)], np.int32)
     if num_groups == 1:
         slots, tables = slots[0], tables[0]
-    return StepInputs(token_ids, positions, slots, kv_lens, tables, cu, num_seqs, logits_indices, prev_rows, lora_slots)
+    return StepInputs(
+        token_ids,
+        positions,
+        slots,
+        kv_lens,
+        tables,
+        cu,
+        np.array([num_seqs], np.int32),
+        logits_indices,
+        prev_rows,
+        lora_slots,
+    )
 
 
 @dataclass(slots=True)

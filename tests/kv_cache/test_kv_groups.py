@@ -46,6 +46,7 @@ def test_layout_of_gemma3_4b_shapes() -> None:
         one = kv_layout(cfg)
         assert one.slots_per_page == 4 and len(one.groups) == 1 and one.groups[0].layers == (0, 1, 2, 3)
     assert kv_layout(cfg).groups[0].window == 64
+    assert kv_layout(cfg, hybrid=False).windows == (None,)  # off: full-length pages, every layer sliding too
     gemma = ModelConfig(num_layers=34, sliding_window=1024, sliding_window_pattern=6)
     assert kv_layout(gemma, hybrid=False).windows == (None,)
 

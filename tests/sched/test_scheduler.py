@@ -49,7 +49,9 @@ def seqs(rid: str, prompt: list[int], n: int = 1) -> tuple[TokenSequence, list[T
 
 
 def entries(out) -> list[tuple[str, int, int, list[int]]]:
-    return [(s.seq.seq_id, s.start, s.num_new, s.page_ids) for s in out.scheduled]
+    """(id, start, new tokens, block table): one group, so the null page 0 only pads past a table's end."""
+    tables = out.block_tables[0].tolist()
+    return [(s.seq.seq_id, s.start, s.num_new, [p for p in t if p]) for s, t in zip(out.scheduled, tables, strict=True)]
 
 
 def rows(out) -> list[tuple[str, int]]:

@@ -24,8 +24,16 @@ def seq(rid: str, prompt: list[int], output: list[int] = (), index: int = 0, **p
     return s
 
 
-def step(items: list[ScheduledSeq], rows: list[SampleRow]) -> SchedulerOutput:
-    return SchedulerOutput(scheduled=items, sample_rows=rows, num_tokens=sum(i.num_new for i in items))
+def step(items: list[ScheduledSeq], rows: list[SampleRow], tables: list[list[list[int]]]) -> SchedulerOutput:
+    """`tables[g][i]`: the block table of `items[i]` in KV cache group g (padded here with the null page)."""
+    width = max((len(t) for group in tables for t in group), default=0)
+    array = np.zeros((len(tables), len(items), width), np.int32)
+    for g, group in enumerate(tables):
+        for i, table in enumerate(group):
+            array[g, i, : len(table)] = table
+    return SchedulerOutput(
+        scheduled=items, sample_rows=rows, num_tokens=sum(i.num_new for i in items), block_tables=array
+    )
 
 
 def test_prefill_decode_and_a_placeholder_in_one_step():
@@ -34,8 +42,9 @@ def test_prefill_decode_and_a_placeholder_in_one_step():
     c = seq("c", list(range(20, 28)), [60, PLACEHOLDER])  # its newest id is row 2 of the previous step's samples
     c.pending = PendingToken(row=2, is_last=False)
     sched = step(
-        [ScheduledSeq(a, 0, 10, [3, 5]), ScheduledSeq(b, 6, 1, [7]), ScheduledSeq(c, 9, 1, [2, 4])],
+        [ScheduledSeq(a, 0, 10), ScheduledSeq(b, 6, 1), ScheduledSeq(c, 9, 1)],
         [SampleRow(a, 0), SampleRow(b, 1), SampleRow(c, 2)],
+        [[[3, 5], [7], [2, 4]]],
     )
     x = build_step_inputs(sched, t=16, s=8, page_size=PS, max_blocks=4)
     assert x.token_ids.tolist() == [*range(100, 110), 51, 0, 0, 0, 0, 0]
@@ -68,8 +77,9 @@ def test_a_prompt_chunk_samples_nothing_and_forked_children_share_the_leaders_ro
     lead, child = seq("f", [9] * 12, index=0, n=2), seq("f", [9] * 12, index=1, n=2)
     # the first 16 tokens of `long` (a chunk), then `f`'s whole 12-token prompt (its sample 1 forks now)
     sched = step(
-        [ScheduledSeq(long, 0, 16, [1, 2]), ScheduledSeq(lead, 0, 12, [3, 4])],
+        [ScheduledSeq(long, 0, 16), ScheduledSeq(lead, 0, 12)],
         [SampleRow(lead, 1), SampleRow(child, 1)],
+        [[[1, 2], [3, 4]]],
     )
     x = build_step_inputs(sched, t=32, s=8, page_size=PS, max_blocks=5)
     assert x.logits_indices.tolist() == [27, 27, 0, 0, 0, 0, 0, 0]  # both rows: the last token of `f`
@@ -83,7 +93,7 @@ def test_a_step_larger_than_its_buckets_is_refused():
     a = seq("a", list(range(20)))
     with pytest.raises(ValueError, match="does not fit buckets"):
         build_step_inputs(
-            step([ScheduledSeq(a, 0, 20, [1, 2, 3])], [SampleRow(a, 0)]), t=16, s=8, page_size=PS, max_blocks=4
+            step([ScheduledSeq(a, 0, 20)], [SampleRow(a, 0)], [[[1, 2, 3]]]), t=16, s=8, page_size=PS, max_blocks=4
         )
 
 
@@ -117,10 +127,13 @@ def test_a_greedy_step_uses_the_cheapest_sampler_and_no_history():
 def test_kv_cache_groups_get_one_table_and_slot_mapping_each():
     """Group 1 (a window group) dropped blocks 0 and 1: its row starts at block 2; its tokens' slots are its pages'."""
     a = seq("a", list(range(100, 120)))  # positions 18, 19 computed now, in block 2
-    item = ScheduledSeq(a, 18, 2, [3, 5, 6], group_page_ids=[[9]], group_first_blocks=[2])
-    x = build_step_inputs(step([item], [SampleRow(a, 0)]), t=16, s=8, page_size=PS, max_blocks=4, num_groups=2)
+    item = ScheduledSeq(a, 18, 2)
+    sched = step([item], [SampleRow(a, 0)], [[[3, 5, 6]], [[0, 0, 9]]])
+    x = build_step_inputs(sched, t=16, s=8, page_size=PS, max_blocks=4, num_groups=2)
     assert x.block_tables.shape == (2, 8, 4) and x.slot_mapping.shape == (2, 16)
     assert x.block_tables[:, 0].tolist() == [[3, 5, 6, 0], [0, 0, 9, 0]]
     assert x.slot_mapping[:, :3].tolist() == [[50, 51, -1], [74, 75, -1]]
-    with pytest.raises(ValueError, match="block tables for 3 KV groups"):
-        build_step_inputs(step([item], [SampleRow(a, 0)]), t=16, s=8, page_size=PS, max_blocks=4, num_groups=3)
+    with pytest.raises(ValueError, match=r"block tables of shape \(2, 1, 3\) for 3 KV groups"):
+        build_step_inputs(sched, t=16, s=8, page_size=PS, max_blocks=4, num_groups=3)
+    with pytest.raises(ValueError, match="at most 2 blocks"):
+        build_step_inputs(sched, t=16, s=8, page_size=PS, max_blocks=2, num_groups=2)
