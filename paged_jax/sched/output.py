@@ -1,6 +1,7 @@
 """The scheduler's output: everything the runner needs for one step and nothing more.
 
-Each scheduled sequence's token range and its page ids, the rows that sample, the pages to copy and the LoRA
+Each scheduled sequence's token range and its page ids, the rows that sample, the pages to copy (copy-on-write,
+and to and from the host tier) and the LoRA
 adapters to write into device slots first. The
 runner never talks to the KV manager; this record is the whole contract between them.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paged_jax.kv_cache import PageCopy
+from paged_jax.kv_cache import KVTransfers, PageCopy
 from paged_jax.lora.registry import SlotLoad
 from paged_jax.sched.sequence import TokenSequence
 
@@ -56,6 +57,7 @@ class SchedulerOutput:
     sample_rows: list[SampleRow] = field(default_factory=list)  # row r of the step's samples
     copy_ops: list[PageCopy] = field(default_factory=list)  # copy-on-write, before the step writes
     lora_loads: list[SlotLoad] = field(default_factory=list)  # adapters to write into device slots, before the step
+    kv_transfers: KVTransfers | None = None  # page copies to and from the host tier, before the step (None: none)
     preempted: list[TokenSequence] = field(default_factory=list)
     num_tokens: int = 0
 

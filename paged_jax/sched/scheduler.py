@@ -112,6 +112,8 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget, scheduled)
         out.num_tokens = sum(s.num_scheduled for s in out.scheduled)
+        if out.scheduled:  # pages move only with a step that runs (a step without work allocated nothing)
+            out.kv_transfers = self.kv.take_transfers()
         return out
 
     def _drafts(self, seq: TokenSequence, num_new: int, budget: int) -> list[int]:
