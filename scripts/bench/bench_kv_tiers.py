@@ -9,7 +9,8 @@ turn) over ``--ratio``; the host tier, when on, holds the whole working set. The
 process, side by side: host tier off, then on (the same engine settings, the same device budget). Reported per run:
 prefill tokens computed (scheduled tokens but the decode steps'), prefix hits per tier, TTFT p50/p99 over
 the turns after the first, throughput (generated tokens per second of wall time) and whether the outputs are
-identical; then the goals (>= 3x fewer prefill tokens, >= 2x lower TTFT p50).
+identical; then the goals (>= 3x fewer prefill tokens, >= 2x lower TTFT p50). Last, a restart: the TTFT of a
+request on the system prompt in a fresh engine, cold and over a disk tier a previous engine filled.
 
 The model is the test model ``tiny`` with random weights (2 layers; its position limit raised to fit the prompts:
 RoPE is defined at every position, and nothing here depends on what the tokens say), on the platform JAX picks.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -126,6 +128,54 @@ def run(label: str, args: argparse.Namespace, num_pages: int, host_gib: float, c
     )
 
 
+def restart(args: argparse.Namespace, config, params, num_pages: int) -> None:
+    """Cold vs disk-warm TTFT of one request on the system prompt: a first engine computes it and goes idle (its
+    blocks written behind), then a fresh engine without a disk tier and a fresh one over the same directory each
+    answer a request that shares it."""
+    system, messages = workload(args)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def engine(disk: str | None) -> LLMEngine:
+            ec = EngineConfig(
+                num_pages=num_pages,  # the side-by-side runs' (their executables are reused)
+                page_size=args.page_size,
+                max_num_seqs=args.concurrency,
+                max_num_batched_tokens=args.step_tokens,
+                max_model_len=args.max_model_len,
+                kv_disk_cache_dir=disk,
+                warmup=True,
+            )
+            return LLMEngine(config, params, ByteTokenizer(), ec)
+
+        def ttft(e: LLMEngine, tokens: list[int]) -> tuple[float, list[int], int]:
+            before = e.runner.real_tokens
+            e.add_request(f"r{e.num_steps}", tokens, greedy)
+            out = None
+            while e.has_unfinished():
+                for o in e.step():
+                    if o.finished:
+                        out = o
+            assert out is not None and out.metrics.time_to_first_token is not None
+            computed = e.runner.real_tokens - before - (args.output - 1)
+            return out.metrics.time_to_first_token, list(out.outputs[0].token_ids), computed
+
+        first = engine(tmp)
+        ttft(first, system + messages[0][0])
+        assert first.host_tier is not None and first.host_tier.disk is not None
+        first.host_tier.disk.flush()
+        request = system + messages[1][0]
+        cold_s, cold_out, cold_tok = ttft(engine(None), request)
+        warm = engine(tmp)
+        warm_s, warm_out, warm_tok = ttft(warm, request)
+        hits = warm.stats().kv_disk_hits
+    print(
+        f"restart, {len(request)}-token request on the {len(system)}-token system prompt: cold TTFT "
+        f"{1000 * cold_s:.1f} ms ({cold_tok} prompt tokens computed), disk-warm {1000 * warm_s:.1f} ms ({warm_tok} "
+        f"computed, {hits} blocks read back): {cold_s / warm_s:.1f}x; identical outputs: {cold_out == warm_out}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=16)
@@ -138,16 +188,20 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--step-tokens", type=int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--restart-only", action="store_true", help="only the restart part (cold vs disk-warm TTFT)")
     args = ap.parse_args()
     per_conv = args.turns * (args.user + args.output)
     args.max_model_len = args.system + per_conv + args.page_size
     working_set = args.system + args.conversations * per_conv  # tokens, the shared prompt once
     largest = args.system + per_conv
-    # the budget, but never less than one largest request (plus its last page) needs
-    num_pages = max(int(working_set / args.ratio), largest + args.page_size) // args.page_size + 1
     config = load_model_config("tiny")
     config = config.replace(max_position_embeddings=max(config.max_position_embeddings, args.max_model_len))
     params = init_params(config, seed=0)
+    # the budget, but never less than one largest request (plus its last page) needs
+    num_pages = max(int(working_set / args.ratio), largest + args.page_size) // args.page_size + 1
+    if args.restart_only:
+        restart(args, config, params, num_pages)
+        return
     print(
         f"working set {working_set} tokens ({args.conversations} conversations x {args.turns} turns, system prompt "
         f"{args.system}); device budget {num_pages - 1} pages x {args.page_size} = {(num_pages - 1) * args.page_size} "
@@ -183,6 +237,8 @@ def main() -> None:
         f"{off.ttft_ms(0.99) / on.ttft_ms(0.99):.1f}x lower; mean TTFT {1000 * statistics.mean(off.ttft):.1f} -> "
         f"{1000 * statistics.mean(on.ttft):.1f} ms"
     )
+
+    restart(args, config, params, num_pages)
 
 
 if __name__ == "__main__":
