@@ -66,6 +66,21 @@ class Metrics:
             "paged_jax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
         )
         self.preemptions = Counter("paged_jax_preemptions", "Sequences preempted for lack of KV pages", registry=r)
+        self.kv_host_pages = Gauge(
+            "paged_jax_kv_host_pages_held", "Evicted prefix blocks held in the host-memory KV tier", registry=r
+        )
+        self.kv_host_hits = Counter(
+            "paged_jax_kv_host_hits", "Prefix blocks restored from the host-memory KV tier", registry=r
+        )
+        self.kv_host_offloads = Counter(
+            "paged_jax_kv_host_offloads", "Evicted KV pages copied into the host-memory tier", registry=r
+        )
+        self.kv_host_bytes = Counter(
+            "paged_jax_kv_host_bytes", "Bytes copied between KV pages and the host tier", ["direction"], registry=r
+        )
+        self.kv_host_copy_seconds = Counter(
+            "paged_jax_kv_host_copy_seconds", "Host seconds spent issuing and landing host-tier copies", registry=r
+        )
         self.engine_alive = Gauge("paged_jax_engine_alive", "1 while the engine loop runs", registry=r)
         self.compiles = Counter(
             "paged_jax_compiles", "Step executables compiled (persistent cache loads included)", registry=r
@@ -138,6 +153,15 @@ class Metrics:
             window = "full" if group.window is None else str(group.window)
             self.kv_group_pages.labels(group=str(i), window=window).set(group.pages_in_use)
         self.prefix_hit_rate.set(s.prefix_hit_rate)
+        self.kv_host_pages.set(s.kv_host_pages_held)
+        for key, counter in (
+            ("kv_host_hits", self.kv_host_hits),
+            ("kv_host_offloads", self.kv_host_offloads),
+            ("kv_host_bytes_to_host", self.kv_host_bytes.labels(direction="to_host")),
+            ("kv_host_bytes_to_device", self.kv_host_bytes.labels(direction="to_device")),
+            ("kv_host_copy_seconds", self.kv_host_copy_seconds),
+        ):
+            counter.inc(self._advance(key, s, commit=True))
         new = s.num_preemptions - self._preemptions_seen
         if new > 0:
             self.preemptions.inc(new)

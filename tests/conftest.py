@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 
 from paged_jax.config import ModelConfig, load_model_config  # noqa: E402
 from paged_jax.model.init import Params, init_params  # noqa: E402
+from paged_jax.worker.kv_transfer import clear_executables  # noqa: E402
 from paged_jax.worker.runner import EXECUTABLES  # noqa: E402
 
 # The modules `make test` runs in its second stream, beside the rest of the suite, after the TPU and GPU compile
@@ -66,6 +67,7 @@ def release_executables():
     (something else holding executables) a test error that names the module instead of a crash."""
     yield
     EXECUTABLES.clear()
+    clear_executables()
     jax.clear_caches()
     gc.collect()
     if os.path.exists(MAPS):

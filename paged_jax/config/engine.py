@@ -21,6 +21,13 @@ class EngineConfig:
     num_pages: int | None = None  # explicit KV pages (page 0 is the null page); overrides the budgets below
     kv_cache_memory_fraction: float = 0.9  # of free accelerator memory, for KV pages
     cpu_kv_cache_bytes: int | None = None  # KV budget on CPU; None: 4 GiB, capped (see paged_jax.worker.kv_budget)
+    # Host memory for evicted prefix blocks (paged_jax.kv_cache.host_tier), GiB; 0: off; None: off on CPU, on TPU/GPU
+    # a share of the host memory available at start-up (paged_jax.worker.kv_transfer.host_tier_pages).
+    kv_host_cache_gib: float | None = None
+    # A directory of prefix blocks that survives restarts (paged_jax.kv_cache.disk_tier); None: off. Bounded by
+    # kv_disk_cache_gib, least recently used files deleted first.
+    kv_disk_cache_dir: str | None = None
+    kv_disk_cache_gib: float = 16.0
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # token budget per step
     max_model_len: int | None = None  # prompt + output tokens; default min(model max, 8192)
@@ -97,6 +104,10 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
+        if self.kv_host_cache_gib is not None and not self.kv_host_cache_gib >= 0:
+            raise ValueError(f"kv_host_cache_gib: must be >= 0 (0: off), got {self.kv_host_cache_gib!r}")
+        if not self.kv_disk_cache_gib > 0:
+            raise ValueError(f"kv_disk_cache_gib: must be > 0, got {self.kv_disk_cache_gib!r}")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes <= 0:
             raise ValueError("cpu_kv_cache_bytes: must be positive (or None for the default)")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

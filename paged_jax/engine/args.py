@@ -271,6 +271,16 @@ ENGINE_FLAGS = (
         name="--cpu-kv-cache-gib",
         scale=2**30,
     ),
+    EngineFlag(
+        "kv_host_cache_gib",
+        "host memory for prefix blocks evicted from the KV pages, copied back instead of recomputed (0: off; "
+        "default: off on CPU, 30%% of the available host memory on TPU/GPU)",
+    ),
+    EngineFlag(
+        "kv_disk_cache_dir",
+        "a directory of prefix blocks that survives restarts, written behind and checked on read (default: off)",
+    ),
+    EngineFlag("kv_disk_cache_gib", "the most the disk tier's directory holds (least recently used files go first)"),
     EngineFlag("max_num_seqs", "sequences in one step (the decode batch)"),
     EngineFlag("max_num_batched_tokens", "tokens in one step (decodes and prompt chunks together)"),
     EngineFlag("max_model_len", "prompt + output tokens per sequence (default: the model's maximum, at most 8192)"),

@@ -27,7 +27,7 @@ from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
 from paged_jax.engine.protocol import EngineStats, kv_fields
 from paged_jax.errors import FieldError
-from paged_jax.kv_cache import KVCacheManager, KVLayout
+from paged_jax.kv_cache import DiskTier, HostTier, KVCacheManager, KVLayout, KVTransfers
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.lora.registry import AdapterCache, SlotTable
 from paged_jax.lora.request import LoRARequest
@@ -44,6 +44,7 @@ from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 from paged_jax.worker.executables import PROCESS as COMPILES
 from paged_jax.worker.kv_budget import engine_kv_layout, kv_capacity_pages
+from paged_jax.worker.kv_transfer import DISK_ONLY_HOST_PAGES, block_fingerprint, host_tier_pages
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
 from paged_jax.worker.runner import ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
@@ -143,12 +144,14 @@ class LLMEngine:
             layout=self.kv_layout,
         )
         spec_tokens = 0 if spec_config is None else spec_config.num_speculative_tokens
+        self.host_tier = self._host_tier(run_config, params, ec, kv_dtype, mesh)
         self.kv = KVCacheManager(
             self.num_pages,
             ec.page_size,
             ec.enable_prefix_caching,
             groups=self.kv_layout.groups,
             max_step_tokens=(ec.chunk_size or ec.max_num_batched_tokens) + spec_tokens,
+            host_tier=self.host_tier,
         )
         self.adapters, lora_slots = None, None
         if ec.enable_lora:  # adapters are checked against the model's own shapes, slots use the run config's
@@ -165,6 +168,10 @@ class LLMEngine:
             lora_slots=lora_slots,
         )
         self.runner = make_runner(run_config, params, ec, self.num_pages, self.max_model_len, mesh, self.kv_layout)
+        if self.host_tier is not None:
+            transfer = self.runner.attach_host_tier(self.host_tier)
+            if ec.warmup:
+                transfer.compile_all(self.runner.kv_caches)
         if spec_config is not None:
             self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len, self.num_pages)
         self.inputs = InputProcessor(
@@ -207,6 +214,27 @@ class LLMEngine:
         self.host_seconds = 0.0  # scheduling + bookkeeping time on the host
         if ec.warmup:
             self.warmup(warmup_plan)
+
+    def _host_tier(
+        self, run_config: ModelConfig, params, ec: EngineConfig, kv_dtype, mesh: jax.sharding.Mesh | None
+    ) -> HostTier | None:
+        """The host tier `ec.kv_host_cache_gib` asks for (`paged_jax.kv_cache.host_tier`) and behind it the disk
+        tier of `ec.kv_disk_cache_dir`; None: off (or prefix caching is off: nothing is keyed)."""
+        platform = jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
+        slabs = self.kv_layout.slots_per_page
+        page_bytes = quant.kv_bytes_per_page(run_config, kv_dtype, ec.page_size, num_slabs=slabs)
+        replicas = jax.local_device_count() // ec.tensor_parallel_size  # data-parallel engines of this process
+        pages = host_tier_pages(ec.kv_host_cache_gib, page_bytes, platform, replicas)
+        disk = None
+        if ec.kv_disk_cache_dir is not None and ec.enable_prefix_caching:
+            fp = block_fingerprint(run_config, params, kv_dtype, ec.page_size, self.kv_layout)
+            disk = DiskTier(ec.kv_disk_cache_dir, fp, int(ec.kv_disk_cache_gib * 2**30))
+            pages = max(pages, DISK_ONLY_HOST_PAGES)  # the disk tier's copies go through the host tier
+            log.info("KV disk tier: %s (%d blocks found)", disk.dir, len(disk.files))
+        if pages < 1 or not ec.enable_prefix_caching:
+            return None
+        log.info("KV host tier: %d pages, %.1f MiB of host memory", pages, pages * page_bytes / 2**20)
+        return HostTier(pages, disk)
 
     def warmup(
         self,
@@ -339,8 +367,25 @@ class LLMEngine:
         """Run one batch; return an output for every request that produced tokens or finished.
 
         With `async_scheduling` (the default) the engine dispatches step n+1 before it waits for step n's
-        samples (`paged_jax.engine.lookahead`); the outputs returned are then step n's.
+        samples (`paged_jax.engine.lookahead`); the outputs returned are then step n's. A step after which the
+        engine is idle also writes out the KV tiers' last copies (`flush_kv_tiers`).
         """
+        outputs = self._step()
+        if self.host_tier is not None and self.lookahead.inflight is None and not self.has_unfinished():
+            self.flush_kv_tiers()
+        return outputs
+
+    def flush_kv_tiers(self) -> None:
+        """With no step in flight: copy the blocks the last steps computed to the host tier's writer (the disk
+        tier's; a running engine does it with the next step's copies) and land every copy still on its way."""
+        transfer = self.runner.kv_transfer
+        assert self.host_tier is not None and transfer is not None and self.lookahead.inflight is None
+        persists = self.host_tier.drain_persists()
+        if persists:
+            self.runner.kv_caches = transfer.apply(self.runner.kv_caches, KVTransfers(persists=persists))
+        transfer.land()
+
+    def _step(self) -> list[RequestOutput]:
         t0, appended, compiles = time.perf_counter(), self.num_appended, COMPILES.backend_compiles
         if not self.engine_config.async_scheduling:
             launched = self.launch_step()

@@ -55,6 +55,27 @@ class EngineStats:
     # layer-token slots some layer can still read / those of the pages in use (`KVCacheStats.kv_utilization`)
     kv_utilization: float = 1.0
     kv_groups: tuple[GroupStats, ...] = ()  # per KV cache group: its window, layers and pages in use
+    # The host tier (paged_jax.kv_cache.host_tier; zeros without one): of prefix_hits, tokens restored from it; its
+    # slots and those held; blocks restored (hits), evicted pages copied in (offloads), entries it dropped; bytes
+    # copied each way and the host time the copies took.
+    prefix_hits_host: int = 0
+    kv_host_pages_capacity: int = 0
+    kv_host_pages_held: int = 0
+    kv_host_hits: int = 0
+    kv_host_offloads: int = 0
+    kv_host_evictions: int = 0
+    kv_host_bytes_to_host: int = 0
+    kv_host_bytes_to_device: int = 0
+    kv_host_copy_seconds: float = 0.0
+    # The disk tier (paged_jax.kv_cache.disk_tier; zeros without one): files and bytes held, blocks read back, files
+    # written, files rejected (truncated, corrupt, foreign: deleted), write faults, files deleted for size.
+    kv_disk_files: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_hits: int = 0
+    kv_disk_writes: int = 0
+    kv_disk_rejected: int = 0
+    kv_disk_write_errors: int = 0
+    kv_disk_evictions: int = 0
     # Speculative decoding (paged_jax.spec_decode.SpecStats): runs verified, drafts scored, drafts kept, their ratio,
     # kept
     # per run, and per draft position the share kept.
@@ -93,8 +114,10 @@ class EngineStats:
 
 def kv_fields(kv: KVCacheStats) -> dict:
     """The `EngineStats` fields of a KV manager's snapshot (its per-group records kept as records)."""
-    fields = {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv) if f.name != "groups"}
-    return {**fields, "kv_groups": kv.groups}
+    fields = {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv) if f.name not in ("groups", "host", "disk")}
+    host = {} if kv.host is None else {"kv_host_" + k: v for k, v in dataclasses.asdict(kv.host).items()}
+    disk = {} if kv.disk is None else {"kv_disk_" + k: v for k, v in dataclasses.asdict(kv.disk).items()}
+    return {**fields, **host, **disk, "kv_groups": kv.groups}
 
 
 class Engine(Protocol):

@@ -21,7 +21,7 @@ def _fail(msg: str) -> NoReturn:
 
 def check_manager_invariants(m: KVCacheManager) -> None:
     """Every page in exactly one state, refcounts == table holders (every group's), sound free list, cache map and
-    tables (a window group's null entries only below what its future queries read)."""
+    tables (a window group's null entries only below what its future queries read), and the host tier's slots."""
     pool = m.pool
     ps = m.page_size
     pages = pool.pages
@@ -148,3 +148,6 @@ def check_manager_invariants(m: KVCacheManager) -> None:
         _fail(f"{cached_free} cached free pages, counter says {pool.num_cached_free}")
     if not m.enable_prefix_caching and pool.cached:
         _fail("prefix caching is off but the cache map is not empty")
+    # The host tier: every slot free or exactly one entry's, in-flight entries held.
+    if m.host_tier is not None:
+        m.host_tier.check()

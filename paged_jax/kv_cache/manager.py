@@ -41,13 +41,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
 from paged_jax.kv_cache.block_table import BlockTables
 from paged_jax.kv_cache.groups import FULL, KVGroup
 from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
+from paged_jax.kv_cache.host_tier import HostTier, KVTransfers
 from paged_jax.kv_cache.page_bounds import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE, Page, PagePool
 from paged_jax.kv_cache.stats import GroupStats, KVCacheStats
@@ -100,8 +101,11 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         groups: Sequence[KVGroup] = (FULL,),
         max_step_tokens: int | None = None,
+        host_tier: HostTier | None = None,
     ) -> None:
         """`groups`: the KV cache groups (`paged_jax.kv_cache.groups.kv_layout`), one by default.
+        `host_tier`: where evicted full blocks go and prefix hits the device misses come from
+        (`paged_jax.kv_cache.host_tier`); None: an evicted block is forgotten.
         `max_step_tokens`: the most tokens a step computes for one sequence (the scheduler's chunk, drafts
         included), which bounds a window group's pages in `can_ever_fit`; None: a step may compute a whole
         request."""
@@ -143,6 +147,12 @@ class KVCacheManager:
             for members, (g0, g1) in zip(self._window_groups, self._window_group_span, strict=True)
         ):
             raise ValueError(f"groups: the groups of one window must be consecutive, got {groups!r}")
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self._prefix_hits_host = 0  # of the hits, tokens of blocks some group restored from the host tier
+        self._known: _Known | dict[BlockHash, Page] = self.pool.cached  # what a prefix lookup can hit
+        if self.host_tier is not None:
+            self.pool.on_evict = self.host_tier.offload
+            self._known = _Known(self.pool.cached, self.host_tier)
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -281,20 +291,27 @@ class KVCacheManager:
         if live > self.num_pages - 1:
             raise ValueError(f"request {request_id!r} needs {live} pages, the pool has {self.num_pages - 1}")
         lookup = self.pool.cached
-        hits = [[lookup[self.cache_key(hashes[i], g)] for i in range(lo, num_hits)] for g, lo in enumerate(first)]
-        num_revived = sum(1 for group_hits in hits for b in group_hits if b.ref_cnt == 0)
+        # Per group, its hit pages; None: a block only the host tier holds (restored into a fresh page).
+        hits: list[list[Page | None]] = [
+            [lookup.get(self.cache_key(hashes[i], g)) for i in range(lo, num_hits)] for g, lo in enumerate(first)
+        ]
+        num_revived = sum(1 for group_hits in hits for b in group_hits if b is None or b.ref_cnt == 0)
         if self.num_groups * (need - num_hits) + num_revived > self.pool.free_queue.num_free:
             return None
         # Revive every group's hits first: they leave the free list, so the allocation below cannot evict them.
         for g, group_hits in enumerate(hits):
             for page in group_hits:
-                self._group_pages[g] += page.ref_cnt == 0
-                self.pool.touch(page)
+                if page is not None:
+                    self._group_pages[g] += page.ref_cnt == 0
+                    self.pool.touch(page)
+        if self.host_tier is not None:
+            self._restore(hits, first, hashes)
         fresh = need - num_hits
         new = self.pool.allocate(self.num_groups * fresh)  # every group's at once
-        tables = []
+        tables: list[list[Page]] = []
         for g, (lo, group_hits) in enumerate(zip(first, hits, strict=True)):
-            tables.append([self._null] * lo + group_hits + new[g * fresh : (g + 1) * fresh])
+            # `_restore` filled every None
+            tables.append([self._null] * lo + cast(list[Page], group_hits) + new[g * fresh : (g + 1) * fresh])
             self._group_pages[g] += fresh
         row = self.block_tables_array.new_row()
         self.block_tables_array.reserve(need)
@@ -469,6 +486,12 @@ class KVCacheManager:
             may_share=True,
         )
 
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies between the device and the host tier this step's decisions need (evictions to copy out,
+        hits to copy in), for the worker to run before the step; None when there are none or no tier. Called once
+        per step, after the last allocation of the step (`paged_jax.kv_cache.host_tier`: step discipline)."""
+        return None if self.host_tier is None else self.host_tier.take()
+
     def free(self, request_id: str) -> None:
         """Release a finished, aborted or preempted request's pages; raises ``KeyError`` if unknown.
 
@@ -538,7 +561,10 @@ class KVCacheManager:
             prefix_queries=queries,
             prefix_hits=hits,
             prefix_hit_rate=hits / queries if queries else 0.0,
+            prefix_hits_host=self._prefix_hits_host,
             evictions=pool.num_evictions,
+            host=None if self.host_tier is None else self.host_tier.stats(),
+            disk=None if self.host_tier is None or self.host_tier.disk is None else self.host_tier.disk.stats(),
             groups=tuple(
                 GroupStats(group.window, len(group.layers), self._group_pages[g]) for g, group in enumerate(self.groups)
             ),
@@ -615,7 +641,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return 0
-        cached = self.pool.cached
+        cached = self._known
         h = (len(token_ids) - 1) // self.page_size
         for g in self._full_groups:
             i = 0
@@ -639,7 +665,7 @@ class KVCacheManager:
     def _window_hit(self, group: int, window: int, h: int, hashes: list[BlockHash]) -> int:
         """The largest ``h2 <= h`` (blocks) whose blocks ``[first_readable_block(h2 * page_size), h2)`` are all
         cached in ``group``; 0 always qualifies (no hit)."""
-        cached, ps = self.pool.cached, self.page_size
+        cached, ps = self._known, self.page_size
         while h > 0:
             lo = self.first_readable_block(h * ps, window)
             miss = next((i for i in range(h - 1, lo - 1, -1) if self.cache_key(hashes[i], group) not in cached), None)
@@ -647,6 +673,28 @@ class KVCacheManager:
                 return h
             h = miss
         return 0
+
+    def _restore(self, hits: list[list[Page | None]], first: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """Fill each host-tier hit (a None in ``hits``) with a fresh page, cached under its key, that the worker
+        copies the block into before the step. Every slot is claimed (pinned) before any page is allocated, so
+        the evictions those allocations cause cannot reuse a slot still to be read."""
+        tier = self.host_tier
+        assert tier is not None
+        claims = [
+            (g, j, self.cache_key(hashes[lo + j], g), tier.claim(self.cache_key(hashes[lo + j], g)))
+            for g, (lo, group_hits) in enumerate(zip(first, hits, strict=True))
+            for j, page in enumerate(group_hits)
+            if page is None
+        ]
+        restored_blocks = set()
+        for g, j, key, slot in claims:
+            page = self.pool.allocate(1)[0]
+            self.pool.cache(page, key)
+            tier.restore(slot, page.page_id)
+            hits[g][j] = page
+            self._group_pages[g] += 1
+            restored_blocks.add(first[g] + j)
+        self._prefix_hits_host += len(restored_blocks) * self.page_size
 
     def _cache_full_blocks(self, state: RequestPages, token_ids: Sequence[int]) -> None:
         """Offer the request's newly completed full blocks (in every group still holding them) to the cache."""
@@ -662,5 +710,20 @@ class KVCacheManager:
                 for i in range(lo, num_full):
                     page = table[i]
                     if page is not null:
-                        cache(page, BlockHash(hashes[i] + suffix) if g else hashes[i])  # cache_key
+                        key = BlockHash(hashes[i] + suffix) if g else hashes[i]  # cache_key
+                        if cache(page, key) and self.host_tier is not None:
+                            self.host_tier.persist(key, page.page_id)
         state.num_cached_blocks = num_full
+
+
+class _Known:
+    """Membership in the device prefix cache or the host tier: the keys a prefix lookup can hit."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, device: dict[BlockHash, Page], host: HostTier) -> None:
+        self.device = device
+        self.host = host
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.device or key in self.host

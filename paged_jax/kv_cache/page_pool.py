@@ -21,6 +21,7 @@ again; only then is its hash entry removed, so no entry can ever point at a reus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from paged_jax.kv_cache.hashing import BlockHash
@@ -111,7 +112,7 @@ class FreePageQueue:
 class PagePool:
     """Owns every page: hands out fresh pages, revives cached ones, takes them back, evicts lazily."""
 
-    __slots__ = ("pages", "free_queue", "cached", "num_cached_free", "num_evictions", "enable_caching")
+    __slots__ = ("pages", "free_queue", "cached", "num_cached_free", "num_evictions", "enable_caching", "on_evict")
 
     def __init__(self, num_pages: int, enable_caching: bool = True) -> None:
         if num_pages < 2:
@@ -122,6 +123,8 @@ class PagePool:
         self.num_cached_free = 0
         self.num_evictions = 0
         self.enable_caching = enable_caching
+        # Told (hash, page id) when a cached page is evicted, before it is handed out (the host tier copies it).
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -142,6 +145,8 @@ class PagePool:
             page = self.free_queue.popleft()
             if page.block_hash is not None:
                 del self.cached[page.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(page.block_hash, page.page_id)
                 page.block_hash = None
                 self.num_cached_free -= 1
                 self.num_evictions += 1

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paged_jax.kv_cache.disk_tier import DiskTierStats
+from paged_jax.kv_cache.host_tier import HostTierStats
+
 
 @dataclass(slots=True, frozen=True)
 class GroupStats:
@@ -39,10 +42,16 @@ class KVCacheStats:
     prefix_queries: int
     """Prompt tokens looked up at admission (``admit`` calls that succeeded)."""
     prefix_hits: int
-    """Of those, tokens served from the prefix cache."""
+    """Of those, tokens served from the prefix cache, whichever tier held them."""
     prefix_hit_rate: float
     """``prefix_hits / prefix_queries`` (0.0 before the first query)."""
     evictions: int
     """Cached pages whose hash was dropped because the page was reused."""
     groups: tuple[GroupStats, ...] = ()
     """Per KV cache group, in the manager's group order."""
+    prefix_hits_host: int = 0
+    """Of ``prefix_hits``, tokens of blocks restored from the host tier (the rest were on the device)."""
+    host: HostTierStats | None = None
+    """The host tier's (`paged_jax.kv_cache.host_tier`); None: no host tier."""
+    disk: DiskTierStats | None = None
+    """The disk tier's (`paged_jax.kv_cache.disk_tier`); None: no disk tier."""

@@ -1,8 +1,8 @@
 """The scheduler's output: everything the runner needs for one step and nothing more.
 
 Each scheduled sequence's token range, every scheduled sequence's block tables (one array), the rows that sample,
-the pages to copy and the LoRA adapters to write into device slots first. The runner never talks to the KV manager;
-this record is the whole contract between them.
+the pages to copy (copy-on-write, and to and from the KV tiers) and the LoRA adapters to write into device slots
+first. The runner never talks to the KV manager; this record is the whole contract between them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from paged_jax.kv_cache import PageCopy
+from paged_jax.kv_cache import KVTransfers, PageCopy
 from paged_jax.lora.registry import SlotLoad
 from paged_jax.sched.sequence import TokenSequence
 
@@ -56,6 +56,7 @@ class SchedulerOutput:
     sample_rows: list[SampleRow] = field(default_factory=list)  # row r of the step's samples
     copy_ops: list[PageCopy] = field(default_factory=list)  # copy-on-write, before the step writes
     lora_loads: list[SlotLoad] = field(default_factory=list)  # adapters to write into device slots, before the step
+    kv_transfers: KVTransfers | None = None  # page copies to and from the host tier, before the step (None: none)
     preempted: list[TokenSequence] = field(default_factory=list)
     num_tokens: int = 0
 

@@ -115,6 +115,8 @@ class Scheduler:
         # One gather of the persistent tables (a scheduled sequence's tables do not change later in the step: it
         # allocated once, and a victim of preemption is never one already scheduled).
         out.block_tables = self.kv.step_tables([s.seq.seq_id for s in out.scheduled])
+        if out.scheduled:  # pages move only with a step that runs (a step without work allocated nothing)
+            out.kv_transfers = self.kv.take_transfers()
         return out
 
     def _drafts(self, seq: TokenSequence, num_new: int, budget: int) -> list[int]:

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.config import ModelConfig
-from paged_jax.kv_cache import KVGroup, KVLayout, PageCopy
+from paged_jax.kv_cache import HostTier, KVGroup, KVLayout, PageCopy
 from paged_jax.lora import weights as lora_weights
 from paged_jax.lora.delta import LoraBatch
 from paged_jax.lora.registry import SlotLoad
@@ -54,6 +54,7 @@ from paged_jax.worker.compile_jobs import CompileJobs, Job, RunnerKey, fingerpri
 from paged_jax.worker.executable_store import open_store
 from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.kv_allocation import abstract_kv, allocate_kv
+from paged_jax.worker.kv_transfer import KVTransfer
 from paged_jax.worker.paged_attention import GroupedPages, PagedMeta
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta
@@ -186,6 +187,7 @@ class ModelRunner:
         self.show_compiles = False  # a step waiting for a compile shows a progress bar on stderr (Python API)
         self.real_tokens = 0  # tokens of scheduled work, summed over steps
         self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
+        self.kv_transfer: KVTransfer | None = None  # copies to and from the host tier (`attach_host_tier`)
 
     # -- construction, in order ---------------------------------------------------------------------
     @staticmethod
@@ -394,6 +396,14 @@ class ModelRunner:
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk, strict=True)
             self.kv_caches = self._executable(self.jobs.copy(n))(self.kv_caches, src, dst)
 
+    def attach_host_tier(self, tier: HostTier) -> KVTransfer:
+        """Give the pages a host tier (`paged_jax.worker.kv_transfer`): its slots are allocated in the layout of
+        this runner's cache, and each step's `kv_transfers` run before its forward pass."""
+        if self.abstract:
+            raise RuntimeError("an abstract ModelRunner has no KV pages to copy")
+        self.kv_transfer = KVTransfer(self.kv_caches, self.num_pages, tier)
+        return self.kv_transfer
+
     def load_lora(self, load: SlotLoad) -> None:
         """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
         assert self.lora is not None, "adapter loads are scheduled only when LoRA is on"
@@ -447,6 +457,11 @@ class ModelRunner:
         """Copies, adapter loads and the forward step of `sched`, dispatched without waiting."""
         if self.abstract:
             raise RuntimeError("an abstract ModelRunner has no KV pages: it compiles steps, it cannot run one")
+        if sched.kv_transfers is not None:
+            assert self.kv_transfer is not None, "host-tier copies are scheduled only with a host tier"
+            self.kv_caches = self.kv_transfer.apply(self.kv_caches, sched.kv_transfers)
+        elif self.kv_transfer is not None:
+            self.kv_transfer.land()  # the last step's copies to the host (they were gathered before it ran)
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
         for load in sched.lora_loads:

@@ -232,6 +232,10 @@ def test_metrics_endpoint():
         "paged_jax_kv_group_pages_in_use",
         "paged_jax_prefix_cache_hit_rate",
         "paged_jax_preemptions_total",
+        "paged_jax_kv_host_pages_held",
+        "paged_jax_kv_host_hits_total",
+        "paged_jax_kv_host_offloads_total",
+        "paged_jax_kv_host_copy_seconds_total",
     ):
         assert name in body, name
     assert 'paged_jax_requests_total{method="Generate",status="OK"}' in body
