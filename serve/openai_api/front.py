@@ -174,7 +174,14 @@ class OpenAIFront:
             rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
             lora = self._adapter(req)
             submissions = [  # one group: admitted whole or not at all, one turn of admission for all its prompts
-                Submission(rid if len(parsed) == 1 else f"{rid}-{i}", p.prompt_token_ids, p.params, p.cache_salt, lora)
+                Submission(
+                    rid if len(parsed) == 1 else f"{rid}-{i}",
+                    p.prompt_token_ids,
+                    p.params,
+                    p.cache_salt,
+                    lora,
+                    p.thought,
+                )
                 for i, p in enumerate(parsed)
             ]
             streams = self.loop.submit_group(
@@ -185,8 +192,9 @@ class OpenAIFront:
             )
             model = self.model_name if lora is None else lora.lora_name
             echo = await self._off_loop(self._echoes, parsed) if req.echo else None
+            thought = parsed[0].thought if kind == "chat" else None
             builder = ResponseBuilder(
-                kind, rid, model, self.tokenizer, req.logprobs, fmt, echo=echo, prompt_logprobs=req.prompt_logprobs
+                kind, rid, model, self.tokenizer, req.logprobs, fmt, thought, echo, req.prompt_logprobs
             )
             n = parsed[0].params.n
             names = field_names(kind, req.max_tokens_name, req.structured_param)

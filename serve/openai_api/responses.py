@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from paged_jax.tokenization.reasoning import ReasoningStream, Thought, split_reasoning
 from paged_jax.tokenization.tool_calls import ToolCall, ToolFormat
 
 from .protocol import Kind
@@ -59,10 +60,12 @@ class ResponseBuilder:
     tokenizer: Any
     logprobs: int | None
     tool_format: ToolFormat | None = None  # chat replies parsed for tool calls in this format
+    thought: Thought | None = None  # chat replies of a thinking model: split into reasoning_content and content
     echo: list[Echo] | None = None
     prompt_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _streams: dict[int, ToolStream] = field(default_factory=dict)  # per streamed choice, with a tool_format
+    _thoughts: dict[int, ReasoningStream] = field(default_factory=dict)  # per streamed choice, with a thought
     _text_offsets: dict[int, int] = field(default_factory=dict)  # per streamed choice: text_offset so far
 
     @property
@@ -197,13 +200,32 @@ class ResponseBuilder:
                     self._text_offsets[index] = start + len(text)
         else:
             key = "message" if final else "delta"
-            choice[key] = {"role": "assistant", "content": text} if final else {"content": text}
+            reasoning, text = self._reasoning(c, text, final, offset)
+            content = text if text or reasoning is None else None  # beside reasoning, no answer is null
+            choice[key] = {"role": "assistant", "content": content} if final else {"content": text}
+            if reasoning is not None and (final or reasoning):
+                choice[key]["reasoning_content"] = reasoning or None
             choice["logprobs"] = {"content": self._chat_logprobs(logprobs)} if self.logprobs is not None else None
             if self.tool_format is not None and self._with_tool_calls(choice[key], c, text, final, offset):
                 reason = "tool_calls"
         choice["finish_reason"] = FINISH_REASONS.get(reason, reason) if reason is not None else None
         choice["stop_reason"] = stop_reason
         return choice
+
+    def _reasoning(self, c: CompletionOutput, text: str, final: bool, offset: int) -> tuple[str | None, str]:
+        """(the reasoning, the content) of a reply or of a stream's delta; reasoning None without a thought.
+        A whole reply without content answers content null beside its reasoning."""
+        if self.thought is None:
+            return None, text
+        if final:
+            reasoning, content = split_reasoning(self.thought.fmt, self.thought.state, text)
+            return reasoning or "", content or ""
+        stream = self._thoughts.setdefault(offset + c.index, ReasoningStream(self.thought.fmt, self.thought.state))
+        reasoning, content = stream.feed(text)
+        if c.finished:
+            more, rest = stream.finish()
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content
 
     def _with_tool_calls(self, msg: dict[str, Any], c: CompletionOutput, text: str, final: bool, offset: int) -> bool:
         """Put the reply's tool calls into `msg` (a message, or a stream delta); True when it has some."""
