@@ -220,9 +220,27 @@ def test_tool_choice_errors_name_the_parameter(oai):
         assert e.value.body["param"] == param, (kwargs, e.value.body)
 
 
-def test_unknown_family_refuses_a_forced_call(oai):
+def test_a_template_without_tools_gets_the_generic_form_and_forced_calls_work(oai):
+    """SmolLM2's case: a template with no tools section. The tools are described in a system message of the
+    generic form and a forced call is grammar-constrained and parsed as ever."""
     tokenizer = shared().engine.tokenizer
     old, tokenizer.chat_template = tokenizer.chat_template, template_from_text(PLAIN_TEMPLATE, "plain")
+    try:
+        named = {"type": "function", "function": {"name": "get_time"}}
+        r = oai.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=80)
+        assert r.choices[0].finish_reason == "tool_calls"
+        _check_calls(r.choices[0].message.tool_calls, {"get_time"})
+        prompt = oai.chat.completions.create(model=None, messages=ASK, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+        plain = oai.chat.completions.create(model=None, messages=ASK, max_tokens=1).usage.prompt_tokens
+        assert prompt > plain + len(json.dumps(TOOLS[0]))  # the tools went into the prompt
+    finally:
+        tokenizer.chat_template = old
+
+
+def test_a_template_that_reads_tools_in_no_family_refuses_a_forced_call(oai):
+    tokenizer = shared().engine.tokenizer
+    reads = "{% if tools %}[{{ tools | length }} tools]{% endif %}" + PLAIN_TEMPLATE
+    old, tokenizer.chat_template = tokenizer.chat_template, template_from_text(reads, "reads tools")
     try:
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=4)
