@@ -131,7 +131,8 @@ class HermesFormat(ToolFormat):
     def parse(self, text: str) -> ParsedReply:
         """Every `<tool_call>` block, each parsed with the bounds of `paged_jax.bounded_json` (a reply nested
         thousands deep is text, never a RecursionError); the text before, between and after the calls is the
-        content. A malformed call leaves the whole reply as text."""
+        content. A malformed block stays in the content (so the calls of a reply's start never change as it
+        goes on: the stream sends each as soon as it parses)."""
         calls, outside, pos = [], [], 0
         for m in self._CALL.finditer(text):
             try:
@@ -139,7 +140,7 @@ class HermesFormat(ToolFormat):
             except ValueError:
                 call = None
             if call is None:
-                return ParsedReply(text, [])  # a malformed call: the reply stays text
+                continue  # a malformed block: text
             calls.append(call)
             outside.append(text[pos : m.start()])
             pos = m.end()

@@ -284,7 +284,8 @@ class OpenAIFront:
                     if c.new_token_ids or c.new_text or (c.finished and index not in ended):
                         if c.finished:
                             ended.add(index)
-                        yield _data({**builder.delta_chunk(c, offset=i * n, prompt=i), **usage_field})
+                        for chunk in builder.delta_chunks(c, offset=i * n, prompt=i):
+                            yield _data({**chunk, **usage_field})
                 if out.finished:
                     finished.append(out)
                     self.metrics.on_finished(out)

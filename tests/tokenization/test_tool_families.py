@@ -77,10 +77,10 @@ def test_render_parse_back_and_stream(family):
     assert parsed.content == ("Checking." if family != "llama3" else None)
     for cut in range(len(text) + 1):  # the stream: content up to where a call may begin, then the calls
         stream = ToolStream(fmt)
-        sent = stream.feed(text[:cut]) + stream.feed(text[cut:])
-        rest, streamed = stream.finish()
+        pieces = [stream.feed(text[:cut]), stream.feed(text[cut:]), stream.finish()]
+        streamed = [call for _, calls in pieces for _, call in calls]
         assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in parsed.tool_calls]
-        assert (sent + rest).strip() == (parsed.content or ""), cut
+        assert "".join(p[0] for p in pieces).strip() == (parsed.content or ""), cut
 
 
 @pytest.mark.parametrize("family", sorted(TEMPLATES))
