@@ -122,6 +122,9 @@ class SamplingParams:
     `logit_bias` (vLLM's and OpenAI's): token id -> a number in [-100, 100] added to that token's logit before
     penalties, filters and sampling (greedy rows too); logprobs stay those of the model's own distribution.
     `detokenize=False` returns token ids without text (no per-token detokenization on the host).
+    `max_reasoning_tokens`: on a model whose chat template thinks (`paged_jax.tokenization.reasoning`), the
+    thought's budget: past it the engine writes the end tag and the answer continues (`structured.thought`);
+    `structured_outputs` on such a model constrain the answer only.
     `speculate=False` opts this request out of speculative decoding (an engine with a `speculative_config`
     decodes it one token per step; its tokens are the same either way, only its speed differs).
     """
@@ -148,6 +151,7 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only, no text (as vLLM's); stop strings then cannot be matched
     speculate: bool = True  # False: no speculative drafts for this request (`paged_jax.spec_decode`)
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to follow
+    max_reasoning_tokens: int | None = None  # a thinking model's thought: past this many tokens it is closed
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -248,6 +252,9 @@ class SamplingParams:
             if value is not None and bad:
                 raise FieldError(name, f"must be in [0, {MAX_LOGPROBS}], got {value!r}")
         self._validate_logit_bias(vocab_size, max_logit_bias)
+        budget = self.max_reasoning_tokens
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise FieldError("max_reasoning_tokens", f"must be an integer >= 0, got {budget!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise FieldError("structured_outputs", "must be a StructuredOutputs (or a dict of its fields)")

@@ -32,6 +32,7 @@ from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
+from paged_jax.tokenization.reasoning import Thought
 from paged_jax.tokenization.tool_calls import history_tool_calls
 
 from .config import ServingLimits
@@ -107,6 +108,7 @@ class ParsedRequest:
     cache_salt: str | None
     output_mode: int
     lora_name: str | None = None  # a served LoRA adapter (the servicer resolves it: NOT_FOUND when unknown)
+    thought: Thought | None = None  # a thinking model's reply (`ProcessedRequest.thought`): constraints apply after it
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -215,6 +217,7 @@ def serving_inputs(engine: Engine, limits: ServingLimits) -> InputProcessor:
         defaults=dict(engine.engine_config.sampling_defaults),
         limits=limits.input_limits(),
         max_logit_bias=engine.engine_config.max_logit_bias,
+        reasoning_parser=engine.engine_config.reasoning_parser,
     )
 
 
@@ -245,7 +248,7 @@ def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedReq
     except FieldError as e:
         raise field_error(e, GRPC_FIELDS) from None
     lora = req.lora_name if req.HasField("lora_name") else None
-    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode, lora)
+    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode, lora, p.thought)
 
 
 def _json_field(field: str, text: str, kind: type) -> Any:

@@ -11,6 +11,9 @@ from paged_jax.sampling_params import MAX_LOGIT_BIAS
 from pallas_kernels.common import BACKENDS
 
 SCAN_CHOICES = ("auto", "on", "off")  # scan_layers (paged_jax.model.scan)
+# Reply parsers (paged_jax.tokenization.reasoning, .tool_calls): "auto" reads the chat template's family.
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+TOOL_CALL_PARSERS = ("auto", "none", "hermes", "qwen3_coder", "llama3", "mistral", "deepseek_v3")
 
 
 @dataclass(slots=True)
@@ -66,6 +69,8 @@ class EngineConfig:
     # Structured outputs (paged_jax.structured): bounds on one request's constraint, against hostile schemas.
     structured_max_grammar_bytes: int = 64 * 1024  # size of the schema / regex / grammar / choices text
     structured_compile_timeout_s: float = 5.0  # wall time to compile one grammar; slower ones are refused
+    reasoning_parser: str = "auto"  # one of REASONING_PARSERS: a thinking model's reply split into thought + answer
+    tool_call_parser: str = "auto"  # one of TOOL_CALL_PARSERS: how the OpenAI front reads (and forces) tool calls
     # Speculative decoding (paged_jax.config.speculative.SpeculativeConfig; vLLM's names); None: off. A mapping or
     # its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 3}, is parsed here, once, into the record
     # (ValueError naming `speculative_config.<field>`).
@@ -112,6 +117,10 @@ class EngineConfig:
             raise ValueError("cpu_kv_cache_bytes: must be positive (or None for the default)")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}")
         if self.structured_max_grammar_bytes < 1 or not self.structured_compile_timeout_s > 0:
             raise ValueError("structured_max_grammar_bytes, structured_compile_timeout_s: must be positive")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_CHOICES:

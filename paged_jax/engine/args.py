@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS
-from paged_jax.config.engine import SCAN_CHOICES, EngineConfig
+from paged_jax.config.engine import REASONING_PARSERS, SCAN_CHOICES, TOOL_CALL_PARSERS, EngineConfig
 from paged_jax.config.generation_defaults import load_generation_defaults
 from paged_jax.engine.compile_cache import use_compile_cache
 from paged_jax.engine.data_parallel import make_engine
@@ -326,6 +326,18 @@ ENGINE_FLAGS = (
         "(paged_jax.config.speculative.SpeculativeConfig; docs/user/speculative_decoding.md)",
         parse=_json_object,
         metavar="JSON",
+    ),
+    EngineFlag(
+        "reasoning_parser",
+        "how a thinking model's reply is split into reasoning_content and content: auto (from the chat "
+        "template), none, or a family (docs/user/reasoning.md)",
+        choices=REASONING_PARSERS,
+    ),
+    EngineFlag(
+        "tool_call_parser",
+        "how the OpenAI front reads and forces tool calls: auto (from the chat template; a template without a "
+        "tools section gets the generic form), none, or a family (docs/user/tool_calls.md)",
+        choices=TOOL_CALL_PARSERS,
     ),
     EngineFlag("tensor_parallel_size", "chips per engine replica", short="-tp"),
     EngineFlag("data_parallel_size", "engine replicas on disjoint groups of this host's chips", short="-dp"),

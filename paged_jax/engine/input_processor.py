@@ -26,6 +26,7 @@ import numpy as np
 from paged_jax.errors import FieldError
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from paged_jax.tokenization.chat_template import apply_chat_template
+from paged_jax.tokenization.reasoning import Thought, reasoning_format
 from paged_jax.tokenization.text_checks import check_text
 from paged_jax.tokenization.tokenizer import Tokenizer
 
@@ -93,6 +94,7 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    thought: Thought | None = None  # a thinking model's reply: its tags and where it starts (None: no reasoning)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, chat: ChatPrompt, max_chars: int | None = None) -> list[int]:
@@ -148,8 +150,10 @@ class InputProcessor:
         defaults: Mapping[str, Any] | None = None,
         limits: InputLimits | None = None,
         max_logit_bias: int = MAX_LOGIT_BIAS,
+        reasoning_parser: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
+        self.reasoning_parser = reasoning_parser  # `EngineConfig.reasoning_parser`: auto (the template's), none, a name
         self.vocab_size, self.max_model_len, self.max_n = vocab_size, max_model_len, max_n
         self.max_logit_bias = max_logit_bias  # the engine's logit_bias width (`EngineConfig.max_logit_bias`)
         self.defaults = defaults if defaults is not None else {}  # read at each request
@@ -195,7 +199,9 @@ class InputProcessor:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})",
             )
-        return ProcessedRequest(req.request_id, text, ids, params, req.cache_salt)
+        return ProcessedRequest(
+            req.request_id, text, ids, params, req.cache_salt, self._thought(req.prompt, ids, params)
+        )
 
     def check_size(self, requests: Sequence[ProcessedRequest]) -> None:
         """Bound what one client request asks for across its prompts (a completions request may carry several):
@@ -218,6 +224,21 @@ class InputProcessor:
                 f"the response would hold {entries} logprob entries (tokens x (1 + alternatives)), more than the "
                 f"limit of {lim.max_logprob_entries} per request",
             )
+
+    def _thought(self, prompt: Any, ids: list[int], params: SamplingParams) -> Thought | None:
+        """The reply's thought on a model whose chat template thinks (None: no reasoning); a reasoning budget on
+        any other model is refused."""
+        template = prompt.chat_template if isinstance(prompt, ChatPrompt) else None
+        fmt = reasoning_format(template or getattr(self.tokenizer, "chat_template", None), self.reasoning_parser)
+        if fmt is None:
+            if params.max_reasoning_tokens is not None:
+                raise FieldError(
+                    "max_reasoning_tokens",
+                    "the model's chat template has no thinking section (no reasoning parser applies; "
+                    "--reasoning-parser names one)",
+                )
+            return None
+        return Thought.of(fmt, self.tokenizer, ids)
 
     # -- the prompt -------------------------------------------------------------------------------------
     def _prompt(self, prompt: str | Sequence[int] | ChatPrompt) -> tuple[str | None, list[int], str]:

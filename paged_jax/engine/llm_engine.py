@@ -181,6 +181,7 @@ class LLMEngine:
             max_n=self.max_n,
             defaults=ec.sampling_defaults,
             max_logit_bias=ec.max_logit_bias,
+            reasoning_parser=ec.reasoning_parser,
         )
         self.outputs = OutputProcessor(
             tokenizer, eos_token_ids=config.eos_token_ids, max_model_len=self.max_model_len, seed=ec.seed
@@ -290,12 +291,15 @@ class LLMEngine:
         self._check_fits(len(processed.prompt_token_ids) + processed.params.max_tokens)
         req = self.outputs.add_request(request_id, processed, arrival_time)
         params = req.params
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None or params.max_reasoning_tokens is not None:
             if self.spec is not None:
                 self.outputs.pop(request_id)
-                raise FieldError("structured_outputs", "not supported together with speculative decoding (yet)")
+                name = "structured_outputs" if params.structured_outputs is not None else "max_reasoning_tokens"
+                raise FieldError(name, "not supported together with speculative decoding (yet)")
             try:
-                req.matchers = self.structured.matchers(params.structured_outputs, params.n)
+                req.matchers = self.structured.matchers_for(
+                    params.structured_outputs, params.n, processed.thought, params.max_reasoning_tokens
+                )
             except ValueError:
                 self.outputs.pop(request_id)
                 raise
@@ -463,7 +467,7 @@ class LLMEngine:
             seq = row.seq
             req = self.outputs.get(seq.request_id)
             m = None if req is None or seq.finished else req.matcher(seq)
-            if m is not None:
+            if m is not None and self.structured.needs_mask(m):
                 rows.append((m, r))
         return rows
 

@@ -23,6 +23,8 @@ import numpy as np
 from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.structured.backend import GrammarBackend, Matcher
 from paged_jax.structured.bitmask import all_allowed
+from paged_jax.structured.thought import ThoughtMatcher, force_row
+from paged_jax.tokenization.reasoning import Thought
 
 
 class StructuredRows:
@@ -39,6 +41,21 @@ class StructuredRows:
         first = self.backend.matcher(spec)
         return [first] + [first.fork() for _ in range(n - 1)]
 
+    @staticmethod
+    def needs_mask(matcher: Matcher) -> bool:
+        """Whether a row's next sample needs its mask (a thought's free text does not: `ThoughtMatcher`)."""
+        return not isinstance(matcher, ThoughtMatcher) or matcher.needs_mask()
+
+    def matchers_for(
+        self, spec: StructuredOutputs | None, n: int, thought: Thought | None, budget: int | None
+    ) -> list[Matcher] | None:
+        """A request's matchers: its constraint's, each inside a `ThoughtMatcher` when its reply has a thought
+        (a budget, or a constraint that applies to the answer only); None when nothing constrains it."""
+        inner = None if spec is None else self.matchers(spec, n)
+        if thought is None or thought.state == "answer" or (inner is None and budget is None):
+            return inner
+        return [ThoughtMatcher(thought, budget, None if inner is None else inner[i]) for i in range(n)]
+
     def bitmask(self, rows: Sequence[tuple[Matcher, int]], num_rows: int) -> np.ndarray | None:
         """int32 [num_rows, ceil(V / 32)] with row r filled from its matcher for each (matcher, r) in `rows`,
         all ones elsewhere; None when `rows` is empty (the runner then uses its device all-ones mask)."""
@@ -46,7 +63,15 @@ class StructuredRows:
             return None
         t0 = time.perf_counter()
         mask = all_allowed(num_rows, self.backend.vocab_size)
-        self.backend.fill(rows, mask)
+        grammar_rows = []
+        for m, r in rows:
+            if not isinstance(m, ThoughtMatcher):
+                grammar_rows.append((m, r))
+            elif (token := m.forced()) is not None:
+                force_row(mask[r], token)
+            elif (inner := m.answer_matcher()) is not None:
+                grammar_rows.append((inner, r))
+        self.backend.fill(grammar_rows, mask)
         self.fill_seconds += time.perf_counter() - t0
         self.fill_steps += 1
         self.fill_rows += len(rows)

@@ -1,14 +1,22 @@
 """Tool calls in the model's own format: which format a chat template uses, the grammar that forces a call, and
 the parser that turns a reply back into calls (OpenAI's `tool_calls`).
 
-A format belongs to a chat-template family, found in the template's text:
+A format belongs to a chat-template family, found in the template's text (or named by `--tool-call-parser`):
 - `hermes` (Hermes 2 Pro, Qwen 2.5 / 3 and their derivatives): each call is
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, after optional content;
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5): `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>
+  ...</function>\\n</tool_call>`, a value being text (a string parameter) or JSON;
 - `llama3` (Llama 3.1 / 3.2 JSON tool calling): the whole reply is `{"name": ..., "parameters": {...}}`,
-  optionally after `<|python_tag|>`.
-A template in neither family has no format: a request that needs one (a forced `tool_choice`) is refused.
-Forcing a call (`tool_choice` "required" or a named function) is a grammar whose JSON is the function's
-`parameters` schema, so the reply always parses.
+  optionally after `<|python_tag|>`, several separated by `;`;
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (or, with newer tokenizers,
+  `NAME[ARGS]{...}` per call);
+- `deepseek_v3` (DeepSeek-V3 / R1): `<｜tool▁calls▁begin｜>` then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`, then
+  `<｜tool▁calls▁end｜>`.
+A template in none of them whose text never reads `tools` gets the tool definitions in a system message of
+the generic form (`generic_tool_prompt`) and its replies are read as `hermes`; so every model can be asked
+for (and forced to make) a call. Forcing a call (`tool_choice` "required" or a named function) is a grammar
+whose JSON is the function's `parameters` schema, so the reply always parses.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_jax.bounded_json import MAX_DEPTH, load_json, nesting_depth
+from paged_jax.config.engine import TOOL_CALL_PARSERS
 from paged_jax.errors import FieldError
 from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.tokenization.chat_template import ChatTemplate
@@ -122,7 +131,8 @@ class HermesFormat(ToolFormat):
     def parse(self, text: str) -> ParsedReply:
         """Every `<tool_call>` block, each parsed with the bounds of `paged_jax.bounded_json` (a reply nested
         thousands deep is text, never a RecursionError); the text before, between and after the calls is the
-        content. A malformed call leaves the whole reply as text."""
+        content. A malformed block stays in the content (so the calls of a reply's start never change as it
+        goes on: the stream sends each as soon as it parses)."""
         calls, outside, pos = [], [], 0
         for m in self._CALL.finditer(text):
             try:
@@ -130,7 +140,7 @@ class HermesFormat(ToolFormat):
             except ValueError:
                 call = None
             if call is None:
-                return ParsedReply(text, [])  # a malformed call: the reply stays text
+                continue  # a malformed block: text
             calls.append(call)
             outside.append(text[pos : m.start()])
             pos = m.end()
@@ -139,13 +149,7 @@ class HermesFormat(ToolFormat):
         return ParsedReply(_content([*outside, text[pos:]]), calls)
 
     def may_start(self, text: str) -> int | None:
-        i = text.find(self.START)
-        if i >= 0:
-            return i
-        for k in range(min(len(self.START) - 1, len(text)), 0, -1):  # a marker's first characters at the end
-            if self.START.startswith(text[-k:]):
-                return len(text) - k
-        return None
+        return _held_start(text, self.START)
 
 
 class Llama3Format(ToolFormat):
@@ -186,19 +190,208 @@ class Llama3Format(ToolFormat):
         return None
 
 
-FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat(), "llama3": Llama3Format()}
+def _held_start(text: str, marker: str) -> int | None:
+    """Where `marker` (or its first characters at the end of `text`) begins in `text`; None: nowhere."""
+    i = text.find(marker)
+    if i >= 0:
+        return i
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return None
 
 
-def tool_format(template: ChatTemplate | None) -> ToolFormat | None:
-    """The tool-call format of a chat template's family (see the module docstring), None when unknown."""
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+class Qwen3CoderFormat(ToolFormat):
+    name = "qwen3_coder"
+    START, CALL_END = "<tool_call>", "</function>\n</tool_call>"
+    _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def grammar(self, functions: Mapping[str, Mapping[str, Any]]) -> StructuredOutputs:
+        """Each function's required parameters in order: a string one as a line of text without `<`, an enum of
+        strings as its choices, any other as JSON of its schema."""
+        rules, calls = [], []
+        for i, (name, params) in enumerate(functions.items()):
+            props, parts = params.get("properties") or {}, []
+            for key in params.get("required") or []:
+                spec = props.get(key, {})
+                if isinstance(spec.get("enum"), list) and all(isinstance(v, str) for v in spec["enum"]):
+                    value = "(" + " | ".join(_lark_string(v) for v in spec["enum"]) + ")"
+                elif spec.get("type") == "string":
+                    value = "/[^<\\n]*/"  # one line: the lexeme must end before the closing tag
+                else:
+                    value = f"%json {json.dumps({**spec, 'x-guidance': JSON_STYLE})}"
+                opening, closing = _lark_string(f"<parameter={key}>\n"), _lark_string("\n</parameter>\n")
+                parts.append(f"{opening} {value} {closing}")
+            head = _lark_string(f"<tool_call>\n<function={name}>\n")
+            rules.append(f"call{i}: {head} {' '.join(parts)} {_lark_string(self.CALL_END)}")
+            calls.append(f"call{i}")
+        return StructuredOutputs(grammar="start: " + " | ".join(calls) + "\n" + "\n".join(rules) + "\n")
+
+    def parse(self, text: str) -> ParsedReply:
+        """Every `<tool_call><function=...>` block; a parameter's value is JSON when it reads as a JSON number,
+        boolean, null, array or object (bounded), else the text itself (a string parameter)."""
+        calls, outside, pos = [], [], 0
+        for m in self._CALL.finditer(text):
+            args: dict[str, Any] = {}
+            for p in self._PARAM.finditer(m.group(2)):
+                args[p.group(1).strip()] = _xml_value(p.group(2))
+            calls.append(ToolCall(m.group(1).strip(), json.dumps(args, ensure_ascii=False)))
+            outside.append(text[pos : m.start()])
+            pos = m.end()
+        if not calls:
+            return ParsedReply(text, [])
+        return ParsedReply(_content([*outside, text[pos:]]), calls)
+
+    def may_start(self, text: str) -> int | None:
+        return _held_start(text, self.START)
+
+
+def _xml_value(raw: str) -> Any:
+    value = raw.strip()
+    if value[:1] in ("{", "[", "-") or value[:1].isdigit() or value in ("true", "false", "null"):
+        try:
+            return load_json(value, "parameter")
+        except ValueError:
+            pass
+    return raw
+
+
+class MistralFormat(ToolFormat):
+    name = "mistral"
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def grammar(self, functions: Mapping[str, Mapping[str, Any]]) -> StructuredOutputs:
+        schema = {"type": "array", "items": _one_of(functions, "arguments"), "minItems": 1, "maxItems": 1}
+        return StructuredOutputs(grammar=f"start: {_lark_string(self.TAG)} %json {json.dumps(schema)}\n")
+
+    def parse(self, text: str) -> ParsedReply:
+        """`[TOOL_CALLS]` and a JSON array of calls, or `NAME[ARGS]{...}` after each `[TOOL_CALLS]`; the text
+        before the first is the content. Anything malformed leaves the reply as text."""
+        i = text.find(self.TAG)
+        if i < 0:
+            return ParsedReply(text, [])
+        calls: list[ToolCall] = []
+        for piece in text[i + len(self.TAG) :].split(self.TAG):
+            piece = piece.strip()
+            if self.ARGS in piece:
+                name, _, raw = piece.partition(self.ARGS)
+                call = _call({"name": name.strip(), "arguments": raw}, ("arguments",))
+                found = [call] if call is not None and name.strip() else None
+            else:
+                try:
+                    value = load_json(piece, "tool calls")
+                except ValueError:
+                    value = None
+                items = value if isinstance(value, list) else [value]
+                found = [c for c in (_call(v, ("arguments", "parameters")) for v in items) if c is not None]
+                found = found if found and len(found) == len(items) else None
+            if not found:
+                return ParsedReply(text, [])
+            calls.extend(found)
+        return ParsedReply(_content([text[:i]]), calls)
+
+    def may_start(self, text: str) -> int | None:
+        return _held_start(text, self.TAG)
+
+
+class DeepSeekV3Format(ToolFormat):
+    name = "deepseek_v3"
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    ARGS_END = "\n```" + CALL_END
+    _CALL = re.compile(
+        r"<｜tool▁call▁begin｜>\w*<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*?)\n```<｜tool▁call▁end｜>", re.S
+    )
+
+    def grammar(self, functions: Mapping[str, Mapping[str, Any]]) -> StructuredOutputs:
+        rules, calls = [], []
+        for i, (name, params) in enumerate(functions.items()):
+            head = _lark_string(f"{self.CALL}function{self.SEP}{name}\n```json\n")
+            schema = json.dumps({**dict(params), "x-guidance": JSON_STYLE})
+            rules.append(f"call{i}: {head} %json {schema} {_lark_string(self.ARGS_END)}")
+            calls.append(f"call{i}")
+        start = f"start: {_lark_string(self.BEGIN)} ({' | '.join(calls)}) {_lark_string(self.END)}\n"
+        return StructuredOutputs(grammar=start + "\n".join(rules) + "\n")
+
+    def parse(self, text: str) -> ParsedReply:
+        i = text.find(self.BEGIN)
+        if i < 0:
+            return ParsedReply(text, [])
+        body, _, after = text[i + len(self.BEGIN) :].partition(self.END)
+        calls = []
+        for m in self._CALL.finditer(body):
+            call = _call({"name": m.group(1).strip(), "arguments": m.group(2)}, ("arguments",))
+            if call is None:
+                return ParsedReply(text, [])
+            calls.append(call)
+        if not calls:
+            return ParsedReply(text, [])
+        return ParsedReply(_content([text[:i], after]), calls)
+
+    def may_start(self, text: str) -> int | None:
+        return _held_start(text, self.BEGIN)
+
+
+FORMATS: dict[str, ToolFormat] = {
+    f.name: f for f in (HermesFormat(), Qwen3CoderFormat(), Llama3Format(), MistralFormat(), DeepSeekV3Format())
+}
+
+
+def tool_format(template: ChatTemplate | None, parser: str = "auto") -> ToolFormat | None:
+    """The tool-call format of a chat template's family (see the module docstring), or the one `parser` names
+    ("none": none); None when the template is in no family."""
+    if parser != "auto":
+        if parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: {parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
+        return FORMATS.get(parser)
     if template is None:
         return None
     text = "\n".join(template.templates.values())
+    if DeepSeekV3Format.BEGIN in text:
+        return FORMATS["deepseek_v3"]
+    if MistralFormat.TAG in text:
+        return FORMATS["mistral"]
+    if HermesFormat.START in text and "<function=" in text:
+        return FORMATS["qwen3_coder"]
     if HermesFormat.START in text:
         return FORMATS["hermes"]
     if Llama3Format.TAG in text or ("<|start_header_id|>" in text and "parameters" in text and "tools" in text):
         return FORMATS["llama3"]
     return None
+
+
+def reads_tools(template: ChatTemplate | None) -> bool:
+    """Whether a chat template renders `tools` at all (else `generic_tool_prompt` tells the model of them)."""
+    return template is not None and any("tools" in t for t in template.templates.values())
+
+
+def generic_tool_prompt(tools: Sequence[Any]) -> str:
+    """The system text that describes `tools` to a model whose template has no tools section: each tool's JSON
+    inside `<tools></tools>`, and the `hermes` call syntax its replies are then read with."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "You may call one or more functions to assist with the user query. The functions, as JSON schemas:\n"
+        f"<tools>\n{listed}\n</tools>\n"
+        "To call a function, reply with a JSON object of its name and arguments inside <tool_call></tool_call> "
+        'tags, one block per call:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+        "</tool_call>"
+    )
+
+
+def with_tool_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """`messages` with `generic_tool_prompt(tools)` added to their system message (one put first if none)."""
+    out = [dict(m) for m in messages]
+    text = generic_tool_prompt(tools)
+    if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+        out[0]["content"] = f"{out[0]['content']}\n\n{text}"
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
 
 
 def history_tool_calls(calls: Any, field_name: str) -> list[dict[str, Any]]:

@@ -28,13 +28,20 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from paged_jax.engine.input_processor import ProcessedRequest
+from paged_jax.engine.input_processor import ChatPrompt, ProcessedRequest
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.lora.named import AdapterNameTaken, UnknownAdapterError, check_adapter_name
 from paged_jax.lora.peft import read_adapter
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
-from paged_jax.tokenization.tool_calls import ToolFormat, function_specs, tool_format
+from paged_jax.tokenization.tool_calls import (
+    FORMATS,
+    ToolFormat,
+    function_specs,
+    reads_tools,
+    tool_format,
+    with_tool_prompt,
+)
 from paged_jax.worker.warmup import WarmupProgress
 
 from .. import convert
@@ -125,13 +132,19 @@ class OpenAIFront:
         forced `tool_choice` ("required" or a named function) becomes the grammar of a call."""
         if req.kind != "chat" or not req.tools or req.tool_choice == "none":
             return None
-        fmt = tool_format(self.tokenizer.chat_template)
+        template = self.tokenizer.chat_template
+        fmt = tool_format(template, self.loop.engine.engine_config.tool_call_parser)
         forced = req.tool_choice != "auto"
+        if fmt is None and not reads_tools(template) and template is not None:
+            fmt = FORMATS["hermes"]  # the generic form: the tools described in a system message
+            for g in req.generates:
+                assert isinstance(g.prompt, ChatPrompt)  # a chat request's prompt
+                g.prompt.messages = with_tool_prompt(g.prompt.messages, req.tools)
         if fmt is None:
             if forced:
                 raise convert.invalid(
-                    "tool_choice: the model's chat template is in no tool-call family this server parses (Hermes / "
-                    "Qwen <tool_call>, Llama-3 JSON), so a forced call could not be returned as tool_calls",
+                    "tool_choice: the model's chat template reads tools but is in no tool-call family this server "
+                    "parses (--tool-call-parser names one), so a forced call could not be returned as tool_calls",
                     "tool_choice",
                 )
             return None
@@ -174,7 +187,14 @@ class OpenAIFront:
             rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
             lora = self._adapter(req)
             submissions = [  # one group: admitted whole or not at all, one turn of admission for all its prompts
-                Submission(rid if len(parsed) == 1 else f"{rid}-{i}", p.prompt_token_ids, p.params, p.cache_salt, lora)
+                Submission(
+                    rid if len(parsed) == 1 else f"{rid}-{i}",
+                    p.prompt_token_ids,
+                    p.params,
+                    p.cache_salt,
+                    lora,
+                    p.thought,
+                )
                 for i, p in enumerate(parsed)
             ]
             streams = self.loop.submit_group(
@@ -185,8 +205,9 @@ class OpenAIFront:
             )
             model = self.model_name if lora is None else lora.lora_name
             echo = await self._off_loop(self._echoes, parsed) if req.echo else None
+            thought = parsed[0].thought if kind == "chat" else None
             builder = ResponseBuilder(
-                kind, rid, model, self.tokenizer, req.logprobs, fmt, echo=echo, prompt_logprobs=req.prompt_logprobs
+                kind, rid, model, self.tokenizer, req.logprobs, fmt, thought, echo, req.prompt_logprobs
             )
             n = parsed[0].params.n
             names = field_names(kind, req.max_tokens_name, req.structured_param)
@@ -263,7 +284,8 @@ class OpenAIFront:
                     if c.new_token_ids or c.new_text or (c.finished and index not in ended):
                         if c.finished:
                             ended.add(index)
-                        yield _data({**builder.delta_chunk(c, offset=i * n, prompt=i), **usage_field})
+                        for chunk in builder.delta_chunks(c, offset=i * n, prompt=i):
+                            yield _data({**chunk, **usage_field})
                 if out.finished:
                     finished.append(out)
                     self.metrics.on_finished(out)

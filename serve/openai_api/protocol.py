@@ -34,7 +34,7 @@ _TYPE_NAMES = {
 }
 # OpenAI / vLLM name -> (our SamplingParams name, JSON type)
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_UINTS = ("n", "min_tokens")
+_UINTS = ("n", "min_tokens", "max_reasoning_tokens")
 _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "speculate")
 # Options that change what OpenAI would return and that we do not implement: refused unless at their default.
 _UNSUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {

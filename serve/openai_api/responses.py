@@ -5,7 +5,8 @@ Finish reasons: `eos`, `stop` (a stop token id) and `stop_string` are all OpenAI
 stays; `abort` (cancelled, or a server shutdown) is passed through as vLLM does. The stop string or
 token id that ended a sample is vLLM's extra `stop_reason`. A chat request whose replies are parsed for tool
 calls (`tool_format`) answers `tool_calls` and finish reason `tool_calls` when a reply holds calls; streamed,
-the text from where a call may begin is held back (`ToolStream`) and the calls go out whole in the last delta.
+the text from where a call may begin is held back (`ToolStream`) and each call goes out once it is complete: a
+chunk with its index, id and name, then one with its arguments (`delta_chunks`), never as content.
 Completions with `echo` (vLLM's behaviour, which lm-evaluation-harness reads): each choice's text, and with
 `logprobs` its legacy logprobs, cover the prompt and then the completion, the first prompt token's logprob and
 alternatives null; `max_tokens: 0` leaves the prompt alone. Streamed, a choice's first chunk carries the prompt.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from paged_jax.tokenization.reasoning import ReasoningStream, Thought, split_reasoning
 from paged_jax.tokenization.tool_calls import ToolCall, ToolFormat
 
 from .protocol import Kind
@@ -59,10 +61,12 @@ class ResponseBuilder:
     tokenizer: Any
     logprobs: int | None
     tool_format: ToolFormat | None = None  # chat replies parsed for tool calls in this format
+    thought: Thought | None = None  # chat replies of a thinking model: split into reasoning_content and content
     echo: list[Echo] | None = None
     prompt_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _streams: dict[int, ToolStream] = field(default_factory=dict)  # per streamed choice, with a tool_format
+    _thoughts: dict[int, ReasoningStream] = field(default_factory=dict)  # per streamed choice, with a thought
     _text_offsets: dict[int, int] = field(default_factory=dict)  # per streamed choice: text_offset so far
 
     @property
@@ -155,6 +159,20 @@ class ResponseBuilder:
             ]
         )
 
+    def delta_chunks(self, c: CompletionOutput, offset: int = 0, prompt: int = 0) -> list[dict[str, Any]]:
+        """`delta_chunk`, with the tool calls it completes sent as OpenAI streams them: a chunk with each new
+        call's index, id and name (and the delta's content), then one with their arguments (and the finish)."""
+        chunk = self.delta_chunk(c, offset, prompt)
+        choice = chunk["choices"][0]
+        calls = choice.get("delta", {}).get("tool_calls")
+        if not calls:
+            return [chunk]
+        heads = [{**t, "function": {"name": t["function"]["name"], "arguments": ""}} for t in calls]
+        head = {**choice, "delta": {**choice["delta"], "tool_calls": heads}, "finish_reason": None, "stop_reason": None}
+        args = [{"index": t["index"], "function": {"arguments": t["function"]["arguments"]}} for t in calls]
+        tail = {**choice, "delta": {"tool_calls": args}, "logprobs": None}
+        return [self._chunk([head]), self._chunk([tail])]
+
     def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict[str, Any]:
         return {**self._chunk([]), "usage": usage(outs)}
 
@@ -197,13 +215,32 @@ class ResponseBuilder:
                     self._text_offsets[index] = start + len(text)
         else:
             key = "message" if final else "delta"
-            choice[key] = {"role": "assistant", "content": text} if final else {"content": text}
+            reasoning, text = self._reasoning(c, text, final, offset)
+            content = text if text or reasoning is None else None  # beside reasoning, no answer is null
+            choice[key] = {"role": "assistant", "content": content} if final else {"content": text}
+            if reasoning is not None and (final or reasoning):
+                choice[key]["reasoning_content"] = reasoning or None
             choice["logprobs"] = {"content": self._chat_logprobs(logprobs)} if self.logprobs is not None else None
             if self.tool_format is not None and self._with_tool_calls(choice[key], c, text, final, offset):
                 reason = "tool_calls"
         choice["finish_reason"] = FINISH_REASONS.get(reason, reason) if reason is not None else None
         choice["stop_reason"] = stop_reason
         return choice
+
+    def _reasoning(self, c: CompletionOutput, text: str, final: bool, offset: int) -> tuple[str | None, str]:
+        """(the reasoning, the content) of a reply or of a stream's delta; reasoning None without a thought.
+        A whole reply without content answers content null beside its reasoning."""
+        if self.thought is None:
+            return None, text
+        if final:
+            reasoning, content = split_reasoning(self.thought.fmt, self.thought.state, text)
+            return reasoning or "", content or ""
+        stream = self._thoughts.setdefault(offset + c.index, ReasoningStream(self.thought.fmt, self.thought.state))
+        reasoning, content = stream.feed(text)
+        if c.finished:
+            more, rest = stream.finish()
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content
 
     def _with_tool_calls(self, msg: dict[str, Any], c: CompletionOutput, text: str, final: bool, offset: int) -> bool:
         """Put the reply's tool calls into `msg` (a message, or a stream delta); True when it has some."""
@@ -213,13 +250,16 @@ class ResponseBuilder:
             msg["content"], calls = parsed.content, parsed.tool_calls
         else:
             stream = self._streams.setdefault(offset + c.index, ToolStream(self.tool_format))
-            msg["content"] = stream.feed(text)
-            calls = []
+            msg["content"], fresh = stream.feed(text)
             if c.finished:
-                rest, calls = stream.finish()
+                rest, more = stream.finish()
                 msg["content"] += rest
+                fresh += more
+            if fresh:
+                msg["tool_calls"] = [_tool_call(t, k) for k, t in fresh]
+            return c.finished and bool(stream.emitted)  # the finish reason, on the last delta
         if calls:
-            msg["tool_calls"] = [_tool_call(t, None if final else k) for k, t in enumerate(calls)]
+            msg["tool_calls"] = [_tool_call(t, None) for t in calls]
         return bool(calls)
 
     def _completion_logprobs(
@@ -278,25 +318,32 @@ def _tool_call(call: ToolCall, index: int | None) -> dict[str, Any]:
 
 
 class ToolStream:
-    """One streamed choice's text: content is passed on up to where a tool call may begin, the rest is held
-    until the reply ends and is parsed then."""
+    """One streamed choice's text: content is passed on up to where a tool call may begin; from there the text is
+    held, and each call goes out as soon as the held text parses to it (the parsers read calls one after another,
+    so a call, once parsed, stays). What is held when the reply ends is parsed whole: the calls not sent yet,
+    and the content between and after them."""
 
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt, self.text, self.sent = fmt, "", 0
+        self.emitted: list[ToolCall] = []  # the calls sent so far, in order (their ids are kept)
 
-    def feed(self, new: str) -> str:
-        """The content that can go out now, given `new` text."""
+    def feed(self, new: str) -> tuple[str, list[tuple[int, ToolCall]]]:
+        """(the content that can go out now, the calls complete now with their indices), given `new` text."""
         self.text += new
         hold = self.fmt.may_start(self.text)
         limit = len(self.text) if hold is None else hold
         out = self.text[self.sent : limit] if limit > self.sent else ""
         self.sent = max(self.sent, limit)
-        return out
+        return out, self._new_calls(self.fmt.parse(self.text[self.sent :]).tool_calls if new else [])
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the held-back content, the calls) once the reply ended: what was held back starts where a call may
-        begin, so its parse gives the calls and the content between and after them."""
+    def finish(self) -> tuple[str, list[tuple[int, ToolCall]]]:
+        """(the held-back content, the calls not sent yet) once the reply ended."""
         parsed = self.fmt.parse(self.text[self.sent :])
-        if parsed.tool_calls:
-            return parsed.content or "", parsed.tool_calls
+        if parsed.tool_calls or self.emitted:
+            return parsed.content or "", self._new_calls(parsed.tool_calls)
         return self.text[self.sent :], []
+
+    def _new_calls(self, calls: list[ToolCall]) -> list[tuple[int, ToolCall]]:
+        fresh = [(k, call) for k, call in enumerate(calls) if k >= len(self.emitted)]
+        self.emitted.extend(call for _, call in fresh)
+        return fresh

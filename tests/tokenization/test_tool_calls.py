@@ -110,20 +110,23 @@ def test_text_between_and_after_calls_is_kept():
     assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("f", {"a": ";"}), ("g", {})]
     assert reply.content == "done"
     s = ToolStream(FORMATS["hermes"])
-    assert s.feed(f"hi {call} mid") == "hi "
-    rest, calls = s.finish()
-    assert rest == "mid" and [c.name for c in calls] == ["f"]
+    content, calls = s.feed(f"hi {call} mid")
+    assert content == "hi " and [(k, c.name) for k, c in calls] == [(0, "f")]  # sent as soon as it is complete
+    rest, more = s.finish()
+    assert rest == "mid" and more == []
+    broken = FORMATS["hermes"].parse(f"{call} <tool_call>\n{{bad}}\n</tool_call>")  # a malformed block is text
+    assert [c.name for c in broken.tool_calls] == ["f"] and broken.content == "<tool_call>\n{bad}\n</tool_call>"
 
 
 def test_stream_holds_back_text_from_where_a_call_may_begin():
     s = ToolStream(FORMATS["hermes"])
-    assert s.feed("Sure, ") == "Sure, "
-    assert s.feed("<tool") == ""  # could be the start of <tool_call>
-    assert s.feed('_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>') == ""
-    rest, calls = s.finish()
-    assert rest == "" and calls[0].name == "get_time"
+    assert s.feed("Sure, ") == ("Sure, ", [])
+    assert s.feed("<tool") == ("", [])  # could be the start of <tool_call>
+    content, calls = s.feed('_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    assert content == "" and calls[0][1].name == "get_time"
+    assert s.finish() == ("", [])
     s = ToolStream(FORMATS["hermes"])
-    assert s.feed("a <to") == "a " and s.feed("day") == "<today"
+    assert s.feed("a <to") == ("a ", []) and s.feed("day") == ("<today", [])
     assert s.finish() == ("", [])
 
 
@@ -160,14 +163,16 @@ def test_required_and_named_tool_choice_return_parsed_calls(oai):
 
 
 def test_streamed_tool_calls(oai):
-    stream = oai.chat.completions.create(
-        model=None, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, seed=4, stream=True
-    )
+    """Each call as OpenAI streams it (index, id and name first, then its arguments), reassembled to the calls of
+    the same request unstreamed."""
+    args = dict(model=None, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, seed=4)
     calls, reasons, content = {}, [], ""
-    for chunk in stream:
+    for chunk in oai.chat.completions.create(stream=True, **args):
         for ch in chunk.choices:
             content += ch.delta.content or ""
             for tc in ch.delta.tool_calls or []:
+                if tc.index not in calls:  # its first delta: id and name, no arguments yet
+                    assert tc.id.startswith("call_") and tc.function.name and not tc.function.arguments
                 entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
                 entry["name"] += tc.function.name or ""
                 entry["arguments"] += tc.function.arguments or ""
@@ -176,6 +181,10 @@ def test_streamed_tool_calls(oai):
     assert reasons == ["tool_calls"] and "<tool_call>" not in content and calls
     for entry in calls.values():
         jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+    whole = oai.chat.completions.create(**args).choices[0].message.tool_calls
+    assert [calls[k] for k in sorted(calls)] == [
+        {"name": t.function.name, "arguments": t.function.arguments} for t in whole
+    ]
 
 
 def test_auto_lets_the_model_choose_and_text_stays_content(oai):
@@ -220,9 +229,27 @@ def test_tool_choice_errors_name_the_parameter(oai):
         assert e.value.body["param"] == param, (kwargs, e.value.body)
 
 
-def test_unknown_family_refuses_a_forced_call(oai):
+def test_a_template_without_tools_gets_the_generic_form_and_forced_calls_work(oai):
+    """SmolLM2's case: a template with no tools section. The tools are described in a system message of the
+    generic form and a forced call is grammar-constrained and parsed as ever."""
     tokenizer = shared().engine.tokenizer
     old, tokenizer.chat_template = tokenizer.chat_template, template_from_text(PLAIN_TEMPLATE, "plain")
+    try:
+        named = {"type": "function", "function": {"name": "get_time"}}
+        r = oai.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=80)
+        assert r.choices[0].finish_reason == "tool_calls"
+        _check_calls(r.choices[0].message.tool_calls, {"get_time"})
+        prompt = oai.chat.completions.create(model=None, messages=ASK, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+        plain = oai.chat.completions.create(model=None, messages=ASK, max_tokens=1).usage.prompt_tokens
+        assert prompt > plain + len(json.dumps(TOOLS[0]))  # the tools went into the prompt
+    finally:
+        tokenizer.chat_template = old
+
+
+def test_a_template_that_reads_tools_in_no_family_refuses_a_forced_call(oai):
+    tokenizer = shared().engine.tokenizer
+    reads = "{% if tools %}[{{ tools | length }} tools]{% endif %}" + PLAIN_TEMPLATE
+    old, tokenizer.chat_template = tokenizer.chat_template, template_from_text(reads, "reads tools")
     try:
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=4)
