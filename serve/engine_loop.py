@@ -286,7 +286,8 @@ class EngineLoop:
                 outputs = engine.step()
                 for out in outputs:
                     self._deliver(out)
-                stalled = not outputs and engine.num_launched == launched
+                # A request waiting for its compile (the step waited a little for it) is work, not a stall.
+                stalled = not outputs and engine.num_launched == launched and not engine.waiting_for_compiles
                 self._abort_stalled()
                 if self._on_step is not None:
                     self._on_step(engine)

@@ -43,6 +43,9 @@ class EngineConfig:
     executable_store: str | None = None
     watermark: float = 0.01  # fraction of pages admission keeps free while requests run
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
+    # No step compiles: a request whose step shapes are not compiled yet waits while a compile thread builds them,
+    # the others run on in compiled shapes (paged_jax.engine.compile_gate). The server turns it on.
+    background_compiles: bool = False
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
     reserve_full_length: bool = False
     max_logit_bias: int = MAX_LOGIT_BIAS  # most `logit_bias` entries per request (the sampler's fixed bias width)

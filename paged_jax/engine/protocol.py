@@ -64,6 +64,10 @@ class EngineStats:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     spec_acceptance_per_position: tuple[float, ...] = ()
+    # Background compiles (`paged_jax.engine.compile_gate`): requests held back until their step shapes compile,
+    # and step executables queued or compiling on the compile thread.
+    requests_waiting_for_compile: int = 0
+    compiles_queued: int = 0
     replicas: tuple[EngineStats, ...] = ()  # each replica's own (data parallelism only)
 
     @property
@@ -117,6 +121,9 @@ class Engine(Protocol):
     @property
     def num_running(self) -> int: ...
 
+    @property
+    def waiting_for_compiles(self) -> bool: ...  # a step that ran nothing is not idle (`engine.compile_gate`)
+
     def add_request(
         self,
         request_id: str,
@@ -139,6 +146,8 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def check_invariants(self) -> None: ...
+
+    def stop_compiles(self, timeout: float | None = None) -> None: ...  # the compile thread: no new compile
 
     def warmup(
         self,
