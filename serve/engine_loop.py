@@ -33,6 +33,7 @@ from paged_jax.lora.named import ServedAdapters
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.structured import Matcher
 
 from .config import Backpressure
 from .convert import RequestError, internal_error
@@ -121,6 +122,7 @@ class Submission:
     params: SamplingParams
     cache_salt: str | None
     lora_request: LoRARequest | None = None
+    matchers: list[Matcher] | None = None  # structured outputs compiled on the front's thread
 
 
 @dataclass(slots=True)
@@ -196,9 +198,10 @@ class EngineLoop:
         max_queued: int | None = None,
         lora_request: LoRARequest | None = None,
         backpressure: Backpressure | None = None,
+        matchers: list[Matcher] | None = None,
     ) -> RequestStream:
         """Register a request and queue it for the engine. Raises RequestError when it cannot be taken."""
-        one = Submission(request_id, prompt_token_ids, params, cache_salt, lora_request)
+        one = Submission(request_id, prompt_token_ids, params, cache_salt, lora_request, matchers)
         return self.submit_group([one], max_queued, backpressure=backpressure)[0]
 
     def submit_group(
@@ -325,7 +328,7 @@ class EngineLoop:
             return  # aborted before it reached the engine
         r = cmd.request
         try:
-            processed = ProcessedRequest(rid, None, r.prompt_token_ids, r.params, r.cache_salt)
+            processed = ProcessedRequest(rid, None, r.prompt_token_ids, r.params, r.cache_salt, r.matchers)
             self.engine.add_request(rid, processed, lora_request=r.lora_request, group=cmd.group)
         except ValueError as e:
             refused = e if isinstance(e, FieldError) else None

@@ -76,6 +76,7 @@ class GenerationServicer:
             self.config.max_queued_requests,
             lora,
             self.config.backpressure,
+            parsed.matchers,
         )
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[Event]:

@@ -24,7 +24,8 @@ from paged_jax.engine.protocol import EngineStats
 from paged_jax.errors import FieldError
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputs
+from paged_jax.structured import Matcher
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 
@@ -149,6 +150,10 @@ class DataParallelEngine:
     @property
     def num_running(self) -> int:
         return sum(r.num_running for r in self.replicas)
+
+    def compile_matchers(self, spec: StructuredOutputs, n: int) -> list[Matcher]:
+        """`LLMEngine.compile_matchers` (every replica's grammar backend is the same; a matcher runs on any)."""
+        return self.replicas[0].compile_matchers(spec, n)
 
     @property
     def waiting_for_compiles(self) -> bool:

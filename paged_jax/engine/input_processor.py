@@ -17,14 +17,15 @@ name. A front shows it in its own words with a `FieldNames` table (`paged_jax.er
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from paged_jax.errors import FieldError
-from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputs
+from paged_jax.structured.backend import Matcher
 from paged_jax.tokenization.chat_template import apply_chat_template
 from paged_jax.tokenization.text_checks import check_text
 from paged_jax.tokenization.tokenizer import Tokenizer
@@ -93,6 +94,9 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    # Structured outputs compiled where the request was processed (a front's thread, `InputProcessor.grammars`),
+    # one matcher per sample; None: the engine compiles them when the request is added.
+    matchers: list[Matcher] | None = None
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, chat: ChatPrompt, max_chars: int | None = None) -> list[int]:
@@ -148,7 +152,12 @@ class InputProcessor:
         defaults: Mapping[str, Any] | None = None,
         limits: InputLimits | None = None,
         max_logit_bias: int = MAX_LOGIT_BIAS,
+        grammars: Callable[[StructuredOutputs, int], list[Matcher]] | None = None,
     ) -> None:
+        """`grammars(spec, n)`: compile a structured-output request's matchers (its first mask included) as part
+        of processing it, so that a server compiles them on the front's thread, never on the engine's (raises
+        a FieldError naming the field)."""
+        self.grammars = grammars
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len, self.max_n = vocab_size, max_model_len, max_n
         self.max_logit_bias = max_logit_bias  # the engine's logit_bias width (`EngineConfig.max_logit_bias`)
@@ -195,7 +204,10 @@ class InputProcessor:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})",
             )
-        return ProcessedRequest(req.request_id, text, ids, params, req.cache_salt)
+        matchers = None
+        if self.grammars is not None and params.structured_outputs is not None:
+            matchers = self.grammars(params.structured_outputs, params.n)
+        return ProcessedRequest(req.request_id, text, ids, params, req.cache_salt, matchers)
 
     def check_size(self, requests: Sequence[ProcessedRequest]) -> None:
         """Bound what one client request asks for across its prompts (a completions request may carry several):

@@ -34,7 +34,7 @@ from paged_jax.lora.registry import AdapterCache, SlotTable
 from paged_jax.lora.request import LoRARequest
 from paged_jax.model import quant
 from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
@@ -270,17 +270,25 @@ class LLMEngine:
         req = self.outputs.add_request(request_id, processed, arrival_time)
         params = req.params
         if params.structured_outputs is not None:
-            if self.spec is not None:
-                self.outputs.pop(request_id)
-                raise FieldError("structured_outputs", "not supported together with speculative decoding (yet)")
             try:
-                req.matchers = self.structured.matchers(params.structured_outputs, params.n)
+                matchers = processed.matchers  # compiled by a front, on its thread
+                if matchers is None:
+                    matchers = self.compile_matchers(params.structured_outputs, params.n)
+                req.matchers = matchers
             except ValueError:
                 self.outputs.pop(request_id)
                 raise
         for seq in req.seqs:
             seq.lora = adapter
         self.scheduler.add(req.seqs[0], req.seqs[1:], group)
+
+    def compile_matchers(self, spec: StructuredOutputs, n: int) -> list[Matcher]:
+        """The grammar matchers of a structured-output request with `n` samples, its first mask computed, within
+        the compile deadline (`paged_jax.structured`); thread-safe: a server's fronts call it on their own threads
+        (`InputProcessor.grammars`). Raises FieldError naming the field."""
+        if self.spec is not None:
+            raise FieldError("structured_outputs", "not supported together with speculative decoding (yet)")
+        return self.structured.matchers(spec, n)
 
     def _check_fits(self, total_tokens: int) -> None:
         if not self.kv.can_ever_fit(total_tokens):

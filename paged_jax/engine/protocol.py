@@ -19,7 +19,8 @@ from paged_jax.engine.input_processor import ChatPrompt, ProcessedRequest
 from paged_jax.kv_cache import GroupStats, KVCacheStats
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputs
+from paged_jax.structured import Matcher
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker.warmup import WarmupPlan, WarmupProgress
 
@@ -146,6 +147,8 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def check_invariants(self) -> None: ...
+
+    def compile_matchers(self, spec: StructuredOutputs, n: int) -> list[Matcher]: ...  # thread-safe
 
     def stop_compiles(self, timeout: float | None = None) -> None: ...  # the compile thread: no new compile
 
