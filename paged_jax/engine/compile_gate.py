@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from paged_jax.sched.sequence import TokenSequence
 from paged_jax.worker.compile_worker import CompileWorker
-from paged_jax.worker.ready_shapes import StepNeeds
+from paged_jax.worker.ready_shapes import StepNeeds, request_flags
 from paged_jax.worker.runner import ModelRunner
 
 WAIT_S = 0.05  # how long a step with nothing to run waits for a compile before the engine loop looks again
@@ -32,6 +32,19 @@ WAIT_S = 0.05  # how long a step with nothing to run waits for a compile before 
 def seq_needs(needs: StepNeeds, seq: TokenSequence) -> StepNeeds:
     """`needs` and those of `seq`'s request."""
     return needs.with_request(seq.params, seq.needs_prompt_logprobs, bool(seq.forked_children), seq.lora is not None)
+
+
+def running_needs(running: Iterable[TokenSequence]) -> StepNeeds:
+    """The needs of every sequence in `running` (each distinct kind of request counted once: this runs every
+    step)."""
+    kinds = {
+        (request_flags(seq.params), seq.needs_prompt_logprobs, bool(seq.forked_children), seq.lora is not None)
+        for seq in running
+    }
+    needs = StepNeeds()
+    for kind in kinds:
+        needs = needs.with_flags(*kind)
+    return needs
 
 
 @dataclass(slots=True)
@@ -61,9 +74,7 @@ class CompileGate:
 
     def plan(self, running: Iterable[TokenSequence]) -> StepGate:
         """This step's gate, from the requests running now."""
-        needs = StepNeeds()
-        for seq in running:
-            needs = seq_needs(needs, seq)
+        needs = running_needs(running)
         self.cap = cap = self.shapes.cap(needs, self.merge) if self.runner.warm else None
         self.deferred = set()
         gate = StepGate(cap)
@@ -95,9 +106,7 @@ class CompileGate:
         cap, buckets = self.cap, self.runner.token_buckets
         if cap is None or num_tokens < cap or cap >= buckets[-1]:
             return
-        needs = StepNeeds()
-        for seq in running:
-            needs = seq_needs(needs, seq)
+        needs = running_needs(running)
         self.worker.want(self.shapes.missing(buckets[buckets.index(cap) + 1], needs, self.merge))
 
     def wait(self) -> None:

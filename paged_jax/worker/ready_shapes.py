@@ -38,7 +38,7 @@ def request_flags(params: SamplingParams) -> SamplerFlags:
 
 def union(a: SamplerFlags, b: SamplerFlags) -> SamplerFlags:
     """The variant a step holding rows of both variants uses (the element-wise OR)."""
-    return SamplerFlags(*(x or y for x, y in zip(a, b, strict=True)))
+    return SamplerFlags(a[0] or b[0], a[1] or b[1], a[2] or b[2], a[3] or b[3])
 
 
 def covers(variant: SamplerFlags, flags: SamplerFlags) -> bool:
@@ -65,7 +65,12 @@ class StepNeeds:
         self, params: SamplingParams, prompt_logprobs: bool = False, forks: bool = False, lora: bool = False
     ) -> StepNeeds:
         """These needs and a request's (`prompt_logprobs`: it still owes some; `forks`: its samples are not forked)."""
-        flags = request_flags(params)
+        return self.with_flags(request_flags(params), prompt_logprobs, forks, lora)
+
+    def with_flags(
+        self, flags: SamplerFlags, prompt_logprobs: bool = False, forks: bool = False, lora: bool = False
+    ) -> StepNeeds:
+        """`with_request` of a request whose sampler variant is `flags`."""
         plain, penalized = self.plain, self.penalized
         if flags.do_penalty:
             penalized = union(flags, union(plain, penalized or flags))
@@ -108,6 +113,16 @@ class ReadyShapes:
     def __init__(self, runner: RunnerShapes, registry: Executables) -> None:
         self.runner = runner
         self.registry = registry
+        # Answers of `missing` and `step_shape` (asked every step), valid while the registry's version holds.
+        self._memo: dict[tuple, object] = {}
+        self._version = -1
+
+    def _cached(self, key: tuple, compute):  # noqa: ANN001, ANN202 - the memo of the two questions above
+        if self.registry.version != self._version:
+            self._memo, self._version = {}, self.registry.version
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def ready(self, job: Job) -> bool:
         return job.key in self.registry
@@ -143,6 +158,9 @@ class ReadyShapes:
         """The executables a step of token bucket `t` would compile for requests with `needs`, at the largest
         sequence bucket such a step can take (every smaller step then resolves to this one or below it).
         `merge`: the lookahead's merge of pending ids is needed (async scheduling)."""
+        return list(self._cached(("missing", t, needs, merge), lambda: self._missing(t, needs, merge)))
+
+    def _missing(self, t: int, needs: StepNeeds, merge: bool) -> list[Job]:
         r = self.runner
         s = r.step_seq_buckets(t, forks=needs.forks)[-1]
         out = []
@@ -172,6 +190,12 @@ class ReadyShapes:
     ) -> tuple[int, int, SamplerFlags] | None:
         """The smallest compiled buckets (t', s') >= (t, s) and sampler variant covering `flags` with which a step
         runs without compiling; None when there is none (the step then compiles its own shapes)."""
+        key = ("step", t, s, flags, merge, prompt_logprobs)
+        return self._cached(key, lambda: self._step_shape(t, s, flags, merge, prompt_logprobs))
+
+    def _step_shape(
+        self, t: int, s: int, flags: SamplerFlags, merge: bool, prompt_logprobs: bool
+    ) -> tuple[int, int, SamplerFlags] | None:
         r = self.runner
         for tt in (b for b in r.token_buckets if b >= t):
             for ss in (b for b in r.seq_buckets if b >= s):
