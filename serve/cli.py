@@ -268,7 +268,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, stop_during_startup)  # until serve_forever installs its own
     try:
-        engine = build_engine(args, warmup=False)  # loading can take minutes; warm-up runs while listening
+        # Loading can take minutes; warm-up runs while listening, and no step waits for a compile.
+        engine = build_engine(args, warmup=False, background_compiles=True)
         try:  # every --lora-modules adapter read now, not on first use
             check_lora_modules(config.lora_modules, engine.config, engine.engine_config.max_lora_rank)
         except ValueError as e:

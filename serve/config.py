@@ -20,6 +20,7 @@ class Backpressure:
 
 
 PROMPT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) max_tokens of a completions request that sets none
+MAX_MESSAGE_BYTES = 2**30  # one request's bytes (gRPC takes an int32; a body is held in memory whole)
 
 
 @dataclass(slots=True)
@@ -59,6 +60,10 @@ class ServingLimits:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if self.max_message_bytes > MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes: must be at most {MAX_MESSAGE_BYTES} (1 GiB), got {self.max_message_bytes}"
+            )
         if self.default_max_tokens is not None and not 1 <= self.default_max_tokens <= self.max_tokens:
             raise ValueError(f"default_max_tokens: must be in [1, max_tokens ({self.max_tokens})]")
 

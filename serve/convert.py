@@ -32,6 +32,7 @@ from paged_jax.engine.protocol import Engine
 from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
+from paged_jax.structured import Matcher
 from paged_jax.tokenization.reasoning import Thought
 from paged_jax.tokenization.tool_calls import history_tool_calls
 
@@ -109,6 +110,7 @@ class ParsedRequest:
     output_mode: int
     lora_name: str | None = None  # a served LoRA adapter (the servicer resolves it: NOT_FOUND when unknown)
     thought: Thought | None = None  # a thinking model's reply (`ProcessedRequest.thought`): constraints apply after it
+    matchers: list[Matcher] | None = None  # structured outputs, compiled here (`ProcessedRequest.matchers`)
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -202,6 +204,7 @@ GRPC_FIELDS = FieldNames(
         "chat_template": "chat_template",
         "request_id": "request_id",
         "cache_salt": "cache_salt",
+        "structured_outputs": "sampling.structured_output",  # the proto's oneof
     },
     prefix="sampling.",
 )
@@ -218,6 +221,7 @@ def serving_inputs(engine: Engine, limits: ServingLimits) -> InputProcessor:
         limits=limits.input_limits(),
         max_logit_bias=engine.engine_config.max_logit_bias,
         reasoning_parser=engine.engine_config.reasoning_parser,
+        grammars=engine.compile_matchers,  # on the front's threads: the engine thread never compiles a grammar
     )
 
 
@@ -248,7 +252,9 @@ def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedReq
     except FieldError as e:
         raise field_error(e, GRPC_FIELDS) from None
     lora = req.lora_name if req.HasField("lora_name") else None
-    return ParsedRequest(p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode, lora, p.thought)
+    return ParsedRequest(
+        p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode, lora, p.thought, p.matchers
+    )
 
 
 def _json_field(field: str, text: str, kind: type) -> Any:

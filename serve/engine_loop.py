@@ -33,6 +33,7 @@ from paged_jax.lora.named import ServedAdapters
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.structured import Matcher
 from paged_jax.tokenization.reasoning import Thought
 
 from .config import Backpressure
@@ -123,6 +124,7 @@ class Submission:
     cache_salt: str | None
     lora_request: LoRARequest | None = None
     thought: Thought | None = None  # the input processor's: a thinking model's reply (`ProcessedRequest.thought`)
+    matchers: list[Matcher] | None = None  # structured outputs compiled on the front's thread
 
 
 @dataclass(slots=True)
@@ -199,9 +201,10 @@ class EngineLoop:
         lora_request: LoRARequest | None = None,
         backpressure: Backpressure | None = None,
         thought: Thought | None = None,
+        matchers: list[Matcher] | None = None,
     ) -> RequestStream:
         """Register a request and queue it for the engine. Raises RequestError when it cannot be taken."""
-        one = Submission(request_id, prompt_token_ids, params, cache_salt, lora_request, thought)
+        one = Submission(request_id, prompt_token_ids, params, cache_salt, lora_request, thought, matchers)
         return self.submit_group([one], max_queued, backpressure=backpressure)[0]
 
     def submit_group(
@@ -289,7 +292,8 @@ class EngineLoop:
                 outputs = engine.step()
                 for out in outputs:
                     self._deliver(out)
-                stalled = not outputs and engine.num_launched == launched
+                # A request waiting for its compile (the step waited a little for it) is work, not a stall.
+                stalled = not outputs and engine.num_launched == launched and not engine.waiting_for_compiles
                 self._abort_stalled()
                 if self._on_step is not None:
                     self._on_step(engine)
@@ -327,7 +331,7 @@ class EngineLoop:
             return  # aborted before it reached the engine
         r = cmd.request
         try:
-            processed = ProcessedRequest(rid, None, r.prompt_token_ids, r.params, r.cache_salt, r.thought)
+            processed = ProcessedRequest(rid, None, r.prompt_token_ids, r.params, r.cache_salt, r.thought, r.matchers)
             self.engine.add_request(rid, processed, lora_request=r.lora_request, group=cmd.group)
         except ValueError as e:
             refused = e if isinstance(e, FieldError) else None

@@ -100,8 +100,16 @@ class Metrics:
         )
         self.compiles_after_warmup = Counter(
             "paged_jax_compiles_after_warmup",
-            "Step shapes a step had to compile after warm-up (each one stalls that step)",
+            "Step shapes compiled after warm-up (on the compile thread while only the requests needing them wait)",
             registry=r,
+        )
+        self.requests_waiting_for_compile = Gauge(
+            "paged_jax_requests_waiting_for_compile",
+            "Requests held back until a step shape they need is compiled (the others keep running)",
+            registry=r,
+        )
+        self.compiles_queued = Gauge(
+            "paged_jax_compiles_queued", "Step executables queued or compiling on the compile thread", registry=r
         )
         self.step_tokens = Counter("paged_jax_step_tokens", "Tokens of scheduled work in steps", registry=r)
         self.step_padding_tokens = Counter(
@@ -162,6 +170,8 @@ class Metrics:
             ("kv_host_copy_seconds", self.kv_host_copy_seconds),
         ):
             counter.inc(self._advance(key, s, commit=True))
+        self.requests_waiting_for_compile.set(s.requests_waiting_for_compile)
+        self.compiles_queued.set(s.compiles_queued)
         new = s.num_preemptions - self._preemptions_seen
         if new > 0:
             self.preemptions.inc(new)

@@ -137,6 +137,7 @@ class GrpcServer:
         self._warm_up_cancel.set()
         if self._warm_up_thread is not None:
             await asyncio.to_thread(self._warm_up_thread.join)
+        await asyncio.to_thread(self.loop.engine.stop_compiles)
 
     def _on_engine_death(self, error: BaseException) -> None:
         log.error("engine loop died (%s): health NOT_SERVING", error)

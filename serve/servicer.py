@@ -77,6 +77,7 @@ class GenerationServicer:
             lora,
             self.config.backpressure,
             parsed.thought,
+            parsed.matchers,
         )
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[Event]:

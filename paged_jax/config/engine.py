@@ -14,6 +14,21 @@ SCAN_CHOICES = ("auto", "on", "off")  # scan_layers (paged_jax.model.scan)
 # Reply parsers (paged_jax.tokenization.reasoning, .tool_calls): "auto" reads the chat template's family.
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 TOOL_CALL_PARSERS = ("auto", "none", "hermes", "qwen3_coder", "llama3", "mistral", "deepseek_v3")
+MAX_SLOT_ID = 2**31 - 1  # pages x page_size: every KV slot id is an int32
+# The largest value of each size field, and what a larger one would make: past these a typo allocates absurd
+# memory (or compiles absurd shapes) instead of failing with one line naming the flag.
+UPPER_BOUNDS: dict[str, tuple[int, str]] = {
+    "page_size": (1024, "token slots per KV page"),
+    "max_num_seqs": (16384, "sequences per step: every sampling array has a row per sequence"),
+    "max_num_batched_tokens": (2**20, "tokens per step: the forward step's activations are that long"),
+    "max_model_len": (2**20, "tokens per sequence: the penalties' history row is that long"),
+    "chunk_size": (2**20, "prompt tokens of one sequence per step"),
+    "max_n": (16384, "samples per request"),
+    "max_logit_bias": (4096, "logit-bias columns every step carries per row"),
+    "max_loras": (256, "adapters resident on the device: one device slot each, allocated at start-up"),
+    "max_lora_rank": (512, "every adapter slot is padded to this rank"),
+    "max_cpu_loras": (4096, "adapters kept loaded in host memory"),
+}
 
 
 @dataclass(slots=True)
@@ -53,6 +68,9 @@ class EngineConfig:
     executable_store: str | None = None
     watermark: float = 0.01  # fraction of pages admission keeps free while requests run
     async_scheduling: bool = True  # schedule step n+1 while the device runs step n (see LLMEngine.step)
+    # No step compiles: a request whose step shapes are not compiled yet waits while a compile thread builds them,
+    # the others run on in compiled shapes (paged_jax.engine.compile_gate). The server turns it on.
+    background_compiles: bool = False
     # Benchmark baseline: reserve max_model_len slots per request (no sharing), like a contiguous KV cache.
     reserve_full_length: bool = False
     max_logit_bias: int = MAX_LOGIT_BIAS  # most `logit_bias` entries per request (the sampler's fixed bias width)
@@ -107,6 +125,21 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        for name, (bound, what) in UPPER_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and value > bound:
+                raise ValueError(f"{name}: {value} is more than {bound}, the most this engine takes ({what})")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError("chunk_size: must be >= 1 (or None for the token budget)")
+        if self.num_pages is not None and not 2 <= self.num_pages <= MAX_SLOT_ID // self.page_size:
+            raise ValueError(
+                f"num_pages: must be in [2, {MAX_SLOT_ID // self.page_size}] (page 0 is the null page, and every "
+                f"slot id, pages x page_size, is an int32)"
+            )
+        if not 0 <= self.watermark < 1:
+            raise ValueError(
+                f"watermark: must be in [0, 1) (the share of pages admission keeps free), got {self.watermark}"
+            )
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
         if self.kv_host_cache_gib is not None and not self.kv_host_cache_gib >= 0:

@@ -344,10 +344,11 @@ ENGINE_FLAGS = (
 )
 
 
-def build_engine(args: argparse.Namespace, warmup: bool | None = None):
+def build_engine(args: argparse.Namespace, warmup: bool | None = None, background_compiles: bool = False):
     """Load the model named by `--model` and start an engine with the flags' options.
 
     `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs.
+    `background_compiles`: no step compiles (`EngineConfig.background_compiles`, the server's).
     Random weights (a config name) are announced with a warning: their text is noise."""
     # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU): the step
     # executables from the executable store (no lowering), anything else from JAX's persistent cache.
@@ -367,6 +368,7 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None):
     cache = use_compile_cache(ec)
     if warmup is not None:
         ec.warmup = warmup
+    ec.background_compiles = background_compiles
     # With several chips per process, load into host memory and let each engine place its shards
     # (the whole model need not fit one chip).
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"

@@ -24,7 +24,8 @@ from paged_jax.engine.protocol import EngineStats
 from paged_jax.errors import FieldError
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputs
+from paged_jax.structured import Matcher
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker import sharding
 
@@ -110,8 +111,12 @@ class DataParallelEngine:
         launched = [(r, r.launch_step()) for r in self.replicas if r.has_unfinished()]
         outputs: list[RequestOutput] = []
         for replica, step in launched:
+            outputs += replica.take_failed()
             if step is not None:
                 outputs += replica.finish_step(step)
+        if all(step is None for _, step in launched):
+            for replica, _ in launched:  # nothing ran: wait a little for a request's compile, if one waits for it
+                replica.wait_for_compiles()
         for out in outputs:
             if out.finished:
                 self.router.release(out.request_id)
@@ -145,6 +150,18 @@ class DataParallelEngine:
     @property
     def num_running(self) -> int:
         return sum(r.num_running for r in self.replicas)
+
+    def compile_matchers(self, spec: StructuredOutputs, n: int) -> list[Matcher]:
+        """`LLMEngine.compile_matchers` (every replica's grammar backend is the same; a matcher runs on any)."""
+        return self.replicas[0].compile_matchers(spec, n)
+
+    @property
+    def waiting_for_compiles(self) -> bool:
+        return any(r.waiting_for_compiles for r in self.replicas)
+
+    def stop_compiles(self, timeout: float | None = None) -> None:
+        for r in self.replicas:
+            r.stop_compiles(timeout)
 
     def check_invariants(self) -> None:
         for r in self.replicas:

@@ -17,14 +17,15 @@ name. A front shows it in its own words with a `FieldNames` table (`paged_jax.er
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from paged_jax.errors import FieldError
-from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputs
+from paged_jax.structured.backend import Matcher
 from paged_jax.tokenization.chat_template import apply_chat_template
 from paged_jax.tokenization.reasoning import Thought, reasoning_format
 from paged_jax.tokenization.text_checks import check_text
@@ -95,6 +96,9 @@ class ProcessedRequest:
     params: SamplingParams
     cache_salt: str | None
     thought: Thought | None = None  # a thinking model's reply: its tags and where it starts (None: no reasoning)
+    # Structured outputs compiled where the request was processed (a front's thread, `InputProcessor.grammars`),
+    # one matcher per sample; None: the engine compiles them when the request is added.
+    matchers: list[Matcher] | None = None
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, chat: ChatPrompt, max_chars: int | None = None) -> list[int]:
@@ -151,7 +155,12 @@ class InputProcessor:
         limits: InputLimits | None = None,
         max_logit_bias: int = MAX_LOGIT_BIAS,
         reasoning_parser: str = "auto",
+        grammars: Callable[[StructuredOutputs, int], list[Matcher]] | None = None,
     ) -> None:
+        """`grammars(spec, n)`: compile a structured-output request's matchers (its first mask included) as part
+        of processing it, so that a server compiles them on the front's thread, never on the engine's (raises
+        a FieldError naming the field)."""
+        self.grammars = grammars
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser  # `EngineConfig.reasoning_parser`: auto (the template's), none, a name
         self.vocab_size, self.max_model_len, self.max_n = vocab_size, max_model_len, max_n
@@ -199,9 +208,11 @@ class InputProcessor:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})",
             )
-        return ProcessedRequest(
-            req.request_id, text, ids, params, req.cache_salt, self._thought(req.prompt, ids, params)
-        )
+        matchers = None
+        if self.grammars is not None and params.structured_outputs is not None:
+            matchers = self.grammars(params.structured_outputs, params.n)
+        thought = self._thought(req.prompt, ids, params)
+        return ProcessedRequest(req.request_id, text, ids, params, req.cache_salt, thought, matchers)
 
     def check_size(self, requests: Sequence[ProcessedRequest]) -> None:
         """Bound what one client request asks for across its prompts (a completions request may carry several):

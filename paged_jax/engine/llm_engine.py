@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
+from paged_jax.engine.compile_gate import CompileGate
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor, ProcessedRequest
 from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
@@ -33,7 +34,7 @@ from paged_jax.lora.registry import AdapterCache, SlotTable
 from paged_jax.lora.request import LoRARequest
 from paged_jax.model import quant
 from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.scheduler import Scheduler
 from paged_jax.sched.sequence import FinishReason, TokenSequence
@@ -172,6 +173,12 @@ class LLMEngine:
             transfer = self.runner.attach_host_tier(self.host_tier)
             if ec.warmup:
                 transfer.compile_all(self.runner.kv_caches)
+        self.compile_gate = None  # background_compiles: no step compiles (`paged_jax.engine.compile_gate`)
+        self._failed: list[RequestOutput] = []  # requests the gate failed, returned by the next `step`
+        if ec.background_compiles:
+            self.compile_gate = CompileGate(self.runner, ec.async_scheduling)
+            self.runner.resolve_shapes = True
+            self.runner.want_compiled = self.compile_gate.worker.want
         if spec_config is not None:
             self.spec = make_spec_decoder(spec_config, config, ec, self.max_model_len, self.num_pages)
         self.inputs = InputProcessor(
@@ -297,8 +304,11 @@ class LLMEngine:
                 name = "structured_outputs" if params.structured_outputs is not None else "max_reasoning_tokens"
                 raise FieldError(name, "not supported together with speculative decoding (yet)")
             try:
-                req.matchers = self.structured.matchers_for(
-                    params.structured_outputs, params.n, processed.thought, params.max_reasoning_tokens
+                inner = processed.matchers  # compiled by a front, on its thread
+                if inner is None and params.structured_outputs is not None:
+                    inner = self.compile_matchers(params.structured_outputs, params.n)
+                req.matchers = self.structured.with_thought(
+                    inner, params.n, processed.thought, params.max_reasoning_tokens
                 )
             except ValueError:
                 self.outputs.pop(request_id)
@@ -306,6 +316,14 @@ class LLMEngine:
         for seq in req.seqs:
             seq.lora = adapter
         self.scheduler.add(req.seqs[0], req.seqs[1:], group)
+
+    def compile_matchers(self, spec: StructuredOutputs, n: int) -> list[Matcher]:
+        """The grammar matchers of a structured-output request with `n` samples, its first mask computed, within
+        the compile deadline (`paged_jax.structured`); thread-safe: a server's fronts call it on their own threads
+        (`InputProcessor.grammars`). Raises FieldError naming the field."""
+        if self.spec is not None:
+            raise FieldError("structured_outputs", "not supported together with speculative decoding (yet)")
+        return self.structured.matchers(spec, n)
 
     def _check_fits(self, total_tokens: int) -> None:
         if not self.kv.can_ever_fit(total_tokens):
@@ -353,6 +371,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         spec: dict[str, Any] = {} if self.spec is None else self.spec.stats.as_dict()
         compiles: dict[str, Any] = self.runner.compile_stats.as_dict()
+        gate = self.compile_gate
         return EngineStats(
             **spec,
             **kv_fields(self.kv.stats()),
@@ -364,6 +383,8 @@ class LLMEngine:
             step_padding_tokens=self.runner.padded_tokens,
             kv_cache_tokens=(self.num_pages - 1) * self.engine_config.page_size,
             kv_cache_token_gain=round(self.kv_token_gain, 3),
+            requests_waiting_for_compile=0 if gate is None else len(gate.deferred),
+            compiles_queued=0 if gate is None else gate.worker.busy,
         )
 
     # -- the loop -------------------------------------------------------------------------------------
@@ -394,10 +415,11 @@ class LLMEngine:
         if not self.engine_config.async_scheduling:
             launched = self.launch_step()
             if launched is None:
-                return []
+                self.wait_for_compiles()
+                return self.take_failed()
             outputs = self.finish_step(launched)
             self._observe(launched.sched, False, appended, t0, compiles)
-            return outputs
+            return self.take_failed() + outputs
         prev = self.lookahead.take()
         outputs = []
         spec = self.spec
@@ -415,7 +437,30 @@ class LLMEngine:
         self.lookahead.inflight = launched
         if collected is not None:  # the step this call collected, timed with the next one's launch
             self._observe(collected, synced, appended, t0, compiles)
-        return outputs
+        if launched is None and prev is None:
+            self.wait_for_compiles()
+        return self.take_failed() + outputs
+
+    @property
+    def waiting_for_compiles(self) -> bool:
+        """A request waits for its step shapes to compile (`paged_jax.engine.compile_gate`): a step that ran
+        nothing is not idle."""
+        return self.compile_gate is not None and self.compile_gate.waiting
+
+    def wait_for_compiles(self) -> None:
+        if self.waiting_for_compiles:
+            assert self.compile_gate is not None
+            self.compile_gate.wait()
+
+    def stop_compiles(self, timeout: float | None = None) -> None:
+        """Start no more background compiles and wait up to `timeout` for the running one (shut-down)."""
+        if self.compile_gate is not None:
+            self.compile_gate.worker.close(timeout)
+
+    def take_failed(self) -> list[RequestOutput]:
+        """The final outputs of requests failed outside a step's rows since the last call (a compile failed)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _observe(self, sched: SchedulerOutput, synced: bool, appended: int, t0: float, compiles: int) -> None:
         """Tell the speculative decoder what the step `sched`, collected by this `step` call, cost and yielded;
@@ -440,7 +485,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.spec is not None and prev is None:  # every token is on the host: propose drafts
             self.spec.propose(self.scheduler.running, self.kv)
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         if sched.empty:
             return None
         forward = self.runner.launch_forward(sched, None if prev is None else prev.samples)
@@ -449,6 +494,19 @@ class LLMEngine:
         if defer_masks and self._constrained_rows(sched):
             return launched
         return self.launch_sampling(launched)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step, inside compiled shapes with `background_compiles` (`paged_jax.engine.compile_gate`)."""
+        gate = self.compile_gate
+        if gate is None:
+            return self.scheduler.schedule()
+        step = gate.plan(self.scheduler.running)
+        sched = self.scheduler.schedule(step.budget, step.admit)
+        for seq, why in step.failed:
+            if (out := self.fail(seq.request_id, why)) is not None:
+                self._failed.append(out)
+        gate.after(sched.num_tokens, self.scheduler.running)
+        return sched
 
     def launch_sampling(self, launched: Launched) -> Launched:
         """Fill the bitmask of `launched`'s structured-output rows (from their matchers' current state) and

@@ -19,7 +19,8 @@ from paged_jax.engine.input_processor import ChatPrompt, ProcessedRequest
 from paged_jax.kv_cache import GroupStats, KVCacheStats
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputs
+from paged_jax.structured import Matcher
 from paged_jax.tokenization.tokenizer import Tokenizer
 from paged_jax.worker.warmup import WarmupPlan, WarmupProgress
 
@@ -85,6 +86,10 @@ class EngineStats:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     spec_acceptance_per_position: tuple[float, ...] = ()
+    # Background compiles (`paged_jax.engine.compile_gate`): requests held back until their step shapes compile,
+    # and step executables queued or compiling on the compile thread.
+    requests_waiting_for_compile: int = 0
+    compiles_queued: int = 0
     replicas: tuple[EngineStats, ...] = ()  # each replica's own (data parallelism only)
 
     @property
@@ -140,6 +145,9 @@ class Engine(Protocol):
     @property
     def num_running(self) -> int: ...
 
+    @property
+    def waiting_for_compiles(self) -> bool: ...  # a step that ran nothing is not idle (`engine.compile_gate`)
+
     def add_request(
         self,
         request_id: str,
@@ -162,6 +170,10 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def check_invariants(self) -> None: ...
+
+    def compile_matchers(self, spec: StructuredOutputs, n: int) -> list[Matcher]: ...  # thread-safe
+
+    def stop_compiles(self, timeout: float | None = None) -> None: ...  # the compile thread: no new compile
 
     def warmup(
         self,

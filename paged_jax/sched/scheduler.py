@@ -23,7 +23,7 @@ holds no pages and has none computed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.lora.registry import SlotTable
@@ -82,9 +82,14 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     # -- one step ---------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(
+        self, budget: int | None = None, admit: Callable[[TokenSequence], bool] | None = None
+    ) -> SchedulerOutput:
+        """One step. `budget`: at most this many tokens (None: the token budget); `admit(seq)`: False keeps a
+        waiting sequence waiting this step, with the ones behind it admitted past it (`paged_jax.engine.compile_gate`:
+        its step shapes are not compiled yet)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
         scheduled: set[str] = set()
         for seq in list(self.running):  # a snapshot: children forked during this step join the list
             if budget <= 0:
@@ -110,7 +115,7 @@ class Scheduler:
             self._schedule(seq, num_new, out, scheduled, draft)
             budget -= num_new + len(draft)
         if not out.preempted:
-            self._admit_waiting(out, budget, scheduled)
+            self._admit_waiting(out, budget, scheduled, admit)
         out.num_tokens = sum(s.num_scheduled for s in out.scheduled)
         # One gather of the persistent tables (a scheduled sequence's tables do not change later in the step: it
         # allocated once, and a victim of preemption is never one already scheduled).
@@ -127,11 +132,17 @@ class Scheduler:
             return []
         return draft[: max(0, budget - num_new)]
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
+    def _admit_waiting(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        scheduled: set[str],
+        admit: Callable[[TokenSequence], bool] | None = None,
+    ) -> None:
         # Slots already promised: every running sequence, plus the children each running leader will fork
         # when its prompt completes (they join `running` then, without passing admission again).
         promised = len(self.running) + sum(len(s.forked_children) for s in self.running)
-        blocked: list[TokenSequence] = []  # waiting for a LoRA slot: the ones behind them go first
+        blocked: list[TokenSequence] = []  # waiting for a LoRA slot or a compile: the ones behind them go first
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.lora is not None and not self._slots().can_acquire(seq.lora):
@@ -140,6 +151,9 @@ class Scheduler:
             wanted = promised + 1 + len(seq.forked_children)
             if wanted > self.max_num_seqs:
                 break
+            if admit is not None and not admit(seq):
+                blocked.append(self.waiting.popleft())
+                continue
             if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
                 break
             tokens = seq.all_token_ids

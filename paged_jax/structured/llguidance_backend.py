@@ -30,6 +30,7 @@ from paged_jax.bounded_json import bounded_dumps, load_json
 from paged_jax.errors import FieldError
 from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.structured.backend import GrammarError, StructuredLimits
+from paged_jax.structured.bitmask import all_allowed
 from paged_jax.structured.regex_bounds import lark_regexes, lark_schemas, regex_expansion, schema_patterns
 from paged_jax.tokenization.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -206,6 +207,7 @@ class LLGuidanceBackend:
         )
         self._executor = llguidance.LLExecutor(num_threads)
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self.compiled = 0  # grammars compiled (first mask included)
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -231,7 +233,13 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(m)
 
     def _compile(self, grammar: str, tok: llguidance.LLTokenizer) -> llguidance.LLMatcher:
-        return llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._parser_limits)
+        """The matcher, with its first mask computed: llguidance builds its lexer lazily, so the first fill is
+        where a costly grammar pays, and it is paid here, inside the compile deadline, not in a step."""
+        m = llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._parser_limits)
+        if not m.is_error():
+            llguidance.numpy.fill_next_token_bitmask(m, all_allowed(1, self.vocab_size), 0)
+        self.compiled += 1
+        return m
 
     def fill(self, rows: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray) -> None:
         if rows:

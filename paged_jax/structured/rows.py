@@ -46,12 +46,12 @@ class StructuredRows:
         """Whether a row's next sample needs its mask (a thought's free text does not: `ThoughtMatcher`)."""
         return not isinstance(matcher, ThoughtMatcher) or matcher.needs_mask()
 
-    def matchers_for(
-        self, spec: StructuredOutputs | None, n: int, thought: Thought | None, budget: int | None
+    def with_thought(
+        self, inner: list[Matcher] | None, n: int, thought: Thought | None, budget: int | None
     ) -> list[Matcher] | None:
-        """A request's matchers: its constraint's, each inside a `ThoughtMatcher` when its reply has a thought
-        (a budget, or a constraint that applies to the answer only); None when nothing constrains it."""
-        inner = None if spec is None else self.matchers(spec, n)
+        """A request's matchers: its constraint's (`inner`, one per sample, compiled by `matchers`), each inside a
+        `ThoughtMatcher` when its reply has a thought (a budget, or a constraint that applies to the answer only);
+        None when nothing constrains it."""
         if thought is None or thought.state == "answer" or (inner is None and budget is None):
             return inner
         return [ThoughtMatcher(thought, budget, None if inner is None else inner[i]) for i in range(n)]

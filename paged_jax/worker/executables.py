@@ -168,6 +168,7 @@ class Executables:
         self._lock = threading.Lock()
         self._done: dict[Hashable, jax.stages.Compiled] = {}
         self._pending: dict[Hashable, concurrent.futures.Future] = {}
+        self.version = 0  # changes whenever an executable is added or dropped (readers cache on it)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._done
@@ -180,6 +181,7 @@ class Executables:
         needs a dropped shape again compiles it again, counted as any compile is."""
         with self._lock:
             self._done.clear()
+            self.version += 1
 
     def get(
         self,
@@ -302,6 +304,7 @@ class Executables:
                 stats.load_seconds += seconds
                 if compiled is not None:
                     self._done[key] = compiled
+                    self.version += 1
                     del self._pending[key]
                     stats.loaded += 1
             if compiled is not None:
@@ -319,6 +322,7 @@ class Executables:
         seconds, hits = time.perf_counter() - t0, PROCESS.thread_hits() - hits0
         with self._lock:
             self._done[key] = compiled
+            self.version += 1
             del self._pending[key]
             stats.count += 1
             stats.seconds += seconds

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -57,6 +58,7 @@ from paged_jax.worker.kv_allocation import abstract_kv, allocate_kv
 from paged_jax.worker.kv_transfer import KVTransfer
 from paged_jax.worker.paged_attention import GroupedPages, PagedMeta
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows
+from paged_jax.worker.ready_shapes import ReadyShapes, request_flags, union
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta
 from paged_jax.worker.spec_verify import VerifyRows, verify_rows
 from paged_jax.worker.step_functions import (
@@ -78,12 +80,14 @@ EXECUTABLES = Executables()  # every runner's compiled step shapes, shared withi
 
 
 class _Forward(NamedTuple):
-    """A dispatched forward step: its logits [S, V] and hidden states [T, H] on device, its buckets."""
+    """A dispatched forward step: its logits [S, V] and hidden states [T, H] on device, its buckets, and the
+    compiled sampler variant it resolved to (None: the rows' own, `resolve_shapes` off or nothing compiled)."""
 
     logits: jax.Array
     hidden: jax.Array
     s: int
     t: int
+    flags: SamplerFlags | None = None
 
 
 @dataclass(slots=True)
@@ -185,6 +189,11 @@ class ModelRunner:
         self.warm = False  # warm-up is over: a compile now stalls a step and is logged (`Executables.get`)
         self.deferred = False  # the warm-up left shapes to their first use: such a compile is no warning
         self.show_compiles = False  # a step waiting for a compile shows a progress bar on stderr (Python API)
+        # Run each step in compiled shapes that hold it where its own are not compiled (`ready_shapes`).
+        self.resolve_shapes = False
+        self.ready_shapes = ReadyShapes(self, EXECUTABLES)
+        # Told the exact jobs of a step that ran in larger compiled shapes (the engine's compile thread).
+        self.want_compiled: Callable[[list[Job]], None] | None = None
         self.real_tokens = 0  # tokens of scheduled work, summed over steps
         self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
         self.kv_transfer: KVTransfer | None = None  # copies to and from the host tier (`attach_host_tier`)
@@ -391,6 +400,7 @@ class ModelRunner:
         for start in range(0, len(ops), top):  # copies are independent: chunks of the largest compiled bucket
             chunk = ops[start : start + top]
             n = bucket_for(len(chunk), self.copy_buckets)
+            n = self.ready_shapes.copy_bucket(n) if self.resolve_shapes else n
             src = np.zeros(n, np.int32)  # padding copies the null page onto itself
             dst = np.zeros(n, np.int32)
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk, strict=True)
@@ -442,7 +452,7 @@ class ModelRunner:
             job = self.jobs.prompt_logprobs(fwd.t)
             prompt = self._executable(job)(self.params, fwd.hidden, rows.rows, rows.targets, rows.num_rows)
         m = self._with_history(sampling, prev_samples)
-        return ForwardLaunched(fwd.logits, m, sampling.flags, s, verify, prompt)
+        return ForwardLaunched(fwd.logits, m, fwd.flags or sampling.flags, s, verify, prompt)
 
     def launch_greedy(self, sched: SchedulerOutput) -> jax.Array:
         """One step of `sched` taking each sample row's argmax whatever its sequence's sampling parameters (a draft
@@ -468,6 +478,9 @@ class ModelRunner:
             self.load_lora(load)
         t = bucket_for(sched.num_tokens, self.token_buckets)
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
+        flags = None
+        if self.resolve_shapes:
+            t, s, flags = self._compiled_shape(sched, t, s, prev_samples is not None)
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks, self.num_kv_groups)
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
@@ -481,7 +494,23 @@ class ModelRunner:
         logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
-        return _Forward(logits, hidden, s, t)
+        return _Forward(logits, hidden, s, t, flags)
+
+    def _compiled_shape(
+        self, sched: SchedulerOutput, t: int, s: int, merge: bool
+    ) -> tuple[int, int, SamplerFlags | None]:
+        """(t, s) raised to compiled buckets and the compiled sampler variant covering the rows (`ready_shapes`);
+        (t, s, None) when nothing compiled holds the step (it then compiles its own shapes)."""
+        flags = GREEDY
+        for row in sched.sample_rows:
+            flags = union(flags, request_flags(row.seq.params))
+        prompt = any(item.prompt_logprob_positions for item in sched.scheduled)
+        shape = self.ready_shapes.step_shape(t, s, flags, merge, prompt)
+        if shape is None:
+            return t, s, None
+        if shape != (t, s, flags) and self.want_compiled is not None:
+            self.want_compiled(self.ready_shapes.step_jobs(t, s, (flags,), merge, prompt))
+        return shape
 
     def launch_sample(self, fwd: ForwardLaunched, bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Dispatch the sampling of a launched forward step. `bitmask`: int32 [R, ceil(V / 32)] for the step's
@@ -547,6 +576,20 @@ class ModelRunner:
             store=self.store,
             deferred=self.deferred,
             show=self.show_compiles,
+        )
+
+    def compile_now(self, job: Job) -> jax.stages.Compiled:
+        """Compile (or load) `job` now on this thread, off any step (`paged_jax.worker.compile_worker`): after
+        warm-up it is counted in `after_warmup` and logged as info."""
+        return EXECUTABLES.get(
+            job.key,
+            job.lower,
+            self.compile_stats,
+            warm=self.warm,
+            describe=job.describe,
+            options=job.options,
+            store=self.store,
+            deferred=True,
         )
 
     def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:

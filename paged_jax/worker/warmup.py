@@ -41,6 +41,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.buckets import bucket_for
 from paged_jax.worker.compile_jobs import Job
 from paged_jax.worker.executables import persistent_cache_summary
+from paged_jax.worker.ready_shapes import request_flags
 from paged_jax.worker.runner import ModelRunner
 from paged_jax.worker.step_functions import GREEDY
 from paged_jax.worker.step_inputs import SamplerFlags
@@ -111,12 +112,6 @@ class WarmupProgress:
         """JSON for /health: the phase compiling now ("done" once all ran) and each phase's counts."""
         phase = self.current or ("done" if self.finished else "not started")
         return {"phase": phase, **{what: {"done": p.done, "planned": p.planned} for what, p in self.phases.items()}}
-
-
-def request_flags(params: SamplingParams) -> SamplerFlags:
-    """The sampler variant a step holding only this request uses."""
-    hot = params.temperature > 0
-    return SamplerFlags(hot, hot and params.uses_filters, params.uses_penalties, params.logprobs is not None)
 
 
 def or_closure(flags: Iterable[SamplerFlags]) -> tuple[SamplerFlags, ...]:

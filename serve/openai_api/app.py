@@ -83,13 +83,21 @@ def create_app(front: OpenAIFront) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """200 while serving (with the warm-up's progress by phase, when the server warms up); 503 while warming up
-        (saying how far it has got), draining, or once the engine loop died."""
+        """200 while serving (with the warm-up's progress by phase, when the server warms up, and the requests held
+        back for a compile of their own and the shapes queued for one); 503 while warming up (saying how far it has
+        got), draining, or once the engine loop died."""
         front.check_auth(request, exempt=True)
         why = front.health()
         if why is None:
             progress = front.warmup()  # the background warm-up's progress, once it serves
-            return JSONResponse({"status": "ok", **({"warmup": progress.as_dict()} if progress is not None else {})})
+            if progress is None:
+                return JSONResponse({"status": "ok"})
+            value = front.metrics.registry.get_sample_value  # gauges the engine thread sets after each step
+            compiling = {
+                "requests_waiting": int(value("paged_jax_requests_waiting_for_compile") or 0),
+                "shapes_queued": int(value("paged_jax_compiles_queued") or 0),
+            }
+            return JSONResponse({"status": "ok", "warmup": progress.as_dict(), "compiling": compiling})
         return error_response(grpc.StatusCode.UNAVAILABLE, f"server: {why}")
 
     @app.api_route("/ping", methods=["GET", "POST"])

@@ -186,16 +186,12 @@ class OpenAIFront:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
             rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
             lora = self._adapter(req)
-            submissions = [  # one group: admitted whole or not at all, one turn of admission for all its prompts
-                Submission(
-                    rid if len(parsed) == 1 else f"{rid}-{i}",
-                    p.prompt_token_ids,
-                    p.params,
-                    p.cache_salt,
-                    lora,
-                    p.thought,
-                )
-                for i, p in enumerate(parsed)
+            ids = [rid if len(parsed) == 1 else f"{rid}-{i}" for i in range(len(parsed))]
+            # One group: admitted whole or not at all, one turn of admission for all its prompts; structured
+            # outputs were compiled on this front's thread (`serving_inputs`).
+            submissions = [
+                Submission(i, p.prompt_token_ids, p.params, p.cache_salt, lora, p.thought, p.matchers)
+                for i, p in zip(ids, parsed, strict=True)
             ]
             streams = self.loop.submit_group(
                 submissions,

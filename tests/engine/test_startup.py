@@ -230,12 +230,14 @@ def test_server_is_not_serving_until_its_decode_shapes_are_compiled_and_shows_it
                 time.sleep(0.1)
             first, rest = health["warmup"]["warm-up"], health["warmup"]["background warm-up"]
             assert first["done"] == first["planned"] > 0 and rest["done"] == rest["planned"] > first["planned"]
+            assert health["compiling"] == {"requests_waiting": 0, "shapes_queued": 0}
             final = client.generate("hello", max_tokens=3, temperature=0.0)
             assert final.usage.completion_tokens == 3
             final = client.generate("hello", max_tokens=3, temperature=0.8, top_p=0.9, n=2)
         metrics = _http(root + "/metrics")[1]
         assert f'paged_jax_warmup_shapes_done{{phase="background warm-up"}} {float(rest["done"])}' in metrics
         assert "paged_jax_compiles_after_warmup_total 0.0" in metrics  # steady state: nothing left to compile
+        assert "paged_jax_requests_waiting_for_compile 0.0" in metrics and "paged_jax_compiles_queued 0.0" in metrics
         # every executable compiled once: the background plan holds the first one's (store off: none loaded)
         assert f"paged_jax_compiles_total {float(rest['planned'])}" in metrics
         ready = f"background warm-up: {rest['planned']}/{rest['planned']} step shapes ready"

@@ -70,6 +70,21 @@ def test_a_model_is_required(cli):
     "argv, line",
     [
         (["--max-num-seqs", "0"], "--max-num-seqs: must be >= 1"),
+        (
+            ["--max-lora-rank", "1000000"],
+            "--max-lora-rank: 1000000 is more than 512, the most this engine takes (every adapter slot is padded",
+        ),
+        (["--max-loras", "100000"], "--max-loras: 100000 is more than 256, the most this engine takes (adapters"),
+        (["--max-cpu-loras", "100000"], "--max-cpu-loras: 100000 is more than 4096, the most this engine takes"),
+        (["--max-num-seqs", "1000000"], "--max-num-seqs: 1000000 is more than 16384, the most this engine takes"),
+        (["--max-num-batched-tokens", "10000000"], "--max-num-batched-tokens: 10000000 is more than 1048576, "),
+        (["--max-model-len", "10000000"], "--max-model-len: 10000000 is more than 1048576, the most this engine"),
+        (["--chunk-size", "0"], "--chunk-size: must be >= 1 (or None for the token budget)"),
+        (["--page-size", "1000000"], "--page-size: 1000000 is more than 1024, the most this engine takes"),
+        (["--num-pages", "1"], "--num-pages: must be in [2, 134217727] (page 0 is the null page, and every slot"),
+        (["--num-pages", "1000000000"], "--num-pages: must be in [2, 134217727]"),
+        (["--watermark", "1"], "--watermark: must be in [0, 1) (the share of pages admission keeps free), got 1.0"),
+        (["--max-message-bytes", "3000000000"], "--max-message-bytes: must be at most 1073741824 (1 GiB)"),
         (["--gpu-memory-utilization", "1.5"], "--kv-cache-memory-fraction: must be in (0, 1]"),
         (
             ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],

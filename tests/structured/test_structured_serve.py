@@ -106,10 +106,10 @@ def test_grpc_structured_output(grpc_client):
     )
     assert r.completions[0].text in ("p", "q")
     for so, field in [
-        (pb.StructuredOutput(regex="a("), "structured_outputs.regex: "),
+        (pb.StructuredOutput(regex="a("), "sampling.structured_output.regex: "),
         (pb.StructuredOutput(json_schema="[1]"), "sampling.structured_output.json_schema: must be a JSON object"),
         (pb.StructuredOutput(json_object=False), "sampling.structured_output.json_object: must be true"),
-        (pb.StructuredOutput(regex="a" * (64 * 1024 + 1)), "structured_outputs.regex: 65537 bytes"),
+        (pb.StructuredOutput(regex="a" * (64 * 1024 + 1)), "sampling.structured_output.regex: 65537 bytes"),
     ]:
         with pytest.raises(grpc.RpcError) as e:
             grpc_client.generate("x", max_tokens=4, structured_output=so)
