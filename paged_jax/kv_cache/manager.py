@@ -42,7 +42,8 @@ from typing import NamedTuple
 import numpy as np
 
 from paged_jax.kv_cache.groups import FULL, KVGroup
-from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
+from paged_jax.kv_cache.hashing import HASH_BYTES, BlockHash, BlockHasher
+from paged_jax.kv_cache.observer import CacheObserver
 from paged_jax.kv_cache.page_bounds import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE, Page, PagePool
 from paged_jax.kv_cache.stats import GroupStats, KVCacheStats
@@ -130,6 +131,19 @@ class KVCacheManager:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._group_pages = [0] * len(groups)  # per group: distinct pages its tables hold (refcount > 0)
+        self.observer: CacheObserver | None = None
+
+    def set_observer(self, observer: CacheObserver | None) -> None:
+        """Report every change of the prefix cache's entries to `observer` (`paged_jax.kv_cache.observer`)."""
+        self.observer = observer
+        self.pool.on_evict = None if observer is None else self._evicted
+
+    def _evicted(self, key: BlockHash) -> None:
+        """A cache key the pool evicted, reported as (group, block hash): keys past group 0 carry a suffix."""
+        assert self.observer is not None, "the pool reports evictions only while an observer is set"
+        n = HASH_BYTES
+        group = 0 if len(key) == n else int.from_bytes(key[n:], "little")
+        self.observer.blocks_removed(group, (BlockHash(key[:n]),))
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -453,6 +467,16 @@ class KVCacheManager:
                 if page is not null:
                     self._release(page, g)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix-cache entry (as vLLM's `reset_prefix_cache`): only while no request holds pages, since a
+        running request's blocks must stay findable by the requests that share them. Returns whether it did."""
+        if self.requests:
+            return False
+        self.pool.clear_cache()
+        if self.observer is not None:
+            self.observer.cleared()
+        return True
+
     # ----------------------------------------------------------------------------------- introspection
 
     def stats(self) -> KVCacheStats:
@@ -599,10 +623,30 @@ class KVCacheManager:
             return
         if self.enable_prefix_caching:
             self.hasher.extend(state.block_hashes, token_ids, num_full, state.extra_keys)
-            null = self._null
+            null, observer = self._null, self.observer
             for g, table in enumerate(state.tables):
+                run = state.num_cached_blocks  # the first block of the run of new entries being reported
                 for i in range(state.num_cached_blocks, num_full):
                     page = table[i]
+                    new = page is not null and page.block_hash is None
                     if page is not null:
-                        self.pool.cache(page, self.cache_key(state.block_hashes[i], g))
+                        new = self.pool.cache(page, self.cache_key(state.block_hashes[i], g)) and new
+                    if observer is not None and not new:
+                        self._report_stored(state, token_ids, g, run, i)
+                        run = i + 1
+                if observer is not None:
+                    self._report_stored(state, token_ids, g, run, num_full)
         state.num_cached_blocks = num_full
+
+    def _report_stored(self, state: RequestPages, token_ids: Sequence[int], group: int, lo: int, hi: int) -> None:
+        """Tell the observer that blocks ``[lo, hi)`` of ``state`` became entries of ``group`` (nothing if empty)."""
+        if hi <= lo or self.observer is None:
+            return
+        ps = self.page_size
+        self.observer.blocks_stored(
+            group,
+            state.block_hashes[lo:hi],
+            state.block_hashes[lo - 1] if lo else None,
+            token_ids[lo * ps : hi * ps],
+            state.extra_keys,
+        )

@@ -21,6 +21,7 @@ again; only then is its hash entry removed, so no entry can ever point at a reus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from paged_jax.kv_cache.hashing import BlockHash
@@ -111,7 +112,7 @@ class FreePageQueue:
 class PagePool:
     """Owns every page: hands out fresh pages, revives cached ones, takes them back, evicts lazily."""
 
-    __slots__ = ("pages", "free_queue", "cached", "num_cached_free", "num_evictions", "enable_caching")
+    __slots__ = ("pages", "free_queue", "cached", "num_cached_free", "num_evictions", "enable_caching", "on_evict")
 
     def __init__(self, num_pages: int, enable_caching: bool = True) -> None:
         if num_pages < 2:
@@ -122,6 +123,8 @@ class PagePool:
         self.num_cached_free = 0
         self.num_evictions = 0
         self.enable_caching = enable_caching
+        self.on_evict: Callable[[BlockHash], None] | None = None
+        """Called with the cache key of every entry a reuse evicts (`paged_jax.kv_cache.observer`)."""
 
     @property
     def num_free(self) -> int:
@@ -142,6 +145,8 @@ class PagePool:
             page = self.free_queue.popleft()
             if page.block_hash is not None:
                 del self.cached[page.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(page.block_hash)
                 page.block_hash = None
                 self.num_cached_free -= 1
                 self.num_evictions += 1
@@ -190,3 +195,13 @@ class PagePool:
         page.block_hash = block_hash
         self.cached[block_hash] = page
         return True
+
+    def clear_cache(self) -> None:
+        """Drop every cache entry; the pages keep their places in the free list (all must be free: the caller
+        checks that no request holds a page)."""
+        for page in self.cached.values():
+            if page.ref_cnt:
+                raise RuntimeError(f"clear_cache with page {page.page_id} in use")
+            page.block_hash = None
+        self.cached.clear()
+        self.num_cached_free = 0
