@@ -143,13 +143,13 @@ def workload(client: Client) -> None:
 
 
 @pytest.fixture
-def served(tmp_path):
+def served():
     engine = small_engine(num_pages=24, page_size=PAGE, max_num_batched_tokens=64)
     config = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
-        endpoint=f"ipc://{tmp_path}/kv",
-        replay_endpoint=f"ipc://{tmp_path}/kv-replay",
+        endpoint="tcp://*:0",  # port 0: the OS picks free ports, the publisher reports the ones bound
+        replay_endpoint="tcp://*:0",
         topic="kv@test",
     )
     hub = attach(engine, config)
@@ -163,6 +163,11 @@ def served(tmp_path):
     hub.close()
 
 
+def local(endpoint: str) -> str:
+    """A bound wildcard endpoint as a loopback address to connect to."""
+    return endpoint.replace("0.0.0.0", "127.0.0.1")
+
+
 def wait_idle(engine, client: Client) -> None:
     wait_until(lambda: client.stats().num_open_requests == 0 and not engine.has_unfinished(), "idle")
 
@@ -170,7 +175,8 @@ def wait_idle(engine, client: Client) -> None:
 def test_zmq_and_grpc_streams_rebuild_the_cache_index(served):
     engine, hub, server = served
     publisher = hub.publishers[0]
-    sub = ZmqSubscriber(publisher.endpoint, publisher.replay_endpoint, b"kv@test")
+    assert publisher.endpoint.startswith("tcp://0.0.0.0:") and not publisher.endpoint.endswith(":0")
+    sub = ZmqSubscriber(local(publisher.endpoint), local(publisher.replay_endpoint), b"kv@test")
     grpc_batches: list = []
     with Client(server.target) as client:
         call = client.kv_events()
@@ -255,14 +261,14 @@ def test_wire_layout_matches_vllm_encoding():
     assert DECODER.decode(encode_batch(batch)) == theirs
 
 
-def test_a_subscriber_that_never_reads_never_blocks_the_engine(tmp_path):
-    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/kv", hwm=4, max_queue_size=8)
+def test_a_subscriber_that_never_reads_never_blocks_the_engine():
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", hwm=4, max_queue_size=8)
     publisher = ZmqEventPublisher(config)
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)  # connects and subscribes, then never reads
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 4)
-    sub.connect(publisher.endpoint)
+    sub.connect(local(publisher.endpoint))
     big = RecordedBatch(1.0, [RecordedStored([b"h" * 16] * 64, None, [1] * 1024, 16, None, "GPU", None)])
     for _ in range(8):  # not yet started: the bounded queue fills, then drops (and counts) without waiting
         publisher.publish(big)
