@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import json
 import logging
 import os
 import signal
@@ -11,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from paged_jax.config.kv_events import KVEventsConfig
 from paged_jax.errors import UsageError
 
 from .config import ServingConfig, ServingLimits
@@ -104,6 +107,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="let GetStats(check_invariants=true) run the KV invariant checker (stalls the engine)",
     )
     g.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish the prefix cache's changes as vLLM's KV events, vLLM's JSON: e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/user/scaling_out.md)',
+    )
     d = ServingLimits()
     lim = parser.add_argument_group("request limits (a request beyond one is refused, naming the field)")
     lim.add_argument(
@@ -201,6 +212,7 @@ def serving_config_from_args(args: argparse.Namespace, ports: Ports | None = Non
     if any(not n.strip() for n in names) or len(set(names)) != len(names):
         raise UsageError(f"--served-model-name: names must be non-empty and distinct, got {list(names)}")
     config = ServingConfig(
+        kv_events=kv_events_config(args.kv_events_config),
         host=args.host,
         port=ports.grpc,
         http_port=ports.http,
@@ -228,6 +240,28 @@ def serving_config_from_args(args: argparse.Namespace, ports: Ports | None = Non
         field, _, why = str(e).partition(": ")
         flag = _SERVING_FLAGS.get(field, "--" + field.replace("_", "-"))
         raise UsageError(f"{flag}: {why}" if why else str(e)) from None
+    return config
+
+
+def kv_events_config(text: str | None) -> KVEventsConfig | None:
+    """`--kv-events-config`: vLLM's JSON object, validated (UsageError naming the field)."""
+    if text is None:
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--kv-events-config: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"--kv-events-config: expected a JSON object, got {type(raw).__name__}")
+    try:
+        config = KVEventsConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--kv-events-config: {e}") from None
+    missing = [m for m in ("zmq", "msgpack") if config.active and importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(
+            f"--kv-events-config: the zmq publisher needs {' and '.join(missing)}: pip install 'paged-jax[kv-events]'"
+        )
     return config
 
 

@@ -152,6 +152,10 @@ class Client:
         req = pb.GetStatsRequest(check_invariants=check_invariants)
         return self.stub.GetStats(req, timeout=timeout, metadata=self.metadata)
 
+    def kv_events(self, timeout: float | None = None) -> Iterator[pb.KVEventBatch]:
+        """The server's KV event batches from now on (`StreamKVEvents`); `.cancel()` the returned call to stop."""
+        return self.stub.StreamKVEvents(pb.StreamKVEventsRequest(), timeout=timeout, metadata=self.metadata)
+
     def health(self, service: str = "", timeout: float | None = 5.0) -> int:
         """The grpc.health.v1 status (health_pb2.HealthCheckResponse.SERVING, NOT_SERVING, ...)."""
         req = health_pb2.HealthCheckRequest(service=service)

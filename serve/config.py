@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from paged_jax.config.kv_events import KVEventsConfig
 from paged_jax.engine.input_processor import InputLimits
 
 
@@ -126,6 +127,7 @@ class ServingConfig:
     # The names the model is served under (`--served-model-name`); the first is the one replies carry. Empty:
     # the model's own name.
     served_model_names: tuple[str, ...] = ()
+    kv_events: KVEventsConfig | None = None  # `--kv-events-config`: publish the prefix cache's changes (kv_events)
 
     def validate(self) -> None:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -38,6 +38,9 @@ from paged_jax.tokenization.reasoning import Thought
 
 from .config import Backpressure
 from .convert import RequestError, internal_error
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventHub
 
 log = logging.getLogger(__name__)
 STALL_CHECK_S = 0.05  # how often the loop looks for readers that read nothing for too long (`Backpressure`)
@@ -154,6 +157,7 @@ class EngineLoop:
     ) -> None:
         self.engine = engine
         self.adapters = ServedAdapters()  # adapter names every front resolves (`ServingConfig.lora_modules`)
+        self.kv_events: KVEventHub | None = None  # the prefix cache's changes, when published (serve.kv_events)
         self._on_step = on_step
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -26,6 +26,7 @@ from .auth import BearerTokenInterceptor, server_credentials
 from .background import BackgroundServer
 from .config import ServingConfig
 from .engine_loop import EngineLoop
+from .kv_events import KVEventHub, attach
 from .metrics import Metrics
 from .openai_api.server import start_http_front
 from .ports import PortInUseError
@@ -217,7 +218,9 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     for sig in (signal.SIGTERM, signal.SIGINT):  # first, so a signal never lands while threads start
         aio_loop.add_signal_handler(sig, stop.set)
     metrics = Metrics()
-    loop = EngineLoop(engine, on_step=metrics.on_step)
+    hub = kv_event_hub(engine, config)
+    loop = EngineLoop(engine, on_step=metrics.on_step if hub is None else hub.after_step(metrics.on_step))
+    loop.kv_events = hub
     for name, path in config.lora_modules:
         loop.adapters.add(name, path)
     loop.start()
@@ -260,6 +263,8 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
         if http is not None:
             await http.stop()
         metrics.close()
+        if hub is not None:
+            hub.close()
         return EXIT_ENGINE_DIED
     log.info("shutting down: draining for up to %.1f s", config.grace_period_s)
     if http is not None:
@@ -269,4 +274,16 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
         await http.stop()
     loop.stop()
     metrics.close()
+    if hub is not None:
+        hub.close()
     return 0
+
+
+def kv_event_hub(engine: Engine, config: ServingConfig) -> KVEventHub | None:
+    """The KV events' hub when `--kv-events-config` enables them (pyzmq and msgpack load only then)."""
+    if config.kv_events is None or not config.kv_events.enable_kv_cache_events:
+        return None
+    hub = attach(engine, config.kv_events)
+    for publisher in hub.publishers:
+        log.info("kv events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "off")
+    return hub

@@ -28,6 +28,7 @@ from . import convert
 from .config import ServingConfig
 from .convert import InvalidRequest, ParsedRequest, RequestError, invalid
 from .engine_loop import EngineLoop, Event, RequestStream
+from .kv_events import batch_to_pb
 from .metrics import Metrics
 from .proto.paged_jax.v1 import generate_pb2 as pb
 
@@ -250,6 +251,31 @@ class GenerationServicer:
             return await self.loop.call(read)
         except RequestError as e:
             await context.abort(e.code, e.message)
+
+    async def StreamKVEvents(self, request, context: aio.ServicerContext) -> AsyncIterator[pb.KVEventBatch]:
+        """Every batch of KV events from now on (`serve.kv_events`), until the client leaves or falls behind."""
+        hub = self.loop.kv_events
+        if hub is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "kv events: not enabled on this server (start it with --kv-events-config "
+                "'{\"enable_kv_cache_events\": true}')",
+            )
+            return
+        sub = hub.subscribe(self.config.max_stream_backlog)
+        try:
+            while True:
+                item = await sub.get()
+                if item is None:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"kv events: the subscriber fell {self.config.max_stream_backlog} batches behind; subscribe "
+                        "again (and rebuild the index from a cache reset or the ZMQ replay)",
+                    )
+                    return
+                yield batch_to_pb(*item)
+        finally:
+            hub.unsubscribe(sub)
 
 
 def generic_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:

@@ -20,6 +20,7 @@ import xxhash
 
 BlockHash = NewType("BlockHash", bytes)
 """16-byte digest naming a full block together with its whole prefix and extra keys."""
+HASH_BYTES = 16
 
 _NO_PARENT = b"\x00"
 _HAS_PARENT = b"\x01"

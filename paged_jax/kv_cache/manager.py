@@ -47,8 +47,9 @@ import numpy as np
 
 from paged_jax.kv_cache.block_table import BlockTables
 from paged_jax.kv_cache.groups import FULL, KVGroup
-from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
+from paged_jax.kv_cache.hashing import HASH_BYTES, BlockHash, BlockHasher
 from paged_jax.kv_cache.host_tier import HostTier, KVTransfers
+from paged_jax.kv_cache.observer import CacheObserver
 from paged_jax.kv_cache.page_bounds import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE, Page, PagePool
 from paged_jax.kv_cache.stats import GroupStats, KVCacheStats
@@ -150,9 +151,25 @@ class KVCacheManager:
         self.host_tier = host_tier if enable_prefix_caching else None
         self._prefix_hits_host = 0  # of the hits, tokens of blocks some group restored from the host tier
         self._known: _Known | dict[BlockHash, Page] = self.pool.cached  # what a prefix lookup can hit
+        self.observer: CacheObserver | None = None
         if self.host_tier is not None:
-            self.pool.on_evict = self.host_tier.offload
+            self.pool.on_evict = self._evicted
             self._known = _Known(self.pool.cached, self.host_tier)
+
+    def set_observer(self, observer: CacheObserver | None) -> None:
+        """Report every change of the prefix cache's entries to `observer` (`paged_jax.kv_cache.observer`)."""
+        self.observer = observer
+        self.pool.on_evict = None if observer is None and self.host_tier is None else self._evicted
+
+    def _evicted(self, key: BlockHash, page_id: int) -> None:
+        """A cache entry the pool evicted from the device: copied to the host tier (when there is one) and
+        reported to the observer as (group, block hash): keys past group 0 carry a suffix."""
+        if self.host_tier is not None:
+            self.host_tier.offload(key, page_id)
+        if self.observer is not None:
+            n = HASH_BYTES
+            group = 0 if len(key) == n else int.from_bytes(key[n:], "little")
+            self.observer.blocks_removed(group, (BlockHash(key[:n]),))
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -510,6 +527,16 @@ class KVCacheManager:
                     self._release(page, g)
         self.block_tables_array.free_row(state.row)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix-cache entry (as vLLM's `reset_prefix_cache`): only while no request holds pages, since a
+        running request's blocks must stay findable by the requests that share them. Returns whether it did."""
+        if self.requests:
+            return False
+        self.pool.clear_cache()
+        if self.observer is not None:
+            self.observer.cleared()
+        return True
+
     # ----------------------------------------------------------------------------------- introspection
 
     def stats(self) -> KVCacheStats:
@@ -704,16 +731,38 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             hashes = state.block_hashes
             self.hasher.extend(hashes, token_ids, num_full, state.extra_keys)
-            null, cache, lo = self._null, self.pool.cache, state.num_cached_blocks
+            null, cache, lo, observer = self._null, self.pool.cache, state.num_cached_blocks, self.observer
             for g, table in enumerate(state.tables):
                 suffix = self._key_suffix[g]
+                run = lo  # the first block of the run of new entries being reported
                 for i in range(lo, num_full):
                     page = table[i]
+                    new = page is not null and page.block_hash is None
                     if page is not null:
                         key = BlockHash(hashes[i] + suffix) if g else hashes[i]  # cache_key
-                        if cache(page, key) and self.host_tier is not None:
+                        stored = cache(page, key)
+                        if stored and self.host_tier is not None:
                             self.host_tier.persist(key, page.page_id)
+                        new = stored and new
+                    if observer is not None and not new:
+                        self._report_stored(state, token_ids, g, run, i)
+                        run = i + 1
+                if observer is not None:
+                    self._report_stored(state, token_ids, g, run, num_full)
         state.num_cached_blocks = num_full
+
+    def _report_stored(self, state: RequestPages, token_ids: Sequence[int], group: int, lo: int, hi: int) -> None:
+        """Tell the observer that blocks ``[lo, hi)`` of ``state`` became entries of ``group`` (nothing if empty)."""
+        if hi <= lo or self.observer is None:
+            return
+        ps = self.page_size
+        self.observer.blocks_stored(
+            group,
+            state.block_hashes[lo:hi],
+            state.block_hashes[lo - 1] if lo else None,
+            token_ids[lo * ps : hi * ps],
+            state.extra_keys,
+        )
 
 
 class _Known:

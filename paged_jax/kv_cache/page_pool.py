@@ -123,7 +123,8 @@ class PagePool:
         self.num_cached_free = 0
         self.num_evictions = 0
         self.enable_caching = enable_caching
-        # Told (hash, page id) when a cached page is evicted, before it is handed out (the host tier copies it).
+        # Told (hash, page id) when a cached page is evicted, before it is handed out (the host tier copies it; the
+        # KV events observer reports it: `paged_jax.kv_cache.observer`).
         self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     @property
@@ -195,3 +196,13 @@ class PagePool:
         page.block_hash = block_hash
         self.cached[block_hash] = page
         return True
+
+    def clear_cache(self) -> None:
+        """Drop every cache entry; the pages keep their places in the free list (all must be free: the caller
+        checks that no request holds a page)."""
+        for page in self.cached.values():
+            if page.ref_cnt:
+                raise RuntimeError(f"clear_cache with page {page.page_id} in use")
+            page.block_hash = None
+        self.cached.clear()
+        self.num_cached_free = 0

@@ -58,6 +58,13 @@ class AdapterCache:
     def __contains__(self, lora_int_id: int) -> bool:
         return lora_int_id in self._adapters
 
+    def find_digest(self, digest: str) -> tuple[int, str] | None:
+        """(lora_int_id, name) of a cached adapter whose weights have `digest` (the KV events' LoRA fields)."""
+        for request, adapter in self._adapters.values():
+            if adapter.digest == digest:
+                return request.lora_int_id, request.lora_name
+        return None
+
     def __len__(self) -> int:
         return len(self._adapters)
 

@@ -39,6 +39,7 @@ from paged_jax.offline.output_files import (
     OutputLockedError,
     check_paths,
     completed_ids,
+    default_errors_path,
     disk_full_message,
     result_line,
 )
@@ -263,11 +264,12 @@ def add_args(parser) -> None:
     g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (implies --distributed)")
     g.add_argument("--num-processes", type=int, default=None, help="processes in the job (default: found by JAX)")
     g.add_argument("--process-id", type=int, default=None, help="this process's index (default: found by JAX)")
+    r = parser.add_argument_group("Ray (an actor pool of engines over a Ray Dataset; paged_jax.offline.ray_batch)")
+    r.add_argument("--ray-actors", type=int, default=0, help="engine actors on the Ray cluster (0: no Ray)")
+    r.add_argument("--ray-address", default=None, help="the Ray cluster (default: $RAY_ADDRESS, else a local one)")
+    r.add_argument("--ray-tpus-per-actor", type=float, default=0, help="TPU chips each actor reserves (one per host)")
+    r.add_argument("--ray-batch-size", type=int, default=64, help="rows Ray hands an actor at a time")
     add_engine_args(parser)
-
-
-def default_errors_path(output_path: Path) -> Path:
-    return output_path.with_name(output_path.stem + ".errors.jsonl")
 
 
 def run(args) -> int:
@@ -278,6 +280,8 @@ def run(args) -> int:
         check_paths(args.input, args.output, args.errors or default_errors_path(args.output))
     except BatchPathError as e:
         raise SystemExit(f"paged-jax generate: {e}") from None
+    if args.ray_actors:
+        return _run_on_ray(args)
     if args.distributed or args.coordinator_address:
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     count, index = jax.process_count(), jax.process_index()
@@ -302,6 +306,42 @@ def run(args) -> int:
         if message is None:
             raise
         raise SystemExit(f"paged-jax generate: {message}") from None
+
+
+def _run_on_ray(args) -> int:
+    """`--ray-actors N`: the engines run in N actors of a Ray cluster (`paged_jax.offline.ray_batch`)."""
+    import functools
+
+    import ray
+
+    from paged_jax.offline.ray_batch import run_on_ray
+
+    if args.ray_actors < 0 or args.ray_batch_size < 1:
+        raise SystemExit("paged-jax generate: --ray-actors must be >= 0 and --ray-batch-size >= 1")
+    if args.distributed or args.coordinator_address:
+        raise SystemExit("paged-jax generate: --ray-actors and --distributed: give one (Ray places the engines)")
+    ray.init(address=args.ray_address)
+    try:
+        summary = run_on_ray(
+            functools.partial(build_engine, args, warmup=False),
+            args.input,
+            args.output,
+            args.errors,
+            num_actors=args.ray_actors,
+            batch_size=args.ray_batch_size,
+            resources_per_actor={"TPU": args.ray_tpus_per_actor} if args.ray_tpus_per_actor else None,
+            lora_modules=tuple(parse_lora_modules(args.lora_modules or ())),
+        )
+    except OutputLockedError as e:
+        raise SystemExit(f"paged-jax generate: {e}") from None
+    finally:
+        ray.shutdown()
+    print(
+        f"\npaged-jax generate [ray, {args.ray_actors} actors]: {args.input} -> {args.output}\n"
+        f"requests           {summary.requests} done, {summary.already_done} already written, {summary.errors} errors\n"
+        f"tokens             {summary.generated_tokens} generated in {summary.seconds:.1f} s"
+    )
+    return 0
 
 
 def _run(engine, args, count: int, index: int, startup: float) -> int:

@@ -28,6 +28,11 @@ class BatchPathError(ValueError):
     """The batch job's files collide or are not regular files; the message names the flag."""
 
 
+def default_errors_path(output_path: Path) -> Path:
+    """Where the rejected lines of `output_path`'s job go unless told: `out.errors.jsonl` beside `out.jsonl`."""
+    return output_path.with_name(output_path.stem + ".errors.jsonl")
+
+
 def check_paths(input_path: Path, output_path: Path, errors_path: Path) -> None:
     """Refuse an input, output and errors file that are one file (by resolved path or by inode), and an
     output or errors path that is not a regular file: results mixed with error lines broke every re-run."""

@@ -64,6 +64,11 @@ class GenerationServiceStub:
                 request_serializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.Stats.FromString,
                 _registered_method=True)
+        self.StreamKVEvents = channel.unary_stream(
+                '/paged_jax.v1.GenerationService/StreamKVEvents',
+                request_serializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.StreamKVEventsRequest.SerializeToString,
+                response_deserializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -108,6 +113,15 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamKVEvents(self, request, context):
+        """The prefix cache's changes from now on, as vLLM's KV events: one batch per engine step and replica that changed
+        it (v1.6). FAILED_PRECONDITION unless the server runs with --kv-events-config enabling events; a subscriber
+        that falls --max-stream-backlog batches behind is ended with RESOURCE_EXHAUSTED (it resubscribes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +154,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.GetStatsRequest.FromString,
                     response_serializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.Stats.SerializeToString,
+            ),
+            'StreamKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamKVEvents,
+                    request_deserializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.StreamKVEventsRequest.FromString,
+                    response_serializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +323,33 @@ class GenerationService:
             '/paged_jax.v1.GenerationService/GetStats',
             serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.GetStatsRequest.SerializeToString,
             serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/paged_jax.v1.GenerationService/StreamKVEvents',
+            serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.StreamKVEventsRequest.SerializeToString,
+            serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
