@@ -215,6 +215,7 @@ def serving_inputs(engine: Engine, limits: ServingLimits) -> InputProcessor:
         defaults=dict(engine.engine_config.sampling_defaults),
         limits=limits.input_limits(),
         max_logit_bias=engine.engine_config.max_logit_bias,
+        hidden_size=engine.config.hidden_size,
     )
 
 

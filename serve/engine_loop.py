@@ -32,6 +32,7 @@ from paged_jax.errors import FieldError
 from paged_jax.lora.named import ServedAdapters
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
+from paged_jax.pooling_params import PoolingParams
 from paged_jax.sampling_params import SamplingParams
 
 from .config import Backpressure
@@ -121,6 +122,7 @@ class Submission:
     params: SamplingParams
     cache_salt: str | None
     lora_request: LoRARequest | None = None
+    pooling: PoolingParams | None = None  # an embedding request (`paged_jax.pooling_params`)
 
 
 @dataclass(slots=True)
@@ -324,7 +326,7 @@ class EngineLoop:
             return  # aborted before it reached the engine
         r = cmd.request
         try:
-            processed = ProcessedRequest(rid, None, r.prompt_token_ids, r.params, r.cache_salt)
+            processed = ProcessedRequest(rid, None, r.prompt_token_ids, r.params, r.cache_salt, r.pooling)
             self.engine.add_request(rid, processed, lora_request=r.lora_request, group=cmd.group)
         except ValueError as e:
             refused = e if isinstance(e, FieldError) else None

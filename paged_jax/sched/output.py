@@ -30,6 +30,8 @@ class ScheduledSeq:
     group_first_blocks: list[int] = field(default_factory=list)
     # prompt positions p whose logits give the logprob of prompt token p + 1 this step (`prompt_logprobs`)
     prompt_logprob_positions: range = range(0)
+    # prompt positions whose final hidden states this step pools (embedding requests, `paged_jax.pooling_params`)
+    pool_positions: range = range(0)
 
     @property
     def num_scheduled(self) -> int:

@@ -138,8 +138,9 @@ class Scheduler:
             if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
                 break
             tokens = seq.all_token_ids
-            # Cached tokens have no logits: a request still owing prompt logprobs computes its whole prompt.
-            read_cache = self.enable_prefix_caching and not seq.needs_prompt_logprobs
+            # Cached tokens have no logits or hidden states: a request still owing prompt logprobs (or a mean
+            # pooling) computes its whole prompt.
+            read_cache = self.enable_prefix_caching and not seq.needs_all_positions
             cached = self.kv.lookup_prefix(tokens, seq.prefix_keys) if read_cache else 0
             num_new = min(len(tokens) - cached, budget, self.chunk_size)
             new_pages = self.kv.pages_to_grow(cached, cached + num_new)  # in every KV cache group
@@ -197,6 +198,8 @@ class Scheduler:
             if stop > seq.prompt_logprobs_done:
                 item.prompt_logprob_positions = range(seq.prompt_logprobs_done, stop)
                 seq.prompt_logprobs_done = stop
+        if seq.pooling is not None:
+            item.pool_positions = seq.pool_positions(end)
         out.scheduled.append(item)
         if end < seq.num_tokens:  # a prompt chunk short of the last token samples nothing
             return
