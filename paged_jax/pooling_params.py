@@ -3,9 +3,10 @@
 An embedding request is a prompt-only request (`max_tokens=0`) whose sequence carries `PoolingParams`: the
 scheduler marks the prompt positions each step computes (`ScheduledSeq.pool_positions`), the runner sums their
 final hidden states (after the final norm) per sequence on the device (`paged_jax.worker.pooling`), and the
-engine adds the step's sums into the request until its prompt is computed; `finish` then turns the sum into
-the embedding: mean (sum / prompt length) or last-token pooling, then `dimensions` truncation (Matryoshka),
-then L2 normalization when `normalize` (so a truncated embedding is renormalized, as Matryoshka models expect).
+engine adds the step's sums into the request until its prompt is computed, then ends it (an embedding has no
+sample row: nothing is sampled) and frees its pages; `finish` turns the sum into the embedding: mean (sum /
+prompt length) or last-token pooling, then `dimensions` truncation (Matryoshka), then L2 normalization when
+`normalize` (so a truncated embedding is renormalized, as Matryoshka models expect).
 """
 
 from __future__ import annotations

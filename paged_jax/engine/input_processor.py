@@ -32,7 +32,7 @@ from paged_jax.tokenization.tokenizer import Tokenizer
 
 MAX_CHARS_PER_TOKEN = 8  # no tokenizer makes fewer tokens than characters / 8: text is bounded before encoding
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-# An embedding request's sampling: prompt only (its one sample, greedy, is dropped), no text.
+# An embedding request's sampling: prompt only (never sampled: the engine ends it once its prompt is pooled), no text.
 POOLING_SAMPLING = SamplingParams(max_tokens=0, temperature=0.0, detokenize=False)
 
 

@@ -439,12 +439,12 @@ class LLMEngine:
         result = self.runner.collect(
             launched.samples, len(sched.sample_rows), launched.prompt_logprobs, num_prompt_rows(sched), launched.pooled
         )
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, RequestState] = {}  # requests with news this step
         outputs = []
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(sched, result.prompt_logprobs)
         if result.pooled is not None:
-            self._record_pooled(sched, result.pooled)
+            self._record_pooled(sched, result.pooled, touched)
         for r, row in enumerate(sched.sample_rows):
             seq = row.seq
             req = self.outputs.get(seq.request_id)
@@ -481,15 +481,21 @@ class LLMEngine:
                 self.outputs.add_prompt_logprobs(req, positions, values, row)
             row += len(positions)
 
-    def _record_pooled(self, sched: SchedulerOutput, pooled) -> None:
-        """Add each pooled sequence's row of the step's sums ([S, H], in scheduling order) into its request."""
+    def _record_pooled(self, sched: SchedulerOutput, pooled, touched: dict[str, RequestState]) -> None:
+        """Add each pooled sequence's row of the step's sums ([S, H], in scheduling order) into its request; a
+        sequence whose prompt this step completed ends (an embedding is never sampled), its pages freed."""
         row = 0
         for item in sched.scheduled:
-            if item.pool_positions:
-                req = self.outputs.get(item.seq.request_id)
-                if req is not None:
-                    req.add_pooled(pooled[row])
-                row += 1
+            if not item.pool_positions:
+                continue
+            seq, req = item.seq, self.outputs.get(item.seq.request_id)
+            row += 1
+            if req is None or seq.finished:
+                continue
+            req.add_pooled(pooled[row - 1])
+            if item.pool_positions.stop == len(seq.prompt_token_ids):
+                self._remove(seq, self.outputs.finish_prompt_only(req, seq))
+                touched[req.request_id] = req
 
     def _append(self, req: RequestState, seq: TokenSequence, result: StepResult, row: int) -> None:
         """Sample `row` of `result` is `seq`'s next token (or its pending one): append it, check it, and free

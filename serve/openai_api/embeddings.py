@@ -39,7 +39,7 @@ from .protocol import json_value, typed
 METHOD = "OpenAI.Embeddings"
 MAX_INPUTS = 256  # inputs in one request (each is its own engine request)
 ENCODINGS = ("float", "base64")
-NAMES = FieldNames({"prompt": "input", "prompt_token_ids": "input", "max_tokens": "input"})
+NAMES = FieldNames({"prompt": "input", "prompt_token_ids": "input"})
 
 
 @dataclass(slots=True)

@@ -19,17 +19,18 @@ def embedder(rid: str, prompt: list[int], pooling: str) -> TokenSequence:
 
 
 def run(sched: Scheduler, watched: TokenSequence, steps: int = 200) -> list[int]:
-    """Step until idle, each sample appended (prompt-only sequences end at their sample); the positions pooled
-    for `watched`, in order."""
+    """Step until idle as the engine does: each sample appended, an embedding ended once its last prompt position
+    is pooled (it has no sample row); the positions pooled for `watched`, in order."""
     pooled: list[int] = []
     for _ in range(steps):
         out = sched.schedule()
         pooled += [p for item in out.scheduled if item.seq is watched for p in item.pool_positions]
+        for item in out.scheduled:
+            if item.pool_positions.stop == len(item.seq.prompt_token_ids):
+                sched.remove(item.seq, FinishReason.LENGTH)
+        assert all(row.seq.pooling is None for row in out.sample_rows)  # an embedding is never sampled
         for row in out.sample_rows:
             seq = row.seq
-            if seq.params.max_tokens == 0:
-                sched.remove(seq, FinishReason.LENGTH)
-                continue
             seq.append_token(5)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 sched.remove(seq, FinishReason.LENGTH)
