@@ -9,9 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from paged_jax.engine.input_processor import GenerationRequest
+from paged_jax.engine.load import load_model
 from paged_jax.errors import FieldError
 from paged_jax.offline.llm import LLM
+from paged_jax.pooling_params import PoolingParams
+from paged_jax.sampling_params import SamplingParams
 
+from support.engines import make_engine
 from support.hf_golden import DATA
 
 ATOL = 1e-4
@@ -89,3 +94,31 @@ def test_bad_input_names_the_field(llm):
     with pytest.raises(FieldError, match="^prompt_token_ids: "):
         llm.embed([[1] * 300])  # longer than max_model_len (256)
     assert not llm.engine.has_unfinished()
+
+
+def test_engine_without_lookahead_and_beside_generation(golden):
+    """The engine API, one step at a time (no lookahead), an embedding sharing steps with a generating request:
+    the same vectors, no sample for the embedding, the generation unaffected."""
+    config, params, tokenizer = load_model(MODEL, dtype="float32")
+    engine = make_engine(config, params, tokenizer, async_scheduling=False, max_num_batched_tokens=16)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("alone", golden[0][0].tolist(), greedy)
+    alone = _drain(engine)["alone"]
+    engine.add_request("gen", golden[0][0].tolist(), greedy)
+    for i, (prompt, _) in enumerate(golden):
+        pooled = GenerationRequest(prompt.tolist(), pooling=PoolingParams("mean"))
+        engine.add_request(f"e{i}", engine.inputs.process(pooled))
+    outs = _drain(engine)
+    assert outs["gen"].outputs[0].token_ids == alone.outputs[0].token_ids
+    for i, (_, hidden) in enumerate(golden):
+        assert outs[f"e{i}"].outputs[0].token_ids == [] and outs[f"e{i}"].metrics.num_generated_tokens == 0
+        np.testing.assert_allclose(outs[f"e{i}"].embedding, _unit(hidden.mean(0)), atol=ATOL)
+    assert engine.kv.stats().pages_in_use == 0
+    engine.check_invariants()
+
+
+def _drain(engine) -> dict:
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    return finals
