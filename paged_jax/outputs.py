@@ -60,7 +60,8 @@ class RequestMetrics:
 class RequestOutput:
     """`prompt_logprobs` (requests with `SamplingParams.prompt_logprobs`, as vLLM's): one entry per prompt token,
     None for the first, each the token's logprob given the tokens before it and its top alternatives; set on the
-    request's first output once its prompt is computed and on its final output, None on the others."""
+    request's first output once its prompt is computed and on its final output, None on the others.
+    `embedding`: an embedding request's vector (float32 values; `paged_jax.pooling_params`), on its final output."""
 
     request_id: str
     prompt: str | None
@@ -70,3 +71,4 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed inside the engine
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None

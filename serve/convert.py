@@ -222,6 +222,7 @@ def serving_inputs(engine: Engine, limits: ServingLimits) -> InputProcessor:
         max_logit_bias=engine.engine_config.max_logit_bias,
         reasoning_parser=engine.engine_config.reasoning_parser,
         grammars=engine.compile_matchers,  # on the front's threads: the engine thread never compiles a grammar
+        hidden_size=engine.config.hidden_size,
     )
 
 

@@ -32,6 +32,7 @@ from paged_jax.errors import FieldError
 from paged_jax.lora.named import ServedAdapters
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
+from paged_jax.pooling_params import PoolingParams
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.structured import Matcher
 from paged_jax.tokenization.reasoning import Thought
@@ -128,6 +129,7 @@ class Submission:
     lora_request: LoRARequest | None = None
     thought: Thought | None = None  # the input processor's: a thinking model's reply (`ProcessedRequest.thought`)
     matchers: list[Matcher] | None = None  # structured outputs compiled on the front's thread
+    pooling: PoolingParams | None = None  # an embedding request (`paged_jax.pooling_params`)
 
 
 @dataclass(slots=True)
@@ -335,7 +337,16 @@ class EngineLoop:
             return  # aborted before it reached the engine
         r = cmd.request
         try:
-            processed = ProcessedRequest(rid, None, r.prompt_token_ids, r.params, r.cache_salt, r.thought, r.matchers)
+            processed = ProcessedRequest(
+                rid,
+                None,
+                r.prompt_token_ids,
+                r.params,
+                r.cache_salt,
+                thought=r.thought,
+                matchers=r.matchers,
+                pooling=r.pooling,
+            )
             self.engine.add_request(rid, processed, lora_request=r.lora_request, group=cmd.group)
         except ValueError as e:
             refused = e if isinstance(e, FieldError) else None

@@ -187,6 +187,18 @@ def run_generate(args: argparse.Namespace) -> int:
     return batch.run(args)
 
 
+def _add_run_batch_args(parser: argparse.ArgumentParser) -> None:
+    from . import batch_file
+
+    batch_file.add_args(parser)
+
+
+def run_batch_file(args: argparse.Namespace) -> int:
+    from . import batch_file
+
+    return batch_file.run(args)
+
+
 def _serve_cli():
     from . import cli  # imported on use: `generate` and `info` need neither grpc nor the server
 
@@ -196,6 +208,12 @@ def _serve_cli():
 COMMANDS: dict[str, Command] = {
     "generate": Command(
         "batch generation: JSONL prompts in, JSONL results out (resumable)", _add_generate_args, run_generate
+    ),
+    "run-batch": Command(
+        "answer an OpenAI batch file (chat, completions, embeddings lines) with this model: JSONL in, OpenAI's "
+        "output format out (resumable)",
+        _add_run_batch_args,
+        run_batch_file,
     ),
     "convert": Command(
         "convert a Hugging Face directory or a GGUF file to an orbax checkpoint", _add_convert_args, run_convert

@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from paged_jax.config import KV_DTYPE_CHOICES
+from paged_jax.config.pooling import PoolerConfig
 from paged_jax.config.speculative import SpeculativeConfig
+from paged_jax.pooling_params import POOLING_TYPES
 from paged_jax.sampling_params import MAX_LOGIT_BIAS
 from pallas_kernels.common import BACKENDS
 
@@ -93,6 +95,11 @@ class EngineConfig:
     # its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 3}, is parsed here, once, into the record
     # (ValueError naming `speculative_config.<field>`).
     speculative_config: SpeculativeConfig | Mapping | str | None = None
+    # Embeddings (paged_jax.config.pooling): "last" | "mean" serves them with that pooling whatever the model's files
+    # say (None: the model's own pooling module, if any). `pooler` is the result, set from the model's files with
+    # this override when the model loads (`paged_jax.engine.args.apply_model_text`); None: generative only.
+    pooling: str | None = None
+    pooler: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -156,5 +163,7 @@ class EngineConfig:
             raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}")
         if self.structured_max_grammar_bytes < 1 or not self.structured_compile_timeout_s > 0:
             raise ValueError("structured_max_grammar_bytes, structured_compile_timeout_s: must be positive")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling: must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_CHOICES:
             raise ValueError(f"kv_dtype: must be one of {KV_DTYPE_CHOICES}, got {self.kv_dtype!r}")

@@ -19,12 +19,14 @@ import jax
 from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS
 from paged_jax.config.engine import REASONING_PARSERS, SCAN_CHOICES, TOOL_CALL_PARSERS, EngineConfig
 from paged_jax.config.generation_defaults import load_generation_defaults
+from paged_jax.config.pooling import read_pooler
 from paged_jax.engine.compile_cache import use_compile_cache
 from paged_jax.engine.data_parallel import make_engine
 from paged_jax.engine.load import load_model
 from paged_jax.errors import UsageError
 from paged_jax.model.loader.named import NAMED_MODELS
 from paged_jax.model.loader.resolve import ModelSource, resolve_model
+from paged_jax.pooling_params import POOLING_TYPES
 from paged_jax.tokenization.chat_template import load_chat_template
 from pallas_kernels.common import BACKENDS
 
@@ -127,7 +129,8 @@ def apply_model_text(
     ec: EngineConfig | None = None,
 ) -> dict:
     """Install the `chat_template` file (when given) on the tokenizer; return `model`'s generation defaults
-    (`generation_config`: "auto", "none" or a directory), also set on `ec`."""
+    (`generation_config`: "auto", "none" or a directory), also set on `ec` with the model's pooler (embeddings,
+    `paged_jax.config.pooling`, with `ec.pooling` as its override)."""
     if chat_template is not None:
         tokenizer.chat_template = load_chat_template(None, chat_template)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
@@ -135,6 +138,7 @@ def apply_model_text(
     defaults = load_generation_defaults(folder, generation_config)
     if ec is not None:
         ec.sampling_defaults = dict(defaults)
+        ec.pooler = read_pooler(folder, ec.pooling)
     return defaults
 
 
@@ -338,6 +342,12 @@ ENGINE_FLAGS = (
         "how the OpenAI front reads and forces tool calls: auto (from the chat template; a template without a "
         "tools section gets the generic form), none, or a family (docs/user/tool_calls.md)",
         choices=TOOL_CALL_PARSERS,
+    ),
+    EngineFlag(
+        "pooling",
+        "serve embeddings (/v1/embeddings, LLM.embed) with this pooling of the final hidden states, whatever the "
+        "model's files say (default: the model's sentence-transformers pooling, if any; docs/user/embeddings.md)",
+        choices=POOLING_TYPES,
     ),
     EngineFlag("tensor_parallel_size", "chips per engine replica", short="-tp"),
     EngineFlag("data_parallel_size", "engine replicas on disjoint groups of this host's chips", short="-dp"),

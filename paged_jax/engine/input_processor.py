@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from paged_jax.errors import FieldError
+from paged_jax.pooling_params import PoolingParams
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputs
 from paged_jax.structured.backend import Matcher
 from paged_jax.tokenization.chat_template import apply_chat_template
@@ -33,6 +34,8 @@ from paged_jax.tokenization.tokenizer import Tokenizer
 
 MAX_CHARS_PER_TOKEN = 8  # no tokenizer makes fewer tokens than characters / 8: text is bounded before encoding
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# An embedding request's sampling: prompt only (never sampled: the engine ends it once its prompt is pooled), no text.
+POOLING_SAMPLING = SamplingParams(max_tokens=0, temperature=0.0, detokenize=False)
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class GenerationRequest:
     sampling: SamplingParams | Mapping[str, Any] = field(default_factory=dict)
     request_id: str | None = None
     cache_salt: str | None = None
+    pooling: PoolingParams | None = None  # an embedding request (`sampling` is then ignored: prompt only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,7 @@ class ProcessedRequest:
     # Structured outputs compiled where the request was processed (a front's thread, `InputProcessor.grammars`),
     # one matcher per sample; None: the engine compiles them when the request is added.
     matchers: list[Matcher] | None = None
+    pooling: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing is generated
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, chat: ChatPrompt, max_chars: int | None = None) -> list[int]:
@@ -156,6 +161,7 @@ class InputProcessor:
         max_logit_bias: int = MAX_LOGIT_BIAS,
         reasoning_parser: str = "auto",
         grammars: Callable[[StructuredOutputs, int], list[Matcher]] | None = None,
+        hidden_size: int | None = None,
     ) -> None:
         """`grammars(spec, n)`: compile a structured-output request's matchers (its first mask included) as part
         of processing it, so that a server compiles them on the front's thread, never on the engine's (raises
@@ -163,6 +169,7 @@ class InputProcessor:
         self.grammars = grammars
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser  # `EngineConfig.reasoning_parser`: auto (the template's), none, a name
+        self.hidden_size = hidden_size  # the model's width: the most `dimensions` an embedding may keep
         self.vocab_size, self.max_model_len, self.max_n = vocab_size, max_model_len, max_n
         self.max_logit_bias = max_logit_bias  # the engine's logit_bias width (`EngineConfig.max_logit_bias`)
         self.defaults = defaults if defaults is not None else {}  # read at each request
@@ -201,6 +208,13 @@ class InputProcessor:
                 f"the prompt has {len(ids)} tokens, more than the limit of {self.max_prompt_tokens} "
                 f"(max_model_len {self.max_model_len})",
             )
+        if req.pooling is not None:  # an embedding: the prompt only, pooled (`paged_jax.pooling_params`)
+            if len(ids) > self.max_model_len:
+                raise FieldError(
+                    name, f"the input has {len(ids)} tokens, more than max_model_len ({self.max_model_len})"
+                )
+            pooled = req.pooling.validate(self.hidden_size or 1 << 30)
+            return ProcessedRequest(req.request_id, text, ids, POOLING_SAMPLING, req.cache_salt, pooling=pooled)
         params = self._sampling(req.sampling, len(ids), chat=isinstance(req.prompt, ChatPrompt))
         if len(ids) + params.max_tokens > self.max_model_len:
             raise FieldError(

@@ -12,6 +12,7 @@ it, and each step's constrained rows get their bitmask filled while the device r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
+from paged_jax.config.pooling import read_pooler
 from paged_jax.engine.compile_gate import CompileGate
 from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, InputProcessor, ProcessedRequest
 from paged_jax.engine.lookahead import Launched, Lookahead
@@ -189,7 +191,10 @@ class LLMEngine:
             defaults=ec.sampling_defaults,
             max_logit_bias=ec.max_logit_bias,
             reasoning_parser=ec.reasoning_parser,
+            hidden_size=config.hidden_size,
         )
+        if ec.pooler is None and ec.pooling is not None:  # embeddings by `pooling` alone (no model files read)
+            ec.pooler = read_pooler(None, ec.pooling)
         self.outputs = OutputProcessor(
             tokenizer, eos_token_ids=config.eos_token_ids, max_model_len=self.max_model_len, seed=ec.seed
         )
@@ -257,6 +262,8 @@ class LLMEngine:
         `tracker` counts the shapes done (the server's /health and metrics)."""
         lookahead = self.engine_config.async_scheduling
         plan = plan or WarmupPlan(lookahead=lookahead)
+        if self.engine_config.pooler is not None:  # it serves embeddings: their pooling steps too
+            plan = dataclasses.replace(plan, pooling=True)
         return run_warmup(self.runner, plan, progress, what=what, cancel=cancel, tracker=tracker)
 
     @property
@@ -515,8 +522,9 @@ class LLMEngine:
         bitmask = self.structured.bitmask(self._constrained_rows(launched.sched), len(launched.sched.sample_rows))
         assert launched.forward is not None, "sampling is launched once, after its forward step"
         samples = self.runner.launch_sample(launched.forward, bitmask)
-        prompt = launched.forward.prompt_logprobs
-        return Launched(launched.sched, samples, launched.host_seconds + time.perf_counter() - t0, None, prompt)
+        fwd = launched.forward
+        seconds = launched.host_seconds + time.perf_counter() - t0
+        return Launched(launched.sched, samples, seconds, None, fwd.prompt_logprobs, fwd.pooled)
 
     def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[Matcher, int]]:
         """(matcher, sample row) of each live structured-output sequence `sched` samples."""
@@ -536,12 +544,14 @@ class LLMEngine:
         device0 = self.runner.device_seconds
         assert launched.samples is not None, "a step is finished after its sampling was launched"
         result = self.runner.collect(
-            launched.samples, len(sched.sample_rows), launched.prompt_logprobs, num_prompt_rows(sched)
+            launched.samples, len(sched.sample_rows), launched.prompt_logprobs, num_prompt_rows(sched), launched.pooled
         )
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, RequestState] = {}  # requests with news this step
         outputs = []
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(sched, result.prompt_logprobs)
+        if result.pooled is not None:
+            self._record_pooled(sched, result.pooled, touched)
         for r, row in enumerate(sched.sample_rows):
             seq = row.seq
             req = self.outputs.get(seq.request_id)
@@ -578,6 +588,22 @@ class LLMEngine:
                 self.outputs.add_prompt_logprobs(req, positions, values, row)
             row += len(positions)
 
+    def _record_pooled(self, sched: SchedulerOutput, pooled, touched: dict[str, RequestState]) -> None:
+        """Add each pooled sequence's row of the step's sums ([S, H], in scheduling order) into its request; a
+        sequence whose prompt this step completed ends (an embedding is never sampled), its pages freed."""
+        row = 0
+        for item in sched.scheduled:
+            if not item.pool_positions:
+                continue
+            seq, req = item.seq, self.outputs.get(item.seq.request_id)
+            row += 1
+            if req is None or seq.finished:
+                continue
+            req.add_pooled(pooled[row - 1])
+            if item.pool_positions.stop == len(seq.prompt_token_ids):
+                self._remove(seq, self.outputs.finish_prompt_only(req, seq))
+                touched[req.request_id] = req
+
     def _append(self, req: RequestState, seq: TokenSequence, result: StepResult, row: int) -> None:
         """Sample `row` of `result` is `seq`'s next token (or its pending one): append it, check it, and free
         the sequence's pages if it ended. A prompt-only request (`max_tokens=0`) drops it and ends."""
@@ -587,7 +613,7 @@ class LLMEngine:
             seq.append_token(token)
         if seq.params.max_tokens == 0:
             seq.drop_last_token()
-            self._remove(seq, self.outputs.finish_prompt_only(seq))
+            self._remove(seq, self.outputs.finish_prompt_only(req, seq))
             return
         k = seq.params.logprobs
         reason = self.outputs.check_token(req, seq, token, None if k is None else result.logprobs_of(row, k))

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
+
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.sched.output import SchedulerOutput
 from paged_jax.sched.sequence import PLACEHOLDER, PendingToken, Status, TokenSequence
@@ -40,6 +42,7 @@ class Launched(NamedTuple):
     host_seconds: float  # host time spent launching
     forward: ForwardLaunched | None = None  # the forward half, while `samples` is None
     prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
+    pooled: jax.Array | None = None  # [S, H] on device, when the step pools (`paged_jax.worker.pooling`)
 
 
 class Lookahead:

@@ -44,6 +44,13 @@ class RequestState:
     # `prompt_logprobs` requests: entry i for prompt token i (None first), filled as the prompt's steps complete
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = field(default=False)  # already on an output (then again only on the final one)
+    # embedding requests: the sum of the pooled final hidden states [H] f32 so far, and the finished embedding
+    pooled_sum: np.ndarray | None = None
+    embedding: np.ndarray | None = None
+
+    def add_pooled(self, row: np.ndarray) -> None:
+        """Add one step's pooled sum [H] (`paged_jax.worker.pooling`)."""
+        self.pooled_sum = row.copy() if self.pooled_sum is None else self.pooled_sum + row
 
     def matcher(self, seq: TokenSequence) -> Matcher | None:
         return None if self.matchers is None else self.matchers[seq.index]
@@ -97,7 +104,15 @@ class OutputProcessor:
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [
             TokenSequence(
-                f"{request_id}#{i}", request_id, i, list(ids), params, seed, request.cache_salt, arrival_time=now
+                f"{request_id}#{i}",
+                request_id,
+                i,
+                list(ids),
+                params,
+                seed,
+                request.cache_salt,
+                arrival_time=now,
+                pooling=request.pooling,
             )
             for i in range(params.n)
         ]
@@ -154,9 +169,13 @@ class OutputProcessor:
         ids = req.prompt_token_ids
         req.prompt_logprobs.extend(values.entry(first_row + i, ids[p + 1], k) for i, p in enumerate(positions))
 
-    def finish_prompt_only(self, seq: TokenSequence) -> FinishReason:
-        """A `max_tokens=0` sequence whose prompt is computed: it ends by length, with no tokens."""
+    def finish_prompt_only(self, req: RequestState, seq: TokenSequence) -> FinishReason:
+        """A `max_tokens=0` sequence whose prompt is computed: it ends by length, with no tokens (an embedding
+        request with its embedding made from the pooled sum)."""
         seq.finish_time = time.monotonic()
+        if seq.pooling is not None:
+            assert req.pooled_sum is not None, "an embedding request's last prompt position was pooled"
+            req.embedding = seq.pooling.finish(req.pooled_sum, len(req.prompt_token_ids))
         return FinishReason.LENGTH
 
     def is_last_token(self, seq: TokenSequence) -> bool:
@@ -206,6 +225,8 @@ class OutputProcessor:
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
         )
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, final, metrics)
+        if final and req.embedding is not None:
+            out.embedding = req.embedding.tolist()
         complete = req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_token_ids)
         if complete and (final or not req.prompt_logprobs_sent):
             out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True

@@ -1,5 +1,5 @@
-"""The offline API, familiar to vLLM users: `LLM(model=...).generate(prompts, SamplingParams(...))` and
-`LLM.chat(messages, SamplingParams(...))`."""
+"""The offline API, familiar to vLLM users: `LLM(model=...).generate(prompts, SamplingParams(...))`,
+`LLM.chat(messages, SamplingParams(...))` and `LLM.embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from typing import cast
 from tqdm.auto import tqdm
 
 from paged_jax.config.engine import EngineConfig
+from paged_jax.config.pooling import PoolerConfig
 from paged_jax.engine.args import apply_model_text
 from paged_jax.engine.compile_cache import use_compile_cache
-from paged_jax.engine.input_processor import ChatPrompt
+from paged_jax.engine.input_processor import ChatPrompt, GenerationRequest, ProcessedRequest
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.load import load_model
 from paged_jax.engine.protocol import EngineStats
@@ -37,6 +38,11 @@ def prompt_input(prompt: Prompt) -> str | list[int]:
             raise FieldError("prompt_token_ids", f"must be a list of token ids, got {type(ids).__name__}")
         return list(ids)
     raise FieldError("prompt", f"expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+
+def _is_ids(prompt: Sequence) -> bool:
+    """A non-empty list of token ids (one prompt), not a list of prompts."""
+    return bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
 
 
 class LLM:
@@ -148,9 +154,42 @@ class LLM:
         names = [FieldNames({"messages": f"messages[{i}]"}) if several else None for i in range(len(chats))]
         return self._run(chats, sampling_params, use_tqdm, names, lora_request)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[int] | Iterable[Prompt | Sequence[int]],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Embed every prompt (text, `{"prompt_token_ids": [...]}` or a list of token ids); outputs come back in
+        prompt order, each with `embedding` (a list of floats) set. Each prompt runs as prefill-only steps of
+        this engine (`paged_jax.pooling_params`). `pooling` ("last" | "mean"), `normalize` and `dimensions`
+        (Matryoshka truncation, then renormalization) override the model's pooler (`paged_jax.config.pooling`);
+        an engine whose model has none (generative only, and no `pooling=` given to `LLM`) needs `pooling`
+        here. Raises FieldError naming the field."""
+        pooler = self.engine.engine_config.pooler
+        if pooler is None:
+            if pooling is None:
+                raise FieldError(
+                    "pooling",
+                    "the model has no pooling module (not an embedding model): pass pooling='last' or 'mean' "
+                    "(here or to LLM)",
+                )
+            pooler = PoolerConfig(pooling)
+        params = pooler.params(self.config.hidden_size, pooling, normalize, dimensions)
+        one = isinstance(prompts, str | Mapping) or (isinstance(prompts, Sequence) and _is_ids(prompts))
+        if not one and not isinstance(prompts, Iterable):
+            raise FieldError("prompts", f"expected a prompt or a list of prompts, got {type(prompts).__name__}")
+        items: list = [prompts] if one else list(prompts)
+        inputs = [p if isinstance(p, str | Mapping) else {"prompt_token_ids": p} for p in items]
+        processed = [self.engine.inputs.process(GenerationRequest(prompt_input(p), pooling=params)) for p in inputs]
+        return self._run(processed, None, use_tqdm)
+
     def _run(
         self,
-        prompts: Sequence[str | list[int] | ChatPrompt],
+        prompts: Sequence[str | list[int] | ChatPrompt | ProcessedRequest],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         names: Sequence[FieldNames | None] | None = None,
@@ -177,7 +216,8 @@ class LLM:
             for i, (prompt, params, lora) in enumerate(zip(prompts, params_list, loras, strict=True)):
                 rid = f"gen-{next(self._ids)}"
                 try:
-                    self.engine.add_request(rid, prompt, params, lora_request=lora)
+                    own = isinstance(prompt, ProcessedRequest)  # it carries its own (checked) params
+                    self.engine.add_request(rid, prompt, None if own else params, lora_request=lora)
                 except FieldError as e:
                     raise e.renamed(name) if names and (name := names[i]) is not None else e from None
                 order[rid] = i

@@ -33,16 +33,24 @@ def default_errors_path(output_path: Path) -> Path:
     return output_path.with_name(output_path.stem + ".errors.jsonl")
 
 
-def check_paths(input_path: Path, output_path: Path, errors_path: Path) -> None:
+def check_paths(
+    input_path: Path,
+    output_path: Path,
+    errors_path: Path | None = None,
+    flags: tuple[str, str, str] = ("--input", "--output", "--errors"),
+) -> None:
     """Refuse an input, output and errors file that are one file (by resolved path or by inode), and an
-    output or errors path that is not a regular file: results mixed with error lines broke every re-run."""
-    named = {"--input": input_path, "--output": output_path, "--errors": errors_path}
-    for flag, path in (("--output", output_path), ("--errors", errors_path)):  # read back, then appended to
+    output or errors path that is not a regular file: results mixed with error lines broke every re-run.
+    `errors_path` None: a job without an errors file; `flags`: the three files' flags, for the message."""
+    named = {flags[0]: input_path, flags[1]: output_path}
+    if errors_path is not None:
+        named[flags[2]] = errors_path
+    for flag, path in list(named.items())[1:]:  # read back, then appended to
         if path.exists() and not stat.S_ISREG(path.stat().st_mode):
             raise BatchPathError(f"{flag}: {path} is not a regular file")
-    flags = list(named)
-    for i, a in enumerate(flags):
-        for b in flags[i + 1 :]:
+    names = list(named)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
             pa, pb = named[a], named[b]
             same = pa.resolve() == pb.resolve() or (pa.exists() and pb.exists() and os.path.samefile(pa, pb))
             if same:
@@ -73,15 +81,21 @@ def completed_ids(path: Path) -> set[str]:
     """Ids already in the output; a torn last line (no newline) is cut off first, and a line that is not a
     result (not JSON, no `id`, an error line) is skipped with a warning (not done: it is generated again).
     Call it holding the output's lock (`LineWriter.lock`): the torn line may be another run's write in progress."""
+    return _ids(whole_lines(path), path)
+
+
+def whole_lines(path: Path) -> bytes:
+    """The output's whole lines, a torn last line (no newline: a write that `kill -9` cut short) cut off the
+    file first. Call it holding the output's lock (`LineWriter.lock`)."""
     if not path.exists():
-        return set()
+        return b""
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         keep = data.rfind(b"\n") + 1
         with open(path, "r+b") as f:
             f.truncate(keep)
         data = data[:keep]
-    return _ids(data, path)
+    return data
 
 
 def _ids(data: bytes, path: Path) -> set[str]:

@@ -26,6 +26,8 @@ class ScheduledSeq:
     draft: list[int] = field(default_factory=list)  # unverified draft tokens at [start + num_new, ... + len(draft))
     # prompt positions p whose logits give the logprob of prompt token p + 1 this step (`prompt_logprobs`)
     prompt_logprob_positions: range = range(0)
+    # prompt positions whose final hidden states this step pools (embedding requests, `paged_jax.pooling_params`)
+    pool_positions: range = range(0)
 
     @property
     def num_scheduled(self) -> int:

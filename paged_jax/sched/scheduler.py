@@ -97,6 +97,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING or (seq.pending is not None and seq.pending.is_last):
                 continue  # preempted earlier in this loop, or its pending token is its last
             num_new = min(seq.num_tokens - self.kv.num_computed_tokens(seq.seq_id), budget, self.chunk_size)
+            if num_new == 0:  # an embedding whose prompt a launched step completes: the engine ends it then
+                continue
             cache = seq.pending is None  # a placeholder (lookahead) must not be hashed; cached once its id is known
             draft = self._drafts(seq, num_new, budget)
             copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache, len(draft))
@@ -157,8 +159,9 @@ class Scheduler:
             if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
                 break
             tokens = seq.all_token_ids
-            # Cached tokens have no logits: a request still owing prompt logprobs computes its whole prompt.
-            read_cache = self.enable_prefix_caching and not seq.needs_prompt_logprobs
+            # Cached tokens have no logits or hidden states: a request still owing prompt logprobs (or a mean
+            # pooling) computes its whole prompt.
+            read_cache = self.enable_prefix_caching and not seq.needs_all_positions
             cached = self.kv.lookup_prefix(tokens, seq.prefix_keys) if read_cache else 0
             num_new = min(len(tokens) - cached, budget, self.chunk_size)
             new_pages = self.kv.pages_to_grow(cached, cached + num_new)  # in every KV cache group
@@ -211,9 +214,11 @@ class Scheduler:
             if stop > seq.prompt_logprobs_done:
                 item.prompt_logprob_positions = range(seq.prompt_logprobs_done, stop)
                 seq.prompt_logprobs_done = stop
+        if seq.pooling is not None:
+            item.pool_positions = seq.pool_positions(end)
         out.scheduled.append(item)
-        if end < seq.num_tokens:  # a prompt chunk short of the last token samples nothing
-            return
+        if end < seq.num_tokens or seq.pooling is not None:  # a prompt chunk short of the last token, or an
+            return  # embedding's prompt (pooled, never sampled), samples nothing
         index = len(out.scheduled) - 1
         out.sample_rows.append(SampleRow(seq, index))
         out.sample_rows.extend(SampleRow(seq, index, tuple(draft[:j])) for j in range(1, len(draft) + 1))

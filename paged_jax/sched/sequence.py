@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from paged_jax.pooling_params import PoolingParams
 from paged_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ class TokenSequence:
     # `prompt_logprobs` requests: the prompt positions [0, this) whose next-token logprob a launched step computes
     # (the leader's; the request's prompt logprobs are its own, not each sample's)
     prompt_logprobs_done: int = 0
+    # Embedding requests (`paged_jax.pooling_params`): how the prompt's final hidden states are pooled, and the
+    # prompt positions [0, this) a launched step has pooled (each position once, across chunks and preemptions)
+    pooling: PoolingParams | None = None
+    pool_done: int = 0
     # Speculative decoding (`paged_jax.spec_decode`): tokens proposed to follow the last one, scored by the next step if
     # the scheduler finds room (it takes them: a draft is for one step).
     draft_token_ids: list[int] = field(default_factory=list)
@@ -108,6 +113,25 @@ class TokenSequence:
             and self.index == 0
             and self.prompt_logprobs_done < len(self.prompt_token_ids) - 1
         )
+
+    @property
+    def needs_all_positions(self) -> bool:
+        """Every prompt position's hidden state is still wanted (prompt logprobs, mean pooling), so the prefix
+        cache (whose positions have no hidden states) is not read."""
+        mean = self.pooling is not None and self.pooling.pooling == "mean"  # never: another request's longer
+        return self.needs_prompt_logprobs or mean  # cached prefix would skip positions not yet pooled
+
+    def pool_positions(self, end: int) -> range:
+        """The prompt positions a step computing up to `end` pools (marked done): mean pooling every new one,
+        last-token pooling only the last."""
+        assert self.pooling is not None
+        n = len(self.prompt_token_ids)
+        first = self.pool_done if self.pooling.pooling == "mean" else n - 1
+        stop = min(end, n)
+        if stop <= max(first, self.pool_done):
+            return range(0)
+        self.pool_done = stop
+        return range(first, stop)
 
     @property
     def prefix_keys(self) -> tuple[str, ...]:

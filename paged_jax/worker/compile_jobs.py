@@ -27,6 +27,7 @@ from paged_jax.worker import xla_flags
 from paged_jax.worker.executables import CompilerOptions
 from paged_jax.worker.paged_attention import PagedMeta
 from paged_jax.worker.pending import merge_pending, merge_pending_history
+from paged_jax.worker.pooling import pool_rows
 from paged_jax.worker.sampler import SamplingMeta, empty_meta
 from paged_jax.worker.spec_verify import VerifyRows
 from paged_jax.worker.step_functions import LoraShape, StepKey, sample_rows
@@ -161,6 +162,15 @@ class CompileJobs:
             return self.prompt_logprobs_fn.lower(self.params, hidden, i32(t), i32(t), i32(1))
 
         return Job(("prompt_logprobs", self.key, t), lower, f"prompt logprobs tokens={t}")
+
+    def pool(self, t: int, s: int) -> Job:
+        """Pooling of up to `t` marked rows of a `t`-token step into `s` segments (`paged_jax.worker.pooling`)."""
+
+        def lower() -> jax.stages.Lowered:
+            hidden = self.spec(t, self.config.hidden_size, dtype=jnp.dtype(self.config.dtype))
+            return pool_rows.lower(hidden, self.spec(t), self.spec(t), num_segments=s)
+
+        return Job(("pool", self.key, t, s), lower, f"pool tokens={t} seqs={s}")
 
     def merge(self, t: int) -> Job:
         """The lookahead's merge of the previous step's ids (always `max_seq_bucket` rows) into `t` tokens."""

@@ -57,6 +57,7 @@ from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.kv_allocation import abstract_kv, allocate_kv
 from paged_jax.worker.kv_transfer import KVTransfer
 from paged_jax.worker.paged_attention import GroupedPages, PagedMeta
+from paged_jax.worker.pooling import build_pool_rows
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows
 from paged_jax.worker.ready_shapes import ReadyShapes, request_flags, union
 from paged_jax.worker.sampler import SamplerOutput, SamplingMeta, empty_meta
@@ -100,6 +101,7 @@ class ForwardLaunched:
     s: int  # the sequence bucket
     verify: VerifyRows | None  # speculation: where each sequence's rows start and its next draft
     prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
+    pooled: jax.Array | None = None  # [S, H] f32 on device: each pooled sequence's sum (`paged_jax.worker.pooling`)
 
 
 @dataclass(slots=True)
@@ -111,6 +113,7 @@ class StepResult:
     top_ids: np.ndarray  # [R, K] i32
     top_logprobs: np.ndarray  # [R, K] f32
     prompt_logprobs: PromptLogprobs | None = None  # numpy, [P] rows: the step's prompt-logprob positions in order
+    pooled: np.ndarray | None = None  # [S, H] f32: the step's pooled sums, one row per pooled sequence in order
 
     def logprobs_of(self, row: int, k: int) -> tuple[float, list[tuple[int, float]]]:
         """Row `row`'s token logprob and its `k` most likely (id, logprob) alternatives."""
@@ -451,8 +454,12 @@ class ModelRunner:
         if rows is not None:
             job = self.jobs.prompt_logprobs(fwd.t)
             prompt = self._executable(job)(self.params, fwd.hidden, rows.rows, rows.targets, rows.num_rows)
+        pooled = None
+        pool = build_pool_rows(sched, fwd.t, s)
+        if pool is not None:
+            pooled = self._executable(self.jobs.pool(fwd.t, s))(fwd.hidden, pool.rows, pool.segments)
         m = self._with_history(sampling, prev_samples)
-        return ForwardLaunched(fwd.logits, m, fwd.flags or sampling.flags, s, verify, prompt)
+        return ForwardLaunched(fwd.logits, m, fwd.flags or sampling.flags, s, verify, prompt, pooled)
 
     def launch_greedy(self, sched: SchedulerOutput) -> jax.Array:
         """One step of `sched` taking each sample row's argmax whatever its sequence's sampling parameters (a draft
@@ -553,16 +560,19 @@ class ModelRunner:
         num_rows: int,
         prompt_logprobs: PromptLogprobs | None = None,
         num_prompt_rows: int = 0,
+        pooled: jax.Array | None = None,
     ) -> StepResult:
         """Wait for a launched step and copy its first `num_rows` samples (and `num_prompt_rows` prompt-logprob
-        rows) to the host."""
+        rows, and its pooled sums) to the host."""
         t0 = time.perf_counter()
-        host, prompt = jax.device_get((out, prompt_logprobs))
+        host, prompt, pooled_host = jax.device_get((out, prompt_logprobs, pooled))
         self.device_seconds += time.perf_counter() - t0
         r = num_rows
         if prompt is not None:
             prompt = PromptLogprobs(*(a[:num_prompt_rows] for a in prompt))
-        return StepResult(host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r], prompt)
+        return StepResult(
+            host.tokens[:r], host.logprob[:r], host.top_ids[:r], host.top_logprobs[:r], prompt, pooled_host
+        )
 
     # -- executables --------------------------------------------------------------------------------
     def _executable(self, job: Job) -> jax.stages.Compiled:

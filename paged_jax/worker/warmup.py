@@ -68,6 +68,7 @@ class WarmupPlan:
     lookahead: bool = True  # the merge of the previous step's ids (async scheduling)
     copies: bool = True  # requests with n > 1: copy-on-write of pages, and their children's sample rows
     prompt_logprobs: bool = True  # the prompt-logprob step of every token bucket (requests with prompt_logprobs)
+    pooling: bool = False  # the pooling step of every step shape (an engine that serves embeddings)
     complete: bool = True  # every shape the run can reach; False: the rest compile on first use, on purpose
 
 
@@ -170,7 +171,7 @@ def token_buckets(runner: ModelRunner, plan: WarmupPlan) -> list[int]:
 
 def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     """The plan's executables: forward steps first (the long compiles), then sampling (with the penalties'
-    history merge where a variant has penalties), prompt logprobs, the lookahead's merges, copies."""
+    history merge where a variant has penalties), prompt logprobs, pooling, the lookahead's merges, copies."""
     buckets = token_buckets(runner, plan)
     shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t, forks=plan.copies)]
     out = [runner.jobs.forward(t, s) for t, s in shapes]
@@ -185,6 +186,8 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
             out.append(runner.jobs.history(s))
     if plan.prompt_logprobs:
         out += [runner.jobs.prompt_logprobs(t) for t in buckets]
+    if plan.pooling:
+        out += [runner.jobs.pool(t, s) for t, s in shapes]
     if plan.lookahead:
         out += [runner.jobs.merge(t) for t in buckets]
     if plan.copies:

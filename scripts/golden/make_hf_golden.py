@@ -6,7 +6,9 @@ Run by hand with torch + transformers (not in CI):  /tmp/peer/hf/bin/python scri
 Each variant directory holds `config.json`, safetensors weights (one file, or shards with
 `model.safetensors.index.json`) and `golden.npz` with, per prompt i: `prompt_i` [n] int32,
 `logits_i` [n, vocab] float32 (HF eager attention, float32) and `greedy_i` [16] int32 (HF greedy
-`generate`, EOS disabled). Weights are re-drawn with a larger std than HF's init so that logits are
+`generate`, EOS disabled); an embedding variant (`embed`) also `hidden_i` [n, hidden] float32, the final
+hidden states after the final norm, and the sentence-transformers files of its pooling. Weights are re-drawn
+with a larger std than HF's init so that logits are
 peaked and greedy argmaxes are far from ties; norms and biases are randomised so they matter.
 
 The family variants (Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE) are smaller (vocab 288, just above the byte
@@ -108,6 +110,9 @@ FAMILY_VARIANTS: dict[str, dict] = {
         norm_topk_prob=False,
         rms_norm_eps=1e-6,
     ),
+    # A Qwen3-Embedding-shaped model: sentence-transformers last-token pooling + Normalize, Matryoshka; its golden
+    # also holds `hidden_i` [n, hidden] (transformers' last_hidden_state, after the final norm).
+    "qwen3_embed": dict(FAMILY_BASE, arch="qwen3", rms_norm_eps=1e-6, embed=True),
 }
 ARCHES = {
     "llama": "Llama",
@@ -131,6 +136,7 @@ def hf_model(arch: str, spec: dict) -> torch.nn.Module:
 def build(name: str, spec: dict, seed: int) -> None:
     spec = dict(spec)
     arch, shard, bf16 = spec.pop("arch", "llama"), spec.pop("shard", None), spec.pop("bf16", False)
+    embed = spec.pop("embed", False)
     torch.manual_seed(seed)
     model = hf_model(arch, spec if bf16 else {**BASE, **spec}).float().eval()
     with torch.no_grad():
@@ -157,6 +163,9 @@ def build(name: str, spec: dict, seed: int) -> None:
             {k: v.to(torch.bfloat16) for k, v in load_file(str(path)).items()}, str(path), metadata={"format": "pt"}
         )
 
+    if embed:
+        write_embedding_files(directory)
+
     rng = np.random.default_rng(seed)
     golden: dict[str, np.ndarray] = {}
     min_gap = np.inf
@@ -165,6 +174,8 @@ def build(name: str, spec: dict, seed: int) -> None:
         ids = torch.from_numpy(prompt)[None]
         with torch.no_grad():
             logits = model(ids).logits[0].float().numpy()
+            if embed:
+                golden[f"hidden_{i}"] = model.model(ids).last_hidden_state[0].float().numpy()
             out = model.generate(
                 ids,
                 max_new_tokens=NEW_TOKENS,
@@ -184,8 +195,23 @@ def build(name: str, spec: dict, seed: int) -> None:
         golden[f"greedy_{i}"] = greedy.astype(np.int32)
     np.savez_compressed(directory / "golden.npz", **golden)
     files = sorted(p.name for p in directory.iterdir())
-    size = sum(p.stat().st_size for p in directory.iterdir())
+    size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
     print(f"{name}: {files} {size / 1e3:.0f} kB, min greedy top-2 logit gap {min_gap:.4f}")
+
+
+def write_embedding_files(directory: Path) -> None:
+    """Qwen3-Embedding's sentence-transformers layout: last-token pooling, then Normalize; Matryoshka config."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (directory / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (directory / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}, indent=2) + "\n")
 
 
 def main(names: list[str]) -> None:

@@ -1,5 +1,6 @@
-"""The ASGI app (FastAPI): the OpenAI routes, vLLM's tokenizer routes (`/tokenize`, `/detokenize`,
-`/tokenizer_info`), `/health` (and vLLM's `/ping`), `/version`, `/metrics`, and errors in OpenAI's shape.
+"""The ASGI app (FastAPI): the OpenAI routes (completions, chat, embeddings), vLLM's tokenizer routes
+(`/tokenize`, `/detokenize`, `/tokenizer_info`), `/health` (and vLLM's `/ping`), `/version`, `/metrics`, and
+errors in OpenAI's shape.
 
 Auth (when a token is configured) covers `/v1/*` and the tokenizer routes; `/health` follows the gRPC rule for
 health checks (`auth_exempt_health`, on by default) so load balancers need no token; `/metrics` too unless
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..convert import RequestError
+from .embeddings import embeddings
 from .errors import error_response
 from .front import OpenAIFront
 
@@ -53,6 +55,10 @@ def create_app(front: OpenAIFront) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await front.generate(request, "chat")
+
+    @app.post("/v1/embeddings")
+    async def embeddings_route(request: Request) -> Response:
+        return await embeddings(front, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -100,7 +101,12 @@ TEMPLATE = (
     "{% if tools %}<tools>call one as <tool_call>{json}</tool_call></tools>{% endif %}"
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 )
-MODEL_NAMES = ('"smollm2-135m-instruct"', '"path/to/hf-llama-dir"', '"google/gemma-3-4b-it"')
+MODEL_NAMES = (
+    '"smollm2-135m-instruct"',
+    '"path/to/hf-llama-dir"',
+    '"google/gemma-3-4b-it"',
+    '"Qwen/Qwen3-Embedding-0.6B"',
+)
 SERVER_MARKERS = ("OpenAI(", "Client(")  # a block that talks to a running server
 
 
@@ -115,10 +121,15 @@ ONLINE = [(w, c) for w, c in PYTHON if is_server_block(c)]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """An HF directory the examples' models are replaced by: 2 layers, 256 positions, a chat template."""
+    """An HF directory the examples' models are replaced by: 2 layers, 256 positions, a chat template, and a
+    sentence-transformers last-token pooling (it serves the embedding examples too)."""
     d = tmp_path_factory.mktemp("example-model")
     for f in ("config.json", "model.safetensors"):
         shutil.copyfile(HF_GQA / f, d / f)
+    pooling = [{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (d / "modules.json").write_text(json.dumps(pooling))
+    (d / "1_Pooling").mkdir()
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
     (d / "chat_template.jinja").write_text(TEMPLATE)
     # A byte-level BPE within the model's 320 ids, trained on this file (deterministic, offline): a tokenizer.json
     # is what makes the directory's chat template the tokenizer's (a directory without one gets byte ids only).
