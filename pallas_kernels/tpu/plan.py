@@ -53,9 +53,11 @@ class TpuPlan:
     num_kv_heads: int
     head_dim: int
     page_size: int
-    itemsize: int
+    itemsize: int  # of the pages (the queries too, for float pages)
     decode: RangePlan
     prefill: RangePlan
+    q_itemsize: int = 0  # of the queries over quantized pages (0: itemsize)
+    scale_width: int = 0  # lanes of one page's scale row (kv_quant.scale_row_width, lane-dense); 0: float pages
 
     @property
     def group(self) -> int:
@@ -73,18 +75,28 @@ class Items(NamedTuple):
 def vmem_bytes(plan: TpuPlan, rng: RangePlan) -> int:
     """VMEM one grid step of ``rng`` holds, with Mosaic's tile padding (128 lanes; 8 sublanes for 32-bit,
     16 for bfloat16): q/out double buffers, the KV double buffer, softmax state, and the f32 temporaries of
-    one head's block (logits, probabilities, mask and their copies)."""
+    one head's block (logits, probabilities, mask and their copies). Quantized pages add the scale rows' double
+    buffer and the temporaries that turn them into per-key rows: ``[kv_block, scale_width]`` each (the rows
+    broadcast to keys, two iotas, the diagonal mask, the diagonal in f32 and its three bf16 parts) and the
+    ``[2 kv_heads, kv_block]`` f32 results, which grow with KV heads x page size x pages per block."""
     lanes = lambda x: cdiv(x, _LANES) * _LANES
     sub = lambda x, it: cdiv(x, 32 // it) * (32 // it)
     w, it = rng.tokens_per_item, plan.itemsize
+    q_it = plan.q_itemsize or it
     rows = sub(plan.group * w, 4)
     kv_block = rng.pages_per_block * plan.page_size
-    return (
-        4 * w * sub(plan.num_q_heads, it) * lanes(plan.head_dim) * it  # q and out, two slots each
+    total = (
+        4 * w * sub(plan.num_q_heads, q_it) * lanes(plan.head_dim) * q_it  # q and out, two slots each
         + 2 * plan.num_kv_heads * kv_block * lanes(2 * plan.head_dim) * it  # KV, two slots
         + plan.num_kv_heads * rows * (2 * _LANES + lanes(plan.head_dim)) * 4  # m, l (lane-replicated), acc
         + 6 * rows * lanes(kv_block) * 4  # one head's logits, probabilities, mask and temporaries
     )
+    if plan.scale_width:
+        width = lanes(plan.scale_width)
+        total += 2 * sub(rng.pages_per_block, 4) * width * 4  # the scale rows, two slots
+        total += kv_block * width * (5 * 4 + 3 * 2)  # per-key rows, iotas, mask, diagonal (f32) + bf16 parts
+        total += 4 * sub(max(8, 2 * plan.num_kv_heads), 4) * lanes(kv_block) * 4  # three products and their sum
+    return total
 
 
 def plan_tpu(
@@ -99,6 +111,8 @@ def plan_tpu(
     block_sizes: tuple[int, int, int],
     tokens_per_item: int | None = None,
     pages_per_block: int | None = None,
+    q_itemsize: int = 0,
+    scale_width: int = 0,
 ) -> TpuPlan:
     """The static plan of one bucket. ``block_sizes`` = (decode KV slots, prefill tokens, prefill KV slots)
     from :mod:`pallas_kernels.tpu.tuned_block_sizes`; ``tokens_per_item``/``pages_per_block`` override the prefill range
@@ -112,10 +126,36 @@ def plan_tpu(
     pre_ppb = pages_per_block or pages(pre_slots)
     decode = RangePlan(1, dec_ppb, min(max_seqs, num_tokens))
     prefill = _prefill_range(num_tokens, max_seqs, w, pre_ppb)
-    plan = TpuPlan(num_tokens, max_seqs, num_q_heads, num_kv_heads, head_dim, page_size, itemsize, decode, prefill)
+    plan = TpuPlan(
+        num_tokens,
+        max_seqs,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        itemsize,
+        decode,
+        prefill,
+        q_itemsize,
+        scale_width,
+    )
+    over = lambda rng: vmem_bytes(plan, rng) > _VMEM_BUDGET
+    if pages_per_block is None and scale_width:
+        # Quantized pages: the scale temporaries grow with the KV block (x KV heads x page size), so wide models
+        # at large pages take fewer pages per block, in both ranges, before the prefill item shrinks.
+        while plan.decode.pages_per_block > 1 and over(plan.decode):
+            plan = dataclasses.replace(
+                plan, decode=dataclasses.replace(plan.decode, pages_per_block=plan.decode.pages_per_block // 2)
+            )
+        while plan.prefill.pages_per_block > 1 and over(plan.prefill):
+            plan = dataclasses.replace(
+                plan, prefill=dataclasses.replace(plan.prefill, pages_per_block=plan.prefill.pages_per_block // 2)
+            )
     if tokens_per_item is None:  # shrink the prefill item until one step fits the VMEM budget
-        while plan.prefill.tokens_per_item > 16 and vmem_bytes(plan, plan.prefill) > _VMEM_BUDGET:
-            smaller = _prefill_range(num_tokens, max_seqs, plan.prefill.tokens_per_item // 2, pre_ppb)
+        while plan.prefill.tokens_per_item > 16 and over(plan.prefill):
+            smaller = _prefill_range(
+                num_tokens, max_seqs, plan.prefill.tokens_per_item // 2, plan.prefill.pages_per_block
+            )
             plan = dataclasses.replace(plan, prefill=smaller)
     return plan
 

@@ -447,8 +447,11 @@ def tpu_plan_for(
     generation: str | None = None,
     tokens_per_item: int | None = None,
     pages_per_block: int | None = None,
+    q_dtype=None,
+    scale_width: int = 0,
 ) -> TpuPlan:
-    """The kernel's static plan for one call's shapes (what the wrapper below uses)."""
+    """The kernel's static plan for one call's shapes (what the wrapper below uses); quantized pages: the
+    queries' ``q_dtype`` and the scale rows' ``scale_width`` (lanes), which the VMEM plan counts."""
     num_tokens, num_q_heads, head_dim = q_shape
     _, num_kv_heads, page_size, _ = kv_pages_shape
     return plan_tpu(
@@ -463,6 +466,8 @@ def tpu_plan_for(
         get_block_sizes(num_kv_heads, head_dim, dtype, generation),
         tokens_per_item,
         pages_per_block,
+        jnp.dtype(q_dtype).itemsize if q_dtype is not None else 0,
+        scale_width,
     )
 
 
@@ -513,8 +518,17 @@ def ragged_paged_attention_tpu(
     _, num_kv_heads, page_size, _ = kv_dims(kv_pages)
     max_seqs, max_blocks = block_tables.shape
     validate_kernel_shape(head_dim, page_size)
+    quantized_opts = {} if kv_scales is None else dict(q_dtype=q.dtype, scale_width=kv_scales.shape[1])
     plan = tpu_plan_for(
-        q.shape, kv_pages.shape, max_seqs, max_blocks, kv_pages.dtype, generation, tokens_per_item, pages_per_block
+        q.shape,
+        kv_pages.shape,
+        max_seqs,
+        max_blocks,
+        kv_pages.dtype,
+        generation,
+        tokens_per_item,
+        pages_per_block,
+        **quantized_opts,
     )
     if interpret is True:
         interpret = pltpu.InterpretParams()

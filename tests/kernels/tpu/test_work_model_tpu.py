@@ -1,6 +1,7 @@
 """The TPU kernel's work model: checked against what the kernel counts in interpret mode, then held to the
 issue's efficiency bounds on production shapes (plans only; nothing runs at those sizes)."""
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -157,3 +158,26 @@ def _all_masked_valu(plan, est):
     n = np.asarray(tpu_cost.plan_items(np, cu, 8, rng, False).n, np.int64)
     opts = dict(kv_dtype=jnp.bfloat16, q_itemsize=2, sliding_window=None, soft_cap=None)
     return tpu_cost._range_cost(est.chip, plan, rng, counts, n, **opts).valu_ops
+
+
+@pytest.mark.parametrize("kv_heads,page_size", [(8, 128), (16, 128), (32, 128), (32, 64)])
+def test_vmem_plan_counts_quantized_scale_temporaries(kv_heads, page_size):
+    """int8 pages: the scale rows' per-key temporaries grow with KV heads x page size x pages per block; the plan
+    counts them and takes fewer pages per block (then shorter prefill items) until a grid step fits the budget
+    (`make tpu-check` compiles the 32-head, page-128 int8 prefill that Mosaic refused before: scoped VMEM OOM)."""
+    from pallas_kernels import kv_quant
+    from pallas_kernels.tpu.plan import _VMEM_BUDGET, vmem_bytes
+
+    width = kv_quant.scale_row_width(kv_heads, page_size, dense=True)
+    shape = dict(q_shape=(512, 32, 128), kv_pages_shape=(1, kv_heads, page_size, 256), max_seqs=16, max_blocks=256)
+    float_plan = tpu_plan_for(**shape, dtype=jnp.int8, generation="v6e")  # the old plan: scales not counted
+    plan = tpu_plan_for(**shape, dtype=jnp.int8, generation="v6e", q_dtype=jnp.bfloat16, scale_width=width)
+    for rng, old in ((plan.decode, float_plan.decode), (plan.prefill, float_plan.prefill)):
+        assert vmem_bytes(plan, rng) <= _VMEM_BUDGET
+        assert vmem_bytes(plan, rng) > vmem_bytes(float_plan, rng)  # the scale terms are counted
+        assert rng.pages_per_block <= old.pages_per_block
+        if rng.pages_per_block < old.pages_per_block:  # shrunk only as far as needed
+            bigger = dataclasses.replace(rng, pages_per_block=2 * rng.pages_per_block)
+            assert vmem_bytes(plan, bigger) > _VMEM_BUDGET
+    if kv_heads == 32 and page_size == 128:  # the refused shape: 8 MiB per [kv_block, width] temporary at 2 pages
+        assert plan.decode.pages_per_block == plan.prefill.pages_per_block == 1
