@@ -518,7 +518,7 @@ def ragged_paged_attention_tpu(
     _, num_kv_heads, page_size, _ = kv_dims(kv_pages)
     max_seqs, max_blocks = block_tables.shape
     validate_kernel_shape(head_dim, page_size)
-    quantized_opts = {} if kv_scales is None else dict(q_dtype=q.dtype, scale_width=kv_scales.shape[1])
+    quantized = kv_scales is not None
     plan = tpu_plan_for(
         q.shape,
         kv_pages.shape,
@@ -528,7 +528,8 @@ def ragged_paged_attention_tpu(
         generation,
         tokens_per_item,
         pages_per_block,
-        **quantized_opts,
+        q_dtype=q.dtype if quantized else None,
+        scale_width=kv_scales.shape[1] if quantized else 0,
     )
     if interpret is True:
         interpret = pltpu.InterpretParams()
