@@ -529,7 +529,7 @@ def ragged_paged_attention_tpu(
         tokens_per_item,
         pages_per_block,
         q_dtype=q.dtype if quantized else None,
-        scale_width=kv_scales.shape[1] if quantized else 0,
+        scale_width=0 if kv_scales is None else kv_scales.shape[1],
     )
     if interpret is True:
         interpret = pltpu.InterpretParams()
