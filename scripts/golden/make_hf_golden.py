@@ -9,10 +9,11 @@ Each variant directory holds `config.json`, safetensors weights (one file, or sh
 `generate`, EOS disabled). Weights are re-drawn with a larger std than HF's init so that logits are
 peaked and greedy argmaxes are far from ties; norms and biases are randomised so they matter.
 
-The family variants (Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE) are smaller (vocab 288, just above the byte
-tokenizer's 259, hidden 32) and store their weights in bfloat16: values are rounded to bfloat16 before the
-goldens are computed in float32, so loading them as float32 is exact; 115-165 kB each. Their windows (4 tokens),
-soft caps, query scalar, RoPE bases and routing are set so that each feature changes these prompts' logits.
+The family variants (Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE, Qwen3.5 dense and MoE) are smaller (vocab 288,
+just above the byte tokenizer's 259, hidden 32) and store their weights in bfloat16: values are rounded to
+bfloat16 before the goldens are computed in float32, so loading them as float32 is exact; 115-305 kB each. Their
+windows (4 tokens), soft caps, query scalar, RoPE bases and routing are set so that each feature changes these
+prompts' logits.
 """
 
 from __future__ import annotations
