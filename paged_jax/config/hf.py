@@ -182,7 +182,8 @@ def _hf_linear_attention_fields(hf: dict[str, Any], kind: str, rope_params: dict
         n = _num(int, hf, "full_attention_interval", 4)
     out: dict[str, Any] = dict(
         full_attention_interval=n,
-        partial_rotary_factor=_num(float, {**hf, **rope_params}, "partial_rotary_factor", 1.0),
+        # transformers' default for Qwen3.5 is a quarter of head_dim
+        partial_rotary_factor=_num(float, {**hf, **rope_params}, "partial_rotary_factor", 0.25),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=False,
         sliding_window=None,
