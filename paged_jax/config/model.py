@@ -219,6 +219,11 @@ class ModelConfig:
         return bool(n) and (layer + 1) % n != 0
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V (all but a hybrid's linear-attention layers, which keep a fixed-size state)."""
+        return sum(not self.is_linear_layer(i) for i in range(self.num_layers))
+
+    @property
     def rotary_dim(self) -> int:
         """The leading dims of each head that RoPE rotates (head_dim unless `partial_rotary_factor` < 1)."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -55,6 +55,7 @@ def test_variants_are_the_hybrid_layout():
         assert c.model_type == name
         assert [c.is_linear_layer(i) for i in range(c.num_layers)] == [True, True, True, False]
         assert c.rotary_dim == 4 and c.linear_num_value_heads == 2 * c.linear_num_key_heads
+        assert c.num_kv_layers == 1
     moe = load_model_config(DATA / "hf_qwen3_5_moe")
     assert moe.num_experts == 4 and moe.norm_topk_prob and moe.shared_expert_intermediate_size == 48
 
