@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.jit
 def recurrent_gated_delta_rule(
     q: jax.Array,  # [T, H, Dk]
     k: jax.Array,  # [T, H, Dk]
