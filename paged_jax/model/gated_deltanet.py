@@ -13,13 +13,21 @@ in_proj_b [H, Hv], in_proj_a [H, Hv], conv1d [K, 2 Hk Dk + Hv Dv] (tap K - 1 rea
 A_log [Hv], dt_bias [Hv], norm/weight [Dv], out_proj [Hv Dv, H].
 
 This module runs the dense path (`DenseMeta`: every sequence from its first token, states from zero, as the
-reference and the HF-parity tests run it), with the chunked form of the rule. The paged engine does not serve
-these layers (`paged_jax.model.qwen3_5` says so where a runner would build it).
+reference and the HF-parity tests run it). The paged engine does not serve these layers (`paged_jax.model.qwen3_5`
+says so where a runner would build it).
+
+The rule has two exact forms (the same function up to float32 rounding), and `delta_rule_form` picks one by the
+platform the layer is traced for:
+- "chunked" on TPU and GPU: chunks of `CHUNK_SIZE` tokens become a few [C, C] and [C, D] matmuls and one
+  triangular solve per chunk, which the matrix units run well; the scan is over T / C chunks.
+- "recurrent" on CPU: one token per scan step, a [Hv, Dk, Dv] state update of O(Dk Dv) work per head and token.
+  XLA:CPU has no matrix unit to feed, so the chunked form's extra work (the [C, C] system, the solve, the
+  per-chunk masks) costs more than the parallelism it buys there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -28,9 +36,31 @@ import jax.numpy as jnp
 from paged_jax.config import ModelConfig
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.layers import kernel_init
-from pallas_kernels.gated_delta import chunked_gated_delta_rule, l2_normalize
+from pallas_kernels.gated_delta import chunked_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
 
 CHUNK_SIZE = 64  # the chunked rule's chunk, as transformers and flash-linear-attention use
+
+DeltaRuleForm = Literal["chunked", "recurrent"]
+
+
+def delta_rule_form(platform: str) -> DeltaRuleForm:
+    """The form of the gated delta rule the layers run on `platform` (a JAX platform name: "cpu", "tpu", "gpu",
+    ...): "recurrent" on CPU, "chunked" elsewhere (module docstring)."""
+    return "recurrent" if platform == "cpu" else "chunked"
+
+
+def gated_delta_rule(
+    form: DeltaRuleForm, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, seg: jax.Array
+) -> jax.Array:
+    """The rule in `form` over a flat batch from zero states: q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv],
+    seg [T] -> out [T, Hv, Dv] float32."""
+    if form == "chunked":
+        out, _ = chunked_gated_delta_rule(q, k, v, g, beta, seg, chunk_size=CHUNK_SIZE)
+    elif form == "recurrent":
+        out, _ = recurrent_gated_delta_rule(q, k, v, g, beta, seg)
+    else:
+        raise ValueError(f"form: {form!r} is not a gated delta rule form (chunked, recurrent)")
+    return out
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -81,7 +111,8 @@ class GatedDeltaNet(nn.Module):
         k = jnp.repeat(l2_normalize(k), hv // hk, axis=1)
         beta = jax.nn.sigmoid(x @ in_b)  # [T, Hv]
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus((x @ in_a).astype(jnp.float32) + dt_bias)
-        out, _ = chunked_gated_delta_rule(q, k, v, g, beta, seg, chunk_size=CHUNK_SIZE)  # [T, Hv, Dv] float32
+        form = delta_rule_form(jax.default_backend())
+        out = gated_delta_rule(form, q, k, v, g, beta, seg)  # [T, Hv, Dv] float32
         out = out.astype(dtype)
         z = (x @ in_z).reshape(t, hv, dv)
         o32 = out.astype(jnp.float32)
@@ -90,4 +121,4 @@ class GatedDeltaNet(nn.Module):
         return gated.astype(dtype).reshape(t, hv * dv) @ out_proj
 
 
-__all__ = ["CHUNK_SIZE", "GatedDeltaNet", "causal_conv1d"]
+__all__ = ["CHUNK_SIZE", "DeltaRuleForm", "GatedDeltaNet", "causal_conv1d", "delta_rule_form", "gated_delta_rule"]

@@ -1,13 +1,14 @@
 """Qwen3.5 dense and MoE (Gated DeltaNet + gated full attention) against Hugging Face transformers on small random
 models (tests/data/hf_qwen3_5, hf_qwen3_5_moe, made by scripts/golden/make_hf_golden.py): float32 logits within
 1e-4 and identical greedy continuations from the dense (unrolled) model, the layers' linear-attention rule in its
-chunked form and in its recurrent form alike; each family feature changes the logits; the HF config maps onto
-ours and the engine refuses the family with a clear error."""
+chunked form and in its recurrent form alike (each platform runs one of them); each family feature changes the
+logits; the HF config maps onto ours and the engine refuses the family with a clear error."""
 
 from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,12 +20,48 @@ from paged_jax.model import gated_deltanet
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.families import causal_lm
 from paged_jax.model.reference import greedy_generate
-from pallas_kernels.gated_delta import recurrent_gated_delta_rule
 
 from support.hf_golden import DATA, load_golden
 
 VARIANTS = ("qwen3_5", "qwen3_5_moe")
 ATOL = 1e-4
+
+
+FORMS = ("chunked", "recurrent")
+
+
+def jitted_apply():
+    """A new jitted dense model (JAX shares traces between jits of one function, so each form needs its own)."""
+
+    def apply(model, params, tokens, positions, segments):
+        meta = DenseMeta(segment_ids=segments, positions=positions)
+        hidden, _ = model.apply(params, tokens, positions, None, meta)
+        return model.apply(params, hidden, method="compute_logits")
+
+    return jax.jit(apply, static_argnums=0)
+
+
+# One jitted model per form of the rule: the form is read while tracing, so each keeps its own traces.
+APPLY = {form: jitted_apply() for form in FORMS}
+
+
+def packed_logits(config, params, golden, form: str, monkeypatch) -> np.ndarray:
+    """All prompts in one flat batch through the dense model with the rule in `form`: logits [sum n, V]."""
+    used = []
+
+    def pick(platform):
+        used.append(platform)
+        return form
+
+    monkeypatch.setattr(gated_deltanet, "delta_rule_form", pick)
+    tokens = np.concatenate([p for p, _, _ in golden])
+    positions = np.concatenate([np.arange(len(p)) for p, _, _ in golden])
+    segments = np.concatenate([np.full(len(p), i) for i, (p, _, _) in enumerate(golden)])
+    args = (jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(segments, jnp.int32))
+    logits = np.asarray(APPLY[form](causal_lm(config), params, *args))
+    monkeypatch.undo()
+    assert used, "the layers did not ask delta_rule_form (every call here traces a new config or form)"
+    return logits
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -34,15 +71,12 @@ def variant(request):
     return request.param, config, params, load_golden(directory)
 
 
-def packed_logits(config, params, golden) -> np.ndarray:
-    """All prompts in one flat batch through the dense model: logits [sum n, V]."""
-    model = causal_lm(config)
-    tokens = np.concatenate([p for p, _, _ in golden])
-    positions = np.concatenate([np.arange(len(p)) for p, _, _ in golden])
-    segments = np.concatenate([np.full(len(p), i) for i, (p, _, _) in enumerate(golden)])
-    meta = DenseMeta(segment_ids=jnp.asarray(segments, jnp.int32), positions=jnp.asarray(positions, jnp.int32))
-    hidden, _ = model.apply(params, jnp.asarray(tokens, jnp.int32), meta.positions, None, meta)
-    return np.asarray(model.apply(params, hidden, method="compute_logits"))
+@pytest.fixture(scope="module")
+def logits(variant):
+    """The variant's packed logits with each form of the rule."""
+    _, config, params, golden = variant
+    with pytest.MonkeyPatch.context() as mp:
+        return {form: packed_logits(config, params, golden, form, mp) for form in FORMS}
 
 
 def golden_logits(golden) -> np.ndarray:
@@ -60,25 +94,24 @@ def test_variants_are_the_hybrid_layout():
     assert moe.num_experts == 4 and moe.norm_topk_prob and moe.shared_expert_intermediate_size == 48
 
 
-def test_logits_match_hf(variant):
-    name, config, params, golden = variant
-    err = np.abs(packed_logits(config, params, golden) - golden_logits(golden)).max()
-    print(f"{name}: max |logit - HF| = {err:.2e}")
-    assert err < ATOL, f"{name}: max abs logit error {err}"
+@pytest.mark.parametrize("form", FORMS)
+def test_logits_match_hf(variant, logits, form):
+    """Both forms of the rule (the one each platform runs, `delta_rule_form`) give HF's logits and each other's."""
+    name, _, _, golden = variant
+    err = np.abs(logits[form] - golden_logits(golden)).max()
+    print(f"{name}, {form}: max |logit - HF| = {err:.2e}")
+    assert err < ATOL, f"{name}, {form}: max abs logit error {err}"
+    assert np.abs(logits["chunked"] - logits["recurrent"]).max() < ATOL
 
 
-def test_recurrent_form_gives_the_same_logits(variant, monkeypatch):
-    """The layers run with the token-by-token rule instead of the chunked one: the same logits (HF's too)."""
-    name, config, params, golden = variant
-    chunked = packed_logits(config, params, golden)
-
-    def recurrent(q, k, v, g, beta, seg, chunk_size):
-        return recurrent_gated_delta_rule(q, k, v, g, beta, seg)
-
-    monkeypatch.setattr(gated_deltanet, "chunked_gated_delta_rule", recurrent)
-    rec = packed_logits(config, params, golden)
-    assert np.abs(rec - chunked).max() < ATOL
-    assert np.abs(rec - golden_logits(golden)).max() < ATOL
+def test_the_form_is_chosen_by_platform():
+    assert gated_deltanet.delta_rule_form("cpu") == "recurrent"
+    assert gated_deltanet.delta_rule_form("tpu") == "chunked"
+    assert gated_deltanet.delta_rule_form("gpu") == "chunked"
+    with pytest.raises(ValueError, match="^form: 'scan'"):
+        gated_deltanet.gated_delta_rule(
+            "scan", *[jnp.zeros((1, 1, 1))] * 3, jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.zeros((1,), jnp.int32)
+        )
 
 
 def test_greedy_matches_hf(variant):
@@ -88,14 +121,12 @@ def test_greedy_matches_hf(variant):
         assert greedy_generate(model, params, prompt.tolist(), len(greedy), pad_to=64) == greedy.tolist(), name
 
 
-@pytest.mark.parametrize("name", VARIANTS)
-def test_partial_rotary_is_exercised(name):
+@pytest.mark.parametrize("variant", ["qwen3_5"], indirect=True)  # the MoE variant's attention is the same module
+def test_partial_rotary_is_exercised(variant, monkeypatch):
     """RoPE over the whole head instead of its first quarter misses the golden logits."""
-    directory = DATA / f"hf_{name}"
-    config, params, _ = load_model(directory, dtype="float32")
-    golden = load_golden(directory)
-    logits = packed_logits(config.replace(partial_rotary_factor=1.0), params, golden)
-    assert np.abs(logits - golden_logits(golden)).max() > 1e-2
+    name, config, params, golden = variant
+    full = packed_logits(config.replace(partial_rotary_factor=1.0), params, golden, "recurrent", monkeypatch)
+    assert np.abs(full - golden_logits(golden)).max() > 1e-2, name
 
 
 def test_hf_config_mapping_and_refusals():
