@@ -47,18 +47,21 @@ def recurrent_gated_delta_rule(
     f32 = jnp.float32
     state = jnp.zeros((h, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
     prev = jnp.concatenate([segment_ids[:1], segment_ids[:-1]])
-    reset = segment_ids != prev  # a new sequence starts at this token
-    valid = segment_ids >= 0
+    valid = (segment_ids >= 0)[:, None]  # [T, 1]
+    # The segment logic folds into the per-head scalars, so a step touches the state only in the rule itself:
+    # a token that starts a sequence decays the old state by 0 (it starts from zeros), and padding decays by 1
+    # and writes with k = 0, which leaves the state exactly as it was.
+    decay = jnp.where(valid, jnp.where((segment_ids != prev)[:, None], 0.0, jnp.exp(g.astype(f32))), 1.0)  # [T, H]
+    k = jnp.where(valid[:, :, None], k.astype(f32), 0.0)
 
     def step(s: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        q_t, k_t, v_t, g_t, b_t, r_t, ok = x
-        new = jnp.where(r_t, 0.0, s) * jnp.exp(g_t)[:, None, None]
-        delta = (v_t - jnp.einsum("hkv,hk->hv", new, k_t)) * b_t[:, None]
-        new = new + k_t[:, :, None] * delta[:, None, :]
-        s = jnp.where(ok, new, s)
+        q_t, k_t, v_t, d_t, b_t = x
+        s = s * d_t[:, None, None]
+        delta = (v_t - jnp.einsum("hkv,hk->hv", s, k_t)) * b_t[:, None]
+        s = s + k_t[:, :, None] * delta[:, None, :]
         return s, jnp.einsum("hkv,hk->hv", s, q_t)
 
-    xs = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), reset, valid)
+    xs = (q.astype(f32), k, v.astype(f32), decay, beta.astype(f32))
     state, out = jax.lax.scan(step, state, xs)
     return out, state
 
