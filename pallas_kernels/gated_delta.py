@@ -10,7 +10,8 @@ per token, token t does
 - ``recurrent_gated_delta_rule``: that loop, one token per scan step (decode: one token per sequence).
 - ``chunked_gated_delta_rule``: the same function in chunks of ``chunk_size`` tokens (64, as transformers and
   flash-linear-attention use): inside a chunk the updates are condensed by the UT transform into a few matmuls
-  (one triangular solve), and the state is carried from chunk to chunk (prefill).
+  (one triangular solve), and the state is carried from chunk to chunk (prefill on TPU and GPU; on CPU the model
+  runs the recurrent form for prefill too: `paged_jax.model.gated_deltanet.delta_rule_form`).
 
 Both run over a flat batch of several sequences, as the attention kernels do: ``segment_ids`` [T] names each
 token's sequence (contiguous runs; -1 marks padding, which never touches a state), and a token reads only the

@@ -22,7 +22,7 @@ platform the layer is traced for:
   triangular solve per chunk, which the matrix units run well; the scan is over T / C chunks.
 - "recurrent" on CPU: one token per scan step, a [Hv, Dk, Dv] state update of O(Dk Dv) work per head and token.
   XLA:CPU has no matrix unit to feed, so the chunked form's extra work (the [C, C] system, the solve, the
-  per-chunk masks) costs more than the parallelism it buys there.
+  per-chunk masks) costs more than the parallelism it buys there (docs/benchmarks/gated_delta.md).
 """
 
 from __future__ import annotations
