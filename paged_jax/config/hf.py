@@ -21,6 +21,8 @@ HF_MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
 }
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -31,13 +33,23 @@ HF_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }
+
+
+HF_TEXT_ARCHITECTURES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 
 
 def _hf_model_type(hf: dict[str, Any]) -> str:
     """The HF model type of a config.json (its `model_type`, else from `architectures`); ConfigError if unsupported."""
     arch = (hf.get("architectures") or [None])[0]
     kind = hf.get("model_type") or HF_ARCHITECTURES.get(arch) or ("llama" if arch is None else None)
+    if kind in ("qwen3_5", "qwen3_5_moe"):
+        raise ConfigError(
+            f"model_type: {kind!r} is the multimodal Qwen3.5 (vision tower, text_config); only its text decoder "
+            f"('{kind}_text', {HF_TEXT_ARCHITECTURES[kind]}) is supported"
+        )
     if kind == "gemma3":
         raise ConfigError(
             "model_type: 'gemma3' is the multimodal Gemma 3 (vision tower, text_config); only its "
@@ -125,6 +137,8 @@ def _hf_family_fields(hf: dict[str, Any], kind: str) -> dict[str, Any]:
         raise ConfigError("attention_bias: Llama's o_proj bias is not supported (only Qwen2-style q/k/v biases)")
     if kind in ("qwen3", "qwen3_moe", "qwen2") and hf.get("use_sliding_window"):
         raise ConfigError("use_sliding_window: Qwen's per-layer windows (max_window_layers) are not supported")
+    if kind in ("qwen3_5_text", "qwen3_5_moe_text"):
+        return {**out, **_hf_linear_attention_fields(hf, kind, rope_params)}
     if kind in ("qwen3", "qwen3_moe") and hf.get("attention_bias"):
         raise ConfigError("attention_bias: Qwen3 with attention biases is not supported")
     use_sw = hf.get("use_sliding_window", kind in ("mistral", "mixtral"))
@@ -148,6 +162,47 @@ def _hf_family_fields(hf: dict[str, Any], kind: str) -> dict[str, Any]:
             num_experts_per_tok=_num(int, hf, "num_experts_per_tok"),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             intermediate_size=_num(int, hf, "moe_intermediate_size"),
+        )
+    return out
+
+
+def _hf_linear_attention_fields(hf: dict[str, Any], kind: str, rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's fields: the layer layout (every N-th layer full attention, from `layer_types`), the Gated DeltaNet
+    shapes, partial rotary, and (MoE) the experts with their shared expert."""
+    if hf.get("attention_bias"):
+        raise ConfigError("attention_bias: Qwen3.5 with attention biases is not supported")
+    types = hf.get("layer_types")
+    if types:
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        n = full[0] + 1 if full else 0
+        expected = ["full_attention" if n and (i + 1) % n == 0 else "linear_attention" for i in range(len(types))]
+        if not n or list(types) != expected:
+            raise ConfigError(f"layer_types: only every N-th layer full attention is supported, got {types}")
+    else:
+        n = _num(int, hf, "full_attention_interval", 4)
+    out: dict[str, Any] = dict(
+        full_attention_interval=n,
+        # transformers' default for Qwen3.5 is a quarter of head_dim
+        partial_rotary_factor=_num(float, {**hf, **rope_params}, "partial_rotary_factor", 0.25),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=False,
+        sliding_window=None,
+    )
+    for key in (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    ):
+        out[key] = _num(int, hf, key)
+    if kind == "qwen3_5_moe_text":
+        out.update(
+            num_experts=_num(int, hf, "num_experts"),
+            num_experts_per_tok=_num(int, hf, "num_experts_per_tok"),
+            norm_topk_prob=True,  # Qwen3.5-MoE's router always renormalises its top-k
+            intermediate_size=_num(int, hf, "moe_intermediate_size"),
+            shared_expert_intermediate_size=_num(int, hf, "shared_expert_intermediate_size"),
         )
     return out
 
@@ -182,7 +237,7 @@ def from_hf_config(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
         name=name,
         vocab_size=_num(int, hf, "vocab_size"),
         hidden_size=_num(int, hf, "hidden_size"),
-        intermediate_size=_num(int, hf, "intermediate_size"),
+        intermediate_size=_num(int, hf, "intermediate_size" if "intermediate_size" in hf else "moe_intermediate_size"),
         num_layers=_num(int, hf, "num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=_num(int, hf, "num_key_value_heads") if hf.get("num_key_value_heads") else num_heads,

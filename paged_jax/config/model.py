@@ -18,8 +18,10 @@ DTYPES = ("float32", "bfloat16")
 WEIGHT_QUANTIZATIONS = ("int8", "w8a8", "fp8")
 KV_DTYPE_CHOICES = ("float32", "bfloat16", "int8", "fp8_e4m3")  # --kv-dtype; the last two: quantized pages
 # Our model families; each has its module under paged_jax/model/ (see paged_jax.model.families).
-MODEL_TYPES = ("llama", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MODEL_TYPES = ("llama", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen3_5_moe")
+# Linear-attention hybrids: Gated DeltaNet layers with a gated full-attention layer every `full_attention_interval`
+LINEAR_ATTENTION_TYPES = ("qwen3_5", "qwen3_5_moe")
 GEMMA_TYPES = ("gemma2", "gemma3")
 QK_NORM_TYPES = ("qwen3", "gemma3", "qwen3_moe")  # a per-head RMSNorm on q and k before RoPE
 ROPE_TYPES = ("llama3", "linear")
@@ -96,6 +98,16 @@ class ModelConfig:
     num_experts: int = 0  # MoE: routed experts per layer (0 = dense MLP)
     num_experts_per_tok: int = 0  # MoE: experts each token is routed to (top-k)
     norm_topk_prob: bool = True  # MoE: renormalise the top-k router probabilities to sum to 1 (Mixtral: always)
+    partial_rotary_factor: float = 1.0  # the fraction of head_dim that RoPE rotates (Qwen3.5: 0.25), the rest passes
+    # Linear-attention hybrids (LINEAR_ATTENTION_TYPES): layer i is full attention when (i + 1) % N == 0 and a
+    # Gated DeltaNet layer otherwise (Qwen3.5: N = 4); 0 for the other families.
+    full_attention_interval: int = 0
+    linear_num_key_heads: int = 0  # Gated DeltaNet q/k heads
+    linear_num_value_heads: int = 0  # Gated DeltaNet v heads (a multiple of the key heads) = state heads
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0  # the depthwise causal conv1d's width (Qwen3.5: 4)
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: the always-on shared expert's MLP width
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
@@ -157,6 +169,12 @@ class ModelConfig:
             raise ConfigError(
                 f"num_experts: only the MoE model types {MOE_TYPES} have experts (model_type is {self.model_type!r})"
             )
+        if not (0 < self.partial_rotary_factor <= 1) or self.rotary_dim % 2:
+            raise ConfigError(
+                f"partial_rotary_factor: must be in (0, 1] and rotate an even number of dims, got "
+                f"{self.partial_rotary_factor!r} of head_dim {self.head_dim}"
+            )
+        self._validate_linear_attention()
         if self.rope_scaling is not None and self.rope_scaling.rope_type == "linear" and self.model_type == "llama":
             raise ConfigError("rope_scaling.rope_type: 'linear' is not supported for the llama family")
         if not (isinstance(self.sliding_window_pattern, int) and self.sliding_window_pattern >= 0):
@@ -167,6 +185,48 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name}: must be positive or null, got {value!r}")
+
+    def _validate_linear_attention(self) -> None:
+        """The Gated DeltaNet fields: positive exactly for the hybrid types, value heads grouped over key heads."""
+        names = (
+            "full_attention_interval",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        )
+        if self.model_type not in LINEAR_ATTENTION_TYPES:
+            for name in (*names, "shared_expert_intermediate_size"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name}: only the linear-attention hybrids {LINEAR_ATTENTION_TYPES} have it")
+            return
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}: {self.model_type} needs a positive integer, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_value_heads: {self.linear_num_value_heads} is not a multiple of linear_num_key_heads "
+                f"({self.linear_num_key_heads})"
+            )
+        if self.model_type == "qwen3_5_moe" and self.shared_expert_intermediate_size <= 0:
+            raise ConfigError("shared_expert_intermediate_size: qwen3_5_moe needs a positive shared expert width")
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether layer `layer` is a Gated DeltaNet (linear-attention) layer rather than full attention."""
+        n = self.full_attention_interval
+        return bool(n) and (layer + 1) % n != 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V (all but a hybrid's linear-attention layers, which keep a fixed-size state)."""
+        return sum(not self.is_linear_layer(i) for i in range(self.num_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (head_dim unless `partial_rotary_factor` < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window (tokens) of layer `layer`, None where it attends to the whole sequence."""
@@ -194,6 +254,8 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count, embeddings and LM head included (all experts of an MoE)."""
+        if self.model_type in LINEAR_ATTENTION_TYPES:
+            return self._hybrid_num_params()
         h, d = self.hidden_size, self.head_dim
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
         if self.attention_bias:
@@ -207,6 +269,23 @@ class ModelConfig:
         per_layer = attn + mlp + norms
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
+
+    def _hybrid_num_params(self) -> int:
+        """`num_params` of a Qwen3.5 hybrid: gated full attention (q doubled by its output gate, q/k norms) on every
+        `full_attention_interval`-th layer, Gated DeltaNet on the others; dense MLP or experts + shared expert."""
+        h, d = self.hidden_size, self.head_dim
+        full = h * self.num_heads * d * 3 + h * self.num_kv_heads * d * 2 + 2 * d
+        kd = self.linear_num_key_heads * self.linear_key_head_dim
+        vd = self.linear_num_value_heads * self.linear_value_head_dim
+        conv = 2 * kd + vd
+        linear = h * conv + h * vd + 2 * h * self.linear_num_value_heads + conv * self.linear_conv_kernel_dim
+        linear += 2 * self.linear_num_value_heads + self.linear_value_head_dim + vd * h
+        mlp = 3 * h * self.intermediate_size
+        if self.is_moe:
+            mlp = self.num_experts * mlp + h * self.num_experts + 3 * h * self.shared_expert_intermediate_size + h
+        layers = sum(linear if self.is_linear_layer(i) else full for i in range(self.num_layers))
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers + self.num_layers * (mlp + 2 * h) + embed + h
 
     def num_active_params(self) -> int:
         """Parameters one token uses: `num_params` with only `num_experts_per_tok` experts per MoE layer."""
@@ -232,6 +311,9 @@ class ModelConfig:
             parts.append(f"final soft cap {self.final_logit_softcap:g}")
         if self.rope_local_theta is not None:
             parts.append(f"RoPE base {self.rope_theta:g} global / {self.rope_local_theta:g} local")
+        if self.full_attention_interval:
+            n = self.full_attention_interval
+            parts.append(f"Gated DeltaNet on {n - 1} of every {n} layers, gated full attention on the rest")
         if self.is_moe:
             parts.append(
                 f"{self.num_experts} experts, top {self.num_experts_per_tok} "

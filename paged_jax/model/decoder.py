@@ -182,8 +182,9 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, embedding_init=kernel_init
         )
-        self.inv_freq = inv_freq_for(c.head_dim, c.rope_theta, c.rope_scaling)
-        self.local_inv_freq = None if c.rope_local_theta is None else inv_freq_for(c.head_dim, c.rope_local_theta, None)
+        self.inv_freq = inv_freq_for(c.rotary_dim, c.rope_theta, c.rope_scaling)
+        local = None if c.rope_local_theta is None else inv_freq_for(c.rotary_dim, c.rope_local_theta, None)
+        self.local_inv_freq = local
         if self.scan_layers:
             # Unbound layer modules (no parent), one per layer of a group (its window), each applied to one
             # layer's weights per scan step; layers differ by window alone, so any one initializes them all.

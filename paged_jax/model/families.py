@@ -16,6 +16,7 @@ from paged_jax.model.gemma import GemmaForCausalLM
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.model.mixtral import MixtralForCausalLM
 from paged_jax.model.qwen3 import Qwen3ForCausalLM
+from paged_jax.model.qwen3_5 import Qwen35ForCausalLM
 from paged_jax.model.qwen3_moe import Qwen3MoeForCausalLM
 from paged_jax.model.scan import StackedOrder
 
@@ -26,6 +27,8 @@ FAMILIES: dict[str, type[nn.Module]] = {
     "gemma3": GemmaForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen3_5": Qwen35ForCausalLM,
+    "qwen3_5_moe": Qwen35ForCausalLM,
 }
 
 

@@ -82,7 +82,11 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [T, H, D] by cos/sin [T, D] in float32 (x * cos + rotate_half(x) * sin); keeps x.dtype."""
+    """Rotate x [T, H, D] by cos/sin [T, R] in float32 (x * cos + rotate_half(x) * sin); keeps x.dtype. With R < D
+    (partial rotary, Qwen3.5) only the first R dims of each head rotate and the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)

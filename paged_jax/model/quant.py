@@ -23,8 +23,8 @@ def kv_cache_dtype(name: str | None, model_dtype) -> jnp.dtype:
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype) -> int:
-    """Bytes of KV one token takes over all layers and KV heads, scales included."""
-    return config.num_layers * config.num_kv_heads * kv_quant.bytes_per_token_head(config.head_dim, kv_dtype)
+    """Bytes of KV one token takes over all layers that keep K/V and all KV heads, scales included."""
+    return config.num_kv_layers * config.num_kv_heads * kv_quant.bytes_per_token_head(config.head_dim, kv_dtype)
 
 
 def kv_bytes_per_page(

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.config import ModelConfig
+from paged_jax.config import LINEAR_ATTENTION_TYPES, ConfigError, ModelConfig
 from paged_jax.kv_cache import HostTier, KVGroup, KVLayout, PageCopy
 from paged_jax.lora import weights as lora_weights
 from paged_jax.lora.delta import LoraBatch
@@ -162,6 +162,12 @@ class ModelRunner:
         executable_store: str | None = None,
         kv_layout: KVLayout | None = None,
     ) -> None:
+        if config.model_type in LINEAR_ATTENTION_TYPES:  # its linear layers need a recurrent-state pool
+            raise ConfigError(
+                f"model_type: {config.model_type!r} (Gated DeltaNet layers) is not served by the paged engine yet: "
+                "its linear-attention layers need a recurrent-state pool; the dense model "
+                "(paged_jax.model.families.causal_lm) runs it"
+            )
         self.config = config
         self.abstract = abstract
         self.lora = lora

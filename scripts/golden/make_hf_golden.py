@@ -11,10 +11,11 @@ hidden states after the final norm, and the sentence-transformers files of its p
 with a larger std than HF's init so that logits are
 peaked and greedy argmaxes are far from ties; norms and biases are randomised so they matter.
 
-The family variants (Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE) are smaller (vocab 288, just above the byte
-tokenizer's 259, hidden 32) and store their weights in bfloat16: values are rounded to bfloat16 before the
-goldens are computed in float32, so loading them as float32 is exact; 115-165 kB each. Their windows (4 tokens),
-soft caps, query scalar, RoPE bases and routing are set so that each feature changes these prompts' logits.
+The family variants (Qwen3, Gemma 2/3, Mixtral, Qwen3-MoE, Qwen3.5 dense and MoE) are smaller (vocab 288,
+just above the byte tokenizer's 259, hidden 32) and store their weights in bfloat16: values are rounded to
+bfloat16 before the goldens are computed in float32, so loading them as float32 is exact; 115-305 kB each. Their
+windows (4 tokens), soft caps, query scalar, RoPE bases and routing are set so that each feature changes these
+prompts' logits.
 """
 
 from __future__ import annotations
@@ -75,6 +76,17 @@ FAMILY_BASE = dict(
     head_dim=16,
     bf16=True,
 )
+QWEN3_5 = dict(
+    FAMILY_BASE,
+    num_hidden_layers=4,
+    rms_norm_eps=1e-6,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
+)
 FAMILY_VARIANTS: dict[str, dict] = {
     "qwen3": dict(FAMILY_BASE, arch="qwen3", rms_norm_eps=1e-6),
     "gemma2": dict(
@@ -113,6 +125,21 @@ FAMILY_VARIANTS: dict[str, dict] = {
     # A Qwen3-Embedding-shaped model: sentence-transformers last-token pooling + Normalize, Matryoshka; its golden
     # also holds `hidden_i` [n, hidden] (transformers' last_hidden_state, after the final norm).
     "qwen3_embed": dict(FAMILY_BASE, arch="qwen3", rms_norm_eps=1e-6, embed=True),
+    # Qwen3.5: three Gated DeltaNet layers, then one gated full-attention layer; 8 linear value heads
+    # over 4 key heads (grouped), conv width 4, partial rotary (a quarter of head_dim).
+    # Their seeds are fixed: a random Gated DeltaNet stack is sensitive to float32 rounding (transformers' own float32
+    # logits drift from its float64 ones by up to 1.4e-4 on some seeds); these drift by at most 2.4e-5 (dense) and
+    # have no near-tied greedy step.
+    "qwen3_5": dict(QWEN3_5, arch="qwen3_5", seed=34),
+    "qwen3_5_moe": dict(
+        QWEN3_5,
+        arch="qwen3_5_moe",
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        seed=24,
+    ),
 }
 ARCHES = {
     "llama": "Llama",
@@ -122,14 +149,17 @@ ARCHES = {
     "gemma3": "Gemma3Text",
     "mixtral": "Mixtral",
     "qwen3_moe": "Qwen3Moe",
+    "qwen3_5": "Qwen3_5Text",
+    "qwen3_5_moe": "Qwen3_5MoeText",
 }
+MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 
 
 def hf_model(arch: str, spec: dict) -> torch.nn.Module:
     """A transformers model of `arch` (key of ARCHES) from config keyword arguments, eager attention."""
     prefix = ARCHES[arch]
     config = getattr(transformers, f"{prefix}Config")(**spec, attn_implementation="eager")
-    model_class = "Gemma3ForCausalLM" if arch == "gemma3" else f"{prefix}ForCausalLM"
+    model_class = MODEL_CLASSES.get(arch, f"{prefix}ForCausalLM")
     return getattr(transformers, model_class)(config)
 
 
@@ -137,6 +167,7 @@ def build(name: str, spec: dict, seed: int) -> None:
     spec = dict(spec)
     arch, shard, bf16 = spec.pop("arch", "llama"), spec.pop("shard", None), spec.pop("bf16", False)
     embed = spec.pop("embed", False)
+    seed = spec.pop("seed", seed)  # a variant may fix its own seed (one whose greedy steps are far from ties)
     torch.manual_seed(seed)
     model = hf_model(arch, spec if bf16 else {**BASE, **spec}).float().eval()
     with torch.no_grad():

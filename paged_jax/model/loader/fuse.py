@@ -50,15 +50,37 @@ def fuse_params(config: ModelConfig, params: Params) -> Params:
     out = {"params": dict(params["params"])}
     for name in _layer_names(params):
         layer = dict(out["params"][name])
-        attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
-        attn["qkv_proj"] = fuse_qkv(attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj"), group)
-        if "q_bias" in attn:
-            attn["qkv_bias"] = fuse_qkv(attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias"), group)
-        if "gate_proj" in mlp:  # a dense MLP (an MoE block's experts are already one array each)
-            mlp["gate_up_proj"] = jnp.stack([mlp.pop("gate_proj"), mlp.pop("up_proj")], axis=1)
-        layer["self_attn"], layer["mlp"] = attn, mlp
+        if "self_attn" in layer:  # (a linear-attention layer has none)
+            attn = dict(layer["self_attn"])
+            if "q_proj_gated" in attn:  # Qwen3.5: q and its output gate interleaved per head [H, Hq, 2, D]
+                gated = attn.pop("q_proj_gated")
+                attn["q_proj"], attn["q_gate"] = gated[:, :, 0], gated[:, :, 1]
+            attn["qkv_proj"] = fuse_qkv(attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj"), group)
+            if "q_bias" in attn:
+                attn["qkv_bias"] = fuse_qkv(attn.pop("q_bias"), attn.pop("k_bias"), attn.pop("v_bias"), group)
+            layer["self_attn"] = attn
+        layer["mlp"] = _fuse_gate_up(dict(layer["mlp"]))
         out["params"][name] = layer
     return out
+
+
+def _fuse_gate_up(mlp: dict) -> dict:
+    """gate_proj/up_proj -> gate_up_proj in a dense MLP and in a shared expert (an MoE block's routed experts are
+    already one array each)."""
+    if "gate_proj" in mlp:
+        mlp["gate_up_proj"] = jnp.stack([mlp.pop("gate_proj"), mlp.pop("up_proj")], axis=1)
+    if "shared_expert" in mlp:
+        mlp["shared_expert"] = _fuse_gate_up(dict(mlp["shared_expert"]))
+    return mlp
+
+
+def _unfuse_gate_up(mlp: dict) -> dict:
+    if "gate_up_proj" in mlp:
+        gate_up = mlp.pop("gate_up_proj")
+        mlp["gate_proj"], mlp["up_proj"] = gate_up[:, 0], gate_up[:, 1]
+    if "shared_expert" in mlp:
+        mlp["shared_expert"] = _unfuse_gate_up(dict(mlp["shared_expert"]))
+    return mlp
 
 
 def unfuse_params(params: Params) -> Params:
@@ -66,14 +88,15 @@ def unfuse_params(params: Params) -> Params:
     out = {"params": dict(params["params"])}
     for name in _layer_names(params):
         layer = dict(out["params"][name])
-        attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
-        attn["q_proj"], attn["k_proj"], attn["v_proj"] = split_qkv(attn.pop("qkv_proj"))
-        if "qkv_bias" in attn:
-            attn["q_bias"], attn["k_bias"], attn["v_bias"] = split_qkv(attn.pop("qkv_bias"))
-        if "gate_up_proj" in mlp:
-            gate_up = mlp.pop("gate_up_proj")
-            mlp["gate_proj"], mlp["up_proj"] = gate_up[:, 0], gate_up[:, 1]
-        layer["self_attn"], layer["mlp"] = attn, mlp
+        if "self_attn" in layer:
+            attn = dict(layer["self_attn"])
+            attn["q_proj"], attn["k_proj"], attn["v_proj"] = split_qkv(attn.pop("qkv_proj"))
+            if "qkv_bias" in attn:
+                attn["q_bias"], attn["k_bias"], attn["v_bias"] = split_qkv(attn.pop("qkv_bias"))
+            if "q_gate" in attn:
+                attn["q_proj_gated"] = jnp.stack([attn.pop("q_proj"), attn.pop("q_gate")], axis=2)
+            layer["self_attn"] = attn
+        layer["mlp"] = _unfuse_gate_up(dict(layer["mlp"]))
         out["params"][name] = layer
     return out
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paged_jax.config import GEMMA_TYPES, QK_NORM_TYPES, ModelConfig
+from paged_jax.config import GEMMA_TYPES, LINEAR_ATTENTION_TYPES, QK_NORM_TYPES, ModelConfig
 from paged_jax.config.model_files import ModelFileError, model_file, read_json_object
 from paged_jax.model.init import Params
 from paged_jax.model.loader.fuse import fuse_params, import_shapes
@@ -115,6 +115,7 @@ MOE_NAMES = {
         "mlp.experts.{j}.down_proj.weight",
     ),
 }
+MOE_NAMES["qwen3_5_moe"] = MOE_NAMES["qwen3_moe"]
 
 
 def _mlp_rules(config: ModelConfig, ours: str) -> Rules:
@@ -126,6 +127,10 @@ def _mlp_rules(config: ModelConfig, ours: str) -> Rules:
         }
     router, gate, up, down = MOE_NAMES[config.model_type]
     rules: Rules = {router: ((ours, "mlp", "router"), _transpose)}
+    if config.shared_expert_intermediate_size:  # Qwen3.5-MoE's gated shared expert
+        rules["mlp.shared_expert_gate.weight"] = ((ours, "mlp", "shared_expert_gate"), _transpose)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            rules[f"mlp.shared_expert.{proj}.weight"] = ((ours, "mlp", "shared_expert", proj), _transpose)
     for j in range(config.num_experts):
         for hf, leaf in ((gate, "experts_gate"), (up, "experts_up"), (down, "experts_down")):
             rules[hf.format(j=j)] = ((ours, "mlp", leaf, j), _transpose)
@@ -136,6 +141,8 @@ def _layer_rules(config: ModelConfig, i: int) -> Rules:
     """HF tensor name -> (our path, transform from the HF array) for layer i."""
     h, d, hq, hkv = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
     pre, ours = f"model.layers.{i}.", f"layers_{i}"
+    if config.model_type in LINEAR_ATTENTION_TYPES:
+        return {pre + k: v for k, v in _qwen3_5_layer_rules(config, i).items()}
     norms = ["input_layernorm", "post_attention_layernorm"]
     if config.model_type in GEMMA_TYPES:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -159,6 +166,36 @@ def _layer_rules(config: ModelConfig, i: int) -> Rules:
             rules[f"self_attn.{norm}.weight"] = ((ours, "self_attn", norm, "weight"), _identity)
     rules.update(_mlp_rules(config, ours))
     return {pre + k: v for k, v in rules.items()}
+
+
+def _qwen3_5_layer_rules(config: ModelConfig, i: int) -> Rules:
+    """Layer i of Qwen3.5 (`paged_jax.model.qwen3_5`): a Gated DeltaNet or a gated full-attention layer, then the
+    MLP; names relative to `model.layers.{i}.`."""
+    h, d, hq, hkv = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
+    ours = f"layers_{i}"
+    norms = ("input_layernorm", "post_attention_layernorm")
+    rules: Rules = {f"{n}.weight": ((ours, n, "weight"), _identity) for n in norms}
+    if config.is_linear_layer(i):
+        la = "linear_attn"
+        for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            rules[f"{la}.{proj}.weight"] = ((ours, la, proj), _transpose)
+        rules[f"{la}.conv1d.weight"] = ((ours, la, "conv1d"), lambda w: w[:, 0, :].T)  # [C, 1, K] -> [K, C]
+        for leaf in ("A_log", "dt_bias"):
+            rules[f"{la}.{leaf}"] = ((ours, la, leaf), _identity)
+        rules[f"{la}.norm.weight"] = ((ours, la, "norm_weight"), _identity)
+    else:
+        rules.update(
+            {
+                "self_attn.q_proj.weight": ((ours, "self_attn", "q_proj_gated"), lambda w: w.T.reshape(h, hq, 2, d)),
+                "self_attn.k_proj.weight": ((ours, "self_attn", "k_proj"), lambda w: w.T.reshape(h, hkv, d)),
+                "self_attn.v_proj.weight": ((ours, "self_attn", "v_proj"), lambda w: w.T.reshape(h, hkv, d)),
+                "self_attn.o_proj.weight": ((ours, "self_attn", "o_proj"), lambda w: w.T.reshape(hq, d, h)),
+            }
+        )
+        for norm in ("q_norm", "k_norm"):
+            rules[f"self_attn.{norm}.weight"] = ((ours, "self_attn", norm, "weight"), _identity)
+    rules.update(_mlp_rules(config, ours))
+    return rules
 
 
 def hf_name_map(config: ModelConfig) -> Rules:
@@ -206,6 +243,10 @@ def _hf_shape(name: str, ours: tuple[int, ...]) -> tuple[int, ...]:
     """The HF [out, in] shape of a tensor whose kernel we store as `ours` ([in, ...out] or [Hq, D, H])."""
     if name.endswith("o_proj.weight"):
         return (ours[2], ours[0] * ours[1])
+    if name.endswith("conv1d.weight"):  # ours [K, C], HF's depthwise Conv1d [C, 1, K]
+        return (ours[1], 1, ours[0])
+    if len(ours) == 4:  # Qwen3.5's q_proj with its output gate [H, Hq, 2, D]
+        return (ours[1] * ours[2] * ours[3], ours[0])
     if name.endswith("_proj.bias"):
         return (ours[0] * ours[1],)
     if len(ours) == 3:
