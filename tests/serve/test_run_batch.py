@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from paged_jax.config.pooling import read_pooler
@@ -128,7 +129,13 @@ def test_mixed_file_resume_and_equal_to_http(engine, tmp_path):
             )
             with urllib.request.urlopen(request) as r:
                 want = json.loads(r.read())
-            assert _strip(by_cid[cid, False]["response"]["body"]) == _strip(want), cid
+            got = _strip(by_cid[cid, False]["response"]["body"])
+            want = _strip(want)
+            # Embeddings: the second answer pools from the prefix cache (another step shape, another summation
+            # order), so its floats match to float32 rounding; everything else is equal.
+            for a, b in zip(got.get("data", ()), want.get("data", ()), strict=True):
+                np.testing.assert_allclose(a.pop("embedding"), b.pop("embedding"), rtol=1e-5, atol=1e-6)
+            assert got == want, cid
         request = urllib.request.Request(
             http.base_url + "/completions", json.dumps({**COMPLETION, "temperature": -1}).encode()
         )
