@@ -26,6 +26,7 @@ them, never ignored.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -119,29 +120,34 @@ class Stored:
 
 class ResponseStore:
     """The responses kept for `previous_response_id` and GET, at most `capacity`, least recently used evicted
-    first. Used from the event loop's thread only."""
+    first. Read by the front's parsing threads and written by the event loop's, so a lock guards it."""
 
     def __init__(self, capacity: int = MAX_STORED) -> None:
         self.capacity = capacity
         self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._lock = threading.Lock()
 
     def put(self, stored: Stored) -> None:
-        self._items[stored.response["id"]] = stored
-        self._items.move_to_end(stored.response["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        with self._lock:
+            self._items[stored.response["id"]] = stored
+            self._items.move_to_end(stored.response["id"])
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
 
     def get(self, response_id: str) -> Stored | None:
-        stored = self._items.get(response_id)
-        if stored is not None:
-            self._items.move_to_end(response_id)
-        return stored
+        with self._lock:
+            stored = self._items.get(response_id)
+            if stored is not None:
+                self._items.move_to_end(response_id)
+            return stored
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        with self._lock:
+            return self._items.pop(response_id, None) is not None
 
     def __len__(self) -> int:
-        return len(self._items)
+        with self._lock:
+            return len(self._items)
 
 
 def _unknown(response_id: str, param: str | None) -> RequestError:

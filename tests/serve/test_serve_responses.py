@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from paged_jax.tokenization.chat_template import template_from_text
+from serve.openai_api.responses_api import ResponseStore, Stored
 
 from support.serve_support import shared
 
@@ -200,3 +201,13 @@ def test_bad_input_is_refused_naming_the_parameter(oai, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         oai.post("/responses", body={"model": None, **body}, cast_to=object)
     assert e.value.body["param"] == param and e.value.body["message"].startswith(param), e.value.body
+
+
+def test_the_store_is_bounded_least_recently_used_first():
+    store = ResponseStore(capacity=2)
+    for name in ("a", "b"):
+        store.put(Stored({"id": name}, []))
+    assert store.get("a") is not None  # "a" used last: "b" goes first
+    store.put(Stored({"id": "c"}, []))
+    assert len(store) == 2 and store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert store.delete("a") and not store.delete("a") and len(store) == 1
