@@ -1,4 +1,4 @@
-"""The ASGI app (FastAPI): the OpenAI routes (completions, chat, embeddings), vLLM's tokenizer routes
+"""The ASGI app (FastAPI): the OpenAI routes (completions, chat, embeddings, responses), vLLM's tokenizer routes
 (`/tokenize`, `/detokenize`, `/tokenizer_info`), `/health` (and vLLM's `/ping`), `/version`, `/metrics`, and
 errors in OpenAI's shape.
 
@@ -22,6 +22,7 @@ from ..convert import RequestError
 from .embeddings import embeddings
 from .errors import error_response
 from .front import OpenAIFront
+from .responses_api import ResponsesRoute
 
 try:
     VERSION = importlib.metadata.version("paged-jax")
@@ -59,6 +60,20 @@ def create_app(front: OpenAIFront) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings_route(request: Request) -> Response:
         return await embeddings(front, request)
+
+    responses = ResponsesRoute(front)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await responses.retrieve(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await responses.delete(request, response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

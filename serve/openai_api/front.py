@@ -22,6 +22,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -57,6 +58,18 @@ from .responses import Echo, ResponseBuilder
 CPU_WORKERS = 2  # threads for JSON parsing, tokenization and chat templates, off the event loop
 METHODS = {"completion": "OpenAI.Completions", "chat": "OpenAI.ChatCompletions"}
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Run:
+    """A request the engine has taken: what `finals` and `chunks` read its outputs with."""
+
+    req: OpenAIRequest
+    streams: list[RequestStream]
+    firsts: list[tuple[int, Event]]  # each prompt's first event (the engine took it)
+    builder: ResponseBuilder
+    n: int  # samples per prompt
+    names: FieldNames  # the engine's field names in this request's words
 
 
 class OpenAIFront:
@@ -176,47 +189,18 @@ class OpenAIFront:
 
     async def generate(self, request: Request, kind: Kind) -> Response:
         """POST /v1/completions and /v1/chat/completions."""
-        method, req, streams = METHODS[kind], None, []
+        method, streams = METHODS[kind], []
         try:
             self.check_auth(request)
             raw = await _read_body(request, self.config.limits.max_message_bytes)
             req = await self._off_loop(parse_body, raw, kind, self.inputs.limits.max_chat_messages)
-            fmt, parsed = await self._off_loop(self._convert, req)
-            if self.draining:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
-            rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-            lora = self._adapter(req)
-            ids = [rid if len(parsed) == 1 else f"{rid}-{i}" for i in range(len(parsed))]
-            # One group: admitted whole or not at all, one turn of admission for all its prompts; structured
-            # outputs were compiled on this front's thread (`serving_inputs`).
-            submissions = [
-                Submission(i, p.prompt_token_ids, p.params, p.cache_salt, lora, p.thought, p.matchers)
-                for i, p in zip(ids, parsed, strict=True)
-            ]
-            streams = self.loop.submit_group(
-                submissions,
-                self.config.max_queued_requests,
-                self.config.multi_prompt_queue_share,
-                self.config.backpressure,
-            )
-            model = self.model_name if lora is None else lora.lora_name
-            echo = await self._off_loop(self._echoes, parsed) if req.echo else None
-            thought = parsed[0].thought if kind == "chat" else None
-            builder = ResponseBuilder(
-                kind, rid, model, self.tokenizer, req.logprobs, fmt, thought, echo, req.prompt_logprobs
-            )
-            n = parsed[0].params.n
-            names = field_names(kind, req.max_tokens_name, req.structured_param)
-            inbox = streams[0].inbox  # every prompt's events, in arrival order
-            firsts = await self._unless_disconnected(request, streams, _firsts(inbox, len(streams), names))
+            run = await self.start(request, req)
+            streams = run.streams
             if req.stream:
-                body = self._sse(streams, firsts, builder, req, n)
-                return _EventStream(body, lambda: self._abort(streams))
-            outs = await self._unless_disconnected(request, streams, _finals(inbox, firsts, len(streams), names))
-            for out in outs:
-                self.metrics.on_finished(out)
+                return _EventStream(self._sse(run), lambda: self._abort(run.streams))
+            outs = await self.finals(request, run)
             self._count(method, grpc.StatusCode.OK)
-            return JSONResponse(builder.full(outs, n))
+            return JSONResponse(run.builder.full(outs, run.n))
         except RequestError as e:
             self._abort(streams)  # a no-op for requests that have ended
             self._count(method, e.code)
@@ -226,6 +210,51 @@ class OpenAIFront:
             error = convert.internal_error(f"{method} failed: {type(e).__name__}: {e}", exc_info=True)
             self._count(method, error.code)
             return error_response(error.code, error.message)
+
+    async def start(self, request: Request, req: OpenAIRequest) -> Run:
+        """Check a parsed request, submit it as one group (admitted whole or not at all, one turn of admission for
+        all its prompts; structured outputs compiled on this front's thread, `serving_inputs`), and wait until the
+        engine has taken every prompt. A failure aborts what was submitted and raises RequestError. The Responses
+        route (`responses_api.py`) runs its translated chat requests through here too."""
+        fmt, parsed = await self._off_loop(self._convert, req)
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
+        kind = req.kind
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        lora = self._adapter(req)
+        ids = [rid if len(parsed) == 1 else f"{rid}-{i}" for i in range(len(parsed))]
+        submissions = [
+            Submission(i, p.prompt_token_ids, p.params, p.cache_salt, lora, p.thought, p.matchers)
+            for i, p in zip(ids, parsed, strict=True)
+        ]
+        streams = self.loop.submit_group(
+            submissions,
+            self.config.max_queued_requests,
+            self.config.multi_prompt_queue_share,
+            self.config.backpressure,
+        )
+        try:
+            model = self.model_name if lora is None else lora.lora_name
+            echo = await self._off_loop(self._echoes, parsed) if req.echo else None
+            thought = parsed[0].thought if kind == "chat" else None
+            builder = ResponseBuilder(
+                kind, rid, model, self.tokenizer, req.logprobs, fmt, thought, echo, req.prompt_logprobs
+            )
+            names = field_names(kind, req.max_tokens_name, req.structured_param)
+            # every prompt's events, in arrival order
+            firsts = await self._unless_disconnected(request, streams, _firsts(streams[0].inbox, len(streams), names))
+        except BaseException:
+            self._abort(streams)
+            raise
+        return Run(req, streams, firsts, builder, parsed[0].params.n, names)
+
+    async def finals(self, request: Request, run: Run) -> list[RequestOutput]:
+        """Each prompt's final output, in prompt order (the request aborted if the client leaves first)."""
+        work = _finals(run.streams[0].inbox, run.firsts, len(run.streams), run.names)
+        outs = await self._unless_disconnected(request, run.streams, work)
+        for out in outs:
+            self.metrics.on_finished(out)
+        return outs
 
     def _abort(self, streams: list[RequestStream], message: str = "cancelled: the client disconnected") -> None:
         for stream in streams:
@@ -248,47 +277,48 @@ class OpenAIFront:
             raise RequestError(grpc.StatusCode.CANCELLED, "cancelled: the client disconnected")
         return task.result()
 
-    async def _sse(
-        self,
-        streams: list[RequestStream],
-        firsts: list[tuple[int, Event]],
-        builder: ResponseBuilder,
-        req: OpenAIRequest,
-        n: int,
-    ) -> AsyncIterator[str]:
-        """The event stream: chunks as outputs arrive (prompt i's sample j as choice i * n + j), the usage chunk if
-        asked for, then `data: [DONE]`. Events are taken from the inbox only as the client reads (a chunk is
-        yielded, and sent, before the next is taken), so a client that stops reading shows as the inbox's
-        backlog, which the engine loop bounds (`Backpressure`)."""
-        method, status, done = METHODS[req.kind], grpc.StatusCode.OK, False
+    async def chunks(self, run: Run) -> AsyncIterator[dict[str, Any]]:
+        """A started request's stream chunks as outputs arrive (prompt i's sample j as choice i * n + j), after a
+        chat's role chunk, and the usage chunk if asked for; an engine failure raises RequestError. Events are
+        taken from the inbox only as the consumer reads (a chunk is yielded, and sent, before the next is taken),
+        so a client that stops reading shows as the inbox's backlog, which the engine loop bounds
+        (`Backpressure`)."""
+        req, builder, n = run.req, run.builder, run.n
         usage_field = {"usage": None} if req.include_usage else {}
         ended: set[int] = set()  # choices whose chunk with the finish reason went out
-        inbox, replay = streams[0].inbox, list(firsts)
+        inbox, replay = run.streams[0].inbox, list(run.firsts)
         finished: list[RequestOutput] = []
+        if req.kind == "chat":
+            yield {**builder.role_chunk(n), **usage_field}
+        while len(finished) < len(run.streams):
+            i, event = replay.pop(0) if replay else await inbox.get()
+            if event.code is not None:
+                raise _event_error(event, run.names)
+            out = event.output
+            assert out is not None  # an event without a code carries an output
+            builder.seen(i, out)
+            for c in out.outputs:
+                index = i * n + c.index
+                if c.new_token_ids or c.new_text or (c.finished and index not in ended):
+                    if c.finished:
+                        ended.add(index)
+                    for chunk in builder.delta_chunks(c, offset=i * n, prompt=i):
+                        yield {**chunk, **usage_field}
+            if out.finished:
+                finished.append(out)
+                self.metrics.on_finished(out)
+        if req.include_usage:
+            yield builder.usage_chunk(finished)
+
+    async def _sse(self, run: Run) -> AsyncIterator[str]:
+        """The event stream: `chunks` as `data:` lines, then `data: [DONE]`; an error after the response started
+        is the last event (as vLLM does)."""
+        method, status, done = METHODS[run.req.kind], grpc.StatusCode.OK, False
         try:
-            if req.kind == "chat":
-                yield _data({**builder.role_chunk(n), **usage_field})
-            while len(finished) < len(streams):
-                i, event = replay.pop(0) if replay else await inbox.get()
-                if event.code is not None:
-                    raise _event_error(event, field_names(req.kind, req.max_tokens_name, req.structured_param))
-                out = event.output
-                assert out is not None  # an event without a code carries an output
-                builder.seen(i, out)
-                for c in out.outputs:
-                    index = i * n + c.index
-                    if c.new_token_ids or c.new_text or (c.finished and index not in ended):
-                        if c.finished:
-                            ended.add(index)
-                        for chunk in builder.delta_chunks(c, offset=i * n, prompt=i):
-                            yield _data({**chunk, **usage_field})
-                if out.finished:
-                    finished.append(out)
-                    self.metrics.on_finished(out)
+            async for chunk in self.chunks(run):
+                yield _data(chunk)
             done = True
-            if req.include_usage:
-                yield _data(builder.usage_chunk(finished))
-        except RequestError as e:  # after the response started: the error is the last event (as vLLM does)
+        except RequestError as e:
             status = e.code
             yield _data(error_body(e.code, e.message, e.field)[1])
         except Exception as e:  # noqa: BLE001 - this request fails alone; the cause goes to the log
@@ -300,7 +330,7 @@ class OpenAIFront:
             raise
         finally:
             if not done:
-                self._abort(streams)  # a no-op for those that have ended
+                self._abort(run.streams)  # a no-op for those that have ended
             self._count(method, status)
         yield "data: [DONE]\n\n"
 

@@ -91,10 +91,11 @@ def json_value(raw: bytes) -> Any:
         raise invalid(str(e), e.field) from None
 
 
-def parse_body(raw: bytes, kind: Kind, max_messages: int | None = None) -> OpenAIRequest:
-    """Parse and type-check a JSON body; raises RequestError (INVALID_ARGUMENT naming the parameter). A chat
-    of more than `max_messages` messages is refused before they are looked at one by one."""
-    body = json_value(raw)
+def parse_body(raw: bytes | dict, kind: Kind, max_messages: int | None = None) -> OpenAIRequest:
+    """Parse and type-check a JSON body (its bytes, or the object the Responses route translated a request into);
+    raises RequestError (INVALID_ARGUMENT naming the parameter). A chat of more than `max_messages` messages is
+    refused before they are looked at one by one."""
+    body = raw if isinstance(raw, dict) else json_value(raw)
     if not isinstance(body, dict):
         raise _bad("body", "must be a JSON object")
     for name, allowed in _UNSUPPORTED[kind].items():
