@@ -1,6 +1,10 @@
 """Where do the KV pages live? The device page arrays of a runner, allocated zeroed in place (one per layer, or
 one stacked array for the scanned decoder), or described abstractly for an ahead-of-time compile.
 
+On one CPU device float pages are zeroed lazily (`pallas_kernels.cpu.zeros`: the OS supplies a zero page when
+a page is first written), so start-up neither writes nor holds the whole cache; elsewhere they are `jnp.zeros`
+on the device.
+
 A page array is `[num_pages, num_kv_heads, page_size, 2 * head_dim]` (`pallas_kernels.common.kv_pages_shape`);
 int8 / fp8 pages are `QuantizedPages` (values and per-row scales, `pallas_kernels.kv_quant`). With a mesh the
 pages are split by KV heads (`paged_jax.worker.sharding.kv_sharding`).
@@ -15,6 +19,7 @@ from paged_jax.config import ModelConfig
 from paged_jax.worker import sharding
 from pallas_kernels import kv_quant
 from pallas_kernels.common import kv_pages_shape
+from pallas_kernels.cpu import zeros as cpu_zeros
 
 
 def scale_layout(platform: str, mesh: jax.sharding.Mesh | None) -> dict:
@@ -42,6 +47,10 @@ def allocate_kv(
             **scale_layout(platform, mesh),
         )
     shape = kv_pages_shape(num_pages, config.num_kv_heads, page_size, config.head_dim)
+    if platform == "cpu" and mesh is None:
+        lazy = cpu_zeros.zeros(shape, kv_dtype)
+        if lazy is not None:
+            return lazy
     return jnp.zeros(shape, kv_dtype, device=device)
 
 

@@ -67,6 +67,8 @@ class Kernel:
 
     target: str  # float pages
     quantized_target: str  # int8 / float8_e4m3fn pages with scales
+    # A zeroed buffer mapped lazily (`zero_pages.h`, `pallas_kernels.cpu.zeros`); None in an older library.
+    zeros_target: str | None
     isa: str  # what the library reports: "avx512+bf16", "avx512", "avx2" or "generic"
     library: Path
 
@@ -158,11 +160,15 @@ def kernel(isa: str | None = None) -> Kernel | None:
 
 def load(library: Path, target: str) -> Kernel:
     """Loads a built library (any build of these sources, e.g. a saved one from an older commit for an A/B) and
-    registers its handlers with XLA:CPU as FFI targets `target` and `target` + ``_quantized``. Raises on failure."""
+    registers its handlers with XLA:CPU as FFI targets `target`, `target` + ``_quantized`` and `target` +
+    ``_zeros`` (a library built before `zero_pages.h` has no zeros target). Raises on failure."""
     lib = ctypes.cdll.LoadLibrary(str(library))
-    k = Kernel(target, f"{target}_quantized", _library_isa(lib), Path(library))
+    zeros = f"{target}_zeros" if hasattr(lib, "ZeroPages") else None
+    k = Kernel(target, f"{target}_quantized", zeros, _library_isa(lib), Path(library))
     jax.ffi.register_ffi_target(k.target, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(k.quantized_target, jax.ffi.pycapsule(lib.PagedAttentionQuantized), platform="cpu")
+    if zeros is not None:
+        jax.ffi.register_ffi_target(zeros, jax.ffi.pycapsule(lib.ZeroPages), platform="cpu")
     return k
 
 

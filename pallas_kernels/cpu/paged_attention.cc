@@ -35,6 +35,7 @@
 #include "problem.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
+#include "zero_pages.h"
 
 namespace ffi = xla::ffi;
 
@@ -375,3 +376,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionQuantized, pja::ImplQuantized,
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("sliding_window")
                                   .Ret<ffi::AnyBuffer>());
+
+// A zeroed buffer whose whole pages are mapped lazily (zero_pages.h): the CPU KV cache's allocation.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZeroPages, pja::ZeroPagesImpl, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

@@ -26,10 +26,11 @@ with every step shape warmed up (`WarmupPlan()`: every token and sequence bucket
 and without logit bias, prompt logprobs, copies), "cold" today's start-up with an empty compile cache and
 "warm" the same again with the cache the cold run filled (docs/user/startup.md). For each: step executables
 compiled and loaded from the store, seconds to ready and to the first token, the process's CPU seconds to
-then (which move less than wall seconds on a shared machine), and compiles after warm-up. The CPU attention
-kernel is built once per machine and shared by every case. By default the engine is smaller than `LLM`'s
-defaults (`--max-num-seqs 16 --max-num-batched-tokens 128`) so that the full warm-up of "before" fits in a few
-minutes on 2 cores; the executable counts of the default options are printed first (counted, not compiled).
+then (which move less than wall seconds on a shared machine), its peak resident memory, and compiles after
+warm-up. The CPU attention kernel is built once per machine and shared by every case. By default the engine is
+smaller than `LLM`'s defaults (`--max-num-seqs 16 --max-num-batched-tokens 128`) so that the full warm-up of
+"before" fits in a few minutes on 2 cores; the executable counts of the default options are printed first
+(counted, not compiled).
 
     .venv/bin/python scripts/bench/startup_time.py --llm [--models tiny smollm2-135m-instruct]
         [--modes cold warm] [--llm-defaults]
@@ -243,6 +244,7 @@ def llm_case(model: str, mode: str, options: dict) -> dict:
         "ready_s": ready,
         "first_token_s": first,
         "cpu_s": usage.ru_utime + usage.ru_stime,  # every thread's, to the first token: moves less with load
+        "peak_rss_mib": usage.ru_maxrss // 1024,  # the process's peak resident memory to then (KiB on Linux)
         "after_warmup": s.compiles_after_warmup,
     }
 
@@ -268,7 +270,7 @@ def llm_main(models: list[str], work: Path, options: dict, modes: tuple[str, ...
         full, first = llm_counts(model, {})
         print(f"{model}, LLM's default options: full warm-up {full} executables, first-use plan {first}")
     print(f"measured with {options}")
-    cols = ("compiled", "loaded", "ready_s", "first_token_s", "cpu_s", "after_warmup")
+    cols = ("compiled", "loaded", "ready_s", "first_token_s", "cpu_s", "peak_rss_mib", "after_warmup")
     print(f"{'model':<24}{'case':>7}" + "".join(f"{c:>15}" for c in cols) + f"{'load':>7}")
     for model in models:
         cache = work / f"cache-{model}"
