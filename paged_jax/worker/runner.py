@@ -581,7 +581,8 @@ class ModelRunner:
         )
 
     # -- executables --------------------------------------------------------------------------------
-    def _executable(self, job: Job) -> jax.stages.Compiled:
+    def _executable(self, job: Job, off_step: bool = False) -> jax.stages.Compiled:
+        """`off_step`: compiled on a thread off any step (`compile_now`), so never shown as a step's compile."""
         return EXECUTABLES.get(
             job.key,
             job.lower,
@@ -590,23 +591,14 @@ class ModelRunner:
             describe=job.describe,
             options=job.options,
             store=self.store,
-            deferred=self.deferred,
-            show=self.show_compiles,
+            deferred=off_step or self.deferred,
+            show=not off_step and self.show_compiles,
         )
 
     def compile_now(self, job: Job) -> jax.stages.Compiled:
         """Compile (or load) `job` now on this thread, off any step (`paged_jax.worker.compile_worker`): after
         warm-up it is counted in `after_warmup` and logged as info."""
-        return EXECUTABLES.get(
-            job.key,
-            job.lower,
-            self.compile_stats,
-            warm=self.warm,
-            describe=job.describe,
-            options=job.options,
-            store=self.store,
-            deferred=True,
-        )
+        return self._executable(job, off_step=True)
 
     def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:
         """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.

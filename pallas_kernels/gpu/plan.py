@@ -79,6 +79,7 @@ class GpuPlan:
     group_p: int  # padded to a power of two
     decode: bool  # a decode bucket (T <= 2 S): one range
     ranges: tuple[GpuRange, ...]  # launched in this order
+    f32_dots: bool = False  # the dots run on float32 operands (float32 pages, or float32 queries over quantized)
 
 
 def _make_range(
@@ -184,8 +185,9 @@ def plan_gpu(
     itemsize = jnp.dtype(dtype).itemsize
     # Quantized values are cast to the query's dtype in registers, so float32 queries over int8/fp8 pages hold
     # float32 K and V tiles: tiled as float32 pages are (the KV bytes still size shared memory).
-    f32_tiles = kv_quant.is_quantized_dtype(dtype) and q_dtype is not None and jnp.dtype(q_dtype) == jnp.float32
-    cfg_decode, cfg_prefill = block_configs(head_dim, page_size, jnp.float32 if f32_tiles else dtype)
+    quantized_f32 = kv_quant.is_quantized_dtype(dtype) and q_dtype is not None and jnp.dtype(q_dtype) == jnp.float32
+    f32_dots = quantized_f32 or jnp.dtype(dtype) == jnp.float32
+    cfg_decode, cfg_prefill = block_configs(head_dim, page_size, jnp.float32 if quantized_f32 else dtype)
     common = dict(
         num_tokens=num_tokens,
         max_seqs=max_seqs,
@@ -238,6 +240,7 @@ def plan_gpu(
         group_p=group_p,
         decode=decode,
         ranges=ranges,
+        f32_dots=f32_dots,
     )
 
 

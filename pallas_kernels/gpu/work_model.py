@@ -34,12 +34,6 @@ from pallas_kernels.work_model import HARDWARE, KernelWork
 F32_FLOP_COST = 6.0  # three TF32 products per float32 product, TF32 at half the dense-bf16 rate (H200: 495 vs 989)
 
 
-def f32_dots(plan: GpuPlan) -> bool:
-    """Whether the kernel's dots run on float32 operands: float32 pages, or quantized (1-byte) pages under float32
-    queries (their values are cast to the query dtype)."""
-    return plan.itemsize == 4 or (plan.itemsize == 1 and plan.q_itemsize == 4)
-
-
 def _batch(plan: GpuPlan, kv_lens, cu_q_lens, num_seqs: int):
     kv = np.zeros(plan.max_seqs, np.int64)
     cu = np.zeros(plan.max_seqs + 1, np.int64)
@@ -124,7 +118,7 @@ def gpu_work_detail(
     # K and V of one KV head, plus their float32 scale rows on quantized (1-byte) pages
     page_bytes = page * d * 2 * plan.itemsize + (page * 2 * 4 if plan.itemsize == 1 else 0)
     q_tok_bytes = plan.num_q_heads * d * plan.q_itemsize
-    flop_cost = F32_FLOP_COST if f32_dots(plan) else 1.0
+    flop_cost = F32_FLOP_COST if plan.f32_dots else 1.0
     all_counts, works = [], []
     kv_steps = gathered = distinct = grid_programs = in_flight = 0
     for rng in plan.ranges:
