@@ -81,6 +81,18 @@ class Metrics:
         self.kv_host_copy_seconds = Counter(
             "paged_jax_kv_host_copy_seconds", "Host seconds spent issuing and landing host-tier copies", registry=r
         )
+        self.kv_swaps = Counter(
+            "paged_jax_kv_swaps",
+            "Preempted requests swapped to the host tier (out) and back (in)",
+            ["direction"],
+            registry=r,
+        )
+        self.kv_swap_bytes = Counter(
+            "paged_jax_kv_swap_bytes", "Bytes of swapped requests' KV pages copied", ["direction"], registry=r
+        )
+        self.kv_swap_pages = Gauge(
+            "paged_jax_kv_swap_pages_held", "Host-tier slots held by swapped-out requests", registry=r
+        )
         self.engine_alive = Gauge("paged_jax_engine_alive", "1 while the engine loop runs", registry=r)
         self.compiles = Counter(
             "paged_jax_compiles", "Step executables compiled (persistent cache loads included)", registry=r
@@ -162,12 +174,17 @@ class Metrics:
             self.kv_group_pages.labels(group=str(i), window=window).set(group.pages_in_use)
         self.prefix_hit_rate.set(s.prefix_hit_rate)
         self.kv_host_pages.set(s.kv_host_pages_held)
+        self.kv_swap_pages.set(s.kv_host_swap_pages_held)
         for key, counter in (
             ("kv_host_hits", self.kv_host_hits),
             ("kv_host_offloads", self.kv_host_offloads),
             ("kv_host_bytes_to_host", self.kv_host_bytes.labels(direction="to_host")),
             ("kv_host_bytes_to_device", self.kv_host_bytes.labels(direction="to_device")),
             ("kv_host_copy_seconds", self.kv_host_copy_seconds),
+            ("kv_host_swap_outs", self.kv_swaps.labels(direction="out")),
+            ("kv_host_swap_ins", self.kv_swaps.labels(direction="in")),
+            ("kv_host_swap_bytes_to_host", self.kv_swap_bytes.labels(direction="to_host")),
+            ("kv_host_swap_bytes_to_device", self.kv_swap_bytes.labels(direction="to_device")),
         ):
             counter.inc(self._advance(key, s, commit=True))
         self.requests_waiting_for_compile.set(s.requests_waiting_for_compile)

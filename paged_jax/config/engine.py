@@ -48,6 +48,11 @@ class EngineConfig:
     # kv_disk_cache_gib, least recently used files deleted first.
     kv_disk_cache_dir: str | None = None
     kv_disk_cache_gib: float = 16.0
+    # A preempted request with a host tier (paged_jax.kv_cache.swap): "auto" swaps its pages out when the cost model
+    # says copying them is cheaper than recomputing its context, "swap" / "recompute" force one (benchmarks).
+    kv_preemption_mode: str = "auto"
+    # Host -> device page copies per step (prefix-hit restores and swap-ins), so a burst cannot stall decodes.
+    kv_restore_pages_per_step: int = 128
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # token budget per step
     max_model_len: int | None = None  # prompt + output tokens; default min(model max, 8192)
@@ -151,6 +156,12 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction: must be in (0, 1]")
         if self.kv_host_cache_gib is not None and not self.kv_host_cache_gib >= 0:
             raise ValueError(f"kv_host_cache_gib: must be >= 0 (0: off), got {self.kv_host_cache_gib!r}")
+        if self.kv_preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(
+                f"kv_preemption_mode: must be one of auto, swap, recompute, got {self.kv_preemption_mode!r}"
+            )
+        if not isinstance(self.kv_restore_pages_per_step, int) or self.kv_restore_pages_per_step < 1:
+            raise ValueError(f"kv_restore_pages_per_step: must be an int >= 1, got {self.kv_restore_pages_per_step!r}")
         if not self.kv_disk_cache_gib > 0:
             raise ValueError(f"kv_disk_cache_gib: must be > 0, got {self.kv_disk_cache_gib!r}")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes <= 0:

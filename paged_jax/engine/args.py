@@ -285,6 +285,16 @@ ENGINE_FLAGS = (
         "a directory of prefix blocks that survives restarts, written behind and checked on read (default: off)",
     ),
     EngineFlag("kv_disk_cache_gib", "the most the disk tier's directory holds (least recently used files go first)"),
+    EngineFlag(
+        "kv_preemption_mode",
+        "a preempted request with a host tier: swap its pages to host memory when the cost model says copying is "
+        "cheaper than recomputing (auto), always (swap) or never (recompute)",
+        choices=("auto", "swap", "recompute"),
+    ),
+    EngineFlag(
+        "kv_restore_pages_per_step",
+        "host -> device KV page copies per step (prefix-hit restores and swap-ins), so decodes are not stalled",
+    ),
     EngineFlag("max_num_seqs", "sequences in one step (the decode batch)"),
     EngineFlag("max_num_batched_tokens", "tokens in one step (decodes and prompt chunks together)"),
     EngineFlag("max_model_len", "prompt + output tokens per sequence (default: the model's maximum, at most 8192)"),

@@ -30,7 +30,7 @@ from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
 from paged_jax.engine.protocol import EngineStats, kv_fields
 from paged_jax.errors import FieldError
-from paged_jax.kv_cache import DiskTier, HostTier, KVCacheManager, KVLayout, KVTransfers
+from paged_jax.kv_cache import DiskTier, HostTier, KVCacheManager, KVLayout, KVTransfers, SwapSpace
 from paged_jax.kv_cache.invariants import check_manager_invariants
 from paged_jax.lora.registry import AdapterCache, SlotTable
 from paged_jax.lora.request import LoRARequest
@@ -52,6 +52,7 @@ from paged_jax.worker.prompt_logprobs import PromptLogprobs, num_prompt_rows
 from paged_jax.worker.runner import ModelRunner, StepResult
 from paged_jax.worker.spec_verify import REJECTED
 from paged_jax.worker.step_functions import LoraShape
+from paged_jax.worker.swap_rates import measure_copy_rate, measure_flops_rate, swap_costs
 from paged_jax.worker.warmup import WarmupPlan, WarmupProgress, run_warmup
 
 log = logging.getLogger(__name__)
@@ -169,12 +170,15 @@ class LLMEngine:
             reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
             watermark=ec.watermark,
             lora_slots=lora_slots,
+            max_restore_pages=ec.kv_restore_pages_per_step,
         )
         self.runner = make_runner(run_config, params, ec, self.num_pages, self.max_model_len, mesh, self.kv_layout)
         if self.host_tier is not None:
             transfer = self.runner.attach_host_tier(self.host_tier)
             if ec.warmup:
                 transfer.compile_all(self.runner.kv_caches)
+            if ec.kv_preemption_mode != "recompute":
+                self.scheduler.swap = self._swap_space(transfer, run_config, params, mesh)
         self.compile_gate = None  # background_compiles: no step compiles (`paged_jax.engine.compile_gate`)
         self._failed: list[RequestOutput] = []  # requests the gate failed, returned by the next `step`
         if ec.background_compiles:
@@ -248,6 +252,26 @@ class LLMEngine:
             return None
         log.info("KV host tier: %d pages, %.1f MiB of host memory", pages, pages * page_bytes / 2**20)
         return HostTier(pages, disk)
+
+    def _swap_space(self, transfer, run_config: ModelConfig, params, mesh: jax.sharding.Mesh | None) -> SwapSpace:
+        """Swap on preemption (`paged_jax.kv_cache.swap`) over the host tier, its cost model's rates measured now
+        with a warm-up (`paged_jax.worker.swap_rates`), else the platform's defaults."""
+        assert self.host_tier is not None
+        ec = self.engine_config
+        platform = jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
+        measured = None
+        if ec.warmup:
+            copy_rate, self.runner.kv_caches = measure_copy_rate(transfer, self.runner.kv_caches)
+            measured = (copy_rate, measure_flops_rate(run_config.dtype))
+        costs = swap_costs(params, run_config, self.host_tier.page_bytes, platform, measured)
+        log.info(
+            "KV swap on preemption (%s): copies %.2f GB/s, prefill %.1f TFLOP/s (%s)",
+            ec.kv_preemption_mode,
+            costs.copy_bytes_per_s / 1e9,
+            costs.flops_per_s / 1e12,
+            "measured" if measured else "platform defaults",
+        )
+        return SwapSpace(self.kv, self.host_tier, costs, ec.kv_preemption_mode)  # type: ignore[arg-type]
 
     def warmup(
         self,
@@ -363,6 +387,8 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """The KV manager's invariants (raises RuntimeError naming the broken one)."""
         check_manager_invariants(self.kv)
+        if self.scheduler.swap is not None:
+            self.scheduler.swap.check()
 
     def has_unfinished(self) -> bool:
         return len(self.outputs) > 0

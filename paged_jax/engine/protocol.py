@@ -68,6 +68,13 @@ class EngineStats:
     kv_host_bytes_to_host: int = 0
     kv_host_bytes_to_device: int = 0
     kv_host_copy_seconds: float = 0.0
+    # Swap on preemption (paged_jax.kv_cache.swap): preempted requests swapped out to the host tier (the rest of
+    # num_preemptions recomputed), swapped back in, host slots their pages hold now, bytes copied each way.
+    kv_host_swap_outs: int = 0
+    kv_host_swap_ins: int = 0
+    kv_host_swap_pages_held: int = 0
+    kv_host_swap_bytes_to_host: int = 0
+    kv_host_swap_bytes_to_device: int = 0
     # The disk tier (paged_jax.kv_cache.disk_tier; zeros without one): files and bytes held, blocks read back, files
     # written, files rejected (truncated, corrupt, foreign: deleted), write faults, files deleted for size.
     kv_disk_files: int = 0

@@ -1,6 +1,6 @@
 """Paged KV cache, host side: the manager the scheduler talks to (per-request block tables, one per KV cache
-group; prefix cache; copy-on-write forks) over the page pool, and the host tier evicted blocks go to. The device
-page arrays live in `paged_jax.worker.kv_allocation`."""
+group; prefix cache; copy-on-write forks) over the page pool, and the host tier evicted blocks and swapped-out
+requests go to. The device page arrays live in `paged_jax.worker.kv_allocation`."""
 
 from paged_jax.kv_cache.disk_tier import DiskTier, DiskTierStats
 from paged_jax.kv_cache.groups import FULL, KVGroup, KVLayout, kv_layout
@@ -9,6 +9,7 @@ from paged_jax.kv_cache.host_tier import BlockLoad, HostTier, HostTierStats, KVT
 from paged_jax.kv_cache.manager import KVCacheManager, PageCopy
 from paged_jax.kv_cache.page_pool import NULL_PAGE
 from paged_jax.kv_cache.stats import GroupStats, KVCacheStats
+from paged_jax.kv_cache.swap import PREEMPTION_MODES, PreemptionMode, SwapCosts, SwapSpace
 
 __all__ = [
     "BlockLoad",
@@ -26,7 +27,11 @@ __all__ = [
     "KVGroup",
     "KVLayout",
     "KVTransfers",
+    "PREEMPTION_MODES",
     "PageCopy",
+    "PreemptionMode",
     "SlotCopy",
+    "SwapCosts",
+    "SwapSpace",
     "kv_layout",
 ]

@@ -20,6 +20,11 @@ Step discipline (why nothing stale is ever read):
   * an entry restored this step, and one in flight, is *pinned*: the tier's LRU never hands its slot to another
     block in the same step.
 The tier is inclusive: a restored entry stays in the tier, so evicting its device page again costs no copy.
+
+Swap (`paged_jax.kv_cache.swap`): a preempted request's pages can be copied into slots ``reserve`` takes out of
+the LRU; those slots are no entry's (no lookup finds them) and stay pinned until the request is swapped back in
+or aborted (``release``). A reservation whose copies are not taken yet is *in flight* (``swap_in_flight``); a step
+that runs nothing cancels it (``cancel``), since its copies would never run.
 LRU within the tier: a hit (restore) or a repeated offload makes an entry most recently used; a full tier reuses
 the least recently used unpinned slot.
 """
@@ -88,6 +93,14 @@ class HostTierStats:
     bytes_to_device: int
     copy_seconds: float
     """Host time spent issuing and landing the copies."""
+    swap_outs: int = 0
+    """Preempted requests whose pages were copied here instead of being recomputed later."""
+    swap_ins: int = 0
+    """Swapped requests copied back into device pages."""
+    swap_pages_held: int = 0
+    """Slots held by swapped-out requests now (pinned until they resume or are aborted)."""
+    swap_bytes_to_host: int = 0
+    swap_bytes_to_device: int = 0
 
 
 class HostTier:
@@ -104,6 +117,8 @@ class HostTier:
         self.free_slots = list(range(capacity - 1, -1, -1))
         self.in_flight: set[BlockHash] = set()
         self.pinned: set[int] = set()  # slots restored or offloaded this step
+        self.reserved: set[int] = set()  # slots of swapped-out requests: no entry's, never reused until released
+        self.swap_in_flight: set[int] = set()  # reserved slots whose copies the next `take` hands out
         self.pending = KVTransfers()
         self.disk = disk
         self._persist_next: list[SlotCopy] = []  # blocks cached this step: their KV exists once the step ran
@@ -116,6 +131,10 @@ class HostTier:
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         self.copy_seconds = 0.0
+        self.swap_outs = 0
+        self.swap_ins = 0
+        self.swap_bytes_to_host = 0
+        self.swap_bytes_to_device = 0
 
     def bind(self, page_shapes: Sequence[tuple[tuple[int, ...], np.dtype]]) -> None:
         """Allocate the slots' arrays: one ``[capacity, *shape]`` array of ``dtype`` per array of the device cache
@@ -174,12 +193,54 @@ class HostTier:
         if self.disk is not None and not self.disk.has_file(key):
             self._persist_next.append(SlotCopy(page, -1, key))
 
+    # -- swap (`paged_jax.kv_cache.swap`) ------------------------------------------------------------------------
+    def reserve(self, n: int) -> list[int] | None:
+        """``n`` slots for a swapped-out request, all or none (None: the free and unpinned slots do not suffice);
+        least recently used entries are dropped to make room."""
+        unpinned = sum(1 for slot in self.entries.values() if slot not in self.pinned)
+        if n > len(self.free_slots) + unpinned:
+            return None
+        slots = [self._take_slot() for _ in range(n)]
+        assert None not in slots
+        out = [s for s in slots if s is not None]
+        self.reserved.update(out)
+        self.swap_in_flight.update(out)
+        return out
+
+    def swap_out(self, page: int, slot: int) -> None:
+        """Copy device ``page`` into the reserved ``slot`` with this step's offloads (no key: never persisted)."""
+        self.pending.offloads.append(SlotCopy(page, slot))
+        self.swap_bytes_to_host += self.page_bytes
+
+    def swap_in(self, slot: int, page: int) -> None:
+        """Copy the reserved ``slot`` into the fresh device ``page`` with this step's restores (``release`` the
+        slot after: the restore reads it when the step's copies are issued, before any later copy lands in it)."""
+        assert slot in self.reserved and slot not in self.swap_in_flight, slot
+        self.pending.restores.append(SlotCopy(page, slot))
+        self.swap_bytes_to_device += self.page_bytes
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Give reserved slots back (their request resumed or was aborted)."""
+        for slot in slots:
+            self.reserved.remove(slot)
+            self.swap_in_flight.discard(slot)
+            self.free_slots.append(slot)
+
+    def cancel(self, slots: Sequence[int]) -> None:
+        """Undo a reservation whose copies were never taken: drop them from this step's offloads and release."""
+        gone = set(slots)
+        assert gone <= self.swap_in_flight, "only a reservation not yet taken can be cancelled"
+        self.pending.offloads = [c for c in self.pending.offloads if c.key or c.slot not in gone]
+        self.swap_bytes_to_host -= len(gone) * self.page_bytes
+        self.release(slots)
+
     def take(self) -> KVTransfers | None:
         """The step's copies (None when there are none); the step is decided, so its in-flight entries become hits
         for the next one and its pins are lifted."""
         out = self.pending
         self.in_flight.clear()
         self.pinned.clear()
+        self.swap_in_flight.clear()
         # the previous step's new blocks are computed once it ran: this step's copies read them; this step's wait
         out.persists, self._persist_ready, self._persist_next = self._persist_ready, self._persist_next, []
         if not out:
@@ -204,16 +265,29 @@ class HostTier:
             bytes_to_host=self.bytes_to_host,
             bytes_to_device=self.bytes_to_device,
             copy_seconds=self.copy_seconds,
+            swap_outs=self.swap_outs,
+            swap_ins=self.swap_ins,
+            swap_pages_held=len(self.reserved),
+            swap_bytes_to_host=self.swap_bytes_to_host,
+            swap_bytes_to_device=self.swap_bytes_to_device,
         )
 
     def check(self) -> None:
-        """Consistency (tests and debugging): every slot either free or one entry's, in-flight keys held; raises
-        RuntimeError naming the broken invariant."""
+        """Consistency (tests and debugging): every slot free, one entry's or reserved by a swapped request,
+        in-flight keys held; raises RuntimeError naming the broken invariant."""
         slots = list(self.entries.values())
         if len(set(slots)) != len(slots):
             raise RuntimeError("host tier invariant broken: two entries share a slot")
-        if set(slots) & set(self.free_slots) or len(slots) + len(self.free_slots) != self.capacity:
-            raise RuntimeError("host tier invariant broken: slots are not partitioned into held and free")
+        free = set(self.free_slots)
+        if (
+            set(slots) & free
+            or set(slots) & self.reserved
+            or free & self.reserved
+            or len(slots) + len(self.free_slots) + len(self.reserved) != self.capacity
+        ):
+            raise RuntimeError("host tier invariant broken: slots are not partitioned into held, reserved and free")
+        if not self.swap_in_flight <= self.reserved:
+            raise RuntimeError("host tier invariant broken: a swap copy in flight has no reserved slot")
         if not self.in_flight <= self.entries.keys():
             raise RuntimeError("host tier invariant broken: an in-flight key is not held")
 

@@ -213,6 +213,21 @@ class KVCacheManager:
         """
         return self._hit_blocks(token_ids, extra_keys, []) * self.page_size
 
+    def lookup_restores(self, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> tuple[int, int]:
+        """``lookup_prefix``'s hit and the pages (all groups) of it only the host tier holds: the host -> device
+        copies admitting the request now takes (the scheduler's restore budget). Pure, like ``lookup_prefix``."""
+        hashes: list[BlockHash] = []
+        num_hits = self._hit_blocks(token_ids, extra_keys, hashes)
+        if self.host_tier is None or not num_hits:
+            return num_hits * self.page_size, 0
+        cached = num_hits * self.page_size
+        first = self._first_blocks([self.first_readable_block(cached, w) for w in self.windows])
+        device = self.pool.cached
+        restores = sum(
+            self.cache_key(hashes[i], g) not in device for g, lo in enumerate(first) for i in range(lo, num_hits)
+        )
+        return cached, restores
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
 

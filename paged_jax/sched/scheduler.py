@@ -2,10 +2,15 @@
 
 Running sequences go first (decodes and unfinished prompt chunks), in admission order; when one
 cannot get its pages (those of every KV cache group, allocated at once), the most recently admitted running
-sequence is preempted (its pages freed, its
-full blocks left in the prefix cache) and later recomputed. Waiting sequences are then admitted
-round-robin between client requests (`paged_jax.sched.waiting`: arrival order unless a request brought several
-prompts) while the token budget, the sequence limit and the pages last; their cached prefix blocks are skipped.
+sequence is preempted: its pages freed, its full blocks left in the prefix cache, and later recomputed; or, with a
+host tier, swapped out to host memory and later copied back (`paged_jax.kv_cache.swap`: whichever its cost model
+says is cheaper). Waiting sequences are then admitted round-robin between client requests (`paged_jax.sched.waiting`:
+arrival order unless a request brought several prompts) while the token budget, the sequence limit and the pages
+last; their cached prefix blocks are skipped.
+Host -> device copies (prefix blocks only the host tier holds, and swapped requests' pages) count against a budget
+of their own, in pages (`max_restore_pages`): a copy's cost is its bytes, not compute, so it is not charged to the
+token budget, but a burst of them must not stall the step's decodes; a request whose copies would exceed what is
+left waits for the next step (the first one of a step always goes, however many pages it copies).
 A prompt longer than the budget (or the chunk size) is prefilled in chunks.
 
 Speculative decoding (`paged_jax.spec_decode`): a decoding sequence may carry draft tokens (`draft_token_ids`, set by
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache import KVCacheManager, SwapSpace
 from paged_jax.lora.registry import SlotTable
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
@@ -44,8 +49,12 @@ class Scheduler:
         reserve_tokens: int | None = None,
         watermark: float = 0.01,
         lora_slots: SlotTable | None = None,
+        swap: SwapSpace | None = None,
+        max_restore_pages: int = 128,
     ) -> None:
         self.kv = kv
+        self.swap = swap  # swap-on-preemption (`paged_jax.kv_cache.swap`); None: a preempted request recomputes
+        self.max_restore_pages = max_restore_pages  # host -> device page copies per step (module docstring)
         self.lora_slots = lora_slots  # device slots of LoRA adapters (None: LoRA is off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -76,6 +85,8 @@ class Scheduler:
             self._release_slot(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        if self.swap is not None and seq.seq_id in self.swap:  # aborted while swapped out: its slots go back
+            self.swap.drop(seq.seq_id)
         for child in seq.forked_children:  # samples that never forked end with their leader
             child.status, child.finish_reason = Status.FINISHED, reason
         seq.forked_children = []
@@ -122,6 +133,8 @@ class Scheduler:
         # One gather of the persistent tables (a scheduled sequence's tables do not change later in the step: it
         # allocated once, and a victim of preemption is never one already scheduled).
         out.block_tables = self.kv.step_tables([s.seq.seq_id for s in out.scheduled])
+        if self.swap is not None:  # a step that runs nothing runs no copies: its swap-outs become recomputes
+            self.swap.end_step(bool(out.scheduled))
         if out.scheduled:  # pages move only with a step that runs (a step without work allocated nothing)
             out.kv_transfers = self.kv.take_transfers()
         return out
@@ -145,6 +158,7 @@ class Scheduler:
         # when its prompt completes (they join `running` then, without passing admission again).
         promised = len(self.running) + sum(len(s.forked_children) for s in self.running)
         blocked: list[TokenSequence] = []  # waiting for a LoRA slot or a compile: the ones behind them go first
+        restored = 0  # host -> device page copies this step (`max_restore_pages`)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.lora is not None and not self._slots().can_acquire(seq.lora):
@@ -159,21 +173,37 @@ class Scheduler:
             if self.reserve_tokens and wanted * self.reserve_tokens > (self.kv.num_pages - 1) * self.kv.page_size:
                 break
             tokens = seq.all_token_ids
-            # Cached tokens have no logits or hidden states: a request still owing prompt logprobs (or a mean
-            # pooling) computes its whole prompt.
-            read_cache = self.enable_prefix_caching and not seq.needs_all_positions
-            cached = self.kv.lookup_prefix(tokens, seq.prefix_keys) if read_cache else 0
-            num_new = min(len(tokens) - cached, budget, self.chunk_size)
-            new_pages = self.kv.pages_to_grow(cached, cached + num_new)  # in every KV cache group
+            swap = self.swap if self.swap is not None and seq.seq_id in self.swap else None
+            if swap is not None:  # swapped out: its pages come back from the host tier
+                restores = swap.pages(seq.seq_id)
+                cached = swap.num_computed(seq.seq_id)
+                num_new = min(len(tokens) - cached, budget, self.chunk_size)
+                new_pages = restores + self.kv.pages_to_grow(cached, cached + num_new)
+            else:
+                # Cached tokens have no logits or hidden states: a request still owing prompt logprobs (or a mean
+                # pooling) computes its whole prompt.
+                read_cache = self.enable_prefix_caching and not seq.needs_all_positions
+                cached, restores = self.kv.lookup_restores(tokens, seq.prefix_keys) if read_cache else (0, 0)
+                num_new = min(len(tokens) - cached, budget, self.chunk_size)
+                new_pages = self.kv.pages_to_grow(cached, cached + num_new)  # in every KV cache group
+            if restored and restored + restores > self.max_restore_pages:
+                break  # its copies wait for the next step's restore budget
             if self.running and self.kv.num_free_pages() - new_pages < self.watermark_pages:
                 break  # keep a few pages for the running sequences to grow into (fewer preemptions)
-            got = self.kv.admit(seq.seq_id, tokens, num_new, seq.prefix_keys, read_cache=read_cache)
-            if got is None:
-                break
-            assert got == cached, (got, cached)
+            if swap is not None:
+                if self.kv.num_free_pages() < new_pages or not swap.swap_in(seq.seq_id):
+                    break
+                grown = self.kv.allocate_slots(seq.seq_id, tokens, num_new, seq.pending is None)
+                assert grown == [], grown  # its pages are private and were counted free above
+            else:
+                got = self.kv.admit(seq.seq_id, tokens, num_new, seq.prefix_keys, read_cache=read_cache)
+                if got is None:
+                    break
+                assert got == cached, (got, cached)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt = min(got, len(seq.prompt_token_ids))
+            restored += restores
             self.waiting.popleft()
-            if seq.num_preemptions == 0:
-                seq.num_cached_prompt = min(got, len(seq.prompt_token_ids))
             seq.status = Status.RUNNING
             self._take_slot(seq, out)
             self.running.append(seq)
@@ -233,9 +263,12 @@ class Scheduler:
         seq.forked_children = []
 
     def _preempt(self, victim: TokenSequence, out: SchedulerOutput) -> None:
+        """Stop `victim`: swapped out when the swap space takes it (`paged_jax.kv_cache.swap`; never an embedding,
+        whose last prompt token is computed), else its pages are freed and it recomputes."""
         victim.draft_token_ids = []
         self.running.remove(victim)
-        self.kv.free(victim.seq_id)
+        if self.swap is None or victim.pooling is not None or not self.swap.swap_out(victim.seq_id):
+            self.kv.free(victim.seq_id)
         self._release_slot(victim)
         victim.status = Status.WAITING
         victim.num_preemptions += 1

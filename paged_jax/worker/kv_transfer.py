@@ -167,7 +167,7 @@ class KVTransfer:
                 if copy.slot >= 0:
                     for host, r in zip(self.tier.arrays, rows, strict=True):
                         host[copy.slot] = r[i]
-                if disk is not None:
+                if disk is not None and copy.key:  # a swapped request's page (no key) is never persisted
                     disk.put(BlockHash(copy.key), [r[i] for r in rows])  # written behind, on its own thread
             self.tier.bytes_to_host += len(item.copies) * self.tier.page_bytes
         self._landing.clear()

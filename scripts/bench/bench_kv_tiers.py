@@ -9,14 +9,16 @@ turn) over ``--ratio``; the host tier, when on, holds the whole working set. The
 process, side by side: host tier off, then on (the same engine settings, the same device budget). Reported per run:
 prefill tokens computed (scheduled tokens but the decode steps'), prefix hits per tier, TTFT p50/p99 over
 the turns after the first, throughput (generated tokens per second of wall time) and whether the outputs are
-identical; then the goals (>= 3x fewer prefill tokens, >= 2x lower TTFT p50). Last, a restart: the TTFT of a
-request on the system prompt in a fresh engine, cold and over a disk tier a previous engine filled.
+identical; then the goals (>= 3x fewer prefill tokens, >= 2x lower TTFT p50). Then a restart: the TTFT of a
+request on the system prompt in a fresh engine, cold and over a disk tier a previous engine filled. Last, a
+preemption-heavy load (`preemption`): swap vs recompute on preemption, and the cost model's choice.
 
 The model is the test model ``tiny`` with random weights (2 layers; its position limit raised to fit the prompts:
 RoPE is defined at every position, and nothing here depends on what the tokens say), on the platform JAX picks.
 
     JAX_PLATFORMS=cpu .venv/bin/python scripts/bench/bench_kv_tiers.py
     JAX_PLATFORMS=cpu .venv/bin/python scripts/bench/bench_kv_tiers.py --conversations 12 --system 4096 --turns 4
+    JAX_PLATFORMS=cpu .venv/bin/python scripts/bench/bench_kv_tiers.py --preemption-only
 """
 
 from __future__ import annotations
@@ -176,6 +178,97 @@ def restart(args: argparse.Namespace, config, params, num_pages: int) -> None:
     )
 
 
+@dataclass
+class PreemptRun:
+    label: str
+    preemptions: int
+    swaps: int
+    recomputed: int
+    generated: int
+    seconds: float
+    outputs: list[list[int]]
+    swap_mib: float
+
+
+def preemption(args: argparse.Namespace, config, params) -> None:
+    """Preemption-heavy load: ``--preempt-requests`` requests of ``--preempt-prompt`` random tokens (nothing shared)
+    generating ``--preempt-output`` tokens each, all queued at once, ``--preempt-seqs`` running at a time on a page
+    budget of ``--preempt-ratio`` x what they need at their longest, so running requests are preempted as they grow.
+    The same load with the host tier off, then on with each preemption policy forced (recompute, swap) and the cost
+    model's choice (auto): preemptions, how many of them swapped, tokens recomputed (computed beyond each request's
+    prompt and outputs once), throughput (generated tokens per second of wall time), identical outputs."""
+    rng = np.random.default_rng(args.seed + 1)
+    prompts = [rng.integers(3, 250, args.preempt_prompt).tolist() for _ in range(args.preempt_requests)]
+    warm = rng.integers(3, 250, 64).tolist()
+    longest = args.preempt_prompt + args.preempt_output
+    pages = int(args.preempt_ratio * args.preempt_seqs * longest) // args.page_size + 1
+    pages = max(pages, longest // args.page_size + 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.preempt_output, ignore_eos=True)
+    minimal = args.preempt_requests * (args.preempt_prompt + args.preempt_output - 1)
+    print(
+        f"preemption: {args.preempt_requests} requests x ({args.preempt_prompt} prompt + {args.preempt_output} output) "
+        f"tokens, {args.preempt_seqs} at a time, {pages - 1} pages x {args.page_size} = "
+        f"{(pages - 1) * args.page_size} tokens ({args.preempt_ratio:.2f}x of {args.preempt_seqs} at their longest)"
+    )
+    runs = []
+    for label, host_gib, mode in (
+        ("tier off", 0.0, "auto"),
+        ("recompute", 1.0, "recompute"),
+        ("swap", 1.0, "swap"),
+        ("auto", 1.0, "auto"),
+    ):
+        ec = EngineConfig(
+            num_pages=pages,
+            page_size=args.page_size,
+            max_num_seqs=args.preempt_seqs,
+            max_num_batched_tokens=args.step_tokens,
+            max_model_len=longest + args.page_size,
+            kv_host_cache_gib=host_gib,
+            kv_preemption_mode=mode,
+            warmup=True,
+        )
+        engine = LLMEngine(config, params, ByteTokenizer(), ec)
+        engine.add_request("warm", warm, greedy)  # untimed first use (shares no block with the load)
+        while engine.has_unfinished():
+            engine.step()
+        base, base_tokens = engine.stats(), engine.runner.real_tokens
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, greedy)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        seconds = time.perf_counter() - t0
+        engine.check_invariants()
+        s = engine.stats()
+        outputs = [done[f"p{i}"] for i in range(len(prompts))]
+        runs.append(
+            PreemptRun(
+                label,
+                preemptions=s.num_preemptions - base.num_preemptions,
+                swaps=s.kv_host_swap_outs - base.kv_host_swap_outs,
+                recomputed=engine.runner.real_tokens - base_tokens - minimal,
+                generated=sum(map(len, outputs)),
+                seconds=seconds,
+                outputs=outputs,
+                swap_mib=(s.kv_host_swap_bytes_to_host + s.kv_host_swap_bytes_to_device) / 2**20,
+            )
+        )
+    print(f"{'':10} {'preempted':>9} {'swapped':>7} {'recomputed tok':>14} {'swap MiB':>8} {'tok/s':>8} {'wall s':>7}")
+    for r in runs:
+        print(
+            f"{r.label:10} {r.preemptions:9d} {r.swaps:7d} {r.recomputed:14d} {r.swap_mib:8.1f} "
+            f"{r.generated / r.seconds:8.1f} {r.seconds:7.1f}"
+        )
+    off = runs[0]
+    print(
+        f"identical outputs: {all(r.outputs == off.outputs for r in runs)}; throughput vs recompute: "
+        + ", ".join(f"{r.label} {r.generated / r.seconds / (runs[1].generated / runs[1].seconds):.2f}x" for r in runs)
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=16)
@@ -189,6 +282,17 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--restart-only", action="store_true", help="only the restart part (cold vs disk-warm TTFT)")
+    ap.add_argument("--preemption-only", action="store_true", help="only the preemption part (swap vs recompute)")
+    ap.add_argument("--preempt-requests", type=int, default=16)
+    ap.add_argument("--preempt-prompt", type=int, default=512, help="prompt tokens of each preemption request")
+    ap.add_argument("--preempt-output", type=int, default=128, help="tokens each preemption request generates")
+    ap.add_argument("--preempt-seqs", type=int, default=8, help="max_num_seqs of the preemption part")
+    ap.add_argument(
+        "--preempt-ratio",
+        type=float,
+        default=0.6,
+        help="page budget / what --preempt-seqs requests need at their longest",
+    )
     args = ap.parse_args()
     per_conv = args.turns * (args.user + args.output)
     args.max_model_len = args.system + per_conv + args.page_size
@@ -197,6 +301,9 @@ def main() -> None:
     config = load_model_config("tiny")
     config = config.replace(max_position_embeddings=max(config.max_position_embeddings, args.max_model_len))
     params = init_params(config, seed=0)
+    if args.preemption_only:
+        preemption(args, config, params)
+        return
     # the budget, but never less than one largest request (plus its last page) needs
     num_pages = max(int(working_set / args.ratio), largest + args.page_size) // args.page_size + 1
     if args.restart_only:
@@ -239,6 +346,7 @@ def main() -> None:
     )
 
     restart(args, config, params, num_pages)
+    preemption(args, config, params)
 
 
 if __name__ == "__main__":
