@@ -27,7 +27,7 @@ import argparse
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -181,13 +181,22 @@ def restart(args: argparse.Namespace, config, params, num_pages: int) -> None:
 @dataclass
 class PreemptRun:
     label: str
-    preemptions: int
-    swaps: int
-    recomputed: int
-    generated: int
-    seconds: float
-    outputs: list[list[int]]
-    swap_mib: float
+    preemptions: int = 0
+    swaps: int = 0
+    recomputed: int = 0
+    generated: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    swap_mib: float = 0.0
+    copy_seconds: float = 0.0
+
+
+PREEMPT_POLICIES = (
+    ("tier off", 0.0, "auto"),
+    ("recompute", 1.0, "recompute"),
+    ("swap", 1.0, "swap"),
+    ("auto", 1.0, "auto"),
+)
 
 
 def preemption(args: argparse.Namespace, config, params) -> None:
@@ -195,11 +204,10 @@ def preemption(args: argparse.Namespace, config, params) -> None:
     generating ``--preempt-output`` tokens each, all queued at once, ``--preempt-seqs`` running at a time on a page
     budget of ``--preempt-ratio`` x what they need at their longest, so running requests are preempted as they grow.
     The same load with the host tier off, then on with each preemption policy forced (recompute, swap) and the cost
-    model's choice (auto): preemptions, how many of them swapped, tokens recomputed (computed beyond each request's
-    prompt and outputs once), throughput (generated tokens per second of wall time), identical outputs."""
-    rng = np.random.default_rng(args.seed + 1)
-    prompts = [rng.integers(3, 250, args.preempt_prompt).tolist() for _ in range(args.preempt_requests)]
-    warm = rng.integers(3, 250, 64).tolist()
+    model's choice (auto), one engine each, ``--preempt-repeats`` rounds of fresh prompts with the order of the
+    policies reversed every other round (a shared machine's load drifts): preemptions, how many of them swapped,
+    tokens recomputed (computed beyond each request's prompt and outputs once), throughput (generated tokens per
+    second of wall time, over all rounds), identical outputs."""
     longest = args.preempt_prompt + args.preempt_output
     pages = int(args.preempt_ratio * args.preempt_seqs * longest) // args.page_size + 1
     pages = max(pages, longest // args.page_size + 2)
@@ -208,15 +216,11 @@ def preemption(args: argparse.Namespace, config, params) -> None:
     print(
         f"preemption: {args.preempt_requests} requests x ({args.preempt_prompt} prompt + {args.preempt_output} output) "
         f"tokens, {args.preempt_seqs} at a time, {pages - 1} pages x {args.page_size} = "
-        f"{(pages - 1) * args.page_size} tokens ({args.preempt_ratio:.2f}x of {args.preempt_seqs} at their longest)"
+        f"{(pages - 1) * args.page_size} tokens ({args.preempt_ratio:.2f}x of {args.preempt_seqs} at their longest), "
+        f"{args.preempt_repeats} rounds"
     )
-    runs = []
-    for label, host_gib, mode in (
-        ("tier off", 0.0, "auto"),
-        ("recompute", 1.0, "recompute"),
-        ("swap", 1.0, "swap"),
-        ("auto", 1.0, "auto"),
-    ):
+    engines, runs = {}, {label: PreemptRun(label) for label, _, _ in PREEMPT_POLICIES}
+    for label, host_gib, mode in PREEMPT_POLICIES:
         ec = EngineConfig(
             num_pages=pages,
             page_size=args.page_size,
@@ -228,44 +232,54 @@ def preemption(args: argparse.Namespace, config, params) -> None:
             warmup=True,
         )
         engine = LLMEngine(config, params, ByteTokenizer(), ec)
+        warm = np.random.default_rng(args.seed + 99).integers(3, 250, 64).tolist()
         engine.add_request("warm", warm, greedy)  # untimed first use (shares no block with the load)
         while engine.has_unfinished():
             engine.step()
-        base, base_tokens = engine.stats(), engine.runner.real_tokens
-        t0 = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"p{i}", prompt, greedy)
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = list(out.outputs[0].token_ids)
-        seconds = time.perf_counter() - t0
-        engine.check_invariants()
-        s = engine.stats()
-        outputs = [done[f"p{i}"] for i in range(len(prompts))]
-        runs.append(
-            PreemptRun(
-                label,
-                preemptions=s.num_preemptions - base.num_preemptions,
-                swaps=s.kv_host_swap_outs - base.kv_host_swap_outs,
-                recomputed=engine.runner.real_tokens - base_tokens - minimal,
-                generated=sum(map(len, outputs)),
-                seconds=seconds,
-                outputs=outputs,
-                swap_mib=(s.kv_host_swap_bytes_to_host + s.kv_host_swap_bytes_to_device) / 2**20,
-            )
-        )
-    print(f"{'':10} {'preempted':>9} {'swapped':>7} {'recomputed tok':>14} {'swap MiB':>8} {'tok/s':>8} {'wall s':>7}")
-    for r in runs:
+        engines[label] = engine
+    for rep in range(args.preempt_repeats):
+        rng = np.random.default_rng(args.seed + 1 + rep)
+        prompts = [rng.integers(3, 250, args.preempt_prompt).tolist() for _ in range(args.preempt_requests)]
+        order = PREEMPT_POLICIES if rep % 2 == 0 else PREEMPT_POLICIES[::-1]
+        for label, _, _ in order:
+            engine, r = engines[label], runs[label]
+            base, base_tokens = engine.stats(), engine.runner.real_tokens
+            t0 = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"p{rep}.{i}", prompt, greedy)
+            done: dict[str, list[int]] = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = list(out.outputs[0].token_ids)
+            r.seconds += time.perf_counter() - t0
+            engine.check_invariants()
+            s = engine.stats()
+            outputs = [done[f"p{rep}.{i}"] for i in range(len(prompts))]
+            r.preemptions += s.num_preemptions - base.num_preemptions
+            r.swaps += s.kv_host_swap_outs - base.kv_host_swap_outs
+            r.recomputed += engine.runner.real_tokens - base_tokens - minimal
+            r.generated += sum(map(len, outputs))
+            r.outputs += outputs
+            swapped = s.kv_host_swap_bytes_to_host + s.kv_host_swap_bytes_to_device
+            r.swap_mib += (swapped - base.kv_host_swap_bytes_to_host - base.kv_host_swap_bytes_to_device) / 2**20
+            r.copy_seconds += s.kv_host_copy_seconds - base.kv_host_copy_seconds
+    print(
+        f"{'':10} {'preempted':>9} {'swapped':>7} {'recomputed tok':>14} {'swap MiB':>8} {'copy s':>6} {'tok/s':>8} "
+        f"{'wall s':>7}"
+    )
+    for r in runs.values():
         print(
-            f"{r.label:10} {r.preemptions:9d} {r.swaps:7d} {r.recomputed:14d} {r.swap_mib:8.1f} "
+            f"{r.label:10} {r.preemptions:9d} {r.swaps:7d} {r.recomputed:14d} {r.swap_mib:8.1f} {r.copy_seconds:6.2f} "
             f"{r.generated / r.seconds:8.1f} {r.seconds:7.1f}"
         )
-    off = runs[0]
+    base_run = runs["recompute"]
     print(
-        f"identical outputs: {all(r.outputs == off.outputs for r in runs)}; throughput vs recompute: "
-        + ", ".join(f"{r.label} {r.generated / r.seconds / (runs[1].generated / runs[1].seconds):.2f}x" for r in runs)
+        f"identical outputs: {all(r.outputs == runs['tier off'].outputs for r in runs.values())}; throughput vs "
+        "recompute: "
+        + ", ".join(
+            f"{r.label} {r.generated / r.seconds / (base_run.generated / base_run.seconds):.2f}x" for r in runs.values()
+        )
     )
 
 
@@ -284,8 +298,9 @@ def main() -> None:
     ap.add_argument("--restart-only", action="store_true", help="only the restart part (cold vs disk-warm TTFT)")
     ap.add_argument("--preemption-only", action="store_true", help="only the preemption part (swap vs recompute)")
     ap.add_argument("--preempt-requests", type=int, default=16)
-    ap.add_argument("--preempt-prompt", type=int, default=512, help="prompt tokens of each preemption request")
+    ap.add_argument("--preempt-prompt", type=int, default=256, help="prompt tokens of each preemption request")
     ap.add_argument("--preempt-output", type=int, default=128, help="tokens each preemption request generates")
+    ap.add_argument("--preempt-repeats", type=int, default=2, help="rounds of the preemption load")
     ap.add_argument("--preempt-seqs", type=int, default=8, help="max_num_seqs of the preemption part")
     ap.add_argument(
         "--preempt-ratio",

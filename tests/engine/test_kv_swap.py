@@ -78,7 +78,8 @@ def same(got: dict, want: dict) -> None:
 )
 def test_swapped_requests_resume_exactly(tiny_config, tiny_params, options):
     ps = prompts(2)
-    never = run(make_engine(tiny_config, tiny_params, num_pages=200, **options), ps)
+    never_engine = make_engine(tiny_config, tiny_params, **TIGHT, max_num_seqs=1, **options)  # one at a time: fits
+    never = run(never_engine, ps)
     recompute_engine = make_engine(tiny_config, tiny_params, **TIGHT, **options)
     recompute = run(recompute_engine, ps)
     swap_engine = make_engine(tiny_config, tiny_params, **TIGHT, **TIER, kv_preemption_mode="swap", **options)
@@ -86,6 +87,7 @@ def test_swapped_requests_resume_exactly(tiny_config, tiny_params, options):
     same(swapped, never)
     same(recompute, never)
     st, rc = swap_engine.stats(), recompute_engine.stats()
+    assert not never_engine.stats().num_preemptions
     assert rc.num_preemptions > 0 and rc.kv_host_swap_outs == 0
     assert st.num_preemptions == st.kv_host_swap_outs == st.kv_host_swap_ins > 0  # every preemption swapped
     assert st.kv_host_swap_bytes_to_host == st.kv_host_swap_bytes_to_device > 0
@@ -181,7 +183,7 @@ def conversations(seed: int, n: int = 6) -> list[list[int]]:
 def test_speculative_decoding_over_the_tiers_gives_the_cold_tokens(tiny_config, tiny_params):
     ps = conversations(5)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    cold = run(make_engine(tiny_config, tiny_params, num_pages=200, enable_prefix_caching=False), ps, params)
+    cold = run(make_engine(tiny_config, tiny_params, **TIGHT, enable_prefix_caching=False), ps, params)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     engine = make_engine(tiny_config, tiny_params, **TIGHT, **TIER, speculative_config=spec, kv_preemption_mode="swap")
     got = run(engine, ps, params)
@@ -201,7 +203,7 @@ def test_lora_adapters_key_the_tiers_apart(tmp_path):
         for i, p in enumerate(conversations(6, n=3))
         for j, lora in enumerate((a, b, None))
     ]
-    cold = lora_serve(lora_engine(num_pages=96, max_num_seqs=4, enable_prefix_caching=False), requests)
+    cold = lora_serve(lora_engine(**TIGHT, max_num_seqs=4, enable_prefix_caching=False), requests)
     engine = lora_engine(**TIGHT, **TIER, max_num_seqs=4, kv_preemption_mode="swap")
     got = lora_serve(engine, requests)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in cold.items()}

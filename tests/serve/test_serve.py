@@ -236,6 +236,7 @@ def test_metrics_endpoint():
         "paged_jax_kv_host_hits_total",
         "paged_jax_kv_host_offloads_total",
         "paged_jax_kv_host_copy_seconds_total",
+        "paged_jax_kv_swap_pages_held",
     ):
         assert name in body, name
     assert 'paged_jax_requests_total{method="Generate",status="OK"}' in body

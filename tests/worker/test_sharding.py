@@ -359,6 +359,23 @@ else:
                 [a.logprob, *(v for _, v in a.top)], [b.logprob, *(v for _, v in b.top)], atol=1e-4
             )
 
+    def test_kv_tiers_with_tp_give_the_cold_tokens():
+        """The host tier (evicted prefix blocks restored) and swap on preemption on a TP 2 group, whose pages are
+        sharded over KV heads: the same requests' tokens as computed cold on the same group, every page and host
+        slot back at the end."""
+        work = [(p, GREEDY) for p in make_prompts(6, seed=50, max_len=30, shared_prefix=48) * 2]
+        cold = serve(make_engine(2, tensor_parallel_size=2, enable_prefix_caching=False), work)
+        options = {"num_pages": 12, "kv_host_cache_gib": 0.01, "kv_preemption_mode": "swap"}
+        engine = make_engine(2, tensor_parallel_size=2, **options)
+        got = serve(engine, work)
+        assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in cold.items()}
+        for rid, (_, lps) in got.items():
+            np.testing.assert_allclose(lps, cold[rid][1], rtol=1e-4, atol=1e-4)
+        st = engine.stats()
+        assert st.kv_host_hits > 0 and st.kv_host_swap_outs == st.kv_host_swap_ins > 0
+        assert st.kv_host_swap_pages_held == 0
+        engine.check_invariants()
+
     def test_no_recompilation_in_steady_state_with_tp():
         engine = make_engine(2, tensor_parallel_size=4, warmup=True, num_pages=12)
         forward = engine.runner._forward  # the step the engine runs (scanned or not)
