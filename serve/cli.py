@@ -51,6 +51,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(gRPC on G, HTTP on H)",
     )
     g.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    add_distributed_args(parser)
     g.add_argument("--no-grpc", action="store_true", help="serve the HTTP API only")
     g.add_argument(
         "--served-model-name",
@@ -149,6 +150,42 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=d.max_logprob_entries,
         help="logprob entries (tokens x (1 + alternatives)) one response may hold",
     )
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """Multi-host serving (`serve.multihost`): the same command on every process of the job."""
+    g = parser.add_argument_group("multi-host (one server over every process's devices; serve.multihost)")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a JAX multi-controller job (on a TPU slice it finds the other hosts itself): process 0 serves, "
+        "every process runs each step over the global mesh (tensor parallelism across hosts)",
+    )
+    g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (implies --distributed)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the job (default: found by JAX)")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index (default: found by JAX)")
+    g.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without a follower's heartbeat before process 0 stops the server",
+    )
+
+
+def check_distributed_args(args: argparse.Namespace) -> None:
+    """What multi-host serving does not run (yet): one line naming the flag."""
+    if args.distributed_timeout <= 0:
+        raise UsageError(f"--distributed-timeout: must be > 0, got {args.distributed_timeout:g}")
+    clashes = {
+        "--data-parallel-size": (args.data_parallel_size or 1) > 1,
+        "--enable-lora / --lora-modules": bool(args.enable_lora or args.lora_modules),
+        "--speculative-config": bool(getattr(args, "speculative_config", None)),
+        "--kv-host-cache-gib": bool(getattr(args, "kv_host_cache_gib", 0)),
+        "--kv-disk-cache-dir": bool(getattr(args, "kv_disk_cache_dir", None)),
+    }
+    for flag, on in clashes.items():
+        if on:
+            raise UsageError(f"{flag}: not supported with --distributed (one replica, one host tier-less cache)")
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -279,31 +316,52 @@ def model_arg(args: argparse.Namespace) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Check every flag and both ports, load the model, serve until SIGTERM. A bad flag, a port in use or a
-    model that cannot be found is a UsageError (one line, exit status 2) before anything loads."""
+    model that cannot be found is a UsageError (one line, exit status 2) before anything loads. With
+    --distributed the same command runs on every process; process 0 serves (`serve.multihost`)."""
     from paged_jax.engine.args import build_engine, check_model_text_args, engine_config_from_args, setup_logging
     from paged_jax.lora.named import check_lora_modules
     from paged_jax.model.loader.resolve import resolve_model
 
     from .server import serve_forever
 
+    distributed = args.distributed or args.coordinator_address is not None
+    if distributed:
+        check_distributed_args(args)
     args.model = model_arg(args)
     ports = resolve_ports(args)
     config = serving_config_from_args(args, ports)
     engine_config_from_args(args)  # flags checked before the model loads
     check_model_text_args(args)
     resolve_model(args.model)  # found, or one line saying why not
+    leader = None
+    if distributed:  # before anything touches a JAX backend
+        from . import multihost
+
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id, args.distributed_timeout)
+        if jax_process_index() != 0:
+            setup_logging()
+            engine = build_engine(args, warmup=False, devices=global_devices())
+            multihost.check_same_cache(engine.num_pages)
+            end_process(multihost.follow(engine.runner))
     check_ports_free(config.host, ports)
     setup_logging()
     if ports.note:
         print(f"paged-jax serve: note: {ports.note}", file=sys.stderr)
 
     def stop_during_startup(signum, frame) -> None:
+        if leader is not None:
+            leader.close()
         end_process(0)  # nothing is serving yet, so there is nothing to drain
 
     previous = signal.signal(signal.SIGTERM, stop_during_startup)  # until serve_forever installs its own
     try:
         # Loading can take minutes; warm-up runs while listening, and no step waits for a compile.
-        engine = build_engine(args, warmup=False, background_compiles=True)
+        devices = global_devices() if distributed else None
+        engine = build_engine(args, warmup=False, background_compiles=True, devices=devices)
+        if distributed:
+            multihost.check_same_cache(engine.num_pages)
+            leader = multihost.Leader(engine.runner, args.distributed_timeout, on_lost=_follower_lost)
+            engine = multihost.LeaderEngine(engine, leader)
         try:  # every --lora-modules adapter read now, not on first use
             check_lora_modules(config.lora_modules, engine.config, engine.engine_config.max_lora_rank)
         except ValueError as e:
@@ -315,7 +373,32 @@ def run_serve(args: argparse.Namespace) -> int:
             end_process(2)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if leader is not None:
+        leader.close()
     end_process(status)
+
+
+def jax_process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def global_devices() -> list:
+    """Every process's devices, in JAX's order (the global mesh of multi-host serving)."""
+    import jax
+
+    return jax.devices()
+
+
+def _follower_lost(message: str) -> None:
+    """Process 0's watchdog: a follower is gone and the steps cannot go on (the engine thread may be parked in a
+    collective that never completes), so the server ends now with the engine-died status."""
+    from .server import EXIT_ENGINE_DIED
+
+    logging.getLogger("serve.multihost").error("%s: stopping the server", message)
+    print(f"paged-jax serve: error: {message}", file=sys.stderr)
+    end_process(EXIT_ENGINE_DIED)
 
 
 def end_process(status: int) -> NoReturn:

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import logging
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -364,11 +364,18 @@ ENGINE_FLAGS = (
 )
 
 
-def build_engine(args: argparse.Namespace, warmup: bool | None = None, background_compiles: bool = False):
+def build_engine(
+    args: argparse.Namespace,
+    warmup: bool | None = None,
+    background_compiles: bool = False,
+    devices: Sequence[jax.Device] | None = None,
+):
     """Load the model named by `--model` and start an engine with the flags' options.
 
     `warmup=False`: the caller warms up itself (`engine.warmup(plan)`) with the shapes its run needs.
     `background_compiles`: no step compiles (`EngineConfig.background_compiles`, the server's).
+    `devices`: one replica over exactly these (multi-host serving: every process's, `serve.multihost`); the
+    tensor-parallel size is their number.
     Random weights (a config name) are announced with a warning: their text is noise."""
     # Reuse compiled step shapes across runs (warm-up is most of a short job's start-up on CPU): the step
     # executables from the executable store (no lowering), anything else from JAX's persistent cache.
@@ -389,6 +396,13 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None, backgroun
     if warmup is not None:
         ec.warmup = warmup
     ec.background_compiles = background_compiles
+    if devices is not None:
+        if ec.tensor_parallel_size not in (1, len(devices)):
+            raise UsageError(
+                f"--tensor-parallel-size: {ec.tensor_parallel_size}, but the job has {len(devices)} devices "
+                "(multi-host serving shards over all of them)"
+            )
+        ec.tensor_parallel_size = len(devices)
     # With several chips per process, load into host memory and let each engine place its shards
     # (the whole model need not fit one chip).
     on_host = ec.tensor_parallel_size * ec.data_parallel_size > 1 and jax.default_backend() != "cpu"
@@ -401,4 +415,4 @@ def build_engine(args: argparse.Namespace, warmup: bool | None = None, backgroun
             weights_cache=None if cache is None else cache / "weights",
         )
     apply_model_text(source, tokenizer, args.chat_template, args.generation_config, ec)
-    return make_engine(config, params, tokenizer, ec)
+    return make_engine(config, params, tokenizer, ec, devices)

@@ -167,17 +167,28 @@ class DataParallelEngine:
         for r in self.replicas:
             r.check_invariants()
 
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's prefix cache dropped, or none while any replica holds a request."""
+        if self.has_unfinished():
+            return False
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
     def stats(self) -> EngineStats:
         """Counters summed over replicas; rates recomputed from the sums; `replicas` holds each one's own."""
         return EngineStats.combine([r.stats() for r in self.replicas])
 
 
 def make_engine(
-    config: ModelConfig, params, tokenizer: Tokenizer, engine_config: EngineConfig
+    config: ModelConfig,
+    params,
+    tokenizer: Tokenizer,
+    engine_config: EngineConfig,
+    devices: Seq[jax.Device] | None = None,
 ) -> LLMEngine | DataParallelEngine:
-    """An `LLMEngine` for one replica (TP over the first local devices), else a `DataParallelEngine`."""
+    """An `LLMEngine` for one replica (TP over `devices`, default the first local devices), else a
+    `DataParallelEngine`."""
     if engine_config.data_parallel_size == 1:
-        return LLMEngine(config, params, tokenizer, engine_config)
+        return LLMEngine(config, params, tokenizer, engine_config, devices=devices)
     return DataParallelEngine(config, params, tokenizer, engine_config)
 
 

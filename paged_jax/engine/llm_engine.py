@@ -96,6 +96,11 @@ def make_runner(
     )
 
 
+def _first_local(devices: Sequence[jax.Device]) -> jax.Device:
+    """This process's first device of `devices` (a multi-host mesh also holds other processes' devices)."""
+    return next((d for d in devices if d.process_index == jax.process_index()), devices[0])
+
+
 class LLMEngine:
     """One engine: one scheduler and KV manager over one device, or over a tensor-parallel group.
 
@@ -142,7 +147,7 @@ class LLMEngine:
             run_config,
             ec,
             kv_dtype,
-            None if mesh is None or devices is None else devices[0],
+            None if mesh is None or devices is None else _first_local(devices),
             tp,
             self.max_model_len,
             layout=self.kv_layout,
@@ -392,6 +397,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return len(self.outputs) > 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix-cache entry (vLLM's `reset_prefix_cache`, an `AllBlocksCleared` KV event): only while no
+        request is open (a running request's blocks stay findable); returns whether it did."""
+        if self.has_unfinished():
+            return False
+        return self.kv.reset_prefix_cache()
 
     @property
     def num_waiting(self) -> int:

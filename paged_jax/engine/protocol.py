@@ -178,6 +178,8 @@ class Engine(Protocol):
 
     def check_invariants(self) -> None: ...
 
+    def reset_prefix_cache(self) -> bool: ...  # vLLM's: only while idle; whether it did
+
     def compile_matchers(self, spec: StructuredOutputs, n: int) -> list[Matcher]: ...  # thread-safe
 
     def stop_compiles(self, timeout: float | None = None) -> None: ...  # the compile thread: no new compile

@@ -73,6 +73,7 @@ from paged_jax.worker.step_functions import (
     step_functions,
 )
 from paged_jax.worker.step_inputs import SamplerFlags, SamplingInputs, build_sampling_inputs, build_step_inputs
+from paged_jax.worker.step_plan import CopyChunk, StepPlan
 from pallas_kernels import kv_quant
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class ForwardLaunched:
     verify: VerifyRows | None  # speculation: where each sequence's rows start and its next draft
     prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
     pooled: jax.Array | None = None  # [S, H] f32 on device: each pooled sequence's sum (`paged_jax.worker.pooling`)
+    plan: StepPlan | None = None  # the host inputs it ran from
 
 
 @dataclass(slots=True)
@@ -206,6 +208,8 @@ class ModelRunner:
         self.real_tokens = 0  # tokens of scheduled work, summed over steps
         self.padded_tokens = 0  # padding tokens added to reach the token bucket, summed over steps
         self.kv_transfer: KVTransfer | None = None  # copies to and from the host tier (`attach_host_tier`)
+        # Multi-host serving's process 0: called with each step's plan before its sampling is dispatched.
+        self.mirror: Callable[[StepPlan], None] | None = None
 
     # -- construction, in order ---------------------------------------------------------------------
     @staticmethod
@@ -405,15 +409,26 @@ class ModelRunner:
     # -- host side ----------------------------------------------------------------------------------
     def copy_pages(self, ops: list[PageCopy]) -> None:
         """Run the KV manager's copy-on-write instructions on every layer slab, in place."""
+        self._run_copies(self._copy_chunks(ops))
+
+    def _copy_chunks(self, ops: list[PageCopy]) -> list[CopyChunk]:
+        """`ops` as dispatches of the copy executable: chunks of the largest compiled bucket (copies are
+        independent), each padded to its bucket with the null page copied onto itself."""
         top = self.copy_buckets[-1]
-        for start in range(0, len(ops), top):  # copies are independent: chunks of the largest compiled bucket
+        chunks = []
+        for start in range(0, len(ops), top):
             chunk = ops[start : start + top]
             n = bucket_for(len(chunk), self.copy_buckets)
             n = self.ready_shapes.copy_bucket(n) if self.resolve_shapes else n
-            src = np.zeros(n, np.int32)  # padding copies the null page onto itself
+            src = np.zeros(n, np.int32)
             dst = np.zeros(n, np.int32)
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk, strict=True)
-            self.kv_caches = self._executable(self.jobs.copy(n))(self.kv_caches, src, dst)
+            chunks.append(CopyChunk(src, dst))
+        return chunks
+
+    def _run_copies(self, chunks: list[CopyChunk]) -> None:
+        for chunk in chunks:
+            self.kv_caches = self._executable(self.jobs.copy(len(chunk.src)))(self.kv_caches, chunk.src, chunk.dst)
 
     def attach_host_tier(self, tier: HostTier) -> KVTransfer:
         """Give the pages a host tier (`paged_jax.worker.kv_transfer`): its slots are allocated in the layout of
@@ -444,9 +459,27 @@ class ModelRunner:
     def launch_forward(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None = None) -> ForwardLaunched:
         """The first half of `launch`: copies and the forward step, dispatched without waiting. The engine fills
         structured-output masks on the host while the device runs it, then calls `launch_sample`."""
-        fwd = self._forward_step(sched, prev_samples)
-        s = fwd.s
-        sampling = build_sampling_inputs(
+        self._host_side_loads(sched)
+        return self.run_plan(self.plan_forward(sched, prev_samples is not None), prev_samples)
+
+    def plan_forward(self, sched: SchedulerOutput, has_prev: bool, sampling: bool = True) -> StepPlan:
+        """The host half of a step (`paged_jax.worker.step_plan`): its page copies, buckets and every input array;
+        `has_prev`: the previous step's samples are still on the device (the lookahead); `sampling`: False for
+        a greedy draft step (no sampler inputs)."""
+        if self.abstract:
+            raise RuntimeError("an abstract ModelRunner has no KV pages: it compiles steps, it cannot run one")
+        copies = self._copy_chunks(sched.copy_ops) if sched.copy_ops else []
+        t = bucket_for(sched.num_tokens, self.token_buckets)
+        s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
+        flags = None
+        if self.resolve_shapes:
+            t, s, flags = self._compiled_shape(sched, t, s, has_prev)
+        step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks, self.num_kv_groups)
+        self.real_tokens += sched.num_tokens
+        self.padded_tokens += t - sched.num_tokens
+        if not sampling:
+            return StepPlan(copies, t, s, flags, step, has_prev, None)
+        inputs = build_sampling_inputs(
             sched.sample_rows,
             s,
             self.suppress_width,
@@ -455,29 +488,46 @@ class ModelRunner:
             self.logit_bias_width,
         )
         verify = verify_rows(sched, s) if self.num_speculative_tokens else None
+        prompt, pool = build_prompt_rows(sched, t), build_pool_rows(sched, t, s)
+        return StepPlan(copies, t, s, flags, step, has_prev, inputs, verify, prompt, pool)
+
+    def run_plan(self, plan: StepPlan, prev_samples: SamplerOutput | None = None) -> ForwardLaunched:
+        """The device half of `launch_forward`: dispatch `plan`'s copies, forward step, prompt logprobs and pooling
+        (every process of a multi-host server runs the same plans, `paged_jax.engine.multihost`)."""
+        assert plan.sampling is not None, "a greedy draft step runs through launch_greedy"
+        fwd = self._run_forward(plan, prev_samples)
         prompt = None
-        rows = build_prompt_rows(sched, fwd.t)
-        if rows is not None:
+        if plan.prompt is not None:
+            rows = plan.prompt
             job = self.jobs.prompt_logprobs(fwd.t)
             prompt = self._executable(job)(self.params, fwd.hidden, rows.rows, rows.targets, rows.num_rows)
         pooled = None
-        pool = build_pool_rows(sched, fwd.t, s)
-        if pool is not None:
-            pooled = self._executable(self.jobs.pool(fwd.t, s))(fwd.hidden, pool.rows, pool.segments)
-        m = self._with_history(sampling, prev_samples)
-        return ForwardLaunched(fwd.logits, m, fwd.flags or sampling.flags, s, verify, prompt, pooled)
+        if plan.pool is not None:
+            pool = plan.pool
+            pooled = self._executable(self.jobs.pool(fwd.t, fwd.s))(fwd.hidden, pool.rows, pool.segments)
+        m = self._with_history(plan.sampling, prev_samples)
+        flags = fwd.flags or plan.sampling.flags
+        return ForwardLaunched(fwd.logits, m, flags, fwd.s, plan.verify, prompt, pooled, plan)
+
+    def replay(self, plan: StepPlan, prev_samples: SamplerOutput | None) -> SamplerOutput:
+        """Run another runner's step from its plan (a multi-host follower, `serve.multihost`): the same executables
+        on the same inputs; `prev_samples`: this runner's samples of the step before (used when the plan's were)."""
+        fwd = self.run_plan(plan, prev_samples if plan.has_prev else None)
+        return self.launch_sample(fwd, plan.bitmask)
 
     def launch_greedy(self, sched: SchedulerOutput) -> jax.Array:
         """One step of `sched` taking each sample row's argmax whatever its sequence's sampling parameters (a draft
         model's proposals, `paged_jax.spec_decode.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
-        fwd = self._forward_step(sched, None)
+        self._host_side_loads(sched)
+        fwd = self._run_forward(self.plan_forward(sched, False, sampling=False), None)
         s = fwd.s
         meta = SamplingMeta(**empty_meta(s, self.suppress_width, 1, self.logit_bias_width))  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         job = self.jobs.sample(s, self.suppress_width, 1, GREEDY, self.logit_bias_width)
         return self._executable(job)(fwd.logits, meta, self._bitmask(s, None), None).tokens
 
-    def _forward_step(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None) -> _Forward:
-        """Copies, adapter loads and the forward step of `sched`, dispatched without waiting."""
+    def _host_side_loads(self, sched: SchedulerOutput) -> None:
+        """The KV tiers' page copies and the adapter loads of `sched`, before its step (one host only: multi-host
+        serving runs without a host tier and without LoRA)."""
         if self.abstract:
             raise RuntimeError("an abstract ModelRunner has no KV pages: it compiles steps, it cannot run one")
         if sched.kv_transfers is not None:
@@ -485,18 +535,13 @@ class ModelRunner:
             self.kv_caches = self.kv_transfer.apply(self.kv_caches, sched.kv_transfers)
         elif self.kv_transfer is not None:
             self.kv_transfer.land()  # the last step's copies to the host (they were gathered before it ran)
-        if sched.copy_ops:
-            self.copy_pages(sched.copy_ops)
         for load in sched.lora_loads:
             self.load_lora(load)
-        t = bucket_for(sched.num_tokens, self.token_buckets)
-        s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
-        flags = None
-        if self.resolve_shapes:
-            t, s, flags = self._compiled_shape(sched, t, s, prev_samples is not None)
-        step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks, self.num_kv_groups)
-        self.real_tokens += sched.num_tokens
-        self.padded_tokens += t - sched.num_tokens
+
+    def _run_forward(self, plan: StepPlan, prev_samples: SamplerOutput | None) -> _Forward:
+        """The copies and the forward step of `plan`, dispatched without waiting."""
+        self._run_copies(plan.copies)
+        step, t, s = plan.step, plan.t, plan.s
         token_ids = step.token_ids
         if step.has_pending:
             assert prev_samples is not None, "a pending token comes from the previous step's samples"
@@ -507,7 +552,7 @@ class ModelRunner:
         logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
-        return _Forward(logits, hidden, s, t, flags)
+        return _Forward(logits, hidden, s, t, plan.flags)
 
     def _compiled_shape(
         self, sched: SchedulerOutput, t: int, s: int, merge: bool
@@ -528,7 +573,11 @@ class ModelRunner:
     def launch_sample(self, fwd: ForwardLaunched, bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Dispatch the sampling of a launched forward step. `bitmask`: int32 [R, ceil(V / 32)] for the step's
         first R sample rows (`paged_jax.structured.bitmask`), None when no row is constrained (a device-resident
-        all-ones mask is used: nothing crosses to the device)."""
+        all-ones mask is used: nothing crosses to the device). With a `mirror` (multi-host serving), the step's
+        plan and bitmask go to the other processes first."""
+        if self.mirror is not None and fwd.plan is not None:
+            fwd.plan.bitmask = bitmask
+            self.mirror(fwd.plan)
         m = fwd.meta
         job = self.jobs.sample(fwd.s, m.suppress.shape[1], m.history.shape[1], fwd.flags, m.logit_bias.shape[1])
         return self._executable(job)(fwd.logits, m, self._bitmask(fwd.s, bitmask), fwd.verify)

@@ -77,6 +77,20 @@ def stream(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float, 
     return ttft if ttft is not None else time.perf_counter() - t0, "".join(text), usage["prompt_tokens"], cached
 
 
+def router_metrics(port: int) -> list[str]:
+    """The router's Prometheus lines on KV placement and per-worker requests (what it decided)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except OSError:
+        return []
+    finally:
+        conn.close()
+    keep = ("kv_placement", "processed_requests", "requests_total")
+    return [line for line in text.splitlines() if not line.startswith("#") and any(k in line for k in keep)]
+
+
 def run_policy(args, policy: str, prompts: list[str]) -> dict:
     servers = [start_server(args.model, i, args.base_port, args.server_args) for i in range(args.replicas)]
     router = None
@@ -106,6 +120,7 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
             prompt_tokens += n
             cached += c
         seconds = time.perf_counter() - t0
+        routed = router_metrics(args.router_port + 1)
     finally:
         for proc in [router] + [s[0] for s in servers]:
             if proc is not None:
@@ -117,7 +132,7 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
                 except subprocess.TimeoutExpired:
                     proc.kill()
     p50, p99 = np.percentile(ttfts, [50, 99]) * 1e3
-    return {"hit_rate": cached / prompt_tokens, "ttft_p50_ms": p50, "ttft_p99_ms": p99,
+    return {"routed": routed, "hit_rate": cached / prompt_tokens, "ttft_p50_ms": p50, "ttft_p99_ms": p99,
             "req_s": len(prompts) / seconds, "texts": texts}  # fmt: skip
 
 
@@ -128,7 +143,10 @@ def main() -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--tenants", type=int, default=8)
     ap.add_argument("--users", type=int, default=4)
-    ap.add_argument("--system-chars", type=int, default=1024, help="characters of each system prompt")
+    ap.add_argument("--system-chars", type=int, default=1024, help="characters of each system prompt (the shortest)")
+    ap.add_argument(
+        "--system-chars-max", type=int, default=None, help="the longest system prompt (lengths uniform in between)"
+    )
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--base-port", type=int, default=19000)
@@ -142,16 +160,23 @@ def main() -> int:
         raise SystemExit("--router: vllm-router not found (pip install vllm-router)")
     rng = np.random.default_rng(0)
     words = ["system", "policy", "tenant", "answer", "briefly", "always", "the", "user", "asks", "about", "data"]
-    systems = [" ".join(rng.choice(words, args.system_chars // 6))[: args.system_chars] for _ in range(args.tenants)]
+    longest = max(args.system_chars, args.system_chars_max or args.system_chars)
+    sizes = rng.integers(args.system_chars, longest + 1, args.tenants)
+    systems = [" ".join(rng.choice(words, int(n) // 4))[: int(n)] for n in sizes]
     prompts = [
         f"{systems[t]}\nUser {u}: question {u * 31 + t}?" for u in range(args.users) for t in range(args.tenants)
     ]
+    prompts = [prompts[i] for i in rng.permutation(len(prompts))]  # no tenant lands on one replica by arithmetic
     results = {p: run_policy(args, p, prompts) for p in args.policies.split(",")}
     print(f"{args.replicas} replicas of {args.model}, {args.tenants} tenants x {args.users} users, "
-          f"{args.system_chars}-char system prompts, {len(prompts)} requests one at a time")  # fmt: skip
+          f"{args.system_chars}-{longest}-char system prompts ({int(sizes.sum())} chars in all), "
+          f"{len(prompts)} requests one at a time, server args {' '.join(args.server_args)}")  # fmt: skip
     print(f"{'policy':12s} {'hit rate':>9s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'req/s':>7s}")
     for p, r in results.items():
         print(f"{p:12s} {r['hit_rate']:9.1%} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:8.1f}ms {r['req_s']:7.2f}")
+    for p, r in results.items():
+        for line in r["routed"]:
+            print(f"  {p} router: {line}")
     if {"round_robin", "kv_aware"} <= results.keys():
         rr, kv = results["round_robin"], results["kv_aware"]
         same = rr["texts"] == kv["texts"]

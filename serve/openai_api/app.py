@@ -102,6 +102,10 @@ def create_app(front: OpenAIFront) -> FastAPI:
         async def unload_lora_adapter(request: Request) -> Response:
             return await front.unload_adapter(request)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        return await front.reset_prefix_cache(request)
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         """200 while serving (with the warm-up's progress by phase, when the server warms up, and the requests held

@@ -17,6 +17,7 @@ _STATUS = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),  # the server's state forbids it now (busy)
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),

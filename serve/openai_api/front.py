@@ -412,6 +412,25 @@ class OpenAIFront:
         self.loop.adapters.add(name, path)
         return JSONResponse({"status": "ok", "lora_name": name})
 
+    async def reset_prefix_cache(self, request: Request) -> JSONResponse:
+        """POST /reset_prefix_cache (vLLM's): drop every cached prefix block (KV event subscribers get
+        `AllBlocksCleared`); FAILED_PRECONDITION while requests run, whose blocks must stay."""
+        self.check_auth(request)
+        hub = self.loop.kv_events
+
+        def reset(engine) -> bool:  # on the engine thread, like a step: its AllBlocksCleared is published at once
+            done = engine.reset_prefix_cache()
+            if hub is not None:
+                hub.flush()
+            return done
+
+        if not await self.loop.call(reset):
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "prefix cache: requests are running; reset it when the server is idle",
+            )
+        return JSONResponse({"status": "ok"})
+
     async def unload_adapter(self, request: Request) -> JSONResponse:
         """POST /v1/unload_lora_adapter {"lora_name"}: stop serving it (requests already running finish)."""
         self.check_auth(request)

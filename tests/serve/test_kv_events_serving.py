@@ -230,6 +230,61 @@ def test_zmq_and_grpc_streams_rebuild_the_cache_index(served):
     assert grpc_index == index
 
 
+def test_reset_prefix_cache_route_clears_the_rebuilt_index(served):
+    """POST /reset_prefix_cache (vLLM's route, behind the API key): refused while a request runs, then the stream
+    carries AllBlocksCleared and the index a subscriber rebuilds is the server's again (empty, then refilled)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from serve.openai_api.server import HttpServerThread
+
+    engine, hub, server = served
+    publisher = hub.publishers[0]
+    sub = ZmqSubscriber(local(publisher.endpoint), local(publisher.replay_endpoint), b"kv@test")
+    config = ServingConfig(port=0, http_port=0, auth_token="sesame", limits=LIMITS)
+    http = HttpServerThread(server.server.loop, config).start()
+    url = http.base_url.removesuffix("/v1") + "/reset_prefix_cache"
+    auth = {"Authorization": "Bearer sesame"}
+
+    def post(headers: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(url, data=b"", headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def rebuilt() -> set:
+        wait_until(lambda: publisher.num_sent == publisher._next_seq, "every batch sent")
+        sub.poll()
+        sub.replay_from(0)
+        index: set = set()
+        for seq in sorted(sub.batches):
+            replay(index, DECODER.decode(sub.batches[seq]).events)
+        return index
+
+    try:
+        with Client(server.target) as client:
+            workload(client)
+            call = client.generate_stream("a long one", max_tokens=200, ignore_eos=True, temperature=0.0)
+            next(call)  # running: its blocks must stay findable
+            status, body = post(auth)
+            assert status == 409 and "requests are running" in body["error"]["message"]
+            call.cancel()
+            wait_idle(engine, client)
+            assert post({})[0] == 401
+            assert cache_index(engine.kv) and rebuilt() == cache_index(engine.kv)
+            assert post(auth) == (200, {"status": "ok"})
+            assert cache_index(engine.kv) == set() and rebuilt() == set()
+            workload(client)
+            wait_idle(engine, client)
+            assert cache_index(engine.kv) and rebuilt() == cache_index(engine.kv)
+    finally:
+        http.stop()
+        sub.close()
+
+
 def test_wire_layout_matches_vllm_encoding():
     """Our payload decodes to the same values, fields in the same order, as msgspec's encoding of vLLM's structs
     holding them (the bytes differ only in map headers: msgspec writes a 16-bit length for a struct of more than 15
