@@ -35,9 +35,9 @@ WEATHER = {
 }
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"]}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone", "parameters": TIME}},
-]  # fmt: skip
+    {"type": "function", "function": {"name": name, "description": text, "parameters": schema}}
+    for name, text, schema in [("get_weather", "Weather in a city", WEATHER), ("get_time", "Time in a zone", TIME)]
+]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
