@@ -34,10 +34,11 @@ WEATHER = {
     "additionalProperties": False,
 }
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"]}
-TOOLS = [
-    {"type": "function", "function": {"name": name, "description": text, "parameters": schema}}
-    for name, text, schema in [("get_weather", "Weather in a city", WEATHER), ("get_time", "Time in a zone", TIME)]
+FUNCTIONS = [
+    ("get_weather", "The weather in a city", WEATHER),
+    ("get_time", "The time in a time zone", TIME),
 ]
+TOOLS = [{"type": "function", "function": {"name": n, "description": d, "parameters": p}} for n, d, p in FUNCTIONS]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
