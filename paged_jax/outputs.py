@@ -27,6 +27,8 @@ class CompletionOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    # `LLM.chat` on a thinking model: the reply's thought, `text` then holding the answer alone (None: no thought)
+    reasoning_content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,9 +1,9 @@
 """`paged-jax run-batch -i requests.jsonl -o results.jsonl`: the OpenAI Batch API's file format, run offline.
 
 Input lines (OpenAI's): `{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions" | "/v1/embeddings", "body": {...}}`. Output lines (OpenAI's): `{"id": "batch_req_...",
-"custom_id": ..., "response": {"status_code", "request_id", "body"}, "error": null}`, one per input line, in the
-order requests finish. Each body is answered by the HTTP front itself: the OpenAI app
+"/v1/completions" | "/v1/embeddings" | "/v1/responses", "body": {...}}`. Output lines (OpenAI's):
+`{"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id", "body"}, "error": null}`, one
+per input line, in the order requests finish. Each body is answered by the HTTP front itself: the OpenAI app
 (`serve.openai_api.app`) is called in process over ASGI with the line's body, on an engine loop of its own, so a
 line gets exactly the response (and the 4xx error body) `POST <url>` would get from `paged-jax serve` with the
 same flags, through the same parsing and validation. A line that is not a request (not JSON, no string
@@ -51,7 +51,7 @@ from .openai_api.app import create_app
 from .openai_api.front import OpenAIFront
 
 log = logging.getLogger(__name__)
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 LINE_ID = "batch_req_line_"  # the id of an unreadable line's error line: `LINE_ID` + its line number
 FLAGS = ("--input-file", "--output-file", "")
 

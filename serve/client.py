@@ -130,6 +130,16 @@ class Client:
         )
         return self.generate(build_request(chat, **kwargs), timeout=timeout)
 
+    def embed(
+        self, inputs: Sequence[str | Sequence[int]], *, timeout: float | None = None, **fields: Any
+    ) -> pb.EmbedResponse:
+        """Embeddings of texts or token-id lists; `fields`: EmbedRequest's `dimensions`, `normalize`, `pooling`,
+        `request_id`."""
+        items = [
+            pb.EmbedInput(text=x) if isinstance(x, str) else pb.EmbedInput(token_ids=pb.TokenIds(ids=x)) for x in inputs
+        ]
+        return self.stub.Embed(pb.EmbedRequest(inputs=items, **fields), timeout=timeout, metadata=self.metadata)
+
     def tokenize(self, text: str, add_special_tokens: bool = True, timeout: float | None = 10.0) -> list[int]:
         req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list(self.stub.Tokenize(req, timeout=timeout, metadata=self.metadata).token_ids)

@@ -33,7 +33,7 @@ from paged_jax.errors import FieldError, FieldNames
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.structured import Matcher
-from paged_jax.tokenization.reasoning import Thought
+from paged_jax.tokenization.reasoning import ReplySplit, Thought
 from paged_jax.tokenization.tool_calls import history_tool_calls
 
 from .config import ServingLimits
@@ -64,6 +64,7 @@ _OPTIONAL_SAMPLING = (
     "spaces_between_special_tokens",
     "speculate",
     "prompt_logprobs",
+    "max_reasoning_tokens",
 )
 
 
@@ -111,6 +112,11 @@ class ParsedRequest:
     lora_name: str | None = None  # a served LoRA adapter (the servicer resolves it: NOT_FOUND when unknown)
     thought: Thought | None = None  # a thinking model's reply (`ProcessedRequest.thought`): constraints apply after it
     matchers: list[Matcher] | None = None  # structured outputs, compiled here (`ProcessedRequest.matchers`)
+    chat: bool = False  # a chat input: a thinking model's replies are split into reasoning_content and text
+
+    def reply_split(self) -> ReplySplit | None:
+        """How this request's replies are split into reasoning and answer (None: they are not)."""
+        return ReplySplit(self.thought) if self.chat and self.thought is not None else None
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -254,7 +260,15 @@ def parse_generate(req: pb.GenerateRequest, inputs: InputProcessor) -> ParsedReq
         raise field_error(e, GRPC_FIELDS) from None
     lora = req.lora_name if req.HasField("lora_name") else None
     return ParsedRequest(
-        p.request_id, p.prompt_token_ids, p.params, p.cache_salt, req.output_mode, lora, p.thought, p.matchers
+        p.request_id,
+        p.prompt_token_ids,
+        p.params,
+        p.cache_salt,
+        req.output_mode,
+        lora,
+        p.thought,
+        p.matchers,
+        chat=kind == "chat",
     )
 
 
@@ -357,23 +371,26 @@ def _set_finish(msg: pb.Completion, c: CompletionOutput) -> None:
         msg.stop_token_id = c.stop_reason
 
 
-def chunk(c: CompletionOutput, mode: int) -> pb.Completion:
-    """The delta of one sample for a stream (empty token_ids/text per `mode`)."""
+def chunk(c: CompletionOutput, mode: int, split: ReplySplit | None = None) -> pb.Completion:
+    """The delta of one sample for a stream (empty token_ids/text per `mode`); with `split`, its thought goes
+    to reasoning_content (text always runs through it, so a tag cut across deltas is held back either way)."""
     msg = pb.Completion(index=c.index, logprobs=_logprobs(c.new_logprobs))
     if mode != pb.OUTPUT_MODE_TEXT:
         msg.token_ids.extend(c.new_token_ids)
+    reasoning, text = split.delta(c.index, c.new_text, c.finished) if split is not None else ("", c.new_text)
     if mode != pb.OUTPUT_MODE_TOKENS:
-        msg.text = c.new_text
+        msg.text, msg.reasoning_content = text, reasoning
     _set_finish(msg, c)
     return msg
 
 
-def full_completion(c: CompletionOutput, mode: int) -> pb.Completion:
+def full_completion(c: CompletionOutput, mode: int, split: ReplySplit | None = None) -> pb.Completion:
     msg = pb.Completion(index=c.index, logprobs=_logprobs(c.logprobs))
     if mode != pb.OUTPUT_MODE_TEXT:
         msg.token_ids.extend(c.token_ids)
     if mode != pb.OUTPUT_MODE_TOKENS:
-        msg.text = c.text
+        reasoning, msg.text = split.whole(c.text) if split is not None else ("", c.text)
+        msg.reasoning_content = reasoning
     _set_finish(msg, c)
     return msg
 
@@ -412,10 +429,12 @@ def final(out: RequestOutput, message: str = "") -> pb.Final:
     )
 
 
-def unary(out: RequestOutput, mode: int, message: str = "") -> pb.GenerateUnaryResponse:
+def unary(
+    out: RequestOutput, mode: int, message: str = "", split: ReplySplit | None = None
+) -> pb.GenerateUnaryResponse:
     return pb.GenerateUnaryResponse(
         request_id=out.request_id,
-        completions=[full_completion(c, mode) for c in out.outputs],
+        completions=[full_completion(c, mode, split) for c in out.outputs],
         usage=usage(out),
         timing=timing(out),
         message=message,

@@ -24,10 +24,10 @@ from grpc import aio
 from paged_jax.engine.protocol import Engine
 from paged_jax.lora.named import UnknownAdapterError
 
-from . import convert
+from . import convert, embed_rpc
 from .config import ServingConfig
 from .convert import InvalidRequest, ParsedRequest, RequestError, invalid
-from .engine_loop import EngineLoop, Event, RequestStream
+from .engine_loop import EngineLoop, Event, RequestStream, Submission
 from .kv_events import batch_to_pb
 from .metrics import Metrics
 from .proto.paged_jax.v1 import generate_pb2 as pb
@@ -125,7 +125,7 @@ class GenerationServicer:
         async with self._outcome("Generate", context):
             parsed = await self._off_loop(self._parse, request)
             stream = self._submit(parsed)
-            mode, rid = parsed.output_mode, stream.request_id
+            mode, rid, split = parsed.output_mode, stream.request_id, parsed.reply_split()
             ended: set[int] = set()  # samples whose last chunk (with its finish reason) went out
             async for event in self._events(stream):
                 out = event.output
@@ -134,7 +134,7 @@ class GenerationServicer:
                     if c.new_token_ids or c.new_text or (c.finished and c.index not in ended):
                         if c.finished:
                             ended.add(c.index)
-                        yield pb.GenerateResponse(request_id=rid, chunk=convert.chunk(c, mode))
+                        yield pb.GenerateResponse(request_id=rid, chunk=convert.chunk(c, mode, split))
                 if out.finished:
                     self.metrics.on_finished(out)
                     yield pb.GenerateResponse(request_id=rid, final=convert.final(out, event.message))
@@ -147,8 +147,42 @@ class GenerationServicer:
                 assert event.output is not None  # `_events` raises the events with a code
                 if event.output.finished:
                     self.metrics.on_finished(event.output)
-                    return convert.unary(event.output, parsed.output_mode, event.message)
+                    return convert.unary(event.output, parsed.output_mode, event.message, parsed.reply_split())
             raise RequestError(grpc.StatusCode.INTERNAL, "engine: the request ended without a final output")
+
+    async def Embed(self, request, context: aio.ServicerContext) -> pb.EmbedResponse:
+        """Embeddings pooled as /v1/embeddings pools them (`serve.embed_rpc`), the inputs submitted as one group."""
+        async with self._outcome("Embed", context):
+            if isinstance(request, InvalidRequest):
+                raise invalid(request.message)
+            parsed = await self._off_loop(embed_rpc.parse_embed, request, self.loop.engine, self.inputs)
+            if self.draining:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "server: shutting down")
+            rid = parsed[0].request_id or f"embd-{uuid.uuid4().hex}"
+            submissions = [
+                Submission(rid if len(parsed) == 1 else f"{rid}-{i}", p.prompt_token_ids, p.params, p.cache_salt,
+                           pooling=p.pooling)
+                for i, p in enumerate(parsed)
+            ]  # fmt: skip
+            config = self.config
+            streams = self.loop.submit_group(
+                submissions, config.max_queued_requests, config.multi_prompt_queue_share, config.backpressure
+            )
+            finals: dict[int, Any] = {}
+            try:
+                while len(finals) < len(streams):
+                    i, event = await streams[0].inbox.get()
+                    if event.code is not None:
+                        raise RequestError(event.code, event.message)
+                    assert event.output is not None  # an event without a code carries an output
+                    if event.output.finished:
+                        finals[i] = event.output
+                        self.metrics.on_finished(event.output)
+            finally:
+                for i, stream in enumerate(streams):
+                    if i not in finals:
+                        self.loop.abort(stream, "cancelled by the client")
+            return embed_rpc.response([finals[i] for i in range(len(streams))], rid)
 
     # -- the rest -------------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context: aio.ServicerContext) -> pb.ModelInfo:

@@ -24,6 +24,7 @@ from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.tokenization.chat_template import Conversation, template_from_text
+from paged_jax.tokenization.reasoning import ReplySplit, Thought, reasoning_format
 from paged_jax.worker.warmup import first_use_plan
 
 Prompt = str | Mapping[str, Sequence[int]]  # text, or {"prompt_token_ids": [...]}
@@ -133,7 +134,9 @@ class LLM:
         """Reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of them.
 
         Each conversation is rendered with the model's chat template (`chat_template`: template text used
-        instead), then tokenized without adding special tokens again. Raises ValueError naming the message
+        instead), then tokenized without adding special tokens again. On a thinking model (a template with a
+        reasoning parser, `EngineConfig.reasoning_parser`) each output's `reasoning_content` holds the thought and
+        its `text` the answer alone (`token_ids` keep every token). Raises ValueError naming the message
         at fault (`messages[i]...` for the i-th of several conversations), or saying how to give a template
         when the model has none.
         """
@@ -152,7 +155,15 @@ class LLM:
         ]
         several = len(chats) > 1
         names = [FieldNames({"messages": f"messages[{i}]"}) if several else None for i in range(len(chats))]
-        return self._run(chats, sampling_params, use_tqdm, names, lora_request)
+        outs = self._run(chats, sampling_params, use_tqdm, names, lora_request)
+        tokenizer = self.engine.tokenizer
+        fmt = reasoning_format(template or tokenizer.chat_template, self.engine.engine_config.reasoning_parser)
+        if fmt is not None:  # a thinking model: each reply's thought apart from its answer, as the servers report it
+            for out in outs:
+                split = ReplySplit(Thought.of(fmt, tokenizer, out.prompt_token_ids))
+                for c in out.outputs:
+                    c.reasoning_content, c.text = split.whole(c.text)
+        return outs
 
     def embed(
         self,

@@ -144,3 +144,28 @@ def split_reasoning(fmt: ReasoningFormat, state: State, text: str) -> tuple[str 
     r1, c1 = stream.feed(text)
     r2, c2 = stream.finish()
     return (r1 + r2) or None, (c1 + c2) or None
+
+
+@dataclass(slots=True)
+class ReplySplit:
+    """The replies of one request to a thinking model split into (reasoning, content), as every front reports
+    them: whole replies (`whole`), or a stream's deltas, one `ReasoningStream` per sample (`delta`)."""
+
+    thought: Thought
+    _streams: dict[int, ReasoningStream] = field(default_factory=dict)
+
+    def whole(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of a whole reply ("" when empty)."""
+        reasoning, content = split_reasoning(self.thought.fmt, self.thought.state, text)
+        return reasoning or "", content or ""
+
+    def delta(self, sample: int, new: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, content) that sample `sample`'s new text lets out; with `finished`, what was held too."""
+        stream = self._streams.get(sample)
+        if stream is None:
+            stream = self._streams[sample] = ReasoningStream(self.thought.fmt, self.thought.state)
+        reasoning, content = stream.feed(new)
+        if finished:
+            more, rest = stream.finish()
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content

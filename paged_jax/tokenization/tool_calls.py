@@ -17,6 +17,10 @@ A template in none of them whose text never reads `tools` gets the tool definiti
 the generic form (`generic_tool_prompt`) and its replies are read as `hermes`; so every model can be asked
 for (and forced to make) a call. Forcing a call (`tool_choice` "required" or a named function) is a grammar
 whose JSON is the function's `parameters` schema, so the reply always parses.
+
+A call's `arguments` is the JSON text the model wrote (in the JSON families), or the parameters as a JSON object
+(`qwen3_coder`); `progress` reads a reply that is still being written, so a stream can send each call's name
+and then its arguments in pieces that join to exactly what `parse` reads from the whole reply.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from paged_jax.config.engine import TOOL_CALL_PARSERS
 from paged_jax.errors import FieldError
 from paged_jax.sampling_params import StructuredOutputs
 from paged_jax.tokenization.chat_template import ChatTemplate
+from paged_jax.tokenization.json_scan import ObjectScan, scan_object, scan_objects, skip_ws
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as the backend's
 
@@ -42,6 +47,16 @@ class ToolCall:
     name: str
     arguments: str  # JSON text of the arguments object
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+@dataclass(frozen=True, slots=True)
+class CallProgress:
+    """A call as far as a reply being written holds it: its name, and its arguments text (the start of it while
+    `done` is False; the start only grows as the reply goes on)."""
+
+    name: str
+    arguments: str
+    done: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +101,17 @@ class ToolFormat:
         """The index in `text` from which a call may be under way (text held back while streaming), or None."""
         raise NotImplementedError
 
+    def progress(self, text: str) -> list[CallProgress]:
+        """The calls of a reply that may stop anywhere: those `parse` reads, then the one under way once its
+        name is known and its arguments have begun (their text so far)."""
+        done = [CallProgress(c.name, c.arguments, True) for c in self.parse(text).tool_calls]
+        under_way = self._under_way(text)
+        return done if under_way is None else [*done, under_way]
+
+    def _under_way(self, text: str) -> CallProgress | None:
+        """The call after the last complete one in `text`, begun but not complete (None: none)."""
+        raise NotImplementedError
+
 
 def _call_schema(name: str, params: Mapping[str, Any], args_key: str) -> dict[str, Any]:
     return {
@@ -102,16 +128,74 @@ def _one_of(functions: Mapping[str, Mapping[str, Any]], args_key: str) -> dict[s
     return {**schema, "x-guidance": JSON_STYLE}
 
 
-def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
+def _call(obj: Any, args_keys: tuple[str, ...], raw: str) -> ToolCall | None:
+    """The call of a parsed call object `obj` whose text is `raw`: its arguments member (the first of
+    `args_keys` present) as written, or, given as a JSON string, that string's object; None: not a call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args: Any = next((obj[k] for k in args_keys if k in obj), {})
+    key = next((k for k in args_keys if k in obj), None)
+    args: Any = {} if key is None else obj[key]
     if isinstance(args, str):
         try:
             args = load_json(args, "arguments")
         except ValueError:  # not JSON, or past the bounds: not a call
             return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    if not isinstance(args, dict):
+        return None
+    if key is None:
+        return ToolCall(obj["name"], "{}")
+    member = scan_object(raw, 0).members[key]
+    return ToolCall(obj["name"], raw[member.start : member.end])
+
+
+_ARGS = ("arguments", "parameters")  # the keys a call object's arguments may go by, the first one first
+
+
+def _raw_call(name: str, raw: str) -> ToolCall | None:
+    """The call of `name` whose arguments are the JSON text `raw` (an object, else not a call)."""
+    try:
+        args = load_json(raw, "arguments")
+    except ValueError:
+        return None
+    return ToolCall(name, raw.strip(" \t\r\n")) if isinstance(args, dict) and name else None
+
+
+def _object_call(raw: str) -> ToolCall | None:
+    """The call of the call object `raw` (None: not JSON, or not a call)."""
+    try:
+        return _call(load_json(raw, "tool call"), _ARGS, raw)
+    except ValueError:
+        return None
+
+
+def _object_under_way(text: str, pos: int, args_keys: tuple[str, ...]) -> CallProgress | None:
+    """The call object under way at `text[pos:]`: once its name is complete and its arguments member has begun
+    (an object: its text so far; a JSON string, read only once complete: no text yet)."""
+    scan = scan_object(text, pos)
+    return _named_under_way(text, scan, args_keys)
+
+
+def _named_under_way(text: str, scan: ObjectScan, args_keys: tuple[str, ...]) -> CallProgress | None:
+    name, key = scan.members.get("name"), next((k for k in args_keys if k in scan.members), None)
+    if not scan.ok or scan.end is not None or name is None or name.end is None or key is None:
+        return None
+    value = json.loads(text[name.start : name.end]) if text[name.start] == '"' else None
+    args = scan.members[key]
+    if not isinstance(value, str) or text[args.start] not in '{"':
+        return None
+    return CallProgress(value, text[args.start : args.end or len(text)] if text[args.start] == "{" else "", False)
+
+
+def _args_under_way(name: str, text: str, pos: int) -> CallProgress | None:
+    """The call of `name` whose arguments object is under way at `text[pos:]`."""
+    i = skip_ws(text, pos)
+    if i == len(text) or text[i] != "{":
+        return None
+    scan = scan_object(text, i)
+    if not scan.ok:
+        return None
+    return CallProgress(name, text[i : scan.end or len(text)], False)
 
 
 def _content(pieces: Sequence[str]) -> str | None:
@@ -135,10 +219,7 @@ class HermesFormat(ToolFormat):
         goes on: the stream sends each as soon as it parses)."""
         calls, outside, pos = [], [], 0
         for m in self._CALL.finditer(text):
-            try:
-                call = _call(load_json(m.group(1), "tool call"), ("arguments", "parameters"))
-            except ValueError:
-                call = None
+            call = _object_call(m.group(1))
             if call is None:
                 continue  # a malformed block: text
             calls.append(call)
@@ -150,6 +231,10 @@ class HermesFormat(ToolFormat):
 
     def may_start(self, text: str) -> int | None:
         return _held_start(text, self.START)
+
+    def _under_way(self, text: str) -> CallProgress | None:
+        j = text.find(self.START, text.rfind(self.END) + 1)
+        return None if j < 0 else _object_under_way(text, j + len(self.START), _ARGS)
 
 
 class Llama3Format(ToolFormat):
@@ -163,25 +248,34 @@ class Llama3Format(ToolFormat):
         """One JSON call, or several separated by `;` (Llama 3.2), read one after another with
         `raw_decode` once the reply's nesting is known to be within `MAX_DEPTH` (no unbounded recursion);
         text after the last call is the content."""
-        body = text.strip().removeprefix(self.TAG).strip()
-        if not body.startswith("{") or nesting_depth(body) > MAX_DEPTH:
+        body, calls, pos = self._read(text)
+        if not calls:
             return ParsedReply(text, [])
+        return ParsedReply(_content([body[pos:]]), calls)
+
+    def _read(self, text: str) -> tuple[str, list[ToolCall], int]:
+        """(the reply without its tag, its calls, where the text after them begins)."""
+        body = text.lstrip().removeprefix(self.TAG).lstrip()
+        if not body.startswith("{") or nesting_depth(body) > MAX_DEPTH:
+            return body, [], 0
         decoder, calls, pos = json.JSONDecoder(), [], 0
         while pos < len(body) and body[pos] == "{":
             try:
                 obj, end = decoder.raw_decode(body, pos)
             except ValueError:  # not JSON, or an integer of more digits than int() reads
                 break
-            call = _call(obj, ("parameters", "arguments"))
+            call = _call(obj, ("parameters", "arguments"), body[pos:end])
             if call is None:
                 break
             calls.append(call)
             pos = end
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
-        if not calls:
-            return ParsedReply(text, [])
-        return ParsedReply(_content([body[pos:]]), calls)
+        return body, calls, pos
+
+    def _under_way(self, text: str) -> CallProgress | None:
+        body, _, pos = self._read(text)
+        return _object_under_way(body, pos, ("parameters", "arguments")) if body.startswith("{") else None
 
     def may_start(self, text: str) -> int | None:
         head = text.lstrip()
@@ -210,6 +304,7 @@ class Qwen3CoderFormat(ToolFormat):
     START, CALL_END = "<tool_call>", "</function>\n</tool_call>"
     _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
     _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+    _HEAD = re.compile(r"\s*<function=([^>\n]+)>")
 
     def grammar(self, functions: Mapping[str, Mapping[str, Any]]) -> StructuredOutputs:
         """Each function's required parameters in order: a string one as a line of text without `<`, an enum of
@@ -237,10 +332,7 @@ class Qwen3CoderFormat(ToolFormat):
         boolean, null, array or object (bounded), else the text itself (a string parameter)."""
         calls, outside, pos = [], [], 0
         for m in self._CALL.finditer(text):
-            args: dict[str, Any] = {}
-            for p in self._PARAM.finditer(m.group(2)):
-                args[p.group(1).strip()] = _xml_value(p.group(2))
-            calls.append(ToolCall(m.group(1).strip(), json.dumps(args, ensure_ascii=False)))
+            calls.append(ToolCall(m.group(1).strip(), "{" + ", ".join(self._members(m.group(2))) + "}"))
             outside.append(text[pos : m.start()])
             pos = m.end()
         if not calls:
@@ -249,6 +341,21 @@ class Qwen3CoderFormat(ToolFormat):
 
     def may_start(self, text: str) -> int | None:
         return _held_start(text, self.START)
+
+    def _members(self, body: str) -> list[str]:
+        """The JSON members (`"key": value`) of the complete parameters in a call's body, in order."""
+        return [
+            f"{json.dumps(p.group(1).strip(), ensure_ascii=False)}: "
+            f"{json.dumps(_xml_value(p.group(2)), ensure_ascii=False)}"
+            for p in self._PARAM.finditer(body)
+        ]
+
+    def _under_way(self, text: str) -> CallProgress | None:
+        j = text.find(self.START, text.rfind("</tool_call>") + 1)
+        head = self._HEAD.match(text, j + len(self.START)) if j >= 0 else None
+        if head is None:
+            return None
+        return CallProgress(head.group(1).strip(), "{" + ", ".join(self._members(text[head.end() :])), False)
 
 
 def _xml_value(raw: str) -> Any:
@@ -277,23 +384,59 @@ class MistralFormat(ToolFormat):
             return ParsedReply(text, [])
         calls: list[ToolCall] = []
         for piece in text[i + len(self.TAG) :].split(self.TAG):
-            piece = piece.strip()
-            if self.ARGS in piece:
-                name, _, raw = piece.partition(self.ARGS)
-                call = _call({"name": name.strip(), "arguments": raw}, ("arguments",))
-                found = [call] if call is not None and name.strip() else None
-            else:
-                try:
-                    value = load_json(piece, "tool calls")
-                except ValueError:
-                    value = None
-                items = value if isinstance(value, list) else [value]
-                found = [c for c in (_call(v, ("arguments", "parameters")) for v in items) if c is not None]
-                found = found if found and len(found) == len(items) else None
+            found = self._piece_calls(piece.strip())
             if not found:
                 return ParsedReply(text, [])
             calls.extend(found)
         return ParsedReply(_content([text[:i]]), calls)
+
+    def _piece_calls(self, piece: str) -> list[ToolCall] | None:
+        """The calls of the text after one `[TOOL_CALLS]` (None: it holds anything else)."""
+        if self.ARGS in piece or piece.startswith("{"):
+            name, _, raw = piece.partition(self.ARGS)
+            call = _raw_call(name.strip(), raw) if raw else _object_call(piece)
+            return None if call is None else [call]
+        arr = scan_objects(piece, 0)
+        if not arr.ok or arr.end is None or piece[arr.end :].strip():
+            return None
+        try:
+            load_json(piece, "tool calls")
+        except ValueError:
+            return None
+        calls = [_object_call(piece[s : o.end]) for s, o in arr.items]
+        found = [c for c in calls if c is not None]
+        return found if found and len(found) == len(calls) else None
+
+    def progress(self, text: str) -> list[CallProgress]:
+        """Each `[TOOL_CALLS]` piece but the last read whole; in the last (still being written), the array's
+        complete items and the one under way, or the `NAME[ARGS]` call under way."""
+        i = text.find(self.TAG)
+        if i < 0:
+            return []
+        *pieces, last = text[i + len(self.TAG) :].split(self.TAG)
+        out: list[CallProgress] = []
+        for piece in pieces:
+            found = self._piece_calls(piece.strip())
+            if not found:
+                return out
+            out.extend(CallProgress(c.name, c.arguments, True) for c in found)
+        if self.ARGS in last:
+            name, _, raw = last.partition(self.ARGS)
+            under_way = _args_under_way(name.strip(), raw, 0) if name.strip() else None
+            return out if under_way is None else [*out, under_way]
+        if last.lstrip().startswith("{"):
+            under_way = _object_under_way(last, 0, _ARGS)
+            return out if under_way is None else [*out, under_way]
+        arr = scan_objects(last, 0)
+        for start, item in arr.items:
+            if item.end is None:
+                under_way = _named_under_way(last, item, _ARGS)
+                return out if under_way is None else [*out, under_way]
+            call = _object_call(last[start : item.end])
+            if call is None:
+                return out
+            out.append(CallProgress(call.name, call.arguments, True))
+        return out
 
     def may_start(self, text: str) -> int | None:
         return _held_start(text, self.TAG)
@@ -304,6 +447,7 @@ class DeepSeekV3Format(ToolFormat):
     BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
     ARGS_END = "\n```" + CALL_END
+    _HEAD = re.compile(r"<｜tool▁call▁begin｜>\w*<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n")
     _CALL = re.compile(
         r"<｜tool▁call▁begin｜>\w*<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*?)\n```<｜tool▁call▁end｜>", re.S
     )
@@ -325,7 +469,7 @@ class DeepSeekV3Format(ToolFormat):
         body, _, after = text[i + len(self.BEGIN) :].partition(self.END)
         calls = []
         for m in self._CALL.finditer(body):
-            call = _call({"name": m.group(1).strip(), "arguments": m.group(2)}, ("arguments",))
+            call = _raw_call(m.group(1).strip(), m.group(2))
             if call is None:
                 return ParsedReply(text, [])
             calls.append(call)
@@ -335,6 +479,14 @@ class DeepSeekV3Format(ToolFormat):
 
     def may_start(self, text: str) -> int | None:
         return _held_start(text, self.BEGIN)
+
+    def _under_way(self, text: str) -> CallProgress | None:
+        i = text.find(self.BEGIN)
+        if i < 0:
+            return None
+        j = text.find(self.CALL, max(i, text.rfind(self.CALL_END)))
+        head = self._HEAD.match(text, j) if j >= 0 else None
+        return None if head is None else _args_under_way(head.group(1).strip(), text, head.end())
 
 
 FORMATS: dict[str, ToolFormat] = {

@@ -5,8 +5,9 @@ Finish reasons: `eos`, `stop` (a stop token id) and `stop_string` are all OpenAI
 stays; `abort` (cancelled, or a server shutdown) is passed through as vLLM does. The stop string or
 token id that ended a sample is vLLM's extra `stop_reason`. A chat request whose replies are parsed for tool
 calls (`tool_format`) answers `tool_calls` and finish reason `tool_calls` when a reply holds calls; streamed,
-the text from where a call may begin is held back (`ToolStream`) and each call goes out once it is complete: a
-chunk with its index, id and name, then one with its arguments (`delta_chunks`), never as content.
+the text from where a call may begin is held back (`ToolStream`), never sent as content: each call goes out as a
+chunk with its index, id and name, then chunks with pieces of its arguments as they are written (`delta_chunks`:
+one call piece per chunk).
 Completions with `echo` (vLLM's behaviour, which lm-evaluation-harness reads): each choice's text, and with
 `logprobs` its legacy logprobs, cover the prompt and then the completion, the first prompt token's logprob and
 alternatives null; `max_tokens: 0` leaves the prompt alone. Streamed, a choice's first chunk carries the prompt.
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_jax.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from paged_jax.tokenization.reasoning import ReasoningStream, Thought, split_reasoning
-from paged_jax.tokenization.tool_calls import ToolCall, ToolFormat
+from paged_jax.tokenization.reasoning import ReplySplit, Thought
+from paged_jax.tokenization.tool_calls import CallProgress, ToolCall, ToolFormat
 
 from .protocol import Kind
 
@@ -66,7 +67,7 @@ class ResponseBuilder:
     prompt_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _streams: dict[int, ToolStream] = field(default_factory=dict)  # per streamed choice, with a tool_format
-    _thoughts: dict[int, ReasoningStream] = field(default_factory=dict)  # per streamed choice, with a thought
+    _split: ReplySplit | None = None  # with a thought: each choice's reasoning apart from its content
     _text_offsets: dict[int, int] = field(default_factory=dict)  # per streamed choice: text_offset so far
 
     @property
@@ -164,14 +165,15 @@ class ResponseBuilder:
         call's index, id and name (and the delta's content), then one with their arguments (and the finish)."""
         chunk = self.delta_chunk(c, offset, prompt)
         choice = chunk["choices"][0]
-        calls = choice.get("delta", {}).get("tool_calls")
-        if not calls:
+        pieces = choice.get("delta", {}).get("tool_calls")
+        if not pieces:
             return [chunk]
-        heads = [{**t, "function": {"name": t["function"]["name"], "arguments": ""}} for t in calls]
-        head = {**choice, "delta": {**choice["delta"], "tool_calls": heads}, "finish_reason": None, "stop_reason": None}
-        args = [{"index": t["index"], "function": {"arguments": t["function"]["arguments"]}} for t in calls]
-        tail = {**choice, "delta": {"tool_calls": args}, "logprobs": None}
-        return [self._chunk([head]), self._chunk([tail])]
+        first = {**choice, "delta": {**choice["delta"], "tool_calls": pieces[:1]}}
+        chunks = [{**first, "finish_reason": None, "stop_reason": None} if len(pieces) > 1 else first]
+        for k, piece in enumerate(pieces[1:], 2):
+            rest = {**choice, "delta": {"tool_calls": [piece]}, "logprobs": None}
+            chunks.append(rest if k == len(pieces) else {**rest, "finish_reason": None, "stop_reason": None})
+        return [self._chunk([c]) for c in chunks]
 
     def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict[str, Any]:
         return {**self._chunk([]), "usage": usage(outs)}
@@ -232,15 +234,9 @@ class ResponseBuilder:
         A whole reply without content answers content null beside its reasoning."""
         if self.thought is None:
             return None, text
-        if final:
-            reasoning, content = split_reasoning(self.thought.fmt, self.thought.state, text)
-            return reasoning or "", content or ""
-        stream = self._thoughts.setdefault(offset + c.index, ReasoningStream(self.thought.fmt, self.thought.state))
-        reasoning, content = stream.feed(text)
-        if c.finished:
-            more, rest = stream.finish()
-            reasoning, content = reasoning + more, content + rest
-        return reasoning, content
+        if self._split is None:
+            self._split = ReplySplit(self.thought)
+        return self._split.whole(text) if final else self._split.delta(offset + c.index, text, c.finished)
 
     def _with_tool_calls(self, msg: dict[str, Any], c: CompletionOutput, text: str, final: bool, offset: int) -> bool:
         """Put the reply's tool calls into `msg` (a message, or a stream delta); True when it has some."""
@@ -256,7 +252,7 @@ class ResponseBuilder:
                 msg["content"] += rest
                 fresh += more
             if fresh:
-                msg["tool_calls"] = [_tool_call(t, k) for k, t in fresh]
+                msg["tool_calls"] = [_tool_delta(d) for d in fresh]
             return c.finished and bool(stream.emitted)  # the finish reason, on the last delta
         if calls:
             msg["tool_calls"] = [_tool_call(t, None) for t in calls]
@@ -317,33 +313,65 @@ def _tool_call(call: ToolCall, index: int | None) -> dict[str, Any]:
     return out if index is None else {"index": index, **out}
 
 
+def _tool_delta(d: ToolDelta) -> dict[str, Any]:
+    """A streamed call piece as OpenAI sends it: the head with index, id, type and name (arguments ""), then
+    index and arguments pieces."""
+    if d.call is not None:
+        return _tool_call(d.call, d.index)
+    return {"index": d.index, "function": {"arguments": d.arguments}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDelta:
+    """One piece of a streamed call: its head (`call`, sent first: index, id and name) or a piece of its
+    arguments text (`arguments`)."""
+
+    index: int
+    call: ToolCall | None = None
+    arguments: str = ""
+
+
 class ToolStream:
     """One streamed choice's text: content is passed on up to where a tool call may begin; from there the text is
-    held, and each call goes out as soon as the held text parses to it (the parsers read calls one after another,
-    so a call, once parsed, stays). What is held when the reply ends is parsed whole: the calls not sent yet,
-    and the content between and after them."""
+    held, each call's head goes out once its name and the start of its arguments are known, and its arguments
+    follow in pieces as the model writes them (`ToolFormat.progress`: the text so far only grows, so the pieces
+    join to what `parse` reads from the whole reply). What is held when the reply ends is parsed whole: the
+    rest of the calls, and the content between and after them. A call cut off (the reply ended inside it) keeps
+    what was sent, and no more content follows (unary, such a reply has no complete call: it is all content)."""
 
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt, self.text, self.sent = fmt, "", 0
-        self.emitted: list[ToolCall] = []  # the calls sent so far, in order (their ids are kept)
+        self.emitted: list[ToolCall] = []  # the calls whose heads were sent, in order (their ids are kept)
+        self._args: list[str] = []  # per call: its arguments text sent so far
 
-    def feed(self, new: str) -> tuple[str, list[tuple[int, ToolCall]]]:
-        """(the content that can go out now, the calls complete now with their indices), given `new` text."""
+    def feed(self, new: str) -> tuple[str, list[ToolDelta]]:
+        """(the content that can go out now, the call pieces new now), given `new` text."""
         self.text += new
         hold = self.fmt.may_start(self.text)
         limit = len(self.text) if hold is None else hold
         out = self.text[self.sent : limit] if limit > self.sent else ""
         self.sent = max(self.sent, limit)
-        return out, self._new_calls(self.fmt.parse(self.text[self.sent :]).tool_calls if new else [])
+        return out, self._deltas(self.fmt.progress(self.text[self.sent :]) if new else [])
 
-    def finish(self) -> tuple[str, list[tuple[int, ToolCall]]]:
-        """(the held-back content, the calls not sent yet) once the reply ended."""
+    def finish(self) -> tuple[str, list[ToolDelta]]:
+        """(the held-back content, the call pieces not sent yet) once the reply ended."""
         parsed = self.fmt.parse(self.text[self.sent :])
-        if parsed.tool_calls or self.emitted:
-            return parsed.content or "", self._new_calls(parsed.tool_calls)
+        if len(self.emitted) > len(parsed.tool_calls):  # cut off inside a call: the held text is the calls'
+            return "", []
+        if parsed.tool_calls:
+            done = [CallProgress(c.name, c.arguments, True) for c in parsed.tool_calls]
+            return parsed.content or "", self._deltas(done)
         return self.text[self.sent :], []
 
-    def _new_calls(self, calls: list[ToolCall]) -> list[tuple[int, ToolCall]]:
-        fresh = [(k, call) for k, call in enumerate(calls) if k >= len(self.emitted)]
-        self.emitted.extend(call for _, call in fresh)
-        return fresh
+    def _deltas(self, calls: list[CallProgress]) -> list[ToolDelta]:
+        out = []
+        for k, p in enumerate(calls):
+            if k == len(self.emitted):
+                self.emitted.append(ToolCall(p.name, ""))
+                self._args.append("")
+                out.append(ToolDelta(k, call=self.emitted[k]))
+            sent = self._args[k]
+            if len(p.arguments) > len(sent) and p.arguments.startswith(sent):
+                out.append(ToolDelta(k, arguments=p.arguments[len(sent) :]))
+                self._args[k] = p.arguments
+        return out

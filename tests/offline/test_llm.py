@@ -48,3 +48,23 @@ def test_detokenize_false_returns_the_same_ids_without_text(llm):
     with pytest.raises(ValueError, match="^detokenize: must be a boolean"):
         llm.generate("hello", SamplingParams(detokenize=1), use_tqdm=False)
     assert llm.stats().pages_in_use == 0
+
+
+THINKING = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content.split('</think>')[-1] }}</{{ m.role }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant><think>\n{% endif %}"
+)  # Qwen3.5's generation prompt: the thought is open when the reply starts
+
+
+def test_chat_returns_the_thought_apart_from_the_answer(llm):
+    """On a thinking template `LLM.chat` splits each reply as the servers do: the thought (within the budget) in
+    `reasoning_content`, the answer alone in `text`, every token in `token_ids`; elsewhere `reasoning_content`
+    stays None and `text` whole."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, max_reasoning_tokens=4)
+    ask = [{"role": "user", "content": "Hi"}]
+    c = llm.chat(ask, params, use_tqdm=False, chat_template=THINKING)[0].outputs[0]
+    whole = llm.engine.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+    thought, answer = whole.split("</think>", 1)
+    assert (c.reasoning_content, c.text) == (thought, answer) and len(c.token_ids) == 12
+    plain = llm.chat(ask, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False, chat_template="{{ 'x' }}")
+    assert plain[0].outputs[0].reasoning_content is None and plain[0].outputs[0].text

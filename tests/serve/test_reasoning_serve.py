@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
 from paged_jax.tokenization.chat_template import template_from_text
+from serve.client import Client, build_request, chat_input
 
 from support.serve_support import shared
 
@@ -109,3 +111,42 @@ def test_a_budget_on_a_model_that_does_not_think_is_refused(oai):
         assert getattr(r.choices[0].message, "reasoning_content", None) is None
     finally:
         tokenizer.chat_template = old
+
+
+def test_grpc_splits_the_thought_as_the_openai_front_does(oai, fronts):
+    """gRPC: `reasoning_content` beside `text` (unary, and the stream's deltas joined) equal to the OpenAI front's
+    message; `max_reasoning_tokens` and `chat_template_kwargs_json` reach the engine and the template, and bad
+    values are INVALID_ARGUMENT naming the field."""
+    sampling = dict(max_tokens=30, temperature=0.0, max_reasoning_tokens=6, ignore_eos=True)
+    m = oai.chat.completions.create(
+        model=None, messages=ASK, max_tokens=30, temperature=0.0,
+        extra_body={"max_reasoning_tokens": 6, "ignore_eos": True},
+    ).choices[0].message  # fmt: skip
+    with Client(fronts[1].target) as client:
+        request = build_request(chat_input(ASK), **sampling)
+        whole = client.generate(request).completions[0]
+        assert (whole.reasoning_content, whole.text) == (m.reasoning_content, m.content or "")
+        assert len(whole.token_ids) == 30  # every token, the thought's too
+        chunks = [r.chunk for r in client.generate_stream(request) if r.HasField("chunk")]
+        assert "".join(c.reasoning_content for c in chunks) == whole.reasoning_content
+        assert "".join(c.text for c in chunks) == whole.text
+        off = client.generate(build_request(chat_input(ASK, chat_template_kwargs={"enable_thinking": False}),
+                                            max_tokens=8, temperature=0.0)).completions[0]  # fmt: skip
+        assert off.reasoning_content == "" and off.text
+        plain = client.generate(build_request("Hi", max_tokens=8, temperature=0.0)).completions[0]
+        assert plain.reasoning_content == ""  # a text prompt is not a chat: its text is left whole
+        bad = build_request(chat_input(ASK), max_tokens=4)
+        bad.chat.chat_template_kwargs_json = "[1]"
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("chat.chat_template_kwargs_json: ")
+        tokenizer = shared().engine.tokenizer
+        old, tokenizer.chat_template = tokenizer.chat_template, template_from_text("{{ messages[0].content }}", "x")
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate(build_request(chat_input(ASK), max_tokens=4, max_reasoning_tokens=3))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("sampling.max_reasoning_tokens: ")
+        finally:
+            tokenizer.chat_template = old

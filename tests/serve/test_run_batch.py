@@ -32,11 +32,25 @@ from support.serve_support import wait_until
 
 MODEL = DATA / "hf_qwen3_embed"
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+TEMPLATE = (  # Hermes tool calls (<tool_call> JSON </tool_call>), the tools kept short for the model's 256 tokens
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}{% endfor %}</tools>{% endif %}{# <tool_call> #}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+)
 CONFIG = ServingConfig(port=0, http_port=0, served_model_names=("emb",))
 CHAT = {"model": "emb", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 4}
 COMPLETION = {"model": "emb", "prompt": [1, 5, 9, 14], "temperature": 0, "max_tokens": 4}
 EMBEDDING = {"model": "emb", "input": [[1, 5, 9], [1, 7]], "encoding_format": "float"}
+X = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}
+TOOL = {"type": "function", "name": "f", "parameters": X}
+TOOL_CHAT = {
+    **CHAT,
+    "max_tokens": 100,
+    "tools": [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}],
+    "tool_choice": {"type": "function", "function": {"name": "f"}},
+}
+RESPONSE = {"model": "emb", "input": "hi", "instructions": "Be brief.", "temperature": 0, "max_output_tokens": 4}
+FORCE_F = {"type": "function", "name": "f"}
+RESPONSE_CALL = {**RESPONSE, "max_output_tokens": 100, "tools": [TOOL], "tool_choice": FORCE_F}
 
 
 def _line(cid, url, body, method="POST") -> str:
@@ -47,6 +61,9 @@ GOOD = {
     "chat": ("/v1/chat/completions", CHAT),
     "completion": ("/v1/completions", COMPLETION),
     "embedding": ("/v1/embeddings", EMBEDDING),
+    "tool-chat": ("/v1/chat/completions", TOOL_CHAT),
+    "response": ("/v1/responses", RESPONSE),
+    "response-call": ("/v1/responses", RESPONSE_CALL),
 }
 LINES = [
     _line("chat", *GOOD["chat"]),
@@ -59,6 +76,10 @@ LINES = [
     _line("completion", *GOOD["completion"]),  # a custom_id seen before
     _line("stream", "/v1/completions", {**COMPLETION, "stream": True}),
     _line("get", "/v1/completions", COMPLETION, method="GET"),
+    _line("tool-chat", *GOOD["tool-chat"]),
+    _line("response", *GOOD["response"]),
+    _line("response-call", *GOOD["response-call"]),
+    _line("bad-response", "/v1/responses", {**RESPONSE, "previous_response_id": "resp_unknown"}),
 ]
 
 
@@ -77,20 +98,24 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _strip(body: dict) -> dict:
+VARIES = {"id", "call_id", "created", "created_at", "prompt_tokens_details", "input_tokens_details"}
+
+
+def _strip(body):
     """A response body without what differs between two answers of one request (ids, timestamps, and the prompt
     tokens the prefix cache served, which the first answer left cached for the second)."""
-    usage = {k: v for k, v in body.get("usage", {}).items() if k != "prompt_tokens_details"}
-    return {**{k: v for k, v in body.items() if k not in ("id", "created")}, "usage": usage}
+    if isinstance(body, dict):
+        return {k: _strip(v) for k, v in body.items() if k not in VARIES}
+    return [_strip(v) for v in body] if isinstance(body, list) else body
 
 
 def test_mixed_file_resume_and_equal_to_http(engine, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(LINES) + "\n")
     summary = _run(engine, inp, out)
-    assert (summary.requests, summary.ok, summary.invalid_lines) == (5, 3, 5)
+    assert (summary.requests, summary.ok, summary.invalid_lines) == (9, 6, 5)
     lines = _read(out)
-    assert len(lines) == 10
+    assert len(lines) == 14
     by_cid = {(r["custom_id"], r["response"] is None): r for r in lines}
     for cid in GOOD:
         r = by_cid[cid, False]
@@ -99,6 +124,13 @@ def test_mixed_file_resume_and_equal_to_http(engine, tmp_path):
     for cid, param in (("bad-temperature", "temperature"), ("bad-dimensions", "dimensions")):
         response = by_cid[cid, False]["response"]
         assert response["status_code"] == 400 and response["body"]["error"]["param"] == param
+    response = by_cid["bad-response", False]["response"]
+    assert response["status_code"] == 404 and response["body"]["error"]["param"] == "previous_response_id"
+    call = by_cid["tool-chat", False]["response"]["body"]["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "f" and json.loads(call["arguments"])["x"] in (1, 2)  # forced: the schema holds
+    items = by_cid["response-call", False]["response"]["body"]["output"]
+    assert [(i["type"], i["name"]) for i in items] == [("function_call", "f")]
+    assert by_cid["response", False]["response"]["body"]["object"] == "response"
     errors = {r["id"]: r for r in lines if r["response"] is None}
     assert sorted(errors) == [f"batch_req_line_{n}" for n in (10, 2, 4, 8, 9)]
     assert errors["batch_req_line_2"]["custom_id"] is None
@@ -109,14 +141,14 @@ def test_mixed_file_resume_and_equal_to_http(engine, tmp_path):
     assert not engine.has_unfinished() and engine.kv.stats().pages_in_use == 0
 
     again = _run(engine, inp, out)  # everything written: nothing runs, nothing is added
-    assert (again.requests, again.invalid_lines, again.skipped) == (0, 0, 10) and len(_read(out)) == 10
+    assert (again.requests, again.invalid_lines, again.skipped) == (0, 0, 14) and len(_read(out)) == 14
 
     # a run killed mid-write: two whole lines and a torn one; the re-run cuts it and answers the rest once
     whole = out.read_text().splitlines(keepends=True)
     out.write_text("".join(whole[:2]) + whole[2][:15])
     _run(engine, inp, out)
     final = _read(out)
-    assert len(final) == 10 and len({(r["custom_id"], r["id"]) for r in final}) == 10
+    assert len(final) == 14 and len({(r["custom_id"], r["id"]) for r in final}) == 14
     assert {r["custom_id"] for r in final} == {r["custom_id"] for r in lines}
 
     # the same bodies POSTed to a real HTTP server on the same engine: the same responses

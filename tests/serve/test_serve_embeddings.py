@@ -8,15 +8,18 @@ from __future__ import annotations
 import base64
 import contextlib
 
+import grpc
 import numpy as np
 import openai
 import pytest
 
 from paged_jax.config.pooling import read_pooler
 from paged_jax.engine.load import load_model
+from serve.client import Client
 from serve.config import ServingConfig
 from serve.engine_loop import EngineLoop
 from serve.openai_api.server import HttpServerThread
+from serve.server import ServerThread
 
 from support.engines import make_engine
 from support.hf_golden import DATA
@@ -43,10 +46,13 @@ def _serve(model, **options):
     loop = EngineLoop(engine).start()
     config = ServingConfig(port=0, http_port=0, limits=LIMITS, served_model_names=("emb",))
     http = HttpServerThread(loop, config).start()
+    rpc = ServerThread(loop, config).start()
     try:
         with openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0) as client:
+            client.grpc_target = rpc.target  # type: ignore[attr-defined]
             yield engine, client
     finally:
+        rpc.stop()
         http.stop()
         loop.stop()
 
@@ -112,10 +118,45 @@ def test_bad_input_is_400_naming_the_parameter(server, body, param):
     _idle(engine)
 
 
+def test_grpc_embed_pools_as_the_http_route(server, golden):
+    """The Embed RPC: the same vectors as /v1/embeddings (and as transformers), dimensions, usage; bad fields are
+    INVALID_ARGUMENT naming them in the proto's words, and every page comes back."""
+    engine, client = server
+    ids = [p for p, _ in golden]
+    with Client(client.grpc_target) as rpc:
+        out = rpc.embed(["hello", *ids], request_id="e1")
+        http = client.embeddings.create(model="emb", input="hello", encoding_format="float").data[0].embedding
+        assert out.request_id == "e1" and len(out.embeddings) == 4
+        assert out.usage.prompt_tokens == len(rpc.tokenize("hello")) + sum(len(p) for p in ids)
+        np.testing.assert_allclose(out.embeddings[0].values, http, atol=1e-6)
+        for e, (_, hidden) in zip(out.embeddings[1:], golden, strict=True):
+            np.testing.assert_allclose(e.values, _unit(hidden[-1]), atol=ATOL)
+        short = rpc.embed([ids[1]], dimensions=8).embeddings[0].values
+        np.testing.assert_allclose(short, _unit(golden[1][1][-1][:8]), atol=ATOL)
+        mean = rpc.embed([ids[1]], pooling="mean", normalize=False).embeddings[0].values
+        http = client.post(
+            "/embeddings", body={"model": "emb", "input": ids[1], "pooling": "mean", "normalize": False}, cast_to=object
+        )["data"][0]["embedding"]
+        np.testing.assert_allclose(mean, http, atol=1e-6)
+        for inputs, fields, field in [
+            ([], {}, "inputs: "),
+            (["hi", [1, -2]], {}, "inputs[1].token_ids"),
+            (["hi"], {"dimensions": 33}, "dimensions: "),
+            (["hi"], {"pooling": "cls"}, "pooling: "),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                rpc.embed(inputs, **fields)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
+    _idle(engine)
+
+
 def test_generative_server_refuses_naming_model(model):
     with _serve(model) as (engine, client):  # the same weights without a pooler: generative only
         assert engine.engine_config.pooler is None
         with pytest.raises(openai.BadRequestError) as e:
             client.embeddings.create(model="emb", input="hi")
         assert e.value.body["param"] == "model" and "--pooling" in e.value.body["message"]
+        with Client(client.grpc_target) as rpc, pytest.raises(grpc.RpcError) as e:
+            rpc.embed(["hi"])
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--pooling" in e.value.details()
         assert client.completions.create(model="emb", prompt="hi", max_tokens=2).usage.completion_tokens == 2

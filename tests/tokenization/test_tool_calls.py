@@ -110,8 +110,11 @@ def test_text_between_and_after_calls_is_kept():
     assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("f", {"a": ";"}), ("g", {})]
     assert reply.content == "done"
     s = ToolStream(FORMATS["hermes"])
-    content, calls = s.feed(f"hi {call} mid")
-    assert content == "hi " and [(k, c.name) for k, c in calls] == [(0, "f")]  # sent as soon as it is complete
+    content, pieces = s.feed(f"hi {call} mid")
+    assert content == "hi " and [(d.index, d.call.name if d.call else d.arguments) for d in pieces] == [
+        (0, "f"),
+        (0, "{}"),
+    ]  # sent as soon as it is complete
     rest, more = s.finish()
     assert rest == "mid" and more == []
     broken = FORMATS["hermes"].parse(f"{call} <tool_call>\n{{bad}}\n</tool_call>")  # a malformed block is text
@@ -122,8 +125,8 @@ def test_stream_holds_back_text_from_where_a_call_may_begin():
     s = ToolStream(FORMATS["hermes"])
     assert s.feed("Sure, ") == ("Sure, ", [])
     assert s.feed("<tool") == ("", [])  # could be the start of <tool_call>
-    content, calls = s.feed('_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
-    assert content == "" and calls[0][1].name == "get_time"
+    content, pieces = s.feed('_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    assert content == "" and pieces[0].call.name == "get_time" and pieces[1].arguments == '{"zone": "UTC"}'
     assert s.finish() == ("", [])
     s = ToolStream(FORMATS["hermes"])
     assert s.feed("a <to") == ("a ", []) and s.feed("day") == ("<today", [])
@@ -163,12 +166,14 @@ def test_required_and_named_tool_choice_return_parsed_calls(oai):
 
 
 def test_streamed_tool_calls(oai):
-    """Each call as OpenAI streams it (index, id and name first, then its arguments), reassembled to the calls of
-    the same request unstreamed."""
+    """Each call as OpenAI streams it (index, id and name first, then its arguments in pieces over several chunks,
+    one call piece per chunk), reassembled to the calls of the same request unstreamed."""
     args = dict(model=None, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, seed=4)
-    calls, reasons, content = {}, [], ""
+    calls, reasons, content, pieces = {}, [], "", 0
     for chunk in oai.chat.completions.create(stream=True, **args):
         for ch in chunk.choices:
+            assert len(ch.delta.tool_calls or []) <= 1
+            pieces += bool(ch.delta.tool_calls and ch.delta.tool_calls[0].function.arguments)
             content += ch.delta.content or ""
             for tc in ch.delta.tool_calls or []:
                 if tc.index not in calls:  # its first delta: id and name, no arguments yet
@@ -178,7 +183,7 @@ def test_streamed_tool_calls(oai):
                 entry["arguments"] += tc.function.arguments or ""
             if ch.finish_reason:
                 reasons.append(ch.finish_reason)
-    assert reasons == ["tool_calls"] and "<tool_call>" not in content and calls
+    assert reasons == ["tool_calls"] and "<tool_call>" not in content and calls and pieces >= 3
     for entry in calls.values():
         jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
     whole = oai.chat.completions.create(**args).choices[0].message.tool_calls

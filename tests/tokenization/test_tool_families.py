@@ -19,7 +19,7 @@ from paged_jax.tokenization.tool_calls import (
     tool_format,
     with_tool_prompt,
 )
-from serve.openai_api.responses import ToolStream
+from serve.openai_api.responses import ToolDelta, ToolStream
 
 USER = "{% for m in messages %}{% if m.role == 'user' %}<u>{{ m.content }}</u>{% else %}{{ m.content }}"
 END = "{% endif %}{% endfor %}"
@@ -75,12 +75,63 @@ def test_render_parse_back_and_stream(family):
     expected = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == expected, text
     assert parsed.content == ("Checking." if family != "llama3" else None)
+    unary = [(c.name, c.arguments) for c in parsed.tool_calls]
     for cut in range(len(text) + 1):  # the stream: content up to where a call may begin, then the calls
         stream = ToolStream(fmt)
         pieces = [stream.feed(text[:cut]), stream.feed(text[cut:]), stream.finish()]
-        streamed = [call for _, calls in pieces for _, call in calls]
-        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in parsed.tool_calls]
+        assert _assembled([d for _, deltas in pieces for d in deltas]) == unary, cut
         assert "".join(p[0] for p in pieces).strip() == (parsed.content or ""), cut
+
+
+def _assembled(deltas: list[ToolDelta]) -> list[tuple[str, str]]:
+    """The calls that streamed pieces make, as a client joins them: each head (with no arguments yet) before any
+    piece of its arguments, and the calls in order."""
+    calls: list[list[str]] = []
+    for d in deltas:
+        if d.call is not None:
+            assert d.index == len(calls) and d.call.arguments == "" and not d.arguments
+            calls.append([d.call.name, ""])
+        else:
+            assert 0 <= d.index == len(calls) - 1 and d.arguments  # the call under way, never an empty piece
+            calls[d.index][1] += d.arguments
+    return [(name, args) for name, args in calls]
+
+
+@pytest.mark.parametrize("family", sorted(TEMPLATES))
+def test_arguments_stream_in_pieces_that_join_to_the_unary_ones(family):
+    """Fed a few characters at a time (as tokens arrive), each call's head comes first and its arguments follow
+    over several feeds, before the call is complete; the pieces join to the unary arguments exactly."""
+    fmt = FORMATS[family]
+    calls = CALLS if family != "llama3" else CALLS[:1]
+    text = _reply(family, calls, "Checking." if family != "llama3" else "")
+    unary = [(c.name, c.arguments) for c in fmt.parse(text).tool_calls]
+    for step in (1, 3, 7):
+        stream = ToolStream(fmt)
+        feeds = [stream.feed(text[i : i + step])[1] for i in range(0, len(text), step)]
+        feeds.append(stream.finish()[1])
+        assert _assembled([d for deltas in feeds for d in deltas]) == unary, step
+        for k in range(len(unary)):
+            with_args = [j for j, deltas in enumerate(feeds) if any(d.index == k and d.arguments for d in deltas)]
+            assert len(with_args) >= 3, (family, step, k)  # the arguments arrive over several feeds
+            assert with_args[0] < len(feeds) - 1  # and they begin before the reply ends
+
+
+def test_arguments_written_by_the_model_are_kept_as_written():
+    """A call's arguments are the model's JSON text (spacing, key order, numbers as written), streamed or not;
+    arguments given as a JSON string are that string's object."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"b":1.50,  "a" :[1,{"x":"}"}]}}\n</tool_call>'
+    assert [c.arguments for c in FORMATS["hermes"].parse(text).tool_calls] == ['{"b":1.50,  "a" :[1,{"x":"}"}]}']
+    quoted = '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>'
+    assert [c.arguments for c in FORMATS["hermes"].parse(quoted).tool_calls] == ['{"a": 1}']
+    for reply in (text, quoted):
+        stream = ToolStream(FORMATS["hermes"])
+        deltas = [d for i in range(len(reply)) for d in stream.feed(reply[i])[1]] + stream.finish()[1]
+        assert _assembled(deltas) == [(c.name, c.arguments) for c in FORMATS["hermes"].parse(reply).tool_calls]
+    cut = '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": [2'  # cut off: what was sent stays
+    stream = ToolStream(FORMATS["hermes"])
+    content, deltas = stream.feed("Hi " + cut)
+    assert stream.finish() == ("", []) and content == "Hi "  # no piece of the call goes out as content
+    assert _assembled(deltas) == [("f", '{"a": 1, "b": [2')] and FORMATS["hermes"].parse(cut).tool_calls == []
 
 
 @pytest.mark.parametrize("family", sorted(TEMPLATES))

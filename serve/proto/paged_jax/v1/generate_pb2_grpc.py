@@ -69,6 +69,11 @@ class GenerationServiceStub:
                 request_serializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.StreamKVEventsRequest.SerializeToString,
                 response_deserializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/paged_jax.v1.GenerationService/Embed',
+                request_serializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -122,6 +127,14 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of one or more inputs, pooled as /v1/embeddings pools them (v1.7). FAILED_PRECONDITION when the
+        model serves no embeddings (a generative model started without --pooling).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +172,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.StreamKVEvents,
                     request_deserializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.StreamKVEventsRequest.FromString,
                     response_serializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.KVEventBatch.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +368,33 @@ class GenerationService:
             '/paged_jax.v1.GenerationService/StreamKVEvents',
             serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.StreamKVEventsRequest.SerializeToString,
             serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paged_jax.v1.GenerationService/Embed',
+            serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            serve_dot_proto_dot_paged__jax_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
