@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paged_jax.config import ModelConfig
+from paged_jax.config import LINEAR_ATTENTION_TYPES, ModelConfig
 from paged_jax.config.engine import EngineConfig
 from paged_jax.config.pooling import read_pooler
 from paged_jax.engine.compile_gate import CompileGate
@@ -30,11 +30,12 @@ from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
 from paged_jax.engine.protocol import EngineStats, kv_fields
 from paged_jax.errors import FieldError
-from paged_jax.kv_cache import DiskTier, HostTier, KVCacheManager, KVLayout, KVTransfers
-from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.kv_cache import DiskTier, HostTier, KVCacheManager, KVLayout, KVTransfers, StateSlots
+from paged_jax.kv_cache.invariants import check_manager_invariants, check_state_slots
 from paged_jax.lora.registry import AdapterCache, SlotTable
 from paged_jax.lora.request import LoRARequest
 from paged_jax.model import quant
+from paged_jax.model.linear_state import LinearState
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.sched.output import SchedulerOutput
@@ -115,6 +116,10 @@ class LLMEngine:
     ):
         ec = engine_config or EngineConfig()
         ec.validate()
+        linear = config.model_type in LINEAR_ATTENTION_TYPES  # a recurrent-state pool beside the pages
+        if linear and ec.enable_prefix_caching:
+            log.info("prefix caching is off for %s (its linear layers' states are not cached)", config.model_type)
+            ec = dataclasses.replace(ec, enable_prefix_caching=False)
         if ec.data_parallel_size != 1:
             raise ValueError(
                 "data_parallel_size: one LLMEngine is one replica; use paged_jax.engine.data_parallel.make_engine"
@@ -169,6 +174,7 @@ class LLMEngine:
             reserve_tokens=self.max_model_len if ec.reserve_full_length else None,
             watermark=ec.watermark,
             lora_slots=lora_slots,
+            state_slots=StateSlots(ec.max_num_seqs) if linear else None,
         )
         self.runner = make_runner(run_config, params, ec, self.num_pages, self.max_model_len, mesh, self.kv_layout)
         if self.host_tier is not None:
@@ -203,9 +209,12 @@ class LLMEngine:
             max_grammar_bytes=ec.structured_max_grammar_bytes, compile_timeout_s=ec.structured_compile_timeout_s
         )
         self.structured = StructuredRows(LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_ids, limits))
-        self.kv_cache_bytes = sum(x.nbytes for x in jax.tree.leaves(self.runner.kv_caches))  # padding included
+        # padding included; a hybrid's state pool is not KV (`state_pool_bytes`)
+        caches: Any = self.runner.kv_caches
+        caches = [c for c in caches if not isinstance(c, LinearState)] if linear else caches
+        self.kv_cache_bytes = sum(x.nbytes for x in jax.tree.leaves(caches))
         # Tokens per byte vs bfloat16 pages of the same run config (padded scale rows included).
-        slabs = self.kv_layout.slots_per_page
+        slabs = config.num_kv_layers if linear else self.kv_layout.slots_per_page
         bf16_bytes = quant.kv_bytes_per_page(run_config, jnp.bfloat16, ec.page_size, num_slabs=slabs) * self.num_pages
         self.kv_token_gain = bf16_bytes / self.kv_cache_bytes
         log.info(
@@ -361,8 +370,11 @@ class LLMEngine:
         return self.outputs.output(req, final=True)
 
     def check_invariants(self) -> None:
-        """The KV manager's invariants (raises RuntimeError naming the broken one)."""
+        """The KV manager's invariants, and a hybrid's state slots: one per sequence holding pages (raises
+        RuntimeError naming the broken one)."""
         check_manager_invariants(self.kv)
+        if self.scheduler.state_slots is not None:
+            check_state_slots(self.scheduler.state_slots, self.kv.requests.keys())
 
     def has_unfinished(self) -> bool:
         return len(self.outputs) > 0

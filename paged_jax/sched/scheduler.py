@@ -15,8 +15,10 @@ Each scheduled draft adds one sample row, so the step scores 1 + k positions of 
 
 The output (`paged_jax.sched.output`) is everything the runner needs and nothing more, the LoRA adapters to
 write into device slots first included. A sequence with an adapter takes a device slot at admission and returns it
-when it stops running (`paged_jax.lora.registry.SlotTable`); while every slot is busy with other adapters it
-waits, and the requests behind it are admitted past it. How many
+when it stops running (`paged_jax.lora.registry.SlotTable`), and so does each sequence of a linear-attention
+hybrid with its recurrent-state slot (`paged_jax.kv_cache.state_pool`; a fork's is copied from its leader's);
+while every adapter slot is busy with other adapters it waits, and the requests behind it are admitted past it.
+How many
 of a sequence's tokens are computed is the KV manager's to know (`num_computed_tokens`); a waiting sequence
 holds no pages and has none computed.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from paged_jax.kv_cache import KVCacheManager
+from paged_jax.kv_cache import KVCacheManager, StateSlots
 from paged_jax.lora.registry import SlotTable
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
@@ -44,8 +46,10 @@ class Scheduler:
         reserve_tokens: int | None = None,
         watermark: float = 0.01,
         lora_slots: SlotTable | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
         self.kv = kv
+        self.state_slots = state_slots  # recurrent-state slots of a linear-attention hybrid (None: no such layers)
         self.lora_slots = lora_slots  # device slots of LoRA adapters (None: LoRA is off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -122,6 +126,9 @@ class Scheduler:
         # One gather of the persistent tables (a scheduled sequence's tables do not change later in the step: it
         # allocated once, and a victim of preemption is never one already scheduled).
         out.block_tables = self.kv.step_tables([s.seq.seq_id for s in out.scheduled])
+        if self.state_slots is not None:
+            out.state_slots = self.state_slots.step_slots([s.seq.seq_id for s in out.scheduled])
+            out.state_copies = self.state_slots.take_copies()
         if out.scheduled:  # pages move only with a step that runs (a step without work allocated nothing)
             out.kv_transfers = self.kv.take_transfers()
         return out
@@ -182,8 +189,14 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(blocked))
 
-    def _take_slot(self, seq: TokenSequence, out: SchedulerOutput) -> None:
-        """Give a sequence starting to run its adapter's device slot (loading the adapter there if needed)."""
+    def _take_slot(self, seq: TokenSequence, out: SchedulerOutput, parent: TokenSequence | None = None) -> None:
+        """Give a sequence starting to run its state slot (a fork's: a copy of `parent`'s after the step) and its
+        adapter's device slot (loading the adapter there if needed)."""
+        if self.state_slots is not None:
+            if parent is None:
+                self.state_slots.acquire(seq.seq_id)
+            else:
+                self.state_slots.fork(parent.seq_id, seq.seq_id)
         if seq.lora is None:
             return
         seq.lora_slot, load = self._slots().acquire(seq.lora)
@@ -196,6 +209,8 @@ class Scheduler:
         return self.lora_slots
 
     def _release_slot(self, seq: TokenSequence) -> None:
+        if self.state_slots is not None:
+            self.state_slots.release(seq.seq_id)
         if seq.lora is not None:
             self._slots().release(seq.lora_slot)
             seq.lora_slot = 0
@@ -226,7 +241,7 @@ class Scheduler:
             self.kv.fork(seq.seq_id, child.seq_id)
             child.num_cached_prompt = seq.num_cached_prompt
             child.status = Status.RUNNING
-            self._take_slot(child, out)  # the leader's adapter: resident, so never a load
+            self._take_slot(child, out, parent=seq)  # the leader's adapter: resident, so never a load
             scheduled.add(child.seq_id)
             self.running.append(child)
             out.sample_rows.append(SampleRow(child, index))

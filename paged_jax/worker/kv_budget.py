@@ -24,6 +24,7 @@ from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
 from paged_jax.kv_cache import KVLayout, kv_layout
 from paged_jax.model.quant import kv_bytes_per_page
+from paged_jax.worker.linear_state import state_pool_bytes
 from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv
 
@@ -97,6 +98,10 @@ def kv_capacity_pages(
     """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
     scale rows of quantized pages, padded to whole lanes on TPU: `paged_jax.model.quant.kv_bytes_per_page`).
 
+    A linear-attention hybrid's budget is one budget split in two: its recurrent-state pool first (fixed:
+    `max_num_seqs` + 1 slots, `paged_jax.worker.linear_state.state_pool_bytes`), the rest for pages of its
+    full-attention layers only.
+
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
     `memory_stats`: `bytes_limit` and `bytes_in_use` of that chip, when it cannot be asked (a deviceless
@@ -107,6 +112,9 @@ def kv_capacity_pages(
     if ec.num_pages is not None:
         return ec.num_pages
     slabs, groups = (None, 1) if layout is None else (layout.slots_per_page, len(layout.groups))
+    state_bytes = state_pool_bytes(config, ec.max_num_seqs)
+    if state_bytes:  # a linear-attention hybrid: pages only for its full-attention layers
+        slabs = config.num_kv_layers
     stats = memory_stats
     if stats is None or platform is None:
         device = device or jax.local_devices()[0]
@@ -125,6 +133,14 @@ def kv_capacity_pages(
         )
         log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30, cpu.reason)
         budget = cpu.bytes
+    if state_bytes:
+        log.info(
+            "recurrent-state pool: %d slots x %.2f MiB = %.1f MiB of the budget, the rest for KV pages",
+            ec.max_num_seqs + 1,
+            state_bytes / (ec.max_num_seqs + 1) / 2**20,
+            state_bytes / 2**20,
+        )
+        budget -= state_bytes
     return max(2, budget // per_page)
 
 
