@@ -147,6 +147,15 @@ class Metrics:
         self.queued_fn = lambda: 0
         self.queue_depth.set_function(lambda: self.queued_fn())
         self.warmup_fn: Callable[[], WarmupProgress | None] = lambda: None  # the server's warm-up, once started
+        self.state_slots = Gauge(
+            "paged_jax_state_slots_in_use", "Recurrent-state slots held by running sequences (hybrids)", registry=r
+        )
+        self.state_snapshots = Gauge(
+            "paged_jax_state_snapshots_cached", "Recurrent-state snapshots kept for the prefix cache", registry=r
+        )
+        self.state_snapshot_hits = Counter(
+            "paged_jax_state_snapshot_hits", "Prefix hits restored from a recurrent-state snapshot", registry=r
+        )
         r.register(_WarmupCollector(self))
 
     def on_step(self, engine: Engine) -> None:
@@ -168,8 +177,11 @@ class Metrics:
             ("kv_host_bytes_to_host", self.kv_host_bytes.labels(direction="to_host")),
             ("kv_host_bytes_to_device", self.kv_host_bytes.labels(direction="to_device")),
             ("kv_host_copy_seconds", self.kv_host_copy_seconds),
+            ("state_snapshot_hits", self.state_snapshot_hits),
         ):
             counter.inc(self._advance(key, s, commit=True))
+        self.state_slots.set(s.state_slots_in_use)
+        self.state_snapshots.set(s.state_snapshots_cached)
         self.requests_waiting_for_compile.set(s.requests_waiting_for_compile)
         self.compiles_queued.set(s.compiles_queued)
         new = s.num_preemptions - self._preemptions_seen

@@ -32,6 +32,7 @@ from paged_jax.engine.protocol import EngineStats, kv_fields
 from paged_jax.errors import FieldError
 from paged_jax.kv_cache import DiskTier, HostTier, KVCacheManager, KVLayout, KVTransfers, StateSlots
 from paged_jax.kv_cache.invariants import check_manager_invariants, check_state_slots
+from paged_jax.kv_cache.state_snapshots import StateSnapshots
 from paged_jax.lora.registry import AdapterCache, SlotTable
 from paged_jax.lora.request import LoRARequest
 from paged_jax.model import quant
@@ -58,6 +59,20 @@ from paged_jax.worker.warmup import WarmupPlan, WarmupProgress, run_warmup
 log = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine"]
+
+
+def state_snapshots(ec: EngineConfig) -> StateSnapshots | None:
+    """A linear-attention hybrid's state snapshots for the prefix cache (None: prefix caching off); their rows
+    follow the `max_num_seqs` + 1 state slots."""
+    if not ec.enable_prefix_caching:
+        return None
+    interval = max(ec.page_size, ec.state_snapshot_interval // ec.page_size * ec.page_size)
+    return StateSnapshots(num_state_snapshots(ec), ec.max_num_seqs + 1, ec.page_size, interval)
+
+
+def num_state_snapshots(ec: EngineConfig) -> int:
+    """Snapshot rows of a hybrid's state pool (0 with prefix caching off)."""
+    return (ec.state_snapshots or ec.max_num_seqs) if ec.enable_prefix_caching else 0
 
 
 def make_runner(
@@ -93,6 +108,7 @@ def make_runner(
         scan_layers=ec.scan_layers,
         executable_store=ec.executable_store,
         kv_layout=kv_layout,
+        num_state_snapshots=num_state_snapshots(ec) if run_config.model_type in LINEAR_ATTENTION_TYPES else 0,
     )
 
 
@@ -117,9 +133,6 @@ class LLMEngine:
         ec = engine_config or EngineConfig()
         ec.validate()
         linear = config.model_type in LINEAR_ATTENTION_TYPES  # a recurrent-state pool beside the pages
-        if linear and ec.enable_prefix_caching:
-            log.info("prefix caching is off for %s (its linear layers' states are not cached)", config.model_type)
-            ec = dataclasses.replace(ec, enable_prefix_caching=False)
         if ec.data_parallel_size != 1:
             raise ValueError(
                 "data_parallel_size: one LLMEngine is one replica; use paged_jax.engine.data_parallel.make_engine"
@@ -160,6 +173,7 @@ class LLMEngine:
             groups=self.kv_layout.groups,
             max_step_tokens=(ec.chunk_size or ec.max_num_batched_tokens) + spec_tokens,
             host_tier=self.host_tier,
+            snapshots=state_snapshots(ec) if linear else None,
         )
         self.adapters, lora_slots = None, None
         if ec.enable_lora:  # adapters are checked against the model's own shapes, slots use the run config's
@@ -375,6 +389,8 @@ class LLMEngine:
         check_manager_invariants(self.kv)
         if self.scheduler.state_slots is not None:
             check_state_slots(self.scheduler.state_slots, self.kv.requests.keys())
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.check()
 
     def has_unfinished(self) -> bool:
         return len(self.outputs) > 0
@@ -404,7 +420,16 @@ class LLMEngine:
             kv_cache_token_gain=round(self.kv_token_gain, 3),
             requests_waiting_for_compile=0 if gate is None else len(gate.deferred),
             compiles_queued=0 if gate is None else gate.worker.busy,
+            **self._state_fields(),
         )
+
+    def _state_fields(self) -> dict[str, Any]:
+        """A hybrid's state slot and snapshot figures (`EngineStats.state_*`; none for other models)."""
+        slots, snapshots = self.scheduler.state_slots, self.kv.snapshots
+        out: dict[str, Any] = {} if slots is None else {"state_slots_in_use": slots.num_in_use}
+        if snapshots is not None:
+            out |= {"state_snapshots_cached": snapshots.num_cached, "state_snapshot_hits": snapshots.num_hits}
+        return out
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

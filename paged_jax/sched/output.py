@@ -61,9 +61,10 @@ class SchedulerOutput:
     lora_loads: list[SlotLoad] = field(default_factory=list)  # adapters to write into device slots, before the step
     kv_transfers: KVTransfers | None = None  # page copies to and from the host tier, before the step (None: none)
     # linear-attention hybrids (`paged_jax.kv_cache.state_pool`): [len(scheduled)] i32 each sequence's state slot,
-    # and the fork copies the runner makes after the step (None / empty: a model without linear layers)
+    # and the copies the runner makes after the step: forks, snapshots (None / empty: no linear layers)
     state_slots: np.ndarray | None = None
     state_copies: list[StateCopy] = field(default_factory=list)
+    state_restores: list[StateCopy] = field(default_factory=list)  # snapshot rows into slots, before the step
     preempted: list[TokenSequence] = field(default_factory=list)
     num_tokens: int = 0
 

@@ -99,8 +99,8 @@ def kv_capacity_pages(
     scale rows of quantized pages, padded to whole lanes on TPU: `paged_jax.model.quant.kv_bytes_per_page`).
 
     A linear-attention hybrid's budget is one budget split in two: its recurrent-state pool first (fixed:
-    `max_num_seqs` + 1 slots, `paged_jax.worker.linear_state.state_pool_bytes`), the rest for pages of its
-    full-attention layers only.
+    `max_num_seqs` + 1 slots and the prefix cache's snapshot rows, `paged_jax.worker.linear_state.state_pool_bytes`),
+    the rest for pages of its full-attention layers only.
 
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
@@ -112,7 +112,8 @@ def kv_capacity_pages(
     if ec.num_pages is not None:
         return ec.num_pages
     slabs, groups = (None, 1) if layout is None else (layout.slots_per_page, len(layout.groups))
-    state_bytes = state_pool_bytes(config, ec.max_num_seqs)
+    snapshots = (ec.state_snapshots or ec.max_num_seqs) if ec.enable_prefix_caching else 0
+    state_bytes = state_pool_bytes(config, ec.max_num_seqs, snapshots)
     if state_bytes:  # a linear-attention hybrid: pages only for its full-attention layers
         slabs = config.num_kv_layers
     stats = memory_stats
@@ -135,9 +136,10 @@ def kv_capacity_pages(
         budget = cpu.bytes
     if state_bytes:
         log.info(
-            "recurrent-state pool: %d slots x %.2f MiB = %.1f MiB of the budget, the rest for KV pages",
+            "recurrent-state pool: %d slots and %d snapshots x %.2f MiB = %.1f MiB of the budget, the rest for pages",
             ec.max_num_seqs + 1,
-            state_bytes / (ec.max_num_seqs + 1) / 2**20,
+            snapshots,
+            state_bytes / (ec.max_num_seqs + 1 + snapshots) / 2**20,
             state_bytes / 2**20,
         )
         budget -= state_bytes

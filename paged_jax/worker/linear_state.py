@@ -40,9 +40,10 @@ def state_bytes_per_slot(config: ModelConfig) -> int:
     return 4 * (int(np.prod(conv)) + int(np.prod(recurrent))) * num_linear_layers(config)
 
 
-def state_pool_bytes(config: ModelConfig, max_num_seqs: int) -> int:
-    """The whole pool: `max_num_seqs` slots and the null slot (0 for a model without linear layers)."""
-    return state_bytes_per_slot(config) * (max_num_seqs + 1) if num_linear_layers(config) else 0
+def state_pool_bytes(config: ModelConfig, max_num_seqs: int, num_snapshots: int = 0) -> int:
+    """The whole pool: `max_num_seqs` slots, the null slot and `num_snapshots` snapshot rows (0 for a model
+    without linear layers)."""
+    return state_bytes_per_slot(config) * (max_num_seqs + 1 + num_snapshots) if num_linear_layers(config) else 0
 
 
 def allocate_state(config: ModelConfig, num_slots: int, device=None) -> LinearState:

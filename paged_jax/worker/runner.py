@@ -160,6 +160,8 @@ class ModelRunner:
     `kv_layout`: the KV cache groups (`paged_jax.kv_cache.groups.kv_layout`, the engine's KV manager's): a page is
     `slots_per_page` layer slabs and each group's layers read their own block table; several groups need the
     scanned decoder. None: one group, every layer's slab in every page.
+    `num_state_snapshots`: a linear-attention hybrid's snapshot rows after its `max_num_seqs` + 1 state slots
+    (`paged_jax.kv_cache.state_snapshots`).
     `executable_store`: a directory of serialized executables (`paged_jax.worker.executable_store`) that
     compiling looks in first and writes to; None: off (an abstract runner never uses one).
     """
@@ -184,11 +186,13 @@ class ModelRunner:
         abstract: bool = False,
         executable_store: str | None = None,
         kv_layout: KVLayout | None = None,
+        num_state_snapshots: int = 0,
     ) -> None:
         self.linear = config.model_type in LINEAR_ATTENTION_TYPES  # linear layers keep a recurrent-state pool
         if self.linear:
             _check_linear_hybrid(config, mesh, num_speculative_tokens, scan_layers, kv_layout)
-        self.num_state_slots = max_num_seqs + 1 if self.linear else 0  # `paged_jax.kv_cache.state_pool`
+        # rows of each linear layer's state arrays: the slots (`paged_jax.kv_cache.state_pool`), then the snapshots
+        self.num_state_slots = max_num_seqs + 1 + num_state_snapshots if self.linear else 0
         self.config = config
         self.abstract = abstract
         self.lora = lora
@@ -526,6 +530,8 @@ class ModelRunner:
             self.kv_transfer.land()  # the last step's copies to the host (they were gathered before it ran)
         if sched.copy_ops:
             self.copy_pages(sched.copy_ops)
+        if sched.state_restores:
+            self.copy_states(sched.state_restores)
         for load in sched.lora_loads:
             self.load_lora(load)
         t = bucket_for(sched.num_tokens, self.token_buckets)
@@ -552,8 +558,8 @@ class ModelRunner:
         return _Forward(logits, hidden, s, t, flags)
 
     def copy_states(self, ops: list[StateCopy]) -> None:
-        """Copy state slots (forks: the leader's state after the step that completed its prompt), in place on
-        every linear layer."""
+        """Copy state rows in place on every linear layer: prefix hits' snapshots into slots (before the step),
+        forks (the leader's state after the step that completed its prompt) and snapshots (after the step)."""
         top = self.copy_buckets[-1]
         for start in range(0, len(ops), top):
             chunk = ops[start : start + top]

@@ -36,6 +36,11 @@ def make_llm(name: str, **options) -> LLM:
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, kinds: list[str] | None = None):
     """Every request to the end, the invariants checked after each step; each request's samples' tokens.
     `kinds`: collects "mixed" for each step that ran prefill chunks beside decodes."""
+    return [[list(c.token_ids) for c in out.outputs] for out in run_outputs(llm, prompts, params, kinds)]
+
+
+def run_outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams, kinds: list[str] | None = None):
+    """`run`, returning each request's final `RequestOutput`."""
     engine = llm.engine
     base = engine.num_steps
     schedule = engine.scheduler.schedule
@@ -55,7 +60,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, kinds: list[
         while engine.has_unfinished():
             for out in engine.step():
                 if out.finished:
-                    done[out.request_id] = [list(c.token_ids) for c in out.outputs]
+                    done[out.request_id] = out
             engine.check_invariants()
     finally:
         engine.scheduler.schedule = schedule
@@ -113,3 +118,25 @@ def test_n4_forks_copy_the_leaders_state(variant):
 def test_speculation_is_refused_by_name():
     with pytest.raises(ConfigError, match="^speculative_config: .*'qwen3_5'"):
         make_llm("qwen3_5", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_prefix_hits_at_several_depths_equal_the_cold_computation(variant):
+    """Snapshots every 16 tokens and at each prompt's last full block (pages of 8): prompts sharing 20, 36 and 45
+    tokens with an earlier one hit its snapshots at 16, 32 and 40 and give the cold engine's tokens; a one-token
+    difference at position 2 misses, one at position 20 hits only the snapshot below it."""
+    name, _, _ = variant
+    warm = make_llm(name, state_snapshot_interval=16, state_snapshots=16, max_num_batched_tokens=16, chunk_size=16)
+    cold = make_llm(name, enable_prefix_caching=False, max_num_batched_tokens=16, chunk_size=16)
+    rng = np.random.default_rng(1)
+    base = rng.integers(3, 288, size=45).tolist()
+    tails = [rng.integers(3, 288, size=n).tolist() for n in (3, 5, 2)]
+    near = [base[:2] + [(base[2] + 1) % 288] + base[3:], base[:20] + [(base[20] + 1) % 288] + base[21:]]
+    prompts = [base[:20] + tails[0], base[:36] + tails[1], base + tails[2], base, *near]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    run_outputs(warm, [base], params)
+    got = run_outputs(warm, prompts, params)
+    assert [o.metrics.num_cached_prompt_tokens for o in got] == [16, 32, 40, 40, 0, 16], name
+    want = run(cold, prompts, params)
+    assert [[list(c.token_ids) for c in o.outputs] for o in got] == want, name
+    stats = warm.engine.stats()
+    assert stats.state_snapshot_hits == 5 and stats.state_snapshots_cached > 0 and stats.state_slots_in_use == 0
