@@ -62,9 +62,11 @@ def cpu_kv_budget(
     max_model_len: int,
     page_size: int = 1,
     available: int | None = None,
+    reserved: int = 0,
 ) -> KVBudget:
     """The CPU KV budget: `requested` bytes (None: the 4 GiB default), capped as the module docstring says
-    (`max_model_len` rounded up to whole pages, plus the null page)."""
+    (`max_model_len` rounded up to whole pages, plus the null page). `reserved`: bytes of the budget spent
+    elsewhere first (a hybrid's recurrent-state pool), taken off before the cap on what sequences can hold."""
     gib = 2**30
     if requested is not None:
         budget = KVBudget(requested, f"{requested / gib:.2f} GiB as requested")
@@ -76,6 +78,8 @@ def cpu_kv_budget(
             int(available * AVAILABLE_FRACTION),
             f"{budget.reason}, capped at half of the {available / gib:.1f} GiB available",
         )
+    if reserved:
+        budget = KVBudget(max(0, budget.bytes - reserved), f"{budget.reason}, less {reserved / gib:.2f} GiB of state")
     most = bytes_per_token * page_size * (max_num_seqs * cdiv(max_model_len, page_size) + 1)
     if budget.bytes > most:
         budget = KVBudget(
@@ -128,9 +132,15 @@ def kv_capacity_pages(
     )
     if stats and "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
+        budget -= state_bytes
     else:
         cpu = cpu_kv_budget(
-            ec.cpu_kv_cache_bytes, groups * per_page // ec.page_size, ec.max_num_seqs, max_model_len, ec.page_size
+            ec.cpu_kv_cache_bytes,
+            groups * per_page // ec.page_size,
+            ec.max_num_seqs,
+            max_model_len,
+            ec.page_size,
+            reserved=state_bytes,
         )
         log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30, cpu.reason)
         budget = cpu.bytes
@@ -142,7 +152,6 @@ def kv_capacity_pages(
             state_bytes / (ec.max_num_seqs + 1 + snapshots) / 2**20,
             state_bytes / 2**20,
         )
-        budget -= state_bytes
     return max(2, budget // per_page)
 
 

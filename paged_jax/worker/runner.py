@@ -568,9 +568,10 @@ class ModelRunner:
             dst = np.zeros(n, np.int32)
             src[: len(chunk)] = [c.src for c in chunk]
             dst[: len(chunk)] = [c.dst for c in chunk]
-            self.kv_caches = self._executable(self._state_copy_job(n))(self.kv_caches, src, dst)
+            self.kv_caches = self._executable(self.state_copy_job(n))(self.kv_caches, src, dst)
 
-    def _state_copy_job(self, n: int) -> Job:
+    def state_copy_job(self, n: int) -> Job:
+        """Copying `n` state rows on every linear layer (one executable per copy bucket)."""
         fn, specs, i32 = copy_states_function(), self._kv_specs, self.jobs.spec
         return Job(("state_copy", self.jobs.key, n), lambda: fn.lower(specs, i32(n), i32(n)), f"state copy slots={n}")
 

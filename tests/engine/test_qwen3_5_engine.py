@@ -140,3 +140,24 @@ def test_prefix_hits_at_several_depths_equal_the_cold_computation(variant):
     assert [[list(c.token_ids) for c in o.outputs] for o in got] == want, name
     stats = warm.engine.stats()
     assert stats.state_snapshot_hits == 5 and stats.state_snapshots_cached > 0 and stats.state_slots_in_use == 0
+
+
+def test_one_budget_the_state_pool_first_then_pages_of_full_layers():
+    """Without `num_pages` the CPU budget pays for the state pool (slots and snapshot rows, what the runner
+    allocates) and the rest buys pages of the full-attention layers only; the cap at what `max_num_seqs`
+    sequences can hold counts pages alone."""
+    from paged_jax.model.linear_state import LinearState
+    from paged_jax.model.quant import kv_bytes_per_page
+    from paged_jax.worker.linear_state import state_pool_bytes
+
+    budget = 2**18  # under the cap: 4 sequences x 32 blocks + the null page = 129 pages of 2 KiB
+    llm = make_llm("qwen3_5", num_pages=None, cpu_kv_cache_bytes=budget, max_model_len=256)
+    engine = llm.engine
+    config = engine.config
+    pool = sum(x.nbytes for c in engine.runner.kv_caches if isinstance(c, LinearState) for x in (c.conv, c.recurrent))
+    assert pool == state_pool_bytes(config, 4, 4) > 0  # 4 slots, the null slot, 4 snapshot rows
+    page = kv_bytes_per_page(config, np.float32, 8, num_slabs=config.num_kv_layers)
+    assert engine.num_pages == (budget - pool) // page
+    assert engine.kv_cache_bytes == engine.num_pages * page  # pages only for the one full-attention layer
+    capped = make_llm("qwen3_5", num_pages=None, cpu_kv_cache_bytes=2**21, max_model_len=256).engine
+    assert capped.num_pages == 4 * 32 + 1  # the state came off the budget before the cap, not after
