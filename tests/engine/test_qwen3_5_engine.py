@@ -39,8 +39,10 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, kinds: list[
     return [[list(c.token_ids) for c in out.outputs] for out in run_outputs(llm, prompts, params, kinds)]
 
 
-def run_outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams, kinds: list[str] | None = None):
-    """`run`, returning each request's final `RequestOutput`."""
+def run_outputs(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, kinds: list[str] | None = None, salt: str | None = None
+):
+    """`run`, returning each request's final `RequestOutput` (`salt`: every request's cache salt)."""
     engine = llm.engine
     base = engine.num_steps
     schedule = engine.scheduler.schedule
@@ -55,7 +57,7 @@ def run_outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams, kind
     engine.scheduler.schedule = spy
     try:
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{base}.{i}", prompt, params)
+            engine.add_request(f"r{base}.{i}", prompt, params, cache_salt=salt)
         done = {}
         while engine.has_unfinished():
             for out in engine.step():
@@ -123,7 +125,7 @@ def test_speculation_is_refused_by_name():
 def test_prefix_hits_at_several_depths_equal_the_cold_computation(variant):
     """Snapshots every 16 tokens and at each prompt's last full block (pages of 8): prompts sharing 20, 36 and 45
     tokens with an earlier one hit its snapshots at 16, 32 and 40 and give the cold engine's tokens; a one-token
-    difference at position 2 misses, one at position 20 hits only the snapshot below it."""
+    difference at position 2 misses, one at position 20 hits only the snapshot below it, another cache salt misses."""
     name, _, _ = variant
     warm = make_llm(name, state_snapshot_interval=16, state_snapshots=16, max_num_batched_tokens=16, chunk_size=16)
     cold = make_llm(name, enable_prefix_caching=False, max_num_batched_tokens=16, chunk_size=16)
@@ -138,6 +140,8 @@ def test_prefix_hits_at_several_depths_equal_the_cold_computation(variant):
     assert [o.metrics.num_cached_prompt_tokens for o in got] == [16, 32, 40, 40, 0, 16], name
     want = run(cold, prompts, params)
     assert [[list(c.token_ids) for c in o.outputs] for o in got] == want, name
+    (salted,) = run_outputs(warm, [base], params, salt="another tenant")  # the salt is in every block's hash
+    assert salted.metrics.num_cached_prompt_tokens == 0
     stats = warm.engine.stats()
     assert stats.state_snapshot_hits == 5 and stats.state_snapshots_cached > 0 and stats.state_slots_in_use == 0
 
