@@ -255,7 +255,10 @@ class LLMEngine:
         self, run_config: ModelConfig, params, ec: EngineConfig, kv_dtype, mesh: jax.sharding.Mesh | None
     ) -> HostTier | None:
         """The host tier `ec.kv_host_cache_gib` asks for (`paged_jax.kv_cache.host_tier`) and behind it the disk
-        tier of `ec.kv_disk_cache_dir`; None: off (or prefix caching is off: nothing is keyed)."""
+        tier of `ec.kv_disk_cache_dir`; None: off (or prefix caching is off: nothing is keyed). A linear-attention
+        hybrid has none by default (its states are not pages; asking for one is refused by the runner)."""
+        if run_config.model_type in LINEAR_ATTENTION_TYPES and not ec.kv_host_cache_gib and not ec.kv_disk_cache_dir:
+            return None
         platform = jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
         slabs = self.kv_layout.slots_per_page
         page_bytes = quant.kv_bytes_per_page(run_config, kv_dtype, ec.page_size, num_slabs=slabs)

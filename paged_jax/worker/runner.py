@@ -460,7 +460,7 @@ class ModelRunner:
             raise RuntimeError("an abstract ModelRunner has no KV pages to copy")
         if self.linear:
             raise ConfigError(
-                f"kv_host_cache_gib: the host KV tier is not supported for {self.config.model_type!r} "
+                f"kv_host_cache_gib: the KV tiers (host memory, disk) are not supported for {self.config.model_type!r} "
                 "(linear-attention layers keep per-sequence state, not only pages)"
             )
         self.kv_transfer = KVTransfer(self.kv_caches, self.num_pages, tier)
