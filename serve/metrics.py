@@ -159,6 +159,15 @@ class Metrics:
         self.queued_fn = lambda: 0
         self.queue_depth.set_function(lambda: self.queued_fn())
         self.warmup_fn: Callable[[], WarmupProgress | None] = lambda: None  # the server's warm-up, once started
+        self.state_slots = Gauge(
+            "paged_jax_state_slots_in_use", "Recurrent-state slots held by running sequences (hybrids)", registry=r
+        )
+        self.state_snapshots = Gauge(
+            "paged_jax_state_snapshots_cached", "Recurrent-state snapshots kept for the prefix cache", registry=r
+        )
+        self.state_snapshot_hits = Counter(
+            "paged_jax_state_snapshot_hits", "Prefix hits restored from a recurrent-state snapshot", registry=r
+        )
         r.register(_WarmupCollector(self))
 
     def on_step(self, engine: Engine) -> None:
@@ -185,8 +194,11 @@ class Metrics:
             ("kv_host_swap_ins", self.kv_swaps.labels(direction="in")),
             ("kv_host_swap_bytes_to_host", self.kv_swap_bytes.labels(direction="to_host")),
             ("kv_host_swap_bytes_to_device", self.kv_swap_bytes.labels(direction="to_device")),
+            ("state_snapshot_hits", self.state_snapshot_hits),
         ):
             counter.inc(self._advance(key, s, commit=True))
+        self.state_slots.set(s.state_slots_in_use)
+        self.state_snapshots.set(s.state_snapshots_cached)
         self.requests_waiting_for_compile.set(s.requests_waiting_for_compile)
         self.compiles_queued.set(s.compiles_queued)
         new = s.num_preemptions - self._preemptions_seen

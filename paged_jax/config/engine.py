@@ -58,6 +58,11 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; default min(model max, 8192)
     chunk_size: int | None = None  # max prompt tokens of one sequence per step (None: the token budget)
     enable_prefix_caching: bool = True
+    # Linear-attention hybrids (paged_jax.kv_cache.state_snapshots): rows of recurrent-state snapshots kept for the
+    # prefix cache (None: max_num_seqs), and the spacing in tokens of the snapshot points inside long prompts
+    # (rounded down to whole pages); each row costs one state slot's memory, taken from the KV budget.
+    state_snapshots: int | None = None
+    state_snapshot_interval: int = 512
     attention_backend: str = "auto"  # one of pallas_kernels.common.BACKENDS (auto | xla | pallas | ...)
     # The decoder's layers as scanned steps (paged_jax.model.scan; every model scans): "on" scans, "auto" scans on
     # TPU and GPU and loops on CPU (XLA:CPU copies a scanned layer's weights every step), "off" is a Python loop.
@@ -141,6 +146,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value > bound:
                 raise ValueError(f"{name}: {value} is more than {bound}, the most this engine takes ({what})")
+        if self.state_snapshots is not None and self.state_snapshots < 1:
+            raise ValueError("state_snapshots: must be >= 1 (or None for max_num_seqs)")
+        if self.state_snapshot_interval < 1:
+            raise ValueError("state_snapshot_interval: must be >= 1 token")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError("chunk_size: must be >= 1 (or None for the token budget)")
         if self.num_pages is not None and not 2 <= self.num_pages <= MAX_SLOT_ID // self.page_size:

@@ -304,6 +304,16 @@ ENGINE_FLAGS = (
         "reuse the KV pages of prompt prefixes already computed",
         negated_alias="--no-prefix-caching",
     ),
+    EngineFlag(
+        "state_snapshots",
+        "linear-attention hybrids (Qwen3.5): recurrent-state snapshots kept for the prefix cache, each the memory of "
+        "one sequence's state (default: max_num_seqs)",
+    ),
+    EngineFlag(
+        "state_snapshot_interval",
+        "linear-attention hybrids: tokens between state snapshots inside a long prompt (whole pages; each prompt's "
+        "last full block is always one)",
+    ),
     EngineFlag("attention_backend", "the paged attention kernel (auto: the platform's fastest)", choices=BACKENDS),
     EngineFlag(
         "scan_layers",

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from paged_jax.config import ModelConfig
+from paged_jax.config import LINEAR_ATTENTION_TYPES, ModelConfig
 from paged_jax.config.engine import EngineConfig
 from paged_jax.config.pooling import read_pooler
 from paged_jax.engine.compile_gate import CompileGate
@@ -30,11 +30,13 @@ from paged_jax.engine.lookahead import Launched, Lookahead
 from paged_jax.engine.output_processor import OutputProcessor, RequestState
 from paged_jax.engine.protocol import EngineStats, kv_fields
 from paged_jax.errors import FieldError
-from paged_jax.kv_cache import DiskTier, HostTier, KVCacheManager, KVLayout, KVTransfers, SwapSpace
-from paged_jax.kv_cache.invariants import check_manager_invariants
+from paged_jax.kv_cache import DiskTier, HostTier, KVCacheManager, KVLayout, KVTransfers, StateSlots, SwapSpace
+from paged_jax.kv_cache.invariants import check_manager_invariants, check_state_slots
+from paged_jax.kv_cache.state_snapshots import StateSnapshots
 from paged_jax.lora.registry import AdapterCache, SlotTable
 from paged_jax.lora.request import LoRARequest
 from paged_jax.model import quant
+from paged_jax.model.linear_state import LinearState
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 from paged_jax.sched.output import SchedulerOutput
@@ -58,6 +60,20 @@ from paged_jax.worker.warmup import WarmupPlan, WarmupProgress, run_warmup
 log = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine"]
+
+
+def state_snapshots(ec: EngineConfig) -> StateSnapshots | None:
+    """A linear-attention hybrid's state snapshots for the prefix cache (None: prefix caching off); their rows
+    follow the `max_num_seqs` + 1 state slots."""
+    if not ec.enable_prefix_caching:
+        return None
+    interval = max(ec.page_size, ec.state_snapshot_interval // ec.page_size * ec.page_size)
+    return StateSnapshots(num_state_snapshots(ec), ec.max_num_seqs + 1, ec.page_size, interval)
+
+
+def num_state_snapshots(ec: EngineConfig) -> int:
+    """Snapshot rows of a hybrid's state pool (0 with prefix caching off)."""
+    return (ec.state_snapshots or ec.max_num_seqs) if ec.enable_prefix_caching else 0
 
 
 def make_runner(
@@ -93,6 +109,7 @@ def make_runner(
         scan_layers=ec.scan_layers,
         executable_store=ec.executable_store,
         kv_layout=kv_layout,
+        num_state_snapshots=num_state_snapshots(ec) if run_config.model_type in LINEAR_ATTENTION_TYPES else 0,
     )
 
 
@@ -121,6 +138,7 @@ class LLMEngine:
     ):
         ec = engine_config or EngineConfig()
         ec.validate()
+        linear = config.model_type in LINEAR_ATTENTION_TYPES  # a recurrent-state pool beside the pages
         if ec.data_parallel_size != 1:
             raise ValueError(
                 "data_parallel_size: one LLMEngine is one replica; use paged_jax.engine.data_parallel.make_engine"
@@ -161,6 +179,7 @@ class LLMEngine:
             groups=self.kv_layout.groups,
             max_step_tokens=(ec.chunk_size or ec.max_num_batched_tokens) + spec_tokens,
             host_tier=self.host_tier,
+            snapshots=state_snapshots(ec) if linear else None,
         )
         self.adapters, lora_slots = None, None
         if ec.enable_lora:  # adapters are checked against the model's own shapes, slots use the run config's
@@ -176,6 +195,7 @@ class LLMEngine:
             watermark=ec.watermark,
             lora_slots=lora_slots,
             max_restore_pages=ec.kv_restore_pages_per_step,
+            state_slots=StateSlots(ec.max_num_seqs) if linear else None,
         )
         self.runner = make_runner(run_config, params, ec, self.num_pages, self.max_model_len, mesh, self.kv_layout)
         if self.host_tier is not None:
@@ -212,9 +232,12 @@ class LLMEngine:
             max_grammar_bytes=ec.structured_max_grammar_bytes, compile_timeout_s=ec.structured_compile_timeout_s
         )
         self.structured = StructuredRows(LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_ids, limits))
-        self.kv_cache_bytes = sum(x.nbytes for x in jax.tree.leaves(self.runner.kv_caches))  # padding included
+        # padding included; a hybrid's state pool is not KV (`state_pool_bytes`)
+        caches: Any = self.runner.kv_caches
+        caches = [c for c in caches if not isinstance(c, LinearState)] if linear else caches
+        self.kv_cache_bytes = sum(x.nbytes for x in jax.tree.leaves(caches))
         # Tokens per byte vs bfloat16 pages of the same run config (padded scale rows included).
-        slabs = self.kv_layout.slots_per_page
+        slabs = config.num_kv_layers if linear else self.kv_layout.slots_per_page
         bf16_bytes = quant.kv_bytes_per_page(run_config, jnp.bfloat16, ec.page_size, num_slabs=slabs) * self.num_pages
         self.kv_token_gain = bf16_bytes / self.kv_cache_bytes
         log.info(
@@ -241,7 +264,10 @@ class LLMEngine:
         self, run_config: ModelConfig, params, ec: EngineConfig, kv_dtype, mesh: jax.sharding.Mesh | None
     ) -> HostTier | None:
         """The host tier `ec.kv_host_cache_gib` asks for (`paged_jax.kv_cache.host_tier`) and behind it the disk
-        tier of `ec.kv_disk_cache_dir`; None: off (or prefix caching is off: nothing is keyed)."""
+        tier of `ec.kv_disk_cache_dir`; None: off (or prefix caching is off: nothing is keyed). A linear-attention
+        hybrid has none by default (its states are not pages; asking for one is refused by the runner)."""
+        if run_config.model_type in LINEAR_ATTENTION_TYPES and not ec.kv_host_cache_gib and not ec.kv_disk_cache_dir:
+            return None
         platform = jax.devices()[0].platform if mesh is None else mesh.devices.flat[0].platform
         slabs = self.kv_layout.slots_per_page
         page_bytes = quant.kv_bytes_per_page(run_config, kv_dtype, ec.page_size, num_slabs=slabs)
@@ -390,10 +416,15 @@ class LLMEngine:
         return self.outputs.output(req, final=True)
 
     def check_invariants(self) -> None:
-        """The KV manager's invariants (raises RuntimeError naming the broken one)."""
+        """The KV manager's invariants, and a hybrid's state slots: one per sequence holding pages (raises
+        RuntimeError naming the broken one)."""
         check_manager_invariants(self.kv)
         if self.scheduler.swap is not None:
             self.scheduler.swap.check()
+        if self.scheduler.state_slots is not None:
+            check_state_slots(self.scheduler.state_slots, self.kv.requests.keys())
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.check()
 
     def has_unfinished(self) -> bool:
         return len(self.outputs) > 0
@@ -430,7 +461,16 @@ class LLMEngine:
             kv_cache_token_gain=round(self.kv_token_gain, 3),
             requests_waiting_for_compile=0 if gate is None else len(gate.deferred),
             compiles_queued=0 if gate is None else gate.worker.busy,
+            **self._state_fields(),
         )
+
+    def _state_fields(self) -> dict[str, Any]:
+        """A hybrid's state slot and snapshot figures (`EngineStats.state_*`; none for other models)."""
+        slots, snapshots = self.scheduler.state_slots, self.kv.snapshots
+        out: dict[str, Any] = {} if slots is None else {"state_slots_in_use": slots.num_in_use}
+        if snapshots is not None:
+            out |= {"state_snapshots_cached": snapshots.num_cached, "state_snapshot_hits": snapshots.num_hits}
+        return out
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -77,6 +77,11 @@ class EngineStats:
     kv_host_swap_bytes_to_device: int = 0
     # The disk tier (paged_jax.kv_cache.disk_tier; zeros without one): files and bytes held, blocks read back, files
     # written, files rejected (truncated, corrupt, foreign: deleted), write faults, files deleted for size.
+    # Linear-attention hybrids (paged_jax.kv_cache.state_pool, state_snapshots; zeros otherwise): state slots held
+    # by running sequences, state snapshots cached for the prefix cache, prefix hits restored from one.
+    state_slots_in_use: int = 0
+    state_snapshots_cached: int = 0
+    state_snapshot_hits: int = 0
     kv_disk_files: int = 0
     kv_disk_bytes: int = 0
     kv_disk_hits: int = 0

@@ -8,11 +8,13 @@ Raises ``RuntimeError`` (not ``assert``, which ``python -O`` strips) naming the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NoReturn
 
 from paged_jax.kv_cache.manager import KVCacheManager
 from paged_jax.kv_cache.page_bounds import cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE
+from paged_jax.kv_cache.state_pool import StateSlots
 
 
 def _fail(msg: str) -> NoReturn:
@@ -151,3 +153,13 @@ def check_manager_invariants(m: KVCacheManager) -> None:
     # The host tier: every slot free or exactly one entry's, in-flight entries held.
     if m.host_tier is not None:
         m.host_tier.check()
+
+
+def check_state_slots(slots: StateSlots, holders: Iterable[str]) -> None:
+    """A linear-attention hybrid's state slots (`paged_jax.kv_cache.state_pool`): every slot but the null one
+    exactly once free or owned, and owned by exactly the requests that hold pages (`holders`)."""
+    slots.check()
+    owners = slots.owners()
+    held = set(holders)
+    if owners != held:
+        _fail(f"state slots of {sorted(owners - held)} hold no pages; pages of {sorted(held - owners)} no slot")

@@ -52,6 +52,7 @@ from paged_jax.kv_cache.host_tier import HostTier, KVTransfers
 from paged_jax.kv_cache.observer import CacheObserver
 from paged_jax.kv_cache.page_bounds import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE, Page, PagePool
+from paged_jax.kv_cache.state_snapshots import StateSnapshots
 from paged_jax.kv_cache.stats import GroupStats, KVCacheStats
 
 
@@ -103,8 +104,11 @@ class KVCacheManager:
         groups: Sequence[KVGroup] = (FULL,),
         max_step_tokens: int | None = None,
         host_tier: HostTier | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
-        """`groups`: the KV cache groups (`paged_jax.kv_cache.groups.kv_layout`), one by default.
+        """`snapshots`: a linear-attention hybrid's state snapshots (`paged_jax.kv_cache.state_snapshots`): a hit
+        is lowered to the deepest point with a snapshot, and a snapshot leaves with its block's page.
+        `groups`: the KV cache groups (`paged_jax.kv_cache.groups.kv_layout`), one by default.
         `host_tier`: where evicted full blocks go and prefix hits the device misses come from
         (`paged_jax.kv_cache.host_tier`); None: an evicted block is forgotten.
         `max_step_tokens`: the most tokens a step computes for one sequence (the scheduler's chunk, drafts
@@ -152,6 +156,9 @@ class KVCacheManager:
         self._prefix_hits_host = 0  # of the hits, tokens of blocks some group restored from the host tier
         self._known: _Known | dict[BlockHash, Page] = self.pool.cached  # what a prefix lookup can hit
         self.observer: CacheObserver | None = None
+        self.snapshots = snapshots if enable_prefix_caching else None
+        if self.snapshots is not None:
+            self.pool.on_evict = self._evicted
         if self.host_tier is not None:
             self.pool.on_evict = self._evicted
             self._known = _Known(self.pool.cached, self.host_tier)
@@ -159,13 +166,16 @@ class KVCacheManager:
     def set_observer(self, observer: CacheObserver | None) -> None:
         """Report every change of the prefix cache's entries to `observer` (`paged_jax.kv_cache.observer`)."""
         self.observer = observer
-        self.pool.on_evict = None if observer is None and self.host_tier is None else self._evicted
+        idle = observer is None and self.host_tier is None and self.snapshots is None
+        self.pool.on_evict = None if idle else self._evicted
 
     def _evicted(self, key: BlockHash, page_id: int) -> None:
         """A cache entry the pool evicted from the device: copied to the host tier (when there is one) and
         reported to the observer as (group, block hash): keys past group 0 carry a suffix."""
         if self.host_tier is not None:
             self.host_tier.offload(key, page_id)
+        if self.snapshots is not None:
+            self.snapshots.evicted(key)
         if self.observer is not None:
             n = HASH_BYTES
             group = 0 if len(key) == n else int.from_bytes(key[n:], "little")
@@ -263,6 +273,11 @@ class KVCacheManager:
         """Leading tokens of the request whose KV is in its pages (or is written this step): the one count of
         computed tokens (sequences do not keep their own)."""
         return self._get(request_id).num_computed
+
+    def block_hash(self, request_id: str, block: int) -> BlockHash:
+        """The chained hash of the request's full block `block` (known once the block is scheduled with
+        caching on)."""
+        return self._get(request_id).block_hashes[block]
 
     def page_ref_count(self, page_id: int) -> int:
         """Refcount of one physical page (for tests and debugging)."""
@@ -548,6 +563,8 @@ class KVCacheManager:
         if self.requests:
             return False
         self.pool.clear_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         if self.observer is not None:
             self.observer.cleared()
         return True
@@ -693,6 +710,8 @@ class KVCacheManager:
                     break
                 i += 1
             h = i
+        if self.snapshots is not None:  # a hybrid's hit also needs the linear layers' state at that point
+            h = self.snapshots.usable_blocks(hashes, h)
         if not self.windows or h == 0:
             return h
         self.hasher.extend(hashes, token_ids, h, extra_keys)

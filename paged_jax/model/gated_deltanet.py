@@ -12,9 +12,12 @@ Parameters (`linear_attn/`, kernels [in, out]): in_proj_qkv [H, 2 Hk Dk + Hv Dv]
 in_proj_b [H, Hv], in_proj_a [H, Hv], conv1d [K, 2 Hk Dk + Hv Dv] (tap K - 1 reads the token itself),
 A_log [Hv], dt_bias [Hv], norm/weight [Dv], out_proj [Hv Dv, H].
 
-This module runs the dense path (`DenseMeta`: every sequence from its first token, states from zero, as the
-reference and the HF-parity tests run it). The paged engine does not serve these layers (`paged_jax.model.qwen3_5`
-says so where a runner would build it).
+Two paths, by the metadata the layer gets:
+- dense (`DenseMeta`, no state): every sequence from its first token, states from zero, as the reference and the
+  HF-parity tests run it, with the rule in the platform's form (below);
+- paged (metadata with a `StateMeta` in `state`, and the layer's `LinearState`): each sequence of the step
+  continues the conv inputs and the rule's state in its slot of the state pool, and leaves them there
+  (`paged_jax.model.linear_state`); the rule runs token by token over the step (`pallas_kernels.gated_delta_pool`).
 
 The rule has two exact forms (the same function up to float32 rounding), and `delta_rule_form` picks one by the
 platform the layer is traced for:
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 from paged_jax.config import ModelConfig
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.layers import kernel_init
+from paged_jax.model.linear_state import LinearState, StateMeta, paged_conv, paged_delta_rule
 from pallas_kernels.gated_delta import chunked_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
 
 CHUNK_SIZE = 64  # the chunked rule's chunk, as transformers and flash-linear-attention use
@@ -81,10 +85,13 @@ class GatedDeltaNet(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, meta: Any) -> jax.Array:
-        if not isinstance(meta, DenseMeta):
+    def __call__(self, x: jax.Array, meta: Any, state: LinearState | None = None) -> tuple[jax.Array, Any]:
+        """x [T, H] -> ([T, H], the updated `state`: None on the dense path)."""
+        paged: StateMeta | None = getattr(meta, "state", None)
+        if (paged is None) != (state is None) or (paged is None and not isinstance(meta, DenseMeta)):
             raise TypeError(
-                f"GatedDeltaNet: the paged engine does not serve linear-attention layers; got {type(meta).__name__}"
+                f"GatedDeltaNet: dense metadata without a state, or metadata with a StateMeta and the layer's "
+                f"LinearState; got {type(meta).__name__} and {type(state).__name__}"
             )
         c = self.config
         dtype = jnp.dtype(c.dtype)
@@ -102,8 +109,12 @@ class GatedDeltaNet(nn.Module):
         out_proj = self.param("out_proj", kernel_init, (hv * dv, h), dtype)
 
         t = x.shape[0]
-        seg = meta.segment_ids
-        mixed = causal_conv1d(x @ in_qkv, conv, seg)  # [T, C]
+        if state is None:
+            seg = meta.segment_ids
+            mixed = causal_conv1d(x @ in_qkv, conv, seg)  # [T, C]
+        else:
+            assert paged is not None  # checked above
+            mixed, conv_rows = paged_conv(x @ in_qkv, conv, state.conv, paged, meta.cu_q_lens)
         q = mixed[:, : hk * dk].reshape(t, hk, dk)
         k = mixed[:, hk * dk : 2 * hk * dk].reshape(t, hk, dk)
         v = mixed[:, 2 * hk * dk :].reshape(t, hv, dv)
@@ -111,14 +122,19 @@ class GatedDeltaNet(nn.Module):
         k = jnp.repeat(l2_normalize(k), hv // hk, axis=1)
         beta = jax.nn.sigmoid(x @ in_b)  # [T, Hv]
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus((x @ in_a).astype(jnp.float32) + dt_bias)
-        form = delta_rule_form(jax.default_backend())
-        out = gated_delta_rule(form, q, k, v, g, beta, seg)  # [T, Hv, Dv] float32
+        if state is None:
+            form = delta_rule_form(jax.default_backend())
+            out = gated_delta_rule(form, q, k, v, g, beta, seg)  # [T, Hv, Dv] float32
+        else:
+            assert paged is not None
+            out, rows = paged_delta_rule(q, k, v, g, beta, state.recurrent, paged, meta.cu_q_lens)
+            state = LinearState(conv_rows, rows)
         out = out.astype(dtype)
         z = (x @ in_z).reshape(t, hv, dv)
         o32 = out.astype(jnp.float32)
         normed = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + c.rms_norm_eps)).astype(dtype)
         gated = (norm_weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        return gated.astype(dtype).reshape(t, hv * dv) @ out_proj
+        return gated.astype(dtype).reshape(t, hv * dv) @ out_proj, state
 
 
 __all__ = ["CHUNK_SIZE", "DeltaRuleForm", "GatedDeltaNet", "causal_conv1d", "delta_rule_form", "gated_delta_rule"]

@@ -16,8 +16,9 @@ q_norm/weight, k_norm/weight [D]}; mlp/{gate_up_proj, down_proj} or mlp/{router,
 experts_down (as `paged_jax.model.moe`), shared_expert/{gate_up_proj [H, 2, Is], down_proj [Is, H]},
 shared_expert_gate [H, 1]}.
 
-The layers' trees differ between linear and full layers, so this family runs unrolled: the scanned decoder
-(`scan_layers`) and the paged engine (which needs a recurrent-state pool for the linear layers) refuse it.
+The layers' trees differ between linear and full layers, so this family runs unrolled (the scanned decoder,
+`scan_layers`, refuses it). In the paged engine a full layer's cache entry is its KV pages and a linear layer's is
+its `paged_jax.model.linear_state.LinearState` (the recurrent-state pool), both passed and returned by the layer.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Qwen35Layer(nn.Module):
         dtype = jnp.dtype(c.dtype)
         h = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, name="input_layernorm")(x)
         if c.is_linear_layer(self.layer):
-            h = GatedDeltaNet(c, name="linear_attn")(h, meta)
+            h, kv_cache = GatedDeltaNet(c, name="linear_attn")(h, meta, kv_cache)
         else:
             h, kv_cache = GatedAttention(c, self.attention_fn, name="self_attn")(h, rope, kv_cache, meta)
         x = x + h

@@ -1,7 +1,8 @@
 """The scheduler's output: everything the runner needs for one step and nothing more.
 
 Each scheduled sequence's token range, every scheduled sequence's block tables (one array), the rows that sample,
-the pages to copy (copy-on-write, and to and from the KV tiers) and the LoRA adapters to write into device slots
+the pages to copy (copy-on-write, and to and from the KV tiers), each sequence's recurrent-state slot
+(linear-attention hybrids) and the LoRA adapters to write into device slots
 first. The runner never talks to the KV manager; this record is the whole contract between them.
 """
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from paged_jax.kv_cache import KVTransfers, PageCopy
+from paged_jax.kv_cache import KVTransfers, PageCopy, StateCopy
 from paged_jax.lora.registry import SlotLoad
 from paged_jax.sched.sequence import TokenSequence
 
@@ -59,6 +60,11 @@ class SchedulerOutput:
     copy_ops: list[PageCopy] = field(default_factory=list)  # copy-on-write, before the step writes
     lora_loads: list[SlotLoad] = field(default_factory=list)  # adapters to write into device slots, before the step
     kv_transfers: KVTransfers | None = None  # page copies to and from the host tier, before the step (None: none)
+    # linear-attention hybrids (`paged_jax.kv_cache.state_pool`): [len(scheduled)] i32 each sequence's state slot,
+    # and the copies the runner makes after the step: forks, snapshots (None / empty: no linear layers)
+    state_slots: np.ndarray | None = None
+    state_copies: list[StateCopy] = field(default_factory=list)
+    state_restores: list[StateCopy] = field(default_factory=list)  # snapshot rows into slots, before the step
     preempted: list[TokenSequence] = field(default_factory=list)
     num_tokens: int = 0
 

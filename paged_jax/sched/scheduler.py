@@ -20,8 +20,11 @@ Each scheduled draft adds one sample row, so the step scores 1 + k positions of 
 
 The output (`paged_jax.sched.output`) is everything the runner needs and nothing more, the LoRA adapters to
 write into device slots first included. A sequence with an adapter takes a device slot at admission and returns it
-when it stops running (`paged_jax.lora.registry.SlotTable`); while every slot is busy with other adapters it
-waits, and the requests behind it are admitted past it. How many
+when it stops running (`paged_jax.lora.registry.SlotTable`), and so does each sequence of a linear-attention
+hybrid with its recurrent-state slot (`paged_jax.kv_cache.state_pool`; a fork's is copied from its leader's;
+prefill chunks end at its state snapshot points, `paged_jax.kv_cache.state_snapshots`);
+while every adapter slot is busy with other adapters it waits, and the requests behind it are admitted past it.
+How many
 of a sequence's tokens are computed is the KV manager's to know (`num_computed_tokens`); a waiting sequence
 holds no pages and has none computed.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from paged_jax.kv_cache import KVCacheManager, SwapSpace
+from paged_jax.kv_cache import KVCacheManager, StateSlots, SwapSpace
 from paged_jax.lora.registry import SlotTable
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
 from paged_jax.sched.sequence import FinishReason, Status, TokenSequence
@@ -51,10 +54,12 @@ class Scheduler:
         lora_slots: SlotTable | None = None,
         swap: SwapSpace | None = None,
         max_restore_pages: int = 128,
+        state_slots: StateSlots | None = None,
     ) -> None:
         self.kv = kv
         self.swap = swap  # swap-on-preemption (`paged_jax.kv_cache.swap`); None: a preempted request recomputes
         self.max_restore_pages = max_restore_pages  # host -> device page copies per step (module docstring)
+        self.state_slots = state_slots  # recurrent-state slots of a linear-attention hybrid (None: no such layers)
         self.lora_slots = lora_slots  # device slots of LoRA adapters (None: LoRA is off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -100,6 +105,8 @@ class Scheduler:
         waiting sequence waiting this step, with the ones behind it admitted past it (`paged_jax.engine.compile_gate`:
         its step shapes are not compiled yet)."""
         out = SchedulerOutput()
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.commit()  # the last step's state snapshots can be hit from now on
         budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
         scheduled: set[str] = set()
         for seq in list(self.running):  # a snapshot: children forked during this step join the list
@@ -107,7 +114,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or (seq.pending is not None and seq.pending.is_last):
                 continue  # preempted earlier in this loop, or its pending token is its last
-            num_new = min(seq.num_tokens - self.kv.num_computed_tokens(seq.seq_id), budget, self.chunk_size)
+            computed = self.kv.num_computed_tokens(seq.seq_id)
+            num_new = self._to_snapshot(seq, computed, min(seq.num_tokens - computed, budget, self.chunk_size))
             if num_new == 0:  # an embedding whose prompt a launched step completes: the engine ends it then
                 continue
             cache = seq.pending is None  # a placeholder (lookahead) must not be hashed; cached once its id is known
@@ -135,9 +143,35 @@ class Scheduler:
         out.block_tables = self.kv.step_tables([s.seq.seq_id for s in out.scheduled])
         if self.swap is not None:  # a step that runs nothing runs no copies: its swap-outs become recomputes
             self.swap.end_step(bool(out.scheduled))
+        if self.state_slots is not None:
+            out.state_slots = self.state_slots.step_slots([s.seq.seq_id for s in out.scheduled])
+            out.state_copies = self.state_slots.take_copies()
+            if self.kv.snapshots is not None:
+                out.state_copies += self.kv.snapshots.take_saves()
+                out.state_restores = self.kv.snapshots.take_restores()
         if out.scheduled:  # pages move only with a step that runs (a step without work allocated nothing)
             out.kv_transfers = self.kv.take_transfers()
         return out
+
+    def _to_snapshot(self, seq: TokenSequence, computed: int, num_new: int) -> int:
+        """`num_new` cut so that a prefill chunk ends at the next state snapshot point (a hybrid's state exists only
+        at a step's end; `paged_jax.kv_cache.state_snapshots`)."""
+        snapshots = self.kv.snapshots
+        if snapshots is None:
+            return num_new
+        point = snapshots.next_point(len(seq.prompt_token_ids), computed)
+        return num_new if point is None else min(num_new, point - computed)
+
+    def _save_snapshot(self, seq: TokenSequence, start: int, end: int) -> None:
+        """After a chunk [start, end) that ends at a snapshot point, snapshot the sequence's state there."""
+        snapshots = self.kv.snapshots
+        if snapshots is None or snapshots.next_point(len(seq.prompt_token_ids), start) != end:
+            return
+        snapshots.save(self.kv.block_hash(seq.seq_id, end // self.kv.page_size - 1), self._state().slot_of(seq.seq_id))
+
+    def _state(self) -> StateSlots:
+        assert self.state_slots is not None, "state snapshots exist only beside state slots"
+        return self.state_slots
 
     def _drafts(self, seq: TokenSequence, num_new: int, budget: int) -> list[int]:
         """The draft tokens `seq` runs this step (taken from it: a draft is for one step): those that fit the
@@ -174,6 +208,7 @@ class Scheduler:
                 break
             tokens = seq.all_token_ids
             swap = self.swap if self.swap is not None and seq.seq_id in self.swap else None
+            got: int | None = 0
             if swap is not None:  # swapped out: its pages come back from the host tier
                 restores = swap.pages(seq.seq_id)
                 cached = swap.num_computed(seq.seq_id)
@@ -184,7 +219,7 @@ class Scheduler:
                 # pooling) computes its whole prompt.
                 read_cache = self.enable_prefix_caching and not seq.needs_all_positions
                 cached, restores = self.kv.lookup_restores(tokens, seq.prefix_keys) if read_cache else (0, 0)
-                num_new = min(len(tokens) - cached, budget, self.chunk_size)
+                num_new = self._to_snapshot(seq, cached, min(len(tokens) - cached, budget, self.chunk_size))
                 new_pages = self.kv.pages_to_grow(cached, cached + num_new)  # in every KV cache group
             if restored and restored + restores > self.max_restore_pages:
                 break  # its copies wait for the next step's restore budget
@@ -206,14 +241,23 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self._take_slot(seq, out)
+            if got and self.kv.snapshots is not None:  # the linear layers' state at the hit point
+                key = self.kv.block_hash(seq.seq_id, got // self.kv.page_size - 1)
+                self.kv.snapshots.restore(key, self._state().slot_of(seq.seq_id))
             self.running.append(seq)
             promised = wanted
             self._schedule(seq, num_new, out, scheduled)
             budget -= num_new
         self.waiting.extendleft(reversed(blocked))
 
-    def _take_slot(self, seq: TokenSequence, out: SchedulerOutput) -> None:
-        """Give a sequence starting to run its adapter's device slot (loading the adapter there if needed)."""
+    def _take_slot(self, seq: TokenSequence, out: SchedulerOutput, parent: TokenSequence | None = None) -> None:
+        """Give a sequence starting to run its state slot (a fork's: a copy of `parent`'s after the step) and its
+        adapter's device slot (loading the adapter there if needed)."""
+        if self.state_slots is not None:
+            if parent is None:
+                self.state_slots.acquire(seq.seq_id)
+            else:
+                self.state_slots.fork(parent.seq_id, seq.seq_id)
         if seq.lora is None:
             return
         seq.lora_slot, load = self._slots().acquire(seq.lora)
@@ -226,6 +270,8 @@ class Scheduler:
         return self.lora_slots
 
     def _release_slot(self, seq: TokenSequence) -> None:
+        if self.state_slots is not None:
+            self.state_slots.release(seq.seq_id)
         if seq.lora is not None:
             self._slots().release(seq.lora_slot)
             seq.lora_slot = 0
@@ -247,6 +293,7 @@ class Scheduler:
         if seq.pooling is not None:
             item.pool_positions = seq.pool_positions(end)
         out.scheduled.append(item)
+        self._save_snapshot(seq, item.start, end)
         if end < seq.num_tokens or seq.pooling is not None:  # a prompt chunk short of the last token, or an
             return  # embedding's prompt (pooled, never sampled), samples nothing
         index = len(out.scheduled) - 1
@@ -256,7 +303,7 @@ class Scheduler:
             self.kv.fork(seq.seq_id, child.seq_id)
             child.num_cached_prompt = seq.num_cached_prompt
             child.status = Status.RUNNING
-            self._take_slot(child, out)  # the leader's adapter: resident, so never a load
+            self._take_slot(child, out, parent=seq)  # the leader's adapter: resident, so never a load
             scheduled.add(child.seq_id)
             self.running.append(child)
             out.sample_rows.append(SampleRow(child, index))

@@ -24,6 +24,7 @@ from paged_jax.config import ModelConfig
 from paged_jax.config.engine import EngineConfig
 from paged_jax.kv_cache import KVLayout, kv_layout
 from paged_jax.model.quant import kv_bytes_per_page
+from paged_jax.worker.linear_state import state_pool_bytes
 from pallas_kernels import kv_quant
 from pallas_kernels.common import cdiv
 
@@ -61,9 +62,11 @@ def cpu_kv_budget(
     max_model_len: int,
     page_size: int = 1,
     available: int | None = None,
+    reserved: int = 0,
 ) -> KVBudget:
     """The CPU KV budget: `requested` bytes (None: the 4 GiB default), capped as the module docstring says
-    (`max_model_len` rounded up to whole pages, plus the null page)."""
+    (`max_model_len` rounded up to whole pages, plus the null page). `reserved`: bytes of the budget spent
+    elsewhere first (a hybrid's recurrent-state pool), taken off before the cap on what sequences can hold."""
     gib = 2**30
     if requested is not None:
         budget = KVBudget(requested, f"{requested / gib:.2f} GiB as requested")
@@ -75,6 +78,8 @@ def cpu_kv_budget(
             int(available * AVAILABLE_FRACTION),
             f"{budget.reason}, capped at half of the {available / gib:.1f} GiB available",
         )
+    if reserved:
+        budget = KVBudget(max(0, budget.bytes - reserved), f"{budget.reason}, less {reserved / gib:.2f} GiB of state")
     most = bytes_per_token * page_size * (max_num_seqs * cdiv(max_model_len, page_size) + 1)
     if budget.bytes > most:
         budget = KVBudget(
@@ -97,6 +102,10 @@ def kv_capacity_pages(
     """Pages that fit the KV budget: 2 x layers x tokens x kv_heads x head_dim x bytes per token (plus the
     scale rows of quantized pages, padded to whole lanes on TPU: `paged_jax.model.quant.kv_bytes_per_page`).
 
+    A linear-attention hybrid's budget is one budget split in two: its recurrent-state pool first (fixed:
+    `max_num_seqs` + 1 slots and the prefix cache's snapshot rows, `paged_jax.worker.linear_state.state_pool_bytes`),
+    the rest for pages of its full-attention layers only.
+
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
     `memory_stats`: `bytes_limit` and `bytes_in_use` of that chip, when it cannot be asked (a deviceless
@@ -107,6 +116,10 @@ def kv_capacity_pages(
     if ec.num_pages is not None:
         return ec.num_pages
     slabs, groups = (None, 1) if layout is None else (layout.slots_per_page, len(layout.groups))
+    snapshots = (ec.state_snapshots or ec.max_num_seqs) if ec.enable_prefix_caching else 0
+    state_bytes = state_pool_bytes(config, ec.max_num_seqs, snapshots)
+    if state_bytes:  # a linear-attention hybrid: pages only for its full-attention layers
+        slabs = config.num_kv_layers
     stats = memory_stats
     if stats is None or platform is None:
         device = device or jax.local_devices()[0]
@@ -119,12 +132,26 @@ def kv_capacity_pages(
     )
     if stats and "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
+        budget -= state_bytes
     else:
         cpu = cpu_kv_budget(
-            ec.cpu_kv_cache_bytes, groups * per_page // ec.page_size, ec.max_num_seqs, max_model_len, ec.page_size
+            ec.cpu_kv_cache_bytes,
+            groups * per_page // ec.page_size,
+            ec.max_num_seqs,
+            max_model_len,
+            ec.page_size,
+            reserved=state_bytes,
         )
         log.info("KV cache budget on CPU: %.2f GiB (%s; --cpu-kv-cache-gib to change)", cpu.bytes / 2**30, cpu.reason)
         budget = cpu.bytes
+    if state_bytes:
+        log.info(
+            "recurrent-state pool: %d slots and %d snapshots x %.2f MiB = %.1f MiB of the budget, the rest for pages",
+            ec.max_num_seqs + 1,
+            snapshots,
+            state_bytes / (ec.max_num_seqs + 1 + snapshots) / 2**20,
+            state_bytes / 2**20,
+        )
     return max(2, budget // per_page)
 
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from paged_jax.kv_cache import KVLayout
 from paged_jax.model.attention import LayerPages
+from paged_jax.model.linear_state import StateMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,8 @@ class PagedMeta:
     block_tables: jax.Array  # [S, max_blocks] i32 physical page of each logical block, 0 = null page ([G, S, mb])
     cu_q_lens: jax.Array  # [S + 1] i32 cumulative query counts
     num_seqs: jax.Array  # [1] i32
+    # linear-attention hybrids: which state slot each sequence reads and writes (`paged_jax.model.linear_state`)
+    state: StateMeta | None = None
 
 
 def paged_attention(

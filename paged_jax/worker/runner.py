@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.config import LINEAR_ATTENTION_TYPES, ConfigError, ModelConfig
-from paged_jax.kv_cache import HostTier, KVGroup, KVLayout, PageCopy
+from paged_jax.kv_cache import HostTier, KVGroup, KVLayout, PageCopy, StateCopy
 from paged_jax.lora import weights as lora_weights
 from paged_jax.lora.delta import LoraBatch
 from paged_jax.lora.registry import SlotLoad
@@ -56,6 +56,7 @@ from paged_jax.worker.executable_store import open_store
 from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.kv_allocation import abstract_kv, allocate_kv
 from paged_jax.worker.kv_transfer import KVTransfer
+from paged_jax.worker.linear_state import abstract_state, allocate_state, build_state_meta, copy_states_function
 from paged_jax.worker.paged_attention import GroupedPages, PagedMeta
 from paged_jax.worker.pooling import build_pool_rows
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows
@@ -123,6 +124,28 @@ class StepResult:
         return float(self.logprob[row]), top
 
 
+def _check_linear_hybrid(
+    config: ModelConfig,
+    mesh: jax.sharding.Mesh | None,
+    num_speculative_tokens: int,
+    scan_layers: str,
+    kv_layout: KVLayout | None,
+) -> None:
+    """What a linear-attention hybrid's runner does not support, refused by the field that asks for it."""
+    name = config.model_type
+    if mesh is not None:
+        raise ConfigError(f"tensor_parallel_size: {name!r} runs on one device (its state pool is not sharded yet)")
+    if num_speculative_tokens:
+        raise ConfigError(
+            f"speculative_config: speculative decoding is not supported for {name!r} (a rejected draft would "
+            "leave its tokens in the linear layers' recurrent state)"
+        )
+    if scan_layers == "on":
+        raise ConfigError(f"scan_layers: {name!r}'s linear and full-attention layers differ, so it runs unrolled")
+    if kv_layout is not None and len(kv_layout.groups) > 1:
+        raise ConfigError(f"hybrid_kv: {name!r} has no sliding-window layers to group")
+
+
 class ModelRunner:
     """Owns the parameters, the KV page arrays and the compiled step functions.
 
@@ -139,6 +162,8 @@ class ModelRunner:
     `kv_layout`: the KV cache groups (`paged_jax.kv_cache.groups.kv_layout`, the engine's KV manager's): a page is
     `slots_per_page` layer slabs and each group's layers read their own block table; several groups need the
     scanned decoder. None: one group, every layer's slab in every page.
+    `num_state_snapshots`: a linear-attention hybrid's snapshot rows after its `max_num_seqs` + 1 state slots
+    (`paged_jax.kv_cache.state_snapshots`).
     `executable_store`: a directory of serialized executables (`paged_jax.worker.executable_store`) that
     compiling looks in first and writes to; None: off (an abstract runner never uses one).
     """
@@ -163,13 +188,13 @@ class ModelRunner:
         abstract: bool = False,
         executable_store: str | None = None,
         kv_layout: KVLayout | None = None,
+        num_state_snapshots: int = 0,
     ) -> None:
-        if config.model_type in LINEAR_ATTENTION_TYPES:  # its linear layers need a recurrent-state pool
-            raise ConfigError(
-                f"model_type: {config.model_type!r} (Gated DeltaNet layers) is not served by the paged engine yet: "
-                "its linear-attention layers need a recurrent-state pool; the dense model "
-                "(paged_jax.model.families.causal_lm) runs it"
-            )
+        self.linear = config.model_type in LINEAR_ATTENTION_TYPES  # linear layers keep a recurrent-state pool
+        if self.linear:
+            _check_linear_hybrid(config, mesh, num_speculative_tokens, scan_layers, kv_layout)
+        # rows of each linear layer's state arrays: the slots (`paged_jax.kv_cache.state_pool`), then the snapshots
+        self.num_state_slots = max_num_seqs + 1 + num_state_snapshots if self.linear else 0
         self.config = config
         self.abstract = abstract
         self.lora = lora
@@ -180,7 +205,7 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         platform = self._platform(params, mesh, abstract)
         grouped = kv_layout is not None and len(kv_layout.groups) > 1
-        self.scan = use_scan(scan_layers, platform, grouped)
+        self.scan = use_scan(scan_layers, platform, grouped) and not self.linear  # the hybrid runs unrolled
         self._init_groups(kv_layout)
         self.stacked_order = stacked_order(platform) if self.scan else ()  # the stacked weights' axis order
         self.params = self._stack(params, mesh, abstract) if self.scan else params
@@ -250,7 +275,20 @@ class ModelRunner:
         only `_kv_specs` (a background compile never touches pages a running step donated)."""
         config, mesh = self.config, self.mesh
         pages = self.num_pages * self.num_slabs if self.scan else self.num_pages
-        if self.abstract:
+        if self.linear:  # a full layer's entry is its pages, a linear layer's its state pool
+            n = self.num_state_slots
+            if self.abstract:
+                layer = abstract_kv(config, pages, self.page_size, self.kv_dtype, mesh, one, platform)
+                state = abstract_state(config, n, one)
+                self.kv_caches = tuple(state if config.is_linear_layer(i) else layer for i in range(config.num_layers))
+            else:
+                self.kv_caches = tuple(
+                    allocate_state(config, n)
+                    if config.is_linear_layer(i)
+                    else allocate_kv(config, self.num_pages, self.page_size, self.kv_dtype, mesh, platform)
+                    for i in range(config.num_layers)
+                )
+        elif self.abstract:
             layer = abstract_kv(config, pages, self.page_size, self.kv_dtype, mesh, one, platform)
             self.kv_caches = layer if self.scan else (layer,) * config.num_layers
         elif self.scan:
@@ -435,6 +473,11 @@ class ModelRunner:
         this runner's cache, and each step's `kv_transfers` run before its forward pass."""
         if self.abstract:
             raise RuntimeError("an abstract ModelRunner has no KV pages to copy")
+        if self.linear:
+            raise ConfigError(
+                f"kv_host_cache_gib: the KV tiers (host memory, disk) are not supported for {self.config.model_type!r} "
+                "(linear-attention layers keep per-sequence state, not only pages)"
+            )
         self.kv_transfer = KVTransfer(self.kv_caches, self.num_pages, tier)
         return self.kv_transfer
 
@@ -477,8 +520,12 @@ class ModelRunner:
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks, self.num_kv_groups)
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
+        state = build_state_meta(sched, t, s) if self.linear else None
+        restores, after = list(sched.state_restores), list(sched.state_copies)
         if not sampling:
-            return StepPlan(copies, t, s, flags, step, has_prev, None)
+            return StepPlan(
+                copies, t, s, flags, step, has_prev, None, state=state, state_restores=restores, state_copies=after
+            )
         inputs = build_sampling_inputs(
             sched.sample_rows,
             s,
@@ -489,7 +536,21 @@ class ModelRunner:
         )
         verify = verify_rows(sched, s) if self.num_speculative_tokens else None
         prompt, pool = build_prompt_rows(sched, t), build_pool_rows(sched, t, s)
-        return StepPlan(copies, t, s, flags, step, has_prev, inputs, verify, prompt, pool)
+        return StepPlan(
+            copies,
+            t,
+            s,
+            flags,
+            step,
+            has_prev,
+            inputs,
+            verify,
+            prompt,
+            pool,
+            state=state,
+            state_restores=restores,
+            state_copies=after,
+        )
 
     def run_plan(self, plan: StepPlan, prev_samples: SamplerOutput | None = None) -> ForwardLaunched:
         """The device half of `launch_forward`: dispatch `plan`'s copies, forward step, prompt logprobs and pooling
@@ -541,18 +602,40 @@ class ModelRunner:
     def _run_forward(self, plan: StepPlan, prev_samples: SamplerOutput | None) -> _Forward:
         """The copies and the forward step of `plan`, dispatched without waiting."""
         self._run_copies(plan.copies)
+        if plan.state_restores:
+            self.copy_states(plan.state_restores)
         step, t, s = plan.step, plan.t, plan.s
         token_ids = step.token_ids
         if step.has_pending:
             assert prev_samples is not None, "a pending token comes from the previous step's samples"
             token_ids = self._executable(self.jobs.merge(t))(token_ids, step.prev_rows, prev_samples.tokens)
-        meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
+        meta = PagedMeta(step.slot_mapping, step.kv_lens, step.block_tables, step.cu_q_lens, step.num_seqs, plan.state)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         forward = self._executable(self.jobs.forward(t, s))
         lora = None if self.lora_weights is None else LoraBatch(self.lora_weights, step.lora_slots)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         logits, self.kv_caches, hidden = forward(
             self.params, self.kv_caches, token_ids, step.positions, meta, step.logits_indices, lora
         )
+        if plan.state_copies:
+            self.copy_states(plan.state_copies)
         return _Forward(logits, hidden, s, t, plan.flags)
+
+    def copy_states(self, ops: list[StateCopy]) -> None:
+        """Copy state rows in place on every linear layer: prefix hits' snapshots into slots (before the step),
+        forks (the leader's state after the step that completed its prompt) and snapshots (after the step)."""
+        top = self.copy_buckets[-1]
+        for start in range(0, len(ops), top):
+            chunk = ops[start : start + top]
+            n = bucket_for(len(chunk), self.copy_buckets)
+            src = np.zeros(n, np.int32)  # padding copies the null slot onto itself
+            dst = np.zeros(n, np.int32)
+            src[: len(chunk)] = [c.src for c in chunk]
+            dst[: len(chunk)] = [c.dst for c in chunk]
+            self.kv_caches = self._executable(self.state_copy_job(n))(self.kv_caches, src, dst)
+
+    def state_copy_job(self, n: int) -> Job:
+        """Copying `n` state rows on every linear layer (one executable per copy bucket)."""
+        fn, specs, i32 = copy_states_function(), self._kv_specs, self.jobs.spec
+        return Job(("state_copy", self.jobs.key, n), lambda: fn.lower(specs, i32(n), i32(n)), f"state copy slots={n}")
 
     def _compiled_shape(
         self, sched: SchedulerOutput, t: int, s: int, merge: bool

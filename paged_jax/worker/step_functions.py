@@ -24,6 +24,7 @@ from paged_jax.config import ModelConfig
 from paged_jax.lora import weights as lora_weights
 from paged_jax.lora.delta import LoraBatch
 from paged_jax.model.families import causal_lm
+from paged_jax.model.linear_state import LinearState
 from paged_jax.model.scan import StackedOrder
 from paged_jax.worker import sharding
 from paged_jax.worker.paged_attention import GroupedPages, PagedMeta, paged_attention
@@ -132,7 +133,8 @@ def prompt_logprobs_function(key: StepKey):
 
 
 def _copy_all_pages(kv_caches, src, dst):
-    return tuple(pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
+    """Every layer's pages; a linear layer's state pool (`LinearState`, hybrids) passes through."""
+    return tuple(kv if isinstance(kv, LinearState) else pallas_kernels.copy_pages(kv, src, dst) for kv in kv_caches)
 
 
 @functools.cache

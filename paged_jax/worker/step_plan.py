@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from paged_jax.kv_cache.state_pool import StateCopy
+from paged_jax.model.linear_state import StateMeta
 from paged_jax.worker.pooling import PoolRows
 from paged_jax.worker.prompt_logprobs import PromptRows
 from paged_jax.worker.sampler import SamplingMeta
@@ -52,11 +54,25 @@ class StepPlan:
     prompt: PromptRows | None = None
     pool: PoolRows | None = None
     bitmask: np.ndarray | None = field(default=None)  # [R, ceil(V / 32)] i32 structured-output rows (sampling)
+    state: StateMeta | None = None  # a linear-attention hybrid's state rows (`paged_jax.worker.linear_state`)
+    state_restores: list[StateCopy] = field(default_factory=list)  # snapshot -> slot copies, before the forward step
+    state_copies: list[StateCopy] = field(default_factory=list)  # forks and snapshots, after the forward step
 
 
 _TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (CopyChunk, StepPlan, StepInputs, SamplingInputs, SamplingMeta, SamplerFlags, VerifyRows, PromptRows)
+    for cls in (
+        CopyChunk,
+        StepPlan,
+        StepInputs,
+        SamplingInputs,
+        SamplingMeta,
+        SamplerFlags,
+        VerifyRows,
+        PromptRows,
+        StateMeta,
+        StateCopy,
+    )
 }
 _TYPES[PoolRows.__name__] = PoolRows
 

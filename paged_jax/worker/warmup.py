@@ -192,6 +192,8 @@ def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
         out += [runner.jobs.merge(t) for t in buckets]
     if plan.copies:
         out += [runner.jobs.copy(n) for n in runner.copy_buckets]
+    if runner.linear:  # a hybrid's state copies: forks, prefix-cache snapshots and their restores
+        out += [runner.state_copy_job(n) for n in runner.copy_buckets]
     if runner.lora is not None:
         out.append(runner.jobs.lora_write())
     return out

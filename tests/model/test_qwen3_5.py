@@ -2,7 +2,7 @@
 models (tests/data/hf_qwen3_5, hf_qwen3_5_moe, made by scripts/golden/make_hf_golden.py): float32 logits within
 1e-4 and identical greedy continuations from the dense (unrolled) model, the layers' linear-attention rule in its
 chunked form and in its recurrent form alike (each platform runs one of them); each family feature changes the
-logits; the HF config maps onto ours and the engine refuses the family with a clear error."""
+logits; the HF config maps onto ours (the paged engine's serving: tests/engine/test_qwen3_5_engine.py)."""
 
 from __future__ import annotations
 
@@ -145,13 +145,6 @@ def test_hf_config_mapping_and_refusals():
         from_hf_config({k: v for k, v in hf.items() if k != "linear_conv_kernel_dim"})
     with pytest.raises(ConfigError, match="^full_attention_interval: only the linear-attention hybrids"):
         load_model_config(DATA / "hf_qwen3").replace(full_attention_interval=4)
-
-
-def test_the_paged_engine_refuses_the_family_by_name():
-    from paged_jax.offline.llm import LLM
-
-    with pytest.raises(ConfigError, match="^model_type: 'qwen3_5' .* not served by the paged engine yet"):
-        LLM(str(DATA / "hf_qwen3_5"), dtype="float32", num_pages=16, page_size=8, warmup=False)
 
 
 def test_parameter_count_is_the_tree_the_model_builds():

@@ -1,0 +1,99 @@
+"""A linear-attention layer's state in the paged engine: its rows of the state pool, and the step's metadata that
+says which row each sequence reads and writes.
+
+Per linear layer the runner holds one `LinearState` (`paged_jax.worker.linear_state` allocates it): row r is
+state slot r (`paged_jax.kv_cache.state_pool`; row 0 the null slot), in float32:
+- ``conv`` [N, K - 1, C]: the last K - 1 inputs of the depthwise causal conv (``x @ in_proj_qkv``, oldest first;
+  zeros before a sequence's first token);
+- ``recurrent`` [N, Hv, Dk, Dv]: the gated delta rule's state.
+
+A step's `StateMeta` names each token's sequence and each sequence's slot; a sequence whose chunk starts at
+position 0 (``seq_fresh``) starts from zero states whatever its slot holds. The layer reads the rows, runs the
+rule over the step's mixed prefill chunks and decodes, and writes each sequence's rows back in place (the
+arrays are donated with the KV pages).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta_pool import pooled_gated_delta_rule
+
+
+@flax.struct.dataclass
+class LinearState:
+    """One linear layer's state pool (module docstring)."""
+
+    conv: jax.Array  # [N, K - 1, C] f32
+    recurrent: jax.Array  # [N, Hv, Dk, Dv] f32
+
+
+@flax.struct.dataclass
+class StateMeta:
+    """Which state rows a step's tokens read and write."""
+
+    token_seq: jax.Array  # [T] i32: the token's sequence (index into the step's sequences); -1 for padding
+    seq_slots: jax.Array  # [S] i32: each sequence's state slot (0, the null slot, for padding sequences)
+    seq_fresh: jax.Array  # [S] bool: the sequence's chunk starts at position 0 (zero states); True for padding
+
+
+def paged_conv(
+    x: jax.Array, weight: jax.Array, conv: jax.Array, meta: StateMeta, cu_q_lens: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The depthwise causal conv + SiLU over a step's flat batch, each sequence continuing the inputs in its conv
+    row. x [T, C] (model dtype); weight [K, C]; conv [N, K - 1, C] f32; cu_q_lens [S + 1].
+    Returns (out [T, C], the updated conv rows [N, K - 1, C]).
+
+    The arithmetic is `paged_jax.model.gated_deltanet.causal_conv1d`'s, tap by tap: a tap before the step's
+    chunk reads the row (zeros for a fresh sequence), one inside it reads the step's own input."""
+    t, c = x.shape
+    w_n = weight.shape[0] - 1  # K - 1
+    s = meta.seq_slots.shape[0]
+    valid = meta.token_seq >= 0
+    seq = jnp.maximum(meta.token_seq, 0)
+    offset = jnp.arange(t, dtype=jnp.int32) - cu_q_lens[seq]  # the token's index inside its chunk
+    old = jnp.where(meta.seq_fresh[:, None, None], 0.0, conv[meta.seq_slots]).astype(x.dtype)  # [S, K - 1, C]
+    ext = jnp.concatenate([old.reshape(s * w_n, c), x])  # rows: every sequence's old inputs, then the step's
+    flat = jnp.arange(t, dtype=jnp.int32)
+    out = x * weight[w_n]
+    for w in range(1, w_n + 1):
+        src = jnp.where(offset >= w, s * w_n + flat - w, seq * w_n + w_n + offset - w)
+        out = out + jnp.where(valid[:, None], ext[src], 0) * weight[w_n - w]
+    n = cu_q_lens[1:] - cu_q_lens[:-1]  # [S] tokens per sequence this step
+    m = n[:, None] + jnp.arange(w_n, dtype=jnp.int32)[None, :]  # [S, K - 1]: row k of the new inputs in [old | new]
+    rows = jnp.arange(s, dtype=jnp.int32)[:, None]
+    src = jnp.where(m < w_n, rows * w_n + m, s * w_n + cu_q_lens[:-1, None] + m - w_n)
+    conv = conv.at[meta.seq_slots].set(ext[src].astype(conv.dtype))
+    return jax.nn.silu(out), conv
+
+
+def paged_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    recurrent: jax.Array,
+    meta: StateMeta,
+    cu_q_lens: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over the step (`pallas_kernels.gated_delta_pool`), each sequence continuing its
+    recurrent row. q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv]; recurrent [N, Hv, Dk, Dv] f32.
+    Returns (out [T, Hv, Dv] f32, the updated rows)."""
+    t = q.shape[0]
+    valid = meta.token_seq >= 0
+    seq = jnp.maximum(meta.token_seq, 0)
+    first = jnp.arange(t, dtype=jnp.int32) == cu_q_lens[seq]
+    slots = jnp.where(valid, meta.seq_slots[seq], 0)
+    fresh = valid & first & meta.seq_fresh[seq]
+    return pooled_gated_delta_rule(q, k, v, g, beta, slots, fresh, valid, recurrent)
+
+
+def copy_slots(state: LinearState, src: jax.Array, dst: jax.Array) -> LinearState:
+    """Rows `src` copied onto rows `dst` ([n] i32 each; padding copies the null row onto itself)."""
+    return LinearState(state.conv.at[dst].set(state.conv[src]), state.recurrent.at[dst].set(state.recurrent[src]))
+
+
+__all__ = ["LinearState", "StateMeta", "copy_slots", "paged_conv", "paged_delta_rule"]
