@@ -163,6 +163,15 @@ def test_xla_path_matches_the_reference_on_a_mixed_step(dtype):
     check(step, make_pool(rng, step), "xla", dtype, chunk_size=16)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas-tpu-interpret"])
+def test_a_decode_only_step(backend):
+    """Every sequence one token (the XLA path's batched branch; the TPU decode kernel alone), fresh ones and
+    padding sequences included."""
+    rng = np.random.default_rng(7)
+    step = make_step(rng, (1,) * 5, (4, 1, 6, 2, 3), (False, True, False, False, True), num_tokens=T)
+    check(step, make_pool(rng, step), backend, jnp.float32, chunk_size=16)
+
+
 def test_backend_choice_and_refusal():
     assert resolve_backend("auto", "tpu") == "pallas-tpu"
     assert resolve_backend("auto", "cpu") == "xla"
