@@ -9,8 +9,9 @@ continued chunks and decodes. The rule itself: :mod:`pallas_kernels.gated_delta`
 Backends: ``xla`` (:func:`xla_ragged_gated_delta`, a ``jnp`` scan over the tokens with the pool as its carry:
 on CPU the fastest exact form, ``docs/benchmarks/gated_delta.md``), ``pallas-tpu`` (the Mosaic kernels of
 :mod:`pallas_kernels.tpu.gated_delta`: the chunked form for sequences of two or more tokens, the recurrent form
-for one-token sequences) and ``pallas-tpu-interpret`` (the same kernels in the TPU interpreter, on any
-platform). ``auto`` picks ``pallas-tpu`` on TPU and ``xla`` elsewhere (GPU included: no Triton kernel yet).
+for one-token sequences), ``pallas-gpu`` (the Triton kernel of :mod:`pallas_kernels.gpu.gated_delta`: the
+recurrent form for every sequence) and ``pallas-tpu-interpret`` / ``pallas-gpu-interpret`` (those kernels in
+interpret mode, on any platform). ``auto`` picks ``pallas-tpu`` on TPU, ``pallas-gpu`` on GPU, ``xla`` on CPU.
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "xla", "pallas-tpu", "pallas-tpu-interpret")
+BACKENDS = ("auto", "xla", "pallas-tpu", "pallas-tpu-interpret", "pallas-gpu", "pallas-gpu-interpret")
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """``auto`` -> ``pallas-tpu`` on TPU, else ``xla``; any other name of :data:`BACKENDS` as it is."""
+    """``auto`` -> ``pallas-tpu`` on TPU, ``pallas-gpu`` on GPU, else ``xla``; any other name of :data:`BACKENDS`
+    as it is."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    return "pallas-tpu" if (platform or jax.default_backend()) == "tpu" else "xla"
+    return {"tpu": "pallas-tpu", "gpu": "pallas-gpu"}.get(platform or jax.default_backend(), "xla")
 
 
 def _scan_step(q, k, v, g, beta, cu_q_lens, num_seqs, seq_slots, seq_fresh, pool) -> tuple[jax.Array, jax.Array]:
@@ -131,6 +133,10 @@ def ragged_gated_delta_rule(
     args = (q, k, v, g, beta, cu_q_lens, num_seqs, seq_slots, seq_fresh, pool)
     if concrete == "xla":
         return xla_ragged_gated_delta(*args)
+    if concrete.startswith("pallas-gpu"):
+        from pallas_kernels.gpu.gated_delta import gated_delta_gpu
+
+        return gated_delta_gpu(*args, interpret=concrete.endswith("interpret"))
     from pallas_kernels.tpu.gated_delta import gated_delta_tpu
 
     return gated_delta_tpu(*args, chunk_size=chunk_size, interpret=concrete.endswith("interpret"))

@@ -52,8 +52,9 @@ CASES = [
 ]
 
 
-def _args(device, case: GatedDeltaCase):
-    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
+def case_args(sharding, case: GatedDeltaCase):
+    """The call's abstract operands (entry-point order) placed with ``sharding``."""
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
     t, s, h = case.num_tokens, case.max_seqs, HEADS
     return (
         sds((t, h, KEY_DIM), case.dtype),
@@ -73,7 +74,7 @@ def compile_case(device, generation: str, case: GatedDeltaCase):
     fn = jax.jit(lambda *a: gated_delta_tpu(*a, generation=generation), donate_argnums=(9,))
     mesh = jax.sharding.Mesh([device], ("x",))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return fn.lower(*_args(device, case)).compile()
+        return fn.lower(*case_args(SingleDeviceSharding(device), case)).compile()
 
 
 def describe(case: GatedDeltaCase, generation: str) -> str:

@@ -1,5 +1,5 @@
-"""The gated delta rule over a paged step (`pallas_kernels.ragged_gated_delta`): the TPU kernels in interpret
-mode and the XLA path against the jnp reference (`pallas_kernels.gated_delta.recurrent_gated_delta_rule`, run
+"""The gated delta rule over a paged step (`pallas_kernels.ragged_gated_delta`): the TPU and GPU kernels in
+interpret mode and the XLA path against the jnp reference (`pallas_kernels.gated_delta.recurrent_gated_delta_rule`, run
 per sequence from its own initial state), on random ragged batches that mix fresh prompts, continued chunks
 and decodes, with the memory a correct kernel never reads poisoned (NaN): padding tokens, the pool rows of
 fresh sequences and the rows no sequence of the step owns (which must come back unchanged)."""
@@ -156,14 +156,15 @@ def test_state_is_carried_across_steps(backend):
     np.testing.assert_allclose(pool[7], ref_pool[7], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas-gpu-interpret"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_xla_path_matches_the_reference_on_a_mixed_step(dtype):
+def test_xla_and_gpu_paths_match_the_reference_on_a_mixed_step(dtype, backend):
     rng = np.random.default_rng(4)
     step = make_step(rng, LENS, SEQ_SLOTS, FRESH, num_tokens=T)
-    check(step, make_pool(rng, step), "xla", dtype, chunk_size=16)
+    check(step, make_pool(rng, step), backend, dtype, chunk_size=16)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas-tpu-interpret"])
+@pytest.mark.parametrize("backend", ["xla", "pallas-tpu-interpret", "pallas-gpu-interpret"])
 def test_a_decode_only_step(backend):
     """Every sequence one token (the XLA path's batched branch; the TPU decode kernel alone), fresh ones and
     padding sequences included."""
@@ -175,7 +176,7 @@ def test_a_decode_only_step(backend):
 def test_backend_choice_and_refusal():
     assert resolve_backend("auto", "tpu") == "pallas-tpu"
     assert resolve_backend("auto", "cpu") == "xla"
-    assert resolve_backend("auto", "gpu") == "xla"
+    assert resolve_backend("auto", "gpu") == "pallas-gpu"
     assert resolve_backend("pallas-tpu-interpret", "cpu") == "pallas-tpu-interpret"
     with pytest.raises(ValueError, match="backend='triton'"):
         resolve_backend("triton")
