@@ -63,27 +63,6 @@ def _scan_step(q, k, v, g, beta, cu_q_lens, num_seqs, seq_slots, seq_fresh, pool
     return jnp.where(valid[:, None, None], out, 0.0), pool
 
 
-def _decode_batch(q, k, v, g, beta, cu_q_lens, num_seqs, seq_slots, seq_fresh, pool) -> tuple[jax.Array, jax.Array]:
-    """A step of one-token sequences only (token i is sequence i): every row gathered, updated at once and
-    scattered back (padding rows dropped)."""
-    t = q.shape[0]
-    f32 = jnp.float32
-    n = num_seqs[0]
-    idx = jnp.minimum(jnp.arange(t, dtype=jnp.int32), seq_slots.shape[0] - 1)
-    valid = jnp.arange(t) < n
-    slot = jnp.where(valid, seq_slots[idx], 0)
-    reads = valid & ~seq_fresh[idx]  # padding rows read nothing (row 0 may hold anything)
-    s = jnp.where(reads[:, None, None, None], pool[slot], 0.0)  # [T, H, Dk, Dv]
-    rows = lambda x: jnp.where(valid[:, None, None], x.astype(f32), 0.0)
-    q, k, v = rows(q), rows(k), rows(v)
-    s = s * jnp.exp(jnp.where(valid[:, None], g.astype(f32), 0.0))[:, :, None, None]
-    delta = (v - jnp.einsum("thkv,thk->thv", s, k)) * jnp.where(valid[:, None], beta.astype(f32), 0.0)[:, :, None]
-    s = s + k[:, :, :, None] * delta[:, :, None, :]
-    out = jnp.einsum("thkv,thk->thv", s, q)  # padding rows: zeros (q = 0)
-    pool = pool.at[jnp.where(valid, slot, pool.shape[0])].set(s, mode="drop")
-    return out, pool
-
-
 @jax.jit
 def xla_ragged_gated_delta(
     q: jax.Array,
@@ -97,17 +76,10 @@ def xla_ragged_gated_delta(
     seq_fresh: jax.Array,
     pool: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """The recurrent form over the pool (arguments: :func:`ragged_gated_delta_rule`), in ``jnp``: a step whose
-    sequences all have one token (decode) updates every row at once (:func:`_decode_batch`); any other step
-    runs token by token (:func:`_scan_step`). Both are exact; ``docs/benchmarks/gated_delta.md`` measures them."""
-    args = (q, k, v, g, beta, cu_q_lens, num_seqs, seq_slots, seq_fresh, pool.astype(jnp.float32))
-    if DECODE_BATCH:
-        decode = cu_q_lens[num_seqs[0]] == num_seqs[0]  # as many tokens as sequences: one each
-        return jax.lax.cond(decode, _decode_batch, _scan_step, *args)
-    return _scan_step(*args)
-
-
-DECODE_BATCH = True  # read at trace time; the benchmark turns it off to time the scan alone
+    """The recurrent form over the pool (arguments: :func:`ragged_gated_delta_rule`) in ``jnp``, token by token
+    (:func:`_scan_step`), for every step: on CPU it beat the chunked ``jnp`` form in prefill and a decode step
+    that updates every row at once (gather, update, scatter) in decode (``docs/benchmarks/gated_delta.md``)."""
+    return _scan_step(q, k, v, g, beta, cu_q_lens, num_seqs, seq_slots, seq_fresh, pool)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "backend"))

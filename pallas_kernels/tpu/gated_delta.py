@@ -7,24 +7,26 @@ Two ``pallas_call`` s, both aliasing the pool (``[num_slots, H, Dk, Dv]`` float3
 - Chunk kernel, one grid step per chunk item (``chunk`` tokens of one sequence), sequential (``arbitrary``):
   the sequence's state lives in a ``[H, Dk, Dv]`` f32 VMEM scratch from its first chunk (a DMA from its pool
   row, or zeros for a fresh sequence) to its last (a DMA back to the row), so a sequence's state crosses its
-  chunks without touching HBM. q, k, v (``[H, T, D]``, the wrapper's transposes) and g, beta (``[H, T]``) of the
-  item's rows come by one DMA each of ``chunk`` rows starting at the item's first token; rows past the item's
-  ``n`` (the next sequence's, or the zero padding past ``T``) are masked to g = beta = k = q = 0, which leaves
-  the state and the real rows exact. The output DMA writes ``chunk`` rows too: items run in token order, so the
-  rows past ``n`` are rewritten by the item that owns them (or by the decode kernel, which runs after).
+  chunks without touching HBM. An item reads a window of ``chunk + 16`` rows of q, k, v (``[H, T, D]``, the
+  wrapper's transposes) starting at the 16-row tile below its first token (a DMA cuts a tiled HBM array only
+  at tile rows), and its g and beta gathered per item (``[2, H, R]``). Rows outside the item are masked to
+  g = beta = k = q = v = 0, which leaves the state and the item's rows exact; the output window is read,
+  modified in the item's rows only, and written back, so items (in token order, each waiting for its write)
+  never clobber each other's rows.
   Per head (a ``fori_loop``; every product a 2-D MXU dot at ``HIGHEST`` precision) the chunk is the UT
   transform of the reference: ``A = tril(K_beta K^T * decay, -1)``, ``T = (I + A)^-1`` by forward
-  substitution (``chunk`` row products ``[1, c] x [c, c]``), ``V_new = T V_beta - (T diag(e^cum) K_beta) S``,
+  substitution (one row product ``[1, R] x [R, R]`` per token), ``V_new = T V_beta - (T diag(e^cum) K_beta) S``,
   ``O = diag(e^cum) Q S + (Q K^T * decay) V_new``, ``S <- e^{cum_last} S + (diag(e^{cum_last - cum}) K)^T V_new``.
-  Per-token scalars become per-row factors through ``diag(r) X`` products (Mosaic keeps ``[c]`` vectors along
+  Per-token scalars become per-row factors through ``diag(r) X`` products (Mosaic keeps ``[R]`` vectors along
   lanes; the product needs no lane-to-sublane relayout), and ``diag(cum) 1`` gives ``cum`` along rows.
-- Decode kernel, one grid step per one-token sequence (``parallel``): the state row comes as a pipelined
+- Decode kernel, one grid step per one-token sequence (sequential): the state row comes as a pipelined
   ``BlockSpec`` block (indexed by the slot table, scalar-prefetched) and leaves through the aliased output
   block, so the next item's state is in flight while one computes. Per head: ``S *= e^g``, ``S += k^T (beta (v -
-  k S))``, ``o = q S``; e^g and beta come from SMEM.
+  k S))``, ``o = q S``; e^g and beta come from SMEM, q/k/v rows gathered in float32 (Mosaic loads one head's
+  row at a dynamic sublane only from 32-bit arrays).
 
 The state never leaves the pool except for the rows a step owns: no copy of the pool (the compile checks
-audit the HLO, ``scripts/checks/gated_delta_checks.py``).
+audit the HLO: ``scripts/checks/gated_delta_tpu.py``).
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def test_xla_and_gpu_paths_match_the_reference_on_a_mixed_step(dtype, backend):
 
 @pytest.mark.parametrize("backend", ["xla", "pallas-tpu-interpret", "pallas-gpu-interpret"])
 def test_a_decode_only_step(backend):
-    """Every sequence one token (the XLA path's batched branch; the TPU decode kernel alone), fresh ones and
+    """Every sequence one token (the TPU decode kernel alone; one program a sequence on GPU), fresh ones and
     padding sequences included."""
     rng = np.random.default_rng(7)
     step = make_step(rng, (1,) * 5, (4, 1, 6, 2, 3), (False, True, False, False, True), num_tokens=T)
