@@ -46,7 +46,9 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
-import gated_delta_gpu  # noqa: E402  (scripts/checks/, beside this file: sys.path[0] when run as a script)
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # its sibling modules, also when loaded by path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gated_delta_gpu  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -66,7 +66,9 @@ from typing import NamedTuple
 # Compiling needs libtpu, not a TPU; do not fight another process's libtpu lock (e.g. a test run nearby).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import gated_delta_tpu  # noqa: E402  (scripts/checks/, beside this file: sys.path[0] when run as a script)
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # its sibling modules, also when loaded by path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gated_delta_tpu  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
