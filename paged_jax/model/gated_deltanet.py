@@ -17,7 +17,7 @@ Two paths, by the metadata the layer gets:
   HF-parity tests run it, with the rule in the platform's form (below);
 - paged (metadata with a `StateMeta` in `state`, and the layer's `LinearState`): each sequence of the step
   continues the conv inputs and the rule's state in its slot of the state pool, and leaves them there
-  (`paged_jax.model.linear_state`); the rule runs token by token over the step (`pallas_kernels.gated_delta_pool`).
+  (`paged_jax.model.linear_state`); the rule runs through `pallas_kernels.ragged_gated_delta` (Pallas on TPU/GPU).
 
 The rule has two exact forms (the same function up to float32 rounding), and `delta_rule_form` picks one by the
 platform the layer is traced for:
@@ -127,7 +127,7 @@ class GatedDeltaNet(nn.Module):
             out = gated_delta_rule(form, q, k, v, g, beta, seg)  # [T, Hv, Dv] float32
         else:
             assert paged is not None
-            out, rows = paged_delta_rule(q, k, v, g, beta, state.recurrent, paged, meta.cu_q_lens)
+            out, rows = paged_delta_rule(q, k, v, g, beta, state.recurrent, paged, meta.cu_q_lens, meta.num_seqs)
             state = LinearState(conv_rows, rows)
         out = out.astype(dtype)
         z = (x @ in_z).reshape(t, hv, dv)

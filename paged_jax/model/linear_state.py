@@ -19,7 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_pool import pooled_gated_delta_rule
+from pallas_kernels.ragged_gated_delta import ragged_gated_delta_rule
 
 
 @flax.struct.dataclass
@@ -78,17 +78,13 @@ def paged_delta_rule(
     recurrent: jax.Array,
     meta: StateMeta,
     cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """The gated delta rule over the step (`pallas_kernels.gated_delta_pool`), each sequence continuing its
-    recurrent row. q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv]; recurrent [N, Hv, Dk, Dv] f32.
+    """The gated delta rule over the step (`pallas_kernels.ragged_gated_delta`: the Pallas kernels on TPU and GPU,
+    a token scan on CPU), each sequence continuing its recurrent row. q, k [T, Hv, Dk], v [T, Hv, Dv],
+    g, beta [T, Hv]; recurrent [N, Hv, Dk, Dv] f32; cu_q_lens [S + 1], num_seqs [1] i32.
     Returns (out [T, Hv, Dv] f32, the updated rows)."""
-    t = q.shape[0]
-    valid = meta.token_seq >= 0
-    seq = jnp.maximum(meta.token_seq, 0)
-    first = jnp.arange(t, dtype=jnp.int32) == cu_q_lens[seq]
-    slots = jnp.where(valid, meta.seq_slots[seq], 0)
-    fresh = valid & first & meta.seq_fresh[seq]
-    return pooled_gated_delta_rule(q, k, v, g, beta, slots, fresh, valid, recurrent)
+    return ragged_gated_delta_rule(q, k, v, g, beta, cu_q_lens, num_seqs, meta.seq_slots, meta.seq_fresh, recurrent)
 
 
 def copy_slots(state: LinearState, src: jax.Array, dst: jax.Array) -> LinearState:

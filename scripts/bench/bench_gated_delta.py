@@ -11,6 +11,14 @@ Each function is jitted and compiled before timing; a figure is the best of ``--
 ten times as many for decode (other processes only ever slow a call down), the forms taking turns call by call.
 
     JAX_PLATFORMS=cpu python scripts/bench/bench_gated_delta.py [--tokens 512] [--reps 3] [--shapes qwen3.5-9b small]
+
+``--paged`` times the paged step's entry point instead (``pallas_kernels.ragged_gated_delta``, the XLA path
+``auto`` picks on CPU): a step of ``--seqs`` one-token sequences (decode) and one of a ``--tokens`` prompt
+beside ``--seqs - 1`` decodes (mixed), each sequence continuing its row of a state pool: the entry point (its
+token scan over the pool) beside the per-sequence reference (``recurrent_gated_delta_rule`` called once per
+sequence from its row, no pool); tokens/s and the largest |difference| from the reference.
+
+    JAX_PLATFORMS=cpu python scripts/bench/bench_gated_delta.py --paged [--seqs 64] [--tokens 512] [--reps 3]
 """
 
 from __future__ import annotations
@@ -119,13 +127,71 @@ def bench(shape: Shape, phase: str, tokens: int, reps: int) -> None:
     print(f"  chunked / recurrent time: {chunked / recurrent:.2f}")
 
 
+def paged_step(shape: Shape, lens: list[int], seed: int):
+    """A step's operands (entry-point order) for sequences of ``lens`` tokens, each continuing a random row."""
+    rng = np.random.default_rng(seed)
+    h, dk, dv, t, n = shape.heads, shape.dk, shape.dv, sum(lens), len(lens)
+    x = random_inputs(shape, t, seed, zero_state=True)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    pool = jnp.asarray(rng.standard_normal((n + 1, h, dk, dv)) * 0.1, jnp.float32)
+    slots = jnp.arange(1, n + 1, dtype=jnp.int32)
+    meta = (cu, jnp.asarray([n], jnp.int32), slots, jnp.zeros((n,), bool))
+    return (x.q, x.k, x.v, x.g, x.beta, *meta), pool
+
+
+def per_sequence_reference(args, pool):
+    """Each sequence through `recurrent_gated_delta_rule` from its row (the pool untouched): [T, H, Dv]."""
+    q, k, v, g, beta, cu, _, slots, _ = args
+    outs = []
+    for s in range(slots.shape[0]):
+        a, b = int(cu[s]), int(cu[s + 1])
+        seg = jnp.zeros((b - a,), jnp.int32)
+        outs.append(recurrent_gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], seg, pool[slots[s]])[0])
+    return jnp.concatenate(outs)
+
+
+def bench_paged(shape: Shape, seqs: int, tokens: int, reps: int) -> None:
+    from pallas_kernels import ragged_gated_delta as rgd
+
+    # The engine donates the pool, so the entry point updates it in place; each timed call gets a fresh copy
+    # made before its clock starts (an undonated pool would add a copy of the whole pool to every call).
+    entry = jax.jit(lambda p, *a: rgd.ragged_gated_delta_rule(*a, p), donate_argnums=0)
+    for phase, lens in (("decode", [1] * seqs), ("mixed", [tokens] + [1] * (seqs - 1))):
+        args, pool = paged_step(shape, lens, seed=1)
+        t = sum(lens)
+        print(f"\npaged {phase} step, {shape.name} (H={shape.heads}, Dk={shape.dk}), {len(lens)} sequences, {t} tokens")
+        print(f"  {'form':<34}{'ms/call':>10}{'tok/s':>12}{'max |diff|':>12}")
+        forms: dict[str, Callable] = {
+            "entry point (auto: xla)": lambda p, a=args: entry(p, *a),
+            "per-sequence reference": lambda p, a=args: (per_sequence_reference(a, p),),
+        }
+        ref = np.asarray(forms["per-sequence reference"](pool)[0])
+        best = dict.fromkeys(forms, float("inf"))
+        outs = {name: np.asarray(jax.block_until_ready(f(pool + 0)[0])) for name, f in forms.items()}
+        for _ in range(reps):
+            for name, f in forms.items():
+                fresh_pool = jax.block_until_ready(pool + 0)
+                start = time.perf_counter()
+                jax.block_until_ready(f(fresh_pool))
+                best[name] = min(best[name], time.perf_counter() - start)
+        for name in forms:
+            diff = float(np.abs(outs[name] - ref).max())
+            print(f"  {name:<34}{best[name] * 1e3:>10.2f}{t / best[name]:>12.0f}{diff:>12.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=512, help="prefill tokens per call")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per figure (the best is kept)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--paged", action="store_true", help="time the paged step's entry point (docstring)")
+    parser.add_argument("--seqs", type=int, default=64, help="sequences of a paged step")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    if args.paged:
+        for name in args.shapes:
+            bench_paged(SHAPES[name], args.seqs, args.tokens, args.reps)
+        return
     for name in args.shapes:
         for phase in ("prefill", "decode"):
             bench(SHAPES[name], phase, args.tokens, args.reps)

@@ -15,6 +15,10 @@ on shared memory over the H200's 227 KiB per block (XLA refuses it), when the at
 case loses its asynchronous page gather or its unmasked KV loop, and when a prefill kernel of head_dim >= 128 does not
 issue wgmma.
 
+**Gated delta rule** (``gated_delta_gpu.py``): the Triton kernel of Qwen3.5's linear attention at Qwen3.5-9B's
+shapes (prefill 4 x 512, chunked prefill with decodes, decode 64 and 256, float32 inputs); fails on a spill or a
+copy of the state pool.
+
 **Engine steps** (:data:`STEP_CASES`): the engine's own jitted forward step (the runner an ``LLMEngine``
 builds, abstract: :mod:`paged_jax.engine.aot`) for a few representative engines: Llama-3.1-8B at TP 1 and 8
 (``1x1x8``) with a decode and a prefill bucket; int8 pages with LoRA (4 slots); Gemma-3-4B's decode (its layer
@@ -42,6 +46,9 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # its sibling modules, also when loaded by path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gated_delta_gpu  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -289,6 +296,7 @@ def main() -> int:
     compiler = H200Compiler(max(c.tp for c in STEP_CASES))
     try:
         failures = check_kernels(compiler, [c for c in KERNEL_CASES if c.name in args.cases])
+        failures += gated_delta_gpu.check(compiler)
         if args.steps:
             failures += check_steps(compiler)
     finally:

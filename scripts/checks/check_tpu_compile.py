@@ -8,7 +8,9 @@ The kernel sweep (``CASES``) takes every value of every axis (head_dim, page siz
 group, max_model_len, bucket kind) and the pairs that interact (head_dim x group, page dtype x page size), 16
 cases on the first ``--topologies`` target (v6e) and 8 that still take every axis value on the others (v5e),
 and checks that block tables too large for SMEM are refused with an error naming the
-engine fields (``pallas_kernels.tpu.limits``) rather than failing in Mosaic.
+engine fields (``pallas_kernels.tpu.limits``) rather than failing in Mosaic. On every target it also compiles the
+gated delta rule kernels at Qwen3.5-9B's linear-attention shapes (``gated_delta_tpu.py``: prefill 4 x 512,
+chunked prefill with decodes, decode 64 and 256, float32 inputs), with the state pool audited for copies.
 
     .venv/bin/python scripts/checks/check_tpu_compile.py [--topologies v6e:1x1 v5e:1x1] [--sharded v5e:2x2:4 v5e:2x4:8]
 
@@ -64,6 +66,9 @@ from typing import NamedTuple
 # Compiling needs libtpu, not a TPU; do not fight another process's libtpu lock (e.g. a test run nearby).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # its sibling modules, also when loaded by path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gated_delta_tpu  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
@@ -180,7 +185,7 @@ def compile_case(device, generation, case: KernelCase) -> None:
     lower_case(device, generation, case).compile()
 
 
-def check_kernels(topo: str, cases: list[KernelCase]) -> int:
+def check_kernels(topo: str, cases: list[KernelCase], gated_delta: bool = True) -> int:
     """Compile each of `cases` for `topo` and check the SMEM guard's refusals; returns the failure count."""
     try:
         # One host per chip so that 1x1 slices are valid.
@@ -210,6 +215,8 @@ def check_kernels(topo: str, cases: list[KernelCase]) -> int:
             raise
         failures += 1
         print(f"FAIL {topo} {case}: a block table over SMEM was not refused")
+    if gated_delta:
+        failures += gated_delta_tpu.check(device, generation)
     return failures
 
 
