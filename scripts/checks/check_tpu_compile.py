@@ -402,6 +402,9 @@ WEIGHT_COPY_ALLOWED: dict[str, tuple[float, str]] = {
     # stacked qkv_proj out once (56 MiB per layer for Gemma-2-9B, 20 MiB for Gemma-3-4B).
     "gemma-2-9b TP1": (280, "qkv_proj relaid out for the prefill dot (head_dim 256)"),
     "gemma-3-4b TP1": (260, "qkv_proj relaid out for the prefill dot (head_dim 256)"),
+    # the same at Gemma-3-4B's full depth (34 layers x 20 MiB), in the audit's hybrid KV prefill steps
+    "gemma-3-4b hybrid KV TP1 prefill": (680, "qkv_proj relaid out for the prefill dot (head_dim 256)"),
+    "gemma-3-4b hybrid 257p TP1 prefill": (680, "qkv_proj relaid out for the prefill dot (head_dim 256)"),
     # The experts' stacked [L, E, ...] weights: XLA:TPU writes each layer's slice out before its grouped
     # matmul (ragged-dot), where the dense dots read theirs in place.
     "mixtral-8x7b TP1": (5376, "each layer's expert weights sliced out for the ragged-dot"),
