@@ -648,15 +648,17 @@ class KVCacheManager:
     def _drop(self, state: RequestPages, wi: int, upto: int) -> None:
         """Window ``wi``'s groups' blocks ``[dropped, upto)`` leave their tables (oldest first, so among cached
         ones the oldest is evicted first)."""
-        null, release = self._null, self._release
+        null, release, group_pages = self._null, self.pool.release_page, self._group_pages
         lo = state.dropped[wi]
+        tables = state.tables
         for g in self._window_groups[wi]:
-            table = state.tables[g]
+            table = tables[g]
             for i in range(lo, upto):
                 page = table[i]
                 if page is not null:
                     table[i] = null
-                    release(page, g)
+                    if release(page):
+                        group_pages[g] -= 1
         g0, g1 = self._window_group_span[wi]
         self.block_tables_array.array[g0:g1, state.row, lo:upto] = NULL_PAGE
         state.dropped[wi] = upto
@@ -669,23 +671,25 @@ class KVCacheManager:
         new = self.pool.allocate(num_groups * n)
         held = len(state.tables[0])
         group_pages = self._group_pages
-        for g, table in enumerate(state.tables):
-            table.extend(new[g * n : (g + 1) * n])
-            group_pages[g] += n
         tables = self.block_tables_array
         if held + n > tables.width:
             tables.reserve(held + n)
         if n == 1:
+            for g, table in enumerate(state.tables):
+                table.append(new[g])
+                group_pages[g] += 1
             tables.array[:, state.row, held] = [p.page_id for p in new]
         else:
+            for g, table in enumerate(state.tables):
+                table.extend(new[g * n : (g + 1) * n])
+                group_pages[g] += n
             ids = np.fromiter((p.page_id for p in new), np.int32, num_groups * n)
             tables.array[:, state.row, held : held + n] = ids.reshape(num_groups, n)
         tables.lengths[state.row] = held + n
 
     def _release(self, page: Page, group: int) -> None:
         """Drop one reference of a page of ``group``; the group's count of pages loses it at refcount 0."""
-        self.pool.release(page)
-        if page.ref_cnt == 0:
+        if self.pool.release_page(page):
             self._group_pages[group] -= 1
 
     def _drop_at(self, dropped: Sequence[int]) -> int:
@@ -766,6 +770,10 @@ class KVCacheManager:
             hashes = state.block_hashes
             self.hasher.extend(hashes, token_ids, num_full, state.extra_keys)
             null, cache, lo, observer = self._null, self.pool.cache, state.num_cached_blocks, self.observer
+            if observer is None and self.host_tier is None:
+                self._cache_blocks_plain(state.tables, hashes, lo, num_full)
+                state.num_cached_blocks = num_full
+                return
             for g, table in enumerate(state.tables):
                 suffix = self._key_suffix[g]
                 run = lo  # the first block of the run of new entries being reported
@@ -784,6 +792,25 @@ class KVCacheManager:
                 if observer is not None:
                     self._report_stored(state, token_ids, g, run, num_full)
         state.num_cached_blocks = num_full
+
+    def _cache_blocks_plain(self, tables: list[list[Page]], hashes: list[BlockHash], lo: int, hi: int) -> None:
+        """Blocks ``[lo, hi)`` of every group's table become cache entries where no page holds their key yet
+        (``PagePool.cache``, inlined, for a manager with no host tier and no observer: every page crossing of a
+        decode step comes here once per group)."""
+        cached, null, suffixes = self.pool.cached, self._null, self._key_suffix
+        for g, table in enumerate(tables):
+            suffix = suffixes[g]
+            for i in range(lo, hi):
+                page = table[i]
+                if page is null:
+                    continue
+                key = BlockHash(hashes[i] + suffix) if g else hashes[i]  # cache_key
+                if key in cached:
+                    continue  # this page (a hit) or another one holds the entry
+                if page.block_hash is not None:
+                    raise RuntimeError(f"page {page.page_id} is already cached under another hash")
+                page.block_hash = key
+                cached[key] = page
 
     def _report_stored(self, state: RequestPages, token_ids: Sequence[int], group: int, lo: int, hi: int) -> None:
         """Tell the observer that blocks ``[lo, hi)`` of ``state`` became entries of ``group`` (nothing if empty)."""

@@ -12,7 +12,9 @@ a window layer reading the last ``W - 1`` tokens), both after ``--warmup`` steps
 Part 2 (host time). ``--running`` decoding requests grow by one token per step (``allocate_slots``, then the
 block tables the scheduler hands the runner: one gather of the manager's persistent tables): the median thread CPU
 time per step with the model's groups against one group, the two layouts' steps alternating in one process, and
-the ratio of both parts against the goal (<= 1.2x).
+the ratio of both parts against the goal (<= 1.2x). ``--today TREE`` also times, in alternating runs, the same loop
+against the manager from before KV cache groups (a checkout of that code: one table per request, handed to the
+runner as ``page_ids`` lists, as its scheduler did).
 
     .venv/bin/python scripts/bench/bench_hybrid_kv.py
     .venv/bin/python scripts/bench/bench_hybrid_kv.py --model gemma-3-4b --lengths 8192 32768 --steps 3000
@@ -22,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -168,6 +173,49 @@ def host_time(layouts: dict[str, KVLayout], args: argparse.Namespace) -> dict[st
     }
 
 
+# The decoding loop of `HostRun` against the KV manager from before KV cache groups (one table per request, handed to
+# the runner as `page_ids` lists, as that scheduler did), run in a subprocess over that tree's `paged_jax`. Prints the
+# median ns per step of `allocate_slots` and of the block tables.
+TODAY_CHILD = """
+import random, statistics, sys, time
+from paged_jax.kv_cache import KVCacheManager
+running, decode_len, ps, steps = map(int, sys.argv[1:5])
+rng = random.Random(0)
+blocks = -(-(decode_len + ps + steps) // ps)
+kv = KVCacheManager(running * blocks + 2, ps)
+tokens = {}
+for i in range(running):
+    n = decode_len + i % ps
+    tokens[f"d{i}"] = [rng.randrange(200_000) for _ in range(n)]
+    assert kv.admit(f"d{i}", tokens[f"d{i}"], n) is not None
+ids = list(tokens)
+times = []
+for step in range(steps):
+    for t in tokens.values():
+        t.append(rng.randrange(200_000))
+    t0 = time.thread_time_ns()
+    for rid, t in tokens.items():
+        assert kv.allocate_slots(rid, t, 1) is not None
+    t1 = time.thread_time_ns()
+    [kv.page_ids(rid) for rid in ids]
+    if step >= 4:
+        times.append((t1 - t0, time.thread_time_ns() - t1))
+print(statistics.median(a for a, _ in times), statistics.median(b for _, b in times))
+"""
+
+
+def host_time_today(tree: str, args: argparse.Namespace) -> tuple[float, float]:
+    """`TODAY_CHILD` over the `paged_jax` of `tree` (a checkout from before KV cache groups): median ns per step of
+    `allocate_slots` and of the block tables."""
+    env = {**os.environ, "PYTHONPATH": tree, "JAX_PLATFORMS": "cpu"}
+    argv = [str(x) for x in (args.running, args.decode_len, args.page_size, args.host_steps)]
+    out = subprocess.run(
+        [sys.executable, "-c", TODAY_CHILD, *argv], env=env, check=True, capture_output=True, text=True, cwd=tree
+    )
+    a, b = out.stdout.split()
+    return float(a), float(b)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma-3-4b", help="a shipped config (its layers, KV heads, window)")
@@ -184,6 +232,13 @@ def main() -> None:
     ap.add_argument("--running", type=int, default=256, help="decoding requests of the host-time part")
     ap.add_argument("--decode-len", type=int, default=2048)
     ap.add_argument("--host-steps", type=int, default=200)
+    ap.add_argument(
+        "--today",
+        metavar="TREE",
+        help="also time the KV manager from before KV cache groups, in a copy of that tree (mkdir TREE && git "
+        "archive 42dd5e3 paged_jax | tar -x -C TREE): runs of both alternate, --today-runs times",
+    )
+    ap.add_argument("--today-runs", type=int, default=3)
     args = ap.parse_args()
 
     config = load_model_config(args.model)
@@ -236,6 +291,28 @@ def main() -> None:
         f"{'met' if good else 'MISSED'} |"
     )
     ok &= good
+    if args.today:
+        print()
+        print(
+            f"Against the KV manager from before KV cache groups ({args.today}: one table per request, handed as "
+            f"page_ids lists), {args.today_runs} alternating runs, median [range] of their per-step medians:"
+        )
+        hybrid_runs, today_runs = [sum(times["hybrid"])], []
+        for i in range(args.today_runs):
+            today_runs.append(sum(host_time_today(args.today, args)))
+            if i:
+                hybrid_runs.append(sum(host_time(layouts, args)["hybrid"]))
+        ratios = [h / t for h, t in zip(hybrid_runs, today_runs, strict=True)]
+        print()
+        print("| | allocate_slots + block tables |")
+        print("|---|---:|")
+        for name, xs in (("hybrid (7 groups)", hybrid_runs), ("before KV cache groups", today_runs)):
+            print(f"| {name} | {statistics.median(xs) / 1e3:.0f} us [{min(xs) / 1e3:.0f}-{max(xs) / 1e3:.0f}] |")
+        ratio = statistics.median(ratios)
+        print(
+            f"| hybrid / before | **{ratio:.2f}x** [{min(ratios):.2f}-{max(ratios):.2f}] (goal <= {HOST_GOAL}x): "
+            f"{'met' if ratio <= HOST_GOAL else 'MISSED'} |"
+        )
     print()
     print("goals:", "all met" if ok else "NOT all met")
 

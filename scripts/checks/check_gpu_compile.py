@@ -21,8 +21,9 @@ copy of the state pool.
 
 **Engine steps** (:data:`STEP_CASES`): the engine's own jitted forward step (the runner an ``LLMEngine``
 builds, abstract: :mod:`paged_jax.engine.aot`) for a few representative engines: Llama-3.1-8B at TP 1 and 8
-(``1x1x8``) with a decode and a prefill bucket; int8 pages with LoRA (4 slots); Gemma-3-4B's decode (its layer
-groups: five sliding-window layers and one global per scan step, then a remainder); an n-gram speculating
+(``1x1x8``) with a decode and a prefill bucket; int8 pages with LoRA (4 slots); Gemma-3-4B's decode and prefill
+(its layer groups: five sliding-window layers and one global per scan step, then a remainder; its 7 KV cache
+groups, at the engine's page count and at a small cache of 257 pages); an n-gram speculating
 engine's verify step (and its sampler) on Llama-3.2-1B; every one scanned, as ``scan_layers="auto"`` runs it.
 Sized for the H200 as the engine sizes itself; fails on a KV page copy, on a layer weight copied in the step
 (``w-copy``, GiB per step: ``paged_jax.worker.hlo_audit.weight_copies``; a scanned step's cuBLAS dots read the
@@ -202,7 +203,10 @@ STEP_CASES = (  # a few representative engines: the TP layouts, quantized pages,
     StepCase("llama-3.1-8b"),  # GQA 4, head_dim 128: the base decode and prefill kernels
     StepCase("llama-3.1-8b", 8, kinds=("decode",)),  # one KV head per GPU: split-KV decode with its combine
     StepCase("llama-3.1-8b", kinds=("decode",), options=_INT8_LORA, label="int8 KV, lora x4"),
-    StepCase("gemma-3-4b", kinds=("decode",)),  # layer groups (windows 5:1, a remainder), head_dim 256
+    # layer groups (windows 5:1, a remainder), head_dim 256; hybrid KV: 7 KV cache groups, pages of 5 layer slabs, at
+    # the engine's page count and at 257 pages (16 MiB per slab array)
+    StepCase("gemma-3-4b"),
+    StepCase("gemma-3-4b", options=(("num_pages", 257),), label="hybrid KV 257p"),
     StepCase("llama-3.2-1b", kinds=("verify",), options=(("speculative_config", _NGRAM),), label="ngram k=3"),
 )
 H200_BYTES_LIMIT = int(0.75 * 150_754_820_096)  # what jax reports on an H200: XLA preallocates 75% by default

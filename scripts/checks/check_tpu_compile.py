@@ -24,7 +24,8 @@ The KV audit (``--audit``, on by default) compiles the engine's whole jitted ste
 n-gram speculation (k = 3: 256 tokens and sample rows; its sampler too) and its decode step with LoRA (4 slots)
 at TP 1 and 4, and Qwen2.5-0.5B's decode step with int8 pages, with the KV pages sized as the engine would size
 them on one chip, then small caches (explicit ``num_pages``: page arrays of 4-32 MiB, which fit VMEM; scanned
-and unrolled, bf16, float32 and int8 pages), and fails when the compiled HLO copies or transposes a KV page
+and unrolled, bf16, float32 and int8 pages), and Gemma-3-4B's hybrid KV steps (its KV cache groups: decode and
+prefill at both sizes, ``HYBRID_KV_ENGINES``), and fails when the compiled HLO copies or transposes a KV page
 array or a quantized cache's scale array (``paged_jax.worker.hlo_audit.cache_copies``: any instruction
 producing an array of that shape other than in place, a staging in VMEM included) or when the temporaries that
 grow with the KV cache exceed 5% of one layer's KV pages, or when the step copies any per-layer weight to HBM
@@ -306,18 +307,30 @@ SMALL_CACHE_ENGINES = (
     ("tiny", 1, "prefill", (("num_pages", 1025), ("scan_layers", "off")), "1025p"),
     ("tiny", 1, "decode", (("num_pages", 1025), ("scan_layers", "on"), ("kv_dtype", "int8")), "int8 1025p"),
 )
+# Hybrid KV (paged_jax.kv_cache.groups): Gemma-3-4B's 34 layers as 1 full-attention group of 5 layers and 6
+# sliding-window groups (5, 5, 5, 5, 5, 4), pages of 5 layer slabs in one stacked array, each scanned layer
+# indexing its group's row of the [G, S, max_blocks] block tables: decode and chunked prefill at the engine's page
+# count (4.5 GiB per slab array on a v6e chip) and at a small cache (257 pages: 16 MiB per slab array, the size XLA
+# once staged through VMEM whole).
+HYBRID_KV_ENGINES = (
+    ("gemma-3-4b", 1, "decode", (), "hybrid KV"),
+    ("gemma-3-4b", 1, "prefill", (), "hybrid KV"),
+    ("gemma-3-4b", 1, "decode", (("num_pages", 257),), "hybrid 257p"),
+    ("gemma-3-4b", 1, "prefill", (("num_pages", 257),), "hybrid 257p"),
+)
 AUDIT_TOPOLOGY = {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}  # 32 GiB chips: an 8B model fits one
 MAX_TEMP_FRACTION = 0.05  # temporaries that grow with the KV cache, of one layer's KV pages (see audit())
 
 
-def audit_engines(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> list[tuple]:
-    """Every (config, TP, kind, options, label) the audit compiles: each config at each TP it shards to, in a
-    decode and a prefill bucket, then :data:`AUDIT_ENGINES`."""
+def audit_engines(configs=AUDIT_CONFIGS + ("gemma-3-4b",), tps=(1, 4, 8)) -> list[tuple]:
+    """Every (config, TP, kind, options, label) the audit compiles: each of `configs` in :data:`AUDIT_CONFIGS` at
+    each TP it shards to, in a decode and a prefill bucket, then :data:`AUDIT_ENGINES`, :data:`SMALL_CACHE_ENGINES`
+    and :data:`HYBRID_KV_ENGINES` of `configs`."""
     from paged_jax.config import load_model_config
     from paged_jax.worker import sharding as shd
 
     out = []
-    for config_name in configs:
+    for config_name in (c for c in configs if c in AUDIT_CONFIGS):
         for tp in tps:
             try:
                 if tp > 1:
@@ -325,10 +338,11 @@ def audit_engines(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> list[tuple]:
             except ValueError:
                 continue  # the model does not shard this way
             out += [(config_name, tp, kind, (), "") for kind in AUDIT_KINDS]
-    return out + [e for e in AUDIT_ENGINES + SMALL_CACHE_ENGINES if e[0] in configs and e[1] in tps]
+    extra = AUDIT_ENGINES + SMALL_CACHE_ENGINES + HYBRID_KV_ENGINES
+    return out + [e for e in extra if e[0] in configs and e[1] in tps]
 
 
-def audit(configs=AUDIT_CONFIGS, tps=(1, 4, 8)) -> int:
+def audit(configs=AUDIT_CONFIGS + ("gemma-3-4b",), tps=(1, 4, 8)) -> int:
     """The compiled-step KV audit (see the module docstring); prints a table, returns the failure count.
 
     When temporaries exceed the bound they are measured again with a 64-page cache. The difference is the
@@ -395,6 +409,9 @@ WEIGHT_COPY_ALLOWED: dict[str, tuple[float, str]] = {
     # stacked qkv_proj out once (56 MiB per layer for Gemma-2-9B, 20 MiB for Gemma-3-4B).
     "gemma-2-9b TP1": (280, "qkv_proj relaid out for the prefill dot (head_dim 256)"),
     "gemma-3-4b TP1": (260, "qkv_proj relaid out for the prefill dot (head_dim 256)"),
+    # the same at Gemma-3-4B's full depth (34 layers x 20 MiB), in the audit's hybrid KV prefill steps
+    "gemma-3-4b hybrid KV TP1 prefill": (680, "qkv_proj relaid out for the prefill dot (head_dim 256)"),
+    "gemma-3-4b hybrid 257p TP1 prefill": (680, "qkv_proj relaid out for the prefill dot (head_dim 256)"),
     # The experts' stacked [L, E, ...] weights: XLA:TPU writes each layer's slice out before its grouped
     # matmul (ragged-dot), where the dense dots read theirs in place.
     "mixtral-8x7b TP1": (5376, "each layer's expert weights sliced out for the ragged-dot"),
