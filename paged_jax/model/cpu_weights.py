@@ -44,11 +44,13 @@ LAYER_WEIGHTS = (
 @flax.struct.dataclass
 class CpuWeight:
     """One packed weight and the stored weight's shape ``[*k_shape, *n_shape]`` (the dot's contracted and output
-    axes)."""
+    axes). `library`: the GEMM build it was packed for (its cache file name, keyed by sources, flags and CPU), part
+    of the tree's structure, so a stored executable of another build never matches the runner's key."""
 
     packed: gemm.PackedWeight
     k_shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
     n_shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
+    library: str = flax.struct.field(pytree_node=False, default="")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,7 @@ def pack_params(params: dict, config: Any) -> tuple[dict, PackReport]:
         k_shape, n_shape = tuple(w.shape[:contract]), tuple(w.shape[contract:])
         packed = gemm.pack(w.reshape(math.prod(k_shape), math.prod(n_shape)), kern.nr)
         count, nbytes = count + 1, nbytes + packed.packed.nbytes
-        return CpuWeight(packed, k_shape, n_shape)
+        return CpuWeight(packed, k_shape, n_shape, kern.library.name)
 
     for i in range(config.num_layers):
         name = f"layers_{i}"

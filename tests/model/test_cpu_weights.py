@@ -85,3 +85,12 @@ def test_cpu_runner_packs_and_its_decode_step_calls_the_gemm(tiny_config, tiny_p
     monkeypatch.setenv(ENV, "0")
     plain = _runner(tiny_config, tiny_params)
     assert plain.cpu_pack is None and CPU_WEIGHTS not in plain.params
+
+
+def test_the_record_names_its_gemm_build(tiny_config, tiny_params):
+    """The packed tree's structure carries the GEMM library's cache name, so the runner's executable key (the
+    params' fingerprint) changes with the build that the compiled custom calls run."""
+    packed, _ = pack_params(tiny_params, tiny_config)
+    w = packed[CPU_WEIGHTS]["lm_head"]
+    assert w.library == gemm.kernel().library.name
+    assert gemm.kernel().library.name in str(jax.tree.structure(packed))
