@@ -276,7 +276,8 @@ class ModelRunner:
         config, mesh = self.config, self.mesh
         weights = quant.weights_key(self.params)
         # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
-        onednn = xla_flags.use_onednn_dots(config.dtype, platform) and weights is None
+        # Not with the CPU-weights record: the packed GEMM takes every weight dot, oneDNN would have none.
+        onednn = xla_flags.use_onednn_dots(config.dtype, platform) and weights is None and self.cpu_pack is None
         # A scanned GPU step with float weights: cuBLAS dots, which read each layer's weight slice in place.
         self._scanned_gpu = self.scan and platform == "gpu" and weights is None
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)

@@ -94,3 +94,16 @@ def test_the_record_names_its_gemm_build(tiny_config, tiny_params):
     w = packed[CPU_WEIGHTS]["lm_head"]
     assert w.library == gemm.kernel().library.name
     assert gemm.kernel().library.name in str(jax.tree.structure(packed))
+
+
+def test_a_packed_runner_asks_for_no_onednn_dots(tiny_config, tiny_params, monkeypatch):
+    """oneDNN's dot option (`paged_jax.worker.xla_flags`) only adds compile variants once the GEMM takes every
+    weight dot, so a packed runner keeps its forward steps on one set of options."""
+    from paged_jax.worker import xla_flags
+
+    monkeypatch.setenv(xla_flags.ONEDNN_ENV, "1")
+    config = dataclasses.replace(tiny_config, dtype="bfloat16")
+    params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), tiny_params)
+    runner = _runner(config, params)
+    assert runner.cpu_pack is not None
+    assert runner.jobs.forward(xla_flags.ONEDNN_MIN_TOKENS, 4).options == ()
