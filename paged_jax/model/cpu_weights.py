@@ -65,15 +65,20 @@ class PackReport:
 
 
 def wanted(model_type: str, platform: str, scan: bool, mesh: Any, abstract: bool) -> bool:
-    """Whether a runner packs its weights: one CPU device, unrolled decoder, a family in :data:`FAMILIES`, a
-    concrete (not abstract) runner, ``$PAGED_JAX_CPU_GEMM`` not "0", and the GEMM built for the ISA path."""
-    if platform != "cpu" or scan or mesh is not None or abstract or model_type not in FAMILIES:
+    """Whether a runner packs its weights: one CPU device, unrolled decoder, a family in :data:`FAMILIES`,
+    ``$PAGED_JAX_CPU_GEMM`` not "0", and the GEMM built for the ISA path. An abstract runner (AOT checks) packs
+    its shapes (:func:`pack_params` on ``ShapeDtypeStruct`` leaves), so it lowers the step a real one runs."""
+    if platform != "cpu" or scan or mesh is not None or model_type not in FAMILIES:
         return False
     return os.environ.get(ENV, "1") != "0" and gemm.available()
 
 
 def _packable(w: Any) -> TypeGuard[jax.Array]:
-    return isinstance(w, jax.Array) and w.dtype in gemm.DTYPES
+    return isinstance(w, jax.Array | jax.ShapeDtypeStruct) and w.dtype in gemm.DTYPES
+
+
+def _abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def pack_params(params: dict, config: Any) -> tuple[dict, PackReport]:
@@ -88,11 +93,16 @@ def pack_params(params: dict, config: Any) -> tuple[dict, PackReport]:
     record: dict[str, Any] = {}
     count = nbytes = 0
 
-    def pack(w: jax.Array, contract: int) -> CpuWeight:
+    def pack(w: jax.Array | jax.ShapeDtypeStruct, contract: int) -> CpuWeight:
         nonlocal count, nbytes
         k_shape, n_shape = tuple(w.shape[:contract]), tuple(w.shape[contract:])
-        packed = gemm.pack(w.reshape(math.prod(k_shape), math.prod(n_shape)), kern.nr)
-        count, nbytes = count + 1, nbytes + packed.packed.nbytes
+        k, n = math.prod(k_shape), math.prod(n_shape)
+        if isinstance(w, jax.ShapeDtypeStruct):  # an abstract runner's: the packed array's spec
+            spec = jax.ShapeDtypeStruct(gemm.packed_shape(k, n, kern.nr, w.dtype), w.dtype, sharding=w.sharding)
+            packed = gemm.PackedWeight(spec, k, n, kern.nr)  # type: ignore[arg-type]  # a spec stands in for the array
+        else:
+            packed = gemm.pack(w.reshape(k, n), kern.nr)
+        count, nbytes = count + 1, nbytes + math.prod(packed.packed.shape) * packed.packed.dtype.itemsize
         return CpuWeight(packed, k_shape, n_shape, kern.library.name)
 
     for i in range(config.num_layers):
@@ -107,12 +117,13 @@ def pack_params(params: dict, config: Any) -> tuple[dict, PackReport]:
     if config.tie_word_embeddings:  # the embedding [V, H] is also the lookup table: it stays, packed as [H, V]
         emb = tree["embed_tokens"]["embedding"]
         if _packable(emb):
-            record["lm_head"] = pack(emb.T, 1)
+            t = jax.ShapeDtypeStruct(emb.shape[::-1], emb.dtype, sharding=emb.sharding) if _abstract(emb) else emb.T
+            record["lm_head"] = pack(t, 1)
     elif _packable(head := tree.get("lm_head")):
         record["lm_head"] = pack(head, 1)
         del tree["lm_head"]
     out = {**params, "params": tree, CPU_WEIGHTS: record}
-    jax.block_until_ready(out)
+    jax.block_until_ready([x for x in jax.tree.leaves(out) if not _abstract(x)])
     return out, PackReport(count, nbytes, time.perf_counter() - t0, time.process_time() - c0, kern.isa)
 
 

@@ -120,6 +120,12 @@ def pack(w, nr: int) -> PackedWeight:
     return PackedWeight(jnp.asarray(np.ascontiguousarray(out)), k, n, nr)
 
 
+def packed_shape(k: int, n: int, nr: int, dtype) -> tuple[int, ...]:
+    """The shape :func:`pack` gives a ``[k, n]`` weight of `dtype` for panels of `nr`."""
+    panels = -(-n // nr)
+    return (panels, k, nr) if jnp.dtype(dtype) == jnp.float32 else (panels, -(-k // 2), nr, 2)
+
+
 def supports(x: jax.Array, w: PackedWeight, isa: str | None = None) -> bool:
     """Whether the GEMM of path `isa` takes ``x [..., K]`` against `w`: the library exists, w was packed for its
     panel width, and x has w's dtype (float32 or bfloat16) and contraction length."""
