@@ -32,6 +32,7 @@ from paged_jax.config import ModelConfig, RopeScaling
 from paged_jax.lora.delta import LoraBatch, LoraLayer, LoraLayers
 from paged_jax.model import quant
 from paged_jax.model.attention import AttentionFn, DenseMeta, LayerPages, dense_attention
+from paged_jax.model.cpu_weights import CPU_WEIGHTS
 from paged_jax.model.layers import (
     RMSNorm,
     apply_rope,
@@ -62,6 +63,14 @@ def inv_freq_for(head_dim: int, theta: float, scaling: RopeScaling | None) -> np
     return rope_inv_freq(head_dim, theta, scaling)
 
 
+def weight(module: nn.Module, name: str, shape: tuple[int, ...], dtype) -> Any:
+    """A module's projection weight: its packed form from the CPU-weights record where the runner packed it
+    (`paged_jax.model.cpu_weights`, read by `quant.dot`), else the parameter `name` of `shape`."""
+    if module.has_variable(CPU_WEIGHTS, name):
+        return module.get_variable(CPU_WEIGHTS, name)
+    return module.param(name, kernel_init, shape, dtype)
+
+
 class Attention(nn.Module):
     """QKV projection, optional per-head q/k RMSNorm (before RoPE), RoPE, attention with this layer's sliding
     window and soft cap, output projection. Kernels as documented in `paged_jax.model.llama`; q_norm/k_norm
@@ -83,8 +92,8 @@ class Attention(nn.Module):
         h, d, hq, hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
         g = hq // hkv
         attn = {
-            "qkv_proj": self.param("qkv_proj", kernel_init, (h, hkv, g + 2, d), dtype),
-            "o_proj": self.param("o_proj", kernel_init, (hq, d, h), dtype),
+            "qkv_proj": weight(self, "qkv_proj", (h, hkv, g + 2, d), dtype),
+            "o_proj": weight(self, "o_proj", (hq, d, h), dtype),
         }
         if c.attention_bias:
             attn["qkv_bias"] = self.param("qkv_bias", nn.initializers.zeros, (hkv, g + 2, d), dtype)
@@ -123,8 +132,8 @@ class GatedMLP(nn.Module):
         dtype = jnp.dtype(c.dtype)
         h, i = c.hidden_size, c.intermediate_size
         mlp = {
-            "gate_up_proj": self.param("gate_up_proj", kernel_init, (h, 2, i), dtype),
-            "down_proj": self.param("down_proj", kernel_init, (i, h), dtype),
+            "gate_up_proj": weight(self, "gate_up_proj", (h, 2, i), dtype),
+            "down_proj": weight(self, "down_proj", (i, h), dtype),
         }
         return gated_mlp(x, mlp, ACTIVATIONS[self.activation], lora)
 
@@ -203,7 +212,7 @@ class CausalLM(nn.Module):
             self.layers = [self.make_layer(i) for i in range(c.num_layers)]
         self.norm = self.final_norm(c.hidden_size, c.rms_norm_eps, dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = self.param("lm_head", kernel_init, (c.hidden_size, c.vocab_size), dtype)
+            self.lm_head = weight(self, "lm_head", (c.hidden_size, c.vocab_size), dtype)
 
     def __call__(
         self,
@@ -295,7 +304,9 @@ class CausalLM(nn.Module):
         transformers' LM head does), widened to float32 after: the one dtype in and out that XLA's oneDNN dot
         takes (`paged_jax.worker.xla_flags`); a no-op for float32 models."""
         out = None if round_to_dtype else jnp.float32
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.has_variable(CPU_WEIGHTS, "lm_head"):  # the packed [H, V]
+            logits = quant.dot(hidden, self.get_variable(CPU_WEIGHTS, "lm_head"), preferred_element_type=out)
+        elif self.config.tie_word_embeddings:
             # Contract the embedding's hidden axis where it lies ([V, H], "x . E^T" without a transpose): written
             # as `hidden @ embedding.T`, XLA:CPU converted the whole bfloat16 table to float32 on every step
             # (SmolLM2-135M: 41-47 ms against 4.3 ms for this form; float32 alike either way).

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS, ModelConfig
+from paged_jax.model import cpu_weights
 from pallas_kernels import kv_quant
 
 
@@ -139,11 +140,14 @@ def _dot_general(x: jax.Array, w: jax.Array, contract: int, batch: int, preferre
 
 def dot(x: jax.Array, w, contract: int = 1, preferred_element_type=None, batch: int = 0) -> jax.Array:
     """``x [T, *K] . w [*K, *N] -> [T, *N]``, contracting x's last and w's first ``contract`` axes, for a plain
-    weight or a :class:`QuantizedWeight` (the scale applied to the output, in float32). The result has x's
+    weight, a :class:`QuantizedWeight` (the scale applied to the output, in float32) or a CPU-packed one
+    (`paged_jax.model.cpu_weights`). The result has x's
     dtype, or ``preferred_element_type``. ``batch``: the first ``batch`` output axes of w become batch axes of
     the dot (x broadcast over them): the same result, a form XLA:TPU reads a head-major weight with in place
     (``paged_jax.model.layers.qkv_projection``)."""
     out_dtype = preferred_element_type or x.dtype
+    if isinstance(w, cpu_weights.CpuWeight):  # packed at load for the CPU GEMM
+        return cpu_weights.dot(x, w, contract, preferred_element_type, batch)
     if not isinstance(w, QuantizedWeight):
         return _dot_general(x, w, contract, batch, preferred_element_type)
     if w.contract != contract:

@@ -44,7 +44,7 @@ from paged_jax.kv_cache import HostTier, KVGroup, KVLayout, PageCopy, StateCopy
 from paged_jax.lora import weights as lora_weights
 from paged_jax.lora.delta import LoraBatch
 from paged_jax.lora.registry import SlotLoad
-from paged_jax.model import quant
+from paged_jax.model import cpu_weights, quant
 from paged_jax.model.scan import stack_layers, stacked_order, use_scan
 from paged_jax.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from paged_jax.sched.output import SchedulerOutput
@@ -209,6 +209,16 @@ class ModelRunner:
         self._init_groups(kv_layout)
         self.stacked_order = stacked_order(platform) if self.scan else ()  # the stacked weights' axis order
         self.params = self._stack(params, mesh, abstract) if self.scan else params
+        # CPU: the projections packed once for the CPU GEMM, in a record beside the params (`model.cpu_weights`).
+        self.cpu_pack: cpu_weights.PackReport | None = None
+        if cpu_weights.wanted(config.model_type, platform, self.scan, mesh, abstract):
+            self.params, self.cpu_pack = cpu_weights.pack_params(self.params, config)
+            log.info(
+                "packed %d weights for the CPU GEMM (%s) in %.2f s",
+                self.cpu_pack.weights,
+                self.cpu_pack.isa,
+                self.cpu_pack.seconds,
+            )
         self._init_buckets(max_model_len, max_num_seqs, max_num_batched_tokens, max_logit_bias)
         # Where a one-device runner's operands live: the default device, or an abstract runner's target device.
         one = jax.tree.leaves(self.params)[0].sharding if abstract and mesh is None else None
@@ -308,7 +318,8 @@ class ModelRunner:
         config, mesh = self.config, self.mesh
         weights = quant.weights_key(self.params)
         # Float weights only: an int8/fp8 weight's bf16 x bf16 -> f32 dot would be widened to f32 (3x slower).
-        onednn = xla_flags.use_onednn_dots(config.dtype, platform) and weights is None
+        # Not with the CPU-weights record: the packed GEMM takes every weight dot, oneDNN would have none.
+        onednn = xla_flags.use_onednn_dots(config.dtype, platform) and weights is None and self.cpu_pack is None
         # A scanned GPU step with float weights: cuBLAS dots, which read each layer's weight slice in place.
         self._scanned_gpu = self.scan and platform == "gpu" and weights is None
         quantized_kv = kv_quant.is_quantized_dtype(self.kv_dtype)

@@ -45,7 +45,9 @@ from pallas_kernels import kv_quant
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(sorted(Path(__file__).parent.glob("*.[ch]*")))  # paged_attention.cc and its headers
+# paged_attention.cc and its headers (the packed GEMM, gemm.cc, is its own library: pallas_kernels.cpu.gemm)
+_HERE = Path(__file__).parent
+SOURCES = tuple(sorted(f for f in _HERE.glob("*.[ch]*") if f.suffix in (".cc", ".h") and f.stem != "gemm"))
 TARGET = "paged_jax_paged_attention"
 # Warnings are errors: every path the tests build is warning-free (jaxlib's FFI headers are -isystem, theirs).
 COMMON_FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC")
@@ -96,39 +98,47 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with (``$CXX``, else g++, c++ or clang++); None if there is none."""
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def library_path(compiler: str, isa: str = "native") -> Path:
-    """Where these sources, built by `compiler` for path `isa` on this CPU and jaxlib, live in the cache."""
+def library_path(
+    compiler: str, isa: str = "native", name: str = "paged_attention", sources: tuple[Path, ...] | None = None
+) -> Path:
+    """Where library `name` (``name.cc`` among `sources`, default :data:`SOURCES`, which key it), built by
+    `compiler` for path `isa` on this CPU and jaxlib, lives in the cache."""
+    sources = SOURCES if sources is None else sources
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [f.read_text() for f in SOURCES] + [version, " ".join(flags(isa)), jax.__version__, cpu_flags()]
+    parts = [f.read_text() for f in sources] + [version, " ".join(flags(isa)), jax.__version__, cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGED_JAX_KERNEL_CACHE", Path.home() / ".cache" / "paged-jax" / "kernels"))
-    return cache / f"paged_attention-{isa}-{key}.so"
+    return cache / f"{name}-{isa}-{key}.so"
 
 
-def build(compiler: str, isa: str = "native") -> Path:
-    """Compiles the kernel for path `isa` unless the cache holds it; returns the library's path. Raises on a
-    failed build."""
-    out = library_path(compiler, isa)
+def build(
+    compiler: str, isa: str = "native", name: str = "paged_attention", sources: tuple[Path, ...] | None = None
+) -> Path:
+    """Compiles library `name` (``name.cc`` among `sources`, default :data:`SOURCES`) for path `isa` unless the
+    cache holds it; returns the library's path. Raises on a failed build."""
+    sources = SOURCES if sources is None else sources
+    out = library_path(compiler, isa, name, sources)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         lib = Path(tmp) / out.name
-        source = SOURCES[[f.name for f in SOURCES].index("paged_attention.cc")]
+        source = sources[[f.name for f in sources].index(f"{name}.cc")]
         cmd = [compiler, *flags(isa), "-isystem", jax.ffi.include_dir(), str(source), "-o", str(lib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         os.replace(lib, out)  # atomic: concurrent builders (test workers, replicas) never see half a file
-    log.info("built the CPU paged-attention kernel (%s): %s", isa, out)
+    log.info("built the CPU %s kernel (%s): %s", name, isa, out)
     return out
 
 
-def _isa_runs_here(isa: str) -> bool:
+def isa_runs_here(isa: str) -> bool:
     """The avx2 path needs AVX2 and FMA; the others run wherever they are built."""
     if isa != "avx2":
         return True
@@ -143,16 +153,16 @@ def kernel(isa: str | None = None) -> Kernel | None:
     isa = isa or default_isa()
     if os.environ.get("PAGED_JAX_CPU_KERNEL", "1") == "0":
         return None
-    compiler = _compiler()
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         log.warning("no C++ compiler found (g++, c++, clang++ or $CXX): CPU attention uses the XLA path")
         return None
-    if not _isa_runs_here(isa):
+    if not isa_runs_here(isa):
         log.warning("this CPU lacks AVX2/FMA: the %s CPU kernel cannot run here; CPU attention uses the XLA path", isa)
         return None
     suffix = "" if isa == "native" else f"_{isa}"
     try:
-        return load(build(compiler, isa), f"{TARGET}{suffix}")
+        return load(build(cxx, isa), f"{TARGET}{suffix}")
     except Exception as e:  # a broken toolchain must not stop the engine: the XLA path is exact too
         log.warning("CPU paged-attention kernel unavailable (%s): CPU attention uses the XLA path", e)
         return None

@@ -41,6 +41,7 @@ import numpy as np
 from paged_jax import LLM, SamplingParams
 from paged_jax.engine.aot import step_job
 from paged_jax.engine.load import load_model
+from paged_jax.model.cpu_weights import CPU_WEIGHTS
 from paged_jax.model.scan import LAYERS, stack_layers
 from paged_jax.structured.bitmask import all_allowed
 from paged_jax.worker.hlo_audit import weight_copies, with_matrix_forms
@@ -74,6 +75,7 @@ def decode_weight_copies_mib(runner: ModelRunner) -> float:
     """MiB of layer weights the runner's compiled decode step copies per step."""
     tree = runner.params["params"]
     leaves = jax.tree.leaves(tree[LAYERS] if runner.scan else tree["layers_0"])
+    leaves += jax.tree.leaves(runner.params.get(CPU_WEIGHTS, {}).get("layers_0", {}))  # packed for the CPU GEMM
     shapes = with_matrix_forms([(tuple(x.shape[1:] if runner.scan else x.shape), np.dtype(x.dtype)) for x in leaves])
     hlo = step_job(runner, "decode").lower().compile().as_text()
     return weight_copies(hlo, shapes, runner.config.num_layers).hbm_bytes / 2**20

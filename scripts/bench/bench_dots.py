@@ -1,16 +1,27 @@
-"""The weight dots of a decode step on CPU: XLA's default (YNNPACK) against oneDNN, beside the machine's peak.
+"""The weight dots of a decode step on CPU: XLA's default (YNNPACK), oneDNN and the packed-weight GEMM, against
+the machine's peak.
 
 Most of a CPU decode step's time is its weight matmuls at a few rows (the batch's tokens): `profile_decode.py`
 and `perf` put 55-57 % of the engine's CPU in XLA's YNNPACK dot kernels on the peers' 56M model. This script
 times exactly those dots, as the model runs them (`paged_jax.model.quant.dot` on the model's own weights, every
 layer's weight in turn so that they come from memory as in a step; the LM head is the model's own
-`compute_logits`, tied or not), at `--rows` rows, in float32 and bfloat16,
-compiled with XLA's default dots and with oneDNN's (`xla_flags.ONEDNN_DOT_OPTIONS`, what `PAGED_JAX_ONEDNN=1`
-gives the forward step), the two alternating round by round. Per weight kind: median CPU ms and best wall ms
-per dot, GFLOP/s (wall), the weights' GB/s, and default / oneDNN CPU time. Beside them a 2048^3 float32 matmul,
-the machine's compute peak through the same compiler, and the lines say what one decode step's dots cost.
+`compute_logits`, tied or not), at `--rows` rows, in float32 and bfloat16, compiled with XLA's default dots, with
+oneDNN's (`xla_flags.ONEDNN_DOT_OPTIONS`, what `PAGED_JAX_ONEDNN=1` gives the forward step) and as the packed
+GEMM (`pallas_kernels.cpu.gemm`, the same weights packed once), the three alternating round by round. Per weight
+kind: median CPU ms per dot and its percent of peak (CPU time, so other load on a shared machine lowers it
+little), best wall ms and GFLOP/s (wall), the weights' GB/s, and default / packed CPU time.
 
-    .venv/bin/python scripts/bench/bench_dots.py [--model /tmp/paged_jax_peers/model|NAME] [--rows 32] [--rounds 7]
+Peak: measured, a register-only FMA loop of the GEMM library (`gemm.peak_gflops_per_core`: the native path's
+vector FMA, `vdpbf16ps` for bfloat16 where the CPU has AVX-512 BF16), per core; "% peak" is GFLOP per CPU-second
+over that per-core peak. Beside it, a 2048^3 float32 matmul through XLA (wall, all cores).
+
+    python -m scripts.bench.bench_dots [--model DIR|JSON|NAME] [--rows 32] [--rounds 7] [--hot]
+
+`--hot`: every call on layer 0's weight, so it stays in cache (L2/L3): the dots' compute ceiling, without the
+memory stream of a real step.
+
+Default model: the HF directory /tmp/paged_jax_peers/model if present, else the peers' 56M Llama config
+(random weights, `bench_cpu_step.PEER_56M`).
 """
 
 from __future__ import annotations
@@ -18,7 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +46,8 @@ from paged_jax.engine.load import load_model  # noqa: E402
 from paged_jax.model import quant  # noqa: E402
 from paged_jax.worker import xla_flags  # noqa: E402
 from paged_jax.worker.step_functions import StepKey, step_functions  # noqa: E402
+from pallas_kernels.cpu import gemm  # noqa: E402
+from scripts.bench.bench_cpu_step import PEER_56M  # noqa: E402
 
 # The weight kinds of a Llama-style layer and the axes each contracts (as paged_jax.model.layers calls them).
 LAYER_WEIGHTS = (
@@ -54,12 +69,14 @@ def timed(fn, x, weights) -> tuple[float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Dot:
-    """One weight kind's dot: fn(x [rows, *k_shape], weight, onednn) -> [rows, n], and every layer's weight."""
+    """One weight kind's dot: fn(x [rows, *k_shape], weight, onednn) -> [rows, n], every layer's weight, and each
+    as a [K, N] matrix (what the packed GEMM packs)."""
 
     fn: Callable
     weights: list
     k_shape: tuple[int, ...]
     n: int
+    matrices: list
 
 
 def dot_sets(config, params) -> dict[str, Dot]:
@@ -71,74 +88,101 @@ def dot_sets(config, params) -> dict[str, Dot]:
     for block, name, contract in LAYER_WEIGHTS:
         w = [p[layer][block][name] for layer in layers]
         fn = functools.partial(lambda x, w, onednn, c: quant.dot(x, w, c), c=contract)
-        sets[name] = Dot(fn, w, w[0].shape[:contract], int(np.prod(w[0].shape[contract:])))
+        k, n = int(np.prod(w[0].shape[:contract])), int(np.prod(w[0].shape[contract:]))
+        sets[name] = Dot(fn, w, w[0].shape[:contract], n, [x.reshape(k, n) for x in w])
     model, _ = step_functions(StepKey(config, "auto"))
 
     def logits(x, params, onednn):
         return model.apply(params, x, round_to_dtype=onednn, method="compute_logits")
 
-    sets["lm_head"] = Dot(logits, [params], (config.hidden_size,), config.vocab_size)
+    head = p["embed_tokens"]["embedding"].T if config.tie_word_embeddings else p["lm_head"]
+    sets["lm_head"] = Dot(logits, [params], (config.hidden_size,), config.vocab_size, [head])
     return sets
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="/tmp/paged_jax_peers/model", help="HF directory or config name")
+    ap.add_argument("--model", default=None, help="HF directory, config JSON or name (default: see above)")
     ap.add_argument("--rows", type=int, default=32, help="rows of each dot (a decode step's tokens)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument(
+        "--hot", action="store_true", help="every call on layer 0's weight (cache-resident: the compute ceiling)"
+    )
     args = ap.parse_args()
+    model = args.model
+    if model is None:
+        model = "/tmp/paged_jax_peers/model"
+        if not Path(model).exists():
+            model = str(Path(tempfile.mkdtemp()) / "peer-56m.json")
+            Path(model).write_text(json.dumps(PEER_56M))
 
+    lib = gemm.kernel()
+    if lib is None:
+        raise SystemExit("the packed CPU GEMM cannot be built here")
+    peaks = {dt: gemm.peak_gflops_per_core(bfloat16=dt == jnp.bfloat16) for dt in (jnp.float32, jnp.bfloat16)}
     n = 2048
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
     mm = jax.jit(lambda x, y: x @ y)
     mm(a, a).block_until_ready()
-    peak = 2 * n**3 / min(timed(mm, a, [a])[1] for _ in range(args.rounds)) / 1e9
+    big = 2 * n**3 / min(timed(mm, a, [a])[1] for _ in range(args.rounds)) / 1e9
     print(
-        f"jax {jax.__version__}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}; "
-        f"float32 matmul {n}^3: {peak:.0f} GFLOP/s wall (the compute peak these dots are measured against)"
+        f"jax {jax.__version__}; {os.cpu_count()} CPUs; ISA {lib.isa} (panels of {lib.nr}); load average "
+        f"{os.getloadavg()}; measured peak per core (register-only FMA loop): float32 {peaks[jnp.float32]:.0f}, "
+        f"bfloat16 {peaks[jnp.bfloat16]:.0f} GFLOP/s; float32 matmul {n}^3 via XLA: {big:.0f} GFLOP/s wall"
     )
-    print(f"model {args.model}, {args.rows} rows; per dot: median CPU ms, best wall ms; each layer's weight in turn")
-    header = (
-        f"{'dtype':9s} {'weight':13s} {'K x N':>13s} {'default CPU':>11s} {'wall':>7s} {'GFLOP/s':>7s} "
-        f"{'GB/s':>6s} {'oneDNN CPU':>10s} {'wall':>7s} {'GFLOP/s':>7s} {'default/oneDNN CPU':>18s}"
+    print(f"model {model}, {args.rows} rows; per dot: median CPU ms and % of peak, best wall ms; each layer's weight")
+    cols = ("default", "onednn", "packed")
+    header = f"{'dtype':9s} {'weight':13s} {'K x N':>13s}" + "".join(
+        f" {c + ' CPU ms':>15s} {'%peak':>6s} {'wall':>6s} {'GF/s':>5s}" for c in cols
     )
+    print(f"{header} {'GB/s(pk)':>8s} {'default/packed':>14s}")
     for dtype in (jnp.float32, jnp.bfloat16):
-        config, params, _ = load_model(args.model, dtype=jnp.dtype(dtype).name)
-        print(header)
-        step = {"default": 0.0, "onednn": 0.0}
+        config, params, _ = load_model(model, dtype=jnp.dtype(dtype).name)
+        step = dict.fromkeys(cols, 0.0)
         for name, dot in dot_sets(config, params).items():
             fn, weights, k, n_out = dot.fn, dot.weights, int(np.prod(dot.k_shape)), dot.n
             x = jnp.asarray(np.random.default_rng(1).standard_normal((args.rows, *dot.k_shape)), dtype)
+            out_dtype = jnp.float32 if name == "lm_head" else dtype  # logits are float32, as compute_logits'
+            if args.hot:
+                weights, dot = [weights[0]] * len(weights), dataclasses.replace(dot, matrices=dot.matrices[:1])
+            packed = [gemm.pack(m, lib.nr) for m in dot.matrices] * (len(weights) if args.hot else 1)
             fns = {
-                "default": jax.jit(lambda x, w, f=fn: f(x, w, False)).lower(x, weights[0]).compile(),
-                "onednn": jax.jit(lambda x, w, f=fn: f(x, w, True))
-                .lower(x, weights[0])
-                .compile(compiler_options=xla_flags.ONEDNN_DOT_OPTIONS),
+                "default": (jax.jit(lambda x, w, f=fn: f(x, w, False)).lower(x, weights[0]).compile(), weights),
+                "onednn": (
+                    jax.jit(lambda x, w, f=fn: f(x, w, True))
+                    .lower(x, weights[0])
+                    .compile(compiler_options=xla_flags.ONEDNN_DOT_OPTIONS),
+                    weights,
+                ),
+                "packed": (
+                    jax.jit(lambda x, w, o=out_dtype: gemm.matmul(x.reshape(x.shape[0], -1), w, out_dtype=o)),
+                    packed,
+                ),
             }
             runs = {key: ([], []) for key in fns}
-            for f in fns.values():
-                f(x, weights[0]).block_until_ready()
-            for _ in range(args.rounds):  # the two alternate, one round at a time
-                for key, f in fns.items():
-                    cpu, wall = timed(f, x, weights)
+            results = {key: np.asarray(f(x, ws[0]), np.float32).reshape(args.rows, -1) for key, (f, ws) in fns.items()}
+            scale = float(np.max(np.abs(results["default"])))
+            err = float(np.max(np.abs(results["packed"] - results["default"]))) / scale
+            for _ in range(args.rounds):  # the three alternate, one round at a time
+                for key, (f, ws) in fns.items():
+                    cpu, wall = timed(f, x, ws)
                     runs[key][0].append(cpu)
                     runs[key][1].append(wall)
             flops = 2 * args.rows * k * n_out
-            cells = []
-            for key in fns:
+            row = f"{jnp.dtype(dtype).name:9s} {name:13s} {f'{k} x {n_out}':>13s}"
+            for key in cols:
                 cpu, wall = float(np.median(runs[key][0])), min(runs[key][1])
                 step[key] += cpu * len(weights)  # one call per layer, one LM head
-                cells.append((cpu, wall, flops / wall / 1e9))
-            (dc, dw, dg), (oc, ow, og) = cells
-            gbs = k * n_out * jnp.dtype(dtype).itemsize / dw / 1e9
-            print(
-                f"{jnp.dtype(dtype).name:9s} {name:13s} {f'{k} x {n_out}':>13s} {dc * 1e3:11.2f} {dw * 1e3:7.2f} "
-                f"{dg:7.0f} {gbs:6.1f} {oc * 1e3:10.2f} {ow * 1e3:7.2f} {og:7.0f} {dc / oc:17.2f}x"
-            )
+                pct = 100 * flops / cpu / 1e9 / peaks[dtype]
+                row += f" {cpu * 1e3:15.3f} {pct:5.0f}% {wall * 1e3:6.2f} {flops / wall / 1e9:5.0f}"
+            gbs = k * n_out * jnp.dtype(dtype).itemsize / min(runs["packed"][1]) / 1e9
+            ratio = np.median(runs["default"][0]) / np.median(runs["packed"][0])
+            print(f"{row} {gbs:8.1f} {ratio:13.2f}x  (packed vs default: max rel. diff {err:.1e})")
         print(
-            f"  one decode step's weight dots ({config.num_layers} layers + LM head), CPU ms: default "
-            f"{step['default'] * 1e3:.1f}, oneDNN {step['onednn'] * 1e3:.1f}"
+            f"  one decode step's weight dots ({config.num_layers} layers + LM head), CPU ms: "
+            + ", ".join(f"{key} {step[key] * 1e3:.1f}" for key in cols)
         )
+    print(f"load average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

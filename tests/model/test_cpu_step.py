@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from paged_jax.engine.aot import step_job
+from paged_jax.model.cpu_weights import CPU_WEIGHTS
 from paged_jax.model.scan import LAYERS
 from paged_jax.worker.hlo_audit import weight_copies, with_matrix_forms
 from paged_jax.worker.runner import ModelRunner
@@ -34,6 +35,7 @@ def _layer_shapes(runner: ModelRunner) -> list[tuple[tuple[int, ...], np.dtype]]
     """One layer's weights (`(shape, dtype)` per leaf) and their matrix forms; stacked leaves without the layer axis."""
     tree = runner.params["params"]
     leaves = jax.tree.leaves(tree[LAYERS] if runner.scan else tree["layers_0"])
+    leaves += jax.tree.leaves(runner.params.get(CPU_WEIGHTS, {}).get("layers_0", {}))  # packed for the CPU GEMM
     return with_matrix_forms([(tuple(x.shape[1:] if runner.scan else x.shape), np.dtype(x.dtype)) for x in leaves])
 
 

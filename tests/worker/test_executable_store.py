@@ -142,6 +142,7 @@ def test_an_executable_xla_cannot_serialize_is_logged_and_compiled_by_the_next_r
     from paged_jax.worker.runner import ModelRunner
 
     monkeypatch.setenv("PAGED_JAX_ONEDNN", "1")
+    monkeypatch.setenv("PAGED_JAX_CPU_GEMM", "0")  # XLA's dots (a packed runner asks for no oneDNN dots)
     config = tiny_config.replace(dtype="bfloat16")
     params = jax.tree.map(lambda x: x.astype("bfloat16"), tiny_params)
 

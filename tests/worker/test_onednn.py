@@ -1,6 +1,7 @@
 """oneDNN dots for bfloat16 forward steps on CPU (`paged_jax.worker.xla_flags`): when the engine applies them,
 that they keep the math (logits against a float32 reference, as close as XLA's default dots), and that the
-engine compiles its forward steps with them once, without recompiling."""
+engine compiles its forward steps with them once, without recompiling. These engines run XLA's dots: the CPU
+GEMM's weights record is off here (with it the runner never asks for oneDNN: tests/model/test_cpu_weights.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import LLMEngine
-from paged_jax.model import quant
+from paged_jax.model import cpu_weights, quant
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.llama import LlamaForCausalLM
 from paged_jax.sampling_params import SamplingParams
@@ -19,6 +20,11 @@ from paged_jax.tokenization.tokenizer import ByteTokenizer
 from paged_jax.worker import xla_flags
 
 ONEDNN_FUSION = '"kind":"__onednn_fusion"'
+
+
+@pytest.fixture(autouse=True)
+def xla_dots(monkeypatch):
+    monkeypatch.setenv(cpu_weights.ENV, "0")
 
 
 def cpu_flags() -> set[str]:

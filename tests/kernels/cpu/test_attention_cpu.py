@@ -138,7 +138,7 @@ def test_library_is_cached_per_source_cpu_and_path(tmp_path, monkeypatch):
     source = tmp_path / "paged_attention.cc"
     source.write_text('extern "C" int PagedAttentionProbe() { return 1; }\n')
     monkeypatch.setattr(cpu_paged, "SOURCES", (source,))
-    compiler = cpu_paged._compiler()
+    compiler = cpu_paged.compiler()
     path = cpu_paged.build(compiler, "generic")
     assert path.parent == cache and path.exists()
     stamp = path.stat().st_mtime_ns

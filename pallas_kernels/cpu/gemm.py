@@ -1,0 +1,172 @@
+"""A packed-weight GEMM on CPU as a C++ XLA FFI custom call (``cpu/gemm.cc``), built on first use.
+
+Why: XLA:CPU's dot libraries receive a weight in its stored ``[K, N]`` layout on every call, so they either
+repack it each time (and, for bfloat16, re-interleave it into k-pairs) or read it with strided panel loads. Here a
+weight is packed once (:func:`pack`, at load) into column panels of ``NR`` columns, each a contiguous ``[K, NR]``
+block (bfloat16: k-pairs interleaved per column, the ``vdpbf16ps`` operand), and :func:`matmul` reads each weight
+byte once per call, sequentially, with register tiles of rows over a K block that stays in L1. Columns (panels)
+are split over XLA's intra-op threads as the attention kernel splits its work items (``cpu/parallel.h``).
+
+Instruction-set paths, build and cache are the attention kernel's (:mod:`pallas_kernels.cpu.paged`):
+``native``, ``avx2``, ``generic``, ``$PAGED_JAX_CPU_ISA``; ``NR`` is two vectors of the path (32 columns on
+AVX-512, 16 on AVX2, 8 generic), so a packed weight belongs to the path it was packed for
+(:attr:`PackedWeight.nr`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cpu import paged
+
+log = logging.getLogger(__name__)
+
+NAME = "gemm"
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / f for f in ("gemm.cc", "parallel.h", "simd.h"))
+TARGET = "paged_jax_packed_gemm"
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmKernel:
+    """One built and registered GEMM library: its FFI target, panel width and the path it was compiled for."""
+
+    target: str
+    nr: int  # columns per packed panel
+    isa: str  # "avx512+bf16", "avx512", "avx2" or "generic"
+    library: Path
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed"], meta_fields=["k", "n", "nr"])
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A ``[K, N]`` weight in the GEMM's panel layout: float32 ``[ceil(N/nr), K, nr]``, bfloat16
+    ``[ceil(N/nr), ceil(K/2), nr, 2]`` (columns past N and the odd K's pad row are zeros)."""
+
+    packed: jax.Array
+    k: int
+    n: int
+    nr: int
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.packed.dtype
+
+
+@functools.cache
+def kernel(isa: str | None = None) -> GemmKernel | None:
+    """The GEMM library of path `isa` (default ``$PAGED_JAX_CPU_ISA``), built and registered with XLA:CPU at most
+    once per process; None (after one warning) when it cannot be (no compiler, a failed build, a path this CPU
+    cannot run, or ``PAGED_JAX_CPU_GEMM=0``)."""
+    isa = isa or paged.default_isa()
+    if os.environ.get("PAGED_JAX_CPU_GEMM", "1") == "0":
+        return None
+    cxx = paged.compiler()
+    if cxx is None or not paged.isa_runs_here(isa):
+        log.warning("the %s CPU GEMM cannot be built or run here: CPU weight dots stay XLA's", isa)
+        return None
+    try:
+        lib_path = paged.build(cxx, isa, NAME, SOURCES)
+        return load(lib_path, TARGET if isa == "native" else f"{TARGET}_{isa}")
+    except Exception as e:  # a broken toolchain must not stop the engine: XLA's dots are exact too
+        log.warning("CPU GEMM unavailable (%s): CPU weight dots stay XLA's", e)
+        return None
+
+
+def load(library: Path, target: str) -> GemmKernel:
+    """Loads a built GEMM library and registers its handler with XLA:CPU as FFI target `target`."""
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    lib.PackedGemmIsa.restype = ctypes.c_char_p
+    lib.PackedGemmPanelWidth.restype = ctypes.c_int64
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.PackedGemm), platform="cpu")
+    return GemmKernel(target, int(lib.PackedGemmPanelWidth()), lib.PackedGemmIsa().decode(), Path(library))
+
+
+def available(isa: str | None = None) -> bool:
+    return kernel(isa) is not None
+
+
+def pack(w, nr: int) -> PackedWeight:
+    """``w [K, N]`` (float32 or bfloat16, any array) in the panel layout of width `nr`, on the host (numpy: no
+    XLA program per weight shape); the result is a device array of w's dtype."""
+    a = np.asarray(w)
+    if a.ndim != 2:
+        raise ValueError(f"pack: weight must be [K, N], got shape {a.shape}")
+    if jnp.dtype(a.dtype) not in DTYPES:
+        raise ValueError(f"pack: weight dtype must be float32 or bfloat16, got {a.dtype}")
+    k, n = a.shape
+    panels = -(-n // nr)
+    out: np.ndarray
+    if jnp.dtype(a.dtype) == jnp.float32:
+        buf = np.zeros((k, panels * nr), a.dtype)
+        buf[:, :n] = a
+        out = buf.reshape(k, panels, nr).transpose(1, 0, 2)
+    else:
+        kp = -(-k // 2) * 2
+        buf = np.zeros((kp, panels * nr), a.dtype)
+        buf[:k, :n] = a
+        out = buf.reshape(kp // 2, 2, panels, nr).transpose(2, 0, 3, 1)
+    return PackedWeight(jnp.asarray(np.ascontiguousarray(out)), k, n, nr)
+
+
+def packed_shape(k: int, n: int, nr: int, dtype) -> tuple[int, ...]:
+    """The shape :func:`pack` gives a ``[k, n]`` weight of `dtype` for panels of `nr`."""
+    panels = -(-n // nr)
+    return (panels, k, nr) if jnp.dtype(dtype) == jnp.float32 else (panels, -(-k // 2), nr, 2)
+
+
+def supports(x: jax.Array, w: PackedWeight, isa: str | None = None) -> bool:
+    """Whether the GEMM of path `isa` takes ``x [..., K]`` against `w`: the library exists, w was packed for its
+    panel width, and x has w's dtype (float32 or bfloat16) and contraction length."""
+    k = kernel(isa)
+    return k is not None and k.nr == w.nr and x.dtype == w.dtype and x.shape[-1] == w.k
+
+
+def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None, out_dtype=None) -> jax.Array:
+    """``x [..., K] . w [K, N] -> [..., N]`` in `out_dtype` (x's dtype or float32; default x's), accumulated in
+    float32, by the GEMM of path `isa`. Call only where :func:`supports` holds."""
+    k = kernel(isa)
+    if k is None or k.nr != w.nr:
+        raise RuntimeError(f"the CPU GEMM ({isa or paged.default_isa()}) for panels of {w.nr} is not available")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    out = jax.ffi.ffi_call(k.target, jax.ShapeDtypeStruct((x2.shape[0], w.n), out_dtype or x.dtype))(
+        x2, w.packed, n=np.int64(w.n)
+    )
+    return out.reshape(*lead, w.n)
+
+
+def peak_gflops_per_core(isa: str | None = None, bfloat16: bool = False, seconds: float = 0.2) -> float:
+    """The path's multiply-add peak on one core, measured: a register-only FMA loop (``vdpbf16ps`` for
+    `bfloat16` where the path has it), timed by this thread's CPU time (so other load on the machine does not
+    lower it), best of three."""
+    k = kernel(isa)
+    if k is None:
+        raise RuntimeError(f"the CPU GEMM ({isa or paged.default_isa()}) is not available")
+    lib = ctypes.cdll.LoadLibrary(str(k.library))
+    lib.PackedGemmPeakLoop.restype = ctypes.c_double
+    lib.PackedGemmPeakLoop.argtypes = (ctypes.c_int64, ctypes.c_int32)
+    iters, best = 1 << 16, 0.0
+    while True:
+        t = time.thread_time()
+        flops = lib.PackedGemmPeakLoop(iters, int(bfloat16))
+        dt = time.thread_time() - t
+        if dt >= seconds / 3:
+            break
+        iters *= 4
+    for _ in range(3):
+        t = time.thread_time()
+        flops = lib.PackedGemmPeakLoop(iters, int(bfloat16))
+        best = max(best, flops / max(time.thread_time() - t, 1e-9))
+    return best / 1e9

@@ -1,0 +1,108 @@
+"""The packed-weight CPU GEMM (pallas_kernels.cpu.gemm): every ISA path against jnp.dot at HIGHEST on random
+inputs (rows 1-512, K and N off the panel and pair boundaries, float32 and bfloat16, bfloat16 in with float32
+out), its panel layout, and the clear errors of operands it does not take."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.cpu import gemm
+from pallas_kernels.cpu import paged as cpu_paged
+
+pytestmark = pytest.mark.skipif(not gemm.available(), reason="the CPU GEMM needs a C++ compiler (g++)")
+
+PATHS = [
+    pytest.param(isa, marks=pytest.mark.skipif(not gemm.available(isa), reason=f"no {isa} path here"))
+    for isa in cpu_paged.ISA_FLAGS
+]
+# (rows, K, N): a decode row, tiles short of MR, a K block boundary crossed (the float32 block is 128 or 256 k),
+# odd K (bfloat16's pad pair), N short of a panel and past one, many rows (a prefill chunk).
+SHAPES = [(1, 64, 32), (5, 33, 70), (13, 300, 129), (32, 512, 96), (37, 1027, 40), (512, 96, 48)]
+
+
+def _reference(x, w):
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_highest_precision_dot(isa, shape, dtype):
+    rows, k, n = shape
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    kern = gemm.kernel(isa)
+    packed = gemm.pack(w, kern.nr)
+    assert gemm.supports(x, packed, isa)
+    ref = np.asarray(_reference(x, w))
+    tol = 1e-6 * np.sqrt(k) * np.abs(ref).max()  # float32 accumulation in another order
+    y = np.asarray(jax.jit(lambda x, p: gemm.matmul(x, p, isa))(x, packed))
+    assert y.shape == (rows, n) and y.dtype == jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(y, ref, rtol=0, atol=tol)
+    else:  # one rounding to bfloat16 of the float32 sum: within half a bfloat16 ulp of it, plus the order's slack
+        y32 = np.asarray(gemm.matmul(x, packed, isa, out_dtype=jnp.float32))
+        np.testing.assert_allclose(y32, ref, rtol=0, atol=tol)
+        np.testing.assert_allclose(y.astype(np.float32), ref, rtol=2.0**-8, atol=tol)
+        np.testing.assert_array_equal(y, y32.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_leading_axes_and_nonfinite_inputs_stay_in_their_rows(isa):
+    """x [..., K] keeps its leading axes; a NaN in one row of x makes only that row NaN (no value leaks across
+    rows or from the zero padding of the last panel)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4, 40)).astype(np.float32)
+    x[1, 2, 7] = np.nan
+    w = jnp.asarray(rng.standard_normal((40, 50)), jnp.float32)
+    y = np.asarray(gemm.matmul(jnp.asarray(x), gemm.pack(w, gemm.kernel(isa).nr), isa))
+    assert y.shape == (3, 4, 50)
+    assert np.isnan(y[1, 2]).all() and np.isfinite(np.delete(y.reshape(12, 50), 6, axis=0)).all()
+
+
+def test_each_path_has_two_vectors_per_panel():
+    flags = set(cpu_paged.cpu_flags().split())
+    native = gemm.kernel("native")
+    assert native.isa == cpu_paged.kernel("native").isa  # one ISA rule for both libraries
+    assert native.nr == (32 if "avx512f" in flags else 16 if {"avx2", "fma"} <= flags else 8)
+    assert gemm.kernel("generic").nr == 8 and gemm.kernel("generic").isa == "generic"
+    if gemm.available("avx2"):
+        assert gemm.kernel("avx2").nr == 16
+
+
+def test_panel_layout():
+    """float32: panel p is columns [p*nr, p*nr + nr) as a [K, nr] block; bfloat16: k-pairs interleaved per column;
+    zeros past N and in the odd K's pad row."""
+    w = np.arange(5 * 7, dtype=np.float32).reshape(5, 7)
+    p = np.asarray(gemm.pack(w, 4).packed)
+    assert p.shape == (2, 5, 4)
+    np.testing.assert_array_equal(p[1, :, :3], w[:, 4:]) and np.testing.assert_array_equal(p[1, :, 3], 0)
+    b = np.asarray(gemm.pack(jnp.asarray(w, jnp.bfloat16), 4).packed).astype(np.float32)
+    assert b.shape == (2, 3, 4, 2)
+    np.testing.assert_array_equal(b[0, 1, 2], [w[2, 2], w[3, 2]])
+    np.testing.assert_array_equal(b[0, 2, :, 1], 0)  # K = 5: the last pair's second row is padding
+    np.testing.assert_array_equal(b[1, :, 3], 0)
+
+
+def test_operands_it_does_not_take():
+    kern = gemm.kernel()
+    w = gemm.pack(np.ones((8, 8), np.float32), kern.nr)
+    assert not gemm.supports(jnp.ones((2, 8), jnp.bfloat16), w)  # dtype differs from the packed weight's
+    assert not gemm.supports(jnp.ones((2, 9), jnp.float32), w)  # K differs
+    assert not gemm.supports(jnp.ones((2, 8), jnp.float32), gemm.pack(np.ones((8, 8), np.float32), kern.nr * 2))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        gemm.pack(np.ones((4, 4), np.float16), kern.nr)
+    with pytest.raises(ValueError, match=r"\[K, N\]"):
+        gemm.pack(np.ones((4, 4, 4), np.float32), kern.nr)
+    bad = gemm.PackedWeight(w.packed.astype(jnp.bfloat16), w.k, w.n, w.nr)  # a float32 layout called as bfloat16
+    with pytest.raises(Exception, match="packed must be"):
+        gemm.matmul(jnp.ones((2, 8), jnp.bfloat16), bad).block_until_ready()
+
+
+def test_gemm_and_attention_libraries_have_their_own_cache_keys():
+    cxx = cpu_paged.compiler()
+    assert gemm.kernel().library != cpu_paged.kernel().library
+    assert cpu_paged.library_path(cxx, "native") != cpu_paged.library_path(cxx, "native", gemm.NAME, gemm.SOURCES)
+    assert not any(f.stem == "gemm" for f in cpu_paged.SOURCES)  # editing the GEMM never rebuilds attention
