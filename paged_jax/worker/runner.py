@@ -470,14 +470,17 @@ class ModelRunner:
     def launch_greedy(self, sched: SchedulerOutput) -> jax.Array:
         """One step of `sched` taking each sample row's argmax whatever its sequence's sampling parameters (a draft
         model's proposals, `paged_jax.spec_decode.draft_model`); returns the ids on device ([seq_buckets[-1]] i32)."""
-        fwd = self._forward_step(sched, None)
+        fwd = self._forward_step(sched, None, greedy=True)
         s = fwd.s
         meta = SamplingMeta(**empty_meta(s, self.suppress_width, 1, self.logit_bias_width))  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
         job = self.jobs.sample(s, self.suppress_width, 1, GREEDY, self.logit_bias_width)
         return self._executable(job)(fwd.logits, meta, self._bitmask(s, None), None).tokens
 
-    def _forward_step(self, sched: SchedulerOutput, prev_samples: SamplerOutput | None) -> _Forward:
-        """Copies, adapter loads and the forward step of `sched`, dispatched without waiting."""
+    def _forward_step(
+        self, sched: SchedulerOutput, prev_samples: SamplerOutput | None, greedy: bool = False
+    ) -> _Forward:
+        """Copies, adapter loads and the forward step of `sched`, dispatched without waiting. `greedy`: its rows
+        are sampled greedily whatever their parameters (`launch_greedy`)."""
         if self.abstract:
             raise RuntimeError("an abstract ModelRunner has no KV pages: it compiles steps, it cannot run one")
         if sched.kv_transfers is not None:
@@ -493,7 +496,7 @@ class ModelRunner:
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         flags = None
         if self.resolve_shapes:
-            t, s, flags = self._compiled_shape(sched, t, s, prev_samples is not None)
+            t, s, flags = self._compiled_shape(sched, t, s, prev_samples is not None, greedy)
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks, self.num_kv_groups)
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
@@ -510,12 +513,12 @@ class ModelRunner:
         return _Forward(logits, hidden, s, t, flags)
 
     def _compiled_shape(
-        self, sched: SchedulerOutput, t: int, s: int, merge: bool
+        self, sched: SchedulerOutput, t: int, s: int, merge: bool, greedy: bool = False
     ) -> tuple[int, int, SamplerFlags | None]:
-        """(t, s) raised to compiled buckets and the compiled sampler variant covering the rows (`ready_shapes`);
-        (t, s, None) when nothing compiled holds the step (it then compiles its own shapes)."""
+        """(t, s) raised to compiled buckets and the compiled sampler variant covering the rows (`ready_shapes`;
+        `greedy`: GREEDY's); (t, s, None) when nothing compiled holds the step (it then compiles its own shapes)."""
         flags = GREEDY
-        for row in sched.sample_rows:
+        for row in () if greedy else sched.sample_rows:
             flags = union(flags, request_flags(row.seq.params))
         prompt = any(item.prompt_logprob_positions for item in sched.scheduled)
         shape = self.ready_shapes.step_shape(t, s, flags, merge, prompt)
@@ -600,9 +603,9 @@ class ModelRunner:
         warm-up it is counted in `after_warmup` and logged as info."""
         return self._executable(job, off_step=True)
 
-    def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:
+    def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None, assist=None) -> int:
         """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
-        `cancel` (a threading.Event): stop starting compiles once set."""
+        `cancel` (a threading.Event): stop starting compiles once set; `assist`: `Executables.compile_all`'s."""
         return len(
             EXECUTABLES.compile_all(
                 ((job.key, job.lower, job.options) for job in jobs),
@@ -611,5 +614,6 @@ class ModelRunner:
                 progress,
                 cancel,
                 self.store,
+                assist,
             )
         )
