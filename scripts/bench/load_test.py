@@ -881,7 +881,8 @@ class ServerLog:
             if out is not None:
                 out.write(line)
                 out.flush()
-            if "background warm-up:" in line or "background warm-up failed" in line:
+            # the background warm-up's summary line ("background warm-up: N executables ..."), not its progress
+            if re.search(r"background warm-up: \d+ executables", line) or "background warm-up failed" in line:
                 self.warm.set()
             if " ERROR " in line or line.startswith("Traceback"):
                 self.errors += 1
