@@ -36,8 +36,9 @@ engine that speculates refuses structured output with a 400, so the constraints 
 
 `--victim` (issue 41's isolation table) starts the same server as `--soak-mix full`, waits for its background
 warm-up, then times a victim's unconstrained 64-token greedy completion alone and beside each attack of
-`VICTIM_ATTACKS` (8 concurrent copies, resent until the victim is done), 3 rounds each, and prints the median
-seconds and the ratio to alone (goal: within 1.5x).
+`VICTIM_ATTACKS` (one attack request sent with the victim, as the issue measured it; with `--victim-flood N`, N
+clients resending it until the victim is done), 3 rounds each, and prints the median seconds and the ratio to
+alone (goal: within 1.5x).
 """
 
 from __future__ import annotations
@@ -911,6 +912,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--soak-ngram", action="store_true", help="with --soak-mix full: n-gram speculation on")
     p.add_argument("--victim", action="store_true", help="the victim-latency table beside each hostile constraint")
+    p.add_argument("--victim-flood", type=int, default=0, help="with --victim: clients resending each attack")
     p.add_argument(
         "--soak-mix",
         choices=("basic", "full"),
@@ -978,17 +980,20 @@ def _post_http(base_url: str, path: str, body: bytes, token: str | None) -> int:
 
 
 def victim_seconds(args: argparse.Namespace, attack: tuple[str, bytes] | None) -> tuple[float, Counter[int]]:
-    """The victim's seconds, alone or beside 8 clients resending `attack` until it is done; their statuses."""
+    """The victim's seconds, alone or beside `attack` (sent once, or by `--victim-flood` clients resending it
+    until the victim is done); the attack's statuses."""
     done, statuses = threading.Event(), Counter()
 
     def attacker() -> None:
-        while not done.is_set():
+        while True:
             statuses[_post_http(args.base_url, attack[0], attack[1], args.token)] += 1
+            if not args.victim_flood or done.is_set():
+                return
 
-    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(8 if attack else 0)]
+    clients = max(1, args.victim_flood) if attack else 0
+    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(clients)]
     for t in threads:
         t.start()
-    time.sleep(0.2 if attack else 0)
     t0 = time.perf_counter()
     status = _post_http(args.base_url, "/v1/completions", json.dumps(VICTIM).encode(), args.token)
     seconds = time.perf_counter() - t0
