@@ -10,8 +10,10 @@ are), and the missing executables are compiled on the runner's compile thread
 each step in the smallest compiled shapes that hold it (`ModelRunner.resolve_shapes`).
 
 Invariant: every running request's needs are compiled at the cap, so every step the scheduler can build from
-them resolves to compiled shapes; a request entered the running set only through the gate (or before any shape
-was compiled: then there is no cap and steps compile what they need, as without the gate).
+them resolves to compiled shapes; a request entered the running set only through the gate. The gate holds from
+the engine's start, before any warm-up: while nothing is compiled, a request waits for its own step's
+executables at the smallest token bucket (compiled ahead of the rest: a cold server's first request runs as soon
+as those few are there, `paged_jax.worker.warmup.jobs` puts them first), never for the whole warm-up.
 
 A compile that failed fails the requests that need it (with its error), alone.
 """
@@ -75,11 +77,11 @@ class CompileGate:
     def plan(self, running: Iterable[TokenSequence]) -> StepGate:
         """This step's gate, from the requests running now."""
         needs = running_needs(running)
-        self.cap = cap = self.shapes.cap(needs, self.merge) if self.runner.warm else None
+        cap = self.shapes.cap(needs, self.merge)
+        # Nothing compiled yet (a cold start): a request is admitted once its smallest step is compiled.
+        self.cap = cap = self.runner.token_buckets[0] if cap is None else cap
         self.deferred = set()
         gate = StepGate(cap)
-        if cap is None:
-            return gate
         admitted = [needs]
 
         def admit(seq: TokenSequence) -> bool:

@@ -314,12 +314,14 @@ class LLMEngine:
     ) -> int:
         """Compile the step shapes of `plan` (default: every shape) in parallel; see `paged_jax.worker.warmup`. Safe
         to call from another thread while steps run (it only compiles); `cancel` (a threading.Event) stops it;
-        `tracker` counts the shapes done (the server's /health and metrics)."""
+        `tracker` counts the shapes done (the server's /health and metrics). With `background_compiles` its
+        threads compile what waiting requests need first."""
         lookahead = self.engine_config.async_scheduling
         plan = plan or WarmupPlan(lookahead=lookahead)
         if self.engine_config.pooler is not None:  # it serves embeddings: their pooling steps too
             plan = dataclasses.replace(plan, pooling=True)
-        return run_warmup(self.runner, plan, progress, what=what, cancel=cancel, tracker=tracker)
+        assist = None if self.compile_gate is None else self.compile_gate.worker.assist  # requests' compiles first
+        return run_warmup(self.runner, plan, progress, what=what, cancel=cancel, tracker=tracker, assist=assist)
 
     @property
     def max_n(self) -> int:
@@ -541,6 +543,9 @@ class LLMEngine:
         """Start no more background compiles and wait up to `timeout` for the running one (shut-down)."""
         if self.compile_gate is not None:
             self.compile_gate.worker.close(timeout)
+        stop_draft = getattr(self.spec.proposer, "stop_compiles", None) if self.spec is not None else None
+        if stop_draft is not None:  # a draft model's compile thread (`paged_jax.spec_decode.draft_gate`)
+            stop_draft(timeout)
 
     def take_failed(self) -> list[RequestOutput]:
         """The final outputs of requests failed outside a step's rows since the last call (a compile failed)."""

@@ -11,6 +11,9 @@ rolled back, so the draft never recomputes a token it already has right.
 
 Drafts are the draft model's argmax (point masses): the verify step's rule keeps the target's distribution for
 sampled requests too (`paged_jax.spec_decode`).
+
+With `EngineConfig.background_compiles` a proposal runs only in compiled draft steps (`draft_gate`): a sequence
+gets no drafts while the draft step it would need compiles off the engine thread.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.model.loader.weights import load_weights
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
+from paged_jax.spec_decode.draft_gate import DraftGate
 from paged_jax.spec_decode.proposer import DraftRequest
 from paged_jax.worker.runner import ModelRunner
 from paged_jax.worker.step_functions import GREEDY
@@ -73,6 +77,7 @@ class DraftModelProposer:
             executable_store=ec.executable_store,
         )
         self.drafts: dict[str, list[int]] = {}  # seq id -> the drafts its draft slots hold
+        self.compile_gate = DraftGate(self.runner) if ec.background_compiles else None
         if ec.warmup:  # its forward steps and the greedy sampler: no lookahead, copies or prompt logprobs
             plan = WarmupPlan(sampler_flags=(GREEDY,), lookahead=False, copies=False)
             run_warmup(self.runner, replace(plan, prompt_logprobs=False), what="draft")
@@ -93,6 +98,14 @@ class DraftModelProposer:
         out: list[list[int]] = [[] for _ in requests]
         live: list[tuple[int, TokenSequence, int]] = []  # (request index, sequence, drafts wanted)
         catch_up: list[tuple[TokenSequence, int, int]] = []  # (sequence, first position, tokens) to compute
+        budget = self.budget
+        if self.compile_gate is not None:  # only compiled draft steps: at most `cap` tokens and sequences a step
+            cap = self.compile_gate.cap()
+            if cap is None:
+                return out
+            if len(requests) > cap or any(r.seq.num_tokens - self._computed(r.seq) > cap for r in requests):
+                self.compile_gate.grow(cap)
+            requests, budget = requests[:cap], min(budget, cap)
         for i, request in enumerate(requests):
             seq, want = request.seq, min(self.k, request.max_drafts)
             start = self._prepare(seq, want)
@@ -102,7 +115,7 @@ class DraftModelProposer:
             catch_up.append((seq, start, seq.num_tokens - start))
         if not live:
             return out
-        last = self._catch_up(catch_up)  # each sequence's first draft
+        last = self._catch_up(catch_up, budget)  # each sequence's first draft
         drafts = {seq.seq_id: [int(last[seq.seq_id])] for _, seq, _ in live}
         for j in range(1, max(want for _, _, want in live)):
             active = [seq for _, seq, want in live if want > j]
@@ -148,13 +161,17 @@ class DraftModelProposer:
             return None
         return cached
 
-    def _catch_up(self, work: list[tuple[TokenSequence, int, int]]) -> dict[str, int]:
-        """Compute each sequence's tokens [start, start + n) in steps of at most the token budget; returns each
-        sequence's argmax after its last token (its first draft)."""
+    def _computed(self, seq: TokenSequence) -> int:
+        """Tokens of `seq` the draft has computed (0 before its first proposal)."""
+        return self.kv.num_computed_tokens(seq.seq_id) if seq.seq_id in self.kv else 0
+
+    def _catch_up(self, work: list[tuple[TokenSequence, int, int]], step_budget: int) -> dict[str, int]:
+        """Compute each sequence's tokens [start, start + n) in steps of at most `step_budget` tokens; returns
+        each sequence's argmax after its last token (its first draft)."""
         firsts: dict[str, int] = {}
         queue: list[list[Any]] = [list(w) for w in work]  # [seq, start, n], advanced in place
         while queue:
-            sched, budget, rows = SchedulerOutput(), self.budget, []
+            sched, budget, rows = SchedulerOutput(), step_budget, []
             while queue and budget > 0 and len(sched.scheduled) < self.runner.max_num_seqs:
                 seq, start, n = queue[0]
                 chunk = min(n, budget)
@@ -166,7 +183,7 @@ class DraftModelProposer:
                     rows.append(seq.seq_id)
                 else:
                     queue[0] = [seq, start + chunk, n - chunk]
-            sched.num_tokens = self.budget - budget
+            sched.num_tokens = step_budget - budget
             sched.block_tables = self.kv.step_tables([item.seq.seq_id for item in sched.scheduled])
             ids = np.asarray(jax.device_get(self.runner.launch_greedy(sched)))
             firsts.update({key: int(ids[r]) for r, key in enumerate(rows)})
@@ -176,3 +193,8 @@ class DraftModelProposer:
         self.drafts.pop(seq_id, None)
         if seq_id in self.kv:
             self.kv.free(seq_id)
+
+    def stop_compiles(self, timeout: float | None = None) -> None:
+        """Start no more draft compiles and wait up to `timeout` for the running one (shut-down)."""
+        if self.compile_gate is not None:
+            self.compile_gate.close(timeout)

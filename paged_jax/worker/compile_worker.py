@@ -3,7 +3,8 @@
 The engine's admission gate (`paged_jax.engine.compile_gate`) hands it the executables a waiting request lacks;
 it compiles them one at a time in the order asked (each once: the process's registry already makes a second
 compile of a key wait for the first, `paged_jax.worker.executables`), while the engine thread goes on stepping the
-requests whose shapes are compiled. XLA's compile releases the GIL, so the two overlap.
+requests whose shapes are compiled. XLA's compile releases the GIL, so the two overlap. A background warm-up's
+threads take queued jobs first (`assist`): a request's shapes never wait behind the warm-up.
 
 A compile that fails is remembered with its error: the gate then fails the requests that need it, alone, instead
 of waiting for it forever. `hold` (tests) runs on the thread before each compile: a test can hold a compile in
@@ -75,6 +76,17 @@ class CompileWorker:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
+    def assist(self) -> None:
+        """Compile queued jobs on the caller's thread until none is left queued. A background warm-up calls it
+        before each of its own compiles, so what requests wait for goes ahead of the warm-up's queue and on
+        every compile thread, not on this worker's one alone."""
+        while True:
+            with self._cond:
+                if not self._queue or self._closed:
+                    return
+                job = self._queue.popleft()
+            self._do(job)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -85,15 +97,18 @@ class CompileWorker:
                     self._cond.notify_all()
                     return
                 job = self._queue.popleft()
-            try:
-                if self.hold is not None:
-                    self.hold(job)
-                self._compile_one(job)
-            except BaseException as e:  # noqa: BLE001 - remembered; the requests needing it fail alone
-                log.exception("compiling %s failed", job.describe)
-                with self._cond:
-                    self.failed[job.key] = e
+            self._do(job)
+
+    def _do(self, job: Job) -> None:
+        try:
+            if self.hold is not None:
+                self.hold(job)
+            self._compile_one(job)
+        except BaseException as e:  # noqa: BLE001 - remembered; the requests needing it fail alone
+            log.exception("compiling %s failed", job.describe)
             with self._cond:
-                self._wanted.discard(job.key)
-                self.compiled += 1
-                self._cond.notify_all()
+                self.failed[job.key] = e
+        with self._cond:
+            self._wanted.discard(job.key)
+            self.compiled += 1
+            self._cond.notify_all()

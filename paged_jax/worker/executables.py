@@ -237,16 +237,21 @@ class Executables:
         progress: Callable[[Hashable], None] | None = None,
         cancel: threading.Event | None = None,
         store: ExecutableStore | None = None,
+        assist: Callable[[], None] | None = None,
     ) -> list[Hashable]:
         """Compile every job (key, lower[, compiler options]) not yet compiled on `workers` threads, in order;
         `progress(key)` after each. Returns the keys this call compiled. A job is claimed only when a thread
         starts it, so a step that needs a shape the warm-up has not reached compiles it at once itself (it never
         waits behind the warm-up's queue) and the warm-up then waits for that compile instead of repeating it.
-        Once `cancel` is set no new compile starts (the running ones finish). `store`: as in `get`."""
+        Once `cancel` is set no new compile starts (the running ones finish). `store`: as in `get`. `assist`:
+        runs on a thread before each of its jobs (the compile worker's queue first,
+        `paged_jax.worker.compile_worker.CompileWorker.assist`)."""
 
         def run(key: Hashable, lower: Callable[[], jax.stages.Lowered], options: CompilerOptions):
             if cancel is not None and cancel.is_set():
                 return None, False
+            if assist is not None:
+                assist()
             future, owner = self._claim(key)
             if owner:
                 self._compile(key, lower, stats, future, options, store)

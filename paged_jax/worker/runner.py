@@ -527,7 +527,7 @@ class ModelRunner:
         s = self.seq_bucket(t, max(len(sched.scheduled), len(sched.sample_rows)))
         flags = None
         if self.resolve_shapes:
-            t, s, flags = self._compiled_shape(sched, t, s, has_prev)
+            t, s, flags = self._compiled_shape(sched, t, s, has_prev, greedy=not sampling)
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks, self.num_kv_groups)
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
@@ -649,12 +649,12 @@ class ModelRunner:
         return Job(("state_copy", self.jobs.key, n), lambda: fn.lower(specs, i32(n), i32(n)), f"state copy slots={n}")
 
     def _compiled_shape(
-        self, sched: SchedulerOutput, t: int, s: int, merge: bool
+        self, sched: SchedulerOutput, t: int, s: int, merge: bool, greedy: bool = False
     ) -> tuple[int, int, SamplerFlags | None]:
-        """(t, s) raised to compiled buckets and the compiled sampler variant covering the rows (`ready_shapes`);
-        (t, s, None) when nothing compiled holds the step (it then compiles its own shapes)."""
+        """(t, s) raised to compiled buckets and the compiled sampler variant covering the rows (`ready_shapes`;
+        `greedy`: GREEDY's); (t, s, None) when nothing compiled holds the step (it then compiles its own shapes)."""
         flags = GREEDY
-        for row in sched.sample_rows:
+        for row in () if greedy else sched.sample_rows:
             flags = union(flags, request_flags(row.seq.params))
         prompt = any(item.prompt_logprob_positions for item in sched.scheduled)
         shape = self.ready_shapes.step_shape(t, s, flags, merge, prompt)
@@ -743,9 +743,9 @@ class ModelRunner:
         warm-up it is counted in `after_warmup` and logged as info."""
         return self._executable(job, off_step=True)
 
-    def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None) -> int:
+    def compile(self, jobs: list[Job], workers: int, progress=None, cancel=None, assist=None) -> int:
         """Compile `jobs` on `workers` threads (skipping those already compiled); returns how many were new.
-        `cancel` (a threading.Event): stop starting compiles once set."""
+        `cancel` (a threading.Event): stop starting compiles once set; `assist`: `Executables.compile_all`'s."""
         return len(
             EXECUTABLES.compile_all(
                 ((job.key, job.lower, job.options) for job in jobs),
@@ -754,5 +754,6 @@ class ModelRunner:
                 progress,
                 cancel,
                 self.store,
+                assist,
             )
         )

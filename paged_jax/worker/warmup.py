@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import jax
@@ -170,18 +170,30 @@ def token_buckets(runner: ModelRunner, plan: WarmupPlan) -> list[int]:
 
 
 def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
-    """The plan's executables: forward steps first (the long compiles), then sampling (with the penalties'
-    history merge where a variant has penalties), prompt logprobs, pooling, the lookahead's merges, copies."""
+    """The plan's executables. First the smallest token bucket's whole step (its forward at its largest sequence
+    bucket, the plan's sampler variants of those rows, the lookahead's merge): a request may run once these few
+    are compiled (a cold server's first request waits for them alone, `paged_jax.engine.compile_gate`). Then the
+    forward steps (the long compiles), sampling (with the penalties' history merge where a variant has
+    penalties), prompt logprobs, pooling, the lookahead's merges, copies."""
+    out = _all_jobs(runner, plan)
+    t0 = token_buckets(runner, plan)[0]
+    s0 = runner.step_seq_buckets(t0, forks=plan.copies)[-1]
+    head = {runner.jobs.forward(t0, s0).key, runner.jobs.history(s0).key, runner.jobs.merge(t0).key}
+    head |= {_sample(runner, s0, flags).key for flags in plan.sampler_flags}
+    return sorted(out, key=lambda job: job.key not in head)  # stable: each part keeps its order
+
+
+def _sample(runner: ModelRunner, s: int, flags: SamplerFlags) -> Job:
+    history = runner.history_len if flags.do_penalty else 1
+    return runner.jobs.sample(s, runner.suppress_width, history, flags, runner.logit_bias_width)
+
+
+def _all_jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     buckets = token_buckets(runner, plan)
     shapes = [(t, s) for t in buckets for s in runner.step_seq_buckets(t, forks=plan.copies)]
     out = [runner.jobs.forward(t, s) for t, s in shapes]
     for s in sorted({s for _, s in shapes}):
-        out += [
-            runner.jobs.sample(
-                s, runner.suppress_width, runner.history_len if flags.do_penalty else 1, flags, runner.logit_bias_width
-            )
-            for flags in plan.sampler_flags
-        ]
+        out += [_sample(runner, s, flags) for flags in plan.sampler_flags]
         if any(flags.do_penalty for flags in plan.sampler_flags):  # penalties: the lookahead's history merge
             out.append(runner.jobs.history(s))
     if plan.prompt_logprobs:
@@ -212,10 +224,12 @@ def run_warmup(
     what: str = "warm-up",
     cancel: threading.Event | None = None,
     tracker: WarmupProgress | None = None,
+    assist: Callable[[], None] | None = None,
 ) -> int:
     """Compile (or load) the plan's executables in parallel; returns how many were new to the process.
     Afterwards a compile a step needs (a shape no plan named) is logged: as a warning after a complete plan,
-    as info after one that left shapes to their first use. `tracker`: counts the plan's shapes as `what`."""
+    as info after one that left shapes to their first use. `tracker`: counts the plan's shapes as `what`;
+    `assist`: runs before each compile (what waiting requests need goes first, `CompileWorker.assist`)."""
     todo = jobs(runner, plan)
     if tracker is not None:
         tracker.start(what, len(todo))
@@ -233,7 +247,7 @@ def run_warmup(
                 log.info("%s: %d/%d step shapes ready", what, phase.done, phase.planned)
 
     try:
-        new = runner.compile(todo, workers, progress=one_done, cancel=cancel)
+        new = runner.compile(todo, workers, progress=one_done, cancel=cancel, assist=assist)
     finally:
         bar.close()
     runner.warm, runner.deferred = True, not plan.complete

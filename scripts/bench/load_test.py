@@ -23,6 +23,22 @@ that never read (the server's stall timeout must end them). It prints one table:
 latency of the normal requests, server RSS 10 s in and at the end, pages in use once the last stream is gone,
 compiles after warm-up (the server's /metrics counters), server log lines at ERROR, and the goals pass/fail (0
 HTTP 5xx, 0 gRPC INTERNAL, 0 compiles, RSS growth < 5%, every page free); the exit status is 1 when one fails.
+
+`--soak-mix full` (issue 41) adds the surfaces added since: auth on (every client sends the bearer token, the
+server runs with `--api-key`); LoRA (two adapters loaded and unloaded at runtime under traffic through
+`/v1/load_lora_adapter`, requests naming them, hostile loads: unsafe names, missing paths, a taken name);
+structured output (small valid regex / JSON-schema constraints beside hostile ones: nested counted repetitions
+in a regex and a schema `pattern`, 3,000-deep JSON strings, a grammar over the size limit); tool calls
+(declared tools with `tool_choice: auto`, so the parser reads every reply; 5,000-deep history arguments);
+prompt logprobs and logprobs. The traffic starts as soon as the server reports SERVING, during the background
+warm-up (RSS and compiles are then counted from the warm-up's end). `--soak-ngram` adds n-gram speculation (an
+engine that speculates refuses structured output with a 400, so the constraints then test only the refusal).
+
+`--victim` (issue 41's isolation table) starts the same server as `--soak-mix full`, waits for its background
+warm-up, then times a victim's unconstrained 64-token greedy completion alone and beside each attack of
+`VICTIM_ATTACKS` (one attack request sent with the victim, as the issue measured it; with `--victim-flood N`, N
+clients resending it until the victim is done), 3 rounds each, and prints the median seconds and the ratio to
+alone (goal: within 1.5x).
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
@@ -104,6 +121,17 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Serve
         cmd += ["--chat-template", str(template)]
     if args.num_pages:
         cmd += ["--num-pages", str(args.num_pages)]
+    if workdir is not None and args.soak_mix == "full":
+        from paged_jax.config import load_model_config
+        from paged_jax.lora.random_adapter import write_adapter
+
+        config = load_model_config(args.model.removesuffix("-instruct"))  # the architecture's shapes
+        args.adapters = [write_adapter(workdir / f"adapter-{i}", config, rank=8, seed=i, std=0.05) for i in range(2)]
+        args.token = "soak-" + os.urandom(8).hex()
+        cmd += ["--api-key", args.token, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+        cmd += ["--enable-lora-runtime-updates"]
+        if args.soak_ngram:  # the engine then refuses structured output (400): not together with speculation
+            cmd += ["--speculative-config", json.dumps(NGRAM)]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -121,6 +149,25 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Serve
         if target is not None and (args.base_url or not (args.http or args.soak)):
             return proc, target, ServerLog(proc.stdout, workdir and workdir / "server.log")
     raise SystemExit(f"server exited with {proc.wait()}")
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+class BearerToken(aio.UnaryUnaryClientInterceptor, aio.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer TOKEN` to every gRPC call (the soak's server runs with --api-key)."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = (("authorization", f"Bearer {token}"),)
+
+    def _with_token(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self.metadata)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._with_token(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._with_token(details), request)
 
 
 class Load:
@@ -301,6 +348,59 @@ HOSTILE_HTTP: dict[str, tuple[str, str, bytes]] = {
     "HEAD-chat": ("HEAD", "/v1/chat/completions", b""),
     "OPTIONS-completions": ("OPTIONS", "/v1/completions", b""),
 }
+_HISTORY_CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}],
+}
+# The surfaces issue 41 added (structured output, tool calls, adapters): every answer must be a 4xx
+HOSTILE_HTTP_NEW: dict[str, tuple[str, str, bytes]] = {
+    "regex-nested-repeats": (
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "a", "n": 16, "structured_outputs": {"regex": "(a{700}){700}"}}).encode(),
+    ),
+    "pattern-nested-repeats": (
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(a{1000}){1000}"}},
+                },
+            }
+        ).encode(),
+    ),
+    "json-string-nested": (
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "a", "structured_outputs": {"json": "[" * 3000 + "]" * 3000}}).encode(),
+    ),
+    "grammar-too-big": (
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "a", "structured_outputs": {"grammar": 'start: "a"\n' + "// x\n" * 20_000}}).encode(),
+    ),
+    "tool-arguments-nested": (
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, _HISTORY_CALL], "max_tokens": 2}).encode(),
+    ),
+    "lora-name-unsafe": ("POST", "/v1/load_lora_adapter", b'{"lora_name": "../x", "lora_path": "/tmp"}'),
+    "lora-path-missing": ("POST", "/v1/load_lora_adapter", b'{"lora_name": "nope", "lora_path": "/nonexistent"}'),
+    "lora-config-nested": ("POST", "/v1/load_lora_adapter", b'{"lora_name": "x", "lora_path": ' + b"[" * 5000 + b"}"),
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 _DEEP = "[" * 100_000 + "]" * 100_000
 # gRPC chat fields that were INTERNAL: (tools_json, chat_template_kwargs_json); every answer must be INVALID_ARGUMENT
 HOSTILE_GRPC: dict[str, tuple[str, str]] = {
@@ -337,6 +437,7 @@ class SoakResult:
     compiles_during_soak: float  # paged_jax_compiles_total, end minus start
     error_log_lines: int  # server log lines at ERROR level or tracebacks
     load_average: str
+    during_warm_up: bool = False  # the traffic started during the background warm-up (compiles counted from its end)
     max_open_requests: int = 0  # the server's open requests (queued, running, finishing), sampled each second
     max_waiting: int = 0  # of those, in the scheduler's waiting queue
     hostile_answers: Counter[str] = field(default_factory=Counter)  # "case -> status": shown below the table
@@ -348,7 +449,9 @@ def soak_goals(r: SoakResult) -> dict[str, bool]:
     return {
         "0 HTTP 5xx": r.client_errors_500 == 0,
         "0 gRPC INTERNAL": r.grpc_internal == 0,
-        "0 compiles after warm-up": r.compiles_after_warmup == 0 and r.compiles_during_soak == 0,
+        # traffic during the background warm-up (the full mix) compiles what it needs ahead of the warm-up, which
+        # the server counts as after warm-up: the goal is then 0 compiles once the background warm-up is over
+        "0 compiles after warm-up": (r.compiles_after_warmup == 0 or r.during_warm_up) and r.compiles_during_soak == 0,
         "RSS growth < 5% after the first 10 s": r.rss_end_mib < 1.05 * r.rss_start_mib,
         "every page free at the end": r.pages_in_use == 0 and r.open_requests == 0 and r.invariants == "ok",
     }
@@ -379,7 +482,8 @@ def soak_report(r: SoakResult) -> tuple[str, bool]:
         (
             "compiles after warm-up",
             f"{r.compiles_after_warmup:.0f} (paged_jax_compiles_after_warmup_total); "
-            f"{r.compiles_during_soak:.0f} compiled during the soak",
+            f"{r.compiles_during_soak:.0f} compiled during the soak"
+            + (" after the background warm-up" if r.during_warm_up else ""),
         ),
         ("server open requests, max (sampled each second)", f"{r.max_open_requests} ({r.max_waiting} waiting)"),
         ("server log lines at ERROR / tracebacks", str(r.error_log_lines)),
@@ -405,8 +509,13 @@ def _sse_events(buffer: bytearray) -> list[bytes]:
 class Soak:
     """Workers of each kind share one counter of outcomes; each kind runs in a loop until `until`."""
 
-    def __init__(self, stub: pb_grpc.GenerationServiceStub, host: str, port: int, until: float) -> None:
-        self.stub, self.host, self.port, self.until = stub, host, port, until
+    def __init__(
+        self, stub: pb_grpc.GenerationServiceStub, host: str, port: int, until: float, token: str | None = None
+    ) -> None:
+        self.stub, self.host, self.port, self.until, self.token = stub, host, port, until, token
+        self.adapters: list[Path] = []  # --soak-mix full: adapter directories the LoRA clients load
+        self.metadata = () if token is None else (("authorization", f"Bearer {token}"),)  # streams: explicit
+        self.lora_lock = asyncio.Lock()
         self.outcomes: Counter[str] = Counter()
         self.latencies: list[float] = []
         self.ttft: list[float] = []
@@ -425,6 +534,8 @@ class Soak:
         a transport failure is counted and returned as None."""
         conn = h11.Connection(h11.CLIENT)
         headers = [("Host", self.host), ("Connection", "close"), ("Content-Length", str(len(body)))]
+        if self.token is not None:
+            headers.append(("Authorization", f"Bearer {self.token}"))
         if body:
             headers.append(("Content-Type", "application/json"))
         try:
@@ -507,7 +618,7 @@ class Soak:
                 await self.stub.GenerateUnary(req, timeout=120)
             else:
                 cancel_after, chunks = (rng.randint(1, 6) if rng.random() < 0.1 else None), 0
-                call = self.stub.Generate(req, timeout=120)
+                call = self.stub.Generate(req, timeout=120, metadata=self.metadata)
                 async for resp in call:
                     if resp.HasField("chunk"):
                         if chunks == 0:
@@ -543,6 +654,61 @@ class Soak:
         self.outcomes[f"gRPC {code}"] += 1
         self.hostile_answers[f"{name} -> gRPC {code}"] += 1
 
+    async def new_http(self, rng: random.Random) -> None:
+        """--soak-mix full: a valid request of a newer surface (a small constraint, declared tools under
+        `tool_choice: auto`, prompt logprobs and logprobs), or a hostile body of one (`HOSTILE_HTTP_NEW`)."""
+        if rng.random() < 0.3:
+            name = rng.choice(list(HOSTILE_HTTP_NEW))
+            if (reply := await self.http(*HOSTILE_HTTP_NEW[name])) is not None:
+                self.count_http(*reply)
+                self.hostile_answers[f"{name} -> HTTP {reply[0]}"] += 1
+            return
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 20)))
+        kind = rng.choice(("regex", "schema", "tools", "logprobs"))
+        body: dict = {"max_tokens": rng.randint(4, 24), "temperature": rng.random(), "seed": rng.randrange(2**31)}
+        path = "/v1/completions"
+        if kind == "regex":
+            body |= {"prompt": text, "structured_outputs": {"regex": "[a-z]{1,8}( [a-z]{1,8}){0,3}"}}
+        elif kind == "schema":
+            schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+            body |= {"prompt": text, "structured_outputs": {"json": schema}}
+        elif kind == "tools":
+            path = "/v1/chat/completions"
+            body |= {"messages": [{"role": "user", "content": text}], "tools": TOOLS, "tool_choice": "auto"}
+        else:
+            body |= {"prompt": text, "prompt_logprobs": 1, "logprobs": 2}
+        start = time.perf_counter()
+        reply = await self.http("POST", path, json.dumps(body).encode())
+        if reply is not None:
+            self.count_http(*reply)
+            self.outcomes[f"new mix: {kind} -> HTTP {reply[0]}"] += 1
+            if reply[0] == 200:
+                self.latencies.append(time.perf_counter() - start)
+
+    async def lora(self, rng: random.Random) -> None:
+        """--soak-mix full: load an adapter under a fresh name, ask it for a completion, unload it; sometimes two
+        concurrent loads of one name (one 200, the other 409)."""
+        i = rng.randrange(1 << 30)
+        name, path = f"soak-{i}", str(rng.choice(self.adapters))
+        load = json.dumps({"lora_name": name, "lora_path": path}).encode()
+        if rng.random() < 0.2:
+            replies = await asyncio.gather(*(self.http("POST", "/v1/load_lora_adapter", load) for _ in range(2)))
+            statuses = sorted(r[0] for r in replies if r is not None)
+            for status in statuses:
+                self.count_http(status, b"")
+            self.outcomes[f"lora: concurrent loads of one name -> {statuses}"] += 1
+        elif (reply := await self.http("POST", "/v1/load_lora_adapter", load)) is not None:
+            self.count_http(*reply)
+            self.outcomes[f"lora: load -> HTTP {reply[0]}"] += 1
+        body = {"model": name, "prompt": rng.choice(WORDS), "max_tokens": rng.randint(2, 16), "temperature": 0}
+        if (reply := await self.http("POST", "/v1/completions", json.dumps(body).encode())) is not None:
+            self.count_http(*reply)
+            self.outcomes[f"lora: completion -> HTTP {reply[0]}"] += 1
+        unload = json.dumps({"lora_name": name}).encode()
+        if (reply := await self.http("POST", "/v1/unload_lora_adapter", unload)) is not None:
+            self.count_http(*reply)
+            self.outcomes[f"lora: unload -> HTTP {reply[0]}"] += 1
+
     async def disconnect(self, rng: random.Random) -> None:
         """A client that sends a long request and hangs up before (unary) or after (stream) the first bytes."""
         stream = rng.random() < 0.5
@@ -554,6 +720,7 @@ class Soak:
             return
         payload = json.dumps(body).encode()
         head = f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+        head += f"Authorization: Bearer {self.token}\r\n" if self.token is not None else ""
         writer.write(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         try:
             await writer.drain()
@@ -576,6 +743,7 @@ class Soak:
         sock.setblocking(False)
         payload = json.dumps(UNREAD).encode()
         head = f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+        head += f"Authorization: Bearer {self.token}\r\n" if self.token is not None else ""
         try:
             await loop.sock_connect(sock, (self.host, self.port))
             await loop.sock_sendall(sock, f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
@@ -598,10 +766,11 @@ class Soak:
             await kind(rng)
 
 
-def _metric(base_url: str, name: str) -> float:
+def _metric(base_url: str, name: str, token: str | None = None) -> float:
     """One sample of the server's /metrics (0 before the counter has been touched)."""
     root = base_url.rsplit("/v1", 1)[0]
-    with urllib.request.urlopen(f"{root}/metrics", timeout=30) as r:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    with urllib.request.urlopen(urllib.request.Request(f"{root}/metrics", headers=headers), timeout=30) as r:
         for line in r.read().decode().splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
@@ -610,25 +779,40 @@ def _metric(base_url: str, name: str) -> float:
 
 async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, log: ServerLog) -> SoakResult:
     host, port = urllib.parse.urlsplit(args.base_url).hostname, urllib.parse.urlsplit(args.base_url).port
-    async with aio.insecure_channel(target) as channel:
+    full, token = args.soak_mix == "full", getattr(args, "token", None)
+    interceptors = [] if token is None else [BearerToken(token)]
+    async with aio.insecure_channel(target, interceptors=interceptors) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         while (
             await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
         ).status != health_pb2.HealthCheckResponse.SERVING:
             await asyncio.sleep(0.1)
-        print("serving; waiting for the background warm-up to finish", flush=True)
-        for _ in range(6000):  # polled, so that ^C is not stuck in a thread
-            if log.warm.is_set() or proc.poll() is not None:
-                break
-            await asyncio.sleep(0.1)
-        # one request, so the server's metrics mirror the engine's compile counters (they update after a step)
-        await stub.GenerateUnary(build_request("warm", max_tokens=2), timeout=120)
-        compiles_start = await asyncio.to_thread(_metric, args.base_url, "paged_jax_compiles_total")
+        marks: dict[str, float] = {}  # the full mix: compiles and RSS from the background warm-up's end
+
+        async def after_warm_up() -> None:
+            for _ in range(12000):  # polled, so that ^C is not stuck in a thread
+                if log.warm.is_set() or proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            # one request, so the server's metrics mirror the engine's compile counters (they update after a step)
+            await stub.GenerateUnary(build_request("warm", max_tokens=2), timeout=300)
+            marks["compiles"] = await asyncio.to_thread(_metric, args.base_url, "paged_jax_compiles_total", token)
+            marks["warm_s"] = time.monotonic()
+
+        if full:
+            print("serving; the traffic starts now, during the background warm-up", flush=True)
+            warm_task = asyncio.create_task(after_warm_up())
+        else:
+            print("serving; waiting for the background warm-up to finish", flush=True)
+            await after_warm_up()
         start = time.monotonic()
-        s = Soak(stub, host, port, start + args.soak)
+        s = Soak(stub, host, port, start + args.soak, token)
+        s.adapters = getattr(args, "adapters", [])
         kinds = [(s.normal_http, args.soak_concurrency), (s.normal_grpc, max(1, args.soak_concurrency // 2))]
         kinds += [(s.hostile, 2), (s.disconnect, 1), (s.never_reading, 2)]
+        if full:
+            kinds += [(s.new_http, 2), (s.lora, 1)]
         tasks = [asyncio.create_task(s.loop(kind, 1000 * i + j)) for i, (kind, n) in enumerate(kinds) for j in range(n)]
         peak = [0, 0]
 
@@ -639,6 +823,9 @@ async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, lo
                 await asyncio.sleep(1.0)
 
         tasks.append(asyncio.create_task(sample_open()))
+        if full:
+            await warm_task
+            print(f"background warm-up done {marks['warm_s'] - start:.0f} s into the soak", flush=True)
         await asyncio.sleep(min(10.0, args.soak / 2))
         rss_start = rss_mib(proc.pid)
         await asyncio.gather(*tasks)
@@ -649,8 +836,9 @@ async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, lo
                 break
             await asyncio.sleep(0.1)
         rss_end = rss_mib(proc.pid)
-        after_warmup = await asyncio.to_thread(_metric, args.base_url, "paged_jax_compiles_after_warmup_total")
-        compiles_end = await asyncio.to_thread(_metric, args.base_url, "paged_jax_compiles_total")
+        after_warmup = await asyncio.to_thread(_metric, args.base_url, "paged_jax_compiles_after_warmup_total", token)
+        compiles_end = await asyncio.to_thread(_metric, args.base_url, "paged_jax_compiles_total", token)
+        compiles_start = marks["compiles"]
     internal = sum(s.outcomes[f"gRPC {c}"] for c in ("INTERNAL", "UNKNOWN", "DATA_LOSS"))
     return SoakResult(
         seconds=elapsed,
@@ -671,6 +859,7 @@ async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, lo
         invariants="ok" if stats.invariants_ok else stats.invariants_error,
         compiles_after_warmup=after_warmup,
         compiles_during_soak=compiles_end - compiles_start,
+        during_warm_up=full,
         error_log_lines=log.errors,
         load_average=" ".join(Path("/proc/loadavg").read_text().split()[:3]),
     )
@@ -693,7 +882,8 @@ class ServerLog:
             if out is not None:
                 out.write(line)
                 out.flush()
-            if "background warm-up:" in line or "background warm-up failed" in line:
+            # the background warm-up's summary line ("background warm-up: N executables ..."), not its progress
+            if re.search(r"background warm-up: \d+ executables", line) or "background warm-up failed" in line:
                 self.warm.set()
             if " ERROR " in line or line.startswith("Traceback"):
                 self.errors += 1
@@ -719,6 +909,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="SECONDS",
         help="soak mode: start a server with both fronts and drive the mixed load for SECONDS (see the docstring)",
+    )
+    p.add_argument("--soak-ngram", action="store_true", help="with --soak-mix full: n-gram speculation on")
+    p.add_argument("--victim", action="store_true", help="the victim-latency table beside each hostile constraint")
+    p.add_argument("--victim-flood", type=int, default=0, help="with --victim: clients resending each attack")
+    p.add_argument(
+        "--soak-mix",
+        choices=("basic", "full"),
+        default="basic",
+        help="with --soak: full adds auth, LoRA loads, n-gram speculation, structured output, tools, logprobs",
     )
     p.add_argument(
         "--soak-concurrency",
@@ -753,8 +952,91 @@ def main_soak(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# Each attack's body: the hostile constraints of issue 41 items 1, 2 and 5, and an in-bound constraint
+_BIG_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 8} for i in range(60_000)}}
+VICTIM_ATTACKS: dict[str, tuple[str, bytes]] = {
+    **{k: (path, body) for k, (_, path, body) in HOSTILE_HTTP_NEW.items() if not path.endswith("lora_adapter")},
+    "schema-2MB": (
+        "/v1/completions",
+        json.dumps({"prompt": "a", "max_tokens": 4, "structured_outputs": {"json": _BIG_SCHEMA}}).encode(),
+    ),
+    "regex-in-bound-a{9999}": (
+        "/v1/completions",
+        json.dumps({"prompt": "a", "max_tokens": 8, "n": 4, "structured_outputs": {"regex": "a{9999}"}}).encode(),
+    ),
+}
+VICTIM = {"prompt": "hello", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+
+
+def _post_http(base_url: str, path: str, body: bytes, token: str | None) -> int:
+    headers = {"Content-Type": "application/json"} | ({} if token is None else {"Authorization": f"Bearer {token}"})
+    root = base_url.rsplit("/v1", 1)[0]
+    try:
+        with urllib.request.urlopen(urllib.request.Request(root + path, body, headers), timeout=600) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def victim_seconds(args: argparse.Namespace, attack: tuple[str, bytes] | None) -> tuple[float, Counter[int]]:
+    """The victim's seconds, alone or beside `attack` (sent once, or by `--victim-flood` clients resending it
+    until the victim is done); the attack's statuses."""
+    done, statuses = threading.Event(), Counter()
+
+    def attacker() -> None:
+        while True:
+            statuses[_post_http(args.base_url, attack[0], attack[1], args.token)] += 1
+            if not args.victim_flood or done.is_set():
+                return
+
+    clients = max(1, args.victim_flood) if attack else 0
+    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    status = _post_http(args.base_url, "/v1/completions", json.dumps(VICTIM).encode(), args.token)
+    seconds = time.perf_counter() - t0
+    done.set()
+    for t in threads:
+        t.join(600)
+    assert status == 200, f"the victim got HTTP {status}"
+    return seconds, statuses
+
+
+def main_victim(args: argparse.Namespace) -> int:
+    """`--victim`: the isolation table (see the module docstring)."""
+    args.soak, args.soak_mix = 1.0, "full"
+    proc, _, log = start_server(args)
+    try:
+        for _ in range(12000):
+            if log.warm.is_set() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        victim_seconds(args, None)  # its shapes compiled and cached
+        print(f"model {args.model}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        alone = sorted(victim_seconds(args, None)[0] for _ in range(3))[1]
+        print("| beside | victim s (median of 3) | x alone | attack answers |\n|---|---:|---:|---|")
+        print(f"| alone | {alone:.2f} | 1.00 | |")
+        worst = 1.0
+        for name, attack in VICTIM_ATTACKS.items():
+            runs = [victim_seconds(args, attack) for _ in range(3)]
+            seconds = sorted(r[0] for r in runs)[1]
+            answers = sum((r[1] for r in runs), Counter())
+            worst = max(worst, seconds / alone)
+            codes = ", ".join(f"{k} x{v}" for k, v in sorted(answers.items()))
+            print(f"| {name} | {seconds:.2f} | {seconds / alone:.2f} | {codes} |", flush=True)
+        print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; worst {worst:.2f}x (goal <= 1.5x)")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    return 0 if worst <= 1.5 else 1
+
+
 def main() -> int:
     args = parse_args()
+    if args.victim:
+        return main_victim(args)
     if args.soak is not None:
         return main_soak(args)
     proc, target, _ = (None, args.target, None) if args.target else start_server(args)

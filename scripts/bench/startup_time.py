@@ -41,6 +41,19 @@ and in all, before and now (default options, by kind; counted from the plans, no
 
     .venv/bin/python scripts/bench/startup_time.py --counts [--models smollm2-135m-instruct]
 
+`--serve` measures a server's start-up, `paged-jax serve MODEL` (default flags, auth off) in a fresh process
+with every cache empty (executable store, JAX's compile cache, converted weights, tokenizer files; with
+`--cold-kernel` also the CPU attention kernel, else it is built once first and shared, as `--llm` does): seconds
+from the command to listening, to its first answered completion (sent as soon as it listens: a client that
+does not wait for `/health`), to `/health` 200, the server's CPU seconds to its first answer (which move less
+with the machine's load than wall seconds), and then an `n=2` sampled request (a shape the first plan leaves
+to the background). `--variants`: the base engine, a LoRA engine (4 random rank-8 adapters given with
+`--lora-modules`; its first request names one), n-gram speculation (k=3) and a draft model (the model itself,
+k=3); goal (issue 42): a cold server answers in <= 30 s on 2 cores, LoRA and speculative <= 1.5x the base.
+
+    .venv/bin/python scripts/bench/startup_time.py --serve [--models smollm2-135m-instruct]
+        [--variants base lora ngram draft] [--cold-kernel]
+
 `--modes cold warm` leaves out "before" (the full warm-up of a real model takes many minutes on 2 cores);
 `--llm-defaults` measures `LLM(model)` exactly as a user writes it (64 sequences, 512 tokens per step).
 """
@@ -56,7 +69,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -356,6 +371,131 @@ def counts_main(model: str) -> int:
     return 0
 
 
+SERVE_VARIANTS = ("base", "lora", "ngram", "draft")
+GOAL_SERVE_S, GOAL_VARIANT_RATIO = 30.0, 1.5
+
+
+def serve_flags(variant: str, model: str, work: Path) -> tuple[list[str], str]:
+    """The `serve` flags of a `--serve` variant and the model name its first request asks for."""
+    if variant == "base":
+        return [], model
+    if variant == "lora":
+        from paged_jax.config import load_model_config
+        from paged_jax.lora.random_adapter import write_adapter
+
+        config = load_model_config(model.removesuffix("-instruct"))  # the architecture's config: its shapes
+        mods = [f"a{i}={write_adapter(work / f'adapter-{i}', config, rank=8, seed=i, std=0.05)}" for i in range(4)]
+        return ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "8", "--lora-modules", *mods], "a0"
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    if variant == "draft":
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    return ["--speculative-config", json.dumps(spec)], model
+
+
+def _post(root: str, body: dict, timeout: float = 900) -> dict:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(root + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a running process, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_case(model: str, variant: str, work: Path, kernels: Path) -> dict:
+    """One `--serve` measurement (see the module docstring): a fresh server process, every cache under `work`."""
+    cache = work / f"cache-{model}-{variant}"
+    subprocess.run(["rm", "-rf", str(cache)], check=True)
+    flags, name = serve_flags(variant, model, cache)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        PAGED_JAX_COMPILE_CACHE=str(cache),
+        PAGED_JAX_CACHE=str(cache / "paged-jax"),
+        PAGED_JAX_KERNEL_CACHE=str(kernels),
+    )
+    cmd = [sys.executable, "-m", "serve", "serve", model, "--port", "0", "--grpc-port", "0", *flags]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    root = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.search(r"OpenAI API on (http://\S+)/v1", line):
+            root = m.group(1)
+            break
+    if root is None:
+        raise SystemExit(f"{variant}: the server exited ({proc.wait()}):\n{''.join(lines[-30:])}")
+    out = {"listening_s": time.perf_counter() - t0}
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+    healthy: list[float] = []
+
+    def health() -> None:
+        while proc.poll() is None:
+            try:
+                urllib.request.urlopen(root + "/health", timeout=5).read()
+                healthy.append(time.perf_counter() - t0)
+                return
+            except OSError:
+                time.sleep(0.2)
+
+    watcher = threading.Thread(target=health, daemon=True)
+    watcher.start()
+    try:
+        _post(root, {"model": name, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0})
+        out["first_answer_s"] = time.perf_counter() - t0
+        out["cpu_s"] = _cpu_seconds(proc.pid)
+        t1 = time.perf_counter()
+        _post(root, {"model": name, "prompt": "Once upon a time", "max_tokens": 8, "n": 2, "temperature": 0.8})
+        out["n2_s"] = time.perf_counter() - t1
+        watcher.join(900)
+        out["health_s"] = healthy[0] if healthy else float("nan")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
+
+
+def serve_main(models: list[str], variants: list[str], work: Path, cold_kernel: bool) -> int:
+    """`--serve`: every variant of every model in a fresh server process; prints one table."""
+    print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    kernels = work / "kernels"
+    if not cold_kernel:  # built once, as a machine's first run builds it, and shared by every case
+        env = dict(os.environ, PAGED_JAX_KERNEL_CACHE=str(kernels), JAX_PLATFORMS="cpu")
+        code = "from pallas_kernels.cpu import paged; paged.available()"
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
+    cols = ("listening_s", "first_answer_s", "cpu_s", "health_s", "n2_s")
+    print(f"{'model':<24}{'variant':>8}" + "".join(f"{c:>16}" for c in cols) + f"{'load':>7}")
+    for model in models:
+        rows = {}
+        for variant in variants:
+            if cold_kernel:
+                subprocess.run(["rm", "-rf", str(kernels)], check=True)
+            row = rows[variant] = serve_case(model, variant, work, kernels)
+            cells = "".join(f"{row[c]:>16.1f}" for c in cols)
+            print(f"{model:<24}{variant:>8}{cells}{os.getloadavg()[0]:>7.1f}", flush=True)
+        if "base" in rows:
+            base = rows["base"]
+            verdict = "met" if base["first_answer_s"] <= GOAL_SERVE_S else "NOT met"
+            first = base["first_answer_s"]
+            print(f"{model} base: first answer {first:.1f} s (goal <= {GOAL_SERVE_S:.0f} s: {verdict})")
+            for variant, row in rows.items():
+                if variant != "base":
+                    wall = row["first_answer_s"] / base["first_answer_s"]
+                    cpu = row["cpu_s"] / base["cpu_s"]
+                    print(f"{model} {variant} / base: {wall:.2f}x wall, {cpu:.2f}x CPU (goal <= {GOAL_VARIANT_RATIO}x)")
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (a shared machine: seconds are noisy)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1, help="cold and warm runs each")
@@ -366,7 +506,10 @@ def main() -> int:
     ap.add_argument(
         "--counts", action="store_true", help="executables of each entry point (LLM, serve, LoRA, speculative)"
     )
-    ap.add_argument("--models", nargs="+", default=["tiny"], help="with --llm: the models (LLM's model names)")
+    ap.add_argument("--models", nargs="+", default=["tiny"], help="with --llm / --serve: the models (model names)")
+    ap.add_argument("--serve", action="store_true", help="a cold server's start-up to its first answer instead")
+    ap.add_argument("--variants", nargs="+", default=list(SERVE_VARIANTS), choices=SERVE_VARIANTS, help="with --serve")
+    ap.add_argument("--cold-kernel", action="store_true", help="with --serve: build the CPU kernel in every case")
     # The full warm-up of LLM's default options (64 sequences, 512 tokens: 100 executables) takes minutes on 2
     # loaded cores; these keep `--llm` under 3 minutes there (the default options' counts are printed too).
     ap.add_argument("--max-num-seqs", type=int, default=16, help="with --llm")
@@ -384,6 +527,8 @@ def main() -> int:
         return counts_main(args.models[0])
     work = args.keep or Path(tempfile.mkdtemp(prefix="paged-jax-startup-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.serve:
+        return serve_main(args.models, args.variants, work, args.cold_kernel)
     if args.llm:
         options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
         if "warm" in args.modes and "cold" not in args.modes:

@@ -12,9 +12,11 @@ import pytest
 
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.ready_shapes import StepNeeds, covers
+from paged_jax.worker.runner import EXECUTABLES
 from paged_jax.worker.step_functions import GREEDY
 from paged_jax.worker.step_inputs import SamplerFlags
-from paged_jax.worker.warmup import serving_plans
+from paged_jax.worker.warmup import WarmupProgress, serving_plans
+from paged_jax.worker.warmup import jobs as warmup_jobs
 
 from support.engines import make_engine as _make_engine
 
@@ -24,9 +26,9 @@ VICTIM = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 HOLD_S = 120  # a hang guard, not a timing assertion
 
 
-def served_engine(tiny_config, tiny_params):
+def served_engine(tiny_config, tiny_params, **options):
     """An engine warmed as the server warms before it serves (decode buckets, common sampler variants)."""
-    engine = make_engine(tiny_config, tiny_params, background_compiles=True)
+    engine = make_engine(tiny_config, tiny_params, background_compiles=True, **options)
     first, _ = serving_plans(engine.engine_config.max_num_seqs)
     engine.warmup(first, progress=False)
     return engine
@@ -188,3 +190,103 @@ def test_sampler_variants_cover_only_what_gives_the_same_tokens():
         .with_request(SamplingParams(repetition_penalty=1.2, temperature=0.0, logprobs=1))
     )
     assert needs.variants == (sampled, SamplerFlags(True, False, True, True))
+
+
+def test_a_cold_engine_runs_its_first_request_once_its_smallest_step_is_compiled(tiny_config, tiny_params):
+    """Nothing compiled (a cold server): the first request waits for its own smallest step alone (three
+    executables, compiled off the engine thread), never for a warm-up; the warm-up compiles those first too."""
+    engine = make_engine(tiny_config, tiny_params, background_compiles=True, num_pages=89)  # its own shapes
+    first, _ = serving_plans(engine.engine_config.max_num_seqs)
+    head = [job.describe for job in warmup_jobs(engine.runner, first)[:5]]
+    assert head[0] == "forward tokens=16 seqs=8" and head[-1] == "merge tokens=16"  # then the other buckets
+    assert all(d.startswith("sample rows=8 ") for d in head[1:-1])
+    held = Held()
+    engine.compile_gate.worker.hold = held
+    prompt, outputs = list(range(3, 9)), []
+    engine.add_request("first", prompt, VICTIM)
+    for _ in range(3):
+        outputs += engine.step()
+    assert outputs == [] and engine.waiting_for_compiles and engine.runner.compile_stats.count == 0
+    held.release.set()
+    run_until_done(engine, outputs)
+    engine.compile_gate.worker.close(HOLD_S)
+    assert sorted(held.jobs) == sorted([head[0], head[1], head[-1]])  # greedy: its own variant
+    assert engine.runner.compile_stats.count == 3  # those three, and nothing on a step
+    assert tokens(outputs, "first") == solo(tiny_config, tiny_params, prompt, VICTIM).outputs[0].token_ids
+
+
+class FirstAdvance(WarmupProgress):
+    """Records, when the warm-up finishes its first shape, which keys the registry holds; then cancels it."""
+
+    def __init__(self, keys, cancel: threading.Event) -> None:
+        super().__init__()
+        self.keys, self.cancel, self.seen = keys, cancel, None
+
+    def advance(self):
+        if self.seen is None:
+            self.seen = [key in EXECUTABLES for key in self.keys]
+            self.cancel.set()
+        return super().advance()
+
+
+def test_a_background_warm_up_compiles_what_waiting_requests_need_before_its_own_shapes(tiny_config, tiny_params):
+    engine = served_engine(tiny_config, tiny_params, num_pages=87)  # no other test compiled its variants
+    worker_thread_held = threading.Event()
+
+    def hold(job) -> None:  # the compile worker's own thread waits: only the warm-up's threads can compile
+        if threading.current_thread().name == "compile-worker":
+            assert worker_thread_held.wait(HOLD_S)
+
+    engine.compile_gate.worker.hold = hold
+    engine.add_request("a", list(range(3, 9)), SamplingParams(max_tokens=2, temperature=0.0, logprobs=1))
+    engine.add_request("b", list(range(9, 19)), SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=1.2))
+    engine.step()
+    queued = list(engine.compile_gate.worker._queue)
+    assert len(queued) >= 2 and engine.compile_gate.deferred == {"a", "b"}
+    cancel = threading.Event()
+    tracker = FirstAdvance([job.key for job in queued], cancel)
+    _, rest = serving_plans(engine.engine_config.max_num_seqs)
+    engine.warmup(rest, progress=False, what="background warm-up", cancel=cancel, tracker=tracker)
+    assert tracker.seen == [True] * len(queued)  # compiled by the warm-up's thread before its first own shape
+    worker_thread_held.set()
+    outputs: list = []
+    run_until_done(engine, outputs)
+    engine.compile_gate.worker.close(HOLD_S)
+    assert {out.request_id for out in outputs if out.finished} == {"a", "b"}
+    assert engine.stats().pages_in_use == 0
+
+
+def test_a_draft_model_compile_does_not_delay_any_step(tiny_config, tiny_params):
+    """The draft model's runner is gated too (`paged_jax.spec_decode.draft_gate`): while its step compiles on its
+    own thread the victim gets a token every step without drafts, nothing compiles on the engine thread, and
+    once compiled the drafts run; the tokens are the target's greedy tokens throughout."""
+    spec = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3, "draft_num_pages": 37}  # own shapes
+    engine = make_engine(tiny_config, tiny_params, background_compiles=True, speculative_config=spec)
+    first, _ = serving_plans(engine.engine_config.max_num_seqs)
+    engine.warmup(first, progress=False)
+    draft = engine.spec.proposer
+    held = Held()
+    draft.compile_gate.worker.hold = held
+    prompt, outputs = list(range(3, 13)), []
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("victim", prompt, params)
+    outputs += engine.step()  # its prefill
+    compiles = engine.runner.compile_stats.count, draft.runner.compile_stats.count
+    before, steps = len(tokens(outputs, "victim")), 10
+    for _ in range(steps):
+        outputs += engine.step()
+    assert held.started.is_set() and held.jobs[0].startswith("forward tokens=16")  # the draft's, off the loop
+    assert len(tokens(outputs, "victim")) - before == steps  # one token a step: no drafts, no wait
+    assert (engine.runner.compile_stats.count, draft.runner.compile_stats.count) == compiles
+    assert engine.stats().spec_draft_tokens == 0
+    held.release.set()
+    draft.compile_gate.worker.wait(HOLD_S)
+    while draft.compile_gate.worker.busy:
+        draft.compile_gate.worker.wait(HOLD_S)
+    run_until_done(engine, outputs)
+    engine.stop_compiles(HOLD_S)
+    assert engine.stats().spec_draft_tokens > 0  # drafts once the draft's step was compiled
+    assert draft.runner.compile_stats.count == draft.compile_gate.worker.compiled  # all by its thread, none on a step
+    want = solo(tiny_config, tiny_params, prompt, params).outputs[0].token_ids
+    assert tokens(outputs, "victim") == want
+    assert engine.stats().pages_in_use == 0 and draft.kv.stats().pages_in_use == 0

@@ -55,7 +55,8 @@ def test_batch_plan_holds_only_reachable_shapes(tiny_config, tiny_params):
     assert small.max_step_tokens == 18 and small.sampler_flags == (GREEDY,) and not small.copies
     assert token_buckets(runner, small) == [16, 32]
     kinds = [job.key[0] for job in jobs(runner, small)]
-    assert kinds == ["forward", "forward", "sample", "merge", "merge"]  # seq bucket 8 for both: one sampler
+    # seq bucket 8 for both: one sampler; the smallest bucket's whole step first
+    assert kinds == ["forward", "sample", "merge", "forward", "merge"]
     big = plan_for_requests([(100, SamplingParams(max_tokens=50, temperature=0.7, top_p=0.9, n=2))], 128)
     assert token_buckets(runner, big) == runner.token_buckets and big.copies
     decode, rest = serving_plans(engine.engine_config.max_num_seqs)

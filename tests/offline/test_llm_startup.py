@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from paged_jax import LLM, SamplingParams
 from paged_jax.engine import compile_cache
 from paged_jax.worker.executables import persistent_cache_summary
 from paged_jax.worker.runner import EXECUTABLES
-from paged_jax.worker.warmup import WarmupPlan, jobs
+from paged_jax.worker.warmup import WarmupPlan, first_use_plan, jobs
 
 # 3 token buckets (16, 32, 64) and one sequence bucket (8): the plan's numbers below follow from these.
 OPTIONS = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "attention_backend": "xla"}
@@ -64,3 +66,36 @@ def test_the_executables_go_to_the_compile_cache_and_the_next_start_loads_them(t
     assert (second.stats().compile_count, second.stats().executables_loaded) == (0, STARTUP_EXECUTABLES + 1)
     monkeypatch.setenv(compile_cache.ENV, "off")
     assert LLM("tiny", num_pages=62, warmup=False, **OPTIONS).engine.engine_config.executable_store is None
+
+
+@pytest.mark.slow  # two engines' start-up compiles (about 40 CPU seconds)
+def test_lora_and_speculative_engines_compile_their_start_up_plan_and_nothing_in_steady_state(tmp_path):
+    """The LoRA and the n-gram speculative `LLM`: start-up compiles the base plan plus the LoRA slot write (LoRA)
+    or exactly its own first-use plan (speculative: the verify steps hold k + 1 tokens a sequence, so more token
+    and sequence buckets), a first generate compiles what it needs once, and a second identical generate
+    compiles nothing."""
+    from paged_jax.config import load_model_config
+    from paged_jax.lora import LoRARequest
+    from paged_jax.lora.random_adapter import write_adapter
+
+    adapter = write_adapter(tmp_path / "a", load_model_config("tiny"), rank=4)
+    cases = {
+        "lora": ({"enable_lora": True, "max_loras": 2, "max_lora_rank": 4}, STARTUP_EXECUTABLES + 1),
+        "ngram": ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}, None),
+    }
+    for i, (name, (options, at_start)) in enumerate(cases.items()):
+        llm = LLM("tiny", num_pages=63 + i, **OPTIONS, **options)
+        if at_start is None:
+            ec = llm.engine.engine_config
+            at_start = len(
+                jobs(llm.engine.runner, first_use_plan(SamplingParams(**ec.sampling_defaults), ec.async_scheduling))
+            )
+            assert at_start > STARTUP_EXECUTABLES  # the verify steps' buckets
+        assert (llm.stats().compile_count, llm.stats().compiles_after_warmup) == (at_start, 0), name
+        lora = LoRARequest("a", 1, str(adapter)) if name == "lora" else None
+        params = SamplingParams(max_tokens=8, seed=1)
+        first = llm.generate(PROMPTS * 2, params, use_tqdm=False, lora_request=lora)
+        compiled = llm.stats().compile_count
+        again = llm.generate(PROMPTS * 2, params, use_tqdm=False, lora_request=lora)
+        assert llm.stats().compile_count == compiled, name  # steady state: nothing new
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first], name
