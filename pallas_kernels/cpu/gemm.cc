@@ -229,8 +229,9 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, i
   const bool shape_ok = bf16 ? (pd.size() == 4 && pd[0] == P && pd[1] == Kp / 2 && pd[2] == NR && pd[3] == 2)
                              : (pd.size() == 3 && pd[0] == P && pd[1] == K && pd[2] == NR);
   if (!shape_ok) {
-    return ffi::Error::InvalidArgument("packed_gemm: packed must be [ceil(N/NR), K, NR] (float32) or "
-                                       "[ceil(N/NR), ceil(K/2), NR, 2] (bfloat16) for this library's NR");
+    return ffi::Error::InvalidArgument(
+        "packed_gemm: packed must be [ceil(N/NR), K, NR] (float32) or "
+        "[ceil(N/NR), ceil(K/2), NR, 2] (bfloat16) for this library's NR");
   }
   if (od.size() != 2 || od[0] != M || od[1] != n) return ffi::Error::InvalidArgument("packed_gemm: out must be [M, N]");
   if (M == 0 || n == 0) return ffi::Error::Success();
@@ -264,8 +265,8 @@ double peak_loop(int64_t iters, float seed) {
 #if defined(__AVX512BF16__)
       if constexpr (Bf16) {
         acc[i] = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[i]),
-                                                       (__m512bh)reinterpret_cast<__m512i>(x),
-                                                       (__m512bh)reinterpret_cast<__m512i>(y)));
+                                                       (__m512bh) reinterpret_cast<__m512i>(x),
+                                                       (__m512bh) reinterpret_cast<__m512i>(y)));
       } else {
         acc[i] = acc[i] * x + y;
       }
