@@ -459,7 +459,7 @@ class KVCacheManager:
             tables[g][index] = dst
             array[g, state.row, index] = dst.page_id
             self._group_pages[g] += 1
-            self.pool.release(src)  # refcount was > 1: src stays in use by its other holders
+            self.pool.release_page(src)  # refcount was > 1: src stays in use by its other holders
             copies.append(PageCopy(src.page_id, dst.page_id))
         if writes:
             state.may_share = False

@@ -172,10 +172,6 @@ class PagePool:
                 self.num_cached_free -= 1
         page.ref_cnt += 1
 
-    def release(self, page: Page) -> None:
-        """Drop one reference; at zero the page joins the free list (``release_page``)."""
-        self.release_page(page)
-
     def release_page(self, page: Page) -> bool:
         """Drop one reference; returns whether the page became free (refcount 0): then it joins the free list.
 
