@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -460,15 +460,16 @@ class ModelRunner:
         """Run the KV manager's copy-on-write instructions on every layer slab, in place."""
         self._run_copies(self._copy_chunks(ops))
 
-    def _copy_chunks(self, ops: list[PageCopy]) -> list[CopyChunk]:
-        """`ops` as dispatches of the copy executable: chunks of the largest compiled bucket (copies are
-        independent), each padded to its bucket with the null page copied onto itself."""
+    def _copy_chunks(self, pairs: Sequence[tuple[int, int]], resolve: bool = True) -> list[CopyChunk]:
+        """`(src, dst)` row copies as dispatches of a copy executable (pages, or a hybrid's state rows): chunks of
+        the largest copy bucket (copies are independent), each padded to its bucket with the null row copied onto
+        itself; `resolve`: raised to a compiled page-copy bucket (`ready_shapes`) when shapes are resolved."""
         top = self.copy_buckets[-1]
         chunks = []
-        for start in range(0, len(ops), top):
-            chunk = ops[start : start + top]
+        for start in range(0, len(pairs), top):
+            chunk = pairs[start : start + top]
             n = bucket_for(len(chunk), self.copy_buckets)
-            n = self.ready_shapes.copy_bucket(n) if self.resolve_shapes else n
+            n = self.ready_shapes.copy_bucket(n) if resolve and self.resolve_shapes else n
             src = np.zeros(n, np.int32)
             dst = np.zeros(n, np.int32)
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk, strict=True)
@@ -633,15 +634,9 @@ class ModelRunner:
     def copy_states(self, ops: list[StateCopy]) -> None:
         """Copy state rows in place on every linear layer: prefix hits' snapshots into slots (before the step),
         forks (the leader's state after the step that completed its prompt) and snapshots (after the step)."""
-        top = self.copy_buckets[-1]
-        for start in range(0, len(ops), top):
-            chunk = ops[start : start + top]
-            n = bucket_for(len(chunk), self.copy_buckets)
-            src = np.zeros(n, np.int32)  # padding copies the null slot onto itself
-            dst = np.zeros(n, np.int32)
-            src[: len(chunk)] = [c.src for c in chunk]
-            dst[: len(chunk)] = [c.dst for c in chunk]
-            self.kv_caches = self._executable(self.state_copy_job(n))(self.kv_caches, src, dst)
+        for chunk in self._copy_chunks([(c.src, c.dst) for c in ops], resolve=False):
+            job = self.state_copy_job(len(chunk.src))
+            self.kv_caches = self._executable(job)(self.kv_caches, chunk.src, chunk.dst)
 
     def state_copy_job(self, n: int) -> Job:
         """Copying `n` state rows on every linear layer (one executable per copy bucket)."""
