@@ -15,8 +15,8 @@ Faults end the job, never hang it:
   within `timeout_s` and ends the server with the same exit status and a one-line error (the engine thread may
   be parked in a collective that will never complete, so there is nothing left to drain);
 - process 0 gone: a follower's next read of the store fails (the coordination service lives in process 0) and
-  the follower exits non-zero; JAX's own heartbeat (`heartbeat_timeout_seconds`, twice `timeout_s`) is the
-  backstop for both sides.
+  the follower exits non-zero; JAX's own heartbeat (`heartbeat_timeout_seconds`, four times `timeout_s`) is the
+  backstop for both sides (it aborts the process, so it must stay well behind the watchdog, even on a loaded host).
 """
 
 from __future__ import annotations
@@ -62,14 +62,15 @@ def _client():
 def initialize(
     coordinator_address: str | None, num_processes: int | None, process_id: int | None, timeout_s: float
 ) -> None:
-    """`jax.distributed.initialize` (gloo collectives on CPU), with JAX's heartbeat at twice `timeout_s` so this
-    module's own watchdog reports a lost follower first. On a TPU slice pass None for the three (JAX finds them)."""
+    """`jax.distributed.initialize` (gloo collectives on CPU), with JAX's heartbeat at four times `timeout_s` so
+    this module's own watchdog reports a lost follower first (JAX's missed heartbeat aborts with SIGABRT; at twice
+    `timeout_s` a loaded CI host once let it win the race). On a TPU slice pass None for the three (JAX finds them)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
-        heartbeat_timeout_seconds=max(2, int(2 * timeout_s)),
+        heartbeat_timeout_seconds=max(4, int(4 * timeout_s)),
         initialization_timeout=max(10, int(10 * timeout_s)),
     )
 

@@ -36,7 +36,16 @@ from paged_jax.worker.runner import EXECUTABLES  # noqa: E402
 # The modules `make test` runs in its second stream, beside the rest of the suite, after the TPU and GPU compile
 # checks (with the mesh suites: `pytest -m "mesh or side"`). Chosen by measured durations (`make test` prints the
 # slowest tests of both streams) so that the two streams, each about one core's work, end together on 2 cores.
-SIDE_MODULES = frozenset({"test_lora_smollm2.py", "test_smollm2.py"})
+SIDE_MODULES = frozenset(
+    {
+        "test_lora_smollm2.py",
+        "test_smollm2.py",
+        "test_stream_unary_smollm2.py",
+        "test_structured_smollm2.py",
+        "test_ray_batch.py",
+        "test_multihost_serving.py",
+    }
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker

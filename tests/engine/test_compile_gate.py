@@ -231,16 +231,18 @@ class FirstAdvance(WarmupProgress):
 
 def test_a_background_warm_up_compiles_what_waiting_requests_need_before_its_own_shapes(tiny_config, tiny_params):
     engine = served_engine(tiny_config, tiny_params, num_pages=87)  # no other test compiled its variants
-    worker_thread_held = threading.Event()
+    worker_thread_held, worker_thread_parked = threading.Event(), threading.Event()
 
     def hold(job) -> None:  # the compile worker's own thread waits: only the warm-up's threads can compile
         if threading.current_thread().name == "compile-worker":
+            worker_thread_parked.set()
             assert worker_thread_held.wait(HOLD_S)
 
     engine.compile_gate.worker.hold = hold
     engine.add_request("a", list(range(3, 9)), SamplingParams(max_tokens=2, temperature=0.0, logprobs=1))
     engine.add_request("b", list(range(9, 19)), SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=1.2))
     engine.step()
+    assert worker_thread_parked.wait(HOLD_S)  # it took its first job: the rest of the queue is the warm-up's to take
     queued = list(engine.compile_gate.worker._queue)
     assert len(queued) >= 2 and engine.compile_gate.deferred == {"a", "b"}
     cancel = threading.Event()
