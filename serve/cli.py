@@ -134,8 +134,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     lim.add_argument(
         "--max-stop-string-chars", type=int, default=d.max_stop_string_chars, help="characters of one stop string"
     )
+    lim.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="bytes of one gRPC message")
     lim.add_argument(
-        "--max-message-bytes", type=int, default=d.max_message_bytes, help="bytes of one gRPC message or HTTP body"
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="bytes of one HTTP body, checked before it is parsed (larger: 413)",
     )
     lim.add_argument("--max-chat-messages", type=int, default=d.max_chat_messages, help="messages in one conversation")
     lim.add_argument(
@@ -241,6 +245,7 @@ def serving_config_from_args(args: argparse.Namespace, ports: Ports | None = Non
         max_stop_strings=args.max_stop_strings,
         max_stop_string_chars=args.max_stop_string_chars,
         max_message_bytes=args.max_message_bytes,
+        max_body_bytes=args.max_body_bytes,
         max_chat_messages=args.max_chat_messages,
         max_request_tokens=args.max_request_tokens,
         max_logprob_entries=args.max_logprob_entries,

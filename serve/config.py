@@ -44,6 +44,9 @@ class ServingLimits:
     max_request_id_chars: int = 256
     max_cache_salt_chars: int = 256
     max_message_bytes: int = 4 * 2**20  # gRPC receive limit; larger messages get RESOURCE_EXHAUSTED
+    # An HTTP body, checked before it is parsed (Content-Length first): larger ones get 413. 1 MiB holds a prompt
+    # of about 250k tokens of English; a body is parsed whole while the GIL is held, ~0.1 s per MiB.
+    max_body_bytes: int = 2**20
     max_chat_messages: int = 4096  # messages in one conversation, refused before the template renders them
     # One request's whole response: prompts x n x max_tokens generated tokens, and logprob entries (each token
     # with its alternatives): one max-n, max-tokens prompt fits; 64 of them, or 20 logprobs on each, do not.
@@ -55,6 +58,7 @@ class ServingLimits:
             "max_tokens",
             "max_n",
             "max_message_bytes",
+            "max_body_bytes",
             "max_chat_messages",
             "max_request_tokens",
             "max_logprob_entries",
@@ -65,6 +69,8 @@ class ServingLimits:
             raise ValueError(
                 f"max_message_bytes: must be at most {MAX_MESSAGE_BYTES} (1 GiB), got {self.max_message_bytes}"
             )
+        if self.max_body_bytes > MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_body_bytes: must be at most {MAX_MESSAGE_BYTES} (1 GiB), got {self.max_body_bytes}")
         if self.default_max_tokens is not None and not 1 <= self.default_max_tokens <= self.max_tokens:
             raise ValueError(f"default_max_tokens: must be in [1, max_tokens ({self.max_tokens})]")
 

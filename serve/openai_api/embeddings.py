@@ -32,8 +32,9 @@ from paged_jax.outputs import RequestOutput
 from .. import convert
 from ..convert import RequestError
 from ..engine_loop import Submission
+from .body import read_body
 from .errors import error_response
-from .front import OpenAIFront, _finals, _firsts, _read_body
+from .front import OpenAIFront, _finals, _firsts
 from .protocol import json_value, typed
 
 METHOD = "OpenAI.Embeddings"
@@ -137,7 +138,7 @@ async def embeddings(front: OpenAIFront, request: Request) -> Response:
     streams: list = []
     try:
         front.check_auth(request)
-        raw = await _read_body(request, front.config.limits.max_message_bytes)
+        raw = await read_body(request, front.config.limits.max_body_bytes)
         engine = front.loop.engine
         req = parse_embeddings(raw, engine.engine_config.pooler, engine.config.hidden_size)
         lora = front._model(req.model)

@@ -51,6 +51,7 @@ from ..convert import RequestError
 from ..engine_loop import EngineLoop, Event, Inbox, RequestStream, Submission
 from ..metrics import Metrics
 from . import tokenize
+from .body import read_body
 from .errors import error_body, error_response
 from .protocol import Kind, OpenAIRequest, field_names, json_value, parse_body, typed
 from .responses import Echo, ResponseBuilder
@@ -192,7 +193,7 @@ class OpenAIFront:
         method, streams = METHODS[kind], []
         try:
             self.check_auth(request)
-            raw = await _read_body(request, self.config.limits.max_message_bytes)
+            raw = await read_body(request, self.config.limits.max_body_bytes)
             req = await self._off_loop(parse_body, raw, kind, self.inputs.limits.max_chat_messages)
             run = await self.start(request, req)
             streams = run.streams
@@ -341,7 +342,7 @@ class OpenAIFront:
     async def tokenize(self, request: Request) -> JSONResponse:
         """POST /tokenize (`tokenize.py` has the shapes)."""
         self.check_auth(request)
-        body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
+        body = _json_object(await read_body(request, self.config.limits.max_body_bytes))
         req = tokenize.parse_tokenize(body)
         self._model(req.model)
 
@@ -356,7 +357,7 @@ class OpenAIFront:
     async def detokenize(self, request: Request) -> JSONResponse:
         """POST /detokenize {"tokens": [...]} -> {"prompt": text}."""
         self.check_auth(request)
-        body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
+        body = _json_object(await read_body(request, self.config.limits.max_body_bytes))
         self._model(typed(body, "model", str))
         return JSONResponse(await self._off_loop(tokenize.detokenize, body, self.inputs))
 
@@ -386,7 +387,7 @@ class OpenAIFront:
         (`ServedAdapters.reserve`), so a name served or being loaded is ALREADY_EXISTS (HTTP 409) at once and
         of concurrent loads of one new name exactly one succeeds."""
         self.check_auth(request)
-        body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
+        body = _json_object(await read_body(request, self.config.limits.max_body_bytes))
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(path, str) or not path:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: must be a non-empty string", "lora_path")
@@ -434,7 +435,7 @@ class OpenAIFront:
     async def unload_adapter(self, request: Request) -> JSONResponse:
         """POST /v1/unload_lora_adapter {"lora_name"}: stop serving it (requests already running finish)."""
         self.check_auth(request)
-        body = _json_object(await _read_body(request, self.config.limits.max_message_bytes))
+        body = _json_object(await read_body(request, self.config.limits.max_body_bytes))
         name = body.get("lora_name")
         try:
             self.loop.adapters.remove(name if isinstance(name, str) else "")
@@ -466,17 +467,6 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (400) as soon as it passes `limit` bytes rather than after buffering all of it."""
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise convert.invalid(f"body: larger than the limit of {limit} bytes", "body")
-        parts.append(part)
-    return b"".join(parts)
 
 
 async def _firsts(inbox: Inbox, k: int, names: FieldNames) -> list[tuple[int, Event]]:

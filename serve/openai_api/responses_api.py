@@ -42,8 +42,9 @@ from paged_jax.outputs import RequestOutput
 
 from .. import convert
 from ..convert import RequestError
+from .body import read_body
 from .errors import error_body, error_response
-from .front import OpenAIFront, Run, _EventStream, _read_body
+from .front import OpenAIFront, Run, _EventStream
 from .protocol import json_value, parse_body, typed
 
 METHOD = "OpenAI.Responses"
@@ -650,7 +651,7 @@ class ResponsesRoute:
         front, streams = self.front, []
         try:
             front.check_auth(request)
-            raw = await _read_body(request, front.config.limits.max_message_bytes)
+            raw = await read_body(request, front.config.limits.max_body_bytes)
             parsed = await front._off_loop(to_chat, raw, self.store)
             try:
                 chat = await front._off_loop(parse_body, parsed.chat, "chat", front.inputs.limits.max_chat_messages)

@@ -435,15 +435,57 @@ def test_paged_jax_serve_port_sigterm_drains_both_fronts():
         assert server.proc.wait(timeout=60) == 0
 
 
-@pytest.mark.parametrize(
-    "body", [b"{not json", b"[1, 2]", json.dumps({"prompt": "x" * (LIMITS.max_message_bytes + 1)}).encode()]
-)
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]"])
 def test_bodies_that_are_not_a_request_are_400(fronts, body):
     request = urllib.request.Request(f"{fronts[0].base_url}/completions", body, {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(request)
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and error["param"] == "body" and error["type"] == "invalid_request_error", error
+
+
+def _post(base_url: str, path: str, body=None, length: int | None = None) -> tuple[int, dict]:
+    """POST with http.client: `length` declared and no body sent, or `body` (bytes, or an iterable of chunks sent
+    with chunked framing); the status and the JSON error."""
+    import http.client
+
+    host, port = base_url.removeprefix("http://").split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        if length is not None:
+            conn.putrequest("POST", f"/v1{path}")
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(length))
+            conn.endheaders()  # and no body: the server must answer without it
+        else:
+            conn.request("POST", f"/v1{path}", body, {"Content-Type": "application/json"}, encode_chunked=True)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())["error"]
+    finally:
+        conn.close()
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_read_or_parsed(fronts):
+    """`--max-body-bytes`: a declared length past it is answered 413 before any byte of the body arrives (the
+    client sends none and waits: the answer cannot come from parsing); a chunked body is cut once it passes the
+    limit; the limit is named. One byte more than the limit, as invalid JSON, is 413 too (never parsed)."""
+    limit = LIMITS.max_body_bytes
+    status, error = _post(fronts[0].base_url, "/completions", length=2**30)
+    assert status == 413 and error["param"] == "body" and f"limit of {limit} bytes" in error["message"], error
+    assert "--max-body-bytes" in error["message"] and error["type"] == "invalid_request_error"
+    big = b"{" * (limit + 1)
+    status, error = _post(fronts[0].base_url, "/chat/completions", big)
+    assert status == 413 and error["param"] == "body", error
+    chunks = iter([b"{" * 65536] * (limit // 65536 + 1))  # no Content-Length: chunked framing
+    status, error = _post(fronts[0].base_url, "/completions", chunks)
+    assert status == 413 and error["param"] == "body" and "Content-Length" not in error["message"], error
+    request = urllib.request.Request(f"{fronts[0].base_url}/completions", big, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:  # urllib sends the whole body first: it still reads the 413
+        urllib.request.urlopen(request)
+    assert e.value.code == 413
+    ok = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    status = urllib.request.urlopen(urllib.request.Request(f"{fronts[0].base_url}/completions", ok)).status
+    assert status == 200  # the server goes on
 
 
 def test_tls_and_auth_shared_with_grpc(tmp_path):
