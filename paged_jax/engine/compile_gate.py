@@ -21,7 +21,7 @@ A compile that failed fails the requests that need it (with its error), alone.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paged_jax.sched.sequence import TokenSequence
 from paged_jax.worker.compile_worker import CompileWorker
@@ -33,20 +33,20 @@ WAIT_S = 0.05  # how long a step with nothing to run waits for a compile before 
 
 def seq_needs(needs: StepNeeds, seq: TokenSequence) -> StepNeeds:
     """`needs` and those of `seq`'s request."""
-    return needs.with_request(seq.params, seq.needs_prompt_logprobs, bool(seq.forked_children), seq.lora is not None)
+    return needs.with_request(seq.params, seq.needs_prompt_logprobs, len(seq.forked_children), seq.lora is not None)
 
 
 def running_needs(running: Iterable[TokenSequence]) -> StepNeeds:
-    """The needs of every sequence in `running` (each distinct kind of request counted once: this runs every
-    step)."""
-    kinds = {
-        (request_flags(seq.params), seq.needs_prompt_logprobs, bool(seq.forked_children), seq.lora is not None)
-        for seq in running
-    }
+    """The needs of every sequence in `running` (each distinct kind of request combined once, the sequences and
+    children counted: this runs every step)."""
+    kinds, seqs, forks = set(), 0, 0
+    for seq in running:
+        kinds.add((request_flags(seq.params), seq.needs_prompt_logprobs, seq.lora is not None))
+        seqs, forks = seqs + 1, forks + len(seq.forked_children)
     needs = StepNeeds()
-    for kind in kinds:
-        needs = needs.with_flags(*kind)
-    return needs
+    for flags, prompt_logprobs, lora in kinds:
+        needs = needs.with_flags(flags, prompt_logprobs, lora=lora, seqs=0)
+    return replace(needs, forks=forks, seqs=seqs)
 
 
 @dataclass(slots=True)

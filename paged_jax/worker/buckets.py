@@ -56,15 +56,16 @@ class StepBuckets:
         `bucket(min(t, max_num_seqs))`, or more when `rows` exceeds that."""
         return bucket_for(max(min(t, self.max_num_seqs), rows), self.seqs)
 
-    def step_seq_buckets(self, t: int, forks: bool = False) -> list[int]:
+    def step_seq_buckets(self, t: int, forks: bool = False, fork_rows: int | None = None) -> list[int]:
         """The sequence buckets a step of token bucket `t` can use (warm-up compiles each): `seq_bucket(t)`, and
         with speculation those up to one holding the sample rows of a full verify step (each row is a token).
 
         `forks`: requests with n > 1 can run. A prompt's last chunk then samples one row per child sequence, so
-        a step of few tokens can have up to `max_num_seqs` sample rows (4 prompts x n=16 in 32 tokens: 64)."""
+        a step of few tokens can have up to `max_num_seqs` sample rows (4 prompts x n=16 in 32 tokens: 64), or
+        up to `fork_rows` when the caller knows the requests (`paged_jax.worker.ready_shapes.StepNeeds`)."""
         lo = self.seq_bucket(t)
         rows = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
         if forks:
-            rows = max(rows, self.max_num_seqs)
+            rows = max(rows, self.max_num_seqs if fork_rows is None else min(fork_rows, self.max_num_seqs))
         hi = self.seq_bucket(t, rows)
         return [s for s in self.seqs if lo <= s <= hi]

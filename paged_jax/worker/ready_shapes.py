@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker.buckets import bucket_for
 from paged_jax.worker.compile_jobs import CompileJobs, Job
 from paged_jax.worker.executables import Executables
 from paged_jax.worker.step_functions import GREEDY, LoraShape
@@ -52,25 +53,29 @@ class StepNeeds:
     """What the steps of a set of requests can need besides their token count. `plain`: the sampler variant of
     all its rows without penalties (at least greedy: a step of prompt chunks samples nothing); `penalized`: that
     of all its rows, when some row has penalties (a step holds any subset of the rows, and a subset uses a
-    variant below one of these two); `prompt_logprobs`, `forks` (n > 1 samples not yet forked: a fork step samples
-    up to `max_num_seqs` rows and copies pages), `lora` (an adapter may be written into a slot)."""
+    variant below one of these two); `prompt_logprobs`; `forks`, the samples of n > 1 requests not forked yet
+    (their leaders' children): the step that completes a leader's prompt samples one more row per child and the
+    next copies up to one page per child, so a step of `t` tokens samples at most `fork_rows(t)` rows, `seqs`
+    being the sequences counted; `lora` (an adapter may be written into a slot)."""
 
     plain: SamplerFlags = GREEDY
     penalized: SamplerFlags | None = None
     prompt_logprobs: bool = False
-    forks: bool = False
+    forks: int = 0
+    seqs: int = 0
     lora: bool = False
 
     def with_request(
-        self, params: SamplingParams, prompt_logprobs: bool = False, forks: bool = False, lora: bool = False
+        self, params: SamplingParams, prompt_logprobs: bool = False, forks: int = 0, lora: bool = False
     ) -> StepNeeds:
-        """These needs and a request's (`prompt_logprobs`: it still owes some; `forks`: its samples are not forked)."""
+        """These needs and one more sequence's (`prompt_logprobs`: it still owes some; `forks`: its children
+        not yet forked)."""
         return self.with_flags(request_flags(params), prompt_logprobs, forks, lora)
 
     def with_flags(
-        self, flags: SamplerFlags, prompt_logprobs: bool = False, forks: bool = False, lora: bool = False
+        self, flags: SamplerFlags, prompt_logprobs: bool = False, forks: int = 0, lora: bool = False, seqs: int = 1
     ) -> StepNeeds:
-        """`with_request` of a request whose sampler variant is `flags`."""
+        """`with_request` of `seqs` sequences whose sampler variant is `flags` and children `forks` in all."""
         plain, penalized = self.plain, self.penalized
         if flags.do_penalty:
             penalized = union(flags, union(plain, penalized or flags))
@@ -78,8 +83,17 @@ class StepNeeds:
             plain = union(plain, flags)
             penalized = None if penalized is None else union(penalized, flags)
         return StepNeeds(
-            plain, penalized, self.prompt_logprobs or prompt_logprobs, self.forks or forks, self.lora or lora
+            plain,
+            penalized,
+            self.prompt_logprobs or prompt_logprobs,
+            self.forks + forks,
+            self.seqs + seqs,
+            self.lora or lora,
         )
+
+    def fork_rows(self, t: int) -> int:
+        """The most rows a step of `t` tokens samples: one per sequence it holds, and every child (0: no forks)."""
+        return min(t, self.seqs) + self.forks if self.forks else 0
 
     @property
     def variants(self) -> tuple[SamplerFlags, ...]:
@@ -104,7 +118,7 @@ class RunnerShapes(Protocol):
     @property
     def copy_buckets(self) -> list[int]: ...
 
-    def step_seq_buckets(self, t: int, forks: bool = False) -> list[int]: ...
+    def step_seq_buckets(self, t: int, forks: bool = False, fork_rows: int | None = None) -> list[int]: ...
 
 
 class ReadyShapes:
@@ -156,13 +170,16 @@ class ReadyShapes:
 
     def missing(self, t: int, needs: StepNeeds, merge: bool) -> list[Job]:
         """The executables a step of token bucket `t` would compile for requests with `needs`, at the largest
-        sequence bucket such a step can take (every smaller step then resolves to this one or below it).
-        `merge`: the lookahead's merge of pending ids is needed (async scheduling)."""
-        return list(self._cached(("missing", t, needs, merge), lambda: self._missing(t, needs, merge)))
+        sequence bucket such a step can take (every smaller step then resolves to this one or below it), and
+        with forks the copy bucket of one page per child. `merge`: the lookahead's merge of pending ids is
+        needed (async scheduling)."""
+        rows = needs.fork_rows(t)
+        key = ("missing", t, needs.plain, needs.penalized, needs.prompt_logprobs, needs.forks, rows, needs.lora, merge)
+        return list(self._cached(key, lambda: self._missing(t, needs, rows, merge)))
 
-    def _missing(self, t: int, needs: StepNeeds, merge: bool) -> list[Job]:
+    def _missing(self, t: int, needs: StepNeeds, rows: int, merge: bool) -> list[Job]:
         r = self.runner
-        s = r.step_seq_buckets(t, forks=needs.forks)[-1]
+        s = r.step_seq_buckets(t, forks=needs.forks > 0, fork_rows=rows)[-1]
         out = []
         for job in self.step_jobs(t, s, (), merge, needs.prompt_logprobs):
             if not self.ready(job):
@@ -172,8 +189,10 @@ class ReadyShapes:
                 out.append(self._sample_job(s, flags))
         if needs.penalized is not None and not self.ready(r.jobs.history(s)):
             out.append(r.jobs.history(s))
-        if needs.forks and not self.ready(r.jobs.copy(r.copy_buckets[-1])):
-            out.append(r.jobs.copy(r.copy_buckets[-1]))
+        if needs.forks:
+            copies = bucket_for(min(needs.forks, r.copy_buckets[-1]), r.copy_buckets)
+            if not any(self.ready(r.jobs.copy(b)) for b in r.copy_buckets if b >= copies):
+                out.append(r.jobs.copy(copies))
         if needs.lora and r.lora is not None and not self.ready(r.jobs.lora_write()):
             out.append(r.jobs.lora_write())
         return out

@@ -426,9 +426,9 @@ class ModelRunner:
         """`StepBuckets.seq_bucket`."""
         return self.buckets.seq_bucket(t, rows)
 
-    def step_seq_buckets(self, t: int, forks: bool = False) -> list[int]:
+    def step_seq_buckets(self, t: int, forks: bool = False, fork_rows: int | None = None) -> list[int]:
         """`StepBuckets.step_seq_buckets`."""
-        return self.buckets.step_seq_buckets(t, forks)
+        return self.buckets.step_seq_buckets(t, forks, fork_rows)
 
     def _stack(self, params, mesh: jax.sharding.Mesh | None, abstract: bool = False):
         """The stacked tree of `params` (`paged_jax.model.scan.stack_layers`), placed like the step takes it;

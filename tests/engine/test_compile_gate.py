@@ -215,6 +215,37 @@ def test_a_cold_engine_runs_its_first_request_once_its_smallest_step_is_compiled
     assert tokens(outputs, "first") == solo(tiny_config, tiny_params, prompt, VICTIM).outputs[0].token_ids
 
 
+def test_an_n2_request_after_a_cold_engine_first_answer_waits_for_its_own_fork_shapes_only(tiny_config, tiny_params):
+    """After a cold engine's first answer (its smallest step compiled, nothing else), an n=2 request waits for
+    exactly what its fork step lacks at that bucket, its sampler variant of those rows and the smallest copy
+    bucket (one page per child), compiled off the engine thread: not a forward at the largest fork sequence
+    bucket, and nothing on a step."""
+    engine = make_engine(tiny_config, tiny_params, background_compiles=True, num_pages=85, max_num_seqs=32)
+    outputs: list = []
+    engine.add_request("first", list(range(3, 9)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    run_until_done(engine, outputs)
+    compiled = engine.runner.compile_stats.count
+    held = Held()
+    engine.compile_gate.worker.hold = held
+    prompt, params = list(range(20, 31)), SamplingParams(max_tokens=4, temperature=0.8, n=2, seed=7, ignore_eos=True)
+    engine.add_request("forks", prompt, params)
+    for _ in range(3):
+        outputs += engine.step()
+    assert held.started.is_set() and "forks" in engine.compile_gate.deferred
+    held.release.set()
+    run_until_done(engine, outputs)
+    engine.compile_gate.worker.close(HOLD_S)
+    copy, sample = sorted(held.jobs)
+    assert copy == engine.runner.jobs.copy(8).describe  # one child: the smallest copy bucket
+    assert sample.startswith("sample rows=16 ") and sample.endswith(" do_sample")  # the first step's rows
+    assert engine.runner.compile_stats.count == compiled + 2  # those two, and nothing on a step
+    got = next(out for out in outputs if out.request_id == "forks" and out.finished)
+    ref = solo(tiny_config, tiny_params, prompt, params)
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in ref.outputs]
+    engine.check_invariants()
+    assert engine.stats().pages_in_use == 0
+
+
 class FirstAdvance(WarmupProgress):
     """Records, when the warm-up finishes its first shape, which keys the registry holds; then cancels it."""
 
