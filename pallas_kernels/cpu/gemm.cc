@@ -282,6 +282,22 @@ double peak_loop(int64_t iters, float seed) {
   return static_cast<double>(iters) * kChains * W * flops_per_op;
 }
 
+// Sums n floats (n a multiple of 4 * W) with vector loads and four independent sums: a sequential read stream,
+// the memory side of the GEMM's roofline (a weight that does not fit the caches is read like this once per call).
+float read_loop(const float* p, int64_t n) {
+  vf s0{}, s1{}, s2{}, s3{};
+  for (int64_t i = 0; i < n; i += 4 * W) {
+    s0 += load(p + i);
+    s1 += load(p + i + W);
+    s2 += load(p + i + 2 * W);
+    s3 += load(p + i + 3 * W);
+  }
+  const vf s = s0 + s1 + s2 + s3;
+  float total = 0.0f;
+  for (int i = 0; i < W; ++i) total += s[i];
+  return total;
+}
+
 }  // namespace
 }  // namespace pja
 
@@ -296,6 +312,10 @@ extern "C" const char* PackedGemmIsa() { return pja::kHasBf16Dot ? "avx512+bf16"
 extern "C" double PackedGemmPeakLoop(int64_t iters, int32_t bf16) {
   return bf16 ? pja::peak_loop<true>(iters, 0.5f) : pja::peak_loop<false>(iters, 0.5f);
 }
+
+// Reads n floats at p once, sequentially, on the calling thread (n a multiple of 2 * PackedGemmPanelWidth()) and
+// returns their sum (so the reads cannot be dropped).
+extern "C" float PackedGemmReadLoop(const float* p, int64_t n) { return pja::read_loop(p, n); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedGemm, pja::Impl,
                               ffi::Ffi::Bind()

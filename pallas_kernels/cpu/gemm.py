@@ -20,6 +20,8 @@ import dataclasses
 import functools
 import logging
 import os
+import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -170,3 +172,36 @@ def peak_gflops_per_core(isa: str | None = None, bfloat16: bool = False, seconds
         flops = lib.PackedGemmPeakLoop(iters, int(bfloat16))
         best = max(best, flops / max(time.thread_time() - t, 1e-9))
     return best / 1e9
+
+
+def read_gbs_per_core(threads: int | None = None, mib: int = 256, rounds: int = 3, isa: str | None = None) -> float:
+    """The memory side of the roofline: GB of a sequential read stream per CPU-second on one core while `threads`
+    cores (default all) stream at once, each its own `mib` MiB buffer (larger than the caches, as a step's weights
+    are), timed by each thread's CPU time; the median over threads and `rounds`. A dot of `rows` rows does
+    ``2 * rows / itemsize`` FLOP per weight byte, so it cannot exceed ``this * 2 * rows / itemsize`` GFLOP per
+    CPU-second when its weight streams from memory."""
+    k = kernel(isa)
+    if k is None:
+        raise RuntimeError(f"the CPU GEMM ({isa or paged.default_isa()}) is not available")
+    lib = ctypes.cdll.LoadLibrary(str(k.library))
+    lib.PackedGemmReadLoop.restype = ctypes.c_float
+    lib.PackedGemmReadLoop.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+    threads = threads or os.cpu_count() or 1
+    n = mib * 2**20 // 4 // (2 * k.nr) * (2 * k.nr)
+    bufs = [np.ones(n, np.float32) for _ in range(threads)]
+    start = threading.Barrier(threads)
+    rates: list[float] = []
+
+    def stream(buf: np.ndarray) -> None:  # ctypes releases the GIL: the threads read at the same time
+        for _ in range(rounds):
+            start.wait()
+            t = time.thread_time()
+            lib.PackedGemmReadLoop(buf.ctypes.data, n)
+            rates.append(n * 4 / max(time.thread_time() - t, 1e-9) / 1e9)
+
+    workers = [threading.Thread(target=stream, args=(b,)) for b in bufs]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return statistics.median(rates)

@@ -15,6 +15,11 @@ Peak: measured, a register-only FMA loop of the GEMM library (`gemm.peak_gflops_
 vector FMA, `vdpbf16ps` for bfloat16 where the CPU has AVX-512 BF16), per core; "% peak" is GFLOP per CPU-second
 over that per-core peak. Beside it, a 2048^3 float32 matmul through XLA (wall, all cores).
 
+Roofline: a dot of R rows does 2 R / itemsize FLOP per weight byte, and in a step its weight streams from memory
+(a model's layers do not fit the caches), so per core it cannot beat min(peak, read GB/s x 2 R / itemsize), the
+read rate measured by `gemm.read_gbs_per_core` (every core streaming its own buffer at once, per CPU-second);
+the header prints that bound per dtype: where it is below the peak, "% peak" cannot reach 100.
+
     python -m scripts.bench.bench_dots [--model DIR|JSON|NAME] [--rows 32] [--rounds 7] [--hot]
 
 `--hot`: every call on layer 0's weight, so it stays in cache (L2/L3): the dots' compute ceiling, without the
@@ -120,6 +125,7 @@ def main() -> None:
     if lib is None:
         raise SystemExit("the packed CPU GEMM cannot be built here")
     peaks = {dt: gemm.peak_gflops_per_core(bfloat16=dt == jnp.bfloat16) for dt in (jnp.float32, jnp.bfloat16)}
+    read_gbs = gemm.read_gbs_per_core()
     n = 2048
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
     mm = jax.jit(lambda x, y: x @ y)
@@ -128,7 +134,14 @@ def main() -> None:
     print(
         f"jax {jax.__version__}; {os.cpu_count()} CPUs; ISA {lib.isa} (panels of {lib.nr}); load average "
         f"{os.getloadavg()}; measured peak per core (register-only FMA loop): float32 {peaks[jnp.float32]:.0f}, "
-        f"bfloat16 {peaks[jnp.bfloat16]:.0f} GFLOP/s; float32 matmul {n}^3 via XLA: {big:.0f} GFLOP/s wall"
+        f"bfloat16 {peaks[jnp.bfloat16]:.0f} GFLOP/s; float32 matmul {n}^3 via XLA: {big:.0f} GFLOP/s wall; "
+        f"memory read {read_gbs:.1f} GB per CPU-s per core (all cores streaming)"
+    )
+    roofs = {dt: min(peaks[dt], read_gbs * 2 * args.rows / jnp.dtype(dt).itemsize) for dt in peaks}
+    print(
+        f"roofline at {args.rows} rows, weights from memory: float32 {roofs[jnp.float32]:.0f} "
+        f"({100 * roofs[jnp.float32] / peaks[jnp.float32]:.0f} % of peak), bfloat16 {roofs[jnp.bfloat16]:.0f} "
+        f"({100 * roofs[jnp.bfloat16] / peaks[jnp.bfloat16]:.0f} %) GFLOP per CPU-s per core"
     )
     print(f"model {model}, {args.rows} rows; per dot: median CPU ms and % of peak, best wall ms; each layer's weight")
     cols = ("default", "onednn", "packed")

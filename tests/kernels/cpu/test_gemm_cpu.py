@@ -2,6 +2,8 @@
 inputs (rows 1-512, K and N off the panel and pair boundaries, float32 and bfloat16, bfloat16 in with float32
 out), its panel layout, and the clear errors of operands it does not take."""
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +108,17 @@ def test_gemm_and_attention_libraries_have_their_own_cache_keys():
     assert gemm.kernel().library != cpu_paged.kernel().library
     assert cpu_paged.library_path(cxx, "native") != cpu_paged.library_path(cxx, "native", gemm.NAME, gemm.SOURCES)
     assert not any(f.stem == "gemm" for f in cpu_paged.SOURCES)  # editing the GEMM never rebuilds attention
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_read_stream_reads_every_float(isa):
+    """The roofline's read loop (`PackedGemmReadLoop`, behind `gemm.read_gbs_per_core`) sums every float it is
+    given once, so the bytes it is timed over are the bytes it read."""
+    kern = gemm.kernel(isa)
+    lib = ctypes.cdll.LoadLibrary(str(kern.library))
+    lib.PackedGemmReadLoop.restype = ctypes.c_float
+    lib.PackedGemmReadLoop.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+    x = (np.arange(6 * 2 * kern.nr) % 7).astype(np.float32)  # small integers: the sum is exact in any order
+    assert lib.PackedGemmReadLoop(x.ctypes.data, x.size) == float(x.sum())
+    assert lib.PackedGemmReadLoop(x.ctypes.data, 2 * kern.nr) == float(x[: 2 * kern.nr].sum())
+    assert gemm.read_gbs_per_core(threads=2, mib=1, rounds=1, isa=isa) > 0
