@@ -31,7 +31,11 @@ stacked weights in place, ``paged_jax.worker.xla_flags`` and ``paged_jax.model.d
 peak over the device's memory, on temporaries growing with the cache, and when its attention kernels fail the
 kernel cases' tests (:func:`check_steps`).
 
-    .venv-gpu/bin/python scripts/checks/check_gpu_compile.py [--cases NAME ...] [--no-steps]
+**Qwen3.5** (``--hybrid LAYERS``, off by default: minutes on two cores; ``--only-hybrid`` skips the rest): the
+engine steps of ``configs/qwen3.5-9b.json`` with its first LAYERS layers, judged as the steps above, with the
+state pool's arrays among those that must not be copied and the gated delta kernel required in the step.
+
+    .venv-gpu/bin/python scripts/checks/check_gpu_compile.py [--cases NAME ...] [--no-steps] [--hybrid 4]
 """
 
 from __future__ import annotations

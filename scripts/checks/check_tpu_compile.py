@@ -48,6 +48,11 @@ same KV and weight-copy checks as the audit apply, and an MoE step must lower it
 (``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
 Run only this part with ``--topologies --sharded --quantized --no-audit`` (``--families`` with no names skips it).
 
+``--hybrid LAYERS`` (off by default: minutes on two cores) compiles the engine's decode and prefill steps of
+``configs/qwen3.5-9b.json`` (a linear-attention hybrid) with its first LAYERS layers on v6e, and its state-row
+copy job, and fails on a copy of a KV page array or of a state-pool array (conv or recurrent rows), on a layer
+weight copied, and on a step that does not run the gated delta and conv-row kernels (:func:`check_hybrid`).
+
 ``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.worker.sharding``) for
 Llama-3.1-8B in bfloat16 on the first TP chips of that slice, with abstract parameters (nothing is
 materialised), and prints a per-chip memory table from ``compiled.memory_analysis()``; the KV pages are
