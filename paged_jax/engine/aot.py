@@ -26,6 +26,7 @@ from paged_jax.config.engine import EngineConfig
 from paged_jax.engine.llm_engine import make_runner
 from paged_jax.model import quant, scan
 from paged_jax.model.init import param_shapes
+from paged_jax.model.linear_state import LinearState
 from paged_jax.worker import sharding
 from paged_jax.worker.buckets import bucket_for
 from paged_jax.worker.compile_jobs import Job
@@ -44,6 +45,25 @@ class AbstractEngine:
     layer_kv_bytes: int  # one device's share of one layer's cache (pages, and scales of quantized pages)
     local_kv_shape: tuple[int, ...]  # one device's page array of one layer (scanned: of the stacked array)
     local_scales_shape: tuple[int, ...] | None = None  # quantized pages: one device's scale array, the same way
+    # a linear-attention hybrid (Qwen3.5): one linear layer's state-pool arrays per device, (shape, dtype) of its
+    # conv [N, K - 1, C] and recurrent [N, Hv, Dk, Dv] rows (`paged_jax.model.linear_state`); () for other models
+    state_arrays: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
+
+    @property
+    def cache_arrays(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """Every per-layer cache array a step must update in place, as `(shape, dtype)` per device: the KV pages,
+        quantized pages' scales, and a hybrid's state-pool arrays (what `paged_jax.worker.hlo_audit.cache_copies`
+        looks for)."""
+        out = [(self.local_kv_shape, np.dtype(self.runner.kv_dtype))]
+        if self.local_scales_shape is not None:
+            out.append((self.local_scales_shape, np.dtype(np.float32)))
+        return out + list(self.state_arrays)
+
+    @property
+    def state_pool_bytes(self) -> int:
+        """One device's recurrent-state pool over every linear layer (0 for a model without linear layers)."""
+        per_layer = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for shape, dt in self.state_arrays)
+        return per_layer * (self.runner.config.num_layers - self.runner.config.num_kv_layers)
 
     @property
     def kv_tokens(self) -> int:
@@ -101,18 +121,27 @@ def abstract_engine(
     runner = make_runner(
         run_config, params, ec, num_pages, max_model_len, mesh if tp > 1 else None, layout, abstract=True
     )
-    # One KV array: layer 0's, or the scanned decoder's stacked one (`paged_jax.model.scan`), whose share of
-    # one layer is its size over the layers.
-    layer = jax.tree.leaves(runner.kv_caches if runner.scan else runner.kv_caches[0])
+    # One KV array: the first full-attention layer's, or the scanned decoder's stacked one
+    # (`paged_jax.model.scan`), whose share of one layer is its size over the layers. A hybrid's linear layers
+    # hold state-pool arrays instead (`LinearState`).
+    caches = [runner.kv_caches] if runner.scan else list(runner.kv_caches)
+    layer = jax.tree.leaves(next(c for c in caches if not isinstance(c, LinearState)))
+    linear = next((c for c in caches if isinstance(c, LinearState)), None)
+    state = () if linear is None else tuple((_local_shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(linear))
     layers = runner.num_slabs if runner.scan else 1
     return AbstractEngine(
         runner,
         mesh,
         weights_bytes,
         sum(_local_bytes(x) for x in layer) // layers,
-        tuple(layer[0].sharding.shard_shape(layer[0].shape)),
-        tuple(layer[1].sharding.shard_shape(layer[1].shape)) if len(layer) > 1 else None,
+        _local_shape(layer[0]),
+        _local_shape(layer[1]) if len(layer) > 1 else None,
+        state,
     )
+
+
+def _local_shape(x: jax.ShapeDtypeStruct) -> tuple[int, ...]:
+    return tuple(x.sharding.shard_shape(x.shape))
 
 
 STEP_KINDS = ("decode", "prefill", "verify")
@@ -153,7 +182,7 @@ def verify_sample_job(runner: ModelRunner) -> Job:
 class StepAudit:
     """What a compiled step does with the KV cache and memory on one device."""
 
-    copies: list[str]  # instructions copying a KV page array (`paged_jax.worker.hlo_audit.kv_copies`)
+    copies: list[str]  # instructions copying a per-layer cache array (`AbstractEngine.cache_arrays`)
     temp_bytes: int  # XLA's temporaries
     peak_bytes: int  # arguments + outputs - aliased (the donated pages) + temporaries
 
@@ -162,12 +191,22 @@ class StepAudit:
 
 
 def layer_weight_shapes(engine: AbstractEngine) -> list[tuple[tuple[int, ...], np.dtype]]:
-    """One layer's weights, per device: `(shape, dtype)` of every leaf of layer 0 (scanned: of the stacked
-    tree, its leading layer axis dropped, in the stacked and in the per-layer axis order where they differ:
-    `paged_jax.model.scan.stacked_order`); what `paged_jax.worker.hlo_audit.weight_copies` looks for."""
+    """One layer's weights, per device: `(shape, dtype)` of every leaf of layer 0 (a hybrid's: of its first
+    layer of each kind, linear and full attention; scanned: of the stacked tree, its leading layer axis dropped,
+    in the stacked and in the per-layer axis order where they differ: `paged_jax.model.scan.stacked_order`);
+    what `paged_jax.worker.hlo_audit.weight_copies` looks for."""
     tree = engine.runner.params["params"]
     if not engine.runner.scan:
-        return [(tuple(x.sharding.shard_shape(x.shape)), np.dtype(x.dtype)) for x in jax.tree.leaves(tree["layers_0"])]
+        config = engine.runner.config
+        first: dict[bool, int] = {}  # layer kind (linear?) -> its first layer
+        for i in range(config.num_layers):
+            first.setdefault(config.is_linear_layer(i), i)
+        out: list[tuple[tuple[int, ...], np.dtype]] = []
+        for i in sorted(first.values()):
+            for x in jax.tree.leaves(tree[f"layers_{i}"]):
+                if (s := (_local_shape(x), np.dtype(x.dtype))) not in out:
+                    out.append(s)
+        return out
     local = lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape)[1:], x.dtype)
     stacked = jax.tree.map(local, tree[scan.LAYERS])
     layer = jax.eval_shape(partial(scan.to_layer_order, order=engine.runner.stacked_order), stacked)
@@ -177,10 +216,10 @@ def layer_weight_shapes(engine: AbstractEngine) -> list[tuple[tuple[int, ...], n
 
 def audit_step(compiled: jax.stages.Compiled, engine: AbstractEngine) -> StepAudit:
     """The KV copies and memory of one of `engine`'s compiled steps."""
-    from paged_jax.worker.hlo_audit import kv_copies
+    from paged_jax.worker.hlo_audit import cache_copies
 
     m, text = compiled.memory_analysis(), compiled.as_text()
     assert m is not None and text is not None, "XLA reports the memory and the HLO of a compiled step"
     peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    copies = kv_copies(text, engine.local_kv_shape, engine.runner.kv_dtype)
+    copies = cache_copies(text, engine.cache_arrays)
     return StepAudit(copies, m.temp_size_in_bytes, peak)

@@ -25,7 +25,7 @@ from paged_jax.lora.delta import LoraBatch
 from paged_jax.structured.bitmask import mask_words
 from paged_jax.worker import xla_flags
 from paged_jax.worker.executables import CompilerOptions
-from paged_jax.worker.linear_state import state_meta_specs
+from paged_jax.worker.linear_state import linear_backend, state_meta_specs
 from paged_jax.worker.paged_attention import PagedMeta
 from paged_jax.worker.pending import merge_pending, merge_pending_history
 from paged_jax.worker.pooling import pool_rows
@@ -123,7 +123,8 @@ class CompileJobs:
             i32 = self.spec
             grouped = self.key.step.grouped
             g = () if grouped is None else (grouped.num_groups,)  # one block table and slot mapping per group
-            state = state_meta_specs(t, s, self.spec) if self.config.model_type in LINEAR_ATTENTION_TYPES else None
+            linear = self.config.model_type in LINEAR_ATTENTION_TYPES
+            state = state_meta_specs(t, s, self.spec, linear_backend(self.key.resolved_backend)) if linear else None
             meta = PagedMeta(i32(*g, t), i32(s), i32(*g, s, self.key.max_blocks), i32(s + 1), i32(1), state)  # type: ignore[arg-type]  # abstract leaves stand in for arrays
             assert self.lora is None or self.lora_specs is not None
             lora = None if self.lora_specs is None else LoraBatch(self.lora_specs, i32(t))  # type: ignore[arg-type]  # abstract leaves stand in for arrays

@@ -21,6 +21,7 @@ a dot (XLA:CPU copies a slice already reshaped to the dot's matrix).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,7 +71,7 @@ def kv_copies(hlo: str, local_kv_shape: tuple[int, ...], dtype) -> list[str]:
     return bad
 
 
-def cache_copies(hlo: str, arrays: list[tuple[tuple[int, ...], object]]) -> list[str]:
+def cache_copies(hlo: str, arrays: Sequence[tuple[tuple[int, ...], object]]) -> list[str]:
     """:func:`kv_copies` of every array of a layer's cache (``(shape, dtype)`` per array: the pages, and the
     scales of quantized pages)."""
     return [line for shape, dtype in arrays for line in kv_copies(hlo, shape, dtype)]

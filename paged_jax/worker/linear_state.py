@@ -22,10 +22,10 @@ from paged_jax.sched.output import SchedulerOutput
 
 
 def state_shapes(config: ModelConfig, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(conv [N, K - 1, C], recurrent [N, Hv, Dk, Dv]) of one linear layer's pool of `num_slots` rows."""
+    """(conv [N, (K - 1) * C], recurrent [N, Hv, Dk, Dv]) of one linear layer's pool of `num_slots` rows."""
     conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim
     conv_dim += config.linear_num_value_heads * config.linear_value_head_dim
-    conv = (num_slots, config.linear_conv_kernel_dim - 1, conv_dim)
+    conv = (num_slots, (config.linear_conv_kernel_dim - 1) * conv_dim)
     recurrent = (num_slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
     return conv, recurrent
 
@@ -59,8 +59,18 @@ def abstract_state(config: ModelConfig, num_slots: int, sharding) -> LinearState
     )
 
 
-def build_state_meta(sched: SchedulerOutput, t: int, s: int) -> StateMeta:
-    """The step's `StateMeta` (host numpy arrays) for token bucket `t` and sequence bucket `s`."""
+def linear_backend(attention_backend: str) -> str:
+    """The kernels a step's linear layers use (`pallas_kernels.ragged_gated_delta.BACKENDS`), from the attention
+    backend the runner resolved for its platform: the Pallas kernels beside the Pallas attention kernels (compiled
+    or interpreted), XLA otherwise (CPU). Said by the runner rather than picked from this process's default
+    platform, so that a step compiled for another target (`paged_jax.engine.aot`) is the step that target runs."""
+    kernels = ("pallas-tpu", "pallas-tpu-interpret", "pallas-gpu", "pallas-gpu-interpret")
+    return attention_backend if attention_backend in kernels else "xla"
+
+
+def build_state_meta(sched: SchedulerOutput, t: int, s: int, backend: str) -> StateMeta:
+    """The step's `StateMeta` (host numpy arrays) for token bucket `t` and sequence bucket `s`; `backend`: the
+    linear layers' kernels (`linear_backend`)."""
     token_seq = np.full(t, -1, np.int32)
     slots = np.zeros(s, np.int32)
     fresh = np.ones(s, bool)
@@ -73,23 +83,24 @@ def build_state_meta(sched: SchedulerOutput, t: int, s: int) -> StateMeta:
         off += n
         fresh[i] = item.start == 0
     slots[: len(sched.scheduled)] = sched.state_slots
-    return StateMeta(token_seq, slots, fresh)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
+    return StateMeta(token_seq, slots, fresh, backend)  # type: ignore[arg-type]  # host numpy arrays: the jitted step's inputs
 
 
-def state_meta_specs(t: int, s: int, spec) -> StateMeta:
-    """`StateMeta`'s abstract leaves for lowering (`spec(*shape, dtype=...)`)."""
-    return StateMeta(spec(t), spec(s), spec(s, dtype=jnp.bool_))
+def state_meta_specs(t: int, s: int, spec, backend: str) -> StateMeta:
+    """`StateMeta`'s abstract leaves for lowering (`spec(*shape, dtype=...)`), with the same `backend` as the
+    step's `build_state_meta` (it is part of the step's tree)."""
+    return StateMeta(spec(t), spec(s), spec(s, dtype=jnp.bool_), backend)
 
 
-def _copy_states(kv_caches, src, dst):
-    return tuple(copy_slots(c, src, dst) if isinstance(c, LinearState) else c for c in kv_caches)
+def _copy_states(kv_caches, src, dst, backend: str):
+    return tuple(copy_slots(c, src, dst, backend) if isinstance(c, LinearState) else c for c in kv_caches)
 
 
 @functools.cache
-def copy_states_function():
+def copy_states_function(backend: str):
     """The fork copies on every linear layer of the runner's cache tuple, jitted with the tuple donated (the KV
-    pages pass through in place)."""
-    return jax.jit(_copy_states, donate_argnums=(0,))
+    pages pass through in place); `backend`: the linear layers' kernels (`linear_backend`)."""
+    return jax.jit(functools.partial(_copy_states, backend=backend), donate_argnums=(0,))
 
 
 __all__ = [
@@ -97,6 +108,7 @@ __all__ = [
     "allocate_state",
     "build_state_meta",
     "copy_states_function",
+    "linear_backend",
     "num_linear_layers",
     "state_bytes_per_slot",
     "state_meta_specs",

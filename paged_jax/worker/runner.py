@@ -56,7 +56,13 @@ from paged_jax.worker.executable_store import open_store
 from paged_jax.worker.executables import CompileStats, Executables
 from paged_jax.worker.kv_allocation import abstract_kv, allocate_kv
 from paged_jax.worker.kv_transfer import KVTransfer
-from paged_jax.worker.linear_state import abstract_state, allocate_state, build_state_meta, copy_states_function
+from paged_jax.worker.linear_state import (
+    abstract_state,
+    allocate_state,
+    build_state_meta,
+    copy_states_function,
+    linear_backend,
+)
 from paged_jax.worker.paged_attention import GroupedPages, PagedMeta
 from paged_jax.worker.pooling import build_pool_rows
 from paged_jax.worker.prompt_logprobs import PromptLogprobs, build_prompt_rows
@@ -532,7 +538,7 @@ class ModelRunner:
         step = build_step_inputs(sched, t, s, self.page_size, self.max_blocks, self.num_kv_groups)
         self.real_tokens += sched.num_tokens
         self.padded_tokens += t - sched.num_tokens
-        state = build_state_meta(sched, t, s) if self.linear else None
+        state = build_state_meta(sched, t, s, linear_backend(self.jobs.key.resolved_backend)) if self.linear else None
         restores, after = list(sched.state_restores), list(sched.state_copies)
         if not sampling:
             return StepPlan(
@@ -640,7 +646,8 @@ class ModelRunner:
 
     def state_copy_job(self, n: int) -> Job:
         """Copying `n` state rows on every linear layer (one executable per copy bucket)."""
-        fn, specs, i32 = copy_states_function(), self._kv_specs, self.jobs.spec
+        fn = copy_states_function(linear_backend(self.jobs.key.resolved_backend))
+        specs, i32 = self._kv_specs, self.jobs.spec
         return Job(("state_copy", self.jobs.key, n), lambda: fn.lower(specs, i32(n), i32(n)), f"state copy slots={n}")
 
     def _compiled_shape(

@@ -31,7 +31,11 @@ stacked weights in place, ``paged_jax.worker.xla_flags`` and ``paged_jax.model.d
 peak over the device's memory, on temporaries growing with the cache, and when its attention kernels fail the
 kernel cases' tests (:func:`check_steps`).
 
-    .venv-gpu/bin/python scripts/checks/check_gpu_compile.py [--cases NAME ...] [--no-steps]
+**Qwen3.5** (``--hybrid LAYERS``, off by default: minutes on two cores; ``--only-hybrid`` skips the rest): the
+engine steps of ``configs/qwen3.5-9b.json`` with its first LAYERS layers, judged as the steps above, with the
+state pool's arrays among those that must not be copied and the gated delta kernel required in the step.
+
+    .venv-gpu/bin/python scripts/checks/check_gpu_compile.py [--cases NAME ...] [--no-steps] [--hybrid 4]
 """
 
 from __future__ import annotations
@@ -191,6 +195,7 @@ class StepCase:
     kinds: tuple[str, ...] = ("decode", "prefill")
     options: tuple[tuple[str, object], ...] = ()  # EngineConfig fields beyond TP and the backend
     label: str = ""  # what the options make of the engine
+    layers: int = 0  # compile only the config's first `layers` layers (0: all)
 
     @property
     def name(self) -> str:
@@ -241,6 +246,7 @@ def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
     )
     for case in cases:
         config = load_model_config(case.config)
+        config = config.replace(num_layers=case.layers) if case.layers else config
         ec = EngineConfig(attention_backend="pallas-gpu", tensor_parallel_size=case.tp, **dict(case.options))
         for kind in case.kinds:
             name = f"{case.name} {kind}"
@@ -279,6 +285,8 @@ def check_steps(compiler: H200Compiler, cases=STEP_CASES) -> int:
             if growth > MAX_TEMP_FRACTION * engine.layer_kv_bytes:
                 bad.append(f"temporaries grow by {growth * mib:.1f} MiB with the KV cache")
             bad += kernel_failures(config.head_dim, reports)
+            if config.full_attention_interval and not any(r.name.startswith("gated_delta_gpu") for r in reports):
+                bad.append("a linear-attention step without the gated delta kernel (gated_delta_gpu)")
             for line in bad:
                 print(f"FAIL {name}: {line}")
             failures += bool(bad)
@@ -295,14 +303,29 @@ def main() -> int:
     names = [c.name for c in KERNEL_CASES]
     parser.add_argument("--cases", nargs="*", default=names, choices=names, metavar="CASE")
     parser.add_argument("--no-steps", dest="steps", action="store_false", help="skip the engine steps")
+    parser.add_argument(
+        "--hybrid",
+        type=int,
+        default=0,
+        metavar="LAYERS",
+        help="also compile Qwen3.5-9B's decode and prefill steps (configs/qwen3.5-9b.json) with its first LAYERS"
+        " layers (4: one group of 3 Gated DeltaNet layers and 1 full-attention layer; 32: the whole model; 0: skip,"
+        " the default: minutes on two cores)",
+    )
+    parser.add_argument("--only-hybrid", action="store_true", help="with --hybrid: skip every other case")
     args = parser.parse_args()
     t0 = time.perf_counter()
     compiler = H200Compiler(max(c.tp for c in STEP_CASES))
     try:
-        failures = check_kernels(compiler, [c for c in KERNEL_CASES if c.name in args.cases])
-        failures += gated_delta_gpu.check(compiler)
-        if args.steps:
-            failures += check_steps(compiler)
+        failures = 0
+        if not args.only_hybrid:
+            failures += check_kernels(compiler, [c for c in KERNEL_CASES if c.name in args.cases])
+            failures += gated_delta_gpu.check(compiler)
+            if args.steps:
+                failures += check_steps(compiler)
+        if args.hybrid:
+            hybrid = StepCase("qwen3.5-9b", layers=args.hybrid, label=f"{args.hybrid} layers")
+            failures += check_steps(compiler, [hybrid])
     finally:
         compiler.close()
     print(f"{failures} failure(s) ({time.perf_counter() - t0:.0f}s)")

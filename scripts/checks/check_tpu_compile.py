@@ -48,6 +48,11 @@ same KV and weight-copy checks as the audit apply, and an MoE step must lower it
 (``ragged-dot-*`` fusions in the compiled HLO), not a dense product.
 Run only this part with ``--topologies --sharded --quantized --no-audit`` (``--families`` with no names skips it).
 
+``--hybrid LAYERS`` (off by default: minutes on two cores) compiles the engine's decode and prefill steps of
+``configs/qwen3.5-9b.json`` (a linear-attention hybrid) with its first LAYERS layers on v6e, and its state-row
+copy job, and fails on a copy of a KV page array or of a state-pool array (conv or recurrent rows), on a layer
+weight copied, and on a step that does not run the gated delta and conv-row kernels (:func:`check_hybrid`).
+
 ``--sharded TOPOLOGY:TP`` also compiles the tensor-parallel engine step (``paged_jax.worker.sharding``) for
 Llama-3.1-8B in bfloat16 on the first TP chips of that slice, with abstract parameters (nothing is
 materialised), and prints a per-chip memory table from ``compiled.memory_analysis()``; the KV pages are
@@ -487,6 +492,85 @@ def check_families(names=tuple(FAMILY_STEPS), kind: str = "prefill") -> int:
     return failures
 
 
+HYBRID_CONFIG = "qwen3.5-9b"  # Qwen3.5-9B's text shapes (configs/qwen3.5-9b.json)
+HYBRID_KINDS = ("decode", "prefill")
+HYBRID_COPY_ROWS = 8  # one state-copy bucket (`ModelRunner.state_copy_job`)
+# The kernels a hybrid step on TPU must run (kernel names in the compiled HLO): the gated delta rule on the
+# recurrent rows and the state-row kernels on the conv rows (`paged_jax.model.linear_state`).
+HYBRID_KERNELS = ("gated_delta_", "read_state_rows_tpu", "write_state_rows_tpu")
+
+
+def check_hybrid(num_layers: int, kinds=HYBRID_KINDS, topo: str = "v6e:1x1") -> int:
+    """The engine's step of a linear-attention hybrid (Qwen3.5-9B's shapes, its first `num_layers` layers: 4 is
+    one group of three Gated DeltaNet layers and one full-attention layer, 32 the whole model) in each of
+    `kinds`, on `topo`. Fails on a copy of a KV page array or of a state-pool array (conv or recurrent rows:
+    `paged_jax.engine.aot.AbstractEngine.cache_arrays`), on a layer weight copied to HBM, and when a step does
+    not run the hybrid's TPU kernels (:data:`HYBRID_KERNELS`). Prints per step the KV pages, the state pool and
+    XLA's temporaries per chip."""
+    from paged_jax.config import load_model_config
+
+    failures = 0
+    config = load_model_config(HYBRID_CONFIG)
+    config = config.replace(num_layers=num_layers)
+    print(
+        f"\nlinear-attention hybrid: the engine's steps of {HYBRID_CONFIG} ({num_layers} layers: "
+        f"{config.num_kv_layers} full attention), {topo}; MiB per chip"
+    )
+    print(
+        f"{'step':>8}{'bucket':>9}{'KV shape':>22}{'KV MiB':>9}{'state pool MiB':>15}{'copies':>7}{'temp MiB':>10}"
+        f"{'w-copy':>8}{'time':>7}  kernels"
+    )
+    engine = None
+    for kind in kinds:
+        t0 = time.perf_counter()
+        try:
+            compiled, facts = compile_step(topo, 1, config, kind)
+        except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+            failures += 1
+            print(f"FAIL {HYBRID_CONFIG} {kind}\n{traceback.format_exc(limit=4)}")
+            continue
+        engine, hlo = facts["engine"], compiled.as_text()
+        bad = cache_copies(hlo, engine.cache_arrays)
+        weights = weight_copies(hlo, layer_weight_shapes(engine), num_layers, facts["tokens"])
+        calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+        kernels = {k: sum(k in line for line in calls) for k in HYBRID_KERNELS}
+        kv = facts["layer_kv"] * config.num_kv_layers
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        print(
+            f"{kind:>8}{f'{facts["tokens"]}x{facts["seqs"]}':>9}{'x'.join(map(str, engine.local_kv_shape)):>22}"
+            f"{kv / 2**20:>9.0f}{engine.state_pool_bytes / 2**20:>15.1f}{len(bad):>7}{temp / 2**20:>10.1f}"
+            f"{weights.hbm_bytes / 2**20:>8.0f}{time.perf_counter() - t0:>6.0f}s  "
+            + ", ".join(f"{k.rstrip('_')} x{n}" for k, n in kernels.items())
+        )
+        for line in bad[:4]:
+            print(f"FAIL {HYBRID_CONFIG} {kind}: cache copy: {line}")
+        missing = [k for k, n in kernels.items() if not n]
+        if missing:
+            print(f"FAIL {HYBRID_CONFIG} {kind}: the step runs none of {', '.join(missing)}")
+        failures += bool(bad) + bool(missing) + weight_copy_failed(f"{HYBRID_CONFIG} TP1 {kind}", weights)
+    return failures + (check_hybrid_copies(engine) if engine is not None else 0)
+
+
+def check_hybrid_copies(engine) -> int:
+    """The hybrid engine's state-row copies (forks, snapshots, restores: `ModelRunner.state_copy_job`; `engine`:
+    a ``paged_jax.engine.aot.AbstractEngine``) compiled; fails on a copy of a KV page or state-pool array."""
+    t0 = time.perf_counter()
+    try:
+        copy = engine.compile(engine.runner.state_copy_job(HYBRID_COPY_ROWS))
+    except Exception:  # noqa: BLE001 - every compiler error is a failure to report
+        print(f"FAIL {HYBRID_CONFIG} state copy\n{traceback.format_exc(limit=4)}")
+        return 1
+    bad = cache_copies(copy.as_text(), engine.cache_arrays)
+    calls = [line for line in copy.as_text().splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    print(
+        f"{'copy':>8}{HYBRID_COPY_ROWS:>9}{'':>55}{len(bad):>7}{'':>18}{time.perf_counter() - t0:>6.0f}s  "
+        f"state rows x{sum('state_rows_tpu' in line for line in calls)}"
+    )
+    for line in bad[:4]:
+        print(f"FAIL {HYBRID_CONFIG} state copy: cache copy: {line}")
+    return bool(bad)
+
+
 def sharded_memory(topo: str, tp: int, config_name: str, kind: str, hbm_gib: float) -> dict[str, float]:
     """Per-chip GiB of the compiled TP step (the memory table of ``--sharded``)."""
     compiled, facts = compile_step(topo, tp, config_name, kind, hbm_gib)
@@ -632,6 +716,14 @@ def main() -> int:
         help="one-chip steps with int8/fp8 weights and KV pages to compile (none: skip)",
     )
     parser.add_argument("--quantized-model", default="llama-3.1-8b")
+    parser.add_argument(
+        "--hybrid",
+        type=int,
+        default=0,
+        metavar="LAYERS",
+        help=f"compile {HYBRID_CONFIG}'s decode and prefill steps with its first LAYERS layers (4: one 3:1 group;"
+        " 32: the whole model; 0: skip, the default: minutes on two cores)",
+    )
     args = parser.parse_args()
     failures = 0
     for i, topo in enumerate(args.topologies):
@@ -644,6 +736,8 @@ def main() -> int:
         failures += check_sharded(args.sharded, args.sharded_model, args.hbm_gib)
     for topo in args.quantized or ():
         failures += check_quantized(topo, args.quantized_model, args.hbm_gib)
+    if args.hybrid:
+        failures += check_hybrid(args.hybrid)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 
