@@ -9,8 +9,11 @@ What the fields carry here: a block hash is this engine's 16-byte chained digest
 vLLM's `ExternalBlockHash` is `bytes | int`, bytes by default), `parent_block_hash` the digest of the block
 before the run, `token_ids` the run's tokens, `block_size` the page size, `group_idx` the KV cache group (with
 the group's kind and window on stored events, as vLLM annotates them), `medium` the tier holding the pages
-("GPU", vLLM's name for the accelerator's memory, whatever the accelerator), and for a request with a LoRA
-adapter `lora_id` / `lora_name` (its `lora_int_id` and name) from the adapter lookup the engine provides.
+("GPU", vLLM's name for the accelerator's memory, whatever the accelerator; "CPU" for the host tier, as vLLM's
+offloading connector names its CPU blocks), and for a request with a LoRA adapter `lora_id` / `lora_name` (its
+`lora_int_id` and name) from the adapter lookup the engine provides. A block the host tier takes is published
+with its parent hash and tokens like a device block (vLLM's offloading connector sends none; a router that keys
+its index by the tokens, as vLLM's router does, can place a host-tier block only with them).
 ``extra_keys`` lists, per block, the keys hashed into it beyond its tokens: the first block of a prompt carries
 the request's cache salt and adapter digest, every later one none (None).
 """
@@ -23,9 +26,13 @@ from dataclasses import dataclass, field
 
 from paged_jax.kv_cache.groups import KVGroup
 from paged_jax.kv_cache.hashing import BlockHash
+from paged_jax.kv_cache.observer import Tier
 
 MEDIUM_DEVICE = "GPU"
-"""vLLM's `MEDIUM_GPU`: the accelerator's memory (a host tier would publish "CPU")."""
+"""vLLM's `MEDIUM_GPU`: the accelerator's memory."""
+MEDIUM_HOST = "CPU"
+"""vLLM's offloading connector's medium for blocks in host memory: the host tier."""
+MEDIA: dict[Tier, str] = {"device": MEDIUM_DEVICE, "host": MEDIUM_HOST}
 
 LoraLookup = Callable[[tuple[str, ...]], "tuple[int, str] | None"]
 """A request's extra hash keys -> its adapter's (lora_int_id, name), None without an adapter."""
@@ -85,7 +92,6 @@ class EventRecorder:
     block_size: int
     groups: Sequence[KVGroup]
     lora_lookup: LoraLookup | None = None
-    medium: str = MEDIUM_DEVICE
     data_parallel_rank: int | None = None
     events: list[KVCacheEvent] = field(default_factory=list)
 
@@ -96,6 +102,7 @@ class EventRecorder:
         parent_hash: BlockHash | None,
         token_ids: Sequence[int],
         extra_keys: tuple[str, ...],
+        tier: Tier = "device",
     ) -> None:
         lora = self.lora_lookup(extra_keys) if self.lora_lookup is not None and extra_keys else None
         keys: list[tuple[str, ...] | None] | None = None
@@ -109,7 +116,7 @@ class EventRecorder:
                 token_ids=[int(t) for t in token_ids],
                 block_size=self.block_size,
                 lora_id=None if lora is None else lora[0],
-                medium=self.medium,
+                medium=MEDIA[tier],
                 lora_name=None if lora is None else lora[1],
                 extra_keys=keys,
                 group_idx=group,
@@ -118,12 +125,13 @@ class EventRecorder:
             )
         )
 
-    def blocks_removed(self, group: int, block_hashes: Sequence[BlockHash]) -> None:
+    def blocks_removed(self, group: int, block_hashes: Sequence[BlockHash], tier: Tier = "device") -> None:
+        medium = MEDIA[tier]
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved) and last.group_idx == group:  # one event per run of evictions
-            last.block_hashes.extend(block_hashes)
+        if isinstance(last, BlockRemoved) and last.group_idx == group and last.medium == medium:
+            last.block_hashes.extend(block_hashes)  # one event per run of evictions
             return
-        self.events.append(BlockRemoved(block_hashes=list(block_hashes), medium=self.medium, group_idx=group))
+        self.events.append(BlockRemoved(block_hashes=list(block_hashes), medium=medium, group_idx=group))
 
     def cleared(self) -> None:
         self.events.append(AllBlocksCleared())

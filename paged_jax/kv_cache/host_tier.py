@@ -32,7 +32,7 @@ the least recently used unpinned slot.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,6 +121,9 @@ class HostTier:
         self.swap_in_flight: set[int] = set()  # reserved slots whose copies the next `take` hands out
         self.pending = KVTransfers()
         self.disk = disk
+        self.on_change: Callable[[BlockHash, bool], None] | None = None
+        """Told ``(key, True)`` when a block becomes an entry and ``(key, False)`` when one is dropped (the
+        manager reports them as the host tier's KV events)."""
         self._persist_next: list[SlotCopy] = []  # blocks cached this step: their KV exists once the step ran
         self._persist_ready: list[SlotCopy] = []  # blocks cached the step before: the next step's copies read them
         self.arrays: list[np.ndarray] = []  # per device cache array: [capacity, ...one page]; set by `bind`
@@ -166,6 +169,8 @@ class HostTier:
         self.pinned.add(slot)
         self.pending.offloads.append(SlotCopy(page, slot, key))
         self.offloads += 1
+        if self.on_change is not None:
+            self.on_change(key, True)
 
     def claim(self, key: BlockHash) -> int | list[np.ndarray]:
         """A lookup hit ``key``: pin its slot for this step and return it (``restore`` then names the device page it
@@ -299,5 +304,7 @@ class HostTier:
             if slot not in self.pinned:
                 del self.entries[key]
                 self.evictions += 1
+                if self.on_change is not None:
+                    self.on_change(key, False)
                 return slot
         return None

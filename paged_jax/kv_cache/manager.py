@@ -47,13 +47,14 @@ import numpy as np
 
 from paged_jax.kv_cache.block_table import BlockTables
 from paged_jax.kv_cache.groups import FULL, KVGroup
-from paged_jax.kv_cache.hashing import HASH_BYTES, BlockHash, BlockHasher
+from paged_jax.kv_cache.hashing import BlockHash, BlockHasher
 from paged_jax.kv_cache.host_tier import HostTier, KVTransfers
 from paged_jax.kv_cache.observer import CacheObserver
 from paged_jax.kv_cache.page_bounds import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv
 from paged_jax.kv_cache.page_pool import NULL_PAGE, Page, PagePool
 from paged_jax.kv_cache.state_snapshots import StateSnapshots
 from paged_jax.kv_cache.stats import GroupStats, KVCacheStats
+from paged_jax.kv_cache.tier_events import TierReporter, split_cache_key
 
 
 class PageCopy(NamedTuple):
@@ -156,6 +157,7 @@ class KVCacheManager:
         self._prefix_hits_host = 0  # of the hits, tokens of blocks some group restored from the host tier
         self._known: _Known | dict[BlockHash, Page] = self.pool.cached  # what a prefix lookup can hit
         self.observer: CacheObserver | None = None
+        self._tier_reporter: TierReporter | None = None  # the host tier's events, with an observer and a tier
         self.snapshots = snapshots if enable_prefix_caching else None
         if self.snapshots is not None:
             self.pool.on_evict = self._evicted
@@ -168,18 +170,23 @@ class KVCacheManager:
         self.observer = observer
         idle = observer is None and self.host_tier is None and self.snapshots is None
         self.pool.on_evict = None if idle else self._evicted
+        if self.host_tier is not None:
+            tier = self.host_tier
+            self._tier_reporter = None if observer is None else TierReporter(observer, tier, self.pool.cached)
+            tier.on_change = None if self._tier_reporter is None else self._tier_reporter.changed
 
     def _evicted(self, key: BlockHash, page_id: int) -> None:
-        """A cache entry the pool evicted from the device: copied to the host tier (when there is one) and
-        reported to the observer as (group, block hash): keys past group 0 carry a suffix."""
-        if self.host_tier is not None:
-            self.host_tier.offload(key, page_id)
+        """A cache entry the pool evicted from the device: reported to the observer as (group, block hash) (keys
+        past group 0 carry a suffix), then copied to the host tier (when there is one; reported stored there)."""
         if self.snapshots is not None:
             self.snapshots.evicted(key)
         if self.observer is not None:
-            n = HASH_BYTES
-            group = 0 if len(key) == n else int.from_bytes(key[n:], "little")
-            self.observer.blocks_removed(group, (BlockHash(key[:n]),))
+            group, block_hash = split_cache_key(key)
+            self.observer.blocks_removed(group, (block_hash,))
+        if self.host_tier is not None:
+            self.host_tier.offload(key, page_id)
+            if self._tier_reporter is not None:
+                self._tier_reporter.device_evicted(key)
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -352,7 +359,7 @@ class KVCacheManager:
                     self._group_pages[g] += page.ref_cnt == 0
                     self.pool.touch(page)
         if self.host_tier is not None:
-            self._restore(hits, first, hashes)
+            self._restore(hits, first, hashes, token_ids, extra_keys)
         fresh = need - num_hits
         new = self.pool.allocate(self.num_groups * fresh)  # every group's at once
         tables: list[list[Page]] = []
@@ -567,6 +574,8 @@ class KVCacheManager:
             self.snapshots.clear()
         if self.observer is not None:
             self.observer.cleared()
+        if self._tier_reporter is not None:
+            self._tier_reporter.cleared()
         return True
 
     # ----------------------------------------------------------------------------------- introspection
@@ -739,10 +748,18 @@ class KVCacheManager:
             h = miss
         return 0
 
-    def _restore(self, hits: list[list[Page | None]], first: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+    def _restore(
+        self,
+        hits: list[list[Page | None]],
+        first: Sequence[int],
+        hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        extra_keys: tuple[str, ...],
+    ) -> None:
         """Fill each host-tier hit (a None in ``hits``) with a fresh page, cached under its key, that the worker
-        copies the block into before the step. Every slot is claimed (pinned) before any page is allocated, so
-        the evictions those allocations cause cannot reuse a slot still to be read."""
+        copies the block into before the step (and reported stored on the device). Every slot is claimed (pinned)
+        before any page is allocated, so the evictions those allocations cause cannot reuse a slot still to be
+        read."""
         tier = self.host_tier
         assert tier is not None
         claims = [
@@ -752,6 +769,7 @@ class KVCacheManager:
             if page is None
         ]
         restored_blocks = set()
+        restored: list[list[int]] = [[] for _ in hits]
         for g, j, key, slot in claims:
             page = self.pool.allocate(1)[0]
             self.pool.cache(page, key)
@@ -759,7 +777,10 @@ class KVCacheManager:
             hits[g][j] = page
             self._group_pages[g] += 1
             restored_blocks.add(first[g] + j)
+            restored[g].append(first[g] + j)
         self._prefix_hits_host += len(restored_blocks) * self.page_size
+        for g, blocks in enumerate(restored):
+            self._report_blocks(g, hashes, token_ids, extra_keys, blocks)
 
     def _cache_full_blocks(self, state: RequestPages, token_ids: Sequence[int]) -> None:
         """Offer the request's newly completed full blocks (in every group still holding them) to the cache."""
@@ -814,16 +835,42 @@ class KVCacheManager:
 
     def _report_stored(self, state: RequestPages, token_ids: Sequence[int], group: int, lo: int, hi: int) -> None:
         """Tell the observer that blocks ``[lo, hi)`` of ``state`` became entries of ``group`` (nothing if empty)."""
+        self._report_run(group, state.block_hashes, token_ids, state.extra_keys, lo, hi)
+
+    def _report_blocks(
+        self,
+        group: int,
+        hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        extra_keys: tuple[str, ...],
+        blocks: Sequence[int],
+    ) -> None:
+        """Tell the observer that the blocks at indices ``blocks`` (ascending) of a prompt with block hashes
+        ``hashes`` became device entries of ``group``: one report per run of consecutive indices."""
+        start = 0
+        for k in range(1, len(blocks) + 1):
+            if k == len(blocks) or blocks[k] != blocks[k - 1] + 1:
+                self._report_run(group, hashes, token_ids, extra_keys, blocks[start], blocks[k - 1] + 1)
+                start = k
+
+    def _report_run(
+        self,
+        group: int,
+        hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        extra_keys: tuple[str, ...],
+        lo: int,
+        hi: int,
+    ) -> None:
+        """Tell the observer that blocks ``[lo, hi)`` of a prompt became device entries of ``group``."""
         if hi <= lo or self.observer is None:
             return
         ps = self.page_size
-        self.observer.blocks_stored(
-            group,
-            state.block_hashes[lo:hi],
-            state.block_hashes[lo - 1] if lo else None,
-            token_ids[lo * ps : hi * ps],
-            state.extra_keys,
-        )
+        parent = hashes[lo - 1] if lo else None
+        tokens = token_ids[lo * ps : hi * ps]
+        self.observer.blocks_stored(group, hashes[lo:hi], parent, tokens, extra_keys)
+        if self._tier_reporter is not None:
+            self._tier_reporter.remember([self.cache_key(h, group) for h in hashes[lo:hi]], parent, tokens, extra_keys)
 
 
 class _Known:

@@ -23,6 +23,7 @@ once the restores are recorded: they read the slots when the step's copies are i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -144,9 +145,10 @@ class SwapSpace:
     def num_computed(self, request_id: str) -> int:
         return self.swapped[request_id].num_computed
 
-    def swap_in(self, request_id: str) -> bool:
+    def swap_in(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """Give ``request_id`` fresh pages holding its swapped KV (copied before the step reads them) and its
-        block tables back; False (nothing changed) when the free pages do not suffice."""
+        block tables back; False (nothing changed) when the free pages do not suffice. ``token_ids``: the
+        request's tokens, for the observer's report of the full blocks that become cache entries again."""
         kv, sw = self.kv, self.swapped[request_id]
         pool = kv.pool
         if len(sw.slots) > pool.free_queue.num_free:
@@ -154,12 +156,16 @@ class SwapSpace:
         del self.swapped[request_id]
         pages = pool.allocate(len(sw.slots))
         tables = [[kv._null] * sw.num_blocks for _ in range(kv.num_groups)]
+        recached: list[list[int]] = [[] for _ in range(kv.num_groups)]
         for (g, i), page, slot in zip(sw.blocks, pages, sw.slots, strict=True):
             tables[g][i] = page
             kv._group_pages[g] += 1
             self.tier.swap_in(slot, page.page_id)
-            if i < sw.num_cached_blocks:  # another page may hold the key now: then this one stays uncached
-                pool.cache(page, kv.cache_key(sw.block_hashes[i], g))
+            # another page may hold the key now: then this one stays uncached
+            if i < sw.num_cached_blocks and pool.cache(page, kv.cache_key(sw.block_hashes[i], g)):
+                recached[g].append(i)
+        for g, blocks in enumerate(recached):
+            kv._report_blocks(g, sw.block_hashes, token_ids, sw.extra_keys, blocks)
         self.tier.release(sw.slots)
         self.tier.swap_ins += 1
         array = kv.block_tables_array

@@ -226,7 +226,7 @@ class Scheduler:
             if self.running and self.kv.num_free_pages() - new_pages < self.watermark_pages:
                 break  # keep a few pages for the running sequences to grow into (fewer preemptions)
             if swap is not None:
-                if self.kv.num_free_pages() < new_pages or not swap.swap_in(seq.seq_id):
+                if self.kv.num_free_pages() < new_pages or not swap.swap_in(seq.seq_id, tokens):
                     break
                 grown = self.kv.allocate_slots(seq.seq_id, tokens, num_new, seq.pending is None)
                 assert grown == [], grown  # its pages are private and were counted free above

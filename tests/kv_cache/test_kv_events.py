@@ -1,4 +1,5 @@
-"""The prefix cache's observer: replaying the recorded events rebuilds the cache map's keys exactly."""
+"""The prefix cache's observer: replaying the recorded events rebuilds the cache map's keys exactly (and, with a
+host tier, the tier's keys too)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import random
 
 import pytest
 
-from paged_jax.kv_cache import FULL, KVCacheManager, KVGroup
+from paged_jax.kv_cache import FULL, HostTier, KVCacheManager, KVGroup, SwapCosts, SwapSpace
 from paged_jax.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventRecorder, KVEventBatch
-from paged_jax.kv_cache.hashing import HASH_BYTES
+from paged_jax.kv_cache.hashing import HASH_BYTES, BlockHasher
+from paged_jax.kv_cache.tier_events import split_cache_key
 
 PS = 8
 HYBRID = (KVGroup(None, (1,)), KVGroup(16, (0,)))
+FREE_COPIES = SwapCosts(copy_bytes_per_s=1e30, flops_per_s=1.0, flops_per_token=1.0, attention_flops=0.0, page_bytes=1)
 
 
 def cache_index(m: KVCacheManager) -> set[tuple[int, bytes]]:
@@ -128,3 +131,108 @@ def test_reset_prefix_cache_only_when_idle_and_reported():
     assert m.num_free_pages() == 15 and m.stats().pages_cached_free == 0
     m.admit("b", list(range(17)), 17)  # the pool works on as before
     assert len(cache_index(m)) == 2
+
+
+def tier_sets(m: KVCacheManager) -> dict[str, set[tuple[int, bytes]]]:
+    """The manager's own block sets per medium: the device cache map's and the host tier's keys."""
+    assert m.host_tier is not None
+    host = {(g, bytes(h)) for g, h in map(split_cache_key, m.host_tier.entries)}
+    return {"GPU": cache_index(m), "CPU": host}
+
+
+def replay_tiers(index: dict[str, set[tuple[int, bytes]]], batch: KVEventBatch, hasher: BlockHasher) -> None:
+    """A consumer keeping both tiers' block sets; every stored block's hash is recomputed from the event's parent
+    hash, tokens and extra keys (what a router keying its index by tokens relies on)."""
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            held = index[event.medium]
+            parent = event.parent_block_hash
+            for i, h in enumerate(event.block_hashes):
+                keys = event.extra_keys[i] if event.extra_keys and event.extra_keys[i] else ()
+                tokens = event.token_ids[i * PS : (i + 1) * PS]
+                assert hasher.hash_block(parent, tokens, keys) == h, "stored blocks carry their parent and tokens"
+                assert (event.group_idx, h) not in held, "a block is reported stored once per tier"
+                held.add((event.group_idx, h))
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            gone = {(event.group_idx, h) for h in event.block_hashes}
+            assert gone <= index[event.medium], "only a stored block is reported removed"
+            index[event.medium] -= gone
+        else:
+            for held in index.values():
+                held.clear()
+
+
+@pytest.mark.parametrize("groups", [(FULL,), HYBRID], ids=["full", "hybrid"])
+def test_events_rebuild_both_tiers_through_demotions_restores_and_a_reset(groups):
+    """Prompts over shared prefixes on a pool far smaller than them, with a host tier smaller than them too:
+    blocks are demoted (GPU removed, CPU stored), restored (GPU stored, still CPU: the tier is inclusive) and
+    dropped by the tier (CPU removed); an idle reset clears the device and re-stores the tier's blocks. After every
+    step the consumer's two sets equal the manager's device cache map and the tier's entries."""
+    m = KVCacheManager(24, PS, groups=groups, host_tier=HostTier(14))
+    recorder = EventRecorder(PS, m.groups, lora_lookup=lambda keys: (7, "ad") if "lora:x" in keys else None)
+    m.set_observer(recorder)
+    hasher = BlockHasher(PS)
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(16, 41))] for _ in range(6)]
+    index: dict[str, set[tuple[int, bytes]]] = {"GPU": set(), "CPU": set()}
+    live: list[str] = []
+    media: dict[str, int] = {"GPU": 0, "CPU": 0}
+    for step in range(240):
+        if step == 160:  # idle, then reset: the device is cleared, the tier's blocks are stored again
+            for rid in live:
+                m.free(rid)
+            live.clear()
+            assert m.reset_prefix_cache()
+        elif live and (len(live) > 2 or rng.random() < 0.3):
+            m.free(live.pop(rng.randrange(len(live))))
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+            keys = rng.choice([(), ("lora:x",)])
+            if m.admit(f"r{step}", tokens, len(tokens), keys) is not None:
+                live.append(f"r{step}")
+        m.take_transfers()  # the step's copies: its offloads become restorable for the next one
+        batch = recorder.take()
+        if batch is not None:
+            for event in batch.events:
+                if not isinstance(event, AllBlocksCleared):
+                    media[event.medium] += 1
+            replay_tiers(index, batch, hasher)
+        assert index == tier_sets(m), f"step {step}"
+        m.host_tier.check()
+    stats = m.host_tier.stats()
+    assert stats.offloads > 20 and stats.hits > 5 and stats.evictions > 5  # demoted, restored, dropped
+    assert media["CPU"] > 20 and index["CPU"] and index["GPU"]
+
+
+def test_a_swapped_in_request_reports_its_blocks_cached_again():
+    """A swapped-out request whose cached blocks the device evicted meanwhile caches them again when it swaps
+    in: reported stored on the device, so the consumer's sets stay the manager's."""
+    tier = HostTier(12)
+    m = KVCacheManager(8, PS, host_tier=tier)
+    swap = SwapSpace(m, tier, FREE_COPIES, "swap")
+    recorder = EventRecorder(PS, m.groups)
+    m.set_observer(recorder)
+    hasher = BlockHasher(PS)
+    index: dict[str, set[tuple[int, bytes]]] = {"GPU": set(), "CPU": set()}
+
+    def step() -> None:
+        m.take_transfers()
+        batch = recorder.take()
+        if batch is not None:
+            replay_tiers(index, batch, hasher)
+        assert index == tier_sets(m)
+
+    a = list(range(100, 100 + 2 * PS + 3))
+    m.admit("a", a, len(a))
+    step()
+    assert swap.swap_out("a")
+    swap.end_step(runs=True)
+    step()
+    b = list(range(300, 300 + 7 * PS))  # every page: a's cached blocks are evicted (and demoted)
+    m.admit("b", b, len(b))
+    step()
+    m.free("b")
+    assert swap.swap_in("a", a)
+    step()
+    assert {h for _, h in index["GPU"]} >= set(m.requests["a"].block_hashes[:2])

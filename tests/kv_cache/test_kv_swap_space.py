@@ -48,7 +48,7 @@ def test_swap_out_and_in_keeps_tables_counts_and_bytes():
     assert {c.slot for c in tier.pending.offloads} == {3, 4} and tier.reserved == {0, 1, 2}
     kv.take_transfers()
     kv.free("b")
-    assert swap.swap_in("a")
+    assert swap.swap_in("a", a)
     assert kv.num_computed_tokens("a") == len(a) and kv.requests["a"].block_hashes == hashes
     after = kv.page_ids("a")
     restores = tier.pending.restores
@@ -97,7 +97,7 @@ def test_a_full_tier_refuses_and_window_groups_swap_live_blocks_only():
     assert swap.swap_out("w") and swap.pages("w") == 4 + 3
     swap.end_step(runs=True)
     kv.take_transfers()
-    assert swap.swap_in("w")
+    assert swap.swap_in("w", w)
     assert [[p != 0 for p in t] for t in kv.block_tables("w")] == [[p != 0 for p in t] for t in tables]
     check(kv, tier, swap)
 

@@ -143,8 +143,10 @@ def workload(client: Client) -> None:
 
 
 @pytest.fixture
-def served():
-    engine = small_engine(num_pages=24, page_size=PAGE, max_num_batched_tokens=64)
+def served(request):
+    """A server publishing KV events; ``request.param``: more engine options (indirect parametrization)."""
+    options = getattr(request, "param", {})
+    engine = small_engine(num_pages=24, page_size=PAGE, max_num_batched_tokens=64, **options)
     config = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
@@ -228,6 +230,46 @@ def test_zmq_and_grpc_streams_rebuild_the_cache_index(served):
             else:
                 grpc_index.clear()
     assert grpc_index == index
+
+
+HOST_SLOTS = 4
+PAGE_BYTES = 32768  # one page of the `tiny` model's cache at 16 tokens (every layer, K and V)
+
+
+@pytest.mark.parametrize("served", [{"kv_host_cache_gib": HOST_SLOTS * PAGE_BYTES / 2**30}], indirect=True)
+def test_zmq_stream_rebuilds_both_tiers_with_a_host_tier(served):
+    """With a host tier, the ZMQ stream (decoded with vLLM's structs) carries the demotions (GPU removed, CPU
+    stored), the restores (GPU stored) and the tier's drops (CPU removed): a consumer keeping one block set per
+    medium ends with the server's device cache map and host-tier entries exactly. ~15 s here: 18 requests
+    through the server, enough to demote, restore and drop blocks."""
+    engine, hub, server = served
+    tier = engine.kv.host_tier
+    assert tier is not None and tier.capacity == HOST_SLOTS
+    publisher = hub.publishers[0]
+    sub = ZmqSubscriber(local(publisher.endpoint), local(publisher.replay_endpoint), b"kv@test")
+    with Client(server.target) as client:
+        workload(client)
+        wait_idle(engine, client)
+    wait_until(lambda: publisher.num_sent == publisher._next_seq, "every batch sent")
+    sub.poll()
+    sub.replay_from(0)
+    sub.close()
+    index: dict[str, set] = {"GPU": set(), "CPU": set()}
+    counts: dict[tuple[str, str], int] = {}
+    for seq in sorted(sub.batches):
+        for e in DECODER.decode(sub.batches[seq]).events:
+            kind = type(e).__name__
+            assert kind != "AllBlocksCleared"
+            counts[kind, e.medium] = counts.get((kind, e.medium), 0) + len(e.block_hashes)
+            if isinstance(e, BlockStored):
+                assert len(e.token_ids) == PAGE * len(e.block_hashes) and e.block_size == PAGE
+                index[e.medium].update((e.group_idx, bytes(h)) for h in e.block_hashes)
+            else:
+                index[e.medium].difference_update((e.group_idx, bytes(h)) for h in e.block_hashes)
+    host = {(0, bytes(k)) for k in tier.entries}
+    assert index == {"GPU": cache_index(engine.kv), "CPU": host}
+    assert set(counts) == {(k, m) for k in ("BlockStored", "BlockRemoved") for m in ("GPU", "CPU")}, counts
+    assert tier.stats().hits > 0  # some blocks came back from the tier (GPU stored again)
 
 
 def test_reset_prefix_cache_route_clears_the_rebuilt_index(served):
