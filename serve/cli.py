@@ -347,7 +347,15 @@ def run_serve(args: argparse.Namespace) -> int:
             setup_logging()
             engine = build_engine(args, warmup=False, devices=global_devices())
             multihost.check_same_cache(engine.num_pages)
-            end_process(multihost.follow(engine.runner))
+            warm = None
+            if not args.no_warmup:  # the shapes process 0 compiles, compiled here meanwhile
+                from . import follower_warmup
+
+                warm = follower_warmup.start(engine)
+            status = multihost.follow(engine.runner)
+            if warm is not None:
+                warm.report()
+            end_process(status)
     check_ports_free(config.host, ports)
     setup_logging()
     if ports.note:

@@ -10,6 +10,11 @@ reply's usage), time to first token p50/p99, requests/s, and whether every reply
 policy's (greedy).
 
     .venv/bin/python scripts/bench/bench_fleet.py --router /path/to/vllm-router [--replicas 4] [--model tiny]
+
+``--trace FILE`` profiles the routing: the script subscribes to every replica's events itself and keeps each
+replica's block set from them (`EventIndex`); per request it writes one JSON line with the leading blocks each
+replica held by those events just before the request, the replica the router chose (the one whose request
+counter moved), the blocks that replica's reply reported cached, and the events each replica published since.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import http.client
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,6 +32,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from paged_jax.kv_cache.hashing import BlockHasher
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,6 +58,19 @@ def wait_for(proc: subprocess.Popen, pattern: str, what: str) -> None:
         if re.search(pattern, line):
             return
     raise SystemExit(f"{what} exited before it was ready")
+
+
+def drain(proc: subprocess.Popen, path: str | None) -> None:
+    """Keep reading ``proc``'s output (into ``path``, or dropped) so a full pipe never stalls it."""
+    import threading
+
+    def run() -> None:
+        assert proc.stdout is not None
+        with open(path or os.devnull, "a") as out:
+            for line in proc.stdout:
+                out.write(line)
+
+    threading.Thread(target=run, daemon=True).start()
 
 
 def stream(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int, int]:
@@ -77,6 +98,82 @@ def stream(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float, 
     return ttft if ttft is not None else time.perf_counter() - t0, "".join(text), usage["prompt_tokens"], cached
 
 
+class EventIndex:
+    """One replica's cached blocks as its KV event stream tells them (device and host tier), kept by a thread that
+    reads the replica's ZMQ PUB socket: what an exact event consumer knows at each moment."""
+
+    def __init__(self, zmq_port: int) -> None:
+        import threading
+
+        import msgpack  # type: ignore[import-untyped]
+        import zmq
+
+        self.blocks: dict[str, set[bytes]] = {"GPU": set(), "CPU": set()}
+        self.counts = {"stored": 0, "removed": 0, "cleared": 0, "batches": 0, "gaps": 0}
+        self.lock = threading.Lock()
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._sock.connect(f"tcp://127.0.0.1:{zmq_port}")
+        self._unpack, self._stop, self._last = msgpack.unpackb, False, -1
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop:
+            try:
+                _, seq, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            n = int.from_bytes(seq, "big", signed=True)
+            _, events, *_ = self._unpack(payload)
+            with self.lock:
+                self.counts["gaps"] += self._last >= 0 and n != self._last + 1
+                self._last, self.counts["batches"] = n, self.counts["batches"] + 1
+                for e in events:
+                    kind, medium = e["type"], e.get("medium") or "GPU"
+                    if kind == "BlockStored":
+                        self.blocks[medium].update(e["block_hashes"])
+                        self.counts["stored"] += len(e["block_hashes"])
+                    elif kind == "BlockRemoved":
+                        self.blocks[medium].difference_update(e["block_hashes"])
+                        self.counts["removed"] += len(e["block_hashes"])
+                    else:
+                        self.counts["cleared"] += 1
+                        for held in self.blocks.values():
+                            held.clear()
+
+    def depth(self, hashes: list[bytes], medium: str = "GPU") -> int:
+        """Leading blocks of ``hashes`` this replica holds (by its events)."""
+        with self.lock:
+            held = self.blocks[medium]
+            return next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self._sock.close(0)
+
+
+def tokenize(port: int, prompt: str) -> list[int]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/tokenize", json.dumps({"prompt": prompt}), {"Content-Type": "application/json"})
+    out = json.loads(conn.getresponse().read())["tokens"]
+    conn.close()
+    return out
+
+
+def served_requests(port: int) -> float:
+    """The replica's finished-request count (its Prometheus counter, every method)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("paged_jax_requests_total"))
+
+
 def router_metrics(port: int) -> list[str]:
     """The router's Prometheus lines on KV placement and per-worker requests (what it decided)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -99,28 +196,58 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
             wait_for(proc, r"OpenAI API on", f"server on {port}")
         urls = [f"http://127.0.0.1:{port}" for _, port, _ in servers]
         cmd = [args.router, "--host", "127.0.0.1", "--port", str(args.router_port), "--policy", policy]
-        cmd += ["--worker-urls", *urls, "--prometheus-port", str(args.router_port + 1)]
+        cmd += ["--worker-urls", *urls, "--prometheus-port", str(args.router_port + 1), *shlex.split(args.router_args)]
         if policy == "kv_aware":
             cmd += ["--kv-event-model", args.model, "--kv-event-block-size", str(args.page_size)]
             for url, (_, _, zmq_port) in zip(urls, servers, strict=True):
                 cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{zmq_port}"]
                 cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{zmq_port + 50}"]
-        router = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = dict(os.environ, RUST_LOG="debug") if args.router_log else None
+        router = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         wait_for(router, r"Starting server on", "vllm-router")
+        drain(router, args.router_log)
+        for proc, _, _ in servers:
+            drain(proc, None)
         time.sleep(1.0)
         stream(args.router_port, args.model, "warm up", 2)  # each replica's first step shapes compile here
         for _, port, _ in servers:
             stream(port, args.model, "warm up " + "x" * 40, 2)
         ttfts, texts, prompt_tokens, cached = [], [], 0, 0
+        trace, indexes = None, []
+        if args.trace:
+            trace = open(f"{args.trace}.{policy}.jsonl", "w")  # noqa: SIM115 (closed below)
+            indexes = [EventIndex(zmq_port) for _, _, zmq_port in servers]
+            hasher = BlockHasher(args.page_size)
+            token_ids = [tokenize(servers[0][1], p) for p in prompts]
+            time.sleep(1.0)
         t0 = time.perf_counter()
-        for prompt in prompts:
+        for k, prompt in enumerate(prompts):
+            if trace is not None:
+                hashes = hasher.extend([], token_ids[k], len(token_ids[k]) // args.page_size)
+                before = [served_requests(port) for _, port, _ in servers]
+                held = [ix.depth(hashes) for ix in indexes]
+                host = [ix.depth(hashes, "CPU") for ix in indexes]
+                counts = [dict(ix.counts) for ix in indexes]
             ttft, text, n, c = stream(args.router_port, args.model, prompt, args.max_tokens)
+            if trace is not None:
+                after = [served_requests(port) for _, port, _ in servers]
+                chosen = [i for i, (a, b) in enumerate(zip(after, before, strict=True)) if a > b]
+                pairs = zip(indexes, counts, strict=True)
+                since = [{key: ix.counts[key] - was[key] for key in was} for ix, was in pairs]
+                row = {"k": k, "blocks": len(hashes), "held": held, "host": host, "chosen": chosen,
+                       "cached_blocks": c // args.page_size, "events_since": since}  # fmt: skip
+                trace.write(json.dumps(row) + "\n")
+                time.sleep(args.trace_gap)
             ttfts.append(ttft)
             texts.append(text)
             prompt_tokens += n
             cached += c
         seconds = time.perf_counter() - t0
         routed = router_metrics(args.router_port + 1)
+        if trace is not None:
+            trace.close()
+            for ix in indexes:
+                ix.close()
     finally:
         for proc in [router] + [s[0] for s in servers]:
             if proc is not None:
@@ -152,6 +279,10 @@ def main() -> int:
     ap.add_argument("--base-port", type=int, default=19000)
     ap.add_argument("--router-port", type=int, default=19400)
     ap.add_argument("--policies", default="round_robin,kv_aware")
+    ap.add_argument("--trace", default=None, help="write the routing profile to FILE.<policy>.jsonl (docstring)")
+    ap.add_argument("--trace-gap", type=float, default=0.0, help="seconds to wait after each traced request")
+    ap.add_argument("--router-args", default="", help="more vllm-router flags in one string (--router-temperature 1)")
+    ap.add_argument("--router-log", default=None, help="append the router's output (RUST_LOG=debug) to this file")
     ap.add_argument(
         "--server-args", nargs=argparse.REMAINDER, default=["--num-pages", "512", "--max-model-len", "2048"]
     )
@@ -170,7 +301,8 @@ def main() -> int:
     results = {p: run_policy(args, p, prompts) for p in args.policies.split(",")}
     print(f"{args.replicas} replicas of {args.model}, {args.tenants} tenants x {args.users} users, "
           f"{args.system_chars}-{longest}-char system prompts ({int(sizes.sum())} chars in all), "
-          f"{len(prompts)} requests one at a time, server args {' '.join(args.server_args)}")  # fmt: skip
+          f"{len(prompts)} requests one at a time, server args {' '.join(args.server_args)}, "
+          f"router args {args.router_args or '(none)'}")  # fmt: skip
     print(f"{'policy':12s} {'hit rate':>9s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'req/s':>7s}")
     for p, r in results.items():
         print(f"{p:12s} {r['hit_rate']:9.1%} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:8.1f}ms {r['req_s']:7.2f}")

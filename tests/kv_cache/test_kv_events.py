@@ -200,6 +200,8 @@ def test_events_rebuild_both_tiers_through_demotions_restores_and_a_reset(groups
             replay_tiers(index, batch, hasher)
         assert index == tier_sets(m), f"step {step}"
         m.host_tier.check()
+        origins = m._tier_reporter.origins  # what it keeps: exactly the blocks either tier holds
+        assert origins.keys() == m.pool.cached.keys() | m.host_tier.entries.keys()
     stats = m.host_tier.stats()
     assert stats.offloads > 20 and stats.hits > 5 and stats.evictions > 5  # demoted, restored, dropped
     assert media["CPU"] > 20 and index["CPU"] and index["GPU"]
