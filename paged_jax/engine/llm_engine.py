@@ -361,13 +361,14 @@ class LLMEngine:
             processed = self.inputs.process(request)
         self.outputs.check_request_id(request_id)
         self._check_fits(len(processed.prompt_token_ids) + processed.params.max_tokens)
+        masked = processed.params.structured_outputs is not None or processed.params.max_reasoning_tokens is not None
+        if masked and self.spec is not None and processed.params.speculate:
+            # A mask follows the grammar one sampled token at a time, and drafts are not checked against it: a
+            # constrained request decodes without drafts (the others speculate beside it).
+            processed = dataclasses.replace(processed, params=dataclasses.replace(processed.params, speculate=False))
         req = self.outputs.add_request(request_id, processed, arrival_time)
         params = req.params
-        if params.structured_outputs is not None or params.max_reasoning_tokens is not None:
-            if self.spec is not None:
-                self.outputs.pop(request_id)
-                name = "structured_outputs" if params.structured_outputs is not None else "max_reasoning_tokens"
-                raise FieldError(name, "not supported together with speculative decoding (yet)")
+        if masked:
             try:
                 inner = processed.matchers  # compiled by a front, on its thread
                 if inner is None and params.structured_outputs is not None:
@@ -386,8 +387,6 @@ class LLMEngine:
         """The grammar matchers of a structured-output request with `n` samples, its first mask computed, within
         the compile deadline (`paged_jax.structured`); thread-safe: a server's fronts call it on their own threads
         (`InputProcessor.grammars`). Raises FieldError naming the field."""
-        if self.spec is not None:
-            raise FieldError("structured_outputs", "not supported together with speculative decoding (yet)")
         return self.structured.matchers(spec, n)
 
     def _check_fits(self, total_tokens: int) -> None:
