@@ -99,6 +99,9 @@ class EngineConfig:
     # Structured outputs (paged_jax.structured): bounds on one request's constraint, against hostile schemas.
     structured_max_grammar_bytes: int = 64 * 1024  # size of the schema / regex / grammar / choices text
     structured_compile_timeout_s: float = 5.0  # wall time to compile one grammar; slower ones are refused
+    # Host time one constrained row may take in a step (its mask fill, its grammar advance): a row past it ends with
+    # finish_reason "error", the others go on. None: no budget (one parallel fill of every row).
+    structured_fill_budget_s: float | None = 0.5
     reasoning_parser: str = "auto"  # one of REASONING_PARSERS: a thinking model's reply split into thought + answer
     tool_call_parser: str = "auto"  # one of TOOL_CALL_PARSERS: how the OpenAI front reads (and forces) tool calls
     # Speculative decoding (paged_jax.config.speculative.SpeculativeConfig; vLLM's names); None: off. A mapping or
@@ -183,6 +186,9 @@ class EngineConfig:
             raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}")
         if self.structured_max_grammar_bytes < 1 or not self.structured_compile_timeout_s > 0:
             raise ValueError("structured_max_grammar_bytes, structured_compile_timeout_s: must be positive")
+        budget = self.structured_fill_budget_s
+        if budget is not None and not 0 < budget <= 3600:
+            raise ValueError(f"structured_fill_budget_s: must be in (0, 3600] seconds, got {budget}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling: must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_CHOICES:

@@ -296,6 +296,11 @@ ENGINE_FLAGS = (
         "host -> device KV page copies per step (prefix-hit restores and swap-ins), so decodes are not stalled",
     ),
     EngineFlag("max_num_seqs", "sequences in one step (the decode batch)"),
+    EngineFlag(
+        "structured_fill_budget_s",
+        "host seconds one structured-output row may take in a step (its mask fill, its grammar advance); a row past "
+        "it ends with finish_reason error, the others go on",
+    ),
     EngineFlag("max_num_batched_tokens", "tokens in one step (decodes and prompt chunks together)"),
     EngineFlag("max_model_len", "prompt + output tokens per sequence (default: the model's maximum, at most 8192)"),
     EngineFlag("chunk_size", "max prompt tokens of one sequence per step (default: the step's token budget)"),

@@ -231,7 +231,8 @@ class LLMEngine:
         limits = StructuredLimits(
             max_grammar_bytes=ec.structured_max_grammar_bytes, compile_timeout_s=ec.structured_compile_timeout_s
         )
-        self.structured = StructuredRows(LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_ids, limits))
+        backend = LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_ids, limits)
+        self.structured = StructuredRows(backend, ec.structured_fill_budget_s)
         # padding included; a hybrid's state pool is not KV (`state_pool_bytes`)
         caches: Any = self.runner.kv_caches
         caches = [c for c in caches if not isinstance(c, LinearState)] if linear else caches
@@ -360,13 +361,14 @@ class LLMEngine:
             processed = self.inputs.process(request)
         self.outputs.check_request_id(request_id)
         self._check_fits(len(processed.prompt_token_ids) + processed.params.max_tokens)
+        masked = processed.params.structured_outputs is not None or processed.params.max_reasoning_tokens is not None
+        if masked and self.spec is not None and processed.params.speculate:
+            # A mask follows the grammar one sampled token at a time, and drafts are not checked against it: a
+            # constrained request decodes without drafts (the others speculate beside it).
+            processed = dataclasses.replace(processed, params=dataclasses.replace(processed.params, speculate=False))
         req = self.outputs.add_request(request_id, processed, arrival_time)
         params = req.params
-        if params.structured_outputs is not None or params.max_reasoning_tokens is not None:
-            if self.spec is not None:
-                self.outputs.pop(request_id)
-                name = "structured_outputs" if params.structured_outputs is not None else "max_reasoning_tokens"
-                raise FieldError(name, "not supported together with speculative decoding (yet)")
+        if masked:
             try:
                 inner = processed.matchers  # compiled by a front, on its thread
                 if inner is None and params.structured_outputs is not None:
@@ -385,8 +387,6 @@ class LLMEngine:
         """The grammar matchers of a structured-output request with `n` samples, its first mask computed, within
         the compile deadline (`paged_jax.structured`); thread-safe: a server's fronts call it on their own threads
         (`InputProcessor.grammars`). Raises FieldError naming the field."""
-        if self.spec is not None:
-            raise FieldError("structured_outputs", "not supported together with speculative decoding (yet)")
         return self.structured.matchers(spec, n)
 
     def _check_fits(self, total_tokens: int) -> None:
@@ -602,12 +602,12 @@ class LLMEngine:
         """Fill the bitmask of `launched`'s structured-output rows (from their matchers' current state) and
         dispatch its sampling."""
         t0 = time.perf_counter()
-        bitmask = self.structured.bitmask(self._constrained_rows(launched.sched), len(launched.sched.sample_rows))
+        masks = self.structured.bitmask(self._constrained_rows(launched.sched), len(launched.sched.sample_rows))
         assert launched.forward is not None, "sampling is launched once, after its forward step"
-        samples = self.runner.launch_sample(launched.forward, bitmask)
+        samples = self.runner.launch_sample(launched.forward, masks.bitmask)
         fwd = launched.forward
         seconds = launched.host_seconds + time.perf_counter() - t0
-        return Launched(launched.sched, samples, seconds, None, fwd.prompt_logprobs, fwd.pooled)
+        return Launched(launched.sched, samples, seconds, None, fwd.prompt_logprobs, fwd.pooled, masks.late)
 
     def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[Matcher, int]]:
         """(matcher, sample row) of each live structured-output sequence `sched` samples."""
@@ -641,6 +641,10 @@ class LLMEngine:
             if req is None or seq.finished or result.tokens[r] == REJECTED:
                 continue  # finished, aborted or failed while this step was in flight (or earlier in this loop); or a
                 # row after a rejected draft
+            if r in launched.late:  # its mask was not filled within the budget: its sample is discarded
+                self._end_late(seq)
+                touched[req.request_id] = req
+                continue
             try:
                 self._append(req, seq, result, r)
             except Exception as e:  # one request's failure (e.g. its tokenizer) ends that request alone
@@ -714,11 +718,23 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.release(seq)
 
-    @staticmethod
-    def _advance(seq: TokenSequence, matcher: Matcher, token: int) -> FinishReason | None:
+    def _advance(self, seq: TokenSequence, matcher: Matcher, token: int) -> FinishReason | None:
         """Advance `seq`'s grammar by `token`: EOS when the grammar is complete (nothing may follow), ERROR (the
-        matcher's message as the stop reason) when it refused the token or failed (a resource limit)."""
-        if not matcher.accept(token):
-            seq.stop_reason = f"structured output: {matcher.error or f'token {token} refused'}"
+        reason as the stop reason) when it refused the token, failed (a resource limit) or took longer than the
+        per-step budget."""
+        error = self.structured.advance(matcher, token)
+        if error is not None:
+            seq.stop_reason = error
             return FinishReason.ERROR
         return FinishReason.EOS if matcher.is_stopped else None
+
+    def _end_late(self, seq: TokenSequence) -> None:
+        """End `seq`, whose mask fill passed the per-step budget, with ERROR: the token sampled under its unfilled
+        mask is dropped (the lookahead's placeholder for it too) and its grammar is not advanced (the late fill
+        may still be running on it)."""
+        if seq.pending is not None:
+            seq.drop_last_token()
+            seq.pending = None
+        seq.stop_reason = self.structured.late_message()
+        seq.finish_time = time.monotonic()
+        self._remove(seq, FinishReason.ERROR)

@@ -43,6 +43,7 @@ class Launched(NamedTuple):
     forward: ForwardLaunched | None = None  # the forward half, while `samples` is None
     prompt_logprobs: PromptLogprobs | None = None  # on device, when the step has prompt-logprob positions
     pooled: jax.Array | None = None  # [S, H] on device, when the step pools (`paged_jax.worker.pooling`)
+    late: frozenset[int] = frozenset()  # sample rows whose mask passed the fill budget (`paged_jax.structured.rows`)
 
 
 class Lookahead:

@@ -128,8 +128,8 @@ class SpecDecoder:
         if self._batch_off(running):
             return
         for seq in running:
-            if seq.pending is not None or not self._decoding(seq, kv):
-                continue  # its last token is on the device, or it is still prefilling
+            if seq.pending is not None or seq.forked_children or not self._decoding(seq, kv):
+                continue  # its last token is on the device, it forks its other samples in this step, or it prefills
             room = self._room(seq)
             if self.config.adaptive_k:
                 state = self.seqs.get(seq.seq_id)

@@ -31,8 +31,13 @@ structured output (small valid regex / JSON-schema constraints beside hostile on
 in a regex and a schema `pattern`, 3,000-deep JSON strings, a grammar over the size limit); tool calls
 (declared tools with `tool_choice: auto`, so the parser reads every reply; 5,000-deep history arguments);
 prompt logprobs and logprobs. The traffic starts as soon as the server reports SERVING, during the background
-warm-up (RSS and compiles are then counted from the warm-up's end). `--soak-ngram` adds n-gram speculation (an
-engine that speculates refuses structured output with a 400, so the constraints then test only the refusal).
+warm-up (RSS and compiles are then counted from the warm-up's end). `--soak-ngram` adds n-gram speculation in
+the same server (a constrained request then decodes without drafts beside the speculating ones).
+
+The victims are the normal completions and chats: their latency p50/p99 over the requests sent after the
+background warm-up ended is the table's "victim latency" row. `--soak-clean` runs the same server with the
+victims' clients alone; `--soak-compare` runs a clean soak, then the asked-for one (each its own server, the same
+length), prints both tables and the ratio of their victim p99s (goal: within 2x; the exit status is 1 past it).
 
 `--victim` (issue 41's isolation table) starts the same server as `--soak-mix full`, waits for its background
 warm-up, then times a victim's unconstrained 64-token greedy completion alone and beside each attack of
@@ -130,7 +135,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Serve
         args.token = "soak-" + os.urandom(8).hex()
         cmd += ["--api-key", args.token, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
         cmd += ["--enable-lora-runtime-updates"]
-        if args.soak_ngram:  # the engine then refuses structured output (400): not together with speculation
+        if args.soak_ngram:  # constrained requests decode without drafts beside the speculating ones
             cmd += ["--speculative-config", json.dumps(NGRAM)]
     proc = subprocess.Popen(
         cmd,
@@ -424,6 +429,7 @@ class SoakResult:
     seconds: float
     outcomes: Counter[str]  # "HTTP 200", "HTTP 400", "gRPC OK", "transport: ConnectionResetError", ...
     latencies_s: list[float]  # normal requests that completed, request sent to last byte
+    victim_s: list[float]  # of those, the normal completions and chats sent after the background warm-up ended
     ttft_s: list[float]  # normal streams, request sent to first token
     client_errors_500: int  # 5xx answers to any request
     grpc_internal: int  # INTERNAL / UNKNOWN / DATA_LOSS answers
@@ -466,6 +472,11 @@ def soak_report(r: SoakResult) -> tuple[str, bool]:
             "latency of normal requests (completed)",
             f"p50 {pct(r.latencies_s, 0.5) * 1e3:.0f} ms, p99 {pct(r.latencies_s, 0.99) * 1e3:.0f} ms "
             f"({len(r.latencies_s)} requests)",
+        ),
+        (
+            "victim latency (normal requests sent after the warm-up)",
+            f"p50 {pct(r.victim_s, 0.5) * 1e3:.0f} ms, p99 {pct(r.victim_s, 0.99) * 1e3:.0f} ms "
+            f"({len(r.victim_s)} requests)",
         ),
         (
             "TTFT of normal streams",
@@ -518,6 +529,7 @@ class Soak:
         self.lora_lock = asyncio.Lock()
         self.outcomes: Counter[str] = Counter()
         self.latencies: list[float] = []
+        self.victims: list[tuple[float, float]] = []  # normal requests: (time.monotonic() when sent, seconds)
         self.ttft: list[float] = []
         self.hostile_answers: Counter[str] = Counter()  # "case -> status"
         self.examples: dict[int, str] = {}  # the first error body seen for each HTTP status
@@ -588,7 +600,7 @@ class Soak:
         body["stream"] = stream
         path = "/v1/chat/completions" if chat else "/v1/completions"
         cancel_after = rng.randint(1, 6) if stream and rng.random() < 0.1 else None
-        start, seen = time.perf_counter(), 0
+        start, seen, sent = time.perf_counter(), 0, time.monotonic()
 
         def on_event(data: bytes) -> bool:
             nonlocal seen
@@ -607,12 +619,13 @@ class Soak:
         self.count_http(*reply)
         if reply[0] == 200:
             self.latencies.append(time.perf_counter() - start)
+            self.victims.append((sent, self.latencies[-1]))
 
     async def normal_grpc(self, rng: random.Random) -> None:
         """A gRPC stream (a tenth cancelled after a few chunks) or a unary call."""
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40)))
         req = build_request(text, max_tokens=rng.randint(4, 48), temperature=rng.random(), seed=rng.randrange(2**31))
-        start = time.perf_counter()
+        start, sent = time.perf_counter(), time.monotonic()
         try:
             if rng.random() < 0.3:
                 await self.stub.GenerateUnary(req, timeout=120)
@@ -630,6 +643,7 @@ class Soak:
                             return
             self.outcomes["gRPC OK"] += 1
             self.latencies.append(time.perf_counter() - start)
+            self.victims.append((sent, self.latencies[-1]))
         except grpc.RpcError as e:
             self.outcomes[f"gRPC {e.code().name}"] += 1
 
@@ -810,8 +824,9 @@ async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, lo
         s = Soak(stub, host, port, start + args.soak, token)
         s.adapters = getattr(args, "adapters", [])
         kinds = [(s.normal_http, args.soak_concurrency), (s.normal_grpc, max(1, args.soak_concurrency // 2))]
-        kinds += [(s.hostile, 2), (s.disconnect, 1), (s.never_reading, 2)]
-        if full:
+        if not args.soak_clean:
+            kinds += [(s.hostile, 2), (s.disconnect, 1), (s.never_reading, 2)]
+        if full and not args.soak_clean:
             kinds += [(s.new_http, 2), (s.lora, 1)]
         tasks = [asyncio.create_task(s.loop(kind, 1000 * i + j)) for i, (kind, n) in enumerate(kinds) for j in range(n)]
         peak = [0, 0]
@@ -848,6 +863,7 @@ async def soak(args: argparse.Namespace, target: str, proc: subprocess.Popen, lo
         hostile_answers=s.hostile_answers,
         examples=s.examples,
         latencies_s=s.latencies,
+        victim_s=[seconds for sent, seconds in s.victims if sent >= marks["warm_s"]],
         ttft_s=s.ttft,
         client_errors_500=sum(v for k, v in s.outcomes.items() if re.fullmatch(r"HTTP 5\d\d", k)),
         grpc_internal=internal,
@@ -911,6 +927,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="soak mode: start a server with both fronts and drive the mixed load for SECONDS (see the docstring)",
     )
     p.add_argument("--soak-ngram", action="store_true", help="with --soak-mix full: n-gram speculation on")
+    p.add_argument("--soak-clean", action="store_true", help="with --soak: the normal clients (the victims) alone")
+    p.add_argument(
+        "--soak-compare", action="store_true", help="with --soak: a clean soak, then this one; the victim p99 ratio"
+    )
     p.add_argument("--victim", action="store_true", help="the victim-latency table beside each hostile constraint")
     p.add_argument("--victim-flood", type=int, default=0, help="with --victim: clients resending each attack")
     p.add_argument(
@@ -932,7 +952,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main_soak(args: argparse.Namespace) -> int:
-    """Run the soak, print its table and the goals; 1 when a goal failed."""
+    """Run the soak, print its table and the goals; 1 when a goal failed. With `--soak-compare` a clean soak runs
+    first, and the ratio of the victim p99s is a goal too."""
+    if not args.soak_compare:
+        return run_soak(args)[0]
+    clean_args = argparse.Namespace(**{**vars(args), "soak_clean": True})
+    print("-- the clean soak: the victims' clients alone --", flush=True)
+    clean = run_soak(clean_args)[1]
+    print("-- the soak --", flush=True)
+    status, result = run_soak(args)
+    ratio = pct(result.victim_s, 0.99) / pct(clean.victim_s, 0.99)
+    ok = ratio <= 2.0
+    print(
+        f"victim p99: {pct(result.victim_s, 0.99) * 1e3:.0f} ms beside the mix, {pct(clean.victim_s, 0.99) * 1e3:.0f} "
+        f"ms in the clean soak: {ratio:.2f}x (goal <= 2x: {'pass' if ok else 'FAIL'})"
+    )
+    return status or (0 if ok else 1)
+
+
+def run_soak(args: argparse.Namespace) -> tuple[int, SoakResult]:
+    """One soak in its own server: its table and goals printed; (1 when a goal failed, else 0; the result)."""
     proc, target, log = start_server(args)
     try:
         result = asyncio.run(soak(args, target, proc, log))
@@ -941,7 +980,9 @@ def main_soak(args: argparse.Namespace) -> int:
         exit_code = proc.wait(timeout=60)
         print(f"server log: {log.path}")
     table, ok = soak_report(result)
-    print(f"soak of {args.soak:.0f} s on {args.model}, both fronts; server exit code after SIGTERM: {exit_code}")
+    mix = "the victims alone (clean)" if args.soak_clean else f"mix {args.soak_mix}"
+    mix += ", n-gram speculation" if args.soak_ngram else ""
+    print(f"soak of {args.soak:.0f} s on {args.model}, both fronts, {mix}; server exit code after SIGTERM: {exit_code}")
     print(table)
     answers = ", ".join(f"{k} x{v}" for k, v in sorted(result.hostile_answers.items()))
     print(f"hostile requests, case -> answer: {answers}")
@@ -949,7 +990,7 @@ def main_soak(args: argparse.Namespace) -> int:
         print(f"first HTTP {status} body: {body}")
     if log.tail:
         print("last server ERROR lines:", *log.tail, sep="\n  ")
-    return 0 if ok else 1
+    return (0 if ok else 1), result
 
 
 # Each attack's body: the hostile constraints of issue 41 items 1, 2 and 5, and an in-bound constraint
