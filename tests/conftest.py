@@ -44,6 +44,7 @@ SIDE_MODULES = frozenset(
         "test_structured_smollm2.py",
         "test_ray_batch.py",
         "test_multihost_serving.py",
+        "test_multihost_warmup.py",
     }
 )
 
