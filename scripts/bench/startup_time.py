@@ -354,6 +354,7 @@ def llm_main(
                 cmd = [sys.executable, "-c", f"import json, startup_time as st; print('RESULT', json.dumps({case}))"]
             started = time.monotonic()
             proc = subprocess.run(cmd, cwd=Path(__file__).parent, env=env, capture_output=True, text=True)
+            (work / f"{model.replace('/', '_')}-{mode}.log").write_text(proc.stderr)  # what the case logged
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
                 raise SystemExit(f"{model} {mode} failed:\n{proc.stderr[-3000:]}")
