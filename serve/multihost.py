@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 import zlib
@@ -66,13 +67,37 @@ def initialize(
     this module's own watchdog reports a lost follower first (JAX's missed heartbeat aborts with SIGABRT; at twice
     `timeout_s` a loaded CI host once let it win the race). On a TPU slice pass None for the three (JAX finds them)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    init_timeout_s = max(10, int(10 * timeout_s))
+    if coordinator_address and process_id:  # a follower: JAX aborts with a native stack if no coordinator answers
+        wait_for_coordinator(coordinator_address, init_timeout_s)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
         heartbeat_timeout_seconds=max(4, int(4 * timeout_s)),
-        initialization_timeout=max(10, int(10 * timeout_s)),
+        initialization_timeout=init_timeout_s,
     )
+
+
+def wait_for_coordinator(address: str, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Return once a TCP connection to `address` (host:port, process 0's coordination service) opens; raise a
+    one-line `UsageError` naming --coordinator-address after `timeout_s`. A follower started before process 0
+    waits for it; one pointed at a wrong address gets a clear error instead of XLA's fatal DEADLINE_EXCEEDED."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise UsageError(f"--coordinator-address: expected HOST:PORT, got {address!r}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=poll_s):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise UsageError(
+                    f"--coordinator-address {address}: no coordinator answered within {timeout_s:g} s ({e}); start "
+                    "process 0 (--process-id 0) there, or fix the address"
+                ) from None
+            time.sleep(poll_s)
 
 
 def check_same_cache(num_pages: int) -> None:
@@ -273,4 +298,4 @@ def _follow(client, runner: ModelRunner, me: int, poll_s: float) -> int:
         prev = samples
 
 
-__all__ = ["BroadcastStats", "FollowerLost", "Leader", "LeaderEngine", "follow", "initialize"]
+__all__ = ["BroadcastStats", "FollowerLost", "Leader", "LeaderEngine", "follow", "initialize", "wait_for_coordinator"]

@@ -1,6 +1,7 @@
 """`paged-jax serve --distributed` with 2 (and 4) CPU processes on loopback (`serve.multihost`): greedy token ids
 identical to one process over the same devices, a follower killed mid-run or stuck ends process 0 with a clear
-error within a bound, and flags multi-host serving does not run are refused before anything loads."""
+error within a bound, a follower that finds no coordinator ends with a one-line error, and flags multi-host
+serving does not run are refused before anything loads."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
 import pytest
 
+from paged_jax.errors import UsageError
+from serve import multihost
 from serve.client import Client
 
 from support.serve_process import ROOT, ServeProcess
@@ -132,3 +136,26 @@ def test_unsupported_flags_are_refused():
     res = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
     assert res.returncode == 2
     assert "--data-parallel-size: not supported with --distributed" in res.stderr
+
+
+@pytest.mark.slow  # a fresh process
+def test_an_unreachable_coordinator_is_a_one_line_error():
+    """A follower pointed at an address where no process 0 listens ends with exit 2 and one line naming the flag
+    (JAX's own connect would abort the process with a native stack trace after its timeout)."""
+    port = _port()  # nothing listens on it
+    cmd = [sys.executable, "-m", "serve", "serve", "tiny", "--distributed", "--coordinator-address",
+           f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1", "--distributed-timeout", "1"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"--coordinator-address 127.0.0.1:{port}: no coordinator answered within 10 s" in res.stderr
+    assert "Check failure" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_follower_waits_for_a_coordinator_that_comes_up():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        threading.Timer(0.3, s.listen).start()  # process 0 starts a little after its follower
+        multihost.wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=30, poll_s=0.05)
+    with pytest.raises(UsageError, match="expected HOST:PORT"):
+        multihost.wait_for_coordinator("localhost", timeout_s=1)
