@@ -9,7 +9,8 @@ layer's weight in turn so that they come from memory as in a step; the LM head i
 oneDNN's (`xla_flags.ONEDNN_DOT_OPTIONS`, what `PAGED_JAX_ONEDNN=1` gives the forward step) and as the packed
 GEMM (`pallas_kernels.cpu.gemm`, the same weights packed once), the three alternating round by round. Per weight
 kind: median CPU ms per dot and its percent of peak (CPU time, so other load on a shared machine lowers it
-little), best wall ms and GFLOP/s (wall), the weights' GB/s, and default / packed CPU time.
+little), best wall ms and GFLOP/s (wall), the weights' GB/s, the packed GEMM's % of peak in its best round (the
+least disturbed by other load on a shared machine) and default / packed CPU time.
 
 Peak: measured, a register-only FMA loop of the GEMM library (`gemm.peak_gflops_per_core`: the native path's
 vector FMA, `vdpbf16ps` for bfloat16 where the CPU has AVX-512 BF16), per core; "% peak" is GFLOP per CPU-second
@@ -148,7 +149,7 @@ def main() -> None:
     header = f"{'dtype':9s} {'weight':13s} {'K x N':>13s}" + "".join(
         f" {c + ' CPU ms':>15s} {'%peak':>6s} {'wall':>6s} {'GF/s':>5s}" for c in cols
     )
-    print(f"{header} {'GB/s(pk)':>8s} {'default/packed':>14s}")
+    print(f"{header} {'GB/s(pk)':>8s} {'pk best':>7s} {'default/packed':>14s}")
     for dtype in (jnp.float32, jnp.bfloat16):
         config, params, _ = load_model(model, dtype=jnp.dtype(dtype).name)
         step = dict.fromkeys(cols, 0.0)
@@ -190,7 +191,8 @@ def main() -> None:
                 row += f" {cpu * 1e3:15.3f} {pct:5.0f}% {wall * 1e3:6.2f} {flops / wall / 1e9:5.0f}"
             gbs = k * n_out * jnp.dtype(dtype).itemsize / min(runs["packed"][1]) / 1e9
             ratio = np.median(runs["default"][0]) / np.median(runs["packed"][0])
-            print(f"{row} {gbs:8.1f} {ratio:13.2f}x  (packed vs default: max rel. diff {err:.1e})")
+            best = 100 * flops / min(runs["packed"][0]) / 1e9 / peaks[dtype]  # the least disturbed round
+            print(f"{row} {gbs:8.1f} {best:6.0f}% {ratio:13.2f}x  (packed vs default: max rel. diff {err:.1e})")
         print(
             f"  one decode step's weight dots ({config.num_layers} layers + LM head), CPU ms: "
             + ", ".join(f"{key} {step[key] * 1e3:.1f}" for key in cols)

