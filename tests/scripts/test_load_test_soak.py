@@ -19,6 +19,7 @@ GOOD = load_test.SoakResult(
     seconds=180.2,
     outcomes=Counter({"HTTP 200": 900, "HTTP 400": 120, "HTTP 405": 30, "gRPC OK": 400, "gRPC INVALID_ARGUMENT": 40}),
     latencies_s=[0.1 * i for i in range(1, 101)],
+    victim_s=[0.1 * i for i in range(51, 101)],  # the second half: sent after the warm-up
     ttft_s=[0.01] * 10,
     client_errors_500=0,
     grpc_internal=0,
@@ -48,6 +49,7 @@ def test_soak_table_passes_a_clean_run():
     assert ok
     assert "| outcome HTTP 405" in table and "| 30 |" in table
     assert "p50 5100 ms, p99 10000 ms (100 requests)" in table
+    assert "victim latency" in table and "p50 7600 ms, p99 10000 ms (50 requests)" in table
     assert "800 -> 820 MiB (+2.5%)" in table
     assert table.count("| pass |") == 5 and "FAIL" not in table
 
