@@ -41,9 +41,6 @@ SIDE_MODULES = frozenset(
         "test_lora_smollm2.py",
         "test_smollm2.py",
         "test_stream_unary_smollm2.py",
-        "test_structured_smollm2.py",
-        "test_ray_batch.py",
-        "test_multihost_serving.py",
         "test_multihost_warmup.py",
     }
 )
