@@ -10,22 +10,17 @@ import numpy as np
 
 from paged_jax.sampling_params import SamplingParams, StructuredOutputs
 
-from support.engines import make_engine
+from support.engines import make_engine, run_requests
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "pause_by_cost": False}
 
 
 def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = [(c.token_ids, c.finish_reason) for c in out.outputs]
+    """Each request's (token ids, finish reason) per sample; every page back and the invariants held after."""
+    finals = run_requests(engine, requests)
     assert engine.kv.stats().pages_in_use == 0
     engine.check_invariants()
-    return finals
+    return {rid: [(c.token_ids, c.finish_reason) for c in out.outputs] for rid, out in finals.items()}
 
 
 def test_constrained_requests_decode_without_drafts_beside_speculating_ones(tiny_config, tiny_params):

@@ -21,6 +21,7 @@ from paged_jax.structured.rows import StructuredRows
 from paged_jax.tokenization.tokenizer import ByteTokenizer
 
 from support.engines import make_engine as _make_engine
+from support.engines import run_requests
 
 HOSTILE = "(a{300}){300}"  # ~0.3 s to compile with its first mask, then 10-40 ms per mask (2-core CPU)
 make_engine = partial(_make_engine, max_num_seqs=8)
@@ -32,27 +33,16 @@ def _lift_regex_bound(engine) -> None:
     engine.structured.backend.limits = StructuredLimits(max_regex_expansion=10**9, compile_timeout_s=600)
 
 
-def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_row_past_the_fill_budget_ends_with_error_and_the_others_go_on(tiny_config, tiny_params, async_scheduling):
     """Beside a victim (greedy, unconstrained) and a hostile request with n=2: both hostile samples end with
     "error" and the budget named; the victim's tokens are those of its solo run; every page is back."""
     victim = ([5, 6, 7], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    solo = _run(make_engine(tiny_config, tiny_params, async_scheduling=async_scheduling), {"v": victim})
+    solo = run_requests(make_engine(tiny_config, tiny_params, async_scheduling=async_scheduling), {"v": victim})
     engine = make_engine(tiny_config, tiny_params, async_scheduling=async_scheduling, structured_fill_budget_s=0.0002)
     _lift_regex_bound(engine)
     hostile = SamplingParams(max_tokens=12, n=2, structured_outputs=StructuredOutputs(regex=HOSTILE))
-    finals = _run(engine, {"v": victim, "h": ([8, 9], hostile)})
+    finals = run_requests(engine, {"v": victim, "h": ([8, 9], hostile)})
     assert finals["v"].outputs[0].token_ids == solo["v"].outputs[0].token_ids
     assert finals["v"].outputs[0].finish_reason == "length"
     for c in finals["h"].outputs:
@@ -69,7 +59,7 @@ def test_without_a_budget_the_hostile_row_is_filled_however_long_it_takes(tiny_c
     engine = make_engine(tiny_config, tiny_params, structured_fill_budget_s=None)
     _lift_regex_bound(engine)
     params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputs(regex=HOSTILE))
-    out = _run(engine, {"h": ([8, 9], params)})["h"].outputs[0]
+    out = run_requests(engine, {"h": ([8, 9], params)})["h"].outputs[0]
     assert out.finish_reason == "length" and out.token_ids == [3 + ord("a")] * 3
     assert engine.structured.late_rows == 0
 

@@ -23,3 +23,16 @@ DEFAULTS: dict[str, Any] = {
 def make_engine(config: ModelConfig, params, tokenizer=None, **options: Any) -> LLMEngine:
     """An engine of `config` and `params` with `DEFAULTS` overridden by `options` (EngineConfig fields)."""
     return LLMEngine(config, params, tokenizer or ByteTokenizer(), EngineConfig(**(DEFAULTS | options)))
+
+
+def run_requests(engine: LLMEngine, requests: dict[str, tuple[list[int], Any]]) -> dict[str, Any]:
+    """Add each request (id -> (prompt token ids, SamplingParams)), step until none is unfinished, and return each
+    request's final output (`RequestOutput`, finished) by id."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
