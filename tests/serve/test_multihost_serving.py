@@ -20,28 +20,15 @@ from paged_jax.errors import UsageError
 from serve import multihost
 from serve.client import Client
 
-from support.serve_process import ROOT, ServeProcess
+from support.serve_process import ROOT, ServeProcess, free_port, wait_for_health
 
 FLAGS = ["tiny", "--num-pages", "64", "--max-model-len", "256", "--no-warmup", "--max-num-seqs", "4"]
 PROMPTS = [list(range(3, 40)), list(range(50, 61)), list(range(3, 40)) + [9, 9, 9]]
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _generate(target: str) -> list[list[int]]:
     with Client(target) as client:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                client.health(timeout=2)
-                break
-            except grpc.RpcError:
-                assert time.monotonic() < deadline, "the server never answered its health check"
-                time.sleep(0.2)
+        wait_for_health(client, 300)
         out = []
         for prompt in PROMPTS:
             reply = client.generate(prompt, timeout=300, temperature=0, max_tokens=10, ignore_eos=True, n=1)
@@ -53,14 +40,14 @@ class Job:
     """`count` processes of `paged-jax serve --distributed` on loopback; process 0 serves gRPC on `self.grpc`."""
 
     def __init__(self, count: int, *extra: str) -> None:
-        coordinator = f"127.0.0.1:{_port()}"
-        self.grpc = _port()
+        coordinator = f"127.0.0.1:{free_port()}"
+        self.grpc = free_port()
         self.procs = []
         for pid in reversed(range(count)):
             argv = [*FLAGS, "--coordinator-address", coordinator, "--num-processes", str(count)]
             argv += ["--process-id", str(pid), *extra]
             if pid == 0:
-                argv += ["--grpc-port", str(self.grpc), "--port", str(_port())]
+                argv += ["--grpc-port", str(self.grpc), "--port", str(free_port())]
             self.procs.insert(0, ServeProcess(*argv))
         for proc in self.procs:
             proc.drain()
@@ -84,8 +71,8 @@ def test_processes_match_one_and_stop_together(count):
     """`count` processes of one device each give the greedy ids of one process over `count` host devices (the
     same TP mesh), and SIGTERM to process 0 stops every follower with status 0."""
     devices = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
-    g = _port()
-    argv = [*FLAGS, "-tp", str(count), "--grpc-port", str(g), "--port", str(_port())]
+    g = free_port()
+    argv = [*FLAGS, "-tp", str(count), "--grpc-port", str(g), "--port", str(free_port())]
     with ServeProcess(*argv, env={"XLA_FLAGS": devices}) as one:
         one.drain()
         expected = _generate(f"127.0.0.1:{g}")
@@ -142,7 +129,7 @@ def test_unsupported_flags_are_refused():
 def test_an_unreachable_coordinator_is_a_one_line_error():
     """A follower pointed at an address where no process 0 listens ends with exit 2 and one line naming the flag
     (JAX's own connect would abort the process with a native stack trace after its timeout)."""
-    port = _port()  # nothing listens on it
+    port = free_port()  # nothing listens on it
     cmd = [sys.executable, "-m", "serve", "serve", "tiny", "--distributed", "--coordinator-address",
            f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1", "--distributed-timeout", "1"]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)

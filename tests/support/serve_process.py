@@ -6,13 +6,36 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (for a server process's flags)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_health(client, timeout_s: float) -> None:
+    """Poll a gRPC `serve.client.Client`'s health check until it answers; fail after `timeout_s`."""
+    import grpc
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.health(timeout=2)
+            return
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, "the server never answered its health check"
+            time.sleep(0.2)
 
 
 class ServeProcess:
