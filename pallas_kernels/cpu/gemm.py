@@ -149,14 +149,19 @@ def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None, out_dtype=None
     return out.reshape(*lead, w.n)
 
 
+def _loaded(isa: str | None) -> tuple[GemmKernel, ctypes.CDLL]:
+    """The path's built kernel and its shared library opened through ctypes (the measurement loops' entry points)."""
+    k = kernel(isa)
+    if k is None:
+        raise RuntimeError(f"the CPU GEMM ({isa or paged.default_isa()}) is not available")
+    return k, ctypes.cdll.LoadLibrary(str(k.library))
+
+
 def peak_gflops_per_core(isa: str | None = None, bfloat16: bool = False, seconds: float = 0.2) -> float:
     """The path's multiply-add peak on one core, measured: a register-only FMA loop (``vdpbf16ps`` for
     `bfloat16` where the path has it), timed by this thread's CPU time (so other load on the machine does not
     lower it), best of three."""
-    k = kernel(isa)
-    if k is None:
-        raise RuntimeError(f"the CPU GEMM ({isa or paged.default_isa()}) is not available")
-    lib = ctypes.cdll.LoadLibrary(str(k.library))
+    _, lib = _loaded(isa)
     lib.PackedGemmPeakLoop.restype = ctypes.c_double
     lib.PackedGemmPeakLoop.argtypes = (ctypes.c_int64, ctypes.c_int32)
     iters, best = 1 << 16, 0.0
@@ -180,10 +185,7 @@ def read_gbs_per_core(threads: int | None = None, mib: int = 256, rounds: int = 
     are), timed by each thread's CPU time; the median over threads and `rounds`. A dot of `rows` rows does
     ``2 * rows / itemsize`` FLOP per weight byte, so it cannot exceed ``this * 2 * rows / itemsize`` GFLOP per
     CPU-second when its weight streams from memory."""
-    k = kernel(isa)
-    if k is None:
-        raise RuntimeError(f"the CPU GEMM ({isa or paged.default_isa()}) is not available")
-    lib = ctypes.cdll.LoadLibrary(str(k.library))
+    k, lib = _loaded(isa)
     lib.PackedGemmReadLoop.restype = ctypes.c_float
     lib.PackedGemmReadLoop.argtypes = (ctypes.c_void_p, ctypes.c_int64)
     threads = threads or os.cpu_count() or 1
