@@ -42,7 +42,10 @@ class StepBuckets:
 
     @classmethod
     def make(cls, max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> StepBuckets:
-        max_rows = min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
+        # verify rows (one per token) and, beside them, one row per child of a forking prompt
+        max_rows = max_num_seqs * (1 + num_speculative_tokens)
+        if num_speculative_tokens:
+            max_rows = min(max_num_batched_tokens + max_num_seqs, max_rows)
         return cls(
             tokens=pow2_buckets(16, max_num_batched_tokens),
             seqs=pow2_buckets(8, max(max_num_seqs, max_rows)),
@@ -62,10 +65,15 @@ class StepBuckets:
 
         `forks`: requests with n > 1 can run. A prompt's last chunk then samples one row per child sequence, so
         a step of few tokens can have up to `max_num_seqs` sample rows (4 prompts x n=16 in 32 tokens: 64), or
-        up to `fork_rows` when the caller knows the requests (`paged_jax.worker.ready_shapes.StepNeeds`)."""
+        up to `fork_rows` when the caller knows the requests (`paged_jax.worker.ready_shapes.StepNeeds`). With
+        speculation too, the verify rows of the step's other sequences (one per token) come on top of the
+        children's: up to `t` plus the children (a 14-token verify batch beside a 2-token prompt with n=4
+        samples 18 rows in a 16-token step)."""
         lo = self.seq_bucket(t)
-        rows = min(t, self.max_num_seqs * (1 + self.num_speculative_tokens))
+        k, m = self.num_speculative_tokens, self.max_num_seqs
+        rows = min(t, m * (1 + k))
         if forks:
-            rows = max(rows, self.max_num_seqs if fork_rows is None else min(fork_rows, self.max_num_seqs))
+            children = m if fork_rows is None else min(fork_rows, m)
+            rows = max(rows, children if k == 0 else min(t + children, m * (1 + k)))
         hi = self.seq_bucket(t, rows)
         return [s for s in self.seqs if lo <= s <= hi]
