@@ -76,6 +76,12 @@ def num_state_snapshots(ec: EngineConfig) -> int:
     return (ec.state_snapshots or ec.max_num_seqs) if ec.enable_prefix_caching else 0
 
 
+def state_checkpoint_row(ec: EngineConfig) -> int | None:
+    """The first speculation checkpoint row of a hybrid's state pool, after the slots and the snapshot rows (None:
+    speculation off; `paged_jax.kv_cache.state_pool`)."""
+    return None if ec.speculative is None else ec.max_num_seqs + 1 + num_state_snapshots(ec)
+
+
 def make_runner(
     run_config: ModelConfig,
     params,
@@ -195,7 +201,7 @@ class LLMEngine:
             watermark=ec.watermark,
             lora_slots=lora_slots,
             max_restore_pages=ec.kv_restore_pages_per_step,
-            state_slots=StateSlots(ec.max_num_seqs) if linear else None,
+            state_slots=StateSlots(ec.max_num_seqs, state_checkpoint_row(ec)) if linear else None,
         )
         self.runner = make_runner(run_config, params, ec, self.num_pages, self.max_model_len, mesh, self.kv_layout)
         if self.host_tier is not None:
@@ -655,7 +661,7 @@ class LLMEngine:
                 continue
             touched[req.request_id] = req
         if self.spec is not None:
-            self.spec.settle(sched, result.tokens, self.kv)
+            self.spec.settle(sched, result.tokens, self.kv, self.scheduler.state_slots)
         for req in touched.values():
             done = req.finished
             outputs.append(self.outputs.output(req, final=done))

@@ -19,7 +19,9 @@ from paged_jax.sched.sequence import TokenSequence
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """`num_new` tokens of `seq` at positions [start, start + num_new) are computed this step."""
+    """`num_new` tokens of `seq` at positions [start, start + num_new) are computed this step; the first `rerun`
+    of them were computed before and their KV is written: a linear-attention hybrid recomputes them for its state
+    after a verify rejected a draft (`paged_jax.kv_cache.state_pool`), and the step writes no KV for them."""
 
     seq: TokenSequence
     start: int
@@ -29,6 +31,7 @@ class ScheduledSeq:
     prompt_logprob_positions: range = range(0)
     # prompt positions whose final hidden states this step pools (embedding requests, `paged_jax.pooling_params`)
     pool_positions: range = range(0)
+    rerun: int = 0
 
     @property
     def num_scheduled(self) -> int:
@@ -64,7 +67,9 @@ class SchedulerOutput:
     # and the copies the runner makes after the step: forks, snapshots (None / empty: no linear layers)
     state_slots: np.ndarray | None = None
     state_copies: list[StateCopy] = field(default_factory=list)
-    state_restores: list[StateCopy] = field(default_factory=list)  # snapshot rows into slots, before the step
+    # before the step: speculation's rollbacks (checkpoint -> slot) and checkpoints (slot -> checkpoint), then
+    # prefix hits' snapshot rows into slots
+    state_restores: list[StateCopy] = field(default_factory=list)
     preempted: list[TokenSequence] = field(default_factory=list)
     num_tokens: int = 0
 

@@ -22,7 +22,9 @@ The output (`paged_jax.sched.output`) is everything the runner needs and nothing
 write into device slots first included. A sequence with an adapter takes a device slot at admission and returns it
 when it stops running (`paged_jax.lora.registry.SlotTable`), and so does each sequence of a linear-attention
 hybrid with its recurrent-state slot (`paged_jax.kv_cache.state_pool`; a fork's is copied from its leader's;
-prefill chunks end at its state snapshot points, `paged_jax.kv_cache.state_snapshots`);
+prefill chunks end at its state snapshot points, `paged_jax.kv_cache.state_snapshots`; a sequence verifying drafts
+has its slot checkpointed before the step, and after a rejection its next chunk starts with the tokens its restored
+state re-runs);
 while every adapter slot is busy with other adapters it waits, and the requests behind it are admitted past it.
 How many
 of a sequence's tokens are computed is the KV manager's to know (`num_computed_tokens`); a waiting sequence
@@ -115,11 +117,14 @@ class Scheduler:
             if seq.status is not Status.RUNNING or (seq.pending is not None and seq.pending.is_last):
                 continue  # preempted earlier in this loop, or its pending token is its last
             computed = self.kv.num_computed_tokens(seq.seq_id)
-            num_new = self._to_snapshot(seq, computed, min(seq.num_tokens - computed, budget, self.chunk_size))
-            if num_new == 0:  # an embedding whose prompt a launched step completes: the engine ends it then
-                continue
+            rerun = self._rerun(seq)
+            num_new = self._to_snapshot(seq, computed, min(seq.num_tokens - computed, budget - rerun, self.chunk_size))
+            if num_new <= 0:  # an embedding whose prompt a launched step completes: the engine ends it then; or a
+                continue  # re-run that does not fit what is left of the budget
             cache = seq.pending is None  # a placeholder (lookahead) must not be hashed; cached once its id is known
-            draft = self._drafts(seq, num_new, budget)
+            draft = self._drafts(seq, num_new, budget - rerun)
+            if rerun:  # its state catches up first: no drafts (their checkpoint would overwrite its rollback's)
+                draft = []
             copies = self.kv.allocate_slots(seq.seq_id, seq.all_token_ids, num_new, cache, len(draft))
             if copies is None and draft:  # out of pages: drafts go first, before anyone is preempted
                 draft = []
@@ -133,8 +138,13 @@ class Scheduler:
             if copies is None:
                 continue
             out.copy_ops.extend(copies)
-            self._schedule(seq, num_new, out, scheduled, draft)
-            budget -= num_new + len(draft)
+            self._schedule(seq, num_new, out, scheduled, draft, rerun)
+            if self.state_slots is not None:
+                if draft:  # a hybrid's state before the verify, restored if it rejects a draft
+                    self.state_slots.checkpoint(seq.seq_id)
+                if rerun:
+                    self.state_slots.rerun_scheduled(seq.seq_id)
+            budget -= rerun + num_new + len(draft)
         if not out.preempted:
             self._admit_waiting(out, budget, scheduled, admit)
         out.num_tokens = sum(s.num_scheduled for s in out.scheduled)
@@ -146,9 +156,10 @@ class Scheduler:
         if self.state_slots is not None:
             out.state_slots = self.state_slots.step_slots([s.seq.seq_id for s in out.scheduled])
             out.state_copies = self.state_slots.take_copies()
+            out.state_restores = self.state_slots.take_checkpoints()  # speculation's rollbacks and checkpoints
             if self.kv.snapshots is not None:
                 out.state_copies += self.kv.snapshots.take_saves()
-                out.state_restores = self.kv.snapshots.take_restores()
+                out.state_restores += self.kv.snapshots.take_restores()
         if out.scheduled:  # pages move only with a step that runs (a step without work allocated nothing)
             out.kv_transfers = self.kv.take_transfers()
         return out
@@ -161,6 +172,11 @@ class Scheduler:
             return num_new
         point = snapshots.next_point(len(seq.prompt_token_ids), computed)
         return num_new if point is None else min(num_new, point - computed)
+
+    def _rerun(self, seq: TokenSequence) -> int:
+        """Tokens before the computed ones that `seq`'s next chunk recomputes for its linear layers' state (a hybrid
+        whose last verify rejected a draft, `paged_jax.kv_cache.state_pool`); 0 otherwise."""
+        return 0 if self.state_slots is None else self.state_slots.rerun_tokens(seq.seq_id)
 
     def _save_snapshot(self, seq: TokenSequence, start: int, end: int) -> None:
         """After a chunk [start, end) that ends at a snapshot point, snapshot the sequence's state there."""
@@ -277,13 +293,19 @@ class Scheduler:
             seq.lora_slot = 0
 
     def _schedule(
-        self, seq: TokenSequence, num_new: int, out: SchedulerOutput, scheduled: set[str], draft: Sequence[int] = ()
+        self,
+        seq: TokenSequence,
+        num_new: int,
+        out: SchedulerOutput,
+        scheduled: set[str],
+        draft: Sequence[int] = (),
+        rerun: int = 0,
     ) -> None:
         """Record `num_new` tokens (and `draft`) of `seq`, already allocated (so its computed count already
-        includes the new tokens)."""
+        includes the new tokens), after the `rerun` computed tokens before them its state recomputes."""
         scheduled.add(seq.seq_id)
         end = self.kv.num_computed_tokens(seq.seq_id)
-        item = ScheduledSeq(seq, end - num_new, num_new, list(draft))
+        item = ScheduledSeq(seq, end - num_new - rerun, num_new + rerun, list(draft), rerun=rerun)
         if seq.needs_prompt_logprobs:
             assert item.start <= seq.prompt_logprobs_done, (item.start, seq.prompt_logprobs_done)
             stop = min(end, len(seq.prompt_token_ids) - 1)

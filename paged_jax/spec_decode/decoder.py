@@ -4,7 +4,9 @@ metrics after it.
 Each step (all tokens on the host): `propose` asks the proposer for drafts for every running, decoding sequence
 that is speculating, at most k and never past its `max_tokens` or the model length, and leaves them on the
 sequence for the scheduler. After the step, `settle` counts what each verified sequence kept (the engine has
-appended the kept tokens) and rolls its KV back to them (`KVCacheManager.accept_drafts`).
+appended the kept tokens) and rolls its KV back to them (`KVCacheManager.accept_drafts`); a linear-attention
+hybrid's recurrent state, which cannot be cut back, is restored from a checkpoint taken before the verify and its
+next step re-runs the kept tokens (`paged_jax.kv_cache.state_pool`).
 
 With `adaptive_k` each sequence drafts `draft_len` tokens at most (k at first): after a verify that kept all its
 drafts it doubles (up to k), after one that rejected some it is the drafts kept + 1 (a copy that resumes after an
@@ -35,7 +37,7 @@ from paged_jax.worker.spec_verify import REJECTED
 if TYPE_CHECKING:
     import numpy as np
 
-    from paged_jax.kv_cache import KVCacheManager
+    from paged_jax.kv_cache import KVCacheManager, StateSlots
     from paged_jax.sched.output import SchedulerOutput
     from paged_jax.sched.sequence import TokenSequence
 
@@ -149,9 +151,13 @@ class SpecDecoder:
             if state.misses >= self.config.max_misses:
                 self._pause(seq, state, doubling=False)
 
-    def settle(self, sched: SchedulerOutput, tokens: np.ndarray, kv: KVCacheManager) -> None:
+    def settle(
+        self, sched: SchedulerOutput, tokens: np.ndarray, kv: KVCacheManager, state_slots: StateSlots | None = None
+    ) -> None:
         """After the engine appended the kept tokens of `sched` (`tokens` [R]: REJECTED where not kept): count each
-        verified sequence's kept drafts and roll its KV back to them."""
+        verified sequence's kept drafts and roll its KV back to them. A linear-attention hybrid (`state_slots`)
+        that rejected a draft also rolls its state back to before the verify, to re-run the verify's tokens and
+        the kept drafts in its next step (`paged_jax.kv_cache.state_pool`)."""
         first_row: dict[int, int] = {}
         for r, row in enumerate(sched.sample_rows):
             if not row.draft_prefix:
@@ -172,6 +178,8 @@ class SpecDecoder:
             state.draft_len = next_draft_len(k, kept, self.config.num_speculative_tokens)
             if not seq.finished and seq.seq_id in kv:
                 kv.accept_drafts(seq.seq_id, kept, seq.all_token_ids)
+                if state_slots is not None and kept < k:
+                    state_slots.rollback(seq.seq_id, item.num_new + kept)
                 cfg = self.config
                 if state.proposed >= cfg.probe_tokens and state.accepted < cfg.min_acceptance_rate * state.proposed:
                     self._pause(seq, state)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from paged_jax.config import LINEAR_ATTENTION_TYPES
 from paged_jax.kv_cache import KVCacheManager
 from paged_jax.model.loader.weights import load_weights
 from paged_jax.sched.output import SampleRow, ScheduledSeq, SchedulerOutput
@@ -44,7 +45,10 @@ log = logging.getLogger(__name__)
 
 
 def check_draft(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:
-    """The draft must read and write the target's token ids and reach the engine's length."""
+    """The draft must read and write the target's token ids and reach the engine's length, and keep no recurrent
+    state (its proposer has no state slots)."""
+    if draft.model_type in LINEAR_ATTENTION_TYPES:
+        raise ValueError(f"speculative_config.model: a {draft.model_type!r} draft keeps a recurrent state, unsupported")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, the target's "

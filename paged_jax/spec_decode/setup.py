@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from paged_jax.config import LINEAR_ATTENTION_TYPES, ConfigError
 from paged_jax.config.speculative import SpeculativeConfig
 from paged_jax.spec_decode.decoder import SpecDecoder
 from paged_jax.spec_decode.ngram import NgramProposer
@@ -20,6 +21,9 @@ def make_spec_decoder(
     """The decoder with its proposer; a draft model is loaded and checked against the target here (its KV pool
     has `num_pages`, the target's, unless the config says `draft_num_pages`)."""
     proposer: Proposer
+    if spec.method == "draft_model" and target.model_type in LINEAR_ATTENTION_TYPES:
+        name = target.model_type
+        raise ConfigError(f'speculative_config.method: "draft_model" is not supported for {name!r}; use "ngram"')
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
     else:

@@ -103,8 +103,8 @@ def kv_capacity_pages(
     scale rows of quantized pages, padded to whole lanes on TPU: `paged_jax.model.quant.kv_bytes_per_page`).
 
     A linear-attention hybrid's budget is one budget split in two: its recurrent-state pool first (fixed:
-    `max_num_seqs` + 1 slots and the prefix cache's snapshot rows, `paged_jax.worker.linear_state.state_pool_bytes`),
-    the rest for pages of its full-attention layers only.
+    `max_num_seqs` + 1 slots, the prefix cache's snapshot rows and speculation's checkpoint rows,
+    `paged_jax.worker.linear_state.state_pool_bytes`), the rest for pages of its full-attention layers only.
 
     With tensor parallelism each of the `kv_shards` chips holds 1 / kv_shards of every page (of the config
     the runner uses, KV heads replicated), and the budget is that of one chip (`device`).
@@ -117,7 +117,8 @@ def kv_capacity_pages(
         return ec.num_pages
     slabs, groups = (None, 1) if layout is None else (layout.slots_per_page, len(layout.groups))
     snapshots = (ec.state_snapshots or ec.max_num_seqs) if ec.enable_prefix_caching else 0
-    state_bytes = state_pool_bytes(config, ec.max_num_seqs, snapshots)
+    checkpoints = ec.max_num_seqs if ec.speculative is not None else 0  # a row per slot to restore after a rejection
+    state_bytes = state_pool_bytes(config, ec.max_num_seqs, snapshots + checkpoints)
     if state_bytes:  # a linear-attention hybrid: pages only for its full-attention layers
         slabs = config.num_kv_layers
     stats = memory_stats

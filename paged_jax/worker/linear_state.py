@@ -41,8 +41,8 @@ def state_bytes_per_slot(config: ModelConfig) -> int:
 
 
 def state_pool_bytes(config: ModelConfig, max_num_seqs: int, num_snapshots: int = 0) -> int:
-    """The whole pool: `max_num_seqs` slots, the null slot and `num_snapshots` snapshot rows (0 for a model
-    without linear layers)."""
+    """The whole pool: `max_num_seqs` slots, the null slot and `num_snapshots` rows after them (prefix-cache
+    snapshots, speculation checkpoints) (0 for a model without linear layers)."""
     return state_bytes_per_slot(config) * (max_num_seqs + 1 + num_snapshots) if num_linear_layers(config) else 0
 
 

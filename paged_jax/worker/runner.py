@@ -131,21 +131,12 @@ class StepResult:
 
 
 def _check_linear_hybrid(
-    config: ModelConfig,
-    mesh: jax.sharding.Mesh | None,
-    num_speculative_tokens: int,
-    scan_layers: str,
-    kv_layout: KVLayout | None,
+    config: ModelConfig, mesh: jax.sharding.Mesh | None, scan_layers: str, kv_layout: KVLayout | None
 ) -> None:
     """What a linear-attention hybrid's runner does not support, refused by the field that asks for it."""
     name = config.model_type
     if mesh is not None:
         raise ConfigError(f"tensor_parallel_size: {name!r} runs on one device (its state pool is not sharded yet)")
-    if num_speculative_tokens:
-        raise ConfigError(
-            f"speculative_config: speculative decoding is not supported for {name!r} (a rejected draft would "
-            "leave its tokens in the linear layers' recurrent state)"
-        )
     if scan_layers == "on":
         raise ConfigError(f"scan_layers: {name!r}'s linear and full-attention layers differ, so it runs unrolled")
     if kv_layout is not None and len(kv_layout.groups) > 1:
@@ -169,7 +160,7 @@ class ModelRunner:
     `slots_per_page` layer slabs and each group's layers read their own block table; several groups need the
     scanned decoder. None: one group, every layer's slab in every page.
     `num_state_snapshots`: a linear-attention hybrid's snapshot rows after its `max_num_seqs` + 1 state slots
-    (`paged_jax.kv_cache.state_snapshots`).
+    (`paged_jax.kv_cache.state_snapshots`); with speculation `max_num_seqs` checkpoint rows follow them.
     `executable_store`: a directory of serialized executables (`paged_jax.worker.executable_store`) that
     compiling looks in first and writes to; None: off (an abstract runner never uses one).
     """
@@ -198,9 +189,11 @@ class ModelRunner:
     ) -> None:
         self.linear = config.model_type in LINEAR_ATTENTION_TYPES  # linear layers keep a recurrent-state pool
         if self.linear:
-            _check_linear_hybrid(config, mesh, num_speculative_tokens, scan_layers, kv_layout)
-        # rows of each linear layer's state arrays: the slots (`paged_jax.kv_cache.state_pool`), then the snapshots
-        self.num_state_slots = max_num_seqs + 1 + num_state_snapshots if self.linear else 0
+            _check_linear_hybrid(config, mesh, scan_layers, kv_layout)
+        # rows of each linear layer's state arrays: the slots (`paged_jax.kv_cache.state_pool`), the snapshots, then
+        # with speculation one checkpoint row per slot
+        checkpoints = max_num_seqs if num_speculative_tokens else 0
+        self.num_state_slots = max_num_seqs + 1 + num_state_snapshots + checkpoints if self.linear else 0
         self.config = config
         self.abstract = abstract
         self.lora = lora

@@ -111,6 +111,9 @@ def build_step_inputs(
     cu[num_seqs + 1 :] = off
     pos = positions[:off]
     slots[:, :off] = tables[:, seq_of_token[:off], pos // page_size] * page_size + pos % page_size
+    for i, item in enumerate(sched.scheduled):
+        if item.rerun:  # recomputed for a hybrid's state: their KV is in the pages already (`ScheduledSeq`)
+            slots[:, cu[i] : cu[i] + item.rerun] = -1
     logits_indices = np.zeros(s, np.int32)
     for r, row in enumerate(sched.sample_rows):
         logits_indices[r] = cu[row.index + 1] - 1 - len(sched.scheduled[row.index].draft) + len(row.draft_prefix)

@@ -55,7 +55,7 @@ class StepPlan:
     pool: PoolRows | None = None
     bitmask: np.ndarray | None = field(default=None)  # [R, ceil(V / 32)] i32 structured-output rows (sampling)
     state: StateMeta | None = None  # a linear-attention hybrid's state rows (`paged_jax.worker.linear_state`)
-    state_restores: list[StateCopy] = field(default_factory=list)  # snapshot -> slot copies, before the forward step
+    state_restores: list[StateCopy] = field(default_factory=list)  # copied before the forward step
     state_copies: list[StateCopy] = field(default_factory=list)  # forks and snapshots, after the forward step
 
 

@@ -65,3 +65,36 @@ def test_snapshot_points_lookup_and_lifetime():
     snaps.clear()
     assert snaps.num_cached == 0
     snaps.check()
+
+
+def test_speculation_checkpoints_rollbacks_and_reruns():
+    """A verify's checkpoint (slot -> its row after the snapshots), a rejection's rollback (row -> slot) with the
+    tokens to re-run, both dropped with the slot; no checkpoint over a pending rollback; broken records caught."""
+    slots = StateSlots(3, checkpoint_row=6)  # rows: null, 3 slots, 2 snapshot rows, then 3 checkpoints
+    a, b = slots.acquire("a"), slots.acquire("b")
+    slots.checkpoint("a")
+    slots.checkpoint("b")
+    assert slots.take_checkpoints() == [StateCopy(a, 6 + a - 1), StateCopy(b, 6 + b - 1)]
+    assert slots.take_checkpoints() == []  # once
+    slots.rollback("a", 3)
+    assert slots.rerun_tokens("a") == 3 and slots.rerun_tokens("b") == 0 and slots.num_rollbacks == 1
+    with pytest.raises(ValueError, match="a checkpoint while its state is behind"):
+        slots.checkpoint("a")
+    with pytest.raises(ValueError, match="a rollback of 2 tokens"):
+        slots.rollback("a", 2)  # one pending already
+    assert slots.take_checkpoints() == [StateCopy(6 + a - 1, a)]
+    slots.rerun_scheduled("a")
+    assert slots.rerun_tokens("a") == 0
+    slots.rollback("b", 1)
+    slots.release("b")  # it stopped before its rollback ran: nothing to copy, nothing to re-run
+    assert slots.take_checkpoints() == [] and slots.rerun_tokens("b") == 0
+    check_state_slots(slots, ["a"])
+    slots._rerun["gone"] = 1  # a broken table: a re-run of a sequence without a slot
+    with pytest.raises(RuntimeError, match="rollbacks of sequences without a slot"):
+        slots.check()
+    plain = StateSlots(2)
+    plain.acquire("x")
+    with pytest.raises(RuntimeError, match="only with speculative decoding"):
+        plain.checkpoint("x")
+    with pytest.raises(ValueError, match="checkpoint_row: must follow"):
+        StateSlots(3, checkpoint_row=3)

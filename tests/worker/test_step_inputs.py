@@ -89,6 +89,20 @@ def test_a_prompt_chunk_samples_nothing_and_forked_children_share_the_leaders_ro
     assert (x.slot_mapping[28:] == -1).all() and not x.has_pending
 
 
+def test_a_hybrids_rerun_tokens_write_no_kv():
+    """A re-run after a rejected draft (`ScheduledSeq.rerun`): positions 9-11 are recomputed for the state, read
+    from the pages as they are (slot -1: nothing written), the new token at 12 is written and samples."""
+    a = seq("a", list(range(10)), [50, 51, 52])
+    b = seq("b", [1, 2, 3], [60])
+    sched = step(
+        [ScheduledSeq(a, 9, 4, rerun=3), ScheduledSeq(b, 3, 1)], [SampleRow(a, 0), SampleRow(b, 1)], [[[3, 5], [7]]]
+    )
+    x = build_step_inputs(sched, t=8, s=4, page_size=PS, max_blocks=2)
+    assert x.token_ids[:5].tolist() == [9, 50, 51, 52, 60] and x.positions[:5].tolist() == [9, 10, 11, 12, 3]
+    assert x.slot_mapping.tolist() == [-1, -1, -1, 44, 59, -1, -1, -1]  # page 5 offset 4; page 7 offset 3
+    assert x.kv_lens[:2].tolist() == [13, 4] and x.logits_indices[:2].tolist() == [3, 4]
+
+
 def test_a_step_larger_than_its_buckets_is_refused():
     a = seq("a", list(range(20)))
     with pytest.raises(ValueError, match="does not fit buckets"):
