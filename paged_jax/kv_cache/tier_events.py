@@ -12,7 +12,9 @@ The disk tier behind the host tier (`paged_jax.kv_cache.disk_tier`) changes on i
 written and dropped files is collected on the engine thread (``poll_disk``) and reported with ``tier="disk"``.
 ``on_disk`` is what the observer was told the disk holds: a file is reported once its origin is known, so a file
 found at start-up (a previous run's: the file keeps no tokens) is reported the first time a request's blocks name
-it (``remember``), and a file is reported removed only if it was reported stored.
+it (``remember``), and a file is reported removed only if it was reported stored. A block that left every tier
+before its file was written (its write still pending, the host tier's slots all pinned) has no origin left, so its
+file is not reported.
 
 Keys here are the manager's cache keys (`KVCacheManager.cache_key`: the block hash, plus the group index past
 group 0); the observer is told (group, block hash), as for device blocks.
