@@ -293,6 +293,8 @@ class EngineLoop:
                 # engine's state then) instead of spinning on empty steps.
                 self._drain(block=stalled or not engine.has_unfinished())
                 if self._stop or not engine.has_unfinished():
+                    if self.kv_events is not None:  # idle: publish what the disk tier wrote behind the last step
+                        self.kv_events.flush()
                     continue
                 launched = engine.num_launched
                 outputs = engine.step()

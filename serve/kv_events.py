@@ -264,7 +264,8 @@ def attach(engine: Engine, config: KVEventsConfig) -> KVEventHub:
 class KVEventHub:
     """Records every replica's cache changes and hands each step's batch to the ZMQ publishers and gRPC subscribers.
 
-    `flush` runs on the engine thread after each step (and after a cache reset); `subscribe` on the event loop."""
+    `flush` runs on the engine thread after each step, after a cache reset and while the engine is idle (a disk
+    tier's files are written behind, after the step that computed them); `subscribe` on the event loop."""
 
     def __init__(
         self,
@@ -277,6 +278,7 @@ class KVEventHub:
             EventRecorder(m.page_size, m.groups, lora_lookup=lookup, data_parallel_rank=rank)
             for rank, (m, lookup) in enumerate(zip(managers, lookups, strict=True))
         ]
+        self.managers = list(managers)
         for manager, recorder in zip(managers, self.recorders, strict=True):
             manager.set_observer(recorder)
         self.publishers = (
@@ -290,6 +292,7 @@ class KVEventHub:
 
     def flush(self) -> None:
         for rank, recorder in enumerate(self.recorders):
+            self.managers[rank].poll_disk_tier()  # the disk tier's writes since the last flush
             batch = recorder.take()
             if batch is None:
                 continue

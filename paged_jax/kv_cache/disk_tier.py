@@ -17,6 +17,11 @@ counted, never used; a good one is kept in memory (``take``) until the manager m
 The directory is bounded (``max_bytes``): past it, the least recently used files (by modification time, which a
 read refreshes) are deleted. A fault (an unwritable directory, a full disk) is logged once, counted
 (``write_errors``), and the tier keeps serving what it can read; nothing else changes.
+
+With ``record_changes`` on (a cache observer is attached: `paged_jax.kv_cache.tier_events`), every key that enters
+the index (a file written) or leaves it (evicted, or rejected on read) is logged in order, on whichever thread
+changed it, until the engine thread collects the log (``take_changes``) and reports it as KV events. The index is
+this process's: files another process sharing the directory writes or deletes are not in it.
 """
 
 from __future__ import annotations
@@ -129,6 +134,9 @@ class DiskTier:
         self.hits = self.writes = self.rejected = self.write_errors = self.evictions = 0
         self._lock = threading.Lock()  # files / total_bytes, shared with the writer thread
         self._queued: set[BlockHash] = set()
+        self.record_changes = False
+        """Log the index's changes for ``take_changes`` (off: nothing is kept)."""
+        self._changes: list[tuple[BlockHash, bool]] = []  # (key, entered) in order; guarded by _lock
         self._queue: queue.Queue[tuple[BlockHash, list[np.ndarray]] | None] = queue.Queue(maxsize=4096)
         self._warned = False
         self._scan()
@@ -160,6 +168,18 @@ class DiskTier:
         """Whether a file for ``key`` exists (or is queued), without reading it."""
         with self._lock:
             return key in self.files or key in self._queued
+
+    def holds(self, key: BlockHash) -> bool:
+        """Whether ``key``'s file is in the index (written, not queued)."""
+        with self._lock:
+            return key in self.files
+
+    def take_changes(self) -> list[tuple[BlockHash, bool]]:
+        """The index's changes since the last call, in order: ``(key, True)`` a file written, ``(key, False)`` one
+        evicted or rejected (logged only while ``record_changes`` is on)."""
+        with self._lock:
+            out, self._changes = self._changes, []
+        return out
 
     def take(self, key: BlockHash) -> list[np.ndarray]:
         """The verified arrays of a block ``__contains__`` answered True for (moved out of the read cache)."""
@@ -255,6 +275,8 @@ class DiskTier:
             size = self.files.pop(key, None)
             if size is not None:
                 self.total_bytes -= size
+                if self.record_changes:
+                    self._changes.append((key, False))
 
     def _write_loop(self) -> None:
         while True:
@@ -289,11 +311,15 @@ class DiskTier:
             if key not in self.files:
                 self.files[key] = len(data)
                 self.total_bytes += len(data)
+                if self.record_changes:
+                    self._changes.append((key, True))
             victims = []
             while self.total_bytes > self.max_bytes and len(self.files) > 1:
                 old, size = self.files.popitem(last=False)
                 self.total_bytes -= size
                 victims.append(old)
+                if self.record_changes:
+                    self._changes.append((old, False))
         for old in victims:
             self.evictions += 1
             try:

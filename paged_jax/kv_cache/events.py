@@ -10,10 +10,11 @@ vLLM's `ExternalBlockHash` is `bytes | int`, bytes by default), `parent_block_ha
 before the run, `token_ids` the run's tokens, `block_size` the page size, `group_idx` the KV cache group (with
 the group's kind and window on stored events, as vLLM annotates them), `medium` the tier holding the pages
 ("GPU", vLLM's name for the accelerator's memory, whatever the accelerator; "CPU" for the host tier, as vLLM's
-offloading connector names its CPU blocks), and for a request with a LoRA adapter `lora_id` / `lora_name` (its
-`lora_int_id` and name) from the adapter lookup the engine provides. A block the host tier takes is published
-with its parent hash and tokens like a device block (vLLM's offloading connector sends none; a router that keys
-its index by the tokens, as vLLM's router does, can place a host-tier block only with them).
+offloading connector names its CPU blocks; "STORAGE", vLLM's `MEDIUM_STORAGE`, for the disk tier), and for a
+request with a LoRA adapter `lora_id` / `lora_name` (its `lora_int_id` and name) from the adapter lookup the
+engine provides. A block the host or disk tier takes is published with its parent hash and tokens like a device
+block (vLLM's offloading connector sends none; a router that keys its index by the tokens, as vLLM's router does,
+can place a host- or disk-tier block only with them).
 ``extra_keys`` lists, per block, the keys hashed into it beyond its tokens: the first block of a prompt carries
 the request's cache salt and adapter digest, every later one none (None).
 """
@@ -32,7 +33,9 @@ MEDIUM_DEVICE = "GPU"
 """vLLM's `MEDIUM_GPU`: the accelerator's memory."""
 MEDIUM_HOST = "CPU"
 """vLLM's offloading connector's medium for blocks in host memory: the host tier."""
-MEDIA: dict[Tier, str] = {"device": MEDIUM_DEVICE, "host": MEDIUM_HOST}
+MEDIUM_DISK = "STORAGE"
+"""vLLM's `MEDIUM_STORAGE` (its file-system offloading tier's blocks): the disk tier."""
+MEDIA: dict[Tier, str] = {"device": MEDIUM_DEVICE, "host": MEDIUM_HOST, "disk": MEDIUM_DISK}
 
 LoraLookup = Callable[[tuple[str, ...]], "tuple[int, str] | None"]
 """A request's extra hash keys -> its adapter's (lora_int_id, name), None without an adapter."""

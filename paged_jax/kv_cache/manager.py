@@ -174,6 +174,15 @@ class KVCacheManager:
             tier = self.host_tier
             self._tier_reporter = None if observer is None else TierReporter(observer, tier, self.pool.cached)
             tier.on_change = None if self._tier_reporter is None else self._tier_reporter.changed
+            if tier.disk is not None:
+                tier.disk.record_changes = observer is not None
+                tier.disk.take_changes()  # a log from before this observer describes nothing it was told
+
+    def poll_disk_tier(self) -> None:
+        """Report the disk tier's files written and dropped since the last call (its writer thread's work) to the
+        observer; on the engine thread, before a step's events are collected (`paged_jax.kv_cache.tier_events`)."""
+        if self._tier_reporter is not None:
+            self._tier_reporter.poll_disk()
 
     def _evicted(self, key: BlockHash, page_id: int) -> None:
         """A cache entry the pool evicted from the device: reported to the observer as (group, block hash) (keys

@@ -9,7 +9,10 @@ device evicted is stored there (right after its device removal), and removed whe
 restore leaves it there (the tier is inclusive) and stores it on the device again. Replaying the calls in order
 rebuilds both key sets exactly: an entry is reported stored once per tier, when it enters, and removed once, when
 it leaves; after ``cleared`` (every device entry dropped) the host tier's entries are stored again, so a consumer
-that drops every tier on a clear loses none.
+that drops every tier on a clear loses none. With a disk tier behind the host tier
+(`paged_jax.kv_cache.disk_tier`) ``tier="disk"`` tells its files the same way: a block is stored there once its
+file is written (on the writer thread, reported at the engine thread's next collection), removed when the file
+is evicted or found bad, and stored again after ``cleared`` (the files stay).
 
 The observer runs on the engine's thread inside the manager's calls, so it must only record (never block, never
 call back into the manager); `paged_jax.kv_cache.events` records them as vLLM's KV events.
@@ -22,8 +25,8 @@ from typing import Literal, Protocol
 
 from paged_jax.kv_cache.hashing import BlockHash
 
-Tier = Literal["device", "host"]
-"""Where an entry lives: the device's pages or the host tier's slots."""
+Tier = Literal["device", "host", "disk"]
+"""Where an entry lives: the device's pages, the host tier's slots or the disk tier's files."""
 
 
 class CacheObserver(Protocol):

@@ -1,13 +1,14 @@
 """A fleet of `paged-jax serve` replicas behind vLLM's router: prefix-aware (its `kv_aware` policy, routing on the
-replicas' KV events) against `round_robin`, on a multi-tenant workload.
+replicas' KV events) against `round_robin`, on a multi-tenant workload; or behind SGLang's router
+(``--router-kind sglang``: its `cache_aware` policy, a tree of the prompts it routed, no events).
 
 Each policy gets a fresh fleet: N servers publishing KV events (`--kv-events-config`) and one `vllm-router`
 (`pip install vllm-router`; give its binary with --router) subscribed to them. The workload: `--tenants` system
 prompts of `--system-chars` characters, each followed by `--users` users' short questions, sent one at a time
 through the router in a shuffled order (so round-robin spreads a tenant over the replicas) as streaming
 completions. Reported per policy: the prefix-cache hit rate (cached prompt tokens / prompt tokens, from each
-reply's usage), time to first token p50/p99, requests/s, and whether every reply's text equals the other
-policy's (greedy).
+reply's usage), time to first token p50/p99, requests/s, the requests each replica served, and whether every
+reply's text equals round-robin's (greedy); then the machine's load average.
 
     .venv/bin/python scripts/bench/bench_fleet.py --router /path/to/vllm-router [--replicas 4] [--model tiny]
 
@@ -36,6 +37,7 @@ import numpy as np
 from paged_jax.kv_cache.hashing import BlockHasher
 
 ROOT = Path(__file__).resolve().parents[2]
+READY = {"vllm": r"Starting server on", "sglang": r"Starting server on"}  # the router's log line once it listens
 
 
 def start_server(model: str, i: int, base: int, extra: list[str]) -> tuple[subprocess.Popen, int, int]:
@@ -195,7 +197,8 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
         for proc, port, _ in servers:
             wait_for(proc, r"OpenAI API on", f"server on {port}")
         urls = [f"http://127.0.0.1:{port}" for _, port, _ in servers]
-        cmd = [args.router, "--host", "127.0.0.1", "--port", str(args.router_port), "--policy", policy]
+        launcher = [args.router] if args.router_kind == "vllm" else [args.router, "-m", "sglang_router.launch_router"]
+        cmd = [*launcher, "--host", "127.0.0.1", "--port", str(args.router_port), "--policy", policy]
         cmd += ["--worker-urls", *urls, "--prometheus-port", str(args.router_port + 1), *shlex.split(args.router_args)]
         if policy == "kv_aware":
             cmd += ["--kv-event-model", args.model, "--kv-event-block-size", str(args.page_size)]
@@ -204,7 +207,7 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
                 cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{zmq_port + 50}"]
         env = dict(os.environ, RUST_LOG="debug") if args.router_log else None
         router = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        wait_for(router, r"Starting server on", "vllm-router")
+        wait_for(router, READY[args.router_kind], f"{args.router_kind} router")
         drain(router, args.router_log)
         for proc, _, _ in servers:
             drain(proc, None)
@@ -220,6 +223,7 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
             hasher = BlockHasher(args.page_size)
             token_ids = [tokenize(servers[0][1], p) for p in prompts]
             time.sleep(1.0)
+        served_before = [served_requests(port) for _, port, _ in servers]
         t0 = time.perf_counter()
         for k, prompt in enumerate(prompts):
             if trace is not None:
@@ -243,6 +247,7 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
             prompt_tokens += n
             cached += c
         seconds = time.perf_counter() - t0
+        per_replica = [served_requests(port) - b for (_, port, _), b in zip(servers, served_before, strict=True)]
         routed = router_metrics(args.router_port + 1)
         if trace is not None:
             trace.close()
@@ -260,12 +265,23 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
                     proc.kill()
     p50, p99 = np.percentile(ttfts, [50, 99]) * 1e3
     return {"routed": routed, "hit_rate": cached / prompt_tokens, "ttft_p50_ms": p50, "ttft_p99_ms": p99,
-            "req_s": len(prompts) / seconds, "texts": texts}  # fmt: skip
+            "req_s": len(prompts) / seconds, "texts": texts, "per_replica": per_replica}  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--router", default=shutil.which("vllm-router"), help="the vllm-router binary")
+    ap.add_argument(
+        "--router",
+        default=shutil.which("vllm-router"),
+        help="the vllm-router binary (with --router-kind sglang: a Python that has sglang-router)",
+    )
+    ap.add_argument(
+        "--router-kind",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="vllm: vLLM's router (round_robin, kv_aware, cache_aware); sglang: SGLang's (`pip install sglang-router`; "
+        "round_robin, cache_aware)",
+    )
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--tenants", type=int, default=8)
@@ -303,19 +319,22 @@ def main() -> int:
           f"{args.system_chars}-{longest}-char system prompts ({int(sizes.sum())} chars in all), "
           f"{len(prompts)} requests one at a time, server args {' '.join(args.server_args)}, "
           f"router args {args.router_args or '(none)'}")  # fmt: skip
-    print(f"{'policy':12s} {'hit rate':>9s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'req/s':>7s}")
+    print(f"{'policy':12s} {'hit rate':>9s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'req/s':>7s}  requests per replica")
     for p, r in results.items():
-        print(f"{p:12s} {r['hit_rate']:9.1%} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:8.1f}ms {r['req_s']:7.2f}")
+        print(f"{p:12s} {r['hit_rate']:9.1%} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:8.1f}ms {r['req_s']:7.2f}  "
+              f"{' / '.join(str(int(n)) for n in r['per_replica'])}")  # fmt: skip
+    print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for p, r in results.items():
         for line in r["routed"]:
             print(f"  {p} router: {line}")
-    if {"round_robin", "kv_aware"} <= results.keys():
-        rr, kv = results["round_robin"], results["kv_aware"]
-        same = rr["texts"] == kv["texts"]
-        hit_x = kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
-        ttft_x = rr["ttft_p50_ms"] / kv["ttft_p50_ms"]
-        print(f"kv_aware vs round_robin: {hit_x:.2f}x the hit rate (goal >= 3x), {ttft_x:.2f}x lower TTFT p50 "
-              f"(goal >= 2x), same outputs: {same}")  # fmt: skip
+    for aware in ("kv_aware", "cache_aware"):
+        if {"round_robin", aware} <= results.keys():
+            rr, kv = results["round_robin"], results[aware]
+            same = rr["texts"] == kv["texts"]
+            hit_x = kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+            ttft_x = rr["ttft_p50_ms"] / kv["ttft_p50_ms"]
+            print(f"{aware} vs round_robin: {hit_x:.2f}x the hit rate (goal >= 3x), {ttft_x:.2f}x lower TTFT p50 "
+                  f"(goal >= 2x), same outputs: {same}")  # fmt: skip
     return 0
 
 

@@ -1,13 +1,15 @@
 """The prefix cache's observer: replaying the recorded events rebuilds the cache map's keys exactly (and, with a
-host tier, the tier's keys too)."""
+host tier and a disk tier, the tiers' keys too)."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from paged_jax.kv_cache import FULL, HostTier, KVCacheManager, KVGroup, SwapCosts, SwapSpace
+from paged_jax.kv_cache import FULL, BlockHash, DiskTier, HostTier, KVCacheManager, KVGroup, SwapCosts, SwapSpace
+from paged_jax.kv_cache.disk_tier import encode
 from paged_jax.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventRecorder, KVEventBatch
 from paged_jax.kv_cache.hashing import HASH_BYTES, BlockHasher
 from paged_jax.kv_cache.tier_events import split_cache_key
@@ -238,3 +240,81 @@ def test_a_swapped_in_request_reports_its_blocks_cached_again():
     assert swap.swap_in("a", a)
     step()
     assert {h for _, h in index["GPU"]} >= set(m.requests["a"].block_hashes[:2])
+
+
+DISK_LAYOUT = [((2, 8), np.dtype(np.float32))]  # one stand-in page per block (the worker's copy is not run here)
+
+
+def disk_sets(m: KVCacheManager) -> dict[str, set[tuple[int, bytes]]]:
+    """The manager's block sets per medium with a disk tier: the device's, the host tier's and the disk's files."""
+    assert m.host_tier is not None and m.host_tier.disk is not None
+    files = {(g, bytes(h)) for g, h in map(split_cache_key, m.host_tier.disk.files)}
+    return {**tier_sets(m), "STORAGE": files}
+
+
+def run_disk_step(m: KVCacheManager, recorder: EventRecorder, index: dict, hasher: BlockHasher) -> None:
+    """One step's copies as the worker runs them (every offload and persist written to the disk tier, here a
+    stand-in page), the writer thread finished, then the step's events collected and replayed."""
+    transfers = m.take_transfers()
+    disk = m.host_tier.disk
+    for copy in [] if transfers is None else transfers.offloads + transfers.persists:
+        if copy.key:
+            disk.put(BlockHash(copy.key), [np.full((2, 8), len(disk.files), np.float32)])
+    disk.flush()
+    m.poll_disk_tier()
+    batch = recorder.take()
+    if batch is not None:
+        replay_tiers(index, batch, hasher)
+
+
+def test_events_rebuild_the_disk_tier_through_writes_evictions_a_reset_and_a_restart(tmp_path):
+    """With a disk tier behind the host tier, the stream tells its files as medium STORAGE (vLLM's name): a file
+    is stored once written, removed when the size bound evicts it, and stored again after a reset (the files
+    stay); every stored block carries its parent hash and tokens. After every step the consumer's three sets
+    equal the device map, the tier's entries and the disk's files. A restarted manager over the same directory
+    reports a file found there the first time a prompt's blocks name it (a file keeps no tokens)."""
+    one_file = len(encode("fp", BlockHash(bytes(16)), [np.zeros((2, 8), np.float32)]))
+    disk = DiskTier(tmp_path, "fp", max_bytes=30 * one_file)
+    disk.bind(DISK_LAYOUT)
+    m = KVCacheManager(16, PS, host_tier=HostTier(6, disk))
+    recorder = EventRecorder(PS, m.groups)
+    m.set_observer(recorder)
+    hasher = BlockHasher(PS)
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(16, 41))] for _ in range(8)]
+    index: dict[str, set[tuple[int, bytes]]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+    live: list[str] = []
+    for step in range(200):
+        if step == 120:
+            for rid in live:
+                m.free(rid)
+            live.clear()
+            assert m.reset_prefix_cache()
+        elif live and (len(live) > 1 or rng.random() < 0.3):
+            m.free(live.pop(rng.randrange(len(live))))
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+            if m.admit(f"r{step}", tokens, len(tokens)) is not None:
+                live.append(f"r{step}")
+        run_disk_step(m, recorder, index, hasher)
+        assert index == disk_sets(m), f"step {step}"
+        reporter = m._tier_reporter
+        assert reporter.on_disk == disk.files.keys()
+        assert reporter.origins.keys() == m.pool.cached.keys() | m.host_tier.entries.keys() | disk.files.keys()
+    assert disk.evictions > 5 and disk.stats().hits > 0  # files evicted by the bound, and read back
+    disk.close()
+
+    restarted = DiskTier(tmp_path, "fp", max_bytes=30 * one_file)
+    restarted.bind(DISK_LAYOUT)
+    m2 = KVCacheManager(16, PS, host_tier=HostTier(6, restarted))
+    recorder2 = EventRecorder(PS, m2.groups)
+    m2.set_observer(recorder2)
+    index2: dict[str, set[tuple[int, bytes]]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+    found = set(restarted.files)
+    named = next(p for p in prefixes if m2.lookup_prefix(p + [0]) >= 2 * PS)  # a prompt whose blocks are on disk
+    assert m2.admit("again", named + [0], len(named) + 1) is not None
+    run_disk_step(m2, recorder2, index2, hasher)
+    assert index2["STORAGE"] and index2["STORAGE"] <= {(0, bytes(k)) for k in found}
+    assert {(0, bytes(h)) for h in m2.requests["again"].block_hashes[:2]} <= index2["STORAGE"] & index2["GPU"]
+    assert m2._tier_reporter.on_disk == {BlockHash(h) for _, h in index2["STORAGE"]}
+    restarted.close()

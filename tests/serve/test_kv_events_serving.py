@@ -142,10 +142,13 @@ def workload(client: Client) -> None:
             assert out.usage.completion_tokens == 6 or out.completions[0].text is not None
 
 
+TMP = "<tmp_path>"  # an engine option's value the `served` fixture replaces with the test's temporary directory
+
+
 @pytest.fixture
-def served(request):
+def served(request, tmp_path):
     """A server publishing KV events; ``request.param``: more engine options (indirect parametrization)."""
-    options = getattr(request, "param", {})
+    options = {k: str(tmp_path) if v == TMP else v for k, v in getattr(request, "param", {}).items()}
     engine = small_engine(num_pages=24, page_size=PAGE, max_num_batched_tokens=64, **options)
     config = KVEventsConfig(
         enable_kv_cache_events=True,
@@ -270,6 +273,53 @@ def test_zmq_stream_rebuilds_both_tiers_with_a_host_tier(served):
     assert index == {"GPU": cache_index(engine.kv), "CPU": host}
     assert set(counts) == {(k, m) for k in ("BlockStored", "BlockRemoved") for m in ("GPU", "CPU")}, counts
     assert tier.stats().hits > 0  # some blocks came back from the tier (GPU stored again)
+
+
+DISK_FILES = 12  # the disk tier's bound, in files of one page
+
+
+@pytest.mark.parametrize(
+    "served", [{"kv_disk_cache_dir": TMP, "kv_disk_cache_gib": DISK_FILES * (PAGE_BYTES + 512) / 2**30}], indirect=True
+)
+def test_zmq_stream_rebuilds_the_disk_tier_from_its_files(served):
+    """With a disk tier, the ZMQ stream (decoded with vLLM's structs) tells its files as medium "STORAGE" (vLLM's
+    `MEDIUM_STORAGE`): each stored once its file is written (published while the server is idle too: the files
+    are written behind the step), with its tokens, and removed when the size bound deletes it. A consumer keeping
+    one block set per medium ends with the files in the directory, and the device's and host tier's sets. ~15 s
+    here: the same 18 requests as the host-tier test."""
+    engine, hub, server = served
+    tier = engine.kv.host_tier
+    assert tier is not None and tier.disk is not None
+    publisher = hub.publishers[0]
+    sub = ZmqSubscriber(local(publisher.endpoint), local(publisher.replay_endpoint), b"kv@test")
+    with Client(server.target) as client:
+        workload(client)
+        wait_idle(engine, client)
+
+    def on_disk() -> set:
+        return {(0, bytes.fromhex(p.stem)) for p in tier.disk.dir.glob("*.kvb")}
+
+    def rebuilt() -> tuple[dict[str, set], dict[tuple[str, str], int]]:
+        sub.replay_from(max(sub.batches, default=-1) + 1)  # the batches published since the last look
+        index: dict[str, set] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+        counts: dict[tuple[str, str], int] = {}
+        for seq in sorted(sub.batches):
+            for e in DECODER.decode(sub.batches[seq]).events:
+                counts[type(e).__name__, e.medium] = counts.get((type(e).__name__, e.medium), 0) + len(e.block_hashes)
+                if isinstance(e, BlockStored):
+                    assert len(e.token_ids) == PAGE * len(e.block_hashes) and e.block_size == PAGE
+                    index[e.medium].update((e.group_idx, bytes(h)) for h in e.block_hashes)
+                else:
+                    index[e.medium].difference_update((e.group_idx, bytes(h)) for h in e.block_hashes)
+        return index, counts
+
+    tier.disk.flush()  # every file written; the idle engine loop publishes them within its poll
+    wait_until(lambda: rebuilt()[0]["STORAGE"] == on_disk(), "the disk tier's files in the stream")
+    sub.close()
+    index, counts = rebuilt()
+    assert index == {"GPU": cache_index(engine.kv), "CPU": {(0, bytes(k)) for k in tier.entries}, "STORAGE": on_disk()}
+    assert counts.get(("BlockStored", "STORAGE"), 0) > DISK_FILES and counts.get(("BlockRemoved", "STORAGE"), 0) > 0
+    assert 0 < len(index["STORAGE"]) <= DISK_FILES
 
 
 def test_reset_prefix_cache_route_clears_the_rebuilt_index(served):
