@@ -5,10 +5,10 @@ replicas' KV events) against `round_robin`, on a multi-tenant workload; or behin
 Each policy gets a fresh fleet: N servers publishing KV events (`--kv-events-config`) and one `vllm-router`
 (`pip install vllm-router`; give its binary with --router) subscribed to them. The workload: `--tenants` system
 prompts of `--system-chars` characters, each followed by `--users` users' short questions, sent one at a time
-through the router in a shuffled order (so round-robin spreads a tenant over the replicas) as streaming
-completions. Reported per policy: the prefix-cache hit rate (cached prompt tokens / prompt tokens, from each
-reply's usage), time to first token p50/p99, requests/s, the requests each replica served, and whether every
-reply's text equals round-robin's (greedy); then the machine's load average.
+(or `--concurrency` at a time) through the router in a shuffled order (so round-robin spreads a tenant over the
+replicas) as streaming completions. Reported per policy: the prefix-cache hit rate (cached prompt tokens /
+prompt tokens, from each reply's usage), time to first token p50/p99, requests/s, the requests each replica
+served, and whether every reply's text equals round-robin's (greedy); then the machine's load average.
 
     .venv/bin/python scripts/bench/bench_fleet.py --router /path/to/vllm-router [--replicas 4] [--model tiny]
 
@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,14 @@ def router_metrics(port: int) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("#") and any(k in line for k in keep)]
 
 
+def concurrent_streams(args, prompts: list[str]) -> tuple[list[float], list[str], int, int]:
+    """`--concurrency` clients sending the prompts in order through the router, each its next one as soon as
+    its last reply is done: (TTFTs, texts in prompt order, prompt tokens, cached prompt tokens)."""
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        replies = list(pool.map(lambda p: stream(args.router_port, args.model, p, args.max_tokens), prompts))
+    return [r[0] for r in replies], [r[1] for r in replies], sum(r[2] for r in replies), sum(r[3] for r in replies)
+
+
 def run_policy(args, policy: str, prompts: list[str]) -> dict:
     servers = [start_server(args.model, i, args.base_port, args.server_args) for i in range(args.replicas)]
     router = None
@@ -225,7 +234,9 @@ def run_policy(args, policy: str, prompts: list[str]) -> dict:
             time.sleep(1.0)
         served_before = [served_requests(port) for _, port, _ in servers]
         t0 = time.perf_counter()
-        for k, prompt in enumerate(prompts):
+        if args.concurrency > 1:
+            ttfts, texts, prompt_tokens, cached = concurrent_streams(args, prompts)
+        for k, prompt in enumerate(prompts if args.concurrency == 1 else []):
             if trace is not None:
                 hashes = hasher.extend([], token_ids[k], len(token_ids[k]) // args.page_size)
                 before = [served_requests(port) for _, port, _ in servers]
@@ -295,6 +306,7 @@ def main() -> int:
     ap.add_argument("--base-port", type=int, default=19000)
     ap.add_argument("--router-port", type=int, default=19400)
     ap.add_argument("--policies", default="round_robin,kv_aware")
+    ap.add_argument("--concurrency", type=int, default=1, help="clients sending at once (1: one at a time)")
     ap.add_argument("--trace", default=None, help="write the routing profile to FILE.<policy>.jsonl (docstring)")
     ap.add_argument("--trace-gap", type=float, default=0.0, help="seconds to wait after each traced request")
     ap.add_argument("--router-args", default="", help="more vllm-router flags in one string (--router-temperature 1)")
@@ -303,6 +315,8 @@ def main() -> int:
         "--server-args", nargs=argparse.REMAINDER, default=["--num-pages", "512", "--max-model-len", "2048"]
     )
     args = ap.parse_args()
+    if args.concurrency < 1 or (args.concurrency > 1 and args.trace):
+        raise SystemExit("--concurrency: at least 1, and 1 with --trace (the profile reads each request alone)")
     if not args.router:
         raise SystemExit("--router: vllm-router not found (pip install vllm-router)")
     rng = np.random.default_rng(0)
@@ -315,9 +329,10 @@ def main() -> int:
     ]
     prompts = [prompts[i] for i in rng.permutation(len(prompts))]  # no tenant lands on one replica by arithmetic
     results = {p: run_policy(args, p, prompts) for p in args.policies.split(",")}
+    pace = "one at a time" if args.concurrency == 1 else f"{args.concurrency} at a time"
     print(f"{args.replicas} replicas of {args.model}, {args.tenants} tenants x {args.users} users, "
           f"{args.system_chars}-{longest}-char system prompts ({int(sizes.sum())} chars in all), "
-          f"{len(prompts)} requests one at a time, server args {' '.join(args.server_args)}, "
+          f"{len(prompts)} requests {pace}, server args {' '.join(args.server_args)}, "
           f"router args {args.router_args or '(none)'}")  # fmt: skip
     print(f"{'policy':12s} {'hit rate':>9s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'req/s':>7s}  requests per replica")
     for p, r in results.items():
