@@ -7,12 +7,12 @@ float32 scale per token, KV head and K/V; see that module for the layout and why
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from paged_jax.config import KV_DTYPE_CHOICES, WEIGHT_QUANTIZATIONS, ModelConfig
 from paged_jax.model import cpu_weights
+from paged_jax.model.quantized_weight import QuantizedWeight, quantize_tokens, rescale
 from pallas_kernels import kv_quant
 
 
@@ -66,31 +66,6 @@ _CONTRACT_AXES = {
 
 def _is_matmul_weight(name: str, ndim: int, lm_head: bool) -> bool:
     return name in _CONTRACT_AXES and ndim >= 2 and (lm_head or name != "lm_head")
-
-
-@flax.struct.dataclass
-class QuantizedWeight:
-    """A weight kept quantized in memory: ``w ~= values * scale``, symmetric, one scale per output channel.
-
-    ``values`` has the float weight's shape (so Flax's shape check on ``self.param`` still holds); ``scale``
-    has the shape of its output (non-contracted, trailing) axes: ``[Hq, D]`` for q_proj ``[H, Hq, D]``,
-    ``[H]`` for o_proj ``[Hq, D, H]``, ``[I]`` for gate_proj ``[H, I]``. ``native_dot``: multiply as int8 x int8
-    with int32 accumulation (activations quantized per token on the fly) instead of casting the weight to the
-    activation dtype: the ``w8a8`` scheme (:func:`quantize_params`).
-    """
-
-    values: jax.Array  # int8 or float8_e4m3fn, the float weight's shape
-    scale: jax.Array  # float32, the weight's output axes
-    native_dot: bool = flax.struct.field(pytree_node=False, default=False)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
-
-    @property
-    def contract(self) -> int:
-        """How many leading axes the matmul contracts."""
-        return self.values.ndim - self.scale.ndim
 
 
 def quantize_weight(w: jax.Array, contract: int, quantization: str, native_dot: bool = False) -> QuantizedWeight:
@@ -153,14 +128,9 @@ def dot(x: jax.Array, w, contract: int = 1, preferred_element_type=None, batch: 
     if w.contract != contract:
         raise ValueError(f"weight contracts {w.contract} axes, the call {contract}")
     if w.native_dot:  # per-token int8 activations; int8 x int8 -> int32
-        k_axes = tuple(range(x.ndim - contract, x.ndim))
-        x32 = x.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x32), axis=k_axes, keepdims=True)
-        sx = jnp.where(amax > 0, amax / 127.0, 1.0)
-        xq = jnp.clip(jnp.round(x32 / sx), -127, 127).astype(jnp.int8)
+        xq, sx = quantize_tokens(x, contract)
         acc = _dot_general(xq, w.values, contract, batch, jnp.int32)
-        sx = sx.reshape(sx.shape[: x.ndim - contract] + (1,) * w.scale.ndim)
-        return (acc.astype(jnp.float32) * sx * w.scale).astype(out_dtype)
+        return rescale(acc, sx, w.scale, contract, out_dtype)
     acc = _dot_general(x, w.values.astype(x.dtype), contract, batch, jnp.float32)
     return (acc * w.scale).astype(out_dtype)
 

@@ -7,6 +7,11 @@ block (bfloat16: k-pairs interleaved per column, the ``vdpbf16ps`` operand), and
 byte once per call, sequentially, with register tiles of rows over a K block that stays in L1. Columns (panels)
 are split over XLA's intra-op threads as the attention kernel splits its work items (``cpu/parallel.h``).
 
+int8 (the ``w8a8`` scheme, `paged_jax.model.quantized_weight`): an int8 weight is packed with its k-quads
+interleaved per column (``vpdpbusd``'s signed operand) and a per-column compensation ``128 * sum_k w[k, n]``;
+:func:`matmul` of int8 activations gives the exact int32 products (the activations enter as ``x + 128``, unsigned,
+and the compensation comes off), by AVX-512 VNNI where the path has it, else by int16 pair products.
+
 Instruction-set paths, build and cache are the attention kernel's (:mod:`pallas_kernels.cpu.paged`):
 ``native``, ``avx2``, ``generic``, ``$PAGED_JAX_CPU_ISA``; ``NR`` is two vectors of the path (32 columns on
 AVX-512, 16 on AVX2, 8 generic), so a packed weight belongs to the path it was packed for
@@ -37,7 +42,10 @@ NAME = "gemm"
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f for f in ("gemm.cc", "parallel.h", "simd.h"))
 TARGET = "paged_jax_packed_gemm"
-DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+INT8_TARGET = "paged_jax_packed_gemm_int8"
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the float kinds (x, weight and out share one)
+INT8 = jnp.dtype(jnp.int8)  # the integer kind: int8 x int8 -> int32
+MAX_INT8_K = 65536  # the int8 product's longest K (no int32 sum of the offset products can overflow)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +53,26 @@ class GemmKernel:
     """One built and registered GEMM library: its FFI target, panel width and the path it was compiled for."""
 
     target: str
+    int8_target: str
     nr: int  # columns per packed panel
     isa: str  # "avx512+bf16", "avx512", "avx2" or "generic"
+    vnni: bool  # the int8 product multiplies with AVX-512 VNNI (else int16 pairs)
     library: Path
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed"], meta_fields=["k", "n", "nr"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "comp"], meta_fields=["k", "n", "nr"])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A ``[K, N]`` weight in the GEMM's panel layout: float32 ``[ceil(N/nr), K, nr]``, bfloat16
-    ``[ceil(N/nr), ceil(K/2), nr, 2]`` (columns past N and the odd K's pad row are zeros)."""
+    ``[ceil(N/nr), ceil(K/2), nr, 2]``, int8 ``[ceil(N/nr), ceil(K/4), nr, 4]`` (columns past N and the pad rows
+    of K are zeros). `comp` (int8 only, int32 ``[ceil(N/nr) * nr]``): ``128 * sum_k w[k, n]``, what the offset
+    activations add to column n."""
 
     packed: jax.Array
     k: int
     n: int
     nr: int
+    comp: jax.Array | None = None
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -80,72 +93,99 @@ def kernel(isa: str | None = None) -> GemmKernel | None:
         return None
     try:
         lib_path = paged.build(cxx, isa, NAME, SOURCES)
-        return load(lib_path, TARGET if isa == "native" else f"{TARGET}_{isa}")
+        return load(lib_path, "" if isa == "native" else f"_{isa}")
     except Exception as e:  # a broken toolchain must not stop the engine: XLA's dots are exact too
         log.warning("CPU GEMM unavailable (%s): CPU weight dots stay XLA's", e)
         return None
 
 
-def load(library: Path, target: str) -> GemmKernel:
-    """Loads a built GEMM library and registers its handler with XLA:CPU as FFI target `target`."""
+def load(library: Path, suffix: str = "") -> GemmKernel:
+    """Loads a built GEMM library and registers its two handlers with XLA:CPU as FFI targets
+    :data:`TARGET` and :data:`INT8_TARGET` followed by `suffix`."""
     lib = ctypes.cdll.LoadLibrary(str(library))
     lib.PackedGemmIsa.restype = ctypes.c_char_p
     lib.PackedGemmPanelWidth.restype = ctypes.c_int64
+    lib.PackedGemmHasVnni.restype = ctypes.c_int32
+    target, int8_target = TARGET + suffix, INT8_TARGET + suffix
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.PackedGemm), platform="cpu")
-    return GemmKernel(target, int(lib.PackedGemmPanelWidth()), lib.PackedGemmIsa().decode(), Path(library))
+    jax.ffi.register_ffi_target(int8_target, jax.ffi.pycapsule(lib.PackedGemmInt8), platform="cpu")
+    return GemmKernel(
+        target,
+        int8_target,
+        int(lib.PackedGemmPanelWidth()),
+        lib.PackedGemmIsa().decode(),
+        bool(lib.PackedGemmHasVnni()),
+        Path(library),
+    )
 
 
 def available(isa: str | None = None) -> bool:
     return kernel(isa) is not None
 
 
+def _group(dtype) -> int:
+    """The k rows one panel row interleaves: float32 1, bfloat16 2 (pairs), int8 4 (quads)."""
+    return 4 // jnp.dtype(dtype).itemsize
+
+
 def pack(w, nr: int) -> PackedWeight:
-    """``w [K, N]`` (float32 or bfloat16, any array) in the panel layout of width `nr`, on the host (numpy: no
-    XLA program per weight shape); the result is a device array of w's dtype."""
+    """``w [K, N]`` (float32, bfloat16 or int8, any array) in the panel layout of width `nr`, on the host (numpy:
+    no XLA program per weight shape); the result holds device arrays (w's dtype, and int8's int32 `comp`)."""
     a = np.asarray(w)
     if a.ndim != 2:
         raise ValueError(f"pack: weight must be [K, N], got shape {a.shape}")
-    if jnp.dtype(a.dtype) not in DTYPES:
-        raise ValueError(f"pack: weight dtype must be float32 or bfloat16, got {a.dtype}")
+    dtype = jnp.dtype(a.dtype)
+    if dtype not in DTYPES and dtype != INT8:
+        raise ValueError(f"pack: weight dtype must be float32, bfloat16 or int8, got {a.dtype}")
     k, n = a.shape
-    panels = -(-n // nr)
-    out: np.ndarray
-    if jnp.dtype(a.dtype) == jnp.float32:
-        buf = np.zeros((k, panels * nr), a.dtype)
-        buf[:, :n] = a
-        out = buf.reshape(k, panels, nr).transpose(1, 0, 2)
-    else:
-        kp = -(-k // 2) * 2
-        buf = np.zeros((kp, panels * nr), a.dtype)
-        buf[:k, :n] = a
-        out = buf.reshape(kp // 2, 2, panels, nr).transpose(2, 0, 3, 1)
-    return PackedWeight(jnp.asarray(np.ascontiguousarray(out)), k, n, nr)
+    if dtype == INT8 and k > MAX_INT8_K:
+        raise ValueError(f"pack: an int8 weight's K must be at most {MAX_INT8_K}, got {k}")
+    panels, g = -(-n // nr), _group(dtype)
+    kp = -(-k // g) * g
+    buf = np.zeros((kp, panels * nr), a.dtype)
+    buf[:k, :n] = a
+    out = buf.reshape(kp, panels, nr).transpose(1, 0, 2) if g == 1 else buf.reshape(kp // g, g, panels, nr)
+    if g > 1:
+        out = out.transpose(2, 0, 3, 1)
+    comp = None
+    if dtype == INT8:
+        comp = jnp.asarray((128 * buf.sum(axis=0, dtype=np.int64)).astype(np.int32))
+    return PackedWeight(jnp.asarray(np.ascontiguousarray(out)), k, n, nr, comp)
 
 
 def packed_shape(k: int, n: int, nr: int, dtype) -> tuple[int, ...]:
     """The shape :func:`pack` gives a ``[k, n]`` weight of `dtype` for panels of `nr`."""
-    panels = -(-n // nr)
-    return (panels, k, nr) if jnp.dtype(dtype) == jnp.float32 else (panels, -(-k // 2), nr, 2)
+    panels, g = -(-n // nr), _group(dtype)
+    return (panels, k, nr) if g == 1 else (panels, -(-k // g), nr, g)
 
 
 def supports(x: jax.Array, w: PackedWeight, isa: str | None = None) -> bool:
     """Whether the GEMM of path `isa` takes ``x [..., K]`` against `w`: the library exists, w was packed for its
-    panel width, and x has w's dtype (float32 or bfloat16) and contraction length."""
+    panel width, and x has w's dtype (float32, bfloat16 or int8) and contraction length."""
     k = kernel(isa)
     return k is not None and k.nr == w.nr and x.dtype == w.dtype and x.shape[-1] == w.k
 
 
 def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None, out_dtype=None) -> jax.Array:
-    """``x [..., K] . w [K, N] -> [..., N]`` in `out_dtype` (x's dtype or float32; default x's), accumulated in
-    float32, by the GEMM of path `isa`. Call only where :func:`supports` holds."""
+    """``x [..., K] . w [K, N] -> [..., N]`` by the GEMM of path `isa`. Float kinds: in `out_dtype` (x's dtype or
+    float32; default x's), accumulated in float32. int8 x against an int8 w: the exact int32 sums (`out_dtype`
+    must be None or int32). Call only where :func:`supports` holds."""
     k = kernel(isa)
     if k is None or k.nr != w.nr:
         raise RuntimeError(f"the CPU GEMM ({isa or paged.default_isa()}) for panels of {w.nr} is not available")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
-    out = jax.ffi.ffi_call(k.target, jax.ShapeDtypeStruct((x2.shape[0], w.n), out_dtype or x.dtype))(
-        x2, w.packed, n=np.int64(w.n)
-    )
+    if w.dtype == INT8:
+        if x.dtype != INT8 or (out_dtype is not None and jnp.dtype(out_dtype) != jnp.int32):
+            raise ValueError(f"int8 GEMM: x must be int8 and the result int32, got {x.dtype} -> {out_dtype}")
+        xu = jax.lax.bitcast_convert_type(x2, jnp.uint8) ^ np.uint8(0x80)  # x + 128: vpdpbusd's unsigned operand
+        out = jax.ffi.ffi_call(k.int8_target, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.int32))(
+            xu, w.packed, w.comp, n=np.int64(w.n)
+        )
+    else:
+        out = jax.ffi.ffi_call(k.target, jax.ShapeDtypeStruct((x2.shape[0], w.n), out_dtype or x.dtype))(
+            x2, w.packed, n=np.int64(w.n)
+        )
     return out.reshape(*lead, w.n)
 
 
@@ -157,25 +197,31 @@ def _loaded(isa: str | None) -> tuple[GemmKernel, ctypes.CDLL]:
     return k, ctypes.cdll.LoadLibrary(str(k.library))
 
 
-def peak_gflops_per_core(isa: str | None = None, bfloat16: bool = False, seconds: float = 0.2) -> float:
+def peak_gflops_per_core(
+    isa: str | None = None, bfloat16: bool = False, seconds: float = 0.2, int8: bool = False
+) -> float:
     """The path's multiply-add peak on one core, measured: a register-only FMA loop (``vdpbf16ps`` for
-    `bfloat16` where the path has it), timed by this thread's CPU time (so other load on the machine does not
-    lower it), best of three."""
+    `bfloat16` where the path has it; `int8`: the int8 product's ``vpdpbusd`` or int16-pair loop, in giga integer
+    operations), timed by this thread's CPU time (so other load on the machine does not lower it), best of three."""
     _, lib = _loaded(isa)
-    lib.PackedGemmPeakLoop.restype = ctypes.c_double
+    lib.PackedGemmPeakLoop.restype = lib.PackedGemmPeakLoopInt8.restype = ctypes.c_double
     lib.PackedGemmPeakLoop.argtypes = (ctypes.c_int64, ctypes.c_int32)
+    lib.PackedGemmPeakLoopInt8.argtypes = (ctypes.c_int64,)
+
+    def loop(iters: int) -> float:
+        return lib.PackedGemmPeakLoopInt8(iters) if int8 else lib.PackedGemmPeakLoop(iters, int(bfloat16))
+
     iters, best = 1 << 16, 0.0
     while True:
         t = time.thread_time()
-        flops = lib.PackedGemmPeakLoop(iters, int(bfloat16))
-        dt = time.thread_time() - t
-        if dt >= seconds / 3:
+        loop(iters)
+        if time.thread_time() - t >= seconds / 3:
             break
         iters *= 4
     for _ in range(3):
         t = time.thread_time()
-        flops = lib.PackedGemmPeakLoop(iters, int(bfloat16))
-        best = max(best, flops / max(time.thread_time() - t, 1e-9))
+        ops = loop(iters)
+        best = max(best, ops / max(time.thread_time() - t, 1e-9))
     return best / 1e9
 
 

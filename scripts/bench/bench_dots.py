@@ -12,6 +12,11 @@ kind: median CPU ms per dot and its percent of peak (CPU time, so other load on 
 little), best wall ms and GFLOP/s (wall), the weights' GB/s, the packed GEMM's % of peak in its best round (the
 least disturbed by other load on a shared machine) and default / packed CPU time.
 
+w8a8 (float32 activations quantized per token, int8 x int8 -> int32, rescaled: `paged_jax.model.quant.dot` on
+`quantize_params(..., "w8a8")` weights): XLA's int8 dot against the packed int8 GEMM (the weights packed by
+`paged_jax.model.cpu_weights.pack_params`, VNNI where the CPU has it), both with the quantization and rescale the
+model runs; "% peak" against the int8 peak (`gemm.peak_gflops_per_core(int8=True)`, giga integer operations).
+
 Peak: measured, a register-only FMA loop of the GEMM library (`gemm.peak_gflops_per_core`: the native path's
 vector FMA, `vdpbf16ps` for bfloat16 where the CPU has AVX-512 BF16), per core; "% peak" is GFLOP per CPU-second
 over that per-core peak. Beside it, a 2048^3 float32 matmul through XLA (wall, all cores).
@@ -21,7 +26,7 @@ Roofline: a dot of R rows does 2 R / itemsize FLOP per weight byte, and in a ste
 read rate measured by `gemm.read_gbs_per_core` (every core streaming its own buffer at once, per CPU-second);
 the header prints that bound per dtype: where it is below the peak, "% peak" cannot reach 100.
 
-    python -m scripts.bench.bench_dots [--model DIR|JSON|NAME] [--rows 32] [--rounds 7] [--hot]
+    python -m scripts.bench.bench_dots [--model DIR|JSON|NAME] [--rows 32] [--rounds 7] [--hot] [--only w8a8]
 
 `--hot`: every call on layer 0's weight, so it stays in cache (L2/L3): the dots' compute ceiling, without the
 memory stream of a real step.
@@ -49,7 +54,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 
 from paged_jax.engine.load import load_model  # noqa: E402
-from paged_jax.model import quant  # noqa: E402
+from paged_jax.model import cpu_weights, quant  # noqa: E402
 from paged_jax.worker import xla_flags  # noqa: E402
 from paged_jax.worker.step_functions import StepKey, step_functions  # noqa: E402
 from pallas_kernels.cpu import gemm  # noqa: E402
@@ -114,6 +119,7 @@ def main() -> None:
     ap.add_argument(
         "--hot", action="store_true", help="every call on layer 0's weight (cache-resident: the compute ceiling)"
     )
+    ap.add_argument("--only", choices=("w8a8",), default=None, help="run only the w8a8 table")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -125,6 +131,11 @@ def main() -> None:
     lib = gemm.kernel()
     if lib is None:
         raise SystemExit("the packed CPU GEMM cannot be built here")
+    if args.only == "w8a8":
+        print(f"jax {jax.__version__}; {os.cpu_count()} CPUs; ISA {lib.isa}; load average {os.getloadavg()}")
+        w8a8_rows(model, args.rows, args.rounds, args.hot)
+        print(f"load average after: {os.getloadavg()}")
+        return
     peaks = {dt: gemm.peak_gflops_per_core(bfloat16=dt == jnp.bfloat16) for dt in (jnp.float32, jnp.bfloat16)}
     read_gbs = gemm.read_gbs_per_core()
     n = 2048
@@ -197,7 +208,57 @@ def main() -> None:
             f"  one decode step's weight dots ({config.num_layers} layers + LM head), CPU ms: "
             + ", ".join(f"{key} {step[key] * 1e3:.1f}" for key in cols)
         )
+    w8a8_rows(model, args.rows, args.rounds, args.hot)
     print(f"load average after: {os.getloadavg()}")
+
+
+def w8a8_rows(model: str, rows: int, rounds: int, hot: bool) -> None:
+    """The w8a8 table: per weight kind, XLA's int8 dot ("xla") against the packed int8 GEMM ("packed"), median CPU
+    ms and % of the int8 peak, and their ratio; then one step's sum."""
+    peak = gemm.peak_gflops_per_core(int8=True)
+    lib = gemm.kernel()
+    print(
+        f"w8a8 (int8 x int8 -> int32, VNNI {lib.vnni}): int8 peak per core {peak:.0f} Gop/s; median CPU ms and % "
+        "of it, best wall ms"
+    )
+    config, params, _ = load_model(model, dtype="float32")
+    qparams = quant.quantize_params(params, "w8a8")
+    packed, _ = cpu_weights.pack_params(qparams, config)
+    p, rec = qparams["params"], packed[cpu_weights.CPU_WEIGHTS]
+    layers = sorted((k for k in p if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
+    kinds = [
+        (name, [p[i][b][name] for i in layers], [rec[i][b][name] for i in layers], c) for b, name, c in LAYER_WEIGHTS
+    ]
+    if "lm_head" in rec and rec["lm_head"].scale is not None:
+        kinds.append(("lm_head", [p["lm_head"]], [rec["lm_head"]], 1))
+    step = {"xla": 0.0, "packed": 0.0}
+    for name, qws, cws, contract in kinds:
+        if hot:
+            qws, cws = [qws[0]] * len(qws), [cws[0]] * len(cws)
+        k_shape = qws[0].shape[:contract]
+        k, n_out = int(np.prod(k_shape)), int(np.prod(qws[0].shape[contract:]))
+        x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, *k_shape)), jnp.float32)
+        fn = jax.jit(lambda x, w, c=contract: quant.dot(x, w, c))
+        fns = {"xla": (fn, qws), "packed": (fn, cws)}
+        same = bool(np.array_equal(np.asarray(fn(x, qws[0])), np.asarray(fn(x, cws[0]))))
+        runs: dict[str, tuple[list[float], list[float]]] = {key: ([], []) for key in fns}
+        for _ in range(rounds):
+            for key, (f, ws) in fns.items():
+                cpu, wall = timed(f, x, ws)
+                runs[key][0].append(cpu)
+                runs[key][1].append(wall)
+        ops = 2 * rows * k * n_out
+        row = f"w8a8      {name:13s} {f'{k} x {n_out}':>13s}"
+        for key in fns:
+            cpu, wall = float(np.median(runs[key][0])), min(runs[key][1])
+            step[key] += cpu * len(qws)
+            row += f" {key} {cpu * 1e3:8.3f} ms {100 * ops / cpu / 1e9 / peak:4.0f}% {wall * 1e3:6.2f}"
+        ratio = np.median(runs["xla"][0]) / np.median(runs["packed"][0])
+        print(f"{row}  xla/packed {ratio:.2f}x  (results identical: {same})")
+    print(
+        f"  one decode step's w8a8 weight dots ({config.num_layers} layers + LM head), CPU ms: "
+        + ", ".join(f"{key} {v * 1e3:.1f}" for key, v in step.items())
+    )
 
 
 if __name__ == "__main__":
