@@ -85,6 +85,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="requests of several prompts may fill the queue up to this share of --max-queued-requests",
     )
     g.add_argument(
+        "--front-nice",
+        type=int,
+        default=10,
+        help="niceness (0-19) added to the request fronts' threads, so the engine's steps run first (0: off)",
+    )
+    g.add_argument(
         "--max-stream-backlog",
         type=int,
         default=256,
@@ -267,6 +273,7 @@ def serving_config_from_args(args: argparse.Namespace, ports: Ports | None = Non
         max_queued_requests=args.max_queued_requests,
         multi_prompt_queue_share=args.multi_prompt_queue_share,
         max_stream_backlog=args.max_stream_backlog,
+        front_nice=args.front_nice,
         stream_stall_timeout_s=args.stream_stall_timeout,
         http_send_timeout_s=args.http_send_timeout,
         allow_invariant_checks=args.allow_invariant_checks,

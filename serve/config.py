@@ -124,6 +124,9 @@ class ServingConfig:
     # GetStats(check_invariants=true) walks every KV page on the engine thread (149 ms at 230k pages), stalling
     # every stream: an operator's debugging tool, refused (PERMISSION_DENIED) unless turned on.
     allow_invariant_checks: bool = False
+    # Niceness added to the fronts' threads (`serve.front_priority`): the engine's steps get the cores first when
+    # both want them, so a flood of cheap (or bad) requests slows the fronts, not every request's steps. 0: off.
+    front_nice: int = 10
     grace_period_s: float = 30.0  # on SIGTERM, in-flight requests get this long before they are aborted
     limits: ServingLimits = field(default_factory=ServingLimits)
     # LoRA adapters served as their own model names (`--lora-modules name=path`, paged_jax.lora.named), and
@@ -156,6 +159,8 @@ class ServingConfig:
             raise ValueError("port: must be in [0, 65536)")
         if self.metrics_auth and self.auth_token is None:
             raise ValueError("metrics_auth: needs a bearer token (--auth-token-file or PAGED_JAX_AUTH_TOKEN)")
+        if not 0 <= self.front_nice <= 19:
+            raise ValueError("front_nice: must be in [0, 19] (a niceness added to the fronts' threads)")
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s: must be >= 0")
         self.limits.validate()

@@ -26,6 +26,7 @@ from .auth import BearerTokenInterceptor, server_credentials
 from .background import BackgroundServer
 from .config import ServingConfig
 from .engine_loop import EngineLoop
+from .front_priority import lower_thread_priority
 from .kv_events import KVEventHub, attach
 from .metrics import Metrics
 from .openai_api.server import start_http_front
@@ -224,6 +225,7 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     for name, path in config.lora_modules:
         loop.adapters.add(name, path)
     loop.start()
+    lower_thread_priority(config.front_nice)  # the fronts start below, on this thread or ones it starts
     metrics.engine_alive.set(1)
     if config.metrics_port is not None:
         token = config.auth_token if config.metrics_auth else None

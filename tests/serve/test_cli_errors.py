@@ -92,6 +92,7 @@ def test_a_model_is_required(cli):
         ),
         (["--speculative-config", "[1]"], "argument --speculative-config: expected a JSON object, got list"),
         (["--max-queued-requests", "0"], "--max-queued-requests: must be >= 1 (0 would refuse every request)"),
+        (["--front-nice", "20"], "--front-nice: must be in [0, 19] (a niceness added to the fronts' threads)"),
         (["--default-max-tokens", "0"], "--default-max-tokens: must be in [1, max_tokens (4096)]"),
         (["--kv-cache-dtype", "fp9"], "argument --kv-dtype/--kv-cache-dtype: must be one of auto, float32, bfloat16, "),
         (

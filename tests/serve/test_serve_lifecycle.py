@@ -99,7 +99,8 @@ def test_serve_forever_exits_nonzero_when_the_engine_dies(monkeypatch):
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
-    assert asyncio.run(serve_forever(engine, ServingConfig(port=port))) == EXIT_ENGINE_DIED != 0
+    # front_nice=0: serve_forever runs on pytest's main thread here, whose priority every later test would keep
+    assert asyncio.run(serve_forever(engine, ServingConfig(port=port, front_nice=0))) == EXIT_ENGINE_DIED != 0
     thread.join(30)
     assert codes == [grpc.StatusCode.UNAVAILABLE]
 
