@@ -87,8 +87,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--front-nice",
         type=int,
-        default=10,
-        help="niceness (0-19) added to the request fronts' threads, so the engine's steps run first (0: off)",
+        default=0,
+        help="niceness (0-19) added to the request fronts' threads and the background warm-up, so the engine's "
+        "steps run first where cores are short (0: off)",
     )
     g.add_argument(
         "--max-stream-backlog",

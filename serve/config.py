@@ -125,8 +125,9 @@ class ServingConfig:
     # every stream: an operator's debugging tool, refused (PERMISSION_DENIED) unless turned on.
     allow_invariant_checks: bool = False
     # Niceness added to the fronts' threads (`serve.front_priority`): the engine's steps get the cores first when
-    # both want them, so a flood of cheap (or bad) requests slows the fronts, not every request's steps. 0: off.
-    front_nice: int = 10
+    # both want them, so a flood of cheap (or bad) requests slows the fronts more than every request's steps. The
+    # background warm-up, started on the same thread, runs at that priority too. 0: off (the default).
+    front_nice: int = 0
     grace_period_s: float = 30.0  # on SIGTERM, in-flight requests get this long before they are aborted
     limits: ServingLimits = field(default_factory=ServingLimits)
     # LoRA adapters served as their own model names (`--lora-modules name=path`, paged_jax.lora.named), and

@@ -137,6 +137,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Serve
         cmd += ["--enable-lora-runtime-updates"]
         if args.soak_ngram:  # constrained requests decode without drafts beside the speculating ones
             cmd += ["--speculative-config", json.dumps(NGRAM)]
+    if args.soak and args.front_nice:
+        cmd += ["--front-nice", str(args.front_nice)]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -927,6 +929,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="soak mode: start a server with both fronts and drive the mixed load for SECONDS (see the docstring)",
     )
     p.add_argument("--soak-ngram", action="store_true", help="with --soak-mix full: n-gram speculation on")
+    p.add_argument("--front-nice", type=int, default=0, help="with --soak: the server's --front-nice")
     p.add_argument("--soak-clean", action="store_true", help="with --soak: the normal clients (the victims) alone")
     p.add_argument(
         "--soak-compare", action="store_true", help="with --soak: a clean soak, then this one; the victim p99 ratio"
