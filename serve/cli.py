@@ -383,12 +383,12 @@ def run_serve(args: argparse.Namespace) -> int:
             multihost.check_same_cache(engine.num_pages)
             leader = multihost.Leader(engine.runner, args.distributed_timeout, on_lost=_follower_lost)
             engine = multihost.LeaderEngine(engine, leader)
-        try:  # every --lora-modules adapter read now, not on first use
-            check_lora_modules(config.lora_modules, engine.config, engine.engine_config.max_lora_rank)
+        try:  # every --lora-modules adapter read now (and handed to the engine's cache), not on first use
+            adapters = check_lora_modules(config.lora_modules, engine.config, engine.engine_config.max_lora_rank)
         except ValueError as e:
             raise UsageError(str(e)) from None
         try:
-            status = asyncio.run(serve_forever(engine, config, warm_up=not args.no_warmup))
+            status = asyncio.run(serve_forever(engine, config, not args.no_warmup, adapters))
         except PortInUseError as e:  # taken since the check: the engine's threads are running, end them all
             print(f"paged-jax serve: error: {e}", file=sys.stderr)
             end_process(2)

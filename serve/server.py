@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,6 +20,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from paged_jax.engine.protocol import Engine
+from paged_jax.lora.named import serve_lora_modules
+from paged_jax.lora.peft import LoraAdapter
+from paged_jax.lora.registry import AdapterCache
 from paged_jax.worker.warmup import WarmupProgress, serving_plans
 
 from .auth import BearerTokenInterceptor, server_credentials
@@ -204,7 +207,12 @@ class ServerThread(BackgroundServer):
 EXIT_ENGINE_DIED = 1  # the process status when the engine loop dies: a supervisor should restart the server
 
 
-async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = False) -> int:
+async def serve_forever(
+    engine: Engine,
+    config: ServingConfig,
+    warm_up: bool = False,
+    checked_adapters: Mapping[str, LoraAdapter] | None = None,
+) -> int:
     """Run until SIGTERM/SIGINT, then drain for `config.grace_period_s` and return 0.
 
     If the engine loop dies (its state is unknown, so nothing more can be served), every open stream has
@@ -212,7 +220,8 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     process ends with a non-zero status and a supervisor (systemd, Kubernetes) restarts it, as vLLM does.
 
     `warm_up`: the engine was built without warm-up; health is NOT_SERVING until its decode shapes are
-    compiled, and the rest compile in the background (`GrpcServer.start_warm_up`).
+    compiled, and the rest compile in the background (`GrpcServer.start_warm_up`). `checked_adapters`: the
+    `--lora-modules` adapters the start-up check read, by name, handed to the engine's adapter cache.
     """
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
@@ -222,8 +231,9 @@ async def serve_forever(engine: Engine, config: ServingConfig, warm_up: bool = F
     hub = kv_event_hub(engine, config)
     loop = EngineLoop(engine, on_step=metrics.on_step if hub is None else hub.after_step(metrics.on_step))
     loop.kv_events = hub
-    for name, path in config.lora_modules:
-        loop.adapters.add(name, path)
+    cache = getattr(engine, "adapters", None)  # one engine's (a data-parallel engine's replicas read on first use)
+    cache = cache if isinstance(cache, AdapterCache) else None
+    serve_lora_modules(loop.adapters, config.lora_modules, checked_adapters, cache)
     loop.start()
     lower_thread_priority(config.front_nice)  # the fronts start below, on this thread or ones it starts
     metrics.engine_alive.set(1)

@@ -10,10 +10,20 @@ no arrays at all: `paged_jax.lora.weights`). A projection's delta is then two ma
 
 so a token only ever receives its own adapter's `scaling * B(A(x))` (PEFT's formula) and the executable's
 shapes depend on (T, L, R) alone: changing which adapters run never recompiles. A step where no token has an
-adapter skips the deltas (`LoraLayer.active`, a `lax.cond` around each projection's delta: the base model's
-work alone). Projections that read the same input share one shrink: q/k/v one, gate/up one. The other formulation, a
-gather of every token's own A and B (`A[slots] [T, in, R]`), reads T copies of the weights instead of L;
-`scripts/bench/bench_lora.py` measures both and docs/benchmarks/lora.md gives the figures behind this choice.
+adapter skips the deltas (`LoraLayer.active`, a `lax.cond` around each projection group's delta: the base
+model's work alone).
+
+Projections that read the same input are one group, one shrink and one expand: q/k/v, and gate/up. The shrink
+computes the group's projections side by side ([T, 3, L, R], [T, 2, L, R]); the expand is one matmul batched
+over the group's outputs, each batch entry contracting its own projection's u with its own B, and its result
+lands on the base projection's fused output before that is split: gate/up's [T, 2, I], and q/k/v's
+[T, Hkv, G + 2, D] (per KV head its G query heads, then K, then V: `paged_jax.model.layers.fuse_qkv`), where
+the batch runs over the G + 2 heads of a KV head, the query's u repeated for its G heads. Each output element
+is the same sum over (L, R) as one matmul per projection would compute, and a layer's deltas are two matmuls
+per group (8 in all), with no per-projection slices of u: fewer and smaller programs for XLA to compile (the
+start-up a LoRA engine pays beyond the base model's). The other formulation, a gather of every token's own
+A and B (`A[slots] [T, in, R]`), reads T copies of the weights instead of L; `scripts/bench/bench_lora.py`
+measures both and docs/benchmarks/lora.md gives the figures behind this choice.
 
 The shrink is accumulated in float32 and its result cast to the activation dtype before the expand (PEFT runs
 `lora_B(lora_A(x))` in the adapter dtype); the delta is added to the base projection's output in that dtype.
@@ -27,7 +37,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from paged_jax.lora.weights import Layer, LoraWeights
+from paged_jax.lora.weights import Arrays, Layer, LoraWeights
 
 F32 = jnp.float32
 
@@ -60,16 +70,21 @@ class LoraBatch:
 
 @flax.struct.dataclass
 class LoraLayers:
-    """Every layer's adapter arrays for one step: `arrays` stacked [num_layers, ...] (`paged_jax.lora.weights`),
-    with the step's `token_weights` [T, L] and `active` shared by all layers."""
+    """Every layer's adapter arrays for one step, stacked [num_layers, ...] or one dict per layer
+    (`paged_jax.lora.weights`), with the step's `token_weights` [T, L] and `active` shared by all layers."""
 
-    arrays: Layer
+    arrays: Arrays
     token_weights: jax.Array
     active: jax.Array
 
     def at(self, layer: int | jax.Array) -> LoraLayer:
-        """Layer `layer`'s `LoraLayer`: a Python int (the unrolled decoder) or a traced int32 scalar (a scan step)."""
-        return LoraLayer(jax.tree.map(lambda w: w[layer], self.arrays), self.token_weights, self.active)
+        """Layer `layer`'s `LoraLayer`: a Python int (the unrolled decoder: its own arrays, or its slice of the
+        stacked ones) or a traced int32 scalar (a scan step: stacked arrays only)."""
+        if isinstance(self.arrays, dict):
+            return LoraLayer(jax.tree.map(lambda w: w[layer], self.arrays), self.token_weights, self.active)
+        if not isinstance(layer, int):
+            raise TypeError("LoRA arrays laid out per layer are indexed by a Python int (the unrolled decoder)")
+        return LoraLayer(self.arrays[layer], self.token_weights, self.active)
 
 
 def token_weights(slots: jax.Array, scaling: jax.Array) -> jax.Array:
@@ -93,26 +108,31 @@ def _expand(u: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(u, b, dims, preferred_element_type=F32).astype(u.dtype)
 
 
-def _when_active(lora: LoraLayer, add, *base: jax.Array):
-    """`add(*base)` (the base outputs plus their deltas) when some token has an adapter, else `base` unchanged."""
-
-    def with_delta(*b: jax.Array) -> tuple[jax.Array, ...]:
-        out = add(*b)
-        return out if isinstance(out, tuple) else (out,)
-
-    result = jax.lax.cond(lora.active, with_delta, lambda *b: b, *base)
-    return result[0] if len(base) == 1 else result
+def _expand_group(u: jax.Array, b: jax.Array) -> jax.Array:
+    """u [T, P, L, R] with b [P, L, R, *out], batched over the P projections: [T, P, *out] in u.dtype, entry p
+    contracting u[:, p] with b[p] over (L, R)."""
+    dims = (((2, 3), (1, 2)), ((1,), (0,)))
+    out = jax.lax.dot_general(u, b, dims, preferred_element_type=F32)  # [P, T, *out]
+    return jnp.moveaxis(out, 0, 1).astype(u.dtype)
 
 
-def add_qkv(x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, lora: LoraLayer):
-    """q [T, Hq, D], k and v [T, Hkv, D] plus their deltas for x [T, H]: one shrink for all three."""
+def _when_active(lora: LoraLayer, add, base: jax.Array) -> jax.Array:
+    """`add(base)` (the base output plus its delta) when some token has an adapter, else `base` unchanged."""
+    return jax.lax.cond(lora.active, add, lambda b: b, base)
 
-    def add(q, k, v):
+
+def add_qkv(x: jax.Array, qkv: jax.Array, lora: LoraLayer) -> jax.Array:
+    """The fused q/k/v output qkv [T, Hkv, G + 2, D] (`paged_jax.model.layers.fuse_qkv` layout) plus its deltas
+    for x [T, H]: one shrink for q, k and v, one expand batched over each KV head's G + 2 heads."""
+
+    def add(qkv):
         lw = lora.weights
-        u = _shrink(x, lw["qkv_a"], lora.token_weights, 1)  # [T, 3, L, R]
-        return q + _expand(u[:, 0], lw["q_b"]), k + _expand(u[:, 1], lw["k_b"]), v + _expand(u[:, 2], lw["v_b"])
+        u = _shrink(x, lw["qkv_a"], lora.token_weights, 1)  # [T, 3, L, R]: q, k, v
+        group = qkv.shape[2] - 2
+        heads = jnp.concatenate([jnp.repeat(u[:, :1], group, axis=1), u[:, 1:]], axis=1)  # [T, G + 2, L, R]
+        return qkv + jnp.moveaxis(_expand_group(heads, lw["qkv_b"]), 1, 2)  # [T, G + 2, Hkv, D] -> qkv's layout
 
-    return _when_active(lora, add, q, k, v)
+    return _when_active(lora, add, qkv)
 
 
 def add_o(y: jax.Array, out: jax.Array, lora: LoraLayer) -> jax.Array:
@@ -124,15 +144,14 @@ def add_o(y: jax.Array, out: jax.Array, lora: LoraLayer) -> jax.Array:
     return _when_active(lora, add, y)
 
 
-def add_gate_up(x: jax.Array, gate: jax.Array, up: jax.Array, lora: LoraLayer):
-    """gate and up [T, I] plus their deltas for x [T, H]: one shrink for both."""
+def add_gate_up(x: jax.Array, gate_up: jax.Array, lora: LoraLayer) -> jax.Array:
+    """The fused gate/up output gate_up [T, 2, I] plus its deltas for x [T, H]: one shrink, one expand."""
 
-    def add(gate, up):
-        lw = lora.weights
-        u = _shrink(x, lw["gate_up_a"], lora.token_weights, 1)  # [T, 2, L, R]
-        return gate + _expand(u[:, 0], lw["gate_b"]), up + _expand(u[:, 1], lw["up_b"])
+    def add(gate_up):
+        u = _shrink(x, lora.weights["gate_up_a"], lora.token_weights, 1)  # [T, 2, L, R]
+        return gate_up + _expand_group(u, lora.weights["gate_up_b"])
 
-    return _when_active(lora, add, gate, up)
+    return _when_active(lora, add, gate_up)
 
 
 def add_down(y: jax.Array, h: jax.Array, lora: LoraLayer) -> jax.Array:

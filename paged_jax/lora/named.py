@@ -1,7 +1,8 @@
 """Which adapters does a server offer by name? `ServedAdapters`: `--lora-modules name=path ...` and the runtime
 load/unload endpoints, each adapter served as its own model name (as vLLM's `--lora-modules`).
 `check_lora_modules` reads every `--lora-modules` adapter at start-up, so a bad one stops the start naming it
-instead of failing its first request.
+instead of failing its first request; `serve_lora_modules` then serves them with what it read in the engine's
+adapter cache.
 
 A name is a model name clients send and `/v1/models` lists, so it is kept to `NAME` (letters, digits, `._-`,
 at most one `/` between two such parts, each starting with a letter or digit; at most `MAX_NAME_CHARS`): no
@@ -14,11 +15,12 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from paged_jax.config import ModelConfig
 from paged_jax.errors import FieldError, UsageError
-from paged_jax.lora.peft import LoraError, read_adapter
+from paged_jax.lora.peft import LoraAdapter, LoraError, read_adapter
+from paged_jax.lora.registry import AdapterCache
 from paged_jax.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
@@ -77,16 +79,37 @@ def parse_lora_modules(specs: Iterable[str]) -> list[tuple[str, str]]:
     return out
 
 
-def check_lora_modules(modules: Iterable[tuple[str, str]], config: ModelConfig, max_rank: int) -> None:
-    """Read every (name, path) adapter against the base model `config` and the engine's `max_rank`; UsageError
-    (one line) naming the flag, the adapter and what is wrong with it (a missing path, a config that is not
-    UTF-8 or not JSON, a rank or shape that does not fit, weights linked from outside its directory)."""
+def check_lora_modules(
+    modules: Iterable[tuple[str, str]], config: ModelConfig, max_rank: int
+) -> dict[str, LoraAdapter]:
+    """Read every (name, path) adapter against the base model `config` and the engine's `max_rank`: the adapters
+    by name (for `serve_lora_modules`), or UsageError (one line) naming the flag, the adapter and what is wrong
+    with it (a missing path, a config that is not UTF-8 or not JSON, a rank or shape that does not fit, weights
+    linked from outside its directory)."""
+    read = {}
     for name, path in modules:
         try:
             adapter = read_adapter(path, name, config, max_rank)
         except LoraError as e:
             raise UsageError(f"--lora-modules {name}={path}: {e.message}") from None
         log.info("LoRA adapter %r: %s, rank %d (%s)", name, path, adapter.rank, ", ".join(adapter.target_modules))
+        read[name] = adapter
+    return read
+
+
+def serve_lora_modules(
+    served: ServedAdapters,
+    modules: Iterable[tuple[str, str]],
+    checked: Mapping[str, LoraAdapter] | None = None,
+    cache: AdapterCache | None = None,
+) -> None:
+    """Serve every (name, path) of `modules` under its name; each adapter the start-up check read
+    (`check_lora_modules`' `checked`) goes into the engine's adapter cache under its request, so the first
+    request naming it does not read its directory again."""
+    for name, path in modules:
+        request = served.add(name, path)
+        if cache is not None and checked is not None and name in checked:
+            cache.put(request, checked[name])
 
 
 class ServedAdapters:
@@ -159,4 +182,5 @@ __all__ = [
     "check_adapter_name",
     "check_lora_modules",
     "parse_lora_modules",
+    "serve_lora_modules",
 ]

@@ -45,11 +45,17 @@ class AdapterCache:
             return hit[1]
         adapter = read_adapter(request.lora_path, request.lora_name, self.config, self.max_rank)
         self.num_reads += 1
+        self.put(request, adapter)
+        return adapter
+
+    def put(self, request: LoRARequest, adapter: LoraAdapter) -> None:
+        """Cache `adapter`, read already for `request` (a server's start-up check of `--lora-modules`), as `get`
+        would have: the first request naming it reads nothing."""
+        request.validate()
         self._adapters[request.lora_int_id] = (request, adapter)
         self._adapters.move_to_end(request.lora_int_id)
         while len(self._adapters) > self.max_cpu_loras:
             self._adapters.popitem(last=False)
-        return adapter
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (requests holding it keep it); whether it was cached."""

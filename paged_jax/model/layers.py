@@ -97,14 +97,14 @@ def qkv_projection(
     x: jax.Array, attn: dict, config: ModelConfig, lora: LoraLayer | None = None, head_batched: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T, Hq, D], k and v [T, Hkv, D] from x [T, H]: one matmul with the fused `qkv_proj` [H, Hkv, G + 2, D]
-    (layout: `paged_jax.model.loader.fuse`), its bias added when the model has one, then the LoRA deltas.
+    (layout: `paged_jax.model.loader.fuse`), its bias added when the model has one, then the LoRA deltas (on the
+    fused output, before the split).
     `head_batched`: the matmul written as one batched over (Hkv, G + 2), x broadcast, for a weight stored
     head-major ([Hkv, G + 2, H, D]: `paged_jax.model.scan.head_batched_qkv` says why); the same sums."""
     qkv = quant.dot(x, attn["qkv_proj"], batch=2 if head_batched else 0)  # [T, Hkv, G + 2, D]
     if config.attention_bias:
         qkv = qkv + attn["qkv_bias"]
-    q, k, v = split_qkv(qkv)
-    return (q, k, v) if lora is None else delta.add_qkv(x, q, k, v, lora)
+    return split_qkv(qkv if lora is None else delta.add_qkv(x, qkv, lora))
 
 
 def out_projection(out: jax.Array, attn: dict, lora: LoraLayer | None = None) -> jax.Array:
@@ -115,11 +115,11 @@ def out_projection(out: jax.Array, attn: dict, lora: LoraLayer | None = None) ->
 
 def gated_mlp(x: jax.Array, mlp: dict, activation=jax.nn.silu, lora: LoraLayer | None = None) -> jax.Array:
     """down(act(gate(x)) * up(x)) (SwiGLU with silu): x [T, H] -> [T, H], gate and up as one matmul with
-    `gate_up_proj` [H, 2, I], then `down_proj` [I, H]; LoRA deltas on gate, up and down when given."""
+    `gate_up_proj` [H, 2, I], then `down_proj` [I, H]; LoRA deltas on gate/up (fused) and down when given."""
     gate_up = quant.dot(x, mlp["gate_up_proj"])  # [T, 2, I]
-    gate, up = gate_up[:, 0], gate_up[:, 1]
     if lora is not None:
-        gate, up = delta.add_gate_up(x, gate, up, lora)
+        gate_up = delta.add_gate_up(x, gate_up, lora)
+    gate, up = gate_up[:, 0], gate_up[:, 1]
     h = activation(gate) * up
     y = quant.dot(h, mlp["down_proj"])
     return y if lora is None else delta.add_down(y, h, lora)

@@ -80,10 +80,6 @@ class RunnerKey:
     kv_pages: str  # fingerprint
 
 
-def _drop_axis(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
-    return shape[:axis] + shape[axis + 1 :]
-
-
 @dataclass(frozen=True, slots=True)
 class CompileJobs:
     """The jobs of one runner. `params`, `kv_specs` and `lora_specs` are what lowering sees (a background compile
@@ -199,11 +195,8 @@ class CompileJobs:
         lora = self.lora
 
         def lower() -> jax.stages.Lowered:
-            one = lora_weights.abstract_weights(self.config, 1, lora.max_rank)
-            arrays = {
-                k: self.spec(*_drop_axis(x.shape, lora_weights.slot_axis(k, x.ndim)), dtype=x.dtype)
-                for k, x in one.arrays.items()
-            }
+            one = lora_weights.abstract_slot(self.config, lora.max_rank, self.key.step.scan)
+            arrays = jax.tree.map(lambda x: self.spec(*x.shape, dtype=x.dtype), one)
             scaling = self.spec(dtype=jnp.float32)
             return self.lora_write_fn.lower(self.lora_specs, self.spec(), arrays, scaling)
 

@@ -20,9 +20,10 @@ stacked array and its parameters stacked on a leading layer axis (`stack_layers`
 (tensor parallelism, or a data-parallel replica on devices other than the default) the same step runs with its
 operands pinned to the mesh; see `paged_jax.worker.sharding` for the layout.
 
-With LoRA on (`LoraShape`), the runner owns the adapters' stacked device arrays (`paged_jax.lora.weights`): the
-scheduler's `lora_loads` are written into their slots before the step (one executable for every slot), and the
-forward step takes the arrays and each token's slot id; its shapes do not depend on which adapters run.
+With LoRA on (`LoraShape`), the runner owns the adapters' device arrays (`paged_jax.lora.weights`: stacked for
+the scanned decoder, one set per layer for the unrolled one): the scheduler's `lora_loads` are written into their
+slots before the step (one executable for every slot), and the forward step takes the arrays and each token's
+slot id; its shapes do not depend on which adapters run.
 """
 
 from __future__ import annotations
@@ -358,16 +359,17 @@ class ModelRunner:
         lora, config, mesh = self.lora, self.config, self.mesh
         if lora is None:
             return
-        shardings = None if mesh is None else lora_shardings(config, mesh, lora)
+        stacked = self.scan  # the scanned decoder indexes stacked arrays, the unrolled one reads each layer's own
+        shardings = None if mesh is None else lora_shardings(config, mesh, lora, stacked)
         if self.abstract:
-            shapes = lora_weights.abstract_weights(config, lora.max_loras, lora.max_rank)
+            shapes = lora_weights.abstract_weights(config, lora.max_loras, lora.max_rank, stacked)
             on = shardings or jax.tree.map(lambda _: one, shapes)
             self.lora_weights = jax.tree.map(
                 lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, on
             )
         else:
-            self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, shardings)
-        self._lora_write = lora_writer(config, mesh, lora)
+            self.lora_weights = lora_weights.allocate(config, lora.max_loras, lora.max_rank, stacked, shardings)
+        self._lora_write = lora_writer(config, mesh, lora, stacked)
 
     def _init_jobs(self, step_key: StepKey, platform: str) -> CompileJobs:
         """The runner's compile jobs, keyed by what makes two runners' executables interchangeable."""
@@ -495,7 +497,7 @@ class ModelRunner:
     def load_lora(self, load: SlotLoad) -> None:
         """Write an adapter into its device slot, in place (the same executable for every slot and adapter)."""
         assert self.lora is not None, "adapter loads are scheduled only when LoRA is on"
-        arrays, scaling = lora_weights.slot_arrays(load.adapter, self.config, self.lora.max_rank)
+        arrays, scaling = lora_weights.slot_arrays(load.adapter, self.config, self.lora.max_rank, self.scan)
         write = self._executable(self.jobs.lora_write())
         self.lora_weights = write(self.lora_weights, np.int32(load.slot), arrays, scaling)
 

@@ -99,13 +99,16 @@ def step_functions(key: StepKey):
         return model, jax.jit(forward, donate_argnums=(1,))
     shardings = sharding.step_shardings(config, mesh, key.quantized_kv, key.weights, scan, key.stacked_order)
     rep = sharding.replicated(mesh)
-    lora_in = None if key.lora is None else LoraBatch(lora_shardings(config, mesh, key.lora), rep)  # type: ignore[arg-type]  # shardings stand in for arrays
+    lora_in = None if key.lora is None else LoraBatch(lora_shardings(config, mesh, key.lora, scan), rep)  # type: ignore[arg-type]  # shardings stand in for arrays
     shardings["in_shardings"] = (*shardings["in_shardings"], lora_in)
     return model, jax.jit(forward, donate_argnums=(1,), **shardings)
 
 
-def lora_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraShape) -> lora_weights.LoraWeights:
-    specs = lora_weights.partition_specs(config, lora.max_loras, lora.max_rank, sharding.TP)
+def lora_shardings(
+    config: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraShape, stacked: bool
+) -> lora_weights.LoraWeights:
+    """The LoRA arrays' shardings on `mesh`, stacked (the scanned decoder) or per layer (`paged_jax.lora.weights`)."""
+    specs = lora_weights.partition_specs(config, lora.max_loras, lora.max_rank, stacked, sharding.TP)
     return jax.tree.map(
         lambda spec: jax.sharding.NamedSharding(mesh, spec),
         specs,
@@ -114,11 +117,12 @@ def lora_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, lora: LoraShape
 
 
 @functools.cache
-def lora_writer(config: ModelConfig, mesh: jax.sharding.Mesh | None, lora: LoraShape):
+def lora_writer(config: ModelConfig, mesh: jax.sharding.Mesh | None, lora: LoraShape, stacked: bool):
     """`paged_jax.lora.weights.write_slot` jitted with the arrays donated (kept in their mesh layout)."""
     if mesh is None:
         return jax.jit(lora_weights.write_slot, donate_argnums=(0,))
-    return jax.jit(lora_weights.write_slot, donate_argnums=(0,), out_shardings=lora_shardings(config, mesh, lora))
+    shardings = lora_shardings(config, mesh, lora, stacked)
+    return jax.jit(lora_weights.write_slot, donate_argnums=(0,), out_shardings=shardings)
 
 
 @functools.cache

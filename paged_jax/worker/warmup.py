@@ -67,6 +67,7 @@ class WarmupPlan:
     sampler_flags: tuple[SamplerFlags, ...] = ALL_SAMPLERS
     lookahead: bool = True  # the merge of the previous step's ids (async scheduling)
     copies: bool = True  # requests with n > 1: copy-on-write of pages, and their children's sample rows
+    smallest_copy: bool = False  # without `copies`: the smallest page-copy bucket alone (a first n > 1 fork's)
     prompt_logprobs: bool = True  # the prompt-logprob step of every token bucket (requests with prompt_logprobs)
     pooling: bool = False  # the pooling step of every step shape (an engine that serves embeddings)
     complete: bool = True  # every shape the run can reach; False: the rest compile on first use, on purpose
@@ -157,9 +158,12 @@ def first_use_plan(default_params: SamplingParams, lookahead: bool = True) -> Wa
 
 
 def serving_plans(max_num_seqs: int, lookahead: bool = True) -> tuple[WarmupPlan, WarmupPlan]:
-    """The server's plans: decode steps (at most `max_num_seqs` tokens) with the common sampler variants, which
-    it compiles before it reports SERVING; then everything, compiled in the background."""
-    first = WarmupPlan(max_num_seqs, COMMON_SAMPLERS, lookahead, False, prompt_logprobs=False, complete=False)
+    """The server's plans: decode steps (at most `max_num_seqs` tokens) with the common sampler variants and the
+    smallest page copy (an n > 1 request forks one page per child), which it compiles before it reports SERVING;
+    then everything, compiled in the background."""
+    first = WarmupPlan(
+        max_num_seqs, COMMON_SAMPLERS, lookahead, False, smallest_copy=True, prompt_logprobs=False, complete=False
+    )
     return first, WarmupPlan(lookahead=lookahead)
 
 
@@ -171,15 +175,17 @@ def token_buckets(runner: ModelRunner, plan: WarmupPlan) -> list[int]:
 
 def jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
     """The plan's executables. First the smallest token bucket's whole step (its forward at its largest sequence
-    bucket, the plan's sampler variants of those rows, the lookahead's merge): a request may run once these few
-    are compiled (a cold server's first request waits for them alone, `paged_jax.engine.compile_gate`). Then the
-    forward steps (the long compiles), sampling (with the penalties' history merge where a variant has
-    penalties), prompt logprobs, pooling, the lookahead's merges, copies."""
+    bucket, the plan's sampler variants of those rows, the lookahead's merge, the smallest page copy): a request
+    may run once these few are compiled (a cold server's first request waits for them alone, and an n > 1
+    request's fork for no forward compile behind them: `paged_jax.engine.compile_gate`). Then the forward steps
+    (the long compiles), sampling (with the penalties' history merge where a variant has penalties), prompt
+    logprobs, pooling, the lookahead's merges, copies."""
     out = _all_jobs(runner, plan)
     t0 = token_buckets(runner, plan)[0]
     s0 = runner.step_seq_buckets(t0, forks=plan.copies)[-1]
     head = {runner.jobs.forward(t0, s0).key, runner.jobs.history(s0).key, runner.jobs.merge(t0).key}
     head |= {_sample(runner, s0, flags).key for flags in plan.sampler_flags}
+    head.add(runner.jobs.copy(runner.copy_buckets[0]).key)
     return sorted(out, key=lambda job: job.key not in head)  # stable: each part keeps its order
 
 
@@ -202,8 +208,8 @@ def _all_jobs(runner: ModelRunner, plan: WarmupPlan) -> list[Job]:
         out += [runner.jobs.pool(t, s) for t, s in shapes]
     if plan.lookahead:
         out += [runner.jobs.merge(t) for t in buckets]
-    if plan.copies:
-        out += [runner.jobs.copy(n) for n in runner.copy_buckets]
+    copies = runner.copy_buckets if plan.copies else runner.copy_buckets[:1] if plan.smallest_copy else []
+    out += [runner.jobs.copy(n) for n in copies]
     if runner.linear:  # a hybrid's state copies: forks, prefix-cache snapshots and their restores
         out += [runner.state_copy_job(n) for n in runner.copy_buckets]
     if runner.lora is not None:

@@ -11,7 +11,7 @@
    spread over the batch (rank 16, every projection adapted, max_loras 4). The ratio to the base engine is the
    figure the issue asks for (goal: four adapters >= 0.8x). One untimed pass of each case compiles the shapes the
    timed rounds use (no full warm-up), and the rounds must compile nothing.
-3. bytes: what a LoRA step with an adapter reads beyond the base model (the stacked A and B arrays of every slot,
+3. bytes: what a LoRA step with an adapter reads beyond the base model (the A and B arrays of every slot,
    every layer: the one-hot formulation reads all slots whatever the batch holds; a step without adapters reads
    none), against the base weights' bytes.
 
@@ -42,6 +42,7 @@ from paged_jax.lora import delta as lora_delta  # noqa: E402
 from paged_jax.lora import weights as lw  # noqa: E402
 from paged_jax.lora.random_adapter import write_adapter  # noqa: E402
 from paged_jax.model.init import init_params  # noqa: E402
+from paged_jax.model.layers import split_qkv  # noqa: E402
 from paged_jax.sampling_params import SamplingParams  # noqa: E402
 from paged_jax.tokenization.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -78,12 +79,16 @@ def bench_delta(rounds: int) -> None:
     bs = [jnp.asarray(rng.standard_normal((s, RANK, n, d)), f32) for n in (hq, hkv, hkv)]
     scaling = jnp.asarray([2.0] * s, f32)
 
+    g = hq // hkv  # qkv_b [G + 2, S, R, Hkv, D]: query head h * G + k at [k, ..., h], then K, then V
+    q_b = bs[0].reshape(s, RANK, hkv, g, d).transpose(3, 0, 1, 2, 4)
+    qkv_b = jnp.concatenate([q_b, bs[1][None], bs[2][None]], axis=0)
+
     @jax.jit
     def one_hot(x, slots):
-        weights = {"qkv_a": qkv_a, "q_b": bs[0], "k_b": bs[1], "v_b": bs[2]}
+        weights = {"qkv_a": qkv_a, "qkv_b": qkv_b}
         lora = lora_delta.LoraLayer(weights, lora_delta.token_weights(slots, scaling), jnp.any(slots > 0))
-        zeros = [jnp.zeros((x.shape[0], n, d), f32) for n in (hq, hkv, hkv)]  # the deltas alone
-        return lora_delta.add_qkv(x, *zeros, lora)
+        zeros = jnp.zeros((x.shape[0], hkv, g + 2, d), f32)  # the deltas alone, in the fused layout
+        return split_qkv(lora_delta.add_qkv(x, zeros, lora))
 
     @jax.jit
     def gather(x, slots):
@@ -182,7 +187,7 @@ def bench_bytes(names: list[str]) -> None:
     print("\n3. bytes a LoRA step reads beyond the base model (4 adapters resident, rank 16, every projection)")
     for name in names:
         config, params = model(name)
-        shapes = lw.abstract_weights(config, 4, RANK)
+        shapes = lw.abstract_weights(config, 4, RANK, stacked=False)
         extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
         base = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
         print(

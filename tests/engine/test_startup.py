@@ -32,6 +32,7 @@ from paged_jax.worker.warmup import (
 )
 
 from support.engines import make_engine as _make_engine
+from support.engines import run_requests
 from support.serve_process import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +63,24 @@ def test_batch_plan_holds_only_reachable_shapes(tiny_config, tiny_params):
     decode, rest = serving_plans(engine.engine_config.max_num_seqs)
     assert token_buckets(runner, decode) == [16] and token_buckets(runner, rest) == runner.token_buckets
     assert not decode.complete and rest.complete  # a request may need a shape before the background has it
+    copies = [job.describe for job in jobs(runner, decode) if job.key[0] == "copy"]
+    assert copies == [runner.jobs.copy(runner.copy_buckets[0]).describe]  # the smallest alone, for n > 1 forks
+
+
+def test_a_served_engines_first_n2_request_compiles_nothing_its_first_plan_lacks(tiny_config, tiny_params):
+    """An engine warmed with the server's first plan runs a first n=2 request (its fork copies one page per
+    child) without a compile: the smallest page copy is in that plan, so the request never waits for a copy
+    compiled beside the background warm-up; both samples equal the same request on a compile-on-step engine."""
+    engine = make_engine(tiny_config, tiny_params, num_pages=81, background_compiles=True)  # its own shapes
+    first, _ = serving_plans(engine.engine_config.max_num_seqs)
+    engine.warmup(first, progress=False)
+    compiled = engine.runner.compile_stats.count
+    request = {"forks": (list(range(20, 31)), SamplingParams(max_tokens=4, temperature=0.8, n=2, seed=7))}
+    got = run_requests(engine, request)["forks"]
+    assert engine.runner.compile_stats.count == compiled and not engine.compile_gate.deferred
+    want = run_requests(make_engine(tiny_config, tiny_params), request)["forks"]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert engine.stats().pages_in_use == 0
 
 
 def test_steady_state_compiles_nothing_and_a_missed_shape_is_a_warning(tiny_config, tiny_params, caplog):

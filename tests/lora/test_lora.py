@@ -10,6 +10,7 @@ import re
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from paged_jax.engine.load import load_model
 from paged_jax.lora import LoRARequest, delta
 from paged_jax.lora import weights as lw
 from paged_jax.lora.delta import LoraBatch
+from paged_jax.lora.named import ServedAdapters, check_lora_modules, serve_lora_modules
 from paged_jax.lora.peft import LoraError, read_adapter
 from paged_jax.model.attention import DenseMeta
 from paged_jax.model.families import causal_lm
@@ -168,6 +170,23 @@ def test_lora_modules_are_read_at_start_up_and_a_bad_one_stops_it(command, tmp_p
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_adapters_checked_at_start_up_are_in_the_engines_cache_for_their_first_request(tiny_adapters):
+    """A server's `--lora-modules`: the start-up check reads each adapter once and `serve_lora_modules` serves it
+    with what was read in the engine's adapter cache, so the first request naming it reads no directory; its
+    tokens equal those of an engine that read the adapter for that request."""
+    engine = lora_engine()
+    modules = [("a", tiny_adapters["all"].lora_path), ("b", tiny_adapters["ok"].lora_path)]
+    checked = check_lora_modules(modules, engine.config, engine.engine_config.max_lora_rank)
+    served = ServedAdapters()
+    serve_lora_modules(served, modules, checked, engine.adapters)
+    assert len(engine.adapters) == 2 and engine.adapters.num_reads == 0
+    requests = [("r", [5, 6, 7, 8], GREEDY, served.get("a"))]
+    got = serve(engine, requests)
+    assert engine.adapters.num_reads == 0
+    reference = lora_engine()
+    assert serve(reference, requests)["r"][0] == got["r"][0] and reference.adapters.num_reads == 1
+
+
 def test_mlp_adapters_are_refused_on_moe_models():
     config, _, _ = load_model(DATA / "hf_mixtral")
     with pytest.raises(LoraError, match="MLP adapters are not supported on MoE models"):
@@ -191,8 +210,10 @@ def test_engine_refuses_lora_requests_when_lora_is_off_and_bad_adapters_at_add(t
 
 def test_each_token_gets_its_own_adapters_delta_and_a_step_without_adapters_none():
     """q/k/v, o, gate/up and down deltas of a token batch mixing three slots and slot 0 (random weights, never
-    zeros) equal scaling * x @ A @ B of each token's own slot, computed per token in numpy; slot 0 adds nothing,
-    and a step whose tokens all have slot 0 returns the base outputs unchanged (bit for bit)."""
+    zeros) equal scaling * x @ A @ B of each token's own slot, computed per token and per projection in numpy
+    (q's heads, K and V each from its own entries of the grouped arrays); slot 0 adds nothing, the stacked layout
+    gives the per-layer one's outputs bit for bit, and a step whose tokens all have slot 0 returns the base
+    outputs unchanged (bit for bit)."""
     rng = np.random.default_rng(0)
     cfg = TINY
     lmax, rank, t = 3, 4, 9
@@ -200,42 +221,50 @@ def test_each_token_gets_its_own_adapters_delta_and_a_step_without_adapters_none
     arrays = {k: jnp.asarray(rng.standard_normal(v), jnp.float32) for k, v in shapes.items()}
     scaling = jnp.asarray([0.5, 2.0, 1.5], jnp.float32)
     slots = jnp.asarray([0, 1, 2, 3, 0, 3, 1, 2, 0], jnp.int32)
-    h, hq, d, i = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+    h, hq, hkv, d, i = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    g = hq // hkv
     x, out, hid = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((t, h), (t, hq, d), (t, i)))
-    base = {n: jnp.asarray(rng.standard_normal(s), jnp.float32) for n, s in (("y", (t, h)), ("g", (t, i)))}
-    hkv = cfg.num_kv_heads
-    q, k, v = (jnp.asarray(rng.standard_normal((t, n, d)), jnp.float32) for n in (hq, hkv, hkv))
-    batch = LoraBatch(lw.LoraWeights({k: w[None] for k, w in arrays.items()}, scaling), slots)  # one layer
-    layer = batch.layers().at(0)
-    got_qkv = delta.add_qkv(x, q, k, v, layer)
-    got_o = delta.add_o(base["y"], out, layer)
-    got_gu = delta.add_gate_up(x, base["g"], base["g"], layer)
-    got_down = delta.add_down(base["y"], hid, layer)
+    y, qkv, gate_up = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((t, h), (t, hkv, g + 2, d), (t, 2, i))
+    )
+
+    def deltas(weights: lw.LoraWeights, slots) -> list[jax.Array]:
+        layer = LoraBatch(weights, slots).layers().at(0)
+        return [
+            delta.add_qkv(x, qkv, layer),
+            delta.add_o(y, out, layer),
+            delta.add_gate_up(x, gate_up, layer),
+            delta.add_down(y, hid, layer),
+        ]
+
+    per_layer = lw.LoraWeights((arrays,), scaling)  # one layer
+    got_qkv, got_o, got_gu, got_down = deltas(per_layer, slots)
     a = {n: np.asarray(w, np.float64) for n, w in arrays.items()}
     for j in range(t):
         s = int(slots[j])
         c = 0.0 if s == 0 else float(scaling[s - 1])  # slot 0: no adapter, no delta
-
-        def want(inp, a_, b_, c=c):
-            return c * np.tensordot(np.tensordot(inp, a_, inp.ndim), b_, 1)
-
-        xj, oj, hj = (np.asarray(z[j], np.float64) for z in (x, out, hid))
         e = max(s - 1, 0)  # its entry in the arrays (any for slot 0: c is 0)
-        for n, (g, b) in enumerate(zip(got_qkv, (q, k, v), strict=True)):
-            ref = np.asarray(b[j]) + want(xj, a["qkv_a"][:, n, e], a["qkv"[n] + "_b"][e])
-            np.testing.assert_allclose(np.asarray(g[j]), ref, rtol=1e-4, atol=1e-4)
-        ref_o = np.asarray(base["y"][j]) + want(oj, a["o_a"][..., e, :], a["o_b"][e])
+        xj, oj, hj = (np.asarray(z[j], np.float64) for z in (x, out, hid))
+        u = [c * xj @ a["qkv_a"][:, n, e] for n in range(3)]  # q, k, v: [R] each
+        want = np.asarray(qkv[j], np.float64).copy()  # [Hkv, G + 2, D]
+        want[:, :g] += np.einsum("r,grhd->hgd", u[0], a["qkv_b"][:g, e])  # query head h * G + k at [h, k]
+        want[:, g] += np.einsum("r,rhd->hd", u[1], a["qkv_b"][g, e])
+        want[:, g + 1] += np.einsum("r,rhd->hd", u[2], a["qkv_b"][g + 1, e])
+        np.testing.assert_allclose(np.asarray(got_qkv[j]), want, rtol=1e-4, atol=1e-4)
+        ref_o = np.asarray(y[j]) + c * np.tensordot(oj, a["o_a"][..., e, :], 2) @ a["o_b"][e]
         np.testing.assert_allclose(np.asarray(got_o[j]), ref_o, rtol=1e-4, atol=1e-4)
-        for n, name in enumerate(("gate_b", "up_b")):
-            ref = np.asarray(base["g"][j]) + want(xj, a["gate_up_a"][:, n, e], a[name][e])
-            np.testing.assert_allclose(np.asarray(got_gu[n][j]), ref, rtol=1e-4, atol=1e-4)
-        ref_d = np.asarray(base["y"][j]) + want(hj, a["down_a"][:, e], a["down_b"][e])
+        for n in range(2):  # gate, up
+            ref = np.asarray(gate_up[j, n]) + c * (xj @ a["gate_up_a"][:, n, e]) @ a["gate_up_b"][n, e]
+            np.testing.assert_allclose(np.asarray(got_gu[j, n]), ref, rtol=1e-4, atol=1e-4)
+        ref_d = np.asarray(y[j]) + c * (hj @ a["down_a"][:, e]) @ a["down_b"][e]
         np.testing.assert_allclose(np.asarray(got_down[j]), ref_d, rtol=1e-4, atol=1e-4)
-    none = LoraBatch(batch.weights, jnp.zeros(t, jnp.int32)).layers().at(0)
-    assert not bool(none.active)
-    for g, b in zip(delta.add_qkv(x, q, k, v, none), (q, k, v), strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(b))
-    np.testing.assert_array_equal(np.asarray(delta.add_down(base["y"], hid, none)), np.asarray(base["y"]))
+    stacked = lw.LoraWeights({k: w[None] for k, w in arrays.items()}, scaling)
+    for got, want in zip(deltas(stacked, slots), (got_qkv, got_o, got_gu, got_down), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    none = jnp.zeros(t, jnp.int32)
+    assert not bool(LoraBatch(per_layer, none).layers().active)
+    for got, base in zip(deltas(per_layer, none), (qkv, y, gate_up, y), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(base))
 
 
 # -- against transformers + peft ------------------------------------------------------------------------------
@@ -247,10 +276,11 @@ def _golden(directory: Path) -> list[dict[str, np.ndarray]]:
     return [{k.rsplit("_", 1)[0]: data[k] for k in data.files if k.endswith(f"_{i}")} for i in range(count)]
 
 
-def one_slot_lora(config, adapter, tokens: int, max_rank: int = 8) -> LoraBatch:
-    """A LoraBatch of two adapter slots (slot 1 = `adapter`) whose `tokens` tokens all run slot 1."""
-    weights = lw.allocate(config, 2, max_rank)
-    layers, scaling = lw.slot_arrays(adapter, config, max_rank)
+def one_slot_lora(config, adapter, tokens: int, stacked: bool, max_rank: int = 8) -> LoraBatch:
+    """A LoraBatch of two adapter slots (slot 1 = `adapter`) whose `tokens` tokens all run slot 1, its arrays
+    stacked or per layer (`paged_jax.lora.weights`)."""
+    weights = lw.allocate(config, 2, max_rank, stacked)
+    layers, scaling = lw.slot_arrays(adapter, config, max_rank, stacked)
     weights = lw.write_slot(weights, jnp.int32(1), layers, scaling)
     return LoraBatch(weights, jnp.ones(tokens, jnp.int32))
 
@@ -269,7 +299,7 @@ def _peft_logits(variant: str, adapter: str, scan: bool = False) -> tuple[np.nda
     meta = DenseMeta(segment_ids=jnp.asarray(segments, jnp.int32), positions=jnp.asarray(positions, jnp.int32))
     model = causal_lm(config, scan_layers=scan)
     out = []
-    for batch in (one_slot_lora(config, lora, len(tokens)), None):
+    for batch in (one_slot_lora(config, lora, len(tokens), stacked=scan), None):
         hidden, _ = model.apply(params, tokens, meta.positions, None, meta, batch)
         out.append(np.asarray(model.apply(params, hidden, method="compute_logits")))
     return out[0], out[1], np.concatenate([g["logits"] for g in golden])

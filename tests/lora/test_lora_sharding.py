@@ -32,9 +32,10 @@ else:
     @pytest.mark.parametrize("tp", [2, 4])
     def test_tensor_parallel_matches_one_device(tp, requests, one_device):
         engine = lora_engine(tensor_parallel_size=tp)
-        q_b, o_a = engine.runner.lora_weights.arrays["q_b"], engine.runner.lora_weights.arrays["o_a"]
-        assert q_b.sharding.spec[3] == "tp" and o_a.sharding.spec[1] == "tp"  # [L, ...]: after the layer axis
-        assert len(q_b.sharding.device_set) == tp
+        layer = engine.runner.lora_weights.arrays[1]  # unrolled on CPU: one set of arrays per layer
+        qkv_b, o_a = layer["qkv_b"], layer["o_a"]
+        assert qkv_b.sharding.spec[3] == "tp" and o_a.sharding.spec[0] == "tp"  # qkv_b by KV heads, o_a by Hq
+        assert len(qkv_b.sharding.device_set) == tp
         got = serve(engine, requests)
         assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in one_device.items()}
         for k in one_device:

@@ -51,8 +51,8 @@ def test_last_logits_match_transformers_peft_float64(model, name):
     positions = np.concatenate([np.arange(len(g["prompt"])) for g in golden])
     segments = np.concatenate([np.full(len(g["prompt"]), i) for i, g in enumerate(golden)])
     meta = DenseMeta(segment_ids=jnp.asarray(segments, jnp.int32), positions=jnp.asarray(positions, jnp.int32))
-    weights = lw.allocate(config, 2, 8)
-    weights = lw.write_slot(weights, jnp.int32(1), *lw.slot_arrays(adapter, config, 8))
+    weights = lw.allocate(config, 2, 8, stacked=False)  # the unrolled decoder's layout: one set per layer
+    weights = lw.write_slot(weights, jnp.int32(1), *lw.slot_arrays(adapter, config, 8, stacked=False))
     lm = causal_lm(config)
     hidden, _ = lm.apply(
         params,
