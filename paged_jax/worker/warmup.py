@@ -58,7 +58,7 @@ ALL_SAMPLERS: tuple[SamplerFlags, ...] = tuple(
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)  # fields by name: a new one never shifts the others
 class WarmupPlan:
     """The shapes to compile. `max_step_tokens`: the most tokens one step can hold (None: the token budget);
     every token bucket up to the one holding it is compiled, since a mixed step can have any size below."""
@@ -140,7 +140,11 @@ def plan_for_requests(
         copies |= params.n > 1
         prompt |= params.prompt_logprobs is not None
     return WarmupPlan(
-        min(total, max_num_batched_tokens), or_closure(flags) if flags else (GREEDY,), lookahead, copies, prompt
+        max_step_tokens=min(total, max_num_batched_tokens),
+        sampler_flags=or_closure(flags) if flags else (GREEDY,),
+        lookahead=lookahead,
+        copies=copies,
+        prompt_logprobs=prompt,
     )
 
 
@@ -148,9 +152,9 @@ def first_use_plan(default_params: SamplingParams, lookahead: bool = True) -> Wa
     """The Python API's plan: what a first `generate` with the default parameters needs (a prompt of any length
     up to the token budget, then decode), nothing else; every other shape compiles on its first use."""
     return WarmupPlan(
-        None,
-        (request_flags(default_params),),
-        lookahead,
+        max_step_tokens=None,
+        sampler_flags=(request_flags(default_params),),
+        lookahead=lookahead,
         copies=False,
         prompt_logprobs=False,
         complete=False,
@@ -162,7 +166,13 @@ def serving_plans(max_num_seqs: int, lookahead: bool = True) -> tuple[WarmupPlan
     smallest page copy (an n > 1 request forks one page per child), which it compiles before it reports SERVING;
     then everything, compiled in the background."""
     first = WarmupPlan(
-        max_num_seqs, COMMON_SAMPLERS, lookahead, False, smallest_copy=True, prompt_logprobs=False, complete=False
+        max_step_tokens=max_num_seqs,
+        sampler_flags=COMMON_SAMPLERS,
+        lookahead=lookahead,
+        copies=False,
+        smallest_copy=True,
+        prompt_logprobs=False,
+        complete=False,
     )
     return first, WarmupPlan(lookahead=lookahead)
 

@@ -64,9 +64,9 @@ def flat(logprobs) -> tuple[list[int], list[float]]:
     return ids, values
 
 
-def solo(tiny_config, tiny_params, prompt: list[int], params: SamplingParams):
+def solo(tiny_config, tiny_params, prompt: list[int], params: SamplingParams, **options):
     """The request alone on an engine that compiles on the step (the reference)."""
-    engine = make_engine(tiny_config, tiny_params)
+    engine = make_engine(tiny_config, tiny_params, **options)
     engine.add_request("solo", prompt, params)
     final = None
     while engine.has_unfinished():
@@ -84,16 +84,19 @@ def run_until_done(engine, outputs: list) -> None:
 
 
 @pytest.mark.parametrize(
-    "hostile",
+    "hostile, options",
     [
-        pytest.param(SamplingParams(max_tokens=4, temperature=0.0, logprobs=2), id="sampler-variant"),
-        pytest.param(SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1), id="prompt-logprobs"),
-        pytest.param(SamplingParams(max_tokens=3, temperature=0.0, n=3), id="n-copies"),
-        pytest.param(SamplingParams(max_tokens=3, temperature=0.0, repetition_penalty=1.3), id="penalties"),
+        pytest.param(SamplingParams(max_tokens=4, temperature=0.0, logprobs=2), {}, id="sampler-variant"),
+        pytest.param(SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1), {}, id="prompt-logprobs"),
+        # n=12: 11 children copy more pages than the smallest copy bucket (the one in the first plan) takes
+        pytest.param(SamplingParams(max_tokens=3, temperature=0.0, n=12), {"max_num_seqs": 16}, id="n-copies"),
+        pytest.param(SamplingParams(max_tokens=3, temperature=0.0, repetition_penalty=1.3), {}, id="penalties"),
     ],
 )
-def test_a_request_waiting_for_its_compile_does_not_delay_the_steps_of_another(tiny_config, tiny_params, hostile):
-    engine = served_engine(tiny_config, tiny_params)
+def test_a_request_waiting_for_its_compile_does_not_delay_the_steps_of_another(
+    tiny_config, tiny_params, hostile, options
+):
+    engine = served_engine(tiny_config, tiny_params, **options)
     held = Held()
     engine.compile_gate.worker.hold = held
     victim_prompt, hostile_prompt = list(range(3, 9)), list(range(20, 31))
@@ -116,7 +119,7 @@ def test_a_request_waiting_for_its_compile_does_not_delay_the_steps_of_another(t
     engine.compile_gate.worker.close(HOLD_S)
     final = {out.request_id: out for out in outputs if out.finished}
     for rid, prompt, params in (("victim", victim_prompt, VICTIM), ("hostile", hostile_prompt, hostile)):
-        ref = solo(tiny_config, tiny_params, prompt, params)
+        ref = solo(tiny_config, tiny_params, prompt, params, **options)
         got = final[rid]
         assert [o.token_ids for o in got.outputs] == [o.token_ids for o in ref.outputs], rid
         assert [o.finish_reason for o in got.outputs] == [o.finish_reason for o in ref.outputs], rid
