@@ -17,6 +17,7 @@ from paged_jax.config.kv_events import KVEventsConfig
 from paged_jax.errors import UsageError
 
 from .config import ServingConfig, ServingLimits
+from .event_loop import loop_factory
 from .ports import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, PortInUseError, Ports, check_ports_free, resolve_ports
 
 API_KEY_ENV = ("PAGED_JAX_API_KEY", "PAGED_JAX_AUTH_TOKEN", "VLLM_API_KEY")  # read in this order
@@ -388,7 +389,8 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
         try:
-            status = asyncio.run(serve_forever(engine, config, not args.no_warmup, adapters))
+            serving = serve_forever(engine, config, not args.no_warmup, adapters)
+            status = asyncio.run(serving, loop_factory=loop_factory())
         except PortInUseError as e:  # taken since the check: the engine's threads are running, end them all
             print(f"paged-jax serve: error: {e}", file=sys.stderr)
             end_process(2)

@@ -225,6 +225,7 @@ async def serve_forever(
     """
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
+    log.info("fronts on the %s event loop", type(aio_loop).__module__.split(".")[0])
     for sig in (signal.SIGTERM, signal.SIGINT):  # first, so a signal never lands while threads start
         aio_loop.add_signal_handler(sig, stop.set)
     metrics = Metrics()

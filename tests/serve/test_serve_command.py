@@ -47,6 +47,7 @@ def test_serve_model_with_the_openai_client(hub_cache, tmp_path):
         server.drain()
         root = base_url.removesuffix("/v1")
 
+        assert any("fronts on the uvloop event loop" in line for line in server.lines)  # serve.event_loop
         assert get(root + "/version") == (200, {"version": importlib.metadata.version("paged-jax")})
         assert get(root + "/health") == (200, {"status": "ok"})  # no token needed (load balancers)
         assert get(root + "/ping") == get(root + "/ping", "POST") == (200, {"status": "ok"})
