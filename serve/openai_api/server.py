@@ -26,7 +26,12 @@ from .app import create_app
 from .front import OpenAIFront
 
 log = logging.getLogger(__name__)
-SEND_BUFFER_BYTES = 256 * 1024  # the kernel's send buffer per HTTP connection (Linux doubles it)
+# The kernel's send buffer per HTTP connection (Linux doubles it). Small, so that a stream whose client stops
+# reading blocks within tens of steps, not hundreds: a 256 KiB buffer absorbed about 200 steps of a 4-prompt
+# stream with logprobs, which on SmolLM2 under load outlived the client's 40 s pause, so the backlog bound never
+# fired and the stream held its sequence slots throughout (docs/benchmarks/soak.md). 128 KiB in flight still
+# carries an SSE stream's few tens of KB/s over any link; a multi-MB unary reply sends at (buffer / round trip).
+SEND_BUFFER_BYTES = 64 * 1024
 
 
 class _Uvicorn(uvicorn.Server):

@@ -386,7 +386,7 @@ def _never_reading(http, body: dict) -> socket.socket:
     return sock
 
 
-# n=8 with logprobs: about 5 KB a step, 8.6 MB in all, far beyond the socket buffers (256 KiB send buffer, doubled)
+# n=8 with logprobs: about 5 KB a step, 8.6 MB in all, far beyond the socket buffers (64 KiB send buffer, doubled)
 UNREAD = {"prompt": "a", "max_tokens": 1800, "n": 8, "logprobs": 5, "ignore_eos": True, "stream": True}
 
 
