@@ -1,11 +1,11 @@
 """The serving process's asyncio event loop: uvloop's (libuv) where it is installed, else the standard one.
 
 Why: every request is accepted, parsed, answered and streamed on the fronts' event loop, which shares the
-interpreter and the cores with the engine loop's steps. A flood of cheap requests (bad bodies answered 400 in
-about a millisecond each) costs mostly event-loop and socket work (accept, read, write, close); uvloop does that
-work in C, so each answer takes less of the CPU the steps need (uvicorn's httptools parser likewise, picked by
-uvicorn itself when installed). gRPC's asyncio server and uvicorn both run on it. The figures are on the soak
-benchmark page (`docs/benchmarks/soak.md`).
+interpreter and the cores with the engine loop's steps. A flood of cheap requests (bad bodies answered 400) costs
+mostly event-loop and socket work (accept, read, write, close); uvloop does that work in C, so each answer takes
+less of the CPU the steps need (uvicorn's httptools parser likewise, picked by uvicorn itself when installed).
+gRPC's asyncio server and uvicorn both run on it. The figures are on the soak benchmark page
+(`docs/benchmarks/soak.md`).
 """
 
 from __future__ import annotations

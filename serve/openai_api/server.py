@@ -26,11 +26,10 @@ from .app import create_app
 from .front import OpenAIFront
 
 log = logging.getLogger(__name__)
-# The kernel's send buffer per HTTP connection (Linux doubles it). Small, so that a stream whose client stops
-# reading blocks within tens of steps, not hundreds: a 256 KiB buffer absorbed about 200 steps of a 4-prompt
-# stream with logprobs, which on SmolLM2 under load outlived the client's 40 s pause, so the backlog bound never
-# fired and the stream held its sequence slots throughout (docs/benchmarks/soak.md). 128 KiB in flight still
-# carries an SSE stream's few tens of KB/s over any link; a multi-MB unary reply sends at (buffer / round trip).
+# The kernel's send buffer per HTTP connection (Linux doubles it). Small, so that a stream whose client stops reading
+# blocks, and so reaches its backlog bound (`Backpressure`), within tens of steps rather than hundreds, before it
+# has held its sequence slots for long; 128 KiB in flight still carries an SSE stream over any link, while a
+# multi-MB unary reply sends at (buffer / round trip). The soak that showed it: docs/benchmarks/soak.md.
 SEND_BUFFER_BYTES = 64 * 1024
 
 
